@@ -1,0 +1,1 @@
+"""Attention backends over paged, per-depth KV planes."""

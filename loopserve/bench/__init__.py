@@ -1,0 +1,1 @@
+"""Benchmark clients for loopserve: workload sampling and an OpenAI-compatible load generator."""

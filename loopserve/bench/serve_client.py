@@ -1,0 +1,501 @@
+"""Serving benchmark client: an OpenAI-compatible streaming load generator (like vLLM's).
+
+Sends `SampledRequest`s to `/v1/completions` or `/v1/chat/completions` with Poisson arrivals
+(optionally capped by a concurrency limit), reads the SSE stream of each, and records TTFT,
+inter-token latencies and end-to-end latency per request; `compute_metrics` turns the records
+into throughput, latency percentiles and goodput. It does not start or manage the server, and
+it never retries: every request is bounded by a timeout and a failure is recorded as such.
+Mounted by the project CLI as `loopserve bench serve`; `python -m loopserve.bench.serve_client`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from loopserve.bench.datasets import SampledRequest, sample_random, sample_sharegpt
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one request did. Times in seconds; `start_s` is relative to the benchmark start."""
+
+    success: bool
+    error: str
+    start_s: float
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: tuple[float, ...] = ()  # gaps between successive text chunks
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Mean and percentiles (linear interpolation) in milliseconds; zeros when empty."""
+
+    mean_ms: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of(cls, values_ms: list[float]) -> LatencyStats:
+        if not values_ms:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        p50, p90, p99 = np.percentile(values_ms, [50, 90, 99])
+        return cls(float(np.mean(values_ms)), float(p50), float(p90), float(p99))
+
+
+@dataclass(frozen=True)
+class BenchmarkMetrics:
+    num_completed: int
+    num_failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput_rps: float
+    input_tokens_per_s: float
+    output_tokens_per_s: float
+    goodput_rps: float | None  # None when no SLO was given
+    ttft: LatencyStats
+    tpot: LatencyStats
+    itl: LatencyStats
+    e2e: LatencyStats
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    config: dict[str, Any]
+    started_at: str
+    duration_s: float
+    metrics: BenchmarkMetrics
+    records: list[RequestRecord] = field(default_factory=list)
+
+
+class ResultPaths(NamedTuple):
+    json_path: Path
+    png_path: Path
+
+
+def tpot_ms(record: RequestRecord) -> float | None:
+    """Time per output token after the first, or None for requests with at most one token."""
+    if record.output_tokens <= 1:
+        return None
+    return (record.e2e_s - record.ttft_s) / (record.output_tokens - 1) * 1000.0
+
+
+def _meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
+    tpot = tpot_ms(record)
+    return (
+        record.ttft_s * 1000.0 <= slo.get("ttft_ms", math.inf)
+        and record.e2e_s * 1000.0 <= slo.get("e2e_ms", math.inf)
+        and (tpot is None or tpot <= slo.get("tpot_ms", math.inf))
+    )
+
+
+def compute_metrics(
+    results: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None
+) -> BenchmarkMetrics:
+    """Aggregate request records; `slo` keys are `ttft_ms`, `tpot_ms`, `e2e_ms`."""
+    slo = slo or {}
+    if unknown := set(slo) - set(SLO_KEYS):
+        raise ValueError(f"unknown SLO keys {sorted(unknown)}; expected {SLO_KEYS}")
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be positive, got {duration_s}")
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpots = [t for r in ok if (t := tpot_ms(r)) is not None]
+    goodput = sum(_meets_slo(r, slo) for r in ok) / duration_s if slo else None
+    return BenchmarkMetrics(
+        num_completed=len(ok),
+        num_failed=len(results) - len(ok),
+        duration_s=duration_s,
+        total_input_tokens=input_tokens,
+        total_output_tokens=output_tokens,
+        request_throughput_rps=len(ok) / duration_s,
+        input_tokens_per_s=input_tokens / duration_s,
+        output_tokens_per_s=output_tokens / duration_s,
+        goodput_rps=goodput,
+        ttft=LatencyStats.of([r.ttft_s * 1000.0 for r in ok]),
+        tpot=LatencyStats.of(tpots),
+        itl=LatencyStats.of([gap * 1000.0 for r in ok for gap in r.itl_s]),
+        e2e=LatencyStats.of([r.e2e_s * 1000.0 for r in ok]),
+    )
+
+
+def arrival_offsets_s(
+    num_requests: int, request_rate: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Send times relative to the start: Poisson process at `request_rate`, first at 0.
+
+    An infinite rate sends everything at once.
+    """
+    if request_rate <= 0:
+        raise ValueError(f"request_rate must be positive, got {request_rate}")
+    if num_requests == 0 or math.isinf(request_rate):
+        return np.zeros(num_requests)
+    gaps_s = rng.exponential(1.0 / request_rate, size=num_requests - 1)
+    return np.concatenate(([0.0], np.cumsum(gaps_s)))
+
+
+def build_payload(request: SampledRequest, model: str, endpoint: str, ignore_eos: bool) -> dict:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
+    if endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    return body
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of an SSE `data:` line, or None for blank, comment and other field lines."""
+    return line[5:].strip() if line.startswith("data:") else None
+
+
+def chunk_text(payload: dict) -> str:
+    """Text of a completions (`text`) or chat (`delta.content`) stream chunk."""
+    choices = payload.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def send_request(
+    client: httpx.AsyncClient, url: str, body: dict, prompt_len: int, start_s: float
+) -> RequestRecord:
+    """Stream one request and time its chunks; failures become records, never exceptions."""
+    start = time.perf_counter()
+    chunk_times: list[float] = []
+    usage: dict = {}
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", errors="replace")
+                raise httpx.HTTPStatusError(
+                    f"HTTP {response.status_code}: {text[:300]}",
+                    request=response.request,
+                    response=response,
+                )
+            async for line in response.aiter_lines():
+                data = sse_data(line)
+                if data is None:
+                    continue
+                if data == "[DONE]":
+                    break
+                payload = json.loads(data)
+                if not isinstance(payload, dict):
+                    raise ValueError(f"stream chunk is not a JSON object: {data[:100]}")
+                if "error" in payload:
+                    raise ValueError(f"stream error: {payload['error']}")
+                usage = payload.get("usage") or usage
+                if chunk_text(payload):
+                    chunk_times.append(time.perf_counter())
+    except (httpx.HTTPError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        error = str(exc) or type(exc).__name__
+        return RequestRecord(False, error, start_s, prompt_len, e2e_s=time.perf_counter() - start)
+    e2e_s = time.perf_counter() - start
+    if not chunk_times:
+        return RequestRecord(False, "no text in response", start_s, prompt_len, e2e_s=e2e_s)
+    return RequestRecord(
+        success=True,
+        error="",
+        start_s=start_s,
+        prompt_tokens=int(usage.get("prompt_tokens") or prompt_len),
+        output_tokens=int(usage.get("completion_tokens") or len(chunk_times)),
+        ttft_s=chunk_times[0] - start,
+        e2e_s=e2e_s,
+        itl_s=tuple(float(gap) for gap in np.diff(chunk_times)),
+    )
+
+
+async def run_benchmark(
+    base_url: str,
+    model: str,
+    requests: list[SampledRequest],
+    *,
+    endpoint: str = "completions",
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    progress: bool = True,
+    timeout_s: float = 600.0,
+    slo: dict[str, float] | None = None,
+) -> BenchmarkResult:
+    """Send all requests with Poisson arrivals and an optional concurrency cap; no retries."""
+    url = base_url.rstrip("/") + ENDPOINT_PATHS[endpoint]
+    offsets_s = arrival_offsets_s(len(requests), request_rate, np.random.default_rng(seed))
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    # The connection pool must not queue requests itself, or pool waits would count as TTFT.
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None)
+    bar = tqdm(total=len(requests), desc="requests", disable=not progress)
+    started_at = datetime.now().isoformat(timespec="seconds")
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        bench_start = time.perf_counter()
+
+        async def one(request: SampledRequest, offset_s: float) -> RequestRecord:
+            await asyncio.sleep(max(0.0, offset_s - (time.perf_counter() - bench_start)))
+            async with semaphore or contextlib.nullcontext():
+                start_s = time.perf_counter() - bench_start
+                body = build_payload(request, model, endpoint, ignore_eos)
+                send = send_request(client, url, body, request.prompt_len, start_s)
+                try:
+                    record = await asyncio.wait_for(send, timeout_s)
+                except asyncio.TimeoutError:
+                    error = f"timed out after {timeout_s} s"
+                    record = RequestRecord(
+                        False, error, start_s, request.prompt_len, e2e_s=timeout_s
+                    )
+            bar.update(1)
+            return record
+
+        records = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets_s)))
+        duration_s = time.perf_counter() - bench_start
+    bar.close()
+    config = {
+        "base_url": base_url,
+        "model": model,
+        "endpoint": endpoint,
+        "num_requests": len(requests),
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "max_concurrency": max_concurrency,
+        "seed": seed,
+        "ignore_eos": ignore_eos,
+        "timeout_s": timeout_s,
+        "slo": dict(slo or {}),
+    }
+    metrics = compute_metrics(records, duration_s, slo)
+    return BenchmarkResult(config, started_at, duration_s, metrics, list(records))
+
+
+def format_table(metrics: BenchmarkMetrics) -> str:
+    """A human-readable summary in the layout of vLLM's benchmark_serving."""
+    lines = ["{:=^60}".format(" Serving Benchmark Result ")]
+
+    def row(label: str, value: float | int) -> None:
+        lines.append(
+            f"{label:<44}{value:>16.2f}" if isinstance(value, float) else f"{label:<44}{value:>16}"
+        )
+
+    row("Successful requests:", metrics.num_completed)
+    row("Failed requests:", metrics.num_failed)
+    row("Benchmark duration (s):", metrics.duration_s)
+    row("Total input tokens:", metrics.total_input_tokens)
+    row("Total generated tokens:", metrics.total_output_tokens)
+    row("Request throughput (req/s):", metrics.request_throughput_rps)
+    if metrics.goodput_rps is not None:
+        row("Request goodput (req/s):", metrics.goodput_rps)
+    row("Output token throughput (tok/s):", metrics.output_tokens_per_s)
+    row("Total token throughput (tok/s):", metrics.input_tokens_per_s + metrics.output_tokens_per_s)
+    for name, title, stats in (
+        ("TTFT", "Time to First Token", metrics.ttft),
+        ("TPOT", "Time per Output Token (excl. 1st token)", metrics.tpot),
+        ("ITL", "Inter-token Latency", metrics.itl),
+        ("E2EL", "End-to-end Latency", metrics.e2e),
+    ):
+        lines.append(f"{title:-^60}")
+        row(f"Mean {name} (ms):", stats.mean_ms)
+        row(f"Median {name} (ms):", stats.p50_ms)
+        row(f"P90 {name} (ms):", stats.p90_ms)
+        row(f"P99 {name} (ms):", stats.p99_ms)
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def _chunk_times_s(record: RequestRecord) -> np.ndarray:
+    """Arrival of each text chunk relative to the benchmark start."""
+    return record.start_s + record.ttft_s + np.concatenate(([0.0], np.cumsum(record.itl_s)))
+
+
+def _plot(result: BenchmarkResult, png_path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: optional dependency
+    from matplotlib.figure import Figure
+
+    ok = [r for r in result.records if r.success]
+    fig = Figure(figsize=(15, 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 3).ravel()
+    series = {
+        "TTFT": [r.ttft_s * 1000.0 for r in ok],
+        "TPOT": [t for r in ok if (t := tpot_ms(r)) is not None],
+        "ITL": [gap * 1000.0 for r in ok for gap in r.itl_s],
+        "E2E latency": [r.e2e_s * 1000.0 for r in ok],
+    }
+    for ax, (name, values) in zip(axes, series.items()):
+        values_ms = np.sort(values)
+        ax.step(values_ms, np.arange(1, len(values_ms) + 1) / max(len(values_ms), 1), where="post")
+        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    num_bins = int(min(120, max(10, result.duration_s)))
+    edges_s = np.linspace(0.0, max(result.duration_s, 1e-6), num_bins + 1)
+    width_s = edges_s[1] - edges_s[0]
+    times_s = [_chunk_times_s(r) for r in ok]
+    # A chunk may carry several tokens: spread each request's tokens evenly over its chunks.
+    weights = [np.full(len(t), r.output_tokens / len(t)) for r, t in zip(ok, times_s)]
+    tokens, _ = np.histogram(
+        np.concatenate(times_s) if ok else [],
+        bins=edges_s,
+        weights=np.concatenate(weights) if ok else None,
+    )
+    centers_s = (edges_s[:-1] + edges_s[1:]) / 2
+    axes[4].plot(centers_s, tokens / width_s)
+    axes[4].set(title="Output throughput over time", xlabel="s since start", ylabel="tokens/s")
+    starts_s = np.array([r.start_s for r in result.records])
+    ends_s = starts_s + np.array([r.e2e_s for r in result.records])
+    in_flight = [int(np.sum((starts_s <= t) & (t < ends_s))) for t in centers_s]
+    axes[5].plot(centers_s, in_flight)
+    axes[5].set(title="Requests in flight", xlabel="s since start", ylabel="requests")
+    for ax in axes[4:]:
+        ax.grid(alpha=0.3)
+    config = result.config
+    fig.suptitle(
+        f"{config['model']} @ {config['endpoint']}  rate={config['request_rate']}  "
+        f"concurrency={config['max_concurrency']}  n={config['num_requests']}"
+    )
+    fig.savefig(png_path, dpi=100)
+
+
+def write_results(
+    result: BenchmarkResult, out_dir: str | Path, stem: str | None = None
+) -> ResultPaths:
+    """Write `<stem>.json` (config, metrics, per-request records) and `<stem>.png` (plots)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = stem or "serve-" + result.started_at.replace(":", "").replace("-", "")
+    paths = ResultPaths(out_dir / f"{stem}.json", out_dir / f"{stem}.png")
+    document = {
+        "config": result.config,
+        "started_at": result.started_at,
+        "metrics": asdict(result.metrics),
+        "requests": [asdict(r) for r in result.records],
+    }
+    paths.json_path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    _plot(result, paths.png_path)
+    return paths
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `loopserve bench serve`."""
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: first model of GET /v1/models")
+    parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    parser.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths"
+    )
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf, help="req/s; inf = all at once"
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None)
+    parser.add_argument("--slo-tpot-ms", type=float, default=None)
+    parser.add_argument("--slo-e2e-ms", type=float, default=None)
+    parser.add_argument("--out-dir", default="bench_results/serve")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit")
+
+
+def first_model_id(base_url: str, timeout_s: float) -> str:
+    """The id of the first model the server lists at GET /v1/models."""
+    response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout_s)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+def _sample_requests(args: argparse.Namespace) -> list[SampledRequest]:
+    if args.dataset == "random":
+        return sample_random(
+            args.num_prompts,
+            input_len=args.random_input_len,
+            output_len=args.random_output_len,
+            range_ratio=args.random_range_ratio,
+            seed=args.seed,
+        )
+    count_tokens = None
+    if args.tokenizer:
+        from tokenizers import Tokenizer  # lazy: only needed for exact ShareGPT lengths
+
+        tokenizer = Tokenizer.from_file(args.tokenizer)
+        count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)  # noqa: E731
+    return sample_sharegpt(args.num_prompts, count_tokens=count_tokens, seed=args.seed)
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark described by `add_cli_args` flags; 0 when any request completed."""
+    try:
+        model = args.model or first_model_id(args.base_url, min(args.timeout_s, 30.0))
+    except (httpx.HTTPError, KeyError, IndexError) as exc:
+        print(f"cannot get a model id from {args.base_url}/v1/models: {exc}", file=sys.stderr)
+        return 2
+    requests = _sample_requests(args)
+    if len(requests) < args.num_prompts:
+        print(
+            f"warning: dataset yielded {len(requests)} of {args.num_prompts} prompts",
+            file=sys.stderr,
+        )
+    slo = {
+        key: value
+        for key, value in zip(SLO_KEYS, (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms))
+        if value is not None
+    }
+    result = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            model,
+            requests,
+            endpoint=args.endpoint,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            progress=not args.no_progress,
+            timeout_s=args.timeout_s,
+            slo=slo,
+        )
+    )
+    print(format_table(result.metrics))
+    paths = write_results(result, args.out_dir)
+    print(f"results: {paths.json_path}\nplots:   {paths.png_path}")
+    return 0 if result.metrics.num_completed > 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cli_args(parser)
+    return main_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

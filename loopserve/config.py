@@ -1,0 +1,196 @@
+"""Frozen engine configuration, validated once at start-up.
+
+`EngineConfig.from_engine_args(**kwargs)` takes the flat names shared by `LLM(...)` and the
+CLI flags (`block_size`, `layout`, `max_num_seqs`, `mode`, `exit_mode`, ...). Values that
+depend on the model ("auto" dtype, the number of KV blocks) are resolved by pure functions
+with `dataclasses.replace`; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from loopserve.errors import ConfigError
+
+LAYOUTS = ("last_exited", "shared")
+MODES = ("refill", "no_refill")
+PREFILL_MODES = ("atomic", "per_depth", "wavefront")
+EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+DEFAULT_CPU_KV_BYTES = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_bytes (CPU) or free memory (CUDA)
+    kv_cache_bytes: int | None = None
+    layout: str = "last_exited"
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    mode: str = "refill"
+    prefill_mode: str = "atomic"
+    mixed_prefill_decode: bool = False
+    max_prefill_batches_before_decode: int = 1
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    mode: str = "ouro"
+    lookahead_seed: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    exit: ExitConfig = field(default_factory=ExitConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: object) -> EngineConfig:
+        """Build from flat names; unknown names raise with the list of valid ones."""
+        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        parts: dict[str, dict[str, object]] = {"cache": {}, "scheduler": {}, "exit": {}, "top": {}}
+        top_names = {"model", "dtype", "device", "max_model_len"}
+        for name, value in kwargs.items():
+            if name in top_names:
+                parts["top"][name] = value
+            elif name == "exit_mode":
+                parts["exit"]["mode"] = value
+            elif name == "lookahead_seed":
+                parts["exit"]["lookahead_seed"] = value
+            else:
+                for group, klass in groups.items():
+                    if name in {f.name for f in dataclasses.fields(klass)}:
+                        parts[group][name] = value
+                        break
+                else:
+                    raise ConfigError(
+                        f"unknown engine argument {name!r}; valid: {sorted(engine_arg_names())}"
+                    )
+        try:
+            return cls(
+                **parts["top"],
+                cache=CacheConfig(**parts["cache"]),
+                scheduler=SchedulerConfig(**parts["scheduler"]),
+                exit=ExitConfig(**parts["exit"]),
+            )
+        except TypeError as err:
+            raise ConfigError(str(err)) from err
+
+
+def engine_arg_names() -> set[str]:
+    names = {"model", "dtype", "device", "max_model_len", "exit_mode", "lookahead_seed"}
+    for klass in (CacheConfig, SchedulerConfig):
+        names |= {f.name for f in dataclasses.fields(klass)}
+    return names
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def validate(config: EngineConfig) -> None:
+    cache, sched, exit_ = config.cache, config.scheduler, config.exit
+    _positive_int("block_size", cache.block_size)
+    if cache.num_blocks is not None:
+        _positive_int("num_blocks", cache.num_blocks)
+    if cache.kv_cache_bytes is not None:
+        _positive_int("kv_cache_bytes", cache.kv_cache_bytes)
+    if not 0.0 < cache.gpu_memory_utilization <= 1.0:
+        raise ConfigError(
+            f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}"
+        )
+    _choice("layout", cache.layout, LAYOUTS)
+    for name in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "prefill_chunk_size",
+        "max_prefill_batches_before_decode",
+    ):
+        _positive_int(name, getattr(sched, name))
+    if config.max_model_len is not None:
+        _positive_int("max_model_len", config.max_model_len)
+    _choice("mode", sched.mode, MODES)
+    _choice("prefill_mode", sched.prefill_mode, PREFILL_MODES)
+    _choice("exit_mode", exit_.mode, EXIT_MODES)
+    _choice("device", config.device.split(":")[0], ("cpu", "cuda"))
+    if sched.prefill_chunk_size > sched.max_num_batched_tokens:
+        raise ConfigError(
+            f"prefill_chunk_size ({sched.prefill_chunk_size}) must be <= max_num_batched_tokens "
+            f"({sched.max_num_batched_tokens}); lower the chunk size or raise the budget"
+        )
+    if sched.max_num_seqs > sched.max_num_batched_tokens:
+        raise ConfigError(
+            f"max_num_seqs ({sched.max_num_seqs}) must be <= max_num_batched_tokens "
+            f"({sched.max_num_batched_tokens}): every running decode token needs a row"
+        )
+    needs_last_exited = sched.prefill_mode == "wavefront" or sched.mixed_prefill_decode
+    if needs_last_exited and cache.layout == "shared":
+        raise ConfigError(
+            "wavefront and mixed prompt work need layout='last_exited': under SHARED a prompt "
+            "position must be final before later positions read it"
+        )
+    if sched.mixed_prefill_decode:
+        needed = sched.prefill_chunk_size + sched.max_num_seqs - 1
+        if needed > sched.max_num_batched_tokens:
+            raise ConfigError(
+                f"mixed_prefill_decode needs prefill_chunk_size + max_num_seqs - 1 <= "
+                f"max_num_batched_tokens, got {sched.prefill_chunk_size} + {sched.max_num_seqs} - 1 "
+                f"= {needed} > {sched.max_num_batched_tokens}; set max_num_batched_tokens >= {needed} "
+                f"or lower prefill_chunk_size / max_num_seqs"
+            )
+    if sched.prefill_mode != "atomic" or sched.mixed_prefill_decode:
+        raise ConfigError(
+            f"prefill_mode={sched.prefill_mode!r} with mixed_prefill_decode="
+            f"{sched.mixed_prefill_decode} is not supported yet; use prefill_mode='atomic' "
+            "without mixed_prefill_decode"
+        )
+
+
+def resolve_dtype(config: EngineConfig) -> EngineConfig:
+    if config.dtype != "auto":
+        return config
+    return dataclasses.replace(
+        config, dtype="bfloat16" if config.device.startswith("cuda") else "float32"
+    )
+
+
+def resolve_num_blocks(
+    cache: CacheConfig, *, bytes_per_block: int, free_bytes: int | None
+) -> CacheConfig:
+    """Fix `num_blocks` from an explicit count, a byte budget, or profiled free memory."""
+    if cache.num_blocks is not None:
+        return cache
+    if cache.kv_cache_bytes is not None:
+        budget = cache.kv_cache_bytes
+    elif free_bytes is not None:
+        budget = int(free_bytes * cache.gpu_memory_utilization)
+    else:
+        budget = DEFAULT_CPU_KV_BYTES
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ConfigError(
+            f"KV budget of {budget} bytes holds no block of {bytes_per_block} bytes; "
+            "raise kv_cache_bytes / gpu_memory_utilization or lower block_size"
+        )
+    return dataclasses.replace(cache, num_blocks=num_blocks)

@@ -1,0 +1,1 @@
+"""The engine: scheduler, KV bookkeeping, runner and the `LLMEngine` that wires them."""

@@ -1,0 +1,108 @@
+"""The step contracts between scheduler and runner (DESIGN §6).
+
+One step: the scheduler builds a `SchedulerOutput`; the runner executes it and returns a
+`RunnerOutput`; the scheduler applies it. Only ids, counts, depths, block ids and plain
+numbers cross this boundary — never tensors, never `Request` objects.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from loopserve.exit import ExitRule
+from loopserve.sampler import SampledToken, SampleSpec
+
+
+class ItemKind(str, enum.Enum):
+    DECODE = "decode"
+    PROMPT = "prompt"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """Rows of one request at consecutive positions, run at `depth` (and following depths).
+
+    - `num_depths` consecutive loops run inside this step (atomic prompt chunks run all D;
+      everything else runs 1). Each loop is one core call shared with the other items.
+    - `token_ids` are embedded (prelude) at the first loop when `needs_prelude`; otherwise the
+      runner resumes from the hidden state stored under `handle`.
+    - Decode rows: `exit_now` says whether the coda runs after this loop; None means the gate
+      of this loop decides (exit iff the CDF folded from `cdf_before`/`survival_before` reaches
+      `threshold`).
+    - Prompt items with `first_token` hold the last prompt position: after the final depth the
+      runner picks the first output token's loops with `exit_rule` over that row's loop
+      outputs (or `trace_loops`), then samples it.
+    """
+
+    request_id: str
+    kind: ItemKind
+    token_start: int
+    token_count: int
+    depth: int
+    num_depths: int
+    handle: int
+    needs_prelude: bool
+    token_ids: tuple[int, ...] = ()
+    needs_gate: bool = False
+    exit_now: bool | None = False
+    cdf_before: float = 0.0
+    survival_before: float = 1.0
+    threshold: float = 1.0
+    first_token: bool = False
+    exit_rule: ExitRule | None = None
+    trace_loops: int | None = None
+
+    @property
+    def last_depth(self) -> int:
+        return self.depth + self.num_depths - 1
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """Announces a request to the runner once, before its first item."""
+
+    request_id: str
+    sample_spec: SampleSpec
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    step_id: int
+    items: tuple[WorkItem, ...]
+    # request_id -> block ids of each plane (the KV manager's lists, read-only here).
+    block_tables: dict[str, tuple[list[int], ...]]
+    new_requests: tuple[NewRequestData, ...] = ()
+    # Requests gone since the last step: the runner drops their generators and handles.
+    finished_request_ids: tuple[str, ...] = ()
+    released_handles: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return sum(item.token_count for item in self.items)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.items
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    request_id: str
+    handle: int
+    # Hazards read this step: decode rows one per gated loop; first-token prompt items one
+    # per depth of the last prompt position.
+    hazards: tuple[float, ...] = ()
+    exited: bool = False
+    loops_used: int | None = None
+    sampled: SampledToken | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    step_id: int
+    results: tuple[ItemResult, ...]
+    # Rows of each core call this step ran (atomic prompt steps run several calls).
+    rows_per_core_call: tuple[int, ...] = field(default_factory=tuple)
+    model_time_s: float = 0.0

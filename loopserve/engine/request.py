@@ -1,0 +1,135 @@
+"""A request's state inside the engine: status machine, progress, outputs, timings.
+
+The status machine is data (`ALLOWED_TRANSITIONS`) and every move goes through
+`Request.transition`, which raises on an illegal one. Torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from loopserve.exit import ExitRule, TokenExit
+from loopserve.sampler import SampledToken
+from loopserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
+    # RUNNING -> WAITING is preemption.
+    RequestStatus.RUNNING: frozenset({RequestStatus.FINISHED, RequestStatus.WAITING}),
+    RequestStatus.FINISHED: frozenset(),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestTimes:
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+
+
+class Request:
+    """Everything the scheduler tracks about one request."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival_order: int,
+        eos_token_ids: frozenset[int],
+        arrival_s: float | None = None,
+    ) -> None:
+        assert params.max_loops is not None, "params must be resolved against the model depth"
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival_order = arrival_order
+        self.exit_rule = ExitRule(params.min_loops, params.max_loops, params.exit_threshold)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= eos_token_ids
+        self.stop_token_ids = frozenset(stop_ids)
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.output_token_ids: list[int] = []
+        self.exit_depths: list[int] = []
+        self.logprobs: list[SampledToken] = []
+        # Prompt progress: positions [0, num_prefilled_tokens) are complete at every depth.
+        self.num_prefilled_tokens = 0
+        self.next_chunk_start = 0
+        # Decode progress: the token in flight and its runner handle.
+        self.token_exit: TokenExit | None = None
+        self.decode_handle: int | None = None
+        self.times = RequestTimes(arrival_s=time.monotonic() if arrival_s is None else arrival_s)
+
+    def transition(self, new_status: RequestStatus) -> None:
+        if new_status not in ALLOWED_TRANSITIONS[self.status]:
+            raise IllegalTransitionError(
+                f"request {self.request_id}: {self.status.value} -> {new_status.value} is not allowed"
+            )
+        self.status = new_status
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def in_prompt_phase(self) -> bool:
+        return self.num_prefilled_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_positions(self) -> int:
+        """KV positions the request can ever write: the last sampled token is never fed."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    @property
+    def next_position(self) -> int:
+        """Position of the decode token in flight (the last output token, fed back)."""
+        return self.num_prompt_tokens + len(self.output_token_ids) - 1
+
+    def trace_loops(self, token_index: int) -> int | None:
+        trace = self.params.exit_trace
+        return None if trace is None else trace[token_index % len(trace)]
+
+    def append_token(
+        self, sampled: SampledToken, loops_used: int, now_s: float
+    ) -> FinishReason | None:
+        """Record one output token; returns the finish reason it triggers, if any."""
+        self.output_token_ids.append(sampled.token_id)
+        self.exit_depths.append(loops_used)
+        if self.params.logprobs is not None:
+            self.logprobs.append(sampled)
+        if self.times.first_token_s is None:
+            self.times.first_token_s = now_s
+        self.times.token_times_s.append(now_s)
+        if sampled.token_id in self.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return FinishReason.LENGTH
+        return None

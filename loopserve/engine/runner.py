@@ -1,0 +1,229 @@
+"""The model runner: executes one `SchedulerOutput` with tensors and returns plain results.
+
+It owns every tensor: the model, the paged KV cache, per-request sampling generators, and
+the hidden states of work in flight (a decode token between loops, a prompt chunk between
+depths) behind the scheduler's opaque handles. Per core call it embeds only rows that need a
+prelude, computes hazards only for rows that need a signal, runs the coda and sampler only
+for exiting rows, and finalizes LAST_EXITED planes after early exits. It never sees a
+`Request`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from loopserve.attention.torch_paged import PagedAttentionMetadata, RowSegment, TorchPagedAttention
+from loopserve.engine.contracts import ItemKind, ItemResult, RunnerOutput, SchedulerOutput, WorkItem
+from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
+from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
+from loopserve.sampler import SampledToken, SampleSpec, make_generator, sample_rows
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: OuroForLoopedLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        layout: str,
+        exit_mode: str,
+        lookahead_seed: int = 0,
+    ) -> None:
+        self.model = model
+        config = model.config
+        self.num_loops = model.num_loops
+        self.block_size = block_size
+        self.shared = layout == "shared"
+        self.exit_mode = ExitMode(exit_mode)
+        param = model.lm_head.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.scale = config.head_dim**-0.5
+        # [layers, K/V, slots, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            (
+                config.num_hidden_layers,
+                2,
+                num_blocks * block_size,
+                config.num_key_value_heads,
+                config.head_dim,
+            ),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        lookahead = lookahead_seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD else None
+        self.hazard_fn = make_hazard_fn(model, lookahead_seed=lookahead)
+        self.samplers: dict[str, tuple[SampleSpec, torch.Generator | None]] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # handle -> hidden [rows, hidden]
+        self.handles_of: dict[str, set[int]] = defaultdict(set)
+
+    @staticmethod
+    def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
+        per_position = model.config.kv_elements_per_token_per_depth
+        return per_position * block_size * torch.empty(0, dtype=dtype).element_size()
+
+    # ---- request bookkeeping ----------------------------------------------------------
+
+    def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> None:
+        for request_id in scheduled.finished_request_ids:
+            self.release_request(request_id)
+        for handle in scheduled.released_handles:
+            self.hidden.pop(handle, None)
+        for new in scheduled.new_requests:
+            greedy = new.sample_spec.temperature == 0.0
+            generator = None if greedy else make_generator(new.seed, self.device)
+            self.samplers[new.request_id] = (new.sample_spec, generator)
+
+    def release_request(self, request_id: str) -> None:
+        self.samplers.pop(request_id, None)
+        for handle in self.handles_of.pop(request_id, ()):
+            self.hidden.pop(handle, None)
+
+    @property
+    def num_live_handles(self) -> int:
+        return len(self.hidden)
+
+    # ---- execution ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        self._apply_bookkeeping(scheduled)
+        items = scheduled.items
+        if not items:
+            return RunnerOutput(scheduled.step_id, ())
+        start_s = time.perf_counter()
+        states = self._initial_states(items)
+        hazards: list[list[float]] = [[] for _ in items]
+        last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
+        exited = [False] * len(items)
+        rows_per_call = []
+        for k in range(max(item.num_depths for item in items)):
+            active = [i for i, item in enumerate(items) if k < item.num_depths]
+            rows_per_call.append(sum(items[i].token_count for i in active))
+            self._core_call(scheduled, items, active, k, states)
+            self._signals(
+                scheduled.block_tables, items, active, states, hazards, last_outputs, exited
+            )
+        results = self._coda(items, states, hazards, last_outputs, exited)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return RunnerOutput(
+            scheduled.step_id, tuple(results), tuple(rows_per_call), time.perf_counter() - start_s
+        )
+
+    def _initial_states(self, items: tuple[WorkItem, ...]) -> list[torch.Tensor]:
+        fresh = [i for i, item in enumerate(items) if item.needs_prelude]
+        states: list[torch.Tensor | None] = [None] * len(items)
+        if fresh:
+            token_ids = [t for i in fresh for t in items[i].token_ids]
+            embedded = self.model.prelude(torch.tensor(token_ids, device=self.device))
+            for i, chunk in zip(fresh, embedded.split([items[i].token_count for i in fresh])):
+                states[i] = chunk
+        for i, item in enumerate(items):
+            if states[i] is None:
+                states[i] = self.hidden.pop(item.handle)
+        return states  # type: ignore[return-value]
+
+    def _plane(self, item: WorkItem, k: int) -> int:
+        return 0 if self.shared else item.depth + k
+
+    def _core_call(self, scheduled, items, active, k, states) -> None:
+        segments = []
+        positions = []
+        for i in active:
+            item = items[i]
+            table = scheduled.block_tables[item.request_id][self._plane(item, k)]
+            segments.append(RowSegment(table, item.token_start, item.token_count))
+            positions.append(torch.arange(item.token_start, item.token_start + item.token_count))
+        meta = PagedAttentionMetadata.build(segments, self.block_size, self.device)
+        attn = TorchPagedAttention(self.kv_cache, meta, self.scale)
+        hidden = torch.cat([states[i] for i in active])
+        out = self.model.core(hidden, torch.cat(positions).to(self.device), attn)
+        for i, chunk in zip(active, out.split([items[i].token_count for i in active])):
+            states[i] = chunk
+
+    def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
+        """Hazards for rows that need them, exit decisions, finalize copies."""
+        gated = [i for i in active if items[i].needs_gate]
+        if gated:
+            rows = torch.cat([states[i][-1:] for i in gated])
+            for i, value in zip(gated, self.hazard_fn(rows).float().tolist()):
+                hazards[i].append(value)
+        finalize = []
+        for i in active:
+            item = items[i]
+            if item.kind is ItemKind.PROMPT:
+                if item.first_token:
+                    last_outputs[i].append(states[i][-1:])
+                continue
+            if item.exit_now is None:
+                before = GateState(item.cdf_before, item.survival_before)
+                exited[i] = next_gate_state(before, hazards[i][-1]).cdf >= item.threshold
+            else:
+                exited[i] = item.exit_now
+            if exited[i] and not self.shared and item.depth < self.num_loops - 1:
+                finalize.append(item)
+        if finalize:
+            self._finalize(tables, finalize)
+
+    def _finalize(self, tables, items: list[WorkItem]) -> None:
+        """Copy each exited token's K/V of its exit depth into every deeper plane."""
+        src, dst = [], []
+        for item in items:
+            table = tables[item.request_id]
+            block, offset = divmod(item.token_start, self.block_size)
+            source = table[item.depth][block] * self.block_size + offset
+            for plane in range(item.depth + 1, self.num_loops):
+                src.append(source)
+                dst.append(table[plane][block] * self.block_size + offset)
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        self.kv_cache[:, :, dst_t] = self.kv_cache[:, :, src_t]
+
+    def _coda(self, items, states, hazards, last_outputs, exited) -> list[ItemResult]:
+        coda_rows: list[torch.Tensor] = []
+        coda_items: list[int] = []
+        loops_used: dict[int, int] = {}
+        for i, item in enumerate(items):
+            if item.kind is ItemKind.DECODE and exited[i]:
+                coda_rows.append(states[i])
+                coda_items.append(i)
+                loops_used[i] = item.depth + 1
+            elif item.first_token and item.last_depth == self.num_loops - 1:
+                assert item.exit_rule is not None
+                loops = choose_exit_from_hazards(
+                    self.exit_mode, item.exit_rule, hazards[i] or None, item.trace_loops
+                )
+                coda_rows.append(last_outputs[i][loops - 1])
+                coda_items.append(i)
+                loops_used[i] = loops
+        sampled: dict[int, SampledToken] = {}
+        if coda_rows:
+            logits = self.model.coda(torch.cat(coda_rows))
+            specs, generators = zip(*(self.samplers[items[i].request_id] for i in coda_items))
+            for i, token in zip(coda_items, sample_rows(logits, list(specs), list(generators))):
+                sampled[i] = token
+        results = []
+        for i, item in enumerate(items):
+            finished = i in sampled or (
+                item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1
+            )
+            if finished:
+                self.handles_of[item.request_id].discard(item.handle)
+            else:
+                self.hidden[item.handle] = states[i]
+                self.handles_of[item.request_id].add(item.handle)
+            results.append(
+                ItemResult(
+                    request_id=item.request_id,
+                    handle=item.handle,
+                    hazards=tuple(hazards[i]),
+                    exited=bool(exited[i]) or i in sampled,
+                    loops_used=loops_used.get(i),
+                    sampled=sampled.get(i),
+                )
+            )
+        return results

@@ -1,0 +1,284 @@
+"""The scheduler: owns request progress and turns it into one core-call plan per step.
+
+Each step: admit waiting requests (priority, then arrival) while sequences and KV allow;
+then either a prompt step (the prompt policy's chunks, each running all D loops) or a decode
+step (one core call over the decode policy's tokens, each at its own depth). When both kinds
+of work are ready, steps alternate (`max_prefill_batches_before_decode` prompt steps, then
+one decode call). `update()` applies the runner's results: depth +1, exit decisions, first
+tokens, stop checks. Torch-free; never touches tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from loopserve.config import EngineConfig
+from loopserve.engine.contracts import (
+    ItemKind,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    WorkItem,
+)
+from loopserve.engine.kv_cache import KVCacheManager
+from loopserve.engine.policies import (
+    AtomicPromptPolicy,
+    DecodePolicy,
+    NoRefillPolicy,
+    PromptChunk,
+    PromptPolicy,
+    RefillPolicy,
+)
+from loopserve.engine.request import FinishReason, Request, RequestStatus
+from loopserve.errors import CapacityError, InvalidRequestError
+from loopserve.exit import ExitMode, TokenExit
+from loopserve.sampler import SampleSpec
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, *, num_loops: int, kv: KVCacheManager) -> None:
+        self.config = config
+        self.num_loops = num_loops
+        self.kv = kv
+        self.exit_mode = ExitMode(config.exit.mode)
+        sched = config.scheduler
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_rows = sched.max_num_batched_tokens
+        self.decode_policy: DecodePolicy = (
+            RefillPolicy() if sched.mode == "refill" else NoRefillPolicy()
+        )
+        chunk_size = 1 if config.cache.layout == "shared" else sched.prefill_chunk_size
+        self.prompt_policy: PromptPolicy = AtomicPromptPolicy(chunk_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._arrivals = 0
+        self._next_handle = 0
+        self._step_id = 0
+        self._prompt_steps_in_a_row = 0
+        self._new_requests: list[NewRequestData] = []
+        self._gone_request_ids: list[str] = []
+
+    # ---- submission -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in use", "request_id"
+            )
+        if self.exit_mode is ExitMode.TRACE and not request.params.exit_trace:
+            raise InvalidRequestError(
+                "exit_mode 'trace' needs SamplingParams.exit_trace", "exit_trace"
+            )
+        if not self.kv.can_ever_fit(request.max_positions):
+            needed = self.kv.blocks_needed(request.max_positions)
+            raise CapacityError(
+                f"request needs {needed} KV blocks ({request.max_positions} positions x "
+                f"{self.kv.num_planes} planes) but the cache has {self.kv.pool.num_blocks} in total; "
+                "shorten the prompt or max_tokens, or raise num_blocks",
+                param="max_tokens",
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self.finish(request, FinishReason.ABORT)
+        return request
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv.free(request.request_id)
+            self._gone_request_ids.append(request.request_id)
+        request.transition(RequestStatus.FINISHED)
+        request.finish_reason = reason
+        request.times.finished_s = time.monotonic()
+        self.decode_policy.on_request_gone(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- scheduling ---------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        if not self.waiting:
+            return
+        self.waiting.sort(key=lambda r: (r.params.priority, r.arrival_order))
+        admitted = []
+        for request in self.waiting:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if not self.kv.can_allocate(request.max_positions):
+                break  # keep priority order: do not let later requests jump ahead
+            self.kv.allocate(request.request_id, request.max_positions)
+            request.transition(RequestStatus.RUNNING)
+            request.times.first_scheduled_s = time.monotonic()
+            self.running.append(request)
+            admitted.append(request)
+            params = request.params
+            spec = SampleSpec(params.temperature, params.top_p, params.top_k, params.logprobs)
+            self._new_requests.append(NewRequestData(request.request_id, spec, params.seed))
+        for request in admitted:
+            self.waiting.remove(request)
+
+    def _handle(self) -> int:
+        self._next_handle += 1
+        return self._next_handle
+
+    def schedule(self) -> SchedulerOutput:
+        self._admit()
+        prompt_requests = [r for r in self.running if r.in_prompt_phase]
+        decode_requests = [r for r in self.running if not r.in_prompt_phase]
+        items: list[WorkItem] = []
+        prompt_turn = bool(prompt_requests) and (
+            not decode_requests
+            or self._prompt_steps_in_a_row < self.config.scheduler.max_prefill_batches_before_decode
+        )
+        if prompt_turn:
+            chunks = self.prompt_policy.select(prompt_requests, self.max_rows)
+            items = [self._prompt_item(chunk) for chunk in chunks]
+            self._prompt_steps_in_a_row += 1
+        if not items and decode_requests:
+            selected = self.decode_policy.select(decode_requests, self.max_rows)
+            items = [self._decode_item(r) for r in selected]
+            self._prompt_steps_in_a_row = 0
+        self._step_id += 1
+        tables = {item.request_id: self.kv.tables[item.request_id] for item in items}
+        out = SchedulerOutput(
+            step_id=self._step_id,
+            items=tuple(items),
+            block_tables=tables,
+            new_requests=tuple(self._new_requests),
+            finished_request_ids=tuple(self._gone_request_ids),
+        )
+        self._new_requests.clear()
+        self._gone_request_ids.clear()
+        return out
+
+    def _prompt_item(self, chunk: PromptChunk) -> WorkItem:
+        request = chunk.request
+        request.next_chunk_start = chunk.end
+        last = chunk.holds_last_position
+        return WorkItem(
+            request_id=request.request_id,
+            kind=ItemKind.PROMPT,
+            token_start=chunk.start,
+            token_count=chunk.count,
+            depth=0,
+            num_depths=self.num_loops,
+            handle=self._handle(),
+            needs_prelude=True,
+            token_ids=tuple(request.prompt_token_ids[chunk.start : chunk.end]),
+            needs_gate=last and self.exit_mode.uses_gate,
+            first_token=last,
+            exit_rule=request.exit_rule if last else None,
+            trace_loops=request.trace_loops(0) if last else None,
+        )
+
+    def _decode_item(self, request: Request) -> WorkItem:
+        token_exit = request.token_exit
+        assert token_exit is not None
+        plan = token_exit.plan()
+        first_loop = token_exit.depth == 0
+        if first_loop:
+            request.decode_handle = self._handle()
+        assert request.decode_handle is not None
+        return WorkItem(
+            request_id=request.request_id,
+            kind=ItemKind.DECODE,
+            token_start=request.next_position,
+            token_count=1,
+            depth=token_exit.depth,
+            num_depths=1,
+            handle=request.decode_handle,
+            needs_prelude=first_loop,
+            token_ids=(request.output_token_ids[-1],) if first_loop else (),
+            needs_gate=plan.needs_gate,
+            exit_now=plan.exit_now,
+            cdf_before=plan.state_before.cdf,
+            survival_before=plan.state_before.survival,
+            threshold=plan.threshold,
+        )
+
+    # ---- applying results -----------------------------------------------------------------
+
+    def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
+        """Apply one step's results; returns the requests that produced a token or finished."""
+        now = time.monotonic()
+        touched: list[Request] = []
+        items = {(item.request_id, item.handle): item for item in scheduled.items}
+        for result in output.results:
+            request = self.requests.get(result.request_id)
+            item = items[(result.request_id, result.handle)]
+            if request is None:
+                continue  # aborted while the step ran; the runner already released its state
+            if item.kind is ItemKind.PROMPT:
+                if item.last_depth == self.num_loops - 1:
+                    request.num_prefilled_tokens = item.token_start + item.token_count
+                if not item.first_token:
+                    continue
+                assert result.sampled is not None and result.loops_used is not None
+                reason = request.append_token(result.sampled, result.loops_used, now)
+            else:
+                token_exit = request.token_exit
+                assert token_exit is not None
+                hazard = result.hazards[0] if result.hazards else None
+                exited = token_exit.observe(hazard)
+                assert exited == result.exited, (
+                    f"runner and scheduler disagree on {request.request_id}"
+                )
+                if not exited:
+                    continue
+                assert result.sampled is not None
+                self.decode_policy.on_token_exit(request)
+                reason = request.append_token(result.sampled, token_exit.loops_used, now)
+            touched.append(request)
+            if reason is not None:
+                self.finish(request, reason)
+            else:
+                self._start_decode_token(request)
+        return touched
+
+    def _start_decode_token(self, request: Request) -> None:
+        index = len(request.output_token_ids)
+        request.token_exit = TokenExit(
+            self.exit_mode, request.exit_rule, request.trace_loops(index)
+        )
+        request.decode_handle = None
+
+    def fail_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort the requests of a step that raised; the engine reports them as failed."""
+        failed = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self.finish(request, FinishReason.ABORT)
+                failed.append(request)
+        return failed
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        running_ids = {r.request_id for r in self.running}
+        assert running_ids == set(self.kv.tables), "running requests and KV owners differ"
+        assert len(self.running) <= self.max_num_seqs
+        for request in self.running:
+            assert request.status is RequestStatus.RUNNING
+            if not request.in_prompt_phase:
+                assert request.token_exit is not None and not request.token_exit.exited
+        for request in self.waiting:
+            assert request.status is RequestStatus.WAITING

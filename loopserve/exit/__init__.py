@@ -1,0 +1,23 @@
+"""Exit policies: when a token stops looping (DESIGN §4). Torch-free."""
+
+from loopserve.exit.policies import (
+    ExitMode,
+    ExitRule,
+    GateState,
+    LoopPlan,
+    TokenExit,
+    choose_exit_from_hazards,
+    crosses,
+    next_gate_state,
+)
+
+__all__ = [
+    "ExitMode",
+    "ExitRule",
+    "GateState",
+    "LoopPlan",
+    "TokenExit",
+    "choose_exit_from_hazards",
+    "crosses",
+    "next_gate_state",
+]

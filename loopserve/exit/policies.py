@@ -1,0 +1,162 @@
+"""Exit policies as pure functions and a tiny per-token state machine.
+
+Depth `d` is 0-based; a token that exits after loop `d` used `loops = d + 1`. The gate output
+of loop `d` is read as the hazard `λ_d`; `p_exit_d = λ_d · Π_{j<d}(1-λ_j)` and
+`cdf_d = Σ_{j<=d} p_exit_j`.
+
+- `ouro`: exit after loop d when loops >= max_loops, or threshold < 1 and loops >= min_loops
+  and cdf_d >= threshold.
+- `ouro_delayed`: when the CDF crosses at loop d (loops >= min_loops) the token exits after
+  loop d+1, so loop d+1 can be submitted before the signal is read.
+- `random_lookahead`: identical rule to `ouro_delayed`, but the hazards come from a seeded,
+  untrained lookahead head instead of the trained gate (the runner picks the head).
+- `trace`: loops replayed from a per-request list; no gate is computed.
+
+This module is the single source of exit decisions: the reference generator, the scheduler
+and the runner all call it, so the three can never disagree.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ExitMode(str, enum.Enum):
+    OURO = "ouro"
+    OURO_DELAYED = "ouro_delayed"
+    RANDOM_LOOKAHEAD = "random_lookahead"
+    TRACE = "trace"
+
+    @property
+    def delayed(self) -> bool:
+        return self in (ExitMode.OURO_DELAYED, ExitMode.RANDOM_LOOKAHEAD)
+
+    @property
+    def uses_gate(self) -> bool:
+        return self is not ExitMode.TRACE
+
+
+@dataclass(frozen=True, slots=True)
+class ExitRule:
+    """Per-request bounds, already resolved against the model depth."""
+
+    min_loops: int
+    max_loops: int
+    threshold: float = 1.0
+
+    @property
+    def can_exit_early(self) -> bool:
+        return self.threshold < 1.0 and self.min_loops < self.max_loops
+
+
+@dataclass(frozen=True, slots=True)
+class GateState:
+    """Running CDF of one token after some loops."""
+
+    cdf: float = 0.0
+    survival: float = 1.0
+
+
+def next_gate_state(state: GateState, hazard: float) -> GateState:
+    """Fold the hazard of one more loop into the running CDF."""
+    p_exit = hazard * state.survival
+    return GateState(cdf=state.cdf + p_exit, survival=state.survival * (1.0 - hazard))
+
+
+def crosses(rule: ExitRule, loops: int, cdf: float) -> bool:
+    """True when the CDF signal allows an exit after `loops` loops.
+
+    Threshold exactly 1.0 never exits early, even if a sigmoid rounds to 1.
+    """
+    return rule.threshold < 1.0 and loops >= rule.min_loops and cdf >= rule.threshold
+
+
+@dataclass(frozen=True, slots=True)
+class LoopPlan:
+    """What the runner must do for one token's loop at one depth.
+
+    `exit_now` is True (run the coda after this loop), False (continue), or None: decided by
+    the gate of this loop — exit iff `next_gate_state(state_before, λ).cdf >= threshold`.
+    """
+
+    needs_gate: bool
+    exit_now: bool | None
+    state_before: GateState
+    threshold: float
+
+
+class TokenExit:
+    """Exit state machine of one decode token; `plan()` before a loop, `observe()` after it."""
+
+    __slots__ = ("mode", "rule", "trace_loops", "state", "depth", "exit_after_depth", "exited")
+
+    def __init__(self, mode: ExitMode, rule: ExitRule, trace_loops: int | None = None) -> None:
+        self.mode = mode
+        self.rule = rule
+        self.state = GateState()
+        self.depth = 0  # the next loop to run
+        self.exited = False
+        # A depth the token is already committed to exit after (trace, delayed crossing).
+        self.exit_after_depth: int | None = None
+        if mode is ExitMode.TRACE:
+            if trace_loops is None:
+                raise ValueError("trace exit mode needs trace_loops")
+            loops = min(max(trace_loops, rule.min_loops), rule.max_loops)
+            self.exit_after_depth = loops - 1
+        self.trace_loops = trace_loops
+
+    def plan(self) -> LoopPlan:
+        loops = self.depth + 1
+        committed = loops >= self.rule.max_loops or self.exit_after_depth == self.depth
+        if committed:
+            return LoopPlan(False, True, self.state, self.rule.threshold)
+        if self.mode is ExitMode.TRACE or not self.rule.can_exit_early:
+            return LoopPlan(False, False, self.state, self.rule.threshold)
+        if self.mode.delayed:
+            # The gate of this loop can only commit an exit after the next loop.
+            if self.exit_after_depth is not None:
+                return LoopPlan(False, False, self.state, self.rule.threshold)
+            return LoopPlan(True, False, self.state, self.rule.threshold)
+        if loops < self.rule.min_loops:
+            # Below min_loops the CDF still accumulates, so the gate is still needed.
+            return LoopPlan(True, False, self.state, self.rule.threshold)
+        return LoopPlan(True, None, self.state, self.rule.threshold)
+
+    def observe(self, hazard: float | None) -> bool:
+        """Record the loop just run (with its hazard when the plan asked for one)."""
+        assert not self.exited, "token already exited"
+        plan = self.plan()
+        loops = self.depth + 1
+        exited = bool(plan.exit_now)
+        if plan.needs_gate:
+            assert hazard is not None, "plan needed a gate value"
+            self.state = next_gate_state(self.state, hazard)
+            if crosses(self.rule, loops, self.state.cdf):
+                if self.mode.delayed:
+                    self.exit_after_depth = self.depth + 1
+                else:
+                    exited = True
+        self.depth += 1
+        self.exited = exited
+        return exited
+
+    @property
+    def loops_used(self) -> int:
+        assert self.exited
+        return self.depth
+
+
+def choose_exit_from_hazards(
+    mode: ExitMode, rule: ExitRule, hazards: list[float] | None, trace_loops: int | None = None
+) -> int:
+    """Loops used by a token whose every loop output already exists (the first output token).
+
+    Runs the same state machine over precomputed hazards, so prefill and decode agree.
+    """
+    token = TokenExit(mode, rule, trace_loops)
+    while True:
+        plan = token.plan()
+        hazard = hazards[token.depth] if plan.needs_gate else None
+        if token.observe(hazard):
+            return token.loops_used

@@ -1,0 +1,102 @@
+"""Architecture description of an Ouro-style looped model, read from `config.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loopserve.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("ouro",)
+
+
+@dataclass(frozen=True)
+class OuroConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    total_ut_steps: int = 4
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    model_type: str = "ouro"
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.hidden_act != "silu":
+            raise ModelLoadError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.total_ut_steps < 1:
+            raise ModelLoadError(f"total_ut_steps must be >= 1, got {self.total_ut_steps}")
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_loops(self) -> int:
+        """D: how many times the core runs per token."""
+        return self.total_ut_steps
+
+    @property
+    def kv_elements_per_token_per_depth(self) -> int:
+        """K and V elements one token stores per depth (multiply by the dtype size for bytes)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> OuroConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"config.json has model_type {model_type!r}; loopserve supports {SUPPORTED_MODEL_TYPES}"
+            )
+        if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
+            raise ModelLoadError("sliding-window attention layers are not supported yet")
+        scaling = raw.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ModelLoadError(f"rope_scaling {scaling!r} is not supported yet")
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        known = {
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "total_ut_steps", "head_dim",
+            "rope_theta", "rms_norm_eps", "max_position_embeddings", "hidden_act",
+            "tie_word_embeddings", "bos_token_id", "pad_token_id", "model_type",
+        }  # fmt: skip
+        kwargs = {k: raw[k] for k in known if k in raw and raw[k] is not None}
+        kwargs.setdefault("num_key_value_heads", raw["num_attention_heads"])
+        extra = {k: v for k, v in raw.items() if k not in known and k != "eos_token_id"}
+        try:
+            return cls(**kwargs, eos_token_id=eos_ids, extra=extra)
+        except TypeError as err:
+            raise ModelLoadError(f"config.json is missing a required field: {err}") from err
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> OuroConfig:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict:
+        raw = asdict(self)
+        raw.pop("extra")
+        raw["eos_token_id"] = list(self.eos_token_id)
+        raw["architectures"] = ["OuroForCausalLM"]
+        return {**self.extra, **raw}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        Path(directory, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")

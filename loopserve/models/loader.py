@@ -1,0 +1,197 @@
+"""Native checkpoint loading: Hugging Face directories of safetensors, no remote code.
+
+`load_model(path_or_id)` resolves a local directory or a Hub id (through the local Hugging
+Face cache; downloading only with an explicit opt-in), reads `config.json`, checks every
+tensor name strictly and returns an `OuroForLoopedLM` in the requested dtype and device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loopserve.errors import ModelLoadError
+from loopserve.models.config import OuroConfig
+from loopserve.models.ouro import OuroForLoopedLM, RotaryEmbedding
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+DOWNLOAD_ENV = "LOOPSERVE_ALLOW_DOWNLOAD"
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ModelLoadError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ModelLoadError(
+            f"dtype {dtype!r} is not supported; use one of float32, bfloat16, float16"
+        ) from None
+
+
+def _hub_cache_dir() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    hf_home = os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")
+    return Path(hf_home) / "hub"
+
+
+def _cached_snapshot(repo_id: str, revision: str) -> Path | None:
+    repo_dir = _hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    ref_file = repo_dir / "refs" / revision
+    commit = ref_file.read_text().strip() if ref_file.is_file() else revision
+    snapshot = repo_dir / "snapshots" / commit
+    return snapshot if (snapshot / "config.json").is_file() else None
+
+
+def resolve_model_path(
+    name_or_path: str | os.PathLike, *, revision: str = "main", allow_download: bool | None = None
+) -> Path:
+    """A local checkpoint directory for a path or a Hub id such as `ByteDance/Ouro-1.4B`."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face checkpoint?")
+        return path
+    name = str(name_or_path)
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise ModelLoadError(f"model {name!r} is neither a local directory nor a Hub id")
+    snapshot = _cached_snapshot(name, revision)
+    if snapshot is not None:
+        return snapshot
+    if allow_download is None:
+        allow_download = os.environ.get(DOWNLOAD_ENV, "") not in ("", "0", "false")
+    if not allow_download:
+        raise ModelLoadError(
+            f"{name!r} is not in the local Hugging Face cache ({_hub_cache_dir()}). "
+            f"Download it first (huggingface-cli download {name}) or opt in with "
+            f"{DOWNLOAD_ENV}=1 / allow_download=True."
+        )
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelLoadError("downloading needs `pip install huggingface_hub`") from None
+    return Path(snapshot_download(name, revision=revision))
+
+
+def _safetensor_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (directory / f).is_file()]
+        if missing:
+            raise ModelLoadError(f"shards listed in {index.name} are missing: {missing}")
+        return [directory / f for f in files]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {directory}")
+    return files
+
+
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _safetensor_files(directory):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in tensors:
+                    raise ModelLoadError(f"tensor {name} appears in more than one shard")
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _check_names(model: OuroForLoopedLM, tensors: dict[str, torch.Tensor]) -> None:
+    expected = set(model.state_dict().keys())
+    if model.config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(expected - tensors.keys())
+    unexpected = sorted(tensors.keys() - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {', '.join(missing[:20])}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {', '.join(unexpected[:20])}")
+        raise ModelLoadError("checkpoint does not match the Ouro architecture; " + "; ".join(parts))
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device = "cpu",
+    allow_download: bool | None = None,
+) -> OuroForLoopedLM:
+    """Load an Ouro checkpoint into an `OuroForLoopedLM` (eval mode, no grad)."""
+    directory = resolve_model_path(name_or_path, allow_download=allow_download)
+    config = OuroConfig.from_file(directory / "config.json")
+    torch_dtype = parse_dtype(dtype)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but CUDA is not available")
+    with torch.device("meta"):
+        model = OuroForLoopedLM(config)
+    tensors = read_state_dict(directory)
+    _check_names(model, tensors)
+    for name, tensor in tensors.items():
+        expected_shape = model.get_parameter(name).shape
+        if tensor.shape != expected_shape:
+            raise ModelLoadError(
+                f"tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected_shape)}"
+            )
+    tensors = {k: v.to(device=device, dtype=torch_dtype) for k, v in tensors.items()}
+    model.load_state_dict(tensors, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+    model.checkpoint_dir = directory
+    return model.eval().requires_grad_(False)
+
+
+def save_model(
+    model: OuroForLoopedLM, directory: str | os.PathLike, *, max_shard_bytes: int = 0
+) -> None:
+    """Write `config.json` and safetensors (sharded with an index when `max_shard_bytes` > 0)."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save(out)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    if max_shard_bytes <= 0:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": weight_map}  # fmt: skip
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,198 @@
+"""The Ouro looped transformer, split into prelude / core / gate / coda.
+
+Math follows Hugging Face `modeling_ouro.py` exactly (DESIGN §1): four RMSNorms per layer,
+`model.norm` after every loop (its output is the loop output, the gate input and the next
+loop's input), RoPE rotate-half on the token position, untied `lm_head`.
+
+The core runs ONE loop over a flat batch of rows; each row carries its own position. Depth
+matters only for K/V, which the `AttentionBackend` argument owns, so one core call can mix
+rows of different requests and depths. This module never schedules and never stores K/V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from loopserve.models.attention import AttentionBackend
+from loopserve.models.config import OuroConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden.to(input_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotate-half RoPE, computed in float32 from integer positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [rows, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, head_dim]; cos/sin [rows, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        rows = hidden.shape[0]
+        query = self.q_proj(hidden).view(rows, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(rows, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(rows, self.num_kv_heads, self.head_dim)
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        out = attn.attend(layer_idx, query, key, value)  # [rows, Hq, Dh]
+        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, config: OuroConfig, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.self_attn = OuroAttention(config)
+        self.mlp = OuroMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.input_layernorm_2 = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, attn, self.layer_idx)
+        hidden = hidden + self.input_layernorm_2(attn_out)
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.post_attention_layernorm_2(mlp_out)
+
+
+class OuroBackbone(nn.Module):
+    """Holds the checkpoint's `model.*` tensors."""
+
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            OuroDecoderLayer(config, idx) for idx in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(config.hidden_size, 1)
+
+
+class OuroForLoopedLM(nn.Module):
+    """Ouro with a per-loop API. Parameter names equal the Hugging Face checkpoint's."""
+
+    def __init__(self, config: OuroConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = OuroBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    @property
+    def num_loops(self) -> int:
+        return self.config.total_ut_steps
+
+    def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [rows] -> hidden [rows, hidden]."""
+        return self.model.embed_tokens(token_ids)
+
+    def core(
+        self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """One loop over every layer, then `model.norm`. hidden [rows, hidden] -> same."""
+        cos, sin = self.rotary(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, attn)
+        return self.model.norm(hidden)
+
+    def gate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Exit hazard λ = sigmoid(early_exit_gate(h)) of normed loop outputs. [rows]."""
+        return torch.sigmoid(self.model.early_exit_gate(hidden).squeeze(-1))
+
+    def coda(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head on the exit loop's normed state. [rows, vocab]."""
+        return self.lm_head(hidden)
+
+
+def make_lookahead_head(model: OuroForLoopedLM, seed: int) -> nn.Linear:
+    """The seeded, untrained hazard head of the `random_lookahead` exit mode.
+
+    Not a checkpoint tensor: whoever needs it builds its own from the seed, so two callers
+    with the same seed get identical weights. Use as `torch.sigmoid(head(h).squeeze(-1))`.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    head = nn.Linear(hidden, 1)
+    with torch.no_grad():
+        # Scaled so sigmoid outputs spread over (0, 1) for unit-RMS inputs.
+        head.weight.copy_(torch.randn(1, hidden, generator=generator) * (2.0 / hidden**0.5))
+        head.bias.copy_(torch.randn(1, generator=generator))
+    param = model.lm_head.weight
+    return head.to(device=param.device, dtype=param.dtype).requires_grad_(False)
+
+
+def make_hazard_fn(
+    model: OuroForLoopedLM, *, lookahead_seed: int | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden [rows, hidden] -> hazards [rows]: the trained gate, or the lookahead head."""
+    if lookahead_seed is None:
+        return model.gate
+    head = make_lookahead_head(model, lookahead_seed)
+    return lambda hidden: torch.sigmoid(head(hidden).squeeze(-1))

@@ -1,0 +1,133 @@
+"""Small random Ouro checkpoints in the real Hugging Face format, for tests and demos.
+
+`make_tiny_checkpoint` writes `config.json` + `model.safetensors` with the real tensor names
+(seeded random weights) and, on request, a working byte-level BPE tokenizer. The weights are
+scaled so that logits and exit hazards vary from token to token, which keeps sampling and
+early-exit tests meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from loopserve.models.config import OuroConfig
+from loopserve.models.loader import save_model
+from loopserve.models.ouro import OuroForLoopedLM
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
+
+
+def _init_weights(model: OuroForLoopedLM, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.copy_(1.0 + 0.1 * noise)  # near one, but not exactly: misuse shows
+            elif "early_exit_gate.weight" in name:
+                param.copy_(noise * (3.0 / hidden**0.5))  # hazards spread over (0, 1)
+            elif "early_exit_gate.bias" in name:
+                param.copy_(noise * 0.5)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+
+
+def make_tiny_checkpoint(
+    path: str | os.PathLike,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 512,
+    total_ut_steps: int = 4,
+    intermediate_size: int | None = None,
+    head_dim: int | None = None,
+    seed: int = 0,
+    with_tokenizer: bool = False,
+    max_position_embeddings: int = 4096,
+    max_shard_bytes: int = 0,
+) -> Path:
+    """Write a random Ouro-architecture checkpoint to `path` and return the path."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = OuroConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or int(hidden_size * 2.75),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        total_ut_steps=total_ut_steps,
+        head_dim=head_dim,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=(2,) if with_tokenizer else (0,),
+        bos_token_id=None,
+        pad_token_id=0,
+        extra={"torch_dtype": "float32"},
+    )
+    model = OuroForLoopedLM(config)
+    _init_weights(model, seed)
+    save_model(model, out, max_shard_bytes=max_shard_bytes)
+    if with_tokenizer:
+        from loopserve.tokenizer import write_byte_level_bpe_tokenizer
+
+        write_byte_level_bpe_tokenizer(out, vocab_size=vocab_size)
+    return out
+
+
+def make_default_model(path: str | os.PathLike = DEFAULT_MODEL_DIR) -> Path:
+    """The embedded default model shipped as package data (random weights for now)."""
+    return make_tiny_checkpoint(
+        path,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=1024,
+        intermediate_size=352,
+        total_ut_steps=4,
+        seed=1234,
+        with_tokenizer=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write a tiny random Ouro checkpoint.")
+    parser.add_argument("path", nargs="?", default=None, help="output directory")
+    parser.add_argument("--default", action="store_true", help="regenerate the embedded model")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--with-tokenizer", action="store_true")
+    args = parser.parse_args()
+    if args.default:
+        print(make_default_model(args.path or DEFAULT_MODEL_DIR))
+        return
+    if args.path is None:
+        parser.error("path is required unless --default")
+    print(
+        make_tiny_checkpoint(
+            args.path,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+            with_tokenizer=args.with_tokenizer,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

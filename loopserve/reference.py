@@ -1,0 +1,139 @@
+"""Dense reference generator: the oracle every batching test compares against.
+
+One request, contiguous per-plane K/V, no paging, no batching, no scheduler — written for
+obviousness, not speed. It shares only the model, the exit-policy functions and the sampler
+with the engine, never the engine's KV or scheduling code.
+
+Semantics (DESIGN §3–§5):
+- the prompt runs at full depth; the first output token's loops are chosen by the exit
+  policy over the D loop outputs of the last prompt position;
+- each decode token loops until its policy exits, then the coda samples from that loop;
+- LAST_EXITED: loop d reads and writes plane d; an early exit at depth e copies the token's
+  depth-e K/V into planes e+1..D-1 (finalize);
+- SHARED: one plane, every loop overwrites; prompts run position-major.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from loopserve.errors import InvalidRequestError
+from loopserve.exit import ExitMode, ExitRule, TokenExit, choose_exit_from_hazards
+from loopserve.models.attention import DenseAttention, DenseKV
+from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
+from loopserve.sampler import SampleSpec, make_generator, sample_rows
+from loopserve.sampling_params import SamplingParams
+
+LAYOUTS = ("last_exited", "shared")
+
+
+class ReferenceOutput(NamedTuple):
+    token_ids: list[int]
+    exit_depths: list[int]  # loops used per output token (1..D)
+
+
+def trace_loops_for(params: SamplingParams, token_index: int) -> int | None:
+    """The trace entry of output token `token_index` (the trace repeats when exhausted)."""
+    if params.exit_trace is None:
+        return None
+    return params.exit_trace[token_index % len(params.exit_trace)]
+
+
+@torch.inference_mode()
+def generate(
+    model: OuroForLoopedLM,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    layout: str = "last_exited",
+    exit_mode: str = "ouro",
+    lookahead_seed: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+) -> ReferenceOutput:
+    if layout not in LAYOUTS:
+        raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    mode = ExitMode(exit_mode)
+    if mode is ExitMode.TRACE and not params.exit_trace:
+        raise InvalidRequestError("exit_mode 'trace' needs SamplingParams.exit_trace")
+    if not prompt_token_ids:
+        raise InvalidRequestError("prompt must contain at least one token")
+    num_loops = model.num_loops
+    params = params.resolve_loops(num_loops)
+    rule = ExitRule(params.min_loops, params.max_loops, params.exit_threshold)
+    hazard_fn = make_hazard_fn(
+        model, lookahead_seed=lookahead_seed if mode is ExitMode.RANDOM_LOOKAHEAD else None
+    )
+    eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
+    device = model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    config = model.config
+    prompt = list(prompt_token_ids)
+    shared = layout == "shared"
+    kv = DenseKV(
+        num_planes=1 if shared else num_loops,
+        num_layers=config.num_hidden_layers,
+        max_len=len(prompt) + params.max_tokens,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    scale = config.head_dim**-0.5
+
+    def run_loop(hidden: torch.Tensor, positions: torch.Tensor, depth: int) -> torch.Tensor:
+        plane = 0 if shared else depth
+        return model.core(hidden, positions, DenseAttention(kv, plane, positions, scale))
+
+    # Prompt at full depth; keep the last position's output of every loop.
+    last_outputs: list[torch.Tensor] = []
+    if shared:
+        for position, token in enumerate(prompt):
+            hidden = model.prelude(torch.tensor([token], device=device))
+            pos = torch.tensor([position], device=device)
+            for depth in range(num_loops):
+                hidden = run_loop(hidden, pos, depth)
+                if position == len(prompt) - 1:
+                    last_outputs.append(hidden)
+    else:
+        positions = torch.arange(len(prompt), device=device)
+        hidden = model.prelude(torch.tensor(prompt, device=device))
+        for depth in range(num_loops):
+            hidden = run_loop(hidden, positions, depth)
+            last_outputs.append(hidden[-1:])
+    hazards = None
+    if mode.uses_gate:
+        hazards = [float(hazard_fn(h)[0]) for h in last_outputs]
+    loops = choose_exit_from_hazards(mode, rule, hazards, trace_loops_for(params, 0))
+
+    spec = SampleSpec(params.temperature, params.top_p, params.top_k)
+    generator = make_generator(params.seed, device) if not params.greedy else None
+    token_ids: list[int] = []
+    exit_depths: list[int] = []
+
+    def emit(exit_hidden: torch.Tensor, loops_used: int) -> bool:
+        token = sample_rows(model.coda(exit_hidden), [spec], [generator])[0].token_id
+        token_ids.append(token)
+        exit_depths.append(loops_used)
+        return token in stop_ids or len(token_ids) >= params.max_tokens
+
+    done = emit(last_outputs[loops - 1], loops)
+    while not done:
+        position = len(prompt) + len(token_ids) - 1
+        pos = torch.tensor([position], device=device)
+        hidden = model.prelude(torch.tensor([token_ids[-1]], device=device))
+        token_exit = TokenExit(mode, rule, trace_loops_for(params, len(token_ids)))
+        while True:
+            hidden = run_loop(hidden, pos, token_exit.depth)
+            needs_gate = token_exit.plan().needs_gate
+            if token_exit.observe(float(hazard_fn(hidden)[0]) if needs_gate else None):
+                break
+        exit_depth = token_exit.depth - 1
+        if not shared:
+            for plane in range(exit_depth + 1, num_loops):
+                kv.copy_position(exit_depth, plane, position)
+        done = emit(hidden, token_exit.loops_used)
+    return ReferenceOutput(token_ids, exit_depths)

@@ -1,0 +1,116 @@
+"""Per-request sampling and looping parameters, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from loopserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate and how deep to loop.
+
+    `temperature == 0` is greedy. `top_k <= 0` (or -1) disables top-k. `seed` makes sampling
+    reproducible independently of batch composition. `logprobs=k` returns the chosen token's
+    logprob plus the top-k alternatives. Looping: every output token runs between `min_loops`
+    and `max_loops` loops (None = the model's depth); `exit_threshold` is the gate CDF at which
+    a token may exit early (1.0 never exits early).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_loops: int = 1
+    max_loops: int | None = None
+    exit_threshold: float = 1.0
+    priority: int = 0
+    exit_trace: tuple[int, ...] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs to tuples so the object stays hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.exit_trace is not None:
+            object.__setattr__(self, "exit_trace", tuple(self.exit_trace))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidRequestError:
+            value = getattr(self, param)
+            return InvalidRequestError(f"{param} {why}, got {value!r}", param=param)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a number >= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise bad("top_k", "must be -1/0 (disabled) or an integer >= 1")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20
+        ):
+            raise bad("logprobs", "must be an integer in [0, 20]")
+        if not _is_int(self.min_loops) or self.min_loops < 1:
+            raise bad("min_loops", "must be an integer >= 1")
+        if self.max_loops is not None:
+            if not _is_int(self.max_loops) or self.max_loops < 1:
+                raise bad("max_loops", "must be an integer >= 1")
+            if self.max_loops < self.min_loops:
+                raise bad("max_loops", f"must be >= min_loops ({self.min_loops})")
+        if not _is_number(self.exit_threshold) or not 0.0 <= self.exit_threshold <= 1.0:
+            raise bad("exit_threshold", "must be in [0, 1]")
+        if not _is_int(self.priority):
+            raise bad("priority", "must be an integer")
+        if self.exit_trace is not None and not all(_is_int(x) and x >= 1 for x in self.exit_trace):
+            raise bad("exit_trace", "must be loop counts >= 1")
+
+    def resolve_loops(self, num_loops: int) -> SamplingParams:
+        """Bind `max_loops` to the model depth and check both bounds against it."""
+        max_loops = num_loops if self.max_loops is None else self.max_loops
+        if max_loops > num_loops:
+            raise InvalidRequestError(
+                f"max_loops must be <= the model's loop count ({num_loops}), got {max_loops}",
+                param="max_loops",
+            )
+        if self.min_loops > max_loops:
+            raise InvalidRequestError(
+                f"min_loops ({self.min_loops}) must be <= max_loops ({max_loops})",
+                param="min_loops",
+            )
+        return replace(self, max_loops=max_loops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny seeded checkpoints written once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loopserve.models import load_model
+from loopserve.models.tiny import make_tiny_checkpoint
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tok_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok"), seed=1, with_tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    return load_model(tiny_dir, dtype="float32")

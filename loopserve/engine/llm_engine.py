@@ -171,7 +171,13 @@ class LLMEngine:
         tracked = self._tracked.get(request_id)
         if tracked is None or self.scheduler.abort_request(request_id) is None:
             return None
+        self._release_gone()
         return self._output(tracked, [], final=True)
+
+    def _release_gone(self) -> None:
+        """Drop runner state (generators, hidden handles) of requests that left."""
+        for request_id in self.scheduler.drain_gone_request_ids():
+            self.runner.release_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -195,14 +201,16 @@ class LLMEngine:
         self.stats.num_rows += sum(output.rows_per_core_call)
         self.stats.model_time_s += output.model_time_s
         outputs = [self._process(request) for request in touched]
+        self._release_gone()
         self.stats.step_time_s += time.perf_counter() - start_s
         return outputs
 
     def _fail_step(self, scheduled, err: Exception) -> list[RequestOutput]:
         ids = list(dict.fromkeys(item.request_id for item in scheduled.items))
         outputs = []
-        for request in self.scheduler.fail_requests(ids):
-            self.runner.release_request(request.request_id)
+        failed = self.scheduler.fail_requests(ids)
+        self._release_gone()
+        for request in failed:
             tracked = self._tracked[request.request_id]
             outputs.append(
                 self._output(tracked, [], final=True, error=f"{type(err).__name__}: {err}")

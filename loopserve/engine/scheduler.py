@@ -102,6 +102,11 @@ class Scheduler:
         self.decode_policy.on_request_gone(request.request_id)
         del self.requests[request.request_id]
 
+    def drain_gone_request_ids(self) -> list[str]:
+        """Requests that left RUNNING since the last call (for the runner to release now)."""
+        gone, self._gone_request_ids = self._gone_request_ids, []
+        return gone
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

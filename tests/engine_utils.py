@@ -1,0 +1,82 @@
+"""Helpers for engine tests: run workloads step by step and compare with the reference."""
+
+from __future__ import annotations
+
+import random
+
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.reference import generate
+from loopserve.sampling_params import SamplingParams
+
+
+def make_engine(model_dir, **overrides) -> LLMEngine:
+    args = dict(
+        model=str(model_dir),
+        dtype="float32",
+        num_blocks=512,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,
+        prefill_chunk_size=12,
+    )
+    args.update(overrides)
+    return LLMEngine.from_engine_args(**args)
+
+
+def random_workload(seed: int, num_requests: int, vocab: int, *, sampled: bool):
+    rng = random.Random(seed)
+    work = []
+    for i in range(num_requests):
+        prompt = [rng.randrange(vocab) for _ in range(rng.choice([1, 3, 5, 13, 30, 41]))]
+        params = SamplingParams(
+            max_tokens=rng.randrange(1, 14),
+            temperature=rng.choice([0.7, 1.0]) if sampled and i % 2 else 0.0,
+            top_k=rng.choice([-1, 30]),
+            top_p=rng.choice([1.0, 0.9]),
+            seed=1000 + i,
+            exit_threshold=rng.choice([0.3, 0.6, 0.9, 1.0]),
+            min_loops=rng.choice([1, 1, 2]),
+            max_loops=rng.choice([None, None, 3]),
+            exit_trace=tuple(rng.randrange(1, 5) for _ in range(rng.randrange(1, 6))),
+        )
+        arrival_step = rng.randrange(0, 12)
+        work.append((f"r{i}", prompt, params, arrival_step))
+    return work
+
+
+def run_steps(engine: LLMEngine, work, *, abort_at: dict[str, int] | None = None, on_step=None):
+    """Add requests at their arrival steps, abort some, step until done. Returns final outputs."""
+    abort_at = abort_at or {}
+    finished = {}
+    step = 0
+    pending = sorted(work, key=lambda w: w[3])
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][3] <= step:
+            request_id, prompt, params, _ = pending.pop(0)
+            engine.add_request(request_id, prompt, params)
+        for request_id, when in abort_at.items():
+            if when == step:
+                output = engine.abort_request(request_id)
+                if output is not None:
+                    finished[request_id] = output
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        engine.scheduler.check_invariants()
+        if on_step is not None:
+            on_step(engine)
+        step += 1
+    return finished
+
+
+def reference_for(engine: LLMEngine, prompt, params):
+    config = engine.config
+    return generate(
+        engine.model,
+        prompt,
+        params,
+        layout=config.cache.layout,
+        exit_mode=config.exit.mode,
+        lookahead_seed=config.exit.lookahead_seed,
+        eos_token_ids=sorted(engine.eos_token_ids),
+    )

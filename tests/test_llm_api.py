@@ -1,0 +1,112 @@
+"""The offline API and CLI: prompts in, ordered RequestOutputs out; stops and logprobs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loopserve import LLM, SamplingParams
+from loopserve.entrypoints.cli import main
+from loopserve.errors import InvalidRequestError
+from loopserve.reference import generate
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_tok_dir):
+    return LLM(str(tiny_tok_dir), dtype="float32", num_blocks=256, block_size=8)
+
+
+def test_generate_returns_outputs_in_input_order_for_text_and_token_prompts(llm):
+    params = SamplingParams(max_tokens=6, temperature=0, exit_threshold=0.5)
+    prompts = ["hello world", [5, 6, 7], "the cat"]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["hello world", None, "the cat"]
+    for output in outputs:
+        ref = generate(
+            llm.engine.model,
+            output.prompt_token_ids,
+            params,
+            eos_token_ids=sorted(llm.engine.eos_token_ids),
+        )
+        assert (output.token_ids, output.exit_depths) == (ref.token_ids, ref.exit_depths)
+        assert output.text == llm.tokenizer.decode(output.token_ids)
+        assert output.metrics.ttft_s is not None and output.metrics.e2e_s >= output.metrics.ttft_s
+
+
+def test_stop_string_ends_request_and_is_excluded_from_text(llm):
+    free = llm.generate(
+        "once upon", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0]
+    text = free.text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), f"need a visible stop string, text was {text!r}"
+    stopped = llm.generate(
+        "once upon",
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop
+    assert stopped.text == text[: text.index(stop)]
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+
+
+def test_stop_token_ids_and_max_tokens_set_finish_reason(llm):
+    free = llm.generate(
+        [1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 5
+    stop_id = free.token_ids[2]
+    out = llm.generate(
+        [1, 2, 3],
+        SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop_id
+    assert out.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
+
+
+def test_logprobs_return_chosen_token_and_alternatives(llm):
+    out = llm.generate(
+        [4, 5], SamplingParams(max_tokens=3, temperature=0, logprobs=3), use_tqdm=False
+    )[0]
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0][0] == token  # greedy picks the most likely token
+
+
+def test_bad_prompt_batch_leaves_engine_clean(llm):
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine", [10**9]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+def test_cli_generate_prints_json_with_exit_depths(tiny_tok_dir, capsys):
+    code = main(["generate", "--model", str(tiny_tok_dir), "--dtype", "float32", "--num-blocks", "128",
+                 "--prompt", "hi", "--prompt-token-ids", "1,2,3", "--max-tokens", "4", "--json",
+                 "--exit-threshold", "0.5", "--no-progress"])  # fmt: skip
+    assert code == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in records] == ["hi", None]
+    assert all(len(r["exit_depths"]) == len(r["token_ids"]) for r in records)
+
+
+def test_cli_reports_user_errors_without_traceback(tiny_tok_dir, capsys):
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_tok_dir),
+            "--max-loops",
+            "9",
+            "--no-progress",
+            "--num-blocks",
+            "64",
+        ]
+    )
+    assert code == 2
+    assert "max_loops" in capsys.readouterr().err

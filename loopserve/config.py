@@ -159,12 +159,6 @@ def validate(config: EngineConfig) -> None:
                 f"= {needed} > {sched.max_num_batched_tokens}; set max_num_batched_tokens >= {needed} "
                 f"or lower prefill_chunk_size / max_num_seqs"
             )
-    if sched.prefill_mode != "atomic" or sched.mixed_prefill_decode:
-        raise ConfigError(
-            f"prefill_mode={sched.prefill_mode!r} with mixed_prefill_decode="
-            f"{sched.mixed_prefill_decode} is not supported yet; use prefill_mode='atomic' "
-            "without mixed_prefill_decode"
-        )
 
 
 def resolve_dtype(config: EngineConfig) -> EngineConfig:

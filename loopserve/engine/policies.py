@@ -1,23 +1,29 @@
-"""Row-selection policies, chosen once at construction (DESIGN §6).
+"""Row-selection policies, chosen once at construction (DESIGN §6). Torch-free.
 
-Decode policies pick which decode tokens take rows in a decode core call:
+Decode policies pick which decode tokens take rows in a core call:
 - `RefillPolicy` (continuous depth batching): every ready token, at any depth; a token that
   exits frees its row at once and its request's next token can take a row next step.
 - `NoRefillPolicy` (cohort baseline): a cohort of tokens runs until all of them exit; exited
   requests wait for the cohort to drain before a new cohort forms.
 
-Prompt policies turn prompt-phase requests into prompt chunks:
-- `AtomicPromptPolicy`: one chunk per request per step, each running all D loops inside the
-  step, packed in admission order under the row budget.
-Torch-free.
+Prompt policies pick prompt work (`PromptWork`: a chunk at a depth) in admission order under
+a row budget, never splitting an item:
+- `AtomicPromptPolicy` (arm A0): one new chunk per request per step, running all D loops in
+  the step.
+- `PerDepthPromptPolicy` (arm A1): one chunk per request in flight, one depth per step.
+- `WavefrontPromptPolicy` (WCPB): chunks of one request at different depths share a call.
+  Chunk c at depth d is ready once chunk c-1 finished depth d (LAST_EXITED: c@d reads only
+  the depth-d KV of earlier chunks) and c finished depth d-1; a new chunk opens once the
+  previous one finished depth 0.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from loopserve.engine.request import Request
+from loopserve.engine.request import PromptChunk, Request
 
 
 class DecodePolicy(ABC):
@@ -54,40 +60,97 @@ class NoRefillPolicy(DecodePolicy):
 
 
 @dataclass(frozen=True, slots=True)
-class PromptChunk:
+class PromptWork:
+    """Run `chunk` of `request` from its next depth for `num_depths` loops this step."""
+
     request: Request
-    start: int
-    count: int
+    chunk: PromptChunk
+    num_depths: int
 
     @property
-    def end(self) -> int:
-        return self.start + self.count
+    def depth(self) -> int:
+        return self.chunk.next_depth
 
-    @property
-    def holds_last_position(self) -> bool:
-        return self.end == self.request.num_prompt_tokens
+
+NewHandle = Callable[[], int]
 
 
 class PromptPolicy(ABC):
+    def __init__(self, chunk_size: int, num_loops: int, new_handle: NewHandle) -> None:
+        self.chunk_size = chunk_size
+        self.num_loops = num_loops
+        self.new_handle = new_handle
+
+    def select(self, prompt_requests: list[Request], max_rows: int) -> list[PromptWork]:
+        """Whole prompt items in admission order until the next one does not fit."""
+        work: list[PromptWork] = []
+        rows = 0
+        for request in prompt_requests:
+            for chunk in self.ready_chunks(request, max_rows - rows):
+                if chunk is None:
+                    return work
+                work.append(PromptWork(request, chunk, self.depths_per_step))
+                rows += chunk.count
+        return work
+
+    depths_per_step = 1
+
     @abstractmethod
-    def select(self, prompt_requests: list[Request], max_rows: int) -> list[PromptChunk]:
-        """Prompt chunks to run this step, in admission order."""
+    def ready_chunks(self, request: Request, rows_left: int) -> list[PromptChunk | None]:
+        """The request's ready chunks in order; None marks one that does not fit (stop)."""
+
+    def _open_chunk(self, request: Request, rows_left: int) -> PromptChunk | None:
+        """A new chunk at the request's prompt frontier, if it fits in `rows_left`."""
+        start = request.next_chunk_start
+        count = min(self.chunk_size, request.num_prompt_tokens - start)
+        if count > rows_left:
+            return None
+        chunk = PromptChunk(start, count, self.new_handle())
+        request.next_chunk_start = chunk.end
+        request.prompt_chunks.append(chunk)
+        return chunk
+
+    def _has_unchunked(self, request: Request) -> bool:
+        return request.next_chunk_start < request.num_prompt_tokens
 
 
 class AtomicPromptPolicy(PromptPolicy):
-    """Chunks of `chunk_size` positions (1 under SHARED: prompts run position-major)."""
+    @property
+    def depths_per_step(self) -> int:  # type: ignore[override]
+        return self.num_loops
 
-    def __init__(self, chunk_size: int) -> None:
-        self.chunk_size = chunk_size
+    def ready_chunks(self, request: Request, rows_left: int) -> list[PromptChunk | None]:
+        assert not request.prompt_chunks, "atomic chunks complete within their step"
+        return [self._open_chunk(request, rows_left)]
 
-    def select(self, prompt_requests: list[Request], max_rows: int) -> list[PromptChunk]:
-        chunks: list[PromptChunk] = []
-        rows = 0
-        for request in prompt_requests:
-            start = request.next_chunk_start
-            count = min(self.chunk_size, request.num_prompt_tokens - start)
-            if rows + count > max_rows:
-                break
-            chunks.append(PromptChunk(request, start, count))
-            rows += count
-        return chunks
+
+class PerDepthPromptPolicy(PromptPolicy):
+    def ready_chunks(self, request: Request, rows_left: int) -> list[PromptChunk | None]:
+        if request.prompt_chunks:
+            chunk = request.prompt_chunks[0]
+            return [chunk if chunk.count <= rows_left else None]
+        return [self._open_chunk(request, rows_left)]
+
+
+class WavefrontPromptPolicy(PromptPolicy):
+    def ready_chunks(self, request: Request, rows_left: int) -> list[PromptChunk | None]:
+        ready: list[PromptChunk | None] = []
+        previous: PromptChunk | None = None
+        for chunk in request.prompt_chunks:
+            if previous is None or previous.next_depth > chunk.next_depth:
+                if chunk.count > rows_left:
+                    return ready + [None]
+                ready.append(chunk)
+                rows_left -= chunk.count
+            previous = chunk
+        last = request.prompt_chunks[-1] if request.prompt_chunks else None
+        if self._has_unchunked(request) and (last is None or last.next_depth >= 1):
+            ready.append(self._open_chunk(request, rows_left))
+        return ready
+
+
+PROMPT_POLICIES: dict[str, type[PromptPolicy]] = {
+    "atomic": AtomicPromptPolicy,
+    "per_depth": PerDepthPromptPolicy,
+    "wavefront": WavefrontPromptPolicy,
+}

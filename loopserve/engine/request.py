@@ -15,6 +15,21 @@ from loopserve.sampler import SampledToken
 from loopserve.sampling_params import SamplingParams
 
 
+@dataclass(slots=True)
+class PromptChunk:
+    """A fixed run of prompt positions advancing through the depths; `handle` names its
+    hidden state in the runner between depths."""
+
+    start: int
+    count: int
+    handle: int
+    next_depth: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -78,7 +93,8 @@ class Request:
         self.logprobs: list[SampledToken] = []
         # Prompt progress: positions [0, num_prefilled_tokens) are complete at every depth.
         self.num_prefilled_tokens = 0
-        self.next_chunk_start = 0
+        self.next_chunk_start = 0  # first prompt position not yet in any chunk
+        self.prompt_chunks: list[PromptChunk] = []  # created, not yet complete at all depths
         # Decode progress: the token in flight and its runner handle.
         self.token_exit: TokenExit | None = None
         self.decode_handle: int | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,16 @@ from loopserve.engine.contracts import ItemKind, ItemResult, RunnerOutput, Sched
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.sampler import SampledToken, SampleSpec, make_generator, sample_rows
+
+
+@dataclass
+class InFlight:
+    """Work paused between steps: hidden [rows, hidden] of its last loop, plus, for the chunk
+    holding the last prompt position, that row's hazards and outputs of every depth so far."""
+
+    hidden: torch.Tensor
+    hazards: list[float] = field(default_factory=list)
+    last_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -57,7 +68,7 @@ class ModelRunner:
         lookahead = lookahead_seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD else None
         self.hazard_fn = make_hazard_fn(model, lookahead_seed=lookahead)
         self.samplers: dict[str, tuple[SampleSpec, torch.Generator | None]] = {}
-        self.hidden: dict[int, torch.Tensor] = {}  # handle -> hidden [rows, hidden]
+        self.inflight: dict[int, InFlight] = {}  # handle -> state between steps
         self.handles_of: dict[str, set[int]] = defaultdict(set)
 
     @staticmethod
@@ -71,7 +82,7 @@ class ModelRunner:
         for request_id in scheduled.finished_request_ids:
             self.release_request(request_id)
         for handle in scheduled.released_handles:
-            self.hidden.pop(handle, None)
+            self.inflight.pop(handle, None)
         for new in scheduled.new_requests:
             greedy = new.sample_spec.temperature == 0.0
             generator = None if greedy else make_generator(new.seed, self.device)
@@ -80,11 +91,15 @@ class ModelRunner:
     def release_request(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
         for handle in self.handles_of.pop(request_id, ()):
-            self.hidden.pop(handle, None)
+            self.inflight.pop(handle, None)
 
     @property
     def num_live_handles(self) -> int:
-        return len(self.hidden)
+        return len(self.inflight)
+
+    @property
+    def inflight_rows(self) -> int:
+        return sum(state.hidden.shape[0] for state in self.inflight.values())
 
     # ---- execution ----------------------------------------------------------------------
 
@@ -95,9 +110,9 @@ class ModelRunner:
         if not items:
             return RunnerOutput(scheduled.step_id, ())
         start_s = time.perf_counter()
-        states = self._initial_states(items)
         hazards: list[list[float]] = [[] for _ in items]
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
+        states = self._initial_states(items, hazards, last_outputs)
         exited = [False] * len(items)
         rows_per_call = []
         for k in range(max(item.num_depths for item in items)):
@@ -114,7 +129,9 @@ class ModelRunner:
             scheduled.step_id, tuple(results), tuple(rows_per_call), time.perf_counter() - start_s
         )
 
-    def _initial_states(self, items: tuple[WorkItem, ...]) -> list[torch.Tensor]:
+    def _initial_states(
+        self, items: tuple[WorkItem, ...], hazards, last_outputs
+    ) -> list[torch.Tensor]:
         fresh = [i for i, item in enumerate(items) if item.needs_prelude]
         states: list[torch.Tensor | None] = [None] * len(items)
         if fresh:
@@ -124,7 +141,10 @@ class ModelRunner:
                 states[i] = chunk
         for i, item in enumerate(items):
             if states[i] is None:
-                states[i] = self.hidden.pop(item.handle)
+                resumed = self.inflight.pop(item.handle)
+                states[i] = resumed.hidden
+                if item.first_token:  # the last prompt row's earlier depths
+                    hazards[i], last_outputs[i] = resumed.hazards, resumed.last_rows
         return states  # type: ignore[return-value]
 
     def _plane(self, item: WorkItem, k: int) -> int:
@@ -214,13 +234,13 @@ class ModelRunner:
             if finished:
                 self.handles_of[item.request_id].discard(item.handle)
             else:
-                self.hidden[item.handle] = states[i]
+                self.inflight[item.handle] = InFlight(states[i], hazards[i], last_outputs[i])
                 self.handles_of[item.request_id].add(item.handle)
             results.append(
                 ItemResult(
                     request_id=item.request_id,
                     handle=item.handle,
-                    hazards=tuple(hazards[i]),
+                    hazards=tuple(hazards[i][-item.num_depths :]) if item.needs_gate else (),
                     exited=bool(exited[i]) or i in sampled,
                     loops_used=loops_used.get(i),
                     sampled=sampled.get(i),

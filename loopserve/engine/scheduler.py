@@ -1,10 +1,12 @@
 """The scheduler: owns request progress and turns it into one core-call plan per step.
 
 Each step: admit waiting requests (priority, then arrival) while sequences and KV allow;
-then either a prompt step (the prompt policy's chunks, each running all D loops) or a decode
-step (one core call over the decode policy's tokens, each at its own depth). When both kinds
-of work are ready, steps alternate (`max_prefill_batches_before_decode` prompt steps, then
-one decode call). `update()` applies the runner's results: depth +1, exit decisions, first
+then either a prompt step (the prompt policy's items: atomic chunks run all D loops, per-depth
+and wavefront items one loop) or a decode step (one core call over the decode policy's
+tokens, each at its own depth). When both kinds of work are ready, steps alternate
+(`max_prefill_batches_before_decode` prompt steps, then one decode call). With
+`mixed_prefill_decode` every step is one core call: decode rows first, then whole prompt
+items until `max_num_batched_tokens`. `update()` applies the runner's results: depth +1, exit decisions, first
 tokens, stop checks. Torch-free; never touches tensors.
 """
 
@@ -23,11 +25,11 @@ from loopserve.engine.contracts import (
 )
 from loopserve.engine.kv_cache import KVCacheManager
 from loopserve.engine.policies import (
-    AtomicPromptPolicy,
+    PROMPT_POLICIES,
     DecodePolicy,
     NoRefillPolicy,
-    PromptChunk,
     PromptPolicy,
+    PromptWork,
     RefillPolicy,
 )
 from loopserve.engine.request import FinishReason, Request, RequestStatus
@@ -48,8 +50,15 @@ class Scheduler:
         self.decode_policy: DecodePolicy = (
             RefillPolicy() if sched.mode == "refill" else NoRefillPolicy()
         )
+        # SHARED runs prompts position-major: a position is final before later ones read it.
         chunk_size = 1 if config.cache.layout == "shared" else sched.prefill_chunk_size
-        self.prompt_policy: PromptPolicy = AtomicPromptPolicy(chunk_size)
+        self.mixed = sched.mixed_prefill_decode
+        prompt_mode = sched.prefill_mode
+        if self.mixed and prompt_mode == "atomic":
+            prompt_mode = "per_depth"  # prompt rows ride in decode calls one depth at a time
+        self.prompt_policy: PromptPolicy = PROMPT_POLICIES[prompt_mode](
+            chunk_size, num_loops, self._handle
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -149,19 +158,10 @@ class Scheduler:
         self._admit()
         prompt_requests = [r for r in self.running if r.in_prompt_phase]
         decode_requests = [r for r in self.running if not r.in_prompt_phase]
-        items: list[WorkItem] = []
-        prompt_turn = bool(prompt_requests) and (
-            not decode_requests
-            or self._prompt_steps_in_a_row < self.config.scheduler.max_prefill_batches_before_decode
-        )
-        if prompt_turn:
-            chunks = self.prompt_policy.select(prompt_requests, self.max_rows)
-            items = [self._prompt_item(chunk) for chunk in chunks]
-            self._prompt_steps_in_a_row += 1
-        if not items and decode_requests:
-            selected = self.decode_policy.select(decode_requests, self.max_rows)
-            items = [self._decode_item(r) for r in selected]
-            self._prompt_steps_in_a_row = 0
+        if self.mixed:
+            items = self._mixed_items(prompt_requests, decode_requests)
+        else:
+            items = self._alternating_items(prompt_requests, decode_requests)
         self._step_id += 1
         tables = {item.request_id: self.kv.tables[item.request_id] for item in items}
         out = SchedulerOutput(
@@ -175,20 +175,40 @@ class Scheduler:
         self._gone_request_ids.clear()
         return out
 
-    def _prompt_item(self, chunk: PromptChunk) -> WorkItem:
-        request = chunk.request
-        request.next_chunk_start = chunk.end
-        last = chunk.holds_last_position
+    def _alternating_items(self, prompt_requests, decode_requests) -> list[WorkItem]:
+        """A prompt step or a decode step; alternate when both kinds of work are ready."""
+        limit = self.config.scheduler.max_prefill_batches_before_decode
+        if prompt_requests and (not decode_requests or self._prompt_steps_in_a_row < limit):
+            work = self.prompt_policy.select(prompt_requests, self.max_rows)
+            if work:
+                self._prompt_steps_in_a_row += 1
+                return [self._prompt_item(w) for w in work]
+        self._prompt_steps_in_a_row = 0
+        selected = self.decode_policy.select(decode_requests, self.max_rows)
+        return [self._decode_item(r) for r in selected]
+
+    def _mixed_items(self, prompt_requests, decode_requests) -> list[WorkItem]:
+        """Every ready decode row first, then whole prompt items until the row budget."""
+        selected = self.decode_policy.select(decode_requests, self.max_rows)
+        items = [self._decode_item(r) for r in selected]
+        work = self.prompt_policy.select(prompt_requests, self.max_rows - len(items))
+        return items + [self._prompt_item(w) for w in work]
+
+    def _prompt_item(self, work: PromptWork) -> WorkItem:
+        request, chunk = work.request, work.chunk
+        last = chunk.end == request.num_prompt_tokens
         return WorkItem(
             request_id=request.request_id,
             kind=ItemKind.PROMPT,
             token_start=chunk.start,
             token_count=chunk.count,
-            depth=0,
-            num_depths=self.num_loops,
-            handle=self._handle(),
-            needs_prelude=True,
-            token_ids=tuple(request.prompt_token_ids[chunk.start : chunk.end]),
+            depth=work.depth,
+            num_depths=work.num_depths,
+            handle=chunk.handle,
+            needs_prelude=work.depth == 0,
+            token_ids=tuple(request.prompt_token_ids[chunk.start : chunk.end])
+            if work.depth == 0
+            else (),
             needs_gate=last and self.exit_mode.uses_gate,
             first_token=last,
             exit_rule=request.exit_rule if last else None,
@@ -233,9 +253,7 @@ class Scheduler:
             if request is None:
                 continue  # aborted while the step ran; the runner already released its state
             if item.kind is ItemKind.PROMPT:
-                if item.last_depth == self.num_loops - 1:
-                    request.num_prefilled_tokens = item.token_start + item.token_count
-                if not item.first_token:
+                if not self._advance_chunk(request, item) or not item.first_token:
                     continue
                 assert result.sampled is not None and result.loops_used is not None
                 reason = request.append_token(result.sampled, result.loops_used, now)
@@ -258,6 +276,21 @@ class Scheduler:
             else:
                 self._start_decode_token(request)
         return touched
+
+    def _advance_chunk(self, request: Request, item: WorkItem) -> bool:
+        """Record the depths a prompt chunk ran; True when it completed its final depth."""
+        chunk = request.prompt_chunks[0] if request.prompt_chunks[0].handle == item.handle else None
+        if chunk is None:
+            chunk = next(c for c in request.prompt_chunks if c.handle == item.handle)
+        assert chunk.next_depth == item.depth, "prompt chunk ran out of order"
+        chunk.next_depth = item.last_depth + 1
+        if chunk.next_depth < self.num_loops:
+            return False
+        # Chunks complete in order (c@d waits for c-1@d), so the frontier stays contiguous.
+        assert chunk is request.prompt_chunks[0] and chunk.start == request.num_prefilled_tokens
+        request.prompt_chunks.pop(0)
+        request.num_prefilled_tokens = chunk.end
+        return True
 
     def _start_decode_token(self, request: Request) -> None:
         index = len(request.output_token_ids)

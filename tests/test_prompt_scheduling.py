@@ -1,0 +1,239 @@
+"""Prompt scheduling arms (atomic, per_depth, wavefront, mixed): exactness and mechanics."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopserve.engine.contracts import ItemKind
+from loopserve.errors import ConfigError
+from loopserve.sampling_params import SamplingParams
+from tests.engine_utils import make_engine, random_workload, reference_for, run_steps
+
+ARMS = {
+    "atomic": dict(prefill_mode="atomic"),
+    "per_depth": dict(prefill_mode="per_depth"),
+    "wavefront": dict(prefill_mode="wavefront"),
+    "mixed": dict(prefill_mode="atomic", mixed_prefill_decode=True),
+    "wavefront_mixed": dict(prefill_mode="wavefront", mixed_prefill_decode=True),
+}
+# Chunk 8 with prompts up to 41 tokens: many chunks per prompt; budget fits chunk + seqs - 1.
+BUDGET = dict(prefill_chunk_size=8, max_num_batched_tokens=24, max_num_seqs=4, block_size=4)
+
+
+def record_schedules(engine):
+    steps = []
+    original = engine.scheduler.schedule
+
+    def schedule():
+        out = original()
+        steps.append(out)
+        return out
+
+    engine.scheduler.schedule = schedule
+    return steps
+
+
+def handle_bound(engine) -> int:
+    sched = engine.config.scheduler
+    return sched.max_num_seqs * (engine.num_loops * sched.prefill_chunk_size + 1)
+
+
+@pytest.mark.parametrize("exit_mode", ["ouro", "ouro_delayed", "random_lookahead", "trace"])
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_every_arm_matches_reference_with_arrivals_and_aborts(tiny_dir, arm, exit_mode):
+    engine = make_engine(tiny_dir, exit_mode=exit_mode, **ARMS[arm], **BUDGET)
+    work = random_workload(
+        hash((arm, exit_mode)) % 997, 9, engine.model.config.vocab_size, sampled=True
+    )
+    aborted = {"r1": 4, "r6": 13}
+    rows_seen = []
+
+    def check(e):
+        assert e.runner.inflight_rows <= handle_bound(e)
+        rows_seen.append(e.runner.num_live_handles)
+
+    finished = run_steps(engine, work, abort_at=aborted, on_step=check)
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        n = len(out.token_ids)
+        if out.finish_reason == "abort":
+            assert (out.token_ids, out.exit_depths) == (ref.token_ids[:n], ref.exit_depths[:n])
+        else:
+            assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+    assert engine.runner.num_live_handles == 0
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_per_depth_runs_under_shared_layout_position_major(tiny_dir):
+    engine = make_engine(tiny_dir, layout="shared", prefill_mode="per_depth", **BUDGET)
+    work = random_workload(5, 5, engine.model.config.vocab_size, sampled=False)
+    finished = run_steps(engine, work)
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        assert (finished[request_id].token_ids, finished[request_id].exit_depths) == tuple(ref)
+
+
+@pytest.mark.parametrize("arm", ["wavefront", "mixed"])
+def test_shared_layout_rejects_wavefront_and_mixed(tiny_dir, arm):
+    with pytest.raises(ConfigError, match="last_exited"):
+        make_engine(tiny_dir, layout="shared", **ARMS[arm], **BUDGET)
+
+
+def test_mixed_budget_guard_names_values_and_fix(tiny_dir):
+    with pytest.raises(
+        ConfigError, match=r"16 \+ 8 - 1 = 23 > 20; set max_num_batched_tokens >= 23"
+    ):
+        make_engine(
+            tiny_dir,
+            mixed_prefill_decode=True,
+            prefill_chunk_size=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=20,
+        )
+    make_engine(
+        tiny_dir,
+        mixed_prefill_decode=True,
+        prefill_chunk_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=23,
+    )
+
+
+def long_and_short_workload():
+    long = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, exit_threshold=0.5)
+    return [
+        ("d0", [3, 4], short, 0),
+        ("d1", [5, 6, 7], short, 0),
+        ("long", list(range(1, 41)), long, 2),
+        ("late", [9, 9], short, 6),
+    ]
+
+
+def test_mixed_calls_form_with_decode_rows_first(tiny_dir):
+    engine = make_engine(tiny_dir, **ARMS["mixed"], **BUDGET)
+    steps = record_schedules(engine)
+    run_steps(engine, long_and_short_workload())
+    mixed = [s for s in steps if {i.kind for i in s.items} == {ItemKind.DECODE, ItemKind.PROMPT}]
+    assert len(mixed) >= 5
+    for s in steps:
+        kinds = [i.kind for i in s.items]
+        assert kinds == sorted(kinds, key=lambda k: k is ItemKind.PROMPT), "decode rows come first"
+        assert s.num_rows <= BUDGET["max_num_batched_tokens"]
+        assert all(i.num_depths == 1 for i in s.items)
+
+
+def test_mixed_selects_every_ready_decode_row(tiny_dir):
+    engine = make_engine(tiny_dir, **ARMS["mixed"], **BUDGET)
+    steps = record_schedules(engine)
+
+    def check(e):
+        scheduled = steps[-1]
+        decode_ids = {i.request_id for i in scheduled.items if i.kind is ItemKind.DECODE}
+        # Every request already in decode before this step had a row in it.
+        assert decode_ids >= pre_decode.get(scheduled.step_id, set())
+
+    pre_decode: dict[int, set[str]] = {}
+    original = engine.scheduler.schedule
+
+    def schedule():
+        pre = {r.request_id for r in engine.scheduler.running if not r.in_prompt_phase}
+        out = original()
+        pre_decode[out.step_id] = pre
+        return out
+
+    engine.scheduler.schedule = schedule
+    run_steps(engine, long_and_short_workload(), on_step=check)
+
+
+def test_wavefront_respects_chunk_dependencies_and_overlaps_depths(tiny_dir):
+    engine = make_engine(tiny_dir, **ARMS["wavefront"], **BUDGET)
+    steps = record_schedules(engine)
+    engine.add_request("p", list(range(1, 41)), SamplingParams(max_tokens=2, temperature=0))
+    run_steps(engine, [])
+    done: set[tuple[int, int]] = set()  # (chunk start, depth) completed
+    overlapped = False
+    for s in steps:
+        items = [(i.token_start, i.depth) for i in s.items if i.kind is ItemKind.PROMPT]
+        for start, depth in items:
+            if start > 0:
+                assert (start - 8, depth) in done, (
+                    f"chunk {start}@d{depth} ran before chunk {start - 8}@d{depth}"
+                )
+            if depth > 0:
+                assert (start, depth - 1) in done
+        if len({d for _, d in items}) > 1:
+            overlapped = True
+        done |= set(items)
+    assert overlapped, "c0@d1 and c1@d0 never shared a core call"
+    assert any(
+        ((0, 1) in {(i.token_start, i.depth) for i in s.items})
+        and ((8, 0) in {(i.token_start, i.depth) for i in s.items})
+        for s in steps
+    )
+
+
+def test_prompt_items_keep_admission_order_across_depths(tiny_dir):
+    engine = make_engine(tiny_dir, **ARMS["wavefront"], **BUDGET)
+    steps = record_schedules(engine)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    work = [(f"p{i}", list(range(1, 20 + i)), params, 0) for i in range(3)]
+    run_steps(engine, work)
+    for s in steps:
+        order = [int(i.request_id[1:]) for i in s.items if i.kind is ItemKind.PROMPT]
+        assert order == sorted(order)
+        for rid in {i.request_id for i in s.items}:
+            starts = [i.token_start for i in s.items if i.request_id == rid]
+            assert starts == sorted(starts)
+
+
+def test_admission_continues_during_long_prompts(tiny_dir):
+    for arm in ("per_depth", "wavefront", "mixed"):
+        engine = make_engine(tiny_dir, **ARMS[arm], **BUDGET)
+        engine.add_request("long", list(range(1, 41)), SamplingParams(max_tokens=2, temperature=0))
+        engine.step()
+        engine.add_request("short", [1, 2], SamplingParams(max_tokens=1, temperature=0))
+        finished_order = []
+        while engine.has_unfinished_requests():
+            finished_order += [o.request_id for o in engine.step() if o.finished]
+        assert finished_order == ["short", "long"], arm
+
+
+def test_selector_never_splits_items_and_stops_at_budget(tiny_dir):
+    engine = make_engine(tiny_dir, **ARMS["wavefront"], **BUDGET)
+    steps = record_schedules(engine)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    run_steps(engine, [(f"p{i}", list(range(1, 30)), params, 0) for i in range(4)])
+    assert max(s.num_rows for s in steps) == BUDGET["max_num_batched_tokens"]
+    for s in steps:
+        assert all(i.token_count in (8, 5, 1) for i in s.items)  # 29 = 8+8+8+5; decode = 1
+
+
+@pytest.mark.parametrize("arm", ["per_depth", "wavefront", "wavefront_mixed"])
+def test_abort_mid_prompt_releases_every_handle(tiny_dir, arm):
+    engine = make_engine(tiny_dir, **ARMS[arm], **BUDGET)
+    engine.add_request("a", list(range(1, 41)), SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("b", list(range(2, 30)), SamplingParams(max_tokens=3, temperature=0))
+    for _ in range(3):
+        engine.step()
+    assert engine.runner.num_live_handles >= 1
+    engine.abort_request("a")
+    assert not any(h for h in engine.runner.handles_of.get("a", ()))
+    run_steps(engine, [])
+    assert engine.runner.num_live_handles == 0
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_failed_step_releases_in_flight_prompt_state(tiny_dir, monkeypatch):
+    engine = make_engine(tiny_dir, **ARMS["wavefront"], **BUDGET)
+    engine.add_request("a", list(range(1, 41)), SamplingParams(max_tokens=3, temperature=0))
+    engine.step()
+    engine.step()
+    monkeypatch.setattr(
+        engine.runner, "execute", lambda s: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
+    outputs = engine.step()
+    assert outputs[0].finish_reason == "abort" and "boom" in outputs[0].error
+    assert engine.runner.num_live_handles == 0
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks

@@ -169,8 +169,22 @@ def resolve_dtype(config: EngineConfig) -> EngineConfig:
     )
 
 
+def max_inflight_rows(config: EngineConfig, num_loops: int) -> int:
+    """Upper bound on hidden-state rows the runner holds between steps.
+
+    Per running request: one decode token, or its in-flight prompt chunks (wavefront: up to
+    D chunks at different depths; per-depth/mixed: one), plus D last-row outputs of the
+    chunk holding the last prompt position.
+    """
+    sched = config.scheduler
+    chunks = num_loops if sched.prefill_mode == "wavefront" else 1
+    if sched.prefill_mode == "atomic" and not sched.mixed_prefill_decode:
+        chunks = 0  # atomic chunks finish inside their step
+    return sched.max_num_seqs * (max(1, chunks * sched.prefill_chunk_size) + num_loops)
+
+
 def resolve_num_blocks(
-    cache: CacheConfig, *, bytes_per_block: int, free_bytes: int | None
+    cache: CacheConfig, *, bytes_per_block: int, free_bytes: int | None, reserved_bytes: int = 0
 ) -> CacheConfig:
     """Fix `num_blocks` from an explicit count, a byte budget, or profiled free memory."""
     if cache.num_blocks is not None:
@@ -181,6 +195,8 @@ def resolve_num_blocks(
         budget = int(free_bytes * cache.gpu_memory_utilization)
     else:
         budget = DEFAULT_CPU_KV_BYTES
+    if cache.kv_cache_bytes is None:
+        budget -= reserved_bytes  # in-flight hidden states share the memory plan
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ConfigError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from loopserve.config import max_inflight_rows
 from loopserve.engine.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.sampling_params import SamplingParams
@@ -34,8 +35,7 @@ def record_schedules(engine):
 
 
 def handle_bound(engine) -> int:
-    sched = engine.config.scheduler
-    return sched.max_num_seqs * (engine.num_loops * sched.prefill_chunk_size + 1)
+    return max_inflight_rows(engine.config, engine.num_loops)
 
 
 @pytest.mark.parametrize("exit_mode", ["ouro", "ouro_delayed", "random_lookahead", "trace"])
@@ -237,3 +237,27 @@ def test_failed_step_releases_in_flight_prompt_state(tiny_dir, monkeypatch):
     assert outputs[0].finish_reason == "abort" and "boom" in outputs[0].error
     assert engine.runner.num_live_handles == 0
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_memory_plan_reserves_inflight_hidden_states(tiny_dir):
+    from loopserve.config import DEFAULT_CPU_KV_BYTES
+
+    engine = make_engine(tiny_dir, num_blocks=None, **ARMS["wavefront"], **BUDGET)
+    rows = max_inflight_rows(engine.config, engine.num_loops)
+    assert rows == 4 * (4 * 8 + 4)
+    assert engine.inflight_hidden_bytes == rows * engine.model.config.hidden_size * 4
+    per_block = engine.runner.kv_bytes_per_block(engine.model, 4, engine.model.lm_head.weight.dtype)
+    expected = (DEFAULT_CPU_KV_BYTES - engine.inflight_hidden_bytes) // per_block
+    assert engine.kv.pool.num_blocks == expected
+
+
+def test_request_id_reuse_starts_from_clean_runner_state(tiny_dir):
+    engine = make_engine(tiny_dir, **ARMS["wavefront"], **BUDGET)
+    params = SamplingParams(max_tokens=3, temperature=0.8, seed=7)
+    engine.add_request("x", list(range(1, 30)), params)
+    engine.step()
+    engine.abort_request("x")
+    engine.add_request("x", list(range(1, 30)), params)
+    finished = run_steps(engine, [])
+    ref = reference_for(engine, list(range(1, 30)), params)
+    assert (finished["x"].token_ids, finished["x"].exit_depths) == tuple(ref)

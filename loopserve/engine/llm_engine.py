@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from loopserve.config import EngineConfig, resolve_dtype, resolve_num_blocks
+from loopserve.config import EngineConfig, max_inflight_rows, resolve_dtype, resolve_num_blocks
 from loopserve.engine.kv_cache import KVCacheManager
 from loopserve.engine.request import FinishReason, Request
 from loopserve.engine.runner import ModelRunner
@@ -81,7 +81,15 @@ class LLMEngine:
         free = None
         if config.device.startswith("cuda"):
             free = torch.cuda.mem_get_info()[0]
-        cache = resolve_num_blocks(config.cache, bytes_per_block=bytes_per_block, free_bytes=free)
+        element_size = self.model.lm_head.weight.element_size()
+        inflight_rows = max_inflight_rows(config, self.model.num_loops)
+        self.inflight_hidden_bytes = inflight_rows * self.model.config.hidden_size * element_size
+        cache = resolve_num_blocks(
+            config.cache,
+            bytes_per_block=bytes_per_block,
+            free_bytes=free,
+            reserved_bytes=self.inflight_hidden_bytes,
+        )
         self.config = dataclasses.replace(config, cache=cache)
         self.num_loops = self.model.num_loops
         self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings

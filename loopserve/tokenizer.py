@@ -2,10 +2,9 @@
 
 `Tokenizer` wraps a Hugging Face `tokenizer.json` plus the small amount of metadata that lives
 next to it (`tokenizer_config.json`, `generation_config.json`): end-of-sequence ids, the BOS
-policy and the chat template. `IncrementalDetokenizer` turns one request's output ids into text
-piece by piece, holding back partial UTF-8 characters and possible stop-string prefixes.
-`write_byte_level_bpe_tokenizer` trains a tiny byte-level BPE tokenizer on an embedded corpus, so
-tests and toy checkpoints need no download.
+policy and the chat template. The streaming `IncrementalDetokenizer`
+(`loopserve.detokenizer`) and the toy tokenizer trainer (`loopserve.models.toy_tokenizer`)
+are re-exported here.
 
 This module does not tokenize in batches or apply sampling: stop *token* ids and EOS handling
 belong to the engine; only stop *strings* are matched here, because they live in text space.
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,6 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from loopserve.errors import InvalidRequestError, ModelLoadError
 
@@ -38,121 +35,6 @@ CHATML_TEMPLATE: str = (
 END_OF_TURN_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 # 256 byte symbols + 3 specials, plus enough merges that the vocabulary is more than bytes.
 MIN_VOCAB_SIZE: int = 256 + len(SPECIAL_TOKENS) + 16
-# Prompt tokens decoded as left context for the first output token (vLLM uses the same 5), so
-# tokenizers that drop a leading space at the start of a decode keep it between prompt and output.
-_NUM_PROMPT_CONTEXT_TOKENS = 5
-
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog. This sentence uses every letter of the alphabet,
-and for that reason it has been used for many years to test typewriters and computer fonts.
-
-A language model reads a sequence of tokens and predicts the next one. A looped language model
-applies the same stack of layers more than once before it makes that prediction. Each pass over
-the stack is called a loop. Some tokens are easy and need only one or two loops; other tokens are
-hard and need all of them. When the model is confident, it may exit early and save compute.
-
-On Monday, March 3rd, 2025, the team met at 9:30 in the morning. They had 12 tasks, 4 engineers
-and 1 deadline. "Can we finish by Friday?" asked the manager. "Yes, if nothing breaks," said
-the lead. It was not a promise; it was a plan. By 5:45 p.m. they had closed 7 of the 12 tasks.
-
-Numbers appear everywhere: 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 42, 100, 256, 512, 1024, 2048,
-3.14159, 2.71828, 1,000,000 and -17. Prices are written as $19.99 or 45%; times as 12:00;
-dates as 2024-06-30; versions as v1.2.3; and ratios as 3/4 or 16:9.
-
-Good software is simple to read. Write small functions that do one thing. Name things for what
-they are, not for how they are built. Test the behaviour you promise, and keep the tests fast.
-When something fails, the error message should say what went wrong and how to fix it. Comments
-should explain why the code is the way it is, because the code itself already says what it does.
-
-The weather today is cold and wet. Rain fell all night, and the river is high. The children
-stayed inside, read books, played games and drank hot chocolate. In the evening the sky cleared,
-the wind dropped, and the first stars came out over the hills. Tomorrow should be warm and dry.
-
-Questions and answers:
-Q: What is the capital of France?
-A: The capital of France is Paris.
-Q: How many days are there in a week?
-A: There are seven days in a week.
-Q: Who wrote the play Hamlet?
-A: William Shakespeare wrote it, around the year 1600.
-
-A small cafe on the corner sells coffee, tea, bread and soup. Its owner, a naive but kind man
-from Zurich, opens at 7 and closes at 19. People say the café is the best in town; the crème
-brûlée is famous, and the piñata at the party was a hit. Everyone is welcome, they say, and
-nobody leaves hungry.
-
-Lists help the reader:
-- first, gather the data;
-- second, clean it and check it;
-- third, train the model;
-- finally, measure the results and write them down.
-
-(Parentheses), [brackets], {braces}, <angle brackets>, 'single quotes', "double quotes",
-back\\slashes, under_scores, hyphen-ated words, and email@example.com are all part of text too!
-Is that right? Yes! No... maybe; perhaps: who knows?
-"""
-
-
-def write_byte_level_bpe_tokenizer(path: str | os.PathLike[str], *, vocab_size: int = 512) -> None:
-    """Train a byte-level BPE tokenizer on the embedded corpus and save it into directory `path`.
-
-    Writes `tokenizer.json`, `tokenizer_config.json` (ChatML template, EOS `<|im_end|>`) and
-    `generation_config.json`; other files in `path` are left alone. `vocab_size` counts the
-    special tokens, the 256 byte symbols and the merges. The output is deterministic.
-    """
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
-    backend = tokenizers.Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
-    if backend.get_vocab_size() != vocab_size:
-        raise ValueError(
-            f"the embedded corpus supports at most {backend.get_vocab_size()} tokens, "
-            f"got vocab_size={vocab_size}"
-        )
-    special_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}
-    assert list(special_ids.values()) == list(range(len(SPECIAL_TOKENS))), special_ids
-    eos_token, pad_token = "<|im_end|>", "<|endoftext|>"
-    tokenizer_config = {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(token_id): {
-                "content": token,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for token, token_id in special_ids.items()
-        },
-        "additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in (eos_token, pad_token)],
-        "bos_token": None,
-        "chat_template": CHATML_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": eos_token,
-        "model_max_length": 32768,
-        "pad_token": pad_token,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
-    generation_config = {
-        "eos_token_id": [special_ids[eos_token], special_ids[pad_token]],
-        "bos_token_id": None,
-    }
-    out_dir = Path(path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    backend.save(str(out_dir / "tokenizer.json"), pretty=True)
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
-    _write_json(out_dir / "generation_config.json", generation_config)
 
 
 class Tokenizer:
@@ -270,119 +152,6 @@ class Tokenizer:
         return self._compiled_template
 
 
-@dataclass(frozen=True, slots=True)
-class DetokenizerUpdate:
-    """What one output token released: text safe to stream now, and the stop string it hit."""
-
-    new_text: str
-    stop_hit: str | None = None
-
-
-class IncrementalDetokenizer:
-    """Streams one request's output text, decoding only a small window of recent tokens.
-
-    The window (vLLM's prefix/read offsets) is `window_ids`: the tokens read last time (at first,
-    up to 5 prompt tokens as context) followed by the unread ones from `read_offset` on.
-    Invariant: `prefix_text` is the decode of `window_ids[:read_offset]`, already in `text` for
-    output tokens; new text is the window's decode past it. Text is read only when the window
-    does not end in U+FFFD (a partial UTF-8 character), and released only up to the longest tail
-    that could still grow into a stop string. Tokens added after a stop string hit are ignored.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: list[int],
-        stop: tuple[str, ...] = (),
-        skip_special_tokens: bool = True,
-    ) -> None:
-        assert all(stop), "stop strings must be non-empty"
-        self._tokenizer = tokenizer
-        self._stop = tuple(stop)
-        self._max_stop_chars = max((len(s) for s in self._stop), default=0)
-        self._skip_special_tokens = skip_special_tokens
-        context_ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
-        context_text = self._decode(context_ids)
-        if context_text.endswith("\ufffd"):
-            # The prompt ends mid-character; its bytes must not swallow the output's first ones.
-            context_ids, context_text = [], ""
-        self._window_ids = context_ids
-        self._read_offset = len(context_ids)
-        self._prefix_text = context_text
-        self._text = ""
-        self._num_released_chars = 0
-        self._stop_hit: str | None = None
-
-    @property
-    def text(self) -> str:
-        """All output text so far, excluding a matched stop string and anything after it."""
-        return self._text
-
-    @property
-    def stop_hit(self) -> str | None:
-        """The stop string that ended the text (found by add_token or finish), or None."""
-        return self._stop_hit
-
-    def add_token(self, token_id: int) -> DetokenizerUpdate:
-        """Read one output token; return the text it made safe to stream and any stop hit."""
-        if self._stop_hit is not None:
-            return DetokenizerUpdate("")
-        self._window_ids.append(token_id)
-        window_text = self._decode(self._window_ids)
-        if len(window_text) <= len(self._prefix_text) or window_text.endswith("\ufffd"):
-            return DetokenizerUpdate("")
-        self._advance(window_text)
-        stop_hit = self._stop_hit
-        return DetokenizerUpdate(self._release(final=stop_hit is not None), stop_hit)
-
-    def finish(self) -> str:
-        """Release everything held back, partial characters included (as U+FFFD)."""
-        if self._stop_hit is None:
-            window_text = self._decode(self._window_ids)
-            if len(window_text) > len(self._prefix_text):
-                self._advance(window_text)
-        return self._release(final=True)
-
-    def _advance(self, window_text: str) -> None:
-        """Append the window's new text, move the offsets, and cut at the first stop string."""
-        num_old_chars = len(self._text)
-        self._text += window_text[len(self._prefix_text) :]
-        # The new prefix is what was just read; older tokens are never decoded again.
-        del self._window_ids[: self._read_offset]
-        self._read_offset = len(self._window_ids)
-        self._prefix_text = self._decode(self._window_ids)
-        if not self._stop:
-            return
-        # A new match must end in the new text, so it starts at most max_len - 1 chars earlier.
-        search_from = max(0, num_old_chars - self._max_stop_chars + 1)
-        matches = [(self._text.find(s, search_from), s) for s in self._stop]
-        found = [(start, s) for start, s in matches if start >= 0]
-        if found:
-            start, self._stop_hit = min(found, key=lambda match: match[0])
-            assert start >= self._num_released_chars, "released text overlaps a stop string"
-            self._text = self._text[:start]
-
-    def _release(self, *, final: bool) -> str:
-        held_chars = 0 if final else self._stop_prefix_chars()
-        end = max(self._num_released_chars, len(self._text) - held_chars)
-        new_text = self._text[self._num_released_chars : end]
-        self._num_released_chars = end
-        return new_text
-
-    def _stop_prefix_chars(self) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stop:
-            for num_chars in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:num_chars]):
-                    longest = num_chars
-                    break
-        return longest
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
-
-
 def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_template_exception
@@ -456,3 +225,27 @@ def _int_tuple(value: object) -> tuple[int, ...]:
 
 def _token_id_or_none(backend: tokenizers.Tokenizer, token: str | None) -> int | None:
     return None if token is None else backend.token_to_id(token)
+
+
+# Re-exports (kept at the bottom: both modules import this one).
+from loopserve.detokenizer import DetokenizerUpdate, IncrementalDetokenizer  # noqa: E402
+
+
+def __getattr__(name: str):
+    # Lazy: the trainer module imports this one.
+    if name == "write_byte_level_bpe_tokenizer":
+        from loopserve.models.toy_tokenizer import write_byte_level_bpe_tokenizer
+
+        return write_byte_level_bpe_tokenizer
+    raise AttributeError(name)
+
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "END_OF_TURN_TOKENS",
+    "MIN_VOCAB_SIZE",
+    "SPECIAL_TOKENS",
+    "DetokenizerUpdate",
+    "IncrementalDetokenizer",
+    "Tokenizer",
+]

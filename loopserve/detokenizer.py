@@ -1,0 +1,131 @@
+"""Streaming detokenization of one request's output, with stop strings.
+
+`IncrementalDetokenizer` turns output ids into text piece by piece, holding back partial UTF-8
+characters and any tail that could still grow into a stop string. Stop *token* ids and EOS are
+the scheduler's business; only stop *strings* are matched here, because they live in text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loopserve.tokenizer import Tokenizer
+
+# Prompt tokens decoded as left context for the first output token (vLLM uses the same 5), so
+# tokenizers that drop a leading space at the start of a decode keep it between prompt and output.
+_NUM_PROMPT_CONTEXT_TOKENS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizerUpdate:
+    """What one output token released: text safe to stream now, and the stop string it hit."""
+
+    new_text: str
+    stop_hit: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Streams one request's output text, decoding only a small window of recent tokens.
+
+    The window (vLLM's prefix/read offsets) is `window_ids`: the tokens read last time (at first,
+    up to 5 prompt tokens as context) followed by the unread ones from `read_offset` on.
+    Invariant: `prefix_text` is the decode of `window_ids[:read_offset]`, already in `text` for
+    output tokens; new text is the window's decode past it. Text is read only when the window
+    does not end in U+FFFD (a partial UTF-8 character), and released only up to the longest tail
+    that could still grow into a stop string. Tokens added after a stop string hit are ignored.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        assert all(stop), "stop strings must be non-empty"
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._max_stop_chars = max((len(s) for s in self._stop), default=0)
+        self._skip_special_tokens = skip_special_tokens
+        context_ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
+        context_text = self._decode(context_ids)
+        if context_text.endswith("\ufffd"):
+            # The prompt ends mid-character; its bytes must not swallow the output's first ones.
+            context_ids, context_text = [], ""
+        self._window_ids = context_ids
+        self._read_offset = len(context_ids)
+        self._prefix_text = context_text
+        self._text = ""
+        self._num_released_chars = 0
+        self._stop_hit: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All output text so far, excluding a matched stop string and anything after it."""
+        return self._text
+
+    @property
+    def stop_hit(self) -> str | None:
+        """The stop string that ended the text (found by add_token or finish), or None."""
+        return self._stop_hit
+
+    def add_token(self, token_id: int) -> DetokenizerUpdate:
+        """Read one output token; return the text it made safe to stream and any stop hit."""
+        if self._stop_hit is not None:
+            return DetokenizerUpdate("")
+        self._window_ids.append(token_id)
+        window_text = self._decode(self._window_ids)
+        if len(window_text) <= len(self._prefix_text) or window_text.endswith("\ufffd"):
+            return DetokenizerUpdate("")
+        self._advance(window_text)
+        stop_hit = self._stop_hit
+        return DetokenizerUpdate(self._release(final=stop_hit is not None), stop_hit)
+
+    def finish(self) -> str:
+        """Release everything held back, partial characters included (as U+FFFD)."""
+        if self._stop_hit is None:
+            window_text = self._decode(self._window_ids)
+            if len(window_text) > len(self._prefix_text):
+                self._advance(window_text)
+        return self._release(final=True)
+
+    def _advance(self, window_text: str) -> None:
+        """Append the window's new text, move the offsets, and cut at the first stop string."""
+        num_old_chars = len(self._text)
+        self._text += window_text[len(self._prefix_text) :]
+        # The new prefix is what was just read; older tokens are never decoded again.
+        del self._window_ids[: self._read_offset]
+        self._read_offset = len(self._window_ids)
+        self._prefix_text = self._decode(self._window_ids)
+        if not self._stop:
+            return
+        # A new match must end in the new text, so it starts at most max_len - 1 chars earlier.
+        search_from = max(0, num_old_chars - self._max_stop_chars + 1)
+        matches = [(self._text.find(s, search_from), s) for s in self._stop]
+        found = [(start, s) for start, s in matches if start >= 0]
+        if found:
+            start, self._stop_hit = min(found, key=lambda match: match[0])
+            assert start >= self._num_released_chars, "released text overlaps a stop string"
+            self._text = self._text[:start]
+
+    def _release(self, *, final: bool) -> str:
+        held_chars = 0 if final else self._stop_prefix_chars()
+        end = max(self._num_released_chars, len(self._text) - held_chars)
+        new_text = self._text[self._num_released_chars : end]
+        self._num_released_chars = end
+        return new_text
+
+    def _stop_prefix_chars(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stop:
+            for num_chars in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if self._text.endswith(stop[:num_chars]):
+                    longest = num_chars
+                    break
+        return longest
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

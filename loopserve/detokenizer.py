@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 # Prompt tokens decoded as left context for the first output token (vLLM uses the same 5), so
 # tokenizers that drop a leading space at the start of a decode keep it between prompt and output.
 _NUM_PROMPT_CONTEXT_TOKENS = 5
+# Unread tokens held back at most while the text ends in a partial character.
+_MAX_PENDING_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +79,17 @@ class IncrementalDetokenizer:
             return DetokenizerUpdate("")
         self._window_ids.append(token_id)
         window_text = self._decode(self._window_ids)
-        if len(window_text) <= len(self._prefix_text) or window_text.endswith("\ufffd"):
+        num_read = len(self._window_ids)
+        if window_text.endswith("\ufffd"):
+            if num_read - self._read_offset <= _MAX_PENDING_TOKENS:
+                return DetokenizerUpdate("")
+            # Bytes this far back can no longer complete a character (a UTF-8 character spans
+            # at most 4 bytes): read all but the last tokens, so broken byte runs stream.
+            num_read -= _MAX_PENDING_TOKENS - 1
+            window_text = self._decode(self._window_ids[:num_read])
+        if len(window_text) <= len(self._prefix_text):
             return DetokenizerUpdate("")
-        self._advance(window_text)
+        self._advance(window_text, num_read)
         stop_hit = self._stop_hit
         return DetokenizerUpdate(self._release(final=stop_hit is not None), stop_hit)
 
@@ -88,17 +98,18 @@ class IncrementalDetokenizer:
         if self._stop_hit is None:
             window_text = self._decode(self._window_ids)
             if len(window_text) > len(self._prefix_text):
-                self._advance(window_text)
+                self._advance(window_text, len(self._window_ids))
         return self._release(final=True)
 
-    def _advance(self, window_text: str) -> None:
-        """Append the window's new text, move the offsets, and cut at the first stop string."""
+    def _advance(self, window_text: str, num_read: int) -> None:
+        """Append the text of the window's first `num_read` tokens, move the offsets, and cut
+        at the first stop string."""
         num_old_chars = len(self._text)
         self._text += window_text[len(self._prefix_text) :]
         # The new prefix is what was just read; older tokens are never decoded again.
         del self._window_ids[: self._read_offset]
-        self._read_offset = len(self._window_ids)
-        self._prefix_text = self._decode(self._window_ids)
+        self._read_offset = num_read - self._read_offset
+        self._prefix_text = self._decode(self._window_ids[: self._read_offset])
         if not self._stop:
             return
         # A new match must end in the new text, so it starts at most max_len - 1 chars earlier.

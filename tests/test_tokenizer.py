@@ -329,3 +329,15 @@ def test_tokens_after_stop_are_ignored(tokenizer: Tokenizer) -> None:
     assert detokenizer.add_token(tokenizer.encode("x")[0]).stop_hit == "x"
     assert detokenizer.add_token(tokenizer.encode("y")[0]) == detokenizer.add_token(0)
     assert detokenizer.text == "" and detokenizer.finish() == ""
+
+
+def test_repeated_lead_bytes_stream_instead_of_being_held_to_the_end(tmp_path):
+    from loopserve.models.toy_tokenizer import write_byte_level_bpe_tokenizer as write
+
+    write(tmp_path, vocab_size=512)
+    tok = Tokenizer.from_dir(tmp_path)
+    lead = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd" and len(tok.decode([i, i])) == 2)
+    detok = IncrementalDetokenizer(tok, [5, 6])
+    streamed = "".join(detok.add_token(lead).new_text for _ in range(12))
+    assert len(streamed) >= 12 - 4, "broken byte runs must not be held until the request ends"
+    assert streamed + detok.finish() == detok.text == tok.decode([lead] * 12)

@@ -1,0 +1,290 @@
+"""`AsyncLLM`: the asyncio face of the synchronous `LLMEngine`, for the HTTP server.
+
+One dedicated `EngineThread` owns the engine and runs its loop, so model work never blocks the
+event loop and the engine stays single-threaded. Coroutines never touch the engine: they queue
+commands and read their outputs from per-submission asyncio queues that the thread feeds.
+
+A submission (`submit`) adds one or more requests atomically — all are added or none, and a
+rejection (`InvalidRequestError`, `CapacityError`, `QueueFullError`, `EngineNotReadyError`) is
+raised before any output is read — and returns an `OutputStream`. Closing a stream early
+(client disconnect, cancellation) aborts its unfinished requests so their KV blocks return to
+the pool. If the engine thread dies, the engine is marked dead and every open stream raises
+`EngineDeadError`. `shutdown` drains within a timeout, then aborts the rest.
+
+This module does not speak HTTP; the serving modules map its errors to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
+
+from loopserve.entrypoints.engine_thread import (
+    AbortCommand,
+    AddCommand,
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineSnapshot,
+    EngineThread,
+    GenerateRequest,
+    StopCommand,
+)
+from loopserve.entrypoints.metrics import ServingMetrics
+from loopserve.errors import LoopserveError
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
+from loopserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` stays fast
+    from loopserve.engine.llm_engine import LLMEngine
+
+__all__ = [
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineNotReadyError",
+    "EngineSnapshot",
+    "GenerateRequest",
+    "OutputStream",
+    "QueueFullError",
+]
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(LoopserveError):
+    """Too many requests in flight; the client should retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class OutputStream:
+    """The outputs of one submission, in engine order, until all its requests finish.
+
+    Iterate with `async for`; use `with stream:` (or call `close()`) so that leaving early aborts
+    the unfinished requests. Cancelling a consumer blocked on the next output also closes it.
+    """
+
+    def __init__(self, owner: AsyncLLM, request_ids: list[str]) -> None:
+        self._owner = owner
+        self.request_ids = list(request_ids)
+        self._unfinished = set(request_ids)
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._closed = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the event loop thread, on behalf of the engine thread."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed or not self._unfinished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+            if not self._unfinished:
+                self.close()
+        return item
+
+    def close(self) -> None:
+        """Abort what has not finished and release the in-flight slots; idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._owner._on_stream_closed(self, sorted(self._unfinished))
+
+    def __enter__(self) -> OutputStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncLLM:
+    """Owns one `LLMEngine` and runs it in a background thread; see the module docstring.
+
+    `engine` is either a built engine or a zero-argument factory called on the engine thread.
+    `max_pending_requests` bounds the requests in flight (queued, waiting or running); beyond it
+    `submit` raises `QueueFullError`. `on_load_error` is called on the event loop if the
+    factory raises.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        *,
+        max_pending_requests: int = 1024,
+        on_load_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        if max_pending_requests < 1:
+            raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
+        self._engine_or_factory = engine
+        self.max_pending_requests = max_pending_requests
+        self._on_load_error = on_load_error
+        self.metrics = ServingMetrics()
+        self._thread: EngineThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = True
+        self._stop_accepting_s: float | None = None
+        self._num_in_flight = 0  # event loop thread only
+        self._idle = asyncio.Event()
+
+    # ---- state --------------------------------------------------------------------------
+
+    @property
+    def is_ready(self) -> bool:
+        return self._thread is not None and self._thread.ready.is_set() and not self.is_dead
+
+    @property
+    def is_dead(self) -> bool:
+        return self._thread is not None and self._thread.dead_error is not None
+
+    @property
+    def load_error(self) -> BaseException | None:
+        return None if self._thread is None else self._thread.load_error
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot() if self._thread is None else self._thread.snapshot
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The loaded engine; only its read-only attributes may be used outside its thread."""
+        self._check_usable()
+        assert self._thread is not None and self._thread.engine is not None
+        return self._thread.engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (loading the engine if needed); idempotent."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._idle.set()
+        self._thread = EngineThread(
+            self._engine_or_factory, self._loop, self.metrics, self._on_load_error
+        )
+        self._thread.start()
+
+    async def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until the engine is loaded; False if it died or the wait timed out."""
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.is_ready and not self.is_dead:
+            if deadline_s is not None and time.monotonic() > deadline_s:
+                return False
+            await asyncio.sleep(0.01)
+        return self.is_ready
+
+    def stop_accepting(self, *, abort_after_s: float | None = None) -> None:
+        """New submissions raise `EngineNotReadyError` from now on; in-flight ones continue,
+        and with `abort_after_s`, are aborted that long from now (their streams then end with
+        finish reason "abort"). Safe to call from a signal handler. The first call starts the
+        shutdown clock of `shutdown`.
+        """
+        self._accepting = False
+        if self._stop_accepting_s is None:
+            self._stop_accepting_s = time.monotonic()
+        if abort_after_s is not None and self._thread is not None and self._loop is not None:
+            abort_all = AbortCommand(None)
+            self._thread.call_on_loop(
+                self._loop.call_later, abort_after_s, self._thread.send, abort_all
+            )
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, let in-flight requests finish until `timeout_s` after the first
+        `stop_accepting`, abort the rest, and join the engine thread."""
+        self.stop_accepting()
+        if self._thread is None:
+            return
+        assert self._stop_accepting_s is not None
+        remaining_s = max(0.0, timeout_s - (time.monotonic() - self._stop_accepting_s))
+        if not self.is_dead and not self._idle.is_set():
+            try:
+                await asyncio.wait_for(self._idle.wait(), remaining_s)
+            except asyncio.TimeoutError:
+                logger.warning("aborting %d requests still in flight", self._num_in_flight)
+        self._thread.send(StopCommand())
+        if not await asyncio.to_thread(self._thread.join, max(timeout_s, 1.0)):
+            logger.error("engine thread did not stop in time")
+
+    # ---- requests -----------------------------------------------------------------------
+
+    async def submit(self, requests: Sequence[GenerateRequest]) -> OutputStream:
+        """Add `requests` atomically and return their output stream.
+
+        Raises `InvalidRequestError`/`CapacityError` from the engine, `QueueFullError`,
+        `EngineNotReadyError` or `EngineDeadError`, always before any output is produced.
+        """
+        self._check_usable()
+        assert self._thread is not None
+        if not self._accepting:
+            raise EngineNotReadyError("the server is shutting down")
+        if self._num_in_flight + len(requests) > self.max_pending_requests:
+            raise QueueFullError(
+                f"{self._num_in_flight} requests in flight, the limit is "
+                f"{self.max_pending_requests}; retry later"
+            )
+        stream = OutputStream(self, [r.request_id for r in requests])
+        self._num_in_flight += len(requests)
+        self._idle.clear()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread.send(AddCommand(list(requests), stream, time.monotonic(), done))
+        try:
+            await asyncio.wrap_future(done)
+        except BaseException:
+            stream.close()  # also covers cancellation after the engine thread added them
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request (raising its validation errors now) and return its outputs."""
+        stream = await self.submit([GenerateRequest(request_id, prompt, params)])
+
+        async def outputs() -> AsyncIterator[RequestOutput]:
+            with stream:
+                async for output in stream:
+                    yield output
+
+        return outputs()
+
+    def abort(self, request_id: str) -> None:
+        """Abort one request; thread-safe, applied by the engine thread between steps."""
+        if self._thread is not None:
+            self._thread.send(AbortCommand([request_id]))
+
+    def _on_stream_closed(self, stream: OutputStream, unfinished_ids: list[str]) -> None:
+        if unfinished_ids and self._thread is not None:
+            self._thread.send(AbortCommand(unfinished_ids))
+        self._num_in_flight -= len(stream.request_ids)
+        if self._num_in_flight == 0:
+            self._idle.set()
+
+    def _check_usable(self) -> None:
+        if self._thread is not None and self._thread.dead_error is not None:
+            raise EngineDeadError(f"the engine died: {self._thread.dead_error!r}")
+        if not self.is_ready:
+            raise EngineNotReadyError("the model is still loading")

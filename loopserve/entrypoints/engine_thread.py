@@ -1,0 +1,273 @@
+"""`EngineThread`: the one thread that owns an `LLMEngine` on behalf of `AsyncLLM`.
+
+The thread loads the engine (so the server can answer 503 while it loads), then loops: take the
+queued commands (add, abort, stop) and apply them, run one `engine.step()` while work remains,
+publish an `EngineSnapshot` of the engine's gauges, and hand the step's outputs to the event loop
+with one `loop.call_soon_threadsafe` per step. It blocks on a condition variable when idle.
+Nothing else ever touches the engine, so the engine stays single-threaded.
+
+If a command or a step raises out of the engine (the engine already contains failures of a
+single step), the thread dies: pending submissions and every open stream get `EngineDeadError`.
+This module knows nothing about HTTP or about how streams are consumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from loopserve.entrypoints.metrics import ServingMetrics
+from loopserve.errors import LoopserveError
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` stays fast
+    from loopserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotReadyError(LoopserveError):
+    """The engine is still loading or is shutting down; nothing was submitted."""
+
+
+class EngineDeadError(LoopserveError):
+    """The engine thread died; no request can make progress any more."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """One request of a submission."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine gauges, published by the engine thread before it delivers each step's outputs."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_core_calls: int = 0
+    num_output_tokens: int = 0
+    mean_rows_per_core_call: float = 0.0
+    mean_loops_per_token: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        if not self.num_total_blocks:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class OutputSink(Protocol):
+    """Where a submission's outputs go; `put` is called on the event loop thread."""
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
+
+
+@dataclass(slots=True)
+class AddCommand:
+    """Add all `requests` or none; `done` resolves (or fails) once the engine has decided."""
+
+    requests: Sequence[GenerateRequest]
+    sink: OutputSink
+    arrival_s: float
+    done: concurrent.futures.Future[None]
+
+
+@dataclass(slots=True)
+class AbortCommand:
+    request_ids: list[str] | None  # None: every request in flight
+
+
+@dataclass(slots=True)
+class StopCommand:
+    """Abort everything in flight and end the thread."""
+
+
+Command = AddCommand | AbortCommand | StopCommand
+
+
+class EngineThread:
+    """Runs the engine loop described in the module docstring; see `send` for the commands."""
+
+    def __init__(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        loop: asyncio.AbstractEventLoop,
+        metrics: ServingMetrics,
+        on_load_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        # An engine is not callable; a factory is.
+        self.engine: LLMEngine | None = None if callable(engine) else engine
+        self._factory = engine if callable(engine) else None
+        self._loop = loop
+        self._metrics = metrics
+        self._on_load_error = on_load_error
+        self.snapshot = EngineSnapshot()
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self.dead_error: BaseException | None = None
+        self._closed_error: LoopserveError | None = None  # set once the thread stops for good
+        self._commands: deque[Command] = deque()
+        self._in_hand: deque[Command] = deque()  # taken from `_commands`, not yet applied
+        self._wakeup = threading.Condition()
+        self._routes: dict[str, OutputSink] = {}  # this thread only
+        self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end; True if it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def send(self, command: Command) -> None:
+        """Queue a command; thread-safe. After the thread stopped, an add fails at once."""
+        with self._wakeup:
+            closed_error = self._closed_error
+            if closed_error is None:
+                self._commands.append(command)
+                self._wakeup.notify()
+        if closed_error is not None and isinstance(command, AddCommand):
+            command.done.set_exception(closed_error)
+
+    def call_on_loop(self, callback: Callable[..., object], *args: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed under us (process exit): nobody is listening
+            logger.debug("event loop closed; dropped %s", getattr(callback, "__name__", callback))
+
+    # ---- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self.engine is None:
+                assert self._factory is not None
+                self.engine = self._factory()
+            self._publish_snapshot(self.engine)
+            self.ready.set()
+        except BaseException as err:
+            logger.exception("loading the engine failed")
+            self.load_error = err
+            self._die(err)
+            if self._on_load_error is not None:
+                self.call_on_loop(self._on_load_error, err)
+            return
+        try:
+            self._serve(self.engine)
+        except BaseException as err:
+            logger.exception("the engine thread died")
+            self._die(err)
+
+    def _serve(self, engine: LLMEngine) -> None:
+        while True:
+            self._in_hand.extend(self._take_commands(block=not engine.has_unfinished_requests()))
+            while self._in_hand:
+                command = self._in_hand.popleft()
+                if isinstance(command, StopCommand):
+                    self._abort(engine, None)
+                    self._close(EngineNotReadyError("the server has shut down"))
+                    return
+                if isinstance(command, AddCommand):
+                    self._add(engine, command)
+                else:
+                    self._abort(engine, command.request_ids)
+            if engine.has_unfinished_requests():
+                self._dispatch(engine, engine.step())
+            self._publish_snapshot(engine)
+
+    def _take_commands(self, *, block: bool) -> list[Command]:
+        with self._wakeup:
+            while block and not self._commands:
+                self._wakeup.wait()
+            commands = list(self._commands)
+            self._commands.clear()
+        return commands
+
+    def _add(self, engine: LLMEngine, command: AddCommand) -> None:
+        added: list[str] = []
+        try:
+            for request in command.requests:
+                engine.add_request(
+                    request.request_id, request.prompt, request.params, arrival_s=command.arrival_s
+                )
+                added.append(request.request_id)
+        except Exception as err:  # a rejection (or a bug) fails the whole submission
+            for request_id in added:
+                engine.abort_request(request_id)
+            command.done.set_exception(err)
+            return
+        for request_id in added:
+            self._routes[request_id] = command.sink
+        command.done.set_result(None)
+
+    def _abort(self, engine: LLMEngine, request_ids: list[str] | None) -> None:
+        if request_ids is None:
+            request_ids = list(self._routes)
+        outputs = [out for rid in request_ids if (out := engine.abort_request(rid)) is not None]
+        self._dispatch(engine, outputs)
+
+    def _dispatch(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """Deliver outputs to their sinks, after publishing the state that produced them
+        (so a consumer never sees an output newer than the snapshot)."""
+        self._publish_snapshot(engine)
+        batch: list[tuple[OutputSink, RequestOutput | BaseException]] = []
+        for output in outputs:
+            sink = self._routes.get(output.request_id)
+            if output.finished:
+                self._routes.pop(output.request_id, None)
+                self._metrics.observe_finished(output)
+            if sink is not None:
+                batch.append((sink, output))
+        if batch:
+            self.call_on_loop(_deliver, batch)
+
+    def _publish_snapshot(self, engine: LLMEngine) -> None:
+        stats = engine.stats
+        self.snapshot = EngineSnapshot(
+            num_running=engine.scheduler.num_running,
+            num_waiting=engine.scheduler.num_waiting,
+            num_free_blocks=engine.kv.num_free_blocks,
+            num_total_blocks=engine.kv.pool.num_blocks,
+            num_core_calls=stats.num_core_calls,
+            num_output_tokens=stats.num_output_tokens,
+            mean_rows_per_core_call=stats.mean_rows_per_core_call,
+            mean_loops_per_token=stats.mean_loops_per_token,
+        )
+
+    def _die(self, err: BaseException) -> None:
+        self.dead_error = err
+        self._close(EngineDeadError(f"the engine died: {err!r}"))
+
+    def _close(self, error: LoopserveError) -> None:
+        """Refuse all further commands with `error` and fail whatever still waits."""
+        with self._wakeup:
+            self._closed_error = error
+            pending = [*self._in_hand, *self._commands]
+            self._in_hand.clear()
+            self._commands.clear()
+        for command in pending:
+            if isinstance(command, AddCommand) and not command.done.done():
+                command.done.set_exception(error)
+        sinks = list(dict.fromkeys(self._routes.values()))
+        self._routes.clear()
+        if sinks:
+            self.call_on_loop(_deliver, [(sink, error) for sink in sinks])
+
+
+def _deliver(batch: list[tuple[OutputSink, RequestOutput | BaseException]]) -> None:
+    for sink, item in batch:
+        sink.put(item)

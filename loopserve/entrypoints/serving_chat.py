@@ -1,0 +1,212 @@
+"""`POST /v1/chat/completions`: messages rendered by the model's chat template, then generated.
+
+The prompt is rendered with `Tokenizer.apply_chat_template` and tokenized without extra special
+tokens (the template already places them). Unless `ignore_eos` is set, the template family's
+end-of-turn tokens stop generation. Streaming sends a `role: "assistant"` delta per choice
+first, then content deltas, a final chunk with `finish_reason`, an optional usage chunk and
+`[DONE]`. Every choice carries `exit_depths` (loops used per output token).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from loopserve.entrypoints.async_engine import (
+    EngineDeadError,
+    EngineNotReadyError,
+    GenerateRequest,
+    OutputStream,
+)
+from loopserve.entrypoints.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobAlternative,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+)
+from loopserve.entrypoints.serving_common import (
+    SSE_DONE,
+    ApiError,
+    ServingContext,
+    cancel_on_disconnect,
+    choice_seed,
+    collect_finals,
+    default_max_tokens,
+    engine_unavailable,
+    failed_output_error,
+    new_logprobs,
+    parse_body,
+    sampling_params,
+    sse,
+    submit,
+    token_text,
+    usage,
+)
+from loopserve.errors import InvalidRequestError
+from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.tokenizer import Tokenizer
+
+
+async def create_chat_completion(
+    ctx: ServingContext, raw_body: bytes, http_request: Request
+) -> Response:
+    body = parse_body(raw_body, ChatCompletionRequest)
+    ctx.check_model(body.model)
+    tokenizer = ctx.tokenizer()
+    prompt_ids = _render_prompt(body, tokenizer)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens(ctx.async_llm, len(prompt_ids))
+    stop_ids = () if body.ignore_eos else tokenizer.end_of_turn_token_ids
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    requests = [
+        GenerateRequest(
+            f"{response_id}-{i}",
+            prompt_ids,
+            sampling_params(
+                body,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                seed=choice_seed(body.seed, i),
+                extra_stop_token_ids=stop_ids,
+            ),
+        )
+        for i in range(body.n)
+    ]
+    stream = await submit(ctx, requests)
+    if body.stream:
+        events = _stream_events(ctx, body, response_id, stream, requests, tokenizer)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await cancel_on_disconnect(http_request, collect_finals(stream))
+    stream.close()
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    outputs = [finals[request.request_id] for request in requests]
+    response = ChatCompletionResponse(
+        id=response_id,
+        model=ctx.served_model_name,
+        choices=[
+            ChatChoice(
+                index=index,
+                message=ChatResponseMessage(content=out.text),
+                logprobs=_logprobs(body, tokenizer, out.logprobs or []),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                exit_depths=out.exit_depths,
+                token_ids=out.token_ids if body.return_token_ids else None,
+            )
+            for index, out in enumerate(outputs)
+        ],
+        usage=usage(len(prompt_ids), sum(len(out.token_ids) for out in outputs)),
+    )
+    return JSONResponse(response.model_dump())
+
+
+def _render_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer | None) -> list[int]:
+    if tokenizer is None or not tokenizer.has_chat_template:
+        what = "no tokenizer" if tokenizer is None else "no chat template"
+        raise ApiError(
+            400,
+            f"this model has {what}; use /v1/completions instead",
+            param="messages",
+        )
+    messages = []
+    for message in body.messages:
+        rendered = {"role": message.role, "content": message.text()}
+        if message.name is not None:
+            rendered["name"] = message.name
+        messages.append(rendered)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt
+        )
+    except InvalidRequestError as err:
+        raise ApiError(400, err.message, param=err.param) from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _logprobs(
+    body: ChatCompletionRequest, tokenizer: Tokenizer | None, entries: list[TokenLogprob]
+) -> ChatLogprobs | None:
+    if not body.logprobs:
+        return None
+    content = []
+    for entry in entries:
+        token = token_text(tokenizer, entry.token_id)
+        top = [
+            ChatLogprobAlternative(token=t, logprob=lp, bytes=list(t.encode()))
+            for t, lp in ((token_text(tokenizer, tid), lp) for tid, lp in entry.top_logprobs)
+        ]
+        content.append(
+            ChatLogprobEntry(
+                token=token, logprob=entry.logprob, bytes=list(token.encode()), top_logprobs=top
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+async def _stream_events(
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    response_id: str,
+    stream: OutputStream,
+    requests: list[GenerateRequest],
+    tokenizer: Tokenizer | None,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    index_of = {request.request_id: i for i, request in enumerate(requests)}
+    finals: dict[int, RequestOutput] = {}
+
+    def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
+        return sse(
+            ChatCompletionChunk(
+                id=response_id,
+                created=created,
+                model=ctx.served_model_name,
+                choices=choices,
+                **extra,
+            )
+        )
+
+    try:
+        with stream:
+            for index in range(len(requests)):
+                role = ChatDelta(role="assistant", content="")
+                yield chunk([ChatStreamChoice(index=index, delta=role)])
+            async for out in stream:
+                if out.error is not None:
+                    yield sse(failed_output_error(out).body)
+                    break
+                index = index_of[out.request_id]
+                if out.finished:
+                    finals[index] = out
+                if not (out.new_text or out.new_token_ids or out.finished):
+                    continue
+                choice = ChatStreamChoice(
+                    index=index,
+                    delta=ChatDelta(content=out.new_text),
+                    logprobs=_logprobs(body, tokenizer, new_logprobs(out)),
+                    finish_reason=out.finish_reason,
+                    exit_depths=out.new_exit_depths,
+                    token_ids=out.new_token_ids if body.return_token_ids else None,
+                )
+                yield chunk([choice])
+            else:
+                if body.include_usage:
+                    completion_tokens = sum(len(out.token_ids) for out in finals.values())
+                    prompt_tokens = len(finals[0].prompt_token_ids) if finals else 0
+                    yield chunk([], usage=usage(prompt_tokens, completion_tokens))
+    except (EngineNotReadyError, EngineDeadError) as err:
+        yield sse(engine_unavailable(err).body)
+    yield SSE_DONE

@@ -1,0 +1,289 @@
+"""What the completions and chat handlers share: errors, parsing, submission, SSE, logprobs.
+
+`ApiError` carries an HTTP status and the OpenAI error fields; every failure a handler can
+report becomes one (`api_server` renders it). `ServingContext` is the per-app state: the
+`AsyncLLM`, the served model name and the limits. This module decides status codes once:
+400 for invalid input (including `CapacityError`), 404 for an unknown model, 429 when the
+queue is full, 503 while the engine loads, shuts down or is dead, 500 when the engine failed a
+request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from loopserve.entrypoints.async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineNotReadyError,
+    GenerateRequest,
+    OutputStream,
+    QueueFullError,
+)
+from loopserve.entrypoints.protocol import (
+    CompletionLogprobs,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingRequest,
+    UsageInfo,
+)
+from loopserve.errors import InvalidRequestError
+from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.sampling_params import SamplingParams
+from loopserve.tokenizer import Tokenizer
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+DEFAULT_CHAT_MAX_TOKENS = 1024
+
+
+class ApiError(Exception):
+    """An HTTP error with the OpenAI error body."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers
+
+    @property
+    def body(self) -> dict:
+        return ErrorResponse(error=self.info).model_dump()
+
+
+@dataclass
+class ServingContext:
+    async_llm: AsyncLLM
+    served_model_name: str
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ApiError(
+                404,
+                f"the model `{model}` does not exist; this server serves "
+                f"`{self.served_model_name}`",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+
+    def tokenizer(self) -> Tokenizer | None:
+        try:
+            return self.async_llm.tokenizer
+        except (EngineNotReadyError, EngineDeadError) as err:
+            raise engine_unavailable(err) from err
+
+
+def parse_body(raw: bytes, model_cls: type[ModelT]) -> ModelT:
+    """Validate a JSON body; malformed JSON and invalid fields are 400s naming the field."""
+    try:
+        return model_cls.model_validate_json(raw)
+    except ValidationError as err:
+        errors = err.errors()
+        if errors[0]["type"] == "json_invalid":
+            raise ApiError(400, f"malformed JSON body: {errors[0]['msg']}") from None
+        # Of a union's failed branches, the deepest one says the most ("should be 'text'").
+        first = max(errors, key=lambda error: len(error["loc"]))
+        path = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+        param = path[0] if path else None
+        where = ".".join(path) or "body"
+        if param == "prompt":
+            message = (
+                "prompt must be a string, a list of token ids, or a list of strings "
+                "or of token-id lists"
+            )
+        elif first["type"] == "extra_forbidden":
+            message = f"unsupported field '{where}'"
+        else:
+            message = f"invalid value for '{where}': {first['msg'].removeprefix('Value error, ')}"
+        raise ApiError(400, message, param=param) from None
+
+
+def _is_union_tag(loc_part: str | int) -> bool:
+    """pydantic names the union member that failed (`str`, `list[int]`) inside `loc`."""
+    if isinstance(loc_part, int):
+        return False
+    return "[" in loc_part or loc_part in ("str", "int", "float", "bool", "none")
+
+
+def sampling_params(
+    request: SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    seed: int | None,
+    extra_stop_token_ids: tuple[int, ...] = (),
+) -> SamplingParams:
+    """`SamplingParams` for one choice; its validation errors become 400s naming the field."""
+    fields: dict[str, object] = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_loops": request.min_loops,
+        "exit_threshold": request.exit_threshold,
+        "max_tokens": max_tokens,
+    }
+    try:
+        return SamplingParams(
+            **{name: value for name, value in fields.items() if value is not None},
+            max_loops=request.max_loops,
+            seed=seed,
+            stop=tuple(request.stop_strings),
+            stop_token_ids=(*(request.stop_token_ids or ()), *extra_stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            priority=request.priority,
+        )
+    except InvalidRequestError as err:
+        raise ApiError(400, err.message, param=err.param) from None
+
+
+def default_max_tokens(async_llm: AsyncLLM, num_prompt_tokens: int) -> int:
+    """Chat's `max_tokens` when the client gives none: what fits in the context and in the KV
+    cache, capped at `DEFAULT_CHAT_MAX_TOKENS` because admission reserves the worst case."""
+    engine = async_llm.engine
+    kv = engine.kv
+    kv_positions = kv.pool.num_blocks // kv.num_planes * kv.block_size
+    fits = min(engine.max_model_len - num_prompt_tokens, kv_positions + 1 - num_prompt_tokens)
+    return max(1, min(fits, DEFAULT_CHAT_MAX_TOKENS))
+
+
+def choice_seed(seed: int | None, sample_index: int) -> int | None:
+    """Sample i of a request with a seed uses seed + i, so n > 1 is reproducible."""
+    return None if seed is None else seed + sample_index
+
+
+def engine_unavailable(err: Exception) -> ApiError:
+    if isinstance(err, EngineDeadError):
+        return ApiError(503, str(err), type="server_error", code="engine_dead")
+    return ApiError(503, str(err), type="server_error", code="engine_unavailable")
+
+
+async def submit(ctx: ServingContext, requests: list[GenerateRequest]) -> OutputStream:
+    """Submit all requests of one HTTP call, mapping rejections to HTTP errors."""
+    try:
+        return await ctx.async_llm.submit(requests)
+    except InvalidRequestError as err:  # includes CapacityError
+        raise ApiError(400, err.message, param=err.param) from None
+    except QueueFullError as err:
+        raise ApiError(
+            429,
+            str(err),
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(err.retry_after_s)},
+        ) from None
+    except (EngineNotReadyError, EngineDeadError) as err:
+        raise engine_unavailable(err) from None
+
+
+def failed_output_error(output: RequestOutput) -> ApiError:
+    return ApiError(
+        500,
+        f"the engine failed request {output.request_id}: {output.error}",
+        type="server_error",
+        code="engine_error",
+    )
+
+
+async def collect_finals(stream: OutputStream) -> dict[str, RequestOutput]:
+    """Drain a stream to the final output of each request; engine failures raise ApiError."""
+    finals: dict[str, RequestOutput] = {}
+    with stream:
+        try:
+            async for output in stream:
+                if output.error is not None:
+                    raise failed_output_error(output)
+                if output.finished:
+                    finals[output.request_id] = output
+        except (EngineNotReadyError, EngineDeadError) as err:
+            raise engine_unavailable(err) from None
+    return finals
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work` until it finishes or the client disconnects (then cancel it, return None).
+
+    Cancelling closes the work's output stream, which aborts its requests.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event carrying `payload` as JSON."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+    """One token as text; `token_id:N` when the model has no tokenizer."""
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer | None, entries: list[TokenLogprob], text_offset: int
+) -> CompletionLogprobs:
+    """OpenAI completions logprobs; offsets count characters from `text_offset`."""
+    result = CompletionLogprobs()
+    for entry in entries:
+        text = token_text(tokenizer, entry.token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(entry.logprob)
+        result.top_logprobs.append(
+            {token_text(tokenizer, t): lp for t, lp in entry.top_logprobs} or None
+        )
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def new_logprobs(output: RequestOutput) -> list[TokenLogprob]:
+    """The logprobs of this step's new tokens."""
+    if output.logprobs is None or not output.new_token_ids:
+        return []
+    return output.logprobs[len(output.token_ids) - len(output.new_token_ids) :]

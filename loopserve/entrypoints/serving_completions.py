@@ -1,0 +1,214 @@
+"""`POST /v1/completions`: prompts in, text completions out (whole or as SSE chunks).
+
+A body may carry one prompt or a batch (strings or token-id lists); every prompt gets `n`
+independent samples, and choice `prompt_index * n + sample_index` answers it. All samples are
+submitted at once, so a rejection of any of them is a 400 before any work is done. Each choice
+carries `exit_depths` (loops used per output token); streaming chunks carry the new ones.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from loopserve.entrypoints.async_engine import (
+    EngineDeadError,
+    EngineNotReadyError,
+    GenerateRequest,
+    OutputStream,
+)
+from loopserve.entrypoints.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from loopserve.entrypoints.serving_common import (
+    SSE_DONE,
+    ApiError,
+    ServingContext,
+    cancel_on_disconnect,
+    choice_seed,
+    collect_finals,
+    completion_logprobs,
+    engine_unavailable,
+    failed_output_error,
+    new_logprobs,
+    parse_body,
+    sampling_params,
+    sse,
+    submit,
+    usage,
+)
+from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class _Choice:
+    """Per-choice state: which prompt it answers and what the client has seen so far."""
+
+    request: GenerateRequest
+    prompt_index: int
+    echo_text: str
+    text_offset: int = 0
+    sent_echo: bool = False
+
+
+async def create_completion(
+    ctx: ServingContext, raw_body: bytes, http_request: Request
+) -> Response:
+    body = parse_body(raw_body, CompletionRequest)
+    ctx.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo together with logprobs is not supported", param="echo")
+    prompts = _prompt_list(body.prompt)
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = [
+        sampling_params(
+            body, max_tokens=max_tokens, logprobs=body.logprobs, seed=choice_seed(body.seed, i)
+        )
+        for i in range(body.n)
+    ]
+    tokenizer = ctx.tokenizer()
+    choices = [
+        _Choice(
+            GenerateRequest(f"{response_id}-{p * body.n + i}", prompt, params[i]),
+            p,
+            _echo_text(tokenizer, prompt) if body.echo else "",
+        )
+        for p, prompt in enumerate(prompts)
+        for i in range(body.n)
+    ]
+    stream = await submit(ctx, [choice.request for choice in choices])
+    if body.stream:
+        events = _stream_events(ctx, body, response_id, stream, choices, tokenizer)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await cancel_on_disconnect(http_request, collect_finals(stream))
+    stream.close()
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    outputs = [finals[choice.request.request_id] for choice in choices]
+    response = CompletionResponse(
+        id=response_id,
+        model=ctx.served_model_name,
+        choices=[
+            _choice(body, index, choice.echo_text + out.text, out, tokenizer, out.logprobs, 0)
+            for index, (choice, out) in enumerate(zip(choices, outputs))
+        ],
+        usage=_usage(choices, outputs),
+    )
+    return JSONResponse(response.model_dump())
+
+
+def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]  # one prompt of token ids
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _echo_text(tokenizer: Tokenizer | None, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "" if tokenizer is None else tokenizer.decode(prompt)
+
+
+def _choice(
+    body: CompletionRequest,
+    index: int,
+    text: str,
+    out: RequestOutput,
+    tokenizer: Tokenizer | None,
+    logprob_entries: list[TokenLogprob] | None,
+    text_offset: int,
+    *,
+    delta: bool = False,
+) -> CompletionChoice:
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(tokenizer, logprob_entries or [], text_offset)
+    return CompletionChoice(
+        index=index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason if out.finished else None,
+        exit_depths=out.new_exit_depths if delta else out.exit_depths,
+        token_ids=(out.new_token_ids if delta else out.token_ids)
+        if body.return_token_ids
+        else None,
+    )
+
+
+def _usage(choices: list[_Choice], outputs: list[RequestOutput]) -> UsageInfo:
+    prompt_tokens = {c.prompt_index: len(out.prompt_token_ids) for c, out in zip(choices, outputs)}
+    return usage(sum(prompt_tokens.values()), sum(len(out.token_ids) for out in outputs))
+
+
+async def _stream_events(
+    ctx: ServingContext,
+    body: CompletionRequest,
+    response_id: str,
+    stream: OutputStream,
+    choices: list[_Choice],
+    tokenizer: Tokenizer | None,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    index_of = {choice.request.request_id: i for i, choice in enumerate(choices)}
+    finals: dict[int, RequestOutput] = {}
+    try:
+        with stream:
+            async for out in stream:
+                if out.error is not None:
+                    yield sse(failed_output_error(out).body)
+                    break
+                index = index_of[out.request_id]
+                choice = choices[index]
+                text = out.new_text
+                if not choice.sent_echo:
+                    text, choice.sent_echo = choice.echo_text + text, True
+                if out.finished:
+                    finals[index] = out
+                if not (text or out.new_token_ids or out.finished):
+                    continue
+                entries = new_logprobs(out)
+                chunk_choice = _choice(
+                    body, index, text, out, tokenizer, entries, choice.text_offset, delta=True
+                )
+                if chunk_choice.logprobs is not None:
+                    choice.text_offset += sum(len(t) for t in chunk_choice.logprobs.tokens)
+                yield sse(
+                    CompletionResponse(
+                        id=response_id,
+                        created=created,
+                        model=ctx.served_model_name,
+                        choices=[chunk_choice],
+                    )
+                )
+            else:
+                if body.include_usage:
+                    outputs = [finals[i] for i in range(len(choices))]
+                    yield sse(
+                        CompletionResponse(
+                            id=response_id,
+                            created=created,
+                            model=ctx.served_model_name,
+                            choices=[],
+                            usage=_usage(choices, outputs),
+                        )
+                    )
+    except (EngineNotReadyError, EngineDeadError) as err:
+        yield sse(engine_unavailable(err).body)
+    yield SSE_DONE

@@ -1,0 +1,104 @@
+"""Helpers for tests that run a real `loopserve` server process on a free local port."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m loopserve.entrypoints.api_server` with the given flags, logging to a file."""
+
+    def __init__(self, args: list[str], log_path: Path, *, torch_threads: int = 1) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, OMP_NUM_THREADS=str(torch_threads), PYTHONUNBUFFERED="1")
+        command = [sys.executable, "-m", "loopserve.entrypoints.api_server"]
+        command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout_s: float = 90.0) -> None:
+        deadline_s = time.monotonic() + timeout_s
+        while time.monotonic() < deadline_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def sse_payloads(lines: list[str]) -> list[dict | str]:
+    """The `data:` payloads of an SSE body: parsed JSON objects, and the literal "[DONE]"."""
+    out: list[dict | str] = []
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def prometheus_values(text: str) -> dict[str, float]:
+    """Sample name (with labels) -> value, from Prometheus text."""
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    return prometheus_values(httpx.get(base_url + "/metrics", timeout=10.0).text)
+
+
+def wait_all_blocks_free(base_url: str, timeout_s: float = 15.0) -> dict[str, float]:
+    """Poll /metrics until no request holds KV blocks; returns the last sample."""
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        values = metrics(base_url)
+        idle = values["loopserve_num_requests_running"] == 0
+        if idle and values["loopserve_kv_blocks_free"] == values["loopserve_kv_blocks_total"]:
+            return values
+        if time.monotonic() > deadline_s:
+            raise AssertionError(f"KV blocks still held after {timeout_s} s: {values}")
+        time.sleep(0.05)

@@ -1,0 +1,280 @@
+"""`AsyncLLM` and the server's failure paths, in-process (no sockets, no subprocess).
+
+Each test runs its own event loop with `asyncio.run` and its own engine on the tiny seeded
+checkpoint; HTTP-level checks go through `httpx.ASGITransport` into `build_app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.entrypoints.api_server import build_app
+from loopserve.entrypoints.async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineNotReadyError,
+    GenerateRequest,
+    QueueFullError,
+)
+from loopserve.errors import CapacityError, InvalidRequestError
+from loopserve.sampling_params import SamplingParams
+
+NUM_BLOCKS = 128
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def make_engine(tiny_tok_dir):
+    def make() -> LLMEngine:
+        return LLMEngine.from_engine_args(
+            model=str(tiny_tok_dir), dtype="float32", num_blocks=NUM_BLOCKS
+        )
+
+    return make
+
+
+async def started(engine: LLMEngine, **kwargs: object) -> AsyncLLM:
+    async_llm = AsyncLLM(engine, **kwargs)
+    async_llm.start()
+    assert await async_llm.wait_ready(timeout_s=30)
+    return async_llm
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline_s, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_generate_deltas_add_up_to_the_offline_result(make_engine):
+    params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=0.6)
+    offline = make_engine()
+    offline.add_request("a", "The quick brown fox", params)
+    finals = []
+    while offline.has_unfinished_requests():
+        finals += [o for o in offline.step() if o.finished]
+    (expected,) = finals
+
+    async def main() -> list:
+        async_llm = await started(make_engine())
+        try:
+            return [
+                out async for out in await async_llm.generate("a", "The quick brown fox", params)
+            ]
+        finally:
+            await async_llm.shutdown(1.0)
+
+    outputs = asyncio.run(main())
+    final = outputs[-1]
+    assert final.finished and all(not o.finished for o in outputs[:-1])
+    assert final.token_ids == expected.token_ids
+    assert final.exit_depths == expected.exit_depths
+    assert "".join(o.new_text for o in outputs) == final.text == expected.text
+    assert [t for o in outputs for t in o.new_token_ids] == final.token_ids
+
+
+def test_invalid_requests_raise_before_streaming_and_leave_nothing_behind(make_engine):
+    async def main() -> None:
+        async_llm = await started(make_engine())
+        try:
+            with pytest.raises(InvalidRequestError) as err:
+                await async_llm.generate("bad", "hi", SamplingParams(max_loops=9))
+            assert err.value.param == "max_loops"
+            with pytest.raises(CapacityError):
+                await async_llm.generate("big", [5] * 1000, SamplingParams(max_tokens=10))
+            # a batch is atomic: one bad request rejects the others too
+            batch = [
+                GenerateRequest("ok", "hi", SamplingParams(max_tokens=2)),
+                GenerateRequest("bad", "hi", SamplingParams(min_loops=5)),
+            ]
+            with pytest.raises(InvalidRequestError):
+                await async_llm.submit(batch)
+            assert async_llm.num_in_flight == 0
+            await wait_for(lambda: async_llm.snapshot.num_running == 0)
+            assert async_llm.snapshot.num_waiting == 0
+        finally:
+            await async_llm.shutdown(1.0)
+
+    asyncio.run(main())
+
+
+def test_closing_a_stream_early_aborts_and_returns_its_blocks(make_engine):
+    async def main() -> None:
+        async_llm = await started(make_engine())
+        try:
+            stream = await async_llm.submit([GenerateRequest("long", "hello", LONG)])
+            with stream:
+                first = await stream.__anext__()
+                assert not first.finished
+                assert async_llm.snapshot.num_free_blocks < NUM_BLOCKS
+            snapshot = lambda: async_llm.snapshot  # noqa: E731
+            await wait_for(lambda: snapshot().num_free_blocks == NUM_BLOCKS)
+            assert async_llm.num_in_flight == 0
+            assert async_llm.metrics.finished["abort"] == 1
+        finally:
+            await async_llm.shutdown(1.0)
+
+    asyncio.run(main())
+
+
+def test_too_many_requests_in_flight_raise_queue_full(make_engine):
+    async def main() -> None:
+        async_llm = await started(make_engine(), max_pending_requests=2)
+        try:
+            stream = await async_llm.submit(
+                [GenerateRequest(f"r{i}", "hello", LONG) for i in range(2)]
+            )
+            with pytest.raises(QueueFullError):
+                await async_llm.submit([GenerateRequest("r2", "hello", LONG)])
+            stream.close()
+            stream = await async_llm.submit([GenerateRequest("r3", "hi", SamplingParams())])
+            stream.close()
+        finally:
+            await async_llm.shutdown(1.0)
+
+    asyncio.run(main())
+
+
+def test_dead_engine_thread_fails_streams_and_refuses_work(make_engine):
+    engine = make_engine()
+
+    def broken_step():
+        raise RuntimeError("boom")
+
+    async def main() -> None:
+        async_llm = await started(engine)
+        try:
+            engine.step = broken_step
+            stream = await async_llm.submit([GenerateRequest("a", "hello", LONG)])
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+            assert async_llm.is_dead and not async_llm.is_ready
+            with pytest.raises(EngineDeadError):
+                await async_llm.submit([GenerateRequest("b", "hello", LONG)])
+        finally:
+            await async_llm.shutdown(1.0)
+
+    asyncio.run(main())
+
+
+def test_shutdown_aborts_requests_still_running_at_the_timeout(make_engine):
+    async def main() -> list:
+        async_llm = await started(make_engine())
+        outputs = await async_llm.generate("a", "hello", LONG)
+        first = await outputs.__anext__()
+        shutdown = asyncio.ensure_future(async_llm.shutdown(0.2))
+        rest = [out async for out in outputs]
+        await shutdown
+        with pytest.raises(EngineNotReadyError):
+            await async_llm.submit([GenerateRequest("b", "hello", LONG)])
+        return [first, *rest]
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finish_reason == "abort"
+    assert len(outputs[-1].token_ids) < LONG.max_tokens
+
+
+# ---- HTTP failure paths, in-process --------------------------------------------------------
+
+
+def test_engine_failure_is_500_or_stream_error_event_and_server_stays_healthy(
+    make_engine, monkeypatch
+):
+    engine = make_engine()
+
+    def failing_execute(_scheduled):
+        raise RuntimeError("kernel exploded")
+
+    async def main() -> tuple[httpx.Response, list[str], httpx.Response]:
+        async_llm = await started(engine)
+        app = build_app(async_llm, "tiny")
+        transport = httpx.ASGITransport(app=app)
+        body = {"prompt": "hello", "max_tokens": 4}
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                monkeypatch.setattr(engine.runner, "execute", failing_execute)
+                plain = await client.post("/v1/completions", json=body)
+                streamed = await client.post("/v1/completions", json=body | {"stream": True})
+                health = await client.get("/health")
+        finally:
+            await async_llm.shutdown(1.0)
+        return plain, streamed.text.strip().split("\n\n"), health
+
+    plain, events, health = asyncio.run(main())
+    assert plain.status_code == 500
+    assert plain.json()["error"]["code"] == "engine_error"
+    assert "kernel exploded" in plain.json()["error"]["message"]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "server_error"
+    assert health.status_code == 200
+
+
+def test_health_is_503_while_loading_and_after_the_engine_dies(make_engine):
+    release = asyncio.Event()
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+
+        def slow_factory() -> LLMEngine:
+            asyncio.run_coroutine_threadsafe(release.wait(), loop).result(10)
+            raise RuntimeError("no such checkpoint")
+
+        async_llm = AsyncLLM(slow_factory)
+        app = build_app(async_llm, "tiny")
+        async_llm.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            codes = [(await client.get("/health")).status_code]
+            codes.append((await client.post("/v1/completions", json={"prompt": "x"})).status_code)
+            release.set()
+            await wait_for(lambda: async_llm.is_dead)
+            codes.append((await client.get("/health")).status_code)
+        await async_llm.shutdown(1.0)
+        assert isinstance(async_llm.load_error, RuntimeError)
+        return codes
+
+    assert asyncio.run(main()) == [503, 503, 503]
+
+
+def test_model_without_tokenizer_serves_token_ids_and_refuses_chat(tiny_dir):
+    engine = LLMEngine.from_engine_args(model=str(tiny_dir), dtype="float32", num_blocks=32)
+
+    async def main() -> list[httpx.Response]:
+        async_llm = await started(engine)
+        transport = httpx.ASGITransport(app=build_app(async_llm, "tiny"))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                body = {"prompt": [5, 6, 7], "max_tokens": 3, "logprobs": 1, "ignore_eos": True}
+                chat = {"messages": [{"role": "user", "content": "hi"}]}
+                return [
+                    await client.post("/v1/completions", json=body),
+                    await client.post("/v1/completions", json={"prompt": "text"}),
+                    await client.post("/v1/chat/completions", json=chat),
+                ]
+        finally:
+            await async_llm.shutdown(1.0)
+
+    ids, text, chat = asyncio.run(main())
+    assert ids.status_code == 200, ids.text
+    choice = ids.json()["choices"][0]
+    assert len(choice["exit_depths"]) == 3
+    assert all(token.startswith("token_id:") for token in choice["logprobs"]["tokens"])
+    assert (text.status_code, text.json()["error"]["param"]) == (400, "prompt")
+    assert (chat.status_code, chat.json()["error"]["param"]) == (400, "messages")

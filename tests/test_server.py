@@ -1,0 +1,349 @@
+"""The OpenAI-compatible server, end to end, against a real server process.
+
+One server process (tiny seeded checkpoint with a tokenizer, float32, 512 KV blocks of 16)
+serves most tests; its outputs must equal the offline `LLM` on the same checkpoint token for
+token (batch invariance makes this exact; both sides run one torch thread). A second,
+short-lived server checks the SIGTERM shutdown. `AsyncLLM` and the engine-failure paths are
+tested in-process in `test_async_engine.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from loopserve.entrypoints.llm import LLM
+from loopserve.sampling_params import SamplingParams
+from tests.server_utils import ServerProcess, metrics, sse_payloads, wait_all_blocks_free
+
+MODEL = "tiny"
+NUM_BLOCKS = 512
+MAX_BODY_BYTES = 65536
+MAX_PENDING = 256
+SERVER_FLAGS = [
+    "--dtype", "float32", "--num-blocks", str(NUM_BLOCKS), "--block-size", "16",
+    "--served-model-name", MODEL, "--max-body-bytes", str(MAX_BODY_BYTES),
+    "--max-pending-requests", str(MAX_PENDING), "--log-level", "warning",
+]  # fmt: skip
+PROMPTS = [
+    "The quick brown fox",
+    "A looped language model reads a sequence of tokens and predicts the next one.",
+    "Q: What is the capital of France?\nA:",
+    "Numbers appear everywhere: 0, 1, 2, 3",
+    "Good software is simple to read. Write small functions that do one thing. Name things.",
+    "Hi",
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tok_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    proc = ServerProcess(["--model", str(tiny_tok_dir), *SERVER_FLAGS], log_path)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_tok_dir):
+    return LLM(model=str(tiny_tok_dir), dtype="float32", num_blocks=NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def reference(llm: LLM, prompts, params) -> list:
+    """Offline outputs, computed with one torch thread like the server process."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.set_num_threads(num_threads)
+
+
+def greedy(max_tokens: int, **extra: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+# ---- OpenAI client: completions and chat ---------------------------------------------------
+
+
+def test_completion_matches_offline_engine_token_for_token(client, llm):
+    expected = reference(llm, PROMPTS[1], greedy(12, ignore_eos=True))[0]
+    response = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[1],
+        max_tokens=12,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choice = response.choices[0]
+    assert choice.token_ids == expected.token_ids
+    assert choice.text == expected.text
+    assert choice.exit_depths == expected.exit_depths
+    assert choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == 12
+
+
+def test_streaming_completion_concatenates_to_offline_output(client, llm):
+    params = greedy(10, exit_threshold=0.5, ignore_eos=True)
+    expected = reference(llm, PROMPTS[2], params)[0]
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=10,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"exit_threshold": 0.5, "ignore_eos": True},
+    )
+    chunks = list(stream)
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == expected.text
+    assert [d for c in text_chunks for d in c.choices[0].exit_depths] == expected.exit_depths
+    assert min(expected.exit_depths) < 4  # the threshold made some tokens exit early
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_matches_offline_engine_streaming_and_not(client, llm):
+    tokenizer = llm.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    params = greedy(16, stop_token_ids=tokenizer.end_of_turn_token_ids)
+    expected = reference(llm, [prompt_ids], params)[0]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0.0
+    )
+    choice = response.choices[0]
+    assert response.object == "chat.completion"
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.exit_depths == expected.exit_depths
+    assert choice.finish_reason == expected.finish_reason
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0.0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert [d for c in chunks for d in c.choices[0].exit_depths] == expected.exit_depths
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+
+
+def test_n2_with_seed_is_reproducible_and_uses_seed_plus_index(client, llm):
+    def sample() -> list[str]:
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=2, seed=7
+        )
+        return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+    first, second = sample(), sample()
+    assert first == second
+    expected = [
+        reference(llm, PROMPTS[0], SamplingParams(max_tokens=8, seed=seed))[0].text
+        for seed in (7, 8)
+    ]
+    assert first == expected
+
+
+def test_batch_prompts_index_choices_per_prompt_times_n(client, llm):
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    response = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=4, temperature=0.0, n=2, echo=True
+    )
+    expected = reference(llm, prompts, greedy(4))
+    texts = {c.index: c.text for c in response.choices}
+    assert texts == {
+        0: prompts[0] + expected[0].text,
+        1: prompts[0] + expected[0].text,
+        2: prompts[1] + expected[1].text,
+        3: prompts[1] + expected[1].text,
+    }
+    prompt_tokens = sum(len(e.prompt_token_ids) for e in expected)
+    assert response.usage.prompt_tokens == prompt_tokens
+
+
+def test_logprobs_report_chosen_token_and_alternatives(client, llm):
+    expected = reference(llm, PROMPTS[0], greedy(5, logprobs=3, ignore_eos=True))[0]
+    response = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=5,
+        temperature=0.0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs])
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.base_url + "/v1/models/other").status_code == 404
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    client.completions.create(
+        model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    values = metrics(server.base_url)
+    assert values["loopserve_kv_blocks_total"] == NUM_BLOCKS
+    assert values["loopserve_ready"] == 1
+    assert values["loopserve_generation_tokens_total"] > 0
+    assert values['loopserve_requests_finished_total{finish_reason="length"}'] > 0
+    assert values['loopserve_time_to_first_token_seconds_bucket{le="+Inf"}'] > 0
+    assert 1.0 <= values["loopserve_mean_loops_per_token"] <= 4.0
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+
+def load_case(i: int) -> tuple[str, SamplingParams, dict]:
+    """Request i of the load test: mixed prompts, lengths, stops and seeded sampling."""
+    prompt = PROMPTS[i % len(PROMPTS)] * (1 + i % 3)
+    max_tokens = (3, 9, 17, 30)[i % 4]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    if i % 5 == 0:
+        body |= {"temperature": 0.8, "seed": 1000 + i}
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1000 + i)
+    else:
+        body |= {"temperature": 0.0, "ignore_eos": i % 2 == 0}
+        params = greedy(max_tokens, ignore_eos=i % 2 == 0)
+    return prompt, params, body
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict) -> tuple[str, list[int]]:
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        events = sse_payloads([line async for line in response.aiter_lines()])
+    assert events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert chunks[-1]["finish_reason"] in ("stop", "length")
+    return "".join(c["text"] for c in chunks), [d for c in chunks for d in c["exit_depths"]]
+
+
+def test_64_concurrent_streams_match_offline_and_free_every_block(server, llm):
+    cases = [load_case(i) for i in range(64)]
+    expected = reference(llm, [c[0] for c in cases], [c[1] for c in cases])
+
+    async def run() -> list[tuple[str, list[int]]]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0, limits=limits) as c:
+            return await asyncio.gather(*(stream_completion(c, case[2]) for case in cases))
+
+    results = asyncio.run(run())
+    for (text, depths), want in zip(results, expected):
+        assert text == want.text
+        assert depths == want.exit_depths
+    values = wait_all_blocks_free(server.base_url)
+    assert values["loopserve_num_requests_waiting"] == 0
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+GOOD = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BAD_INPUTS = {
+    "malformed_json": ("/v1/completions", b'{"prompt": "x",', 400, None),
+    "not_an_object": ("/v1/completions", [1, 2], 400, None),
+    "wrong_type": ("/v1/completions", GOOD | {"max_tokens": "16"}, 400, "max_tokens"),
+    "prompt_wrong_type": ("/v1/completions", GOOD | {"prompt": 5}, 400, "prompt"),
+    "negative_max_tokens": ("/v1/completions", GOOD | {"max_tokens": -1}, 400, "max_tokens"),
+    "negative_temperature": ("/v1/completions", GOOD | {"temperature": -0.5}, 400, "temperature"),
+    "top_p_out_of_range": ("/v1/completions", GOOD | {"top_p": 1.5}, 400, "top_p"),
+    "max_loops_over_depth": ("/v1/completions", GOOD | {"max_loops": 9}, 400, "max_loops"),
+    "oversize_prompt": ("/v1/completions", GOOD | {"prompt": [5] * 3000}, 400, "max_tokens"),
+    "unknown_model": ("/v1/completions", GOOD | {"model": "gpt-4"}, 404, "model"),
+    "huge_body": ("/v1/completions", GOOD | {"prompt": "x" * (2 * MAX_BODY_BYTES)}, 413, None),
+    "unsupported_field": ("/v1/completions", GOOD | {"best_of": 2}, 400, "best_of"),
+    "penalty_not_neutral": ("/v1/completions", GOOD | {"presence_penalty": 1.0}, 400, None),
+    "empty_messages": ("/v1/chat/completions", CHAT | {"messages": []}, 400, "messages"),
+    "bad_role": (
+        "/v1/chat/completions",
+        CHAT | {"messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages",
+    ),
+    "tools_unsupported": ("/v1/chat/completions", CHAT | {"tools": []}, 400, "tools"),
+    "chat_unknown_model": ("/v1/chat/completions", CHAT | {"model": "x"}, 404, "model"),
+    "queue_full": ("/v1/completions", GOOD | {"prompt": ["a"] * 5, "n": 64}, 429, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gets_status_and_openai_error_shape(server, case):
+    path, body, status, param = BAD_INPUTS[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    response = httpx.post(server.base_url + path, content=content, headers=headers, timeout=30.0)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if status == 429:
+        assert response.headers["retry-after"] == "1"
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    aborted_before = metrics(server.base_url)[
+        'loopserve_requests_finished_total{finish_reason="abort"}'
+    ]
+    body = GOOD | {"max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        held = metrics(server.base_url)
+        assert held["loopserve_kv_blocks_free"] < NUM_BLOCKS
+    values = wait_all_blocks_free(server.base_url)
+    assert values['loopserve_requests_finished_total{finish_reason="abort"}'] == aborted_before + 1
+
+
+# ---- shutdown ------------------------------------------------------------------------------
+
+
+def test_sigterm_finishes_or_aborts_in_flight_and_exits_zero(tiny_tok_dir, tmp_path):
+    shutdown_timeout_s = 2.0
+    flags = [*SERVER_FLAGS, "--shutdown-timeout-s", str(shutdown_timeout_s)]
+    proc = ServerProcess(["--model", str(tiny_tok_dir), *flags], tmp_path / "server.log")
+    try:
+        proc.wait_healthy()
+        body = GOOD | {"max_tokens": 1900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", proc.base_url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            start_s = time.monotonic()
+            proc.terminate()
+            try:  # new work is refused: the socket is closed, or the engine answers 503
+                late = httpx.post(proc.base_url + "/v1/completions", json=GOOD, timeout=5)
+                assert late.status_code == 503, late.text
+            except httpx.TransportError:
+                pass
+            events = sse_payloads(list(lines))  # finished in time, or aborted at the timeout
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] in ("length", "abort")
+        returncode = proc.process.wait(timeout=shutdown_timeout_s + 15)
+        elapsed_s = time.monotonic() - start_s
+    finally:
+        proc.stop()
+    assert returncode == 0, proc.log()
+    assert elapsed_s < shutdown_timeout_s + 10

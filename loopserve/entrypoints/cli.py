@@ -27,6 +27,16 @@ MOUNTED = [
         "replay a dataset against an OpenAI-compatible endpoint",
     ),
     (("simulate",), "loopserve.sim.cli", "simulated GPU executor driving the real scheduler"),
+    (
+        ("bench", "wcpb"),
+        "loopserve.bench.prompt_sched",
+        "prompt throughput: wavefront vs atomic chunked prefill over chunk sizes",
+    ),
+    (
+        ("bench", "interference"),
+        "loopserve.bench.prompt_interference",
+        "decode latency while long prompts arrive: atomic vs per-depth vs mixed",
+    ),
 ]
 
 

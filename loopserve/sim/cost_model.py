@@ -1,0 +1,222 @@
+"""Roofline cost of one core call, one coda and one sampling pass, from first principles.
+
+For every kernel group the model counts the HBM bytes it must move and the FLOPs it must do,
+and prices it as `max(bytes / (bw · eff_bw), flops / (peak · eff_peak)) + call_overhead`.
+`roofline="phase"` instead prices a core call's linear layers (weights, embeddings, GEMM
+FLOPs) and its attention (KV traffic, attention FLOPs) separately and adds them: a bound on
+how much the single-roofline default flatters calls that mix compute- and memory-bound rows.
+
+Core call over `rows` rows (each row: a position of one request at one depth):
+- weight bytes: the L core layers + the final norm, read once per call; plus one embedding
+  row per prelude row (an embedding lookup reads only the rows it gathers);
+- KV bytes read: per decode row, its context (`position + 1` positions) of its depth's plane;
+  per prompt item, its context (`token_start + token_count` positions) once per item
+  (a flash-attention kernel streams a chunk's KV once per item, not once per query row);
+- KV bytes written: one position per row in its plane; finalize copies (LAST_EXITED, a decode
+  token that exits at depth e < D-1) read and write one position per deeper plane;
+- FLOPs: `2 · core_params · rows` (every weight multiplies every row once) plus attention
+  `4 · L · num_heads · head_dim · Σ_rows context` (QKᵀ and PV, 2 FLOPs per multiply-add).
+Coda: the lm_head is read once if any row exits, `2 · vocab · hidden` FLOPs per row, logits
+written in float32. Sampling: logits read once, ~5 FLOPs per vocab entry per row.
+
+Not modelled (documented in docs/simulator.md): activation traffic between kernels, the exit
+gate (`hidden + 1` weights, negligible), attention-kernel inefficiency at short contexts, and
+compute/memory overlap across kernels inside a call (the roofline assumes perfect overlap).
+This module is pure arithmetic: no tensors, no scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loopserve.errors import ConfigError
+from loopserve.models.config import OuroConfig
+from loopserve.sim.hardware import DeviceProfile
+
+ROOFLINES = ("call", "phase")
+LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler
+SAMPLE_FLOPS_PER_ENTRY = 5  # max, exp, sum, scale, draw/compare per vocab entry
+
+# Ouro-1.4B (ByteDance/Ouro-1.4B config.json): 24 layers x 4 loops, MHA, untied lm_head.
+OURO_1P4B = OuroConfig(
+    vocab_size=49152,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    total_ut_steps=4,
+    head_dim=128,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=65536,
+    tie_word_embeddings=False,
+    eos_token_id=(0,),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The numbers of an Ouro-style model the cost model needs, with derived byte counts."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_loops: int
+    dtype_bytes: int = 2  # BF16
+
+    @classmethod
+    def from_config(cls, config: OuroConfig, dtype_bytes: int = 2) -> ModelShape:
+        assert config.head_dim is not None
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            num_loops=config.total_ut_steps,
+            dtype_bytes=dtype_bytes,
+        )
+
+    @property
+    def layer_params(self) -> int:
+        """q, k, v, o projections + SwiGLU (gate, up, down) + the four RMSNorm weights."""
+        hidden, q_dim = self.hidden_size, self.num_heads * self.head_dim
+        kv_dim = self.num_kv_heads * self.head_dim
+        attention = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
+        mlp = 3 * hidden * self.intermediate_size
+        return attention + mlp + 4 * hidden
+
+    @property
+    def core_params(self) -> int:
+        """Weights one loop reads: every layer plus the final `model.norm`."""
+        return self.num_layers * self.layer_params + self.hidden_size
+
+    @property
+    def core_weight_bytes(self) -> int:
+        return self.core_params * self.dtype_bytes
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_weight_bytes(self) -> int:
+        return self.vocab_size * self.hidden_size * self.dtype_bytes
+
+    @property
+    def total_weight_bytes(self) -> int:
+        """Resident weights: embedding, core, lm_head (counted even if tied), gate."""
+        gate = self.hidden_size + 1
+        params = self.core_params + 2 * self.embedding_params + gate
+        return params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token_per_depth(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one (query row, key position) pair over all layers: QKᵀ + PV."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class CallCost:
+    bytes_moved: float
+    flops: float
+    time_s: float  # including the per-call overhead
+    compute_bound: bool  # limited by FLOPs rather than bytes (the linear phase, if split)
+
+
+NO_COST = CallCost(0.0, 0.0, 0.0, False)
+
+
+class CostModel:
+    """Prices kernel groups on one `DeviceProfile` for one `ModelShape`."""
+
+    def __init__(self, shape: ModelShape, device: DeviceProfile, roofline: str = "call") -> None:
+        if roofline not in ROOFLINES:
+            raise ConfigError(f"roofline must be one of {', '.join(ROOFLINES)}, got {roofline!r}")
+        self.shape = shape
+        self.device = device
+        self.split_phases = roofline == "phase"
+        self._bw = device.effective_bandwidth
+        self._flops = device.effective_flops
+        self._overhead_s = device.call_overhead_s
+        self._kv = shape.kv_bytes_per_token_per_depth
+        self._embed_row_bytes = shape.hidden_size * shape.dtype_bytes
+        self._pair_flops = shape.attention_flops_per_pair
+        self._linear_flops_per_row = 2 * shape.core_params
+
+    def _price(self, bytes_moved: float, flops: float) -> CallCost:
+        memory_s, compute_s = bytes_moved / self._bw, flops / self._flops
+        return CallCost(
+            bytes_moved, flops, max(memory_s, compute_s) + self._overhead_s, compute_s > memory_s
+        )
+
+    def core_call(
+        self,
+        *,
+        rows: int,
+        prelude_rows: int = 0,
+        kv_read_positions: int = 0,
+        attention_pairs: int = 0,
+        finalize_copies: int = 0,
+    ) -> CallCost:
+        """One core call. `kv_read_positions`: positions of KV read, summed over items;
+        `attention_pairs`: Σ over rows of their context length; `finalize_copies`:
+        (position, plane) copies of early-exited decode tokens."""
+        linear_bytes = self.shape.core_weight_bytes + prelude_rows * self._embed_row_bytes
+        kv_bytes = (kv_read_positions + rows + 2 * finalize_copies) * self._kv
+        linear_flops = self._linear_flops_per_row * rows
+        attention_flops = self._pair_flops * attention_pairs
+        if not self.split_phases:
+            return self._price(linear_bytes + kv_bytes, linear_flops + attention_flops)
+        # Linear layers and attention are separate kernels: each pays its own roofline, so
+        # KV traffic cannot hide under GEMM compute (or weight reads under attention math).
+        linear = self._price(linear_bytes, linear_flops)
+        attention = self._price(kv_bytes, attention_flops)
+        return CallCost(
+            linear_bytes + kv_bytes,
+            linear_flops + attention_flops,
+            linear.time_s + attention.time_s - self._overhead_s,
+            linear.compute_bound,
+        )
+
+    def coda(self, rows: int) -> CallCost:
+        """lm_head over the exiting rows (zero cost when no row exits)."""
+        if rows == 0:
+            return NO_COST
+        shape = self.shape
+        bytes_moved = (
+            shape.lm_head_weight_bytes
+            + rows * shape.hidden_size * shape.dtype_bytes
+            + rows * shape.vocab_size * LOGIT_BYTES
+        )
+        flops = 2 * shape.vocab_size * shape.hidden_size * rows
+        return self._price(bytes_moved, flops)
+
+    def sampling(self, rows: int) -> CallCost:
+        if rows == 0:
+            return NO_COST
+        vocab = self.shape.vocab_size
+        return self._price(rows * vocab * LOGIT_BYTES, SAMPLE_FLOPS_PER_ENTRY * rows * vocab)
+
+    def decode_loop_time(self, batch_size: int, context: int) -> float:
+        """Seconds of one decode core call: `batch_size` rows, each with `context` positions."""
+        return self.core_call(
+            rows=batch_size,
+            kv_read_positions=batch_size * context,
+            attention_pairs=batch_size * context,
+        ).time_s
+
+    def linear_ridge_rows(self) -> float:
+        """Rows per call from which the core's weight GEMMs are compute-bound."""
+        bytes_per_row = self.shape.core_weight_bytes / self._bw
+        return bytes_per_row / (self._linear_flops_per_row / self._flops)

@@ -1,0 +1,289 @@
+"""`SimExecutor`: a tensor-free stand-in for `ModelRunner` that prices each step on a GPU model.
+
+It honours the runner contract (DESIGN §6, `loopserve.engine.contracts`) item for item:
+- every item runs `num_depths` consecutive loops; loop k of the step is one core call over
+  the items with `k < num_depths` (an atomic prompt step is D calls, a decode step one);
+- decode items exit when `exit_now` is True; when it is None the "gate" decides
+  (`next_gate_state(before, λ).cdf >= threshold`), and `needs_gate` rows report a hazard;
+- a prompt item with `first_token` that reaches depth D-1 picks its first token's loops with
+  `choose_exit_from_hazards` (its trace loops, or the hazards of its last position);
+- exiting rows run the coda and the sampler and return a synthetic token (id 1 — requests in
+  the simulator use `ignore_eos=True` and stop by length);
+- hidden state is not stored, but handles are tracked so that an item resuming from a handle
+  the runner never kept fails loudly, like the real runner would.
+
+Exits in the simulator normally come from `exit_mode="trace"` (each request carries an exit
+trace drawn from the workload's distribution), so no gate runs. For gated modes the executor
+draws a target loop count per token from `exit_dist` and emits hazards 0 before it and 1 from
+it on (one loop earlier for the delayed modes), so the exit rule lands on the target.
+
+`model_time_s` of the `RunnerOutput` is simulated GPU seconds from the `CostModel`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from loopserve.engine.contracts import (
+    ItemKind,
+    ItemResult,
+    RunnerOutput,
+    SchedulerOutput,
+    WorkItem,
+)
+from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
+from loopserve.sampler import SampledToken
+from loopserve.sim.cost_model import CostModel
+from loopserve.sim.workload import ExitDistribution
+
+SYNTHETIC_TOKEN = SampledToken(1)
+DECODE, PROMPT = ItemKind.DECODE, ItemKind.PROMPT
+
+
+@dataclass
+class ExecutorStats:
+    """Totals over a run; call kinds by the rows they carry."""
+
+    num_steps: int = 0
+    decode_calls: int = 0
+    decode_rows: int = 0
+    decode_bytes: float = 0.0  # HBM bytes of decode-only calls (weights + KV + embeddings)
+    decode_time_s: float = 0.0
+    prompt_calls: int = 0
+    prompt_rows: int = 0
+    prompt_time_s: float = 0.0
+    mixed_calls: int = 0  # calls carrying both prompt and decode rows
+    mixed_rows: int = 0
+    mixed_time_s: float = 0.0
+    core_time_s: float = 0.0
+    coda_time_s: float = 0.0
+    sampling_time_s: float = 0.0
+    coda_rows: int = 0
+
+    @property
+    def num_core_calls(self) -> int:
+        return self.decode_calls + self.prompt_calls + self.mixed_calls
+
+    @property
+    def model_time_s(self) -> float:
+        return self.core_time_s + self.coda_time_s + self.sampling_time_s
+
+
+class SimExecutor:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        *,
+        layout: str = "last_exited",
+        exit_mode: str = "trace",
+        exit_dist: ExitDistribution | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.cost = cost_model
+        self.num_loops = cost_model.shape.num_loops
+        self.shared = layout == "shared"
+        self.exit_mode = ExitMode(exit_mode)
+        if self.exit_mode.uses_gate and exit_dist is None:
+            raise ValueError(f"exit_mode {exit_mode!r} needs an exit_dist to draw hazards from")
+        self.exit_dist = exit_dist
+        self.seed = seed
+        self.stats = ExecutorStats()
+        self._live_handles: set[int] = set()
+        self._handles_of: dict[str, set[int]] = {}
+        self._num_sampled: dict[str, int] = {}
+        self._targets: dict[tuple[str, int], int] = {}
+        self._continue_results: dict[tuple[str, int], ItemResult] = {}
+
+    # ---- bookkeeping (mirrors ModelRunner) ---------------------------------------------
+
+    def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> None:
+        for request_id in scheduled.finished_request_ids:
+            self.release_request(request_id)
+        for handle in scheduled.released_handles:
+            self._live_handles.discard(handle)
+        for new in scheduled.new_requests:
+            self._handles_of[new.request_id] = set()
+            self._num_sampled[new.request_id] = 0
+
+    def release_request(self, request_id: str) -> None:
+        for handle in self._handles_of.pop(request_id, ()):
+            self._live_handles.discard(handle)
+            self._continue_results.pop((request_id, handle), None)
+        self._targets.pop((request_id, self._num_sampled.pop(request_id, 0)), None)
+
+    @property
+    def num_live_handles(self) -> int:
+        return len(self._live_handles)
+
+    # ---- synthetic gate -------------------------------------------------------------------
+
+    def _hazard(self, request_id: str, token_index: int, depth: int) -> float:
+        """0 before the token's target loop count, 1 from it (a step function of depth)."""
+        key = (request_id, token_index)
+        target = self._targets.get(key)
+        if target is None:
+            assert self.exit_dist is not None
+            rng = random.Random(f"{self.seed}:{request_id}:{token_index}")
+            target = rng.choices(range(1, self.num_loops + 1), weights=self.exit_dist.probs)[0]
+            self._targets[key] = target
+        crossing_loops = depth + (2 if self.exit_mode.delayed else 1)
+        return 1.0 if crossing_loops >= target else 0.0
+
+    # ---- execution ------------------------------------------------------------------------
+
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        self._apply_bookkeeping(scheduled)
+        items = scheduled.items
+        if not items:
+            return RunnerOutput(scheduled.step_id, ())
+        num_calls = max(item.num_depths for item in items)
+        # Per-call totals by item depth count: an item with n depths runs in calls 0..n-1, and
+        # its rows, context and KV traffic are the same at every depth (prelude only at 0).
+        tallies = [_CallTally() for _ in range(num_calls + 1)]
+        results = []
+        coda_rows = 0
+        for item in items:
+            result, sampled = self._run_item(item, tallies[item.num_depths])
+            results.append(result)
+            coda_rows += sampled
+        rows_per_call, core_s = self._price_calls(tallies)
+        coda_s = self.cost.coda(coda_rows).time_s
+        sampling_s = self.cost.sampling(coda_rows).time_s
+        stats = self.stats
+        stats.num_steps += 1
+        stats.core_time_s += core_s
+        stats.coda_time_s += coda_s
+        stats.sampling_time_s += sampling_s
+        stats.coda_rows += coda_rows
+        return RunnerOutput(
+            scheduled.step_id, tuple(results), rows_per_call, core_s + coda_s + sampling_s
+        )
+
+    def _run_item(self, item: WorkItem, tally: _CallTally) -> tuple[ItemResult, int]:
+        """Exit decision, coda and handle bookkeeping of one item; adds its rows to `tally`."""
+        request_id, handle = item.request_id, item.handle
+        if item.needs_prelude:
+            tally.prelude_rows += item.token_count
+        else:
+            assert handle in self._live_handles, (
+                f"{request_id}: resumes from handle {handle} the runner never kept"
+            )
+        count, start = item.token_count, item.token_start
+        tally.rows += count
+        if item.kind is DECODE:
+            tally.has_decode = True
+            tally.kv_read += start + 1
+            tally.pairs += start + 1
+            result = self._decode_result(item)
+            if result.exited and not self.shared and item.depth < self.num_loops - 1:
+                tally.finalize += self.num_loops - 1 - item.depth
+        else:
+            tally.has_prompt = True
+            tally.kv_read += start + count  # the chunk streams its context once
+            tally.pairs += count * start + count * (count + 1) // 2
+            result = self._prompt_result(item)
+        if result.exited or (item.kind is PROMPT and item.last_depth == self.num_loops - 1):
+            self._live_handles.discard(handle)
+            self._handles_of[request_id].discard(handle)
+        else:
+            self._live_handles.add(handle)
+            self._handles_of[request_id].add(handle)
+        if result.sampled is None:
+            return result, 0
+        self._targets.pop((request_id, self._num_sampled[request_id]), None)
+        self._num_sampled[request_id] += 1
+        return result, 1
+
+    def _decode_result(self, item: WorkItem) -> ItemResult:
+        exit_now = item.exit_now
+        if not item.needs_gate and exit_now is False:
+            # Hot path (trace mode): one immutable "continue" result per token, reused.
+            key = (item.request_id, item.handle)
+            cached = self._continue_results.get(key)
+            if cached is None:
+                cached = self._continue_results[key] = ItemResult(item.request_id, item.handle)
+            return cached
+        self._continue_results.pop((item.request_id, item.handle), None)
+        hazards: tuple[float, ...] = ()
+        if item.needs_gate or exit_now is None:
+            index = self._num_sampled[item.request_id]
+            hazards = (self._hazard(item.request_id, index, item.depth),)
+        if exit_now is None:
+            before = GateState(item.cdf_before, item.survival_before)
+            exit_now = next_gate_state(before, hazards[0]).cdf >= item.threshold
+        if not exit_now:
+            return ItemResult(item.request_id, item.handle, hazards)
+        return ItemResult(
+            item.request_id, item.handle, hazards, True, item.depth + 1, SYNTHETIC_TOKEN
+        )
+
+    def _prompt_result(self, item: WorkItem) -> ItemResult:
+        depths = range(item.depth, item.last_depth + 1)
+        gated = item.first_token and item.needs_gate
+        hazards = tuple(self._hazard(item.request_id, 0, d) for d in depths) if gated else ()
+        if not (item.first_token and item.last_depth == self.num_loops - 1):
+            return ItemResult(item.request_id, item.handle, hazards)
+        assert item.exit_rule is not None
+        all_hazards = None
+        if item.needs_gate:
+            all_hazards = [self._hazard(item.request_id, 0, d) for d in range(self.num_loops)]
+        loops = choose_exit_from_hazards(
+            self.exit_mode, item.exit_rule, all_hazards, item.trace_loops
+        )
+        return ItemResult(item.request_id, item.handle, hazards, True, loops, SYNTHETIC_TOKEN)
+
+    def _price_calls(self, tallies: list[_CallTally]) -> tuple[tuple[int, ...], float]:
+        """Rows and simulated seconds of each core call of the step (call k: items with more
+        than k depths)."""
+        stats = self.stats
+        rows_per_call = []
+        total_s = 0.0
+        call = _CallTally()
+        for k in range(len(tallies) - 1, 0, -1):
+            call.add(tallies[k])  # now: every item with >= k depths, i.e. call k - 1
+            prelude = call.prelude_rows if k == 1 else 0
+            cost = self.cost.core_call(
+                rows=call.rows,
+                prelude_rows=prelude,
+                kv_read_positions=call.kv_read,
+                attention_pairs=call.pairs,
+                finalize_copies=call.finalize,
+            )
+            rows_per_call.append(call.rows)
+            total_s += cost.time_s
+            if call.has_prompt and call.has_decode:
+                stats.mixed_calls += 1
+                stats.mixed_rows += call.rows
+                stats.mixed_time_s += cost.time_s
+            elif call.has_prompt:
+                stats.prompt_calls += 1
+                stats.prompt_rows += call.rows
+                stats.prompt_time_s += cost.time_s
+            else:
+                stats.decode_calls += 1
+                stats.decode_rows += call.rows
+                stats.decode_bytes += cost.bytes_moved
+                stats.decode_time_s += cost.time_s
+        rows_per_call.reverse()
+        return tuple(rows_per_call), total_s
+
+
+@dataclass(slots=True)
+class _CallTally:
+    rows: int = 0
+    prelude_rows: int = 0
+    kv_read: int = 0
+    pairs: int = 0
+    finalize: int = 0
+    has_prompt: bool = False
+    has_decode: bool = False
+
+    def add(self, other: _CallTally) -> None:
+        self.rows += other.rows
+        self.prelude_rows += other.prelude_rows
+        self.kv_read += other.kv_read
+        self.pairs += other.pairs
+        self.finalize += other.finalize
+        self.has_prompt |= other.has_prompt
+        self.has_decode |= other.has_decode

@@ -1,0 +1,150 @@
+"""Per-request records of a simulated run and the summary statistics built from them.
+
+Latencies are virtual-clock seconds: TTFT (first token - arrival), TPOT ((E2E - TTFT) /
+(output tokens - 1)), ITL (every gap between consecutive tokens of a request), E2E (finish -
+arrival) and normalized latency (E2E / output tokens, the per-token latency of the vLLM and
+continuous-depth-batching papers). Throughput is over the makespan (first arrival at t=0 to the
+last finish). Nothing here runs the simulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from loopserve.sim.simulator import SimRun
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    prompt_len: int
+    output_len: int
+    arrival_s: float
+    token_times_s: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+    exit_depths: list[int] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        assert self.finished_s is not None
+        return self.finished_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = len(self.token_times_s)
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (n - 1) if n > 1 else None
+
+    @property
+    def normalized_latency_s(self) -> float:
+        return self.e2e_s / len(self.token_times_s)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    mean_s: float
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    max_s: float
+
+    @classmethod
+    def of(cls, values: list[float] | np.ndarray) -> LatencyStats:
+        arr = np.asarray(values, dtype=float)
+        if arr.size == 0:
+            return cls(0.0, 0.0, 0.0, 0.0, 0.0)
+        p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+        return cls(float(arr.mean()), float(p50), float(p90), float(p99), float(arr.max()))
+
+
+@dataclass(frozen=True)
+class SimResult:
+    num_requests: int
+    num_finished: int
+    num_output_tokens: int
+    duration_s: float
+    request_throughput: float  # requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (prompt + output) tokens / s
+    ttft: LatencyStats
+    tpot: LatencyStats
+    itl: LatencyStats
+    e2e: LatencyStats
+    normalized_latency: LatencyStats
+    gpu_busy_share: float  # simulated GPU seconds / makespan
+    decode_time_share: float  # of simulated GPU seconds: decode-only core calls
+    prompt_time_share: float  # prompt-only core calls (the rest: mixed calls, coda, sampling)
+    mean_loops_per_token: float
+    num_steps: int
+    num_core_calls: int
+    decode_calls: int
+    mean_decode_rows_per_call: float
+    decode_weight_byte_share: float  # share of decode-call HBM bytes that are core weights
+    prompt_calls: int
+    mean_prompt_rows_per_call: float
+    mixed_calls: int
+    mean_mixed_rows_per_call: float
+    num_blocks: int
+    scheduler_cpu_s: float
+    scheduler_us_per_step: float
+    wall_s: float
+    cpu_s: float  # process CPU seconds of the simulation (robust to other load on the host)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def summarize(run: SimRun) -> SimResult:
+    records = [r for r in run.records if r.finished_s is not None]
+    tpots = [t for r in records if (t := r.tpot_s) is not None]
+    itls = np.concatenate([np.diff(r.token_times_s) for r in records]) if records else []
+    num_output = sum(len(r.token_times_s) for r in records)
+    num_prompt = sum(r.prompt_len for r in records)
+    loops = sum(sum(r.exit_depths) for r in records)
+    ex = run.executor
+    duration = run.clock_s
+    assert run.config.cache.num_blocks is not None
+    return SimResult(
+        num_requests=len(run.records),
+        num_finished=len(records),
+        num_output_tokens=num_output,
+        duration_s=duration,
+        request_throughput=_ratio(len(records), duration),
+        output_throughput=_ratio(num_output, duration),
+        total_token_throughput=_ratio(num_output + num_prompt, duration),
+        ttft=LatencyStats.of([r.ttft_s for r in records]),
+        tpot=LatencyStats.of(tpots),
+        itl=LatencyStats.of(itls),
+        e2e=LatencyStats.of([r.e2e_s for r in records]),
+        normalized_latency=LatencyStats.of([r.normalized_latency_s for r in records]),
+        gpu_busy_share=_ratio(ex.model_time_s, duration),
+        decode_time_share=_ratio(ex.decode_time_s, ex.model_time_s),
+        prompt_time_share=_ratio(ex.prompt_time_s, ex.model_time_s),
+        mean_loops_per_token=_ratio(loops, num_output),
+        num_steps=run.num_steps,
+        num_core_calls=ex.num_core_calls,
+        decode_calls=ex.decode_calls,
+        mean_decode_rows_per_call=_ratio(ex.decode_rows, ex.decode_calls),
+        decode_weight_byte_share=_ratio(ex.decode_calls * run.core_weight_bytes, ex.decode_bytes),
+        prompt_calls=ex.prompt_calls,
+        mean_prompt_rows_per_call=_ratio(ex.prompt_rows, ex.prompt_calls),
+        mixed_calls=ex.mixed_calls,
+        mean_mixed_rows_per_call=_ratio(ex.mixed_rows, ex.mixed_calls),
+        num_blocks=run.config.cache.num_blocks,
+        scheduler_cpu_s=run.scheduler_cpu_s,
+        scheduler_us_per_step=_ratio(run.scheduler_cpu_s * 1e6, run.num_steps),
+        wall_s=run.wall_s,
+        cpu_s=run.cpu_s,
+    )

@@ -1,0 +1,245 @@
+"""Run a workload through the real `Scheduler` + `KVCacheManager` on a virtual clock.
+
+The scheduler and KV manager are built from an `EngineConfig` exactly as `LLMEngine` builds
+them; only the runner is replaced by `SimExecutor`. The KV pool is sized from the simulated
+GPU: `num_blocks = ((HBM - weights) · gpu_memory_utilization - in-flight hidden states) /
+bytes per block` unless the engine args fix `num_blocks` or `kv_cache_bytes`.
+
+Clock: requests are submitted when the virtual clock passes their arrival (at most
+`max_concurrency` outstanding, like a benchmark client's semaphore; a held request's latency
+starts when it is released). Each step advances the clock by the simulated step time plus
+`host_time_s` (default 0); tokens produced in a step are stamped at its end. The real CPU time
+of `schedule()` + `update()` is measured and reported separately, never added to the clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loopserve.config import EngineConfig, max_inflight_rows, resolve_num_blocks
+from loopserve.engine.kv_cache import KVCacheManager
+from loopserve.engine.request import Request
+from loopserve.engine.scheduler import Scheduler
+from loopserve.models.config import OuroConfig
+from loopserve.sampling_params import SamplingParams
+from loopserve.sim.cost_model import CostModel, ModelShape
+from loopserve.sim.executor import ExecutorStats, SimExecutor
+from loopserve.sim.hardware import DeviceProfile
+from loopserve.sim.metrics import RequestRecord, SimResult, summarize
+from loopserve.sim.workload import ExitDistribution, SimRequest
+
+StepHook = Callable[[Scheduler], None]
+
+
+@dataclass
+class SimRun:
+    """Raw outcome of one simulation (turned into a `SimResult` by `summarize`)."""
+
+    records: list[RequestRecord]
+    executor: ExecutorStats
+    clock_s: float
+    num_steps: int
+    scheduler_cpu_s: float
+    config: EngineConfig
+    core_weight_bytes: int  # read once per core call
+    wall_s: float = 0.0
+    cpu_s: float = 0.0  # process CPU seconds of the whole run
+    step_items: list[tuple] = field(default_factory=list)
+
+
+def build_engine_config(engine_args: dict[str, object]) -> EngineConfig:
+    """Engine args as `LLM(...)` takes them; the simulator forces `exit_mode='trace'` unless
+    another mode is asked for explicitly."""
+    args = {"exit_mode": "trace", **engine_args}
+    return EngineConfig.from_engine_args(**args)
+
+
+def kv_bytes_per_block(shape: ModelShape, block_size: int) -> int:
+    """Bytes of one block of one plane (`ModelRunner.kv_bytes_per_block` at the sim dtype)."""
+    return shape.kv_bytes_per_token_per_depth * block_size
+
+
+def resolve_sim_config(
+    config: EngineConfig, shape: ModelShape, device: DeviceProfile
+) -> EngineConfig:
+    """Fix `num_blocks` from the simulated HBM left after the weights, minus the in-flight
+    hidden states the runner may hold (the same memory plan as `LLMEngine`)."""
+    free_bytes = max(0, device.hbm_bytes - shape.total_weight_bytes)
+    inflight_rows = max_inflight_rows(config, shape.num_loops)
+    cache = resolve_num_blocks(
+        config.cache,
+        bytes_per_block=kv_bytes_per_block(shape, config.cache.block_size),
+        free_bytes=free_bytes,
+        reserved_bytes=inflight_rows * shape.hidden_size * shape.dtype_bytes,
+    )
+    return dataclasses.replace(config, cache=cache)
+
+
+class Simulator:
+    """One engine configuration on one simulated device; `run(workload)` once per instance."""
+
+    def __init__(
+        self,
+        model_config: OuroConfig,
+        device: DeviceProfile,
+        engine_args: dict[str, object] | None = None,
+        *,
+        host_time_s: float = 0.0,
+        exit_dist: ExitDistribution | None = None,
+        exit_threshold: float = 0.5,
+        seed: int = 0,
+        roofline: str = "call",
+    ) -> None:
+        """`exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
+        draws hazards from the distribution; requests get the threshold); trace mode replays
+        each request's `exit_trace`. `roofline`: see `CostModel`."""
+        self.exit_threshold = exit_threshold
+        self.shape = ModelShape.from_config(model_config)
+        self.device = device
+        self.cost_model = CostModel(self.shape, device, roofline)
+        config = build_engine_config(engine_args or {})
+        self.config = resolve_sim_config(config, self.shape, device)
+        self.num_loops = self.shape.num_loops
+        self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+        cache = self.config.cache
+        num_planes = 1 if cache.layout == "shared" else self.num_loops
+        assert cache.num_blocks is not None
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, num_planes)
+        self.scheduler = Scheduler(self.config, num_loops=self.num_loops, kv=self.kv)
+        self.executor = SimExecutor(
+            self.cost_model,
+            layout=cache.layout,
+            exit_mode=self.config.exit.mode,
+            exit_dist=exit_dist,
+            seed=seed,
+        )
+        self.host_time_s = host_time_s
+
+    def _make_request(self, sim: SimRequest, order: int, arrival_s: float) -> Request:
+        trace_mode = self.config.exit.mode == "trace"
+        params = SamplingParams(
+            max_tokens=sim.output_len,
+            temperature=0.0,
+            ignore_eos=True,
+            exit_trace=sim.exit_trace if trace_mode else None,
+            exit_threshold=1.0 if trace_mode else self.exit_threshold,
+        ).resolve_loops(self.num_loops)
+        total = sim.prompt_len + sim.output_len
+        if total > self.max_model_len:
+            raise ValueError(f"{sim.request_id}: {total} tokens exceed {self.max_model_len}")
+        return Request(
+            sim.request_id,
+            [1] * sim.prompt_len,
+            params,
+            arrival_order=order,
+            eos_token_ids=frozenset(),
+            arrival_s=arrival_s,
+        )
+
+    def run(
+        self,
+        workload: list[SimRequest],
+        *,
+        max_concurrency: int | None = None,
+        on_step: StepHook | None = None,
+        on_finish: Callable[[int], None] | None = None,
+        record_items: bool = False,
+    ) -> SimRun:
+        """Simulate until every request finishes. `on_step(scheduler)` runs after each step
+        (tests call `check_invariants` there); `on_finish(n)` reports finished requests."""
+        wall_start = time.perf_counter()
+        cpu_clock = time.process_time  # CPU seconds: robust to other load on the host
+        cpu_start = cpu_clock()
+        scheduler, executor = self.scheduler, self.executor
+        pending = deque(sorted(workload, key=lambda r: r.arrival_s))
+        records: dict[str, RequestRecord] = {}
+        limit = max_concurrency if max_concurrency is not None else math.inf
+        outstanding = 0
+        slot_freed_s = 0.0  # when the concurrency limit last let a held request go
+        clock = 0.0
+        sched_s = 0.0
+        step_items: list[tuple] = []
+        num_steps = 0
+        while pending or scheduler.has_unfinished_requests():
+            while pending and pending[0].arrival_s <= clock and outstanding < limit:
+                sim = pending.popleft()
+                release_s = max(sim.arrival_s, slot_freed_s)
+                scheduler.add_request(self._make_request(sim, len(records), release_s))
+                records[sim.request_id] = RequestRecord(
+                    sim.request_id, sim.prompt_len, sim.output_len, release_s
+                )
+                outstanding += 1
+            if not scheduler.has_unfinished_requests():
+                clock = max(clock, pending[0].arrival_s)  # idle until the next arrival
+                continue
+            t0 = cpu_clock()
+            scheduled = scheduler.schedule()
+            t1 = cpu_clock()
+            output = executor.execute(scheduled)
+            t2 = cpu_clock()
+            touched = scheduler.update(scheduled, output)
+            sched_s += (t1 - t0) + (cpu_clock() - t2)
+            num_steps += 1
+            if scheduled.is_empty:
+                raise RuntimeError("the scheduler planned an empty step with work pending")
+            if record_items:
+                step_items.append(
+                    tuple(
+                        (
+                            i.request_id,
+                            i.kind.value,
+                            i.token_start,
+                            i.token_count,
+                            i.depth,
+                            i.num_depths,
+                        )
+                        for i in scheduled.items
+                    )
+                )
+            clock += output.model_time_s + self.host_time_s
+            for request in touched:
+                record = records[request.request_id]
+                record.token_times_s.append(clock)
+                if request.is_finished:
+                    record.finished_s = clock
+                    record.exit_depths = request.exit_depths
+                    if outstanding == limit:
+                        slot_freed_s = clock
+                    outstanding -= 1
+                    if on_finish is not None:
+                        on_finish(1)
+            if on_step is not None:
+                on_step(scheduler)
+        return SimRun(
+            records=list(records.values()),
+            executor=executor.stats,
+            clock_s=clock,
+            num_steps=num_steps,
+            scheduler_cpu_s=sched_s,
+            config=self.config,
+            core_weight_bytes=self.shape.core_weight_bytes,
+            wall_s=time.perf_counter() - wall_start,
+            cpu_s=cpu_clock() - cpu_start,
+            step_items=step_items,
+        )
+
+
+def simulate(
+    model_config: OuroConfig,
+    device: DeviceProfile,
+    workload: list[SimRequest],
+    engine_args: dict[str, object] | None = None,
+    *,
+    max_concurrency: int | None = None,
+    host_time_s: float = 0.0,
+    on_finish: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Build a `Simulator`, run the workload and summarize it."""
+    sim = Simulator(model_config, device, engine_args, host_time_s=host_time_s)
+    run = sim.run(workload, max_concurrency=max_concurrency, on_finish=on_finish)
+    return summarize(run)

@@ -1,0 +1,158 @@
+"""Policy arms, rate sweeps and capacity search on top of the simulator.
+
+An arm is a named set of engine-arg overrides plus an optional exit-distribution override:
+`refill` (continuous depth batching), `no_refill` (cohort baseline), `full_depth` (refill
+with every token at full depth). Prompt-scheduling arms (`per_depth` = A1, `mixed` = A2,
+`wavefront`) only pass engine args through, so they run as soon as `EngineConfig` accepts
+them; until then their points are reported as pending with the config error.
+
+Capacity = the highest request rate whose P99 normalized latency stays under an SLO, found
+by bisection on the rate (the same requests and exit traces at every rate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loopserve.errors import ConfigError
+from loopserve.models.config import OuroConfig
+from loopserve.sim.hardware import DeviceProfile
+from loopserve.sim.metrics import SimResult, summarize
+from loopserve.sim.simulator import Simulator
+from loopserve.sim.workload import WorkloadSpec, build_workload
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    engine_args: dict[str, object] = field(default_factory=dict)
+    exit_dist: str | None = None  # None: the workload's distribution
+
+
+ARMS: dict[str, Arm] = {
+    "refill": Arm("refill", {"mode": "refill"}),
+    "no_refill": Arm("no_refill", {"mode": "no_refill"}),
+    "full_depth": Arm("full_depth", {"mode": "refill"}, exit_dist="full"),
+    "per_depth": Arm("per_depth", {"mode": "refill", "prefill_mode": "per_depth"}),
+    "mixed": Arm("mixed", {"mode": "refill", "mixed_prefill_decode": True}),
+    "wavefront": Arm("wavefront", {"mode": "refill", "prefill_mode": "wavefront"}),
+}
+
+
+def get_arm(name: str) -> Arm:
+    try:
+        return ARMS[name]
+    except KeyError:
+        raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(ARMS)}") from None
+
+
+@dataclass(frozen=True)
+class PointResult:
+    """One (arm, rate) simulation, or why it could not run."""
+
+    arm: str
+    request_rate: float
+    result: SimResult | None
+    error: str | None = None
+
+    @property
+    def p99_normalized_latency_s(self) -> float:
+        return math.inf if self.result is None else self.result.normalized_latency.p99_s
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.arm,
+            "request_rate": None if math.isinf(self.request_rate) else self.request_rate,
+            "error": self.error,
+            "result": None if self.result is None else self.result.to_dict(),
+        }
+
+
+@dataclass
+class SweepSetup:
+    """Everything fixed across the points of a sweep."""
+
+    model_config: OuroConfig
+    device: DeviceProfile
+    spec: WorkloadSpec
+    engine_args: dict[str, object]
+    lengths: list[tuple[int, int]]
+    max_concurrency: int | None = None
+    host_time_s: float = 0.0
+    roofline: str = "call"
+    on_finish: Callable[[int], None] | None = None
+
+
+def check_arm(setup: SweepSetup, arm: Arm) -> str | None:
+    """The config error that keeps an arm from running today, or None."""
+    try:
+        Simulator(setup.model_config, setup.device, {**setup.engine_args, **arm.engine_args})
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
+    spec = setup.spec
+    exit_dist = arm.exit_dist or spec.exit_dist
+    point_spec = WorkloadSpec(
+        num_requests=len(setup.lengths),
+        dataset=spec.dataset,
+        request_rate=request_rate,
+        exit_dist=exit_dist,
+        seed=spec.seed,
+    )
+    workload = build_workload(point_spec, setup.model_config.num_loops, lengths=setup.lengths)
+    try:
+        sim = Simulator(
+            setup.model_config,
+            setup.device,
+            {**setup.engine_args, **arm.engine_args},
+            host_time_s=setup.host_time_s,
+            roofline=setup.roofline,
+        )
+    except ConfigError as err:
+        return PointResult(arm.name, request_rate, None, f"pending: {err}")
+    run = sim.run(workload, max_concurrency=setup.max_concurrency, on_finish=setup.on_finish)
+    return PointResult(arm.name, request_rate, summarize(run))
+
+
+def find_capacity(
+    setup: SweepSetup,
+    arm: Arm,
+    slo_s: float,
+    *,
+    low: float,
+    high: float,
+    rel_tol: float = 0.03,
+    max_iters: int = 12,
+    on_point: Callable[[PointResult], None] | None = None,
+) -> tuple[float, list[PointResult]]:
+    """Bisect the rate in [low, high] for the highest one with P99 normalized latency <= slo_s.
+
+    Returns 0.0 when even `low` misses the SLO and `high` when `high` still meets it.
+    """
+    points: list[PointResult] = []
+
+    def meets(rate: float) -> bool:
+        point = run_point(setup, arm, rate)
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+        return point.p99_normalized_latency_s <= slo_s
+
+    if not meets(low):
+        return 0.0, points
+    if meets(high):
+        return high, points
+    for _ in range(max_iters):
+        if high - low <= rel_tol * low:
+            break
+        mid = math.sqrt(low * high)  # geometric: rates span orders of magnitude
+        if meets(mid):
+            low = mid
+        else:
+            high = mid
+    return low, points

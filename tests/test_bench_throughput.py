@@ -1,0 +1,86 @@
+"""Offline throughput benchmark: workload sampling and a tiny end-to-end run (no timings)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from loopserve.bench.throughput import (
+    ARMS,
+    add_cli_args,
+    exit_probabilities,
+    main_from_args,
+    make_workload,
+)
+from loopserve.errors import ConfigError
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    return parser.parse_args(argv)
+
+
+TINY = [
+    "--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2",
+    "--vocab-size", "256", "--num-requests", "6", "--input-len", "8", "--output-len", "10",
+    "--repeats", "1", "--max-num-seqs", "4", "--host-rows", "2", "--threads", "1", "--no-progress",
+]  # fmt: skip
+
+
+def test_exit_distributions_are_probabilities_over_loops() -> None:
+    for name in ("uniform", "full", "ouro_1p4b_t0.5"):
+        probs = exit_probabilities(name, 4)
+        assert len(probs) == 4 and sum(probs) == pytest.approx(1.0)
+    assert exit_probabilities("full", 3) == (0.0, 0.0, 1.0)
+    with pytest.raises(ConfigError):
+        exit_probabilities("ouro_1p4b_t0.5", 3)
+
+
+def test_workload_is_seeded_and_traces_cover_every_output_token() -> None:
+    kwargs = dict(
+        input_len=20,
+        output_len=12,
+        range_ratio=0.5,
+        vocab_size=100,
+        exit_probs=exit_probabilities("uniform", 4),
+    )
+    first = make_workload(16, seed=3, **kwargs)
+    assert first == make_workload(16, seed=3, **kwargs)
+    assert first != make_workload(16, seed=4, **kwargs)
+    for request in first:
+        assert 10 <= len(request.prompt_token_ids) <= 30
+        assert all(0 <= t < 100 for t in request.prompt_token_ids)
+        assert request.exit_trace is not None and len(request.exit_trace) == request.output_len
+        assert set(request.exit_trace) <= {1, 2, 3, 4}
+
+
+def test_uniform_trace_exits_run_three_arms_with_equal_tokens(tmp_path) -> None:
+    out = tmp_path / "throughput.json"
+    threads = torch.get_num_threads()
+    assert main_from_args(_parse([*TINY, "--exit-dist", "uniform", "--out", str(out)])) == 0
+    assert torch.get_num_threads() == threads  # --threads is undone after the run
+    result = json.loads(out.read_text())
+    arms = result["arms"]
+    assert set(arms) == {arm.name for arm in ARMS}
+    tokens = {name: arm["median"]["output_tokens"] for name, arm in arms.items()}
+    assert len(set(tokens.values())) == 1 and tokens["refill"] > 0
+    assert arms["full_depth"]["median"]["mean_loops_per_token"] == 4.0
+    assert arms["refill"]["median"]["mean_loops_per_token"] < 4.0
+    assert result["host_overhead_at_rows"]["rows"] == 2
+    assert set(result["ratios"]) == {"refill_over_full_depth", "refill_over_no_refill"}
+    assert result["machine"]["torch_threads"] >= 1
+
+
+def test_gate_exits_run_through_the_cli(tmp_path) -> None:
+    from loopserve.entrypoints.cli import main
+
+    out = tmp_path / "gate.json"
+    argv = ["bench", "throughput", *TINY, "--exit-threshold", "0.5", "--out", str(out)]
+    assert main(argv) == 0
+    arms = json.loads(out.read_text())["arms"]
+    assert arms["full_depth"]["median"]["mean_loops_per_token"] == 4.0
+    assert arms["refill"]["median"]["mean_loops_per_token"] <= 4.0

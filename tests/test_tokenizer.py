@@ -336,7 +336,11 @@ def test_repeated_lead_bytes_stream_instead_of_being_held_to_the_end(tmp_path):
 
     write(tmp_path, vocab_size=512)
     tok = Tokenizer.from_dir(tmp_path)
-    lead = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd" and len(tok.decode([i, i])) == 2)
+    lead = next(
+        i
+        for i in range(tok.vocab_size)
+        if tok.decode([i]) == "\ufffd" and len(tok.decode([i, i])) == 2
+    )
     detok = IncrementalDetokenizer(tok, [5, 6])
     streamed = "".join(detok.add_token(lead).new_text for _ in range(12))
     assert len(streamed) >= 12 - 4, "broken byte runs must not be held until the request ends"

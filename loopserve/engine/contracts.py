@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loopserve.exit import ExitRule
 from loopserve.sampler import SampledToken, SampleSpec
@@ -19,8 +20,7 @@ class ItemKind(str, enum.Enum):
     PROMPT = "prompt"
 
 
-@dataclass(frozen=True, slots=True)
-class WorkItem:
+class WorkItem(NamedTuple):
     """Rows of one request at consecutive positions, run at `depth` (and following depths).
 
     - `num_depths` consecutive loops run inside this step (atomic prompt chunks run all D;
@@ -33,6 +33,9 @@ class WorkItem:
     - Prompt items with `first_token` hold the last prompt position: after the final depth the
       runner picks the first output token's loops with `exit_rule` over that row's loop
       outputs (or `trace_loops`), then samples it.
+
+    A NamedTuple rather than a frozen dataclass: equally immutable, and about 3x cheaper to
+    build, which matters because the scheduler builds one per row every loop.
     """
 
     request_id: str

@@ -79,6 +79,7 @@ class Request:
         assert params.max_loops is not None, "params must be resolved against the model depth"
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
+        self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival_order = arrival_order
         self.exit_rule = ExitRule(params.min_loops, params.max_loops, params.exit_threshold)
@@ -106,10 +107,6 @@ class Request:
                 f"request {self.request_id}: {self.status.value} -> {new_status.value} is not allowed"
             )
         self.status = new_status
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def in_prompt_phase(self) -> bool:

@@ -12,6 +12,7 @@ tokens, stop checks. Torch-free; never touches tensors.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable
 
@@ -89,7 +90,8 @@ class Scheduler:
                 param="max_tokens",
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        # Kept sorted on insertion: admission order is (priority, arrival).
+        bisect.insort(self.waiting, request, key=_admission_key)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -132,7 +134,6 @@ class Scheduler:
     def _admit(self) -> None:
         if not self.waiting:
             return
-        self.waiting.sort(key=lambda r: (r.params.priority, r.arrival_order))
         admitted = []
         for request in self.waiting:
             if len(self.running) >= self.max_num_seqs:
@@ -320,3 +321,7 @@ class Scheduler:
                 assert request.token_exit is not None and not request.token_exit.exited
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING
+
+
+def _admission_key(request: Request) -> tuple[int, int]:
+    return (request.params.priority, request.arrival_order)

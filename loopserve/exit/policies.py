@@ -89,7 +89,9 @@ class LoopPlan:
 class TokenExit:
     """Exit state machine of one decode token; `plan()` before a loop, `observe()` after it."""
 
-    __slots__ = ("mode", "rule", "trace_loops", "state", "depth", "exit_after_depth", "exited")
+    __slots__ = (
+        "mode", "rule", "trace_loops", "state", "depth", "exit_after_depth", "exited", "_plan"
+    )  # fmt: skip
 
     def __init__(self, mode: ExitMode, rule: ExitRule, trace_loops: int | None = None) -> None:
         self.mode = mode
@@ -105,8 +107,14 @@ class TokenExit:
             loops = min(max(trace_loops, rule.min_loops), rule.max_loops)
             self.exit_after_depth = loops - 1
         self.trace_loops = trace_loops
+        self._plan: LoopPlan | None = None  # plan of the current depth, computed once
 
     def plan(self) -> LoopPlan:
+        if self._plan is None:
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> LoopPlan:
         loops = self.depth + 1
         committed = loops >= self.rule.max_loops or self.exit_after_depth == self.depth
         if committed:
@@ -139,6 +147,7 @@ class TokenExit:
                     exited = True
         self.depth += 1
         self.exited = exited
+        self._plan = None
         return exited
 
     @property

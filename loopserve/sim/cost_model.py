@@ -20,8 +20,7 @@ Coda: the lm_head is read once if any row exits, `2 · vocab · hidden` FLOPs pe
 written in float32. Sampling: logits read once, ~5 FLOPs per vocab entry per row.
 
 Not modelled (documented in docs/simulator.md): activation traffic between kernels, the exit
-gate (`hidden + 1` weights, negligible), attention-kernel inefficiency at short contexts, and
-compute/memory overlap across kernels inside a call (the roofline assumes perfect overlap).
+gate (`hidden + 1` weights, negligible) and attention-kernel inefficiency at short contexts.
 This module is pure arithmetic: no tensors, no scheduler.
 """
 

@@ -69,7 +69,7 @@ def bench_scheduler(
     sim = Simulator(model_config, get_device_profile("h100"), engine_args)
     scheduler, executor = sim.scheduler, sim.executor
     for i, request in enumerate(_requests(num_running, output_len, exit_dist, seed)):
-        scheduler.add_request(sim._make_request(request, i, 0.0))
+        scheduler.add_request(sim.make_request(request, i, 0.0))
     while any(r.in_prompt_phase for r in scheduler.requests.values()) or scheduler.waiting:
         scheduled = scheduler.schedule()
         scheduler.update(scheduled, executor.execute(scheduled))

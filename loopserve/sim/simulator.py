@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loopserve.config import EngineConfig, max_inflight_rows, resolve_num_blocks
+from loopserve.engine.contracts import WorkItem
 from loopserve.engine.kv_cache import KVCacheManager
 from loopserve.engine.request import Request
 from loopserve.engine.scheduler import Scheduler
@@ -120,7 +121,7 @@ class Simulator:
         )
         self.host_time_s = host_time_s
 
-    def _make_request(self, sim: SimRequest, order: int, arrival_s: float) -> Request:
+    def make_request(self, sim: SimRequest, order: int, arrival_s: float) -> Request:
         trace_mode = self.config.exit.mode == "trace"
         params = SamplingParams(
             max_tokens=sim.output_len,
@@ -156,26 +157,18 @@ class Simulator:
         cpu_clock = time.process_time  # CPU seconds: robust to other load on the host
         cpu_start = cpu_clock()
         scheduler, executor = self.scheduler, self.executor
-        pending = deque(sorted(workload, key=lambda r: r.arrival_s))
-        records: dict[str, RequestRecord] = {}
-        limit = max_concurrency if max_concurrency is not None else math.inf
-        outstanding = 0
-        slot_freed_s = 0.0  # when the concurrency limit last let a held request go
-        clock = 0.0
+        clients = _Clients(workload, max_concurrency)
         sched_s = 0.0
         step_items: list[tuple] = []
         num_steps = 0
-        while pending or scheduler.has_unfinished_requests():
-            while pending and pending[0].arrival_s <= clock and outstanding < limit:
-                sim = pending.popleft()
-                release_s = max(sim.arrival_s, slot_freed_s)
-                scheduler.add_request(self._make_request(sim, len(records), release_s))
-                records[sim.request_id] = RequestRecord(
+        while clients.pending or scheduler.has_unfinished_requests():
+            for sim, release_s in clients.release():
+                scheduler.add_request(self.make_request(sim, len(clients.records), release_s))
+                clients.records[sim.request_id] = RequestRecord(
                     sim.request_id, sim.prompt_len, sim.output_len, release_s
                 )
-                outstanding += 1
             if not scheduler.has_unfinished_requests():
-                clock = max(clock, pending[0].arrival_s)  # idle until the next arrival
+                clients.idle_until_next_arrival()
                 continue
             t0 = cpu_clock()
             scheduled = scheduler.schedule()
@@ -188,37 +181,17 @@ class Simulator:
             if scheduled.is_empty:
                 raise RuntimeError("the scheduler planned an empty step with work pending")
             if record_items:
-                step_items.append(
-                    tuple(
-                        (
-                            i.request_id,
-                            i.kind.value,
-                            i.token_start,
-                            i.token_count,
-                            i.depth,
-                            i.num_depths,
-                        )
-                        for i in scheduled.items
-                    )
-                )
-            clock += output.model_time_s + self.host_time_s
-            for request in touched:
-                record = records[request.request_id]
-                record.token_times_s.append(clock)
-                if request.is_finished:
-                    record.finished_s = clock
-                    record.exit_depths = request.exit_depths
-                    if outstanding == limit:
-                        slot_freed_s = clock
-                    outstanding -= 1
-                    if on_finish is not None:
-                        on_finish(1)
+                step_items.append(tuple(_item_key(item) for item in scheduled.items))
+            clients.clock += output.model_time_s + self.host_time_s
+            finished = clients.record_tokens(touched)
+            if finished and on_finish is not None:
+                on_finish(finished)
             if on_step is not None:
                 on_step(scheduler)
         return SimRun(
-            records=list(records.values()),
+            records=list(clients.records.values()),
             executor=executor.stats,
-            clock_s=clock,
+            clock_s=clients.clock,
             num_steps=num_steps,
             scheduler_cpu_s=sched_s,
             config=self.config,
@@ -227,6 +200,58 @@ class Simulator:
             cpu_s=cpu_clock() - cpu_start,
             step_items=step_items,
         )
+
+
+def _item_key(item: WorkItem) -> tuple:
+    """What the parity tests compare step by step."""
+    return (
+        item.request_id,
+        item.kind.value,
+        item.token_start,
+        item.token_count,
+        item.depth,
+        item.num_depths,
+    )
+
+
+class _Clients:
+    """The request side of the virtual clock: arrivals, the concurrency limit, records."""
+
+    def __init__(self, workload: list[SimRequest], max_concurrency: int | None) -> None:
+        self.pending = deque(sorted(workload, key=lambda r: r.arrival_s))
+        self.limit = max_concurrency if max_concurrency is not None else math.inf
+        self.outstanding = 0
+        self.slot_freed_s = 0.0  # when the concurrency limit last let a held request go
+        self.clock = 0.0
+        self.records: dict[str, RequestRecord] = {}
+
+    def release(self) -> list[tuple[SimRequest, float]]:
+        """Requests sent by now, with the time each was sent (its latency starts there)."""
+        released = []
+        pending = self.pending
+        while pending and pending[0].arrival_s <= self.clock and self.outstanding < self.limit:
+            sim = pending.popleft()
+            released.append((sim, max(sim.arrival_s, self.slot_freed_s)))
+            self.outstanding += 1
+        return released
+
+    def idle_until_next_arrival(self) -> None:
+        self.clock = max(self.clock, self.pending[0].arrival_s)
+
+    def record_tokens(self, touched: list[Request]) -> int:
+        """Stamp this step's tokens at the clock; returns how many requests finished."""
+        finished = 0
+        for request in touched:
+            record = self.records[request.request_id]
+            record.token_times_s.append(self.clock)
+            if request.is_finished:
+                record.finished_s = self.clock
+                record.exit_depths = request.exit_depths
+                if self.outstanding == self.limit:
+                    self.slot_freed_s = self.clock
+                self.outstanding -= 1
+                finished += 1
+        return finished
 
 
 def simulate(

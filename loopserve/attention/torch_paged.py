@@ -41,8 +41,9 @@ def position_slots(
 class PagedAttentionMetadata:
     write_slots: torch.Tensor  # [rows]
     single_rows: torch.Tensor  # [num_single] row indices of one-row segments
-    single_context: torch.Tensor  # [num_single, max_context] slots (padded with 0)
-    single_valid: torch.Tensor  # [num_single, max_context] bool
+    single_blocks: torch.Tensor  # [num_single * max_blocks] block ids (padded with 0)
+    single_valid: torch.Tensor  # [num_single, 1, 1, max_blocks * block_size] bool
+    block_size: int
     multi: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows, context slots, allowed)
 
     @classmethod
@@ -69,7 +70,7 @@ class PagedAttentionMetadata:
                 multi.append((slice(row, row + seg.count), context, allowed))
                 write_slots.append(context[seg.start : end].cpu())
             row += seg.count
-        single_context, single_valid = _padded_context(
+        single_blocks, single_valid = _padded_context(
             single_tables, single_positions, block_size, device
         )
         return cls(
@@ -77,25 +78,24 @@ class PagedAttentionMetadata:
             if write_slots
             else torch.empty(0, dtype=torch.int64),
             single_rows=torch.tensor(single_rows, dtype=torch.int64, device=device),
-            single_context=single_context,
+            single_blocks=single_blocks,
             single_valid=single_valid,
+            block_size=block_size,
             multi=multi,
         )
 
 
 def _padded_context(tables: list[list[int]], positions: list[int], block_size: int, device):
     if not tables:
-        empty = torch.empty(0, 0, dtype=torch.int64, device=device)
-        return empty, empty.bool()
-    max_context = max(positions) + 1
-    max_blocks = -(-max_context // block_size)
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, torch.empty(0, 1, 1, 0, dtype=torch.bool, device=device)
+    max_blocks = -(-(max(positions) + 1) // block_size)
     padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
-    blocks = torch.tensor(padded, dtype=torch.int64, device=device)  # [n, max_blocks]
-    offsets = torch.arange(block_size, dtype=torch.int64, device=device)
-    slots = (blocks.unsqueeze(2) * block_size + offsets).flatten(1)[:, :max_context]
+    blocks = torch.tensor(padded, dtype=torch.int64, device=device).flatten()
     pos = torch.tensor(positions, dtype=torch.int64, device=device)
-    valid = torch.arange(max_context, device=device).unsqueeze(0) <= pos.unsqueeze(1)
-    return slots, valid
+    span = torch.arange(max_blocks * block_size, device=device)
+    valid = span.unsqueeze(0) <= pos.unsqueeze(1)  # [n, max_blocks * block_size]
+    return blocks, valid[:, None, None, :]
 
 
 class TorchPagedAttention:
@@ -127,14 +127,19 @@ class TorchPagedAttention:
         return out
 
     def _attend_single(self, query, key_cache, value_cache) -> torch.Tensor:
+        """One query row per item: gather whole blocks (index_select), then fused SDPA."""
         num_rows, num_heads, head_dim = query.shape
-        keys = key_cache[self.meta.single_context]  # [n, C, Hkv, Dh]
-        values = value_cache[self.meta.single_context]
-        num_kv_heads = keys.shape[2]
-        q = query.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.einsum("ngrd,ncgd->ngrc", q, keys) * self.scale
-        mask = ~self.meta.single_valid[:, None, None, :]
-        scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.einsum("ngrc,ncgd->ngrd", probs, values)
-        return out.reshape(num_rows, num_heads, head_dim)
+        num_kv_heads, block_size = key_cache.shape[1], self.meta.block_size
+        shape = (num_rows, -1, num_kv_heads, head_dim)  # [n, C, Hkv, Dh]
+        blocks = self.meta.single_blocks
+        keys = key_cache.view(-1, block_size, num_kv_heads, head_dim).index_select(0, blocks)
+        values = value_cache.view(-1, block_size, num_kv_heads, head_dim).index_select(0, blocks)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.unsqueeze(2),  # [n, Hq, 1, Dh]
+            keys.view(shape).transpose(1, 2),  # [n, Hkv, C, Dh] (strided view, no copy)
+            values.view(shape).transpose(1, 2),
+            attn_mask=self.meta.single_valid,
+            scale=self.scale,
+            enable_gqa=num_kv_heads != num_heads,
+        )
+        return out.squeeze(2)

@@ -4,7 +4,8 @@ A population of decode requests (`--num-decode` short prompts, `ignore_eos`, lon
 decodes with exits replayed from a seeded trace, uniform over 1..D loops (`exit_mode="trace"`:
 every arm runs exactly the same loops per token, and the gate costs nothing). Long prompts
 are injected at fixed points of decode progress — prompt j when every population request has
-produced `--inject-at[j]` tokens — so the trigger is identical in every arm. The run drives
+produced `--inject-at[j]` tokens — so the trigger is identical in every arm (default: all
+four after 8 tokens, so the whole window is under prompt load). The run drives
 `engine.step()` itself and stops once every injected prompt has its first token; the
 population is then aborted.
 

@@ -127,7 +127,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--max-num-batched-tokens", type=int, default=256)
-    engine.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    engine.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
     run = parser.add_argument_group("run")
     run.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
     run.add_argument("--seed", type=int, default=0)

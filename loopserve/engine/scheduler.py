@@ -157,18 +157,23 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._admit()
-        prompt_requests = [r for r in self.running if r.in_prompt_phase]
-        decode_requests = [r for r in self.running if not r.in_prompt_phase]
+        prompt_requests: list[Request] = []
+        decode_requests: list[Request] = []
+        for request in self.running:  # one pass; both lists keep admission order
+            if request.num_prefilled_tokens < request.num_prompt_tokens:
+                prompt_requests.append(request)
+            else:
+                decode_requests.append(request)
         if self.mixed:
             items = self._mixed_items(prompt_requests, decode_requests)
         else:
             items = self._alternating_items(prompt_requests, decode_requests)
         self._step_id += 1
-        tables = {item.request_id: self.kv.tables[item.request_id] for item in items}
+        tables = self.kv.tables
         out = SchedulerOutput(
             step_id=self._step_id,
             items=tuple(items),
-            block_tables=tables,
+            block_tables={item.request_id: tables[item.request_id] for item in items},
             new_requests=tuple(self._new_requests),
             finished_request_ids=tuple(self._gone_request_ids),
         )
@@ -185,13 +190,11 @@ class Scheduler:
                 self._prompt_steps_in_a_row += 1
                 return [self._prompt_item(w) for w in work]
         self._prompt_steps_in_a_row = 0
-        selected = self.decode_policy.select(decode_requests, self.max_rows)
-        return [self._decode_item(r) for r in selected]
+        return self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
 
     def _mixed_items(self, prompt_requests, decode_requests) -> list[WorkItem]:
         """Every ready decode row first, then whole prompt items until the row budget."""
-        selected = self.decode_policy.select(decode_requests, self.max_rows)
-        items = [self._decode_item(r) for r in selected]
+        items = self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
         work = self.prompt_policy.select(prompt_requests, self.max_rows - len(items))
         return items + [self._prompt_item(w) for w in work]
 
@@ -216,30 +219,39 @@ class Scheduler:
             trace_loops=request.trace_loops(0) if last else None,
         )
 
-    def _decode_item(self, request: Request) -> WorkItem:
-        token_exit = request.token_exit
-        assert token_exit is not None
-        plan = token_exit.plan()
-        first_loop = token_exit.depth == 0
-        if first_loop:
-            request.decode_handle = self._handle()
-        assert request.decode_handle is not None
-        return WorkItem(
-            request_id=request.request_id,
-            kind=ItemKind.DECODE,
-            token_start=request.next_position,
-            token_count=1,
-            depth=token_exit.depth,
-            num_depths=1,
-            handle=request.decode_handle,
-            needs_prelude=first_loop,
-            token_ids=(request.output_token_ids[-1],) if first_loop else (),
-            needs_gate=plan.needs_gate,
-            exit_now=plan.exit_now,
-            cdf_before=plan.state_before.cdf,
-            survival_before=plan.state_before.survival,
-            threshold=plan.threshold,
-        )
+    def _decode_items(self, requests: list[Request]) -> list[WorkItem]:
+        """One loop of each request's in-flight decode token.
+
+        The hot path of every decode step (one item per running request per loop), so it
+        builds the NamedTuple positionally, in field order."""
+        items = []
+        for request in requests:
+            token_exit = request.token_exit
+            assert token_exit is not None
+            plan = token_exit.plan()
+            depth = token_exit.depth
+            if depth == 0:
+                request.decode_handle = self._handle()
+            state = plan.state_before
+            items.append(
+                WorkItem(
+                    request.request_id,
+                    ItemKind.DECODE,
+                    request.num_prompt_tokens + len(request.output_token_ids) - 1,  # position
+                    1,  # token_count
+                    depth,
+                    1,  # num_depths
+                    request.decode_handle,
+                    depth == 0,  # needs_prelude
+                    (request.output_token_ids[-1],) if depth == 0 else (),
+                    plan.needs_gate,
+                    plan.exit_now,
+                    state.cdf,
+                    state.survival,
+                    plan.threshold,
+                )
+            )
+        return items
 
     # ---- applying results -----------------------------------------------------------------
 
@@ -247,10 +259,15 @@ class Scheduler:
         """Apply one step's results; returns the requests that produced a token or finished."""
         now = time.monotonic()
         touched: list[Request] = []
-        items = {(item.request_id, item.handle): item for item in scheduled.items}
-        for result in output.results:
+        if len(output.results) != len(scheduled.items):
+            raise RuntimeError(
+                f"step {scheduled.step_id}: {len(scheduled.items)} items, "
+                f"{len(output.results)} results"
+            )
+        for item, result in zip(scheduled.items, output.results):  # results come in item order
+            if result.handle != item.handle:
+                raise RuntimeError(f"step {scheduled.step_id}: results out of item order")
             request = self.requests.get(result.request_id)
-            item = items[(result.request_id, result.handle)]
             if request is None:
                 continue  # aborted while the step ran; the runner already released its state
             if item.kind is ItemKind.PROMPT:
@@ -294,10 +311,11 @@ class Scheduler:
         return True
 
     def _start_decode_token(self, request: Request) -> None:
-        index = len(request.output_token_ids)
-        request.token_exit = TokenExit(
-            self.exit_mode, request.exit_rule, request.trace_loops(index)
-        )
+        trace_loops = request.trace_loops(len(request.output_token_ids))
+        if request.token_exit is None:
+            request.token_exit = TokenExit(self.exit_mode, request.exit_rule, trace_loops)
+        else:
+            request.token_exit.reset(trace_loops)
         request.decode_handle = None
 
     def fail_requests(self, request_ids: Iterable[str]) -> list[Request]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class ExitMode(str, enum.Enum):
@@ -50,9 +51,9 @@ class ExitRule:
         return self.threshold < 1.0 and self.min_loops < self.max_loops
 
 
-@dataclass(frozen=True, slots=True)
-class GateState:
-    """Running CDF of one token after some loops."""
+class GateState(NamedTuple):
+    """Running CDF of one token after some loops. (NamedTuples here and in `LoopPlan`: built
+    once per token loop on the scheduler's hot path, and cheaper than frozen dataclasses.)"""
 
     cdf: float = 0.0
     survival: float = 1.0
@@ -72,8 +73,7 @@ def crosses(rule: ExitRule, loops: int, cdf: float) -> bool:
     return rule.threshold < 1.0 and loops >= rule.min_loops and cdf >= rule.threshold
 
 
-@dataclass(frozen=True, slots=True)
-class LoopPlan:
+class LoopPlan(NamedTuple):
     """What the runner must do for one token's loop at one depth.
 
     `exit_now` is True (run the coda after this loop), False (continue), or None: decided by
@@ -96,15 +96,19 @@ class TokenExit:
     def __init__(self, mode: ExitMode, rule: ExitRule, trace_loops: int | None = None) -> None:
         self.mode = mode
         self.rule = rule
+        self.reset(trace_loops)
+
+    def reset(self, trace_loops: int | None = None) -> None:
+        """Start the next token of the same request (same mode and rule) before its loop 0."""
         self.state = GateState()
         self.depth = 0  # the next loop to run
         self.exited = False
         # A depth the token is already committed to exit after (trace, delayed crossing).
         self.exit_after_depth: int | None = None
-        if mode is ExitMode.TRACE:
+        if self.mode is ExitMode.TRACE:
             if trace_loops is None:
                 raise ValueError("trace exit mode needs trace_loops")
-            loops = min(max(trace_loops, rule.min_loops), rule.max_loops)
+            loops = min(max(trace_loops, self.rule.min_loops), self.rule.max_loops)
             self.exit_after_depth = loops - 1
         self.trace_loops = trace_loops
         self._plan: LoopPlan | None = None  # plan of the current depth, computed once

@@ -70,7 +70,10 @@ def test_uniform_trace_exits_run_three_arms_with_equal_tokens(tmp_path) -> None:
     assert len(set(tokens.values())) == 1 and tokens["refill"] > 0
     assert arms["full_depth"]["median"]["mean_loops_per_token"] == 4.0
     assert arms["refill"]["median"]["mean_loops_per_token"] < 4.0
-    assert result["host_overhead_at_rows"]["rows"] == 2
+    host = result["host_overhead_at_rows"]
+    assert host["rows"] == 2 and 0 < host["runner_host_ms"] < host["host_ms"] < host["step_ms"]
+    refill = arms["refill"]["median"]
+    assert 0 < refill["runner_host_share"] < refill["host_overhead_share"] < 1
     assert set(result["ratios"]) == {"refill_over_full_depth", "refill_over_no_refill"}
     assert result["machine"]["torch_threads"] >= 1
 

@@ -7,8 +7,9 @@ scheduler, every token runs all D loops), `no_refill` (cohorts) and `refill` (co
 batching), the last two with the workload's exits: a per-token trace sampled from a named
 distribution (exit_mode "trace") or the model's gate at a threshold (exit_mode "ouro").
 A last refill run at `--host-rows` sequences measures host overhead on steps of exactly that
-many rows. Counters come from `EngineStats`, whose model time is the runner's whole `execute`
-(attention metadata included): "host" is the scheduler + engine bookkeeping around it.
+many rows. Counters come from `EngineStats`: "host" is everything outside the model's forward
+calls (scheduler, engine bookkeeping, and the runner's tensor building, attention metadata,
+finalize copies and sampling); "runner host" is the runner's part of it.
 It does not serve HTTP and does not judge targets; `docs/benchmarks.md` records results.
 """
 
@@ -77,8 +78,9 @@ class RunResult:
     num_core_calls: int
     mean_rows_per_core_call: float
     mean_loops_per_token: float
-    host_overhead_share: float  # 1 - model time / step time
+    host_overhead_share: float  # 1 - forward time / step time
     host_ms_per_step: float
+    runner_host_share: float  # (runner execute - forward) / step time
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,7 @@ class HostOverhead:
     step_ms: float
     host_ms: float
     host_overhead_share: float
+    runner_host_ms: float  # the runner's part of host_ms
 
 
 def exit_probabilities(name: str, num_loops: int) -> tuple[float, ...]:
@@ -189,7 +192,8 @@ def run_workload(
         mean_rows_per_core_call=stats.mean_rows_per_core_call,
         mean_loops_per_token=stats.mean_loops_per_token,
         host_overhead_share=stats.host_overhead_share,
-        host_ms_per_step=1e3 * (stats.step_time_s - stats.model_time_s) / max(stats.num_steps, 1),
+        host_ms_per_step=1e3 * (stats.step_time_s - stats.forward_time_s) / max(stats.num_steps, 1),
+        runner_host_share=stats.runner_host_share,
     )
 
 
@@ -197,13 +201,21 @@ def measure_host_overhead(
     engine: LLMEngine, requests: list[BenchRequest], params: list[SamplingParams], rows: int
 ) -> HostOverhead:
     """Run the workload; keep only the steps of exactly one core call over `rows` rows."""
-    num_steps, step_s, model_s, before = 0, 0.0, 0.0, (0, 0, 0.0, 0.0)
+    num_steps, step_s, forward_s, model_s = 0, 0.0, 0.0, 0.0
+    before = (0, 0, 0.0, 0.0, 0.0)
     for stats in _drive(engine, requests, params, "host"):
-        after = (stats.num_core_calls, stats.num_rows, stats.step_time_s, stats.model_time_s)
+        after = (
+            stats.num_core_calls,
+            stats.num_rows,
+            stats.step_time_s,
+            stats.forward_time_s,
+            stats.model_time_s,
+        )
         if (after[0] - before[0], after[1] - before[1]) == (1, rows):
             num_steps += 1
             step_s += after[2] - before[2]
-            model_s += after[3] - before[3]
+            forward_s += after[3] - before[3]
+            model_s += after[4] - before[4]
         before = after
     if not num_steps:
         raise ConfigError(f"no decode step ran {rows} rows; raise --num-requests")
@@ -211,8 +223,9 @@ def measure_host_overhead(
         rows=rows,
         num_steps=num_steps,
         step_ms=1e3 * step_s / num_steps,
-        host_ms=1e3 * (step_s - model_s) / num_steps,
-        host_overhead_share=1.0 - model_s / step_s,
+        host_ms=1e3 * (step_s - forward_s) / num_steps,
+        host_overhead_share=1.0 - forward_s / step_s,
+        runner_host_ms=1e3 * (model_s - forward_s) / num_steps,
     )
 
 
@@ -320,7 +333,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
 def format_report(result: dict) -> str:
     header = (
         f"{'arm':<11} {'tok/s':>7} {'wall s':>7} {'cpu s':>7} {'core calls':>10} {'rows/call':>9} "
-        f"{'loops/tok':>9} {'host %':>7} {'host ms/step':>12}"
+        f"{'loops/tok':>9} {'host %':>7} {'runner %':>8} {'host ms/step':>12}"
     )
     lines = [header, "-" * len(header)]
     for name, arm in result["arms"].items():
@@ -329,14 +342,16 @@ def format_report(result: dict) -> str:
             f"{name:<11} {m.output_tokens_per_s:>7.1f} {m.wall_s:>7.2f} {m.cpu_s:>7.2f} "
             f"{m.num_core_calls:>10.0f} "
             f"{m.mean_rows_per_core_call:>9.1f} {m.mean_loops_per_token:>9.2f} "
-            f"{100 * m.host_overhead_share:>6.1f}% {m.host_ms_per_step:>12.2f}"
+            f"{100 * m.host_overhead_share:>6.1f}% {100 * m.runner_host_share:>7.1f}% "
+            f"{m.host_ms_per_step:>12.2f}"
         )
     for name, r in result["ratios"].items():
         lines.append(f"{name}: {r['wall']:.2f}x wall time, {r['cpu']:.2f}x CPU time")
     host = HostOverhead(**result["host_overhead_at_rows"])
     lines.append(
         f"host overhead @ {host.rows} rows: {100 * host.host_overhead_share:.1f}% of step "
-        f"({host.host_ms:.2f} of {host.step_ms:.2f} ms, {host.num_steps} steps)"
+        f"({host.host_ms:.2f} of {host.step_ms:.2f} ms, of which runner {host.runner_host_ms:.2f}; "
+        f"{host.num_steps} steps)"
     )
     return "\n".join(lines)
 

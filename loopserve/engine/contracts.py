@@ -108,4 +108,5 @@ class RunnerOutput:
     results: tuple[ItemResult, ...]
     # Rows of each core call this step ran (atomic prompt steps run several calls).
     rows_per_core_call: tuple[int, ...] = field(default_factory=tuple)
-    model_time_s: float = 0.0
+    model_time_s: float = 0.0  # the whole `execute` (tensor building, finalize, sampling too)
+    forward_time_s: float = 0.0  # inside the model's prelude / core / gate / coda calls only

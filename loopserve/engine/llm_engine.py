@@ -41,7 +41,8 @@ class EngineStats:
     num_rows: int = 0
     num_output_tokens: int = 0
     num_loops: int = 0  # sum of loops used over output tokens
-    model_time_s: float = 0.0
+    model_time_s: float = 0.0  # the runner's whole `execute`
+    forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
     step_time_s: float = 0.0
 
     @property
@@ -54,7 +55,15 @@ class EngineStats:
 
     @property
     def host_overhead_share(self) -> float:
-        return 1.0 - self.model_time_s / self.step_time_s if self.step_time_s else 0.0
+        """Share of step time outside the model forward: scheduling, engine bookkeeping, and the
+        runner's tensor building, finalize copies and sampling."""
+        return 1.0 - self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
+
+    @property
+    def runner_host_share(self) -> float:
+        """The part of `host_overhead_share` spent inside the runner around the forward."""
+        runner_s = self.model_time_s - self.forward_time_s
+        return runner_s / self.step_time_s if self.step_time_s else 0.0
 
 
 class _Tracked:
@@ -209,6 +218,7 @@ class LLMEngine:
         self.stats.num_core_calls += len(output.rows_per_core_call)
         self.stats.num_rows += sum(output.rows_per_core_call)
         self.stats.model_time_s += output.model_time_s
+        self.stats.forward_time_s += output.forward_time_s
         outputs = [self._process(request) for request in touched]
         self._release_gone()
         self.stats.step_time_s += time.perf_counter() - start_s

@@ -70,6 +70,7 @@ class ModelRunner:
         self.samplers: dict[str, tuple[SampleSpec, torch.Generator | None]] = {}
         self.inflight: dict[int, InFlight] = {}  # handle -> state between steps
         self.handles_of: dict[str, set[int]] = defaultdict(set)
+        self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -109,7 +110,7 @@ class ModelRunner:
         items = scheduled.items
         if not items:
             return RunnerOutput(scheduled.step_id, ())
-        start_s = time.perf_counter()
+        start_s, self._forward_s = time.perf_counter(), 0.0
         hazards: list[list[float]] = [[] for _ in items]
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
         states = self._initial_states(items, hazards, last_outputs)
@@ -126,8 +127,22 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return RunnerOutput(
-            scheduled.step_id, tuple(results), tuple(rows_per_call), time.perf_counter() - start_s
+            scheduled.step_id,
+            tuple(results),
+            tuple(rows_per_call),
+            model_time_s=time.perf_counter() - start_s,
+            forward_time_s=self._forward_s,
         )
+
+    def _timed(self, fn, *args) -> torch.Tensor:
+        """Call a model function, adding its duration to this step's forward time.
+
+        On CUDA this counts launch time only (no synchronize per call), so the host share it
+        implies is an upper bound there; on CPU it is the op time itself."""
+        start_s = time.perf_counter()
+        out = fn(*args)
+        self._forward_s += time.perf_counter() - start_s
+        return out
 
     def _initial_states(
         self, items: tuple[WorkItem, ...], hazards, last_outputs
@@ -136,7 +151,7 @@ class ModelRunner:
         states: list[torch.Tensor | None] = [None] * len(items)
         if fresh:
             token_ids = [t for i in fresh for t in items[i].token_ids]
-            embedded = self.model.prelude(torch.tensor(token_ids, device=self.device))
+            embedded = self._timed(self.model.prelude, torch.tensor(token_ids, device=self.device))
             for i, chunk in zip(fresh, embedded.split([items[i].token_count for i in fresh])):
                 states[i] = chunk
         for i, item in enumerate(items):
@@ -161,7 +176,7 @@ class ModelRunner:
         meta = PagedAttentionMetadata.build(segments, self.block_size, self.device)
         attn = TorchPagedAttention(self.kv_cache, meta, self.scale)
         hidden = torch.cat([states[i] for i in active])
-        out = self.model.core(hidden, torch.cat(positions).to(self.device), attn)
+        out = self._timed(self.model.core, hidden, torch.cat(positions).to(self.device), attn)
         for i, chunk in zip(active, out.split([items[i].token_count for i in active])):
             states[i] = chunk
 
@@ -170,7 +185,7 @@ class ModelRunner:
         gated = [i for i in active if items[i].needs_gate]
         if gated:
             rows = torch.cat([states[i][-1:] for i in gated])
-            for i, value in zip(gated, self.hazard_fn(rows).float().tolist()):
+            for i, value in zip(gated, self._timed(self.hazard_fn, rows).float().tolist()):
                 hazards[i].append(value)
         finalize = []
         for i in active:
@@ -222,7 +237,7 @@ class ModelRunner:
                 loops_used[i] = loops
         sampled: dict[int, SampledToken] = {}
         if coda_rows:
-            logits = self.model.coda(torch.cat(coda_rows))
+            logits = self._timed(self.model.coda, torch.cat(coda_rows))
             specs, generators = zip(*(self.samplers[items[i].request_id] for i in coda_items))
             for i, token in zip(coda_items, sample_rows(logits, list(specs), list(generators))):
                 sampled[i] = token

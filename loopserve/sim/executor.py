@@ -157,7 +157,11 @@ class SimExecutor:
         stats.sampling_time_s += sampling_s
         stats.coda_rows += coda_rows
         return RunnerOutput(
-            scheduled.step_id, tuple(results), rows_per_call, core_s + coda_s + sampling_s
+            scheduled.step_id,
+            tuple(results),
+            rows_per_call,
+            model_time_s=core_s + coda_s + sampling_s,
+            forward_time_s=core_s + coda_s,
         )
 
     def _run_item(self, item: WorkItem, tally: _CallTally) -> tuple[ItemResult, int]:

@@ -10,6 +10,7 @@ import torch
 from loopserve.attention.torch_paged import PagedAttentionMetadata, RowSegment, TorchPagedAttention
 from loopserve.engine.contracts import ItemKind
 from loopserve.errors import CapacityError, ConfigError, InvalidRequestError
+from loopserve.models.attention import attention_reference
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, reference_for, run_steps
 
@@ -73,6 +74,16 @@ def test_decode_rows_at_different_depths_share_one_core_call(tiny_dir):
         {i.depth for i in s.items} for s in steps if s.items and s.items[0].kind is ItemKind.DECODE
     ]
     assert max(len(d) for d in depth_sets) >= 3
+
+
+def test_stats_split_forward_runner_and_host_time(tiny_dir):
+    engine = make_engine(tiny_dir, exit_mode="trace")
+    work = [(f"r{i}", [i + 1, 7, 9], trace_params([i % 4 + 1]), 0) for i in range(4)]
+    run_steps(engine, work)
+    stats = engine.stats
+    assert stats.num_output_tokens == 24 and stats.mean_loops_per_token == 2.5
+    assert 0 < stats.forward_time_s < stats.model_time_s < stats.step_time_s
+    assert 0 < stats.runner_host_share < stats.host_overhead_share < 1
 
 
 def test_atomic_prompt_chunks_run_all_loops_and_pack_several_requests(tiny_dir):
@@ -159,6 +170,40 @@ def test_worked_example_through_paged_attention(shared, expected):
         0, one, one, torch.full((1, 1, 1), 30.0, dtype=torch.float64)
     )
     assert out.item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_paged_attention_matches_reference_for_mixed_items(num_kv_heads):
+    """Decode rows and prompt chunks of different lengths and offsets in one call, in any
+    order, equal the dense reference over each item's own context."""
+    gen = torch.Generator().manual_seed(0)
+    block_size, heads, head_dim = 4, 4, 8
+    cache = torch.randn(1, 2, 16 * block_size, num_kv_heads, head_dim, generator=gen)
+    segments = [
+        RowSegment([3, 1, 4], 5, 7),  # prompt chunk: positions 5..11
+        RowSegment([0, 5, 6], 9, 1),  # decode row at position 9
+        RowSegment([2], 0, 4),  # first chunk of a prompt
+        RowSegment([7, 8], 4, 1),  # decode row at a block's first position
+        RowSegment([9, 10, 11], 8, 3),  # chunk ending mid-block
+    ]
+    rows = sum(seg.count for seg in segments)
+    query = torch.randn(rows, heads, head_dim, generator=gen)
+    key = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
+    meta = PagedAttentionMetadata.build(segments, block_size, device="cpu")
+    out = TorchPagedAttention(cache, meta, scale=0.4).attend(0, query, key, value)
+    row = 0
+    for seg in segments:
+        end = seg.start + seg.count
+        slots = [seg.block_table[p // block_size] * block_size + p % block_size for p in range(end)]
+        span = torch.arange(end)
+        allowed = span.unsqueeze(0) <= torch.arange(seg.start, end).unsqueeze(1)
+        expected = attention_reference(
+            query[row : row + seg.count], cache[0, 0, slots], cache[0, 1, slots], allowed, 0.4
+        )
+        torch.testing.assert_close(out[row : row + seg.count], expected)
+        torch.testing.assert_close(cache[0, 0, slots[seg.start :]], key[row : row + seg.count])
+        row += seg.count
 
 
 def test_request_that_can_never_fit_is_rejected_without_disturbing_others(tiny_dir):

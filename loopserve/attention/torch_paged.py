@@ -5,8 +5,16 @@ K/V live in one tensor per engine: [num_layers, 2, num_slots, num_kv_heads, head
 block table of the plane they read and write (the plane of their depth under LAST_EXITED,
 plane 0 under SHARED). Per call, `PagedAttentionMetadata.build` computes the slots once; every
 layer then writes the rows' K/V first and reads afterwards, so rows of one call never see a
-half-written state. Single-row items (decode) attend together over a padded context; prompt
-items (many rows) attend one item at a time with a causal mask.
+half-written state.
+
+Reads gather whole blocks (`index_select` of `[block_size, Hkv, Dh]` pieces) and run one fused
+`scaled_dot_product_attention` per group, on strided views (no permute copies):
+- single-row items (decode tokens) attend together over their padded contexts;
+- multi-row items (prompt chunks) attend one at a time: a chunk's gathered context stays in
+  cache while its scores are computed, which measured faster on CPU than one padded SDPA over
+  all chunks (whose gather of every chunk's context at once is memory-bound); the prefix is
+  fully visible, so only the chunk's own `[count, count]` block gets a causal mask, and
+  grouped-query heads share their K/V without copies.
 """
 
 from __future__ import annotations
@@ -14,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from loopserve.models.attention import attention_reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,75 +33,104 @@ class RowSegment:
     count: int
 
 
-def position_slots(
-    block_table: list[int], num_positions: int, block_size: int, device
-) -> torch.Tensor:
-    """Slots of positions [0, num_positions) of one plane. [num_positions] int64."""
-    num_blocks = -(-num_positions // block_size)
-    blocks = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=device)
-    offsets = torch.arange(block_size, dtype=torch.int64, device=device)
-    return (blocks.unsqueeze(1) * block_size + offsets).flatten()[:num_positions]
+@dataclass
+class PaddedGroup:
+    """Items attended by one SDPA call: `num_items` items of up to `max_queries` rows each.
+
+    `query_index` [num_items * max_queries] picks each padded query's row (padding repeats an
+    item's last row); `out_index` / `out_rows` scatter the real ones back. `blocks`
+    [num_items * max_blocks] are the items' context blocks (padded with block 0) and `mask`
+    [num_items, 1, max_queries, max_blocks * block_size] allows key positions <= the query's.
+    """
+
+    num_items: int
+    max_queries: int
+    query_index: torch.Tensor
+    out_index: torch.Tensor
+    out_rows: torch.Tensor
+    blocks: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, segments: list[tuple[int, RowSegment]], block_size: int, device):
+        """`segments`: (first row in the call, segment) of each item."""
+        max_queries = max(seg.count for _, seg in segments)
+        max_end = max(seg.start + seg.count for _, seg in segments)
+        max_blocks = -(-max_end // block_size)
+        query_index, query_positions, out_index, out_rows, blocks = [], [], [], [], []
+        for i, (row, seg) in enumerate(segments):
+            for q in range(max_queries):
+                real = min(q, seg.count - 1)
+                query_index.append(row + real)
+                query_positions.append(seg.start + real)
+            out_index.extend(range(i * max_queries, i * max_queries + seg.count))
+            out_rows.extend(range(row, row + seg.count))
+            table = seg.block_table[:max_blocks]
+            blocks.extend(table)
+            blocks.extend([0] * (max_blocks - len(table)))
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        positions = as_tensor(query_positions).view(len(segments), 1, max_queries, 1)
+        span = torch.arange(max_blocks * block_size, device=device)
+        return cls(
+            num_items=len(segments),
+            max_queries=max_queries,
+            query_index=as_tensor(query_index),
+            out_index=as_tensor(out_index),
+            out_rows=as_tensor(out_rows),
+            blocks=as_tensor(blocks),
+            mask=span <= positions,  # [n, 1, Q, max_blocks * block_size]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpan:
+    """A multi-row item: rows `rows` of the call at positions [start, end) of its plane, whose
+    context is the blocks `blocks` (`ceil(end / block_size)` of them)."""
+
+    rows: slice
+    blocks: torch.Tensor
+    start: int
+    end: int
 
 
 @dataclass
 class PagedAttentionMetadata:
-    write_slots: torch.Tensor  # [rows]
-    single_rows: torch.Tensor  # [num_single] row indices of one-row segments
-    single_blocks: torch.Tensor  # [num_single * max_blocks] block ids (padded with 0)
-    single_valid: torch.Tensor  # [num_single, 1, 1, max_blocks * block_size] bool
+    write_slots: torch.Tensor  # [rows] the slot each row's K/V is written to
     block_size: int
-    multi: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (rows, context slots, allowed)
+    single: PaddedGroup | None  # one-row items (decode)
+    multi: list[ChunkSpan]  # multi-row items (prompt chunks)
+    causal: dict[int, torch.Tensor]  # count -> [count, count] bool "may not attend" mask
 
     @classmethod
     def build(cls, segments: list[RowSegment], block_size: int, device) -> PagedAttentionMetadata:
-        write_slots: list[torch.Tensor] = []
-        single_rows: list[int] = []
-        single_tables: list[list[int]] = []
-        single_positions: list[int] = []
-        multi = []
+        write_slots: list[int] = []
+        single, multi, causal = [], [], {}
         row = 0
         for seg in segments:
-            end = seg.start + seg.count
+            table, end = seg.block_table, seg.start + seg.count
+            write_slots.extend(
+                table[position // block_size] * block_size + position % block_size
+                for position in range(seg.start, end)
+            )
             if seg.count == 1:
-                single_rows.append(row)
-                single_tables.append(seg.block_table)
-                single_positions.append(seg.start)
-                block, offset = divmod(seg.start, block_size)
-                write_slots.append(torch.tensor([seg.block_table[block] * block_size + offset]))
+                single.append((row, seg))
             else:
-                context = position_slots(seg.block_table, end, block_size, device)
-                span = torch.arange(end, device=device)
-                queries = torch.arange(seg.start, end, device=device)
-                allowed = span.unsqueeze(0) <= queries.unsqueeze(1)  # [count, end]
-                multi.append((slice(row, row + seg.count), context, allowed))
-                write_slots.append(context[seg.start : end].cpu())
+                blocks = torch.tensor(table[: -(-end // block_size)], device=device)
+                multi.append(ChunkSpan(slice(row, row + seg.count), blocks, seg.start, end))
+                if seg.count not in causal:
+                    ones = torch.ones(seg.count, seg.count, dtype=torch.bool, device=device)
+                    causal[seg.count] = ones.triu(1)
             row += seg.count
-        single_blocks, single_valid = _padded_context(
-            single_tables, single_positions, block_size, device
-        )
         return cls(
-            write_slots=torch.cat(write_slots).to(device)
-            if write_slots
-            else torch.empty(0, dtype=torch.int64),
-            single_rows=torch.tensor(single_rows, dtype=torch.int64, device=device),
-            single_blocks=single_blocks,
-            single_valid=single_valid,
+            write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
             block_size=block_size,
+            single=PaddedGroup.build(single, block_size, device) if single else None,
             multi=multi,
+            causal=causal,
         )
-
-
-def _padded_context(tables: list[list[int]], positions: list[int], block_size: int, device):
-    if not tables:
-        empty = torch.empty(0, dtype=torch.int64, device=device)
-        return empty, torch.empty(0, 1, 1, 0, dtype=torch.bool, device=device)
-    max_blocks = -(-(max(positions) + 1) // block_size)
-    padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
-    blocks = torch.tensor(padded, dtype=torch.int64, device=device).flatten()
-    pos = torch.tensor(positions, dtype=torch.int64, device=device)
-    span = torch.arange(max_blocks * block_size, device=device)
-    valid = span.unsqueeze(0) <= pos.unsqueeze(1)  # [n, max_blocks * block_size]
-    return blocks, valid[:, None, None, :]
 
 
 class TorchPagedAttention:
@@ -114,32 +149,57 @@ class TorchPagedAttention:
         key_cache, value_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
         key_cache[self.meta.write_slots] = key
         value_cache[self.meta.write_slots] = value
+        single = self.meta.single
+        if not self.meta.multi:  # decode-only call: every row is a one-row item, in row order
+            assert single is not None
+            return self._attend_single(single, query, key_cache, value_cache)
         out = torch.empty_like(query)
-        meta = self.meta
-        if meta.single_rows.numel():
-            out[meta.single_rows] = self._attend_single(
-                query[meta.single_rows], key_cache, value_cache
-            )
-        for rows, context, allowed in meta.multi:
-            out[rows] = attention_reference(
-                query[rows], key_cache[context], value_cache[context], allowed, self.scale
-            )
+        if single is not None:
+            padded = self._attend_single(single, query, key_cache, value_cache)
+            out[single.out_rows] = padded[single.out_index]
+        for span in self.meta.multi:
+            out[span.rows] = self._attend_chunk(span, query[span.rows], key_cache, value_cache)
         return out
 
-    def _attend_single(self, query, key_cache, value_cache) -> torch.Tensor:
-        """One query row per item: gather whole blocks (index_select), then fused SDPA."""
-        num_rows, num_heads, head_dim = query.shape
+    def _attend_chunk(self, span: ChunkSpan, query, key_cache, value_cache) -> torch.Tensor:
+        """[count, Hq, Dh] for one prompt chunk over its whole context (itself included)."""
+        count, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[1]
+        group = num_heads // num_kv_heads
+        pieces = (-1, self.meta.block_size, num_kv_heads, head_dim)
+        keys = key_cache.view(pieces).index_select(0, span.blocks).view(-1, num_kv_heads, head_dim)
+        values = value_cache.view(pieces).index_select(0, span.blocks)
+        values = values.view(-1, num_kv_heads, head_dim)[: span.end].transpose(0, 1)
+        # Query heads of one KV head side by side: [Hkv, group * count, Dh].
+        q = query.view(count, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(num_kv_heads, group * count, head_dim)
+        scores = torch.matmul(q, keys[: span.end].permute(1, 2, 0)).mul_(self.scale)
+        scores = scores.view(num_kv_heads, group, count, span.end)
+        scores[..., span.start :].masked_fill_(self.meta.causal[count], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs.view(num_kv_heads, group * count, span.end), values)
+        return (
+            out.view(num_kv_heads, group, count, head_dim)
+            .permute(2, 0, 1, 3)
+            .reshape(count, num_heads, head_dim)
+        )
+
+    def _attend_single(self, group: PaddedGroup, query, key_cache, value_cache) -> torch.Tensor:
+        """[num_items * max_queries, Hq, Dh]: gather whole blocks, then one fused SDPA."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads, block_size = key_cache.shape[1], self.meta.block_size
-        shape = (num_rows, -1, num_kv_heads, head_dim)  # [n, C, Hkv, Dh]
-        blocks = self.meta.single_blocks
-        keys = key_cache.view(-1, block_size, num_kv_heads, head_dim).index_select(0, blocks)
-        values = value_cache.view(-1, block_size, num_kv_heads, head_dim).index_select(0, blocks)
+        n, q = group.num_items, group.max_queries
+        pieces = (-1, block_size, num_kv_heads, head_dim)
+        keys = key_cache.view(pieces).index_select(0, group.blocks)
+        values = value_cache.view(pieces).index_select(0, group.blocks)
+        context = (n, -1, num_kv_heads, head_dim)  # [n, C, Hkv, Dh]
+        queries = query.index_select(0, group.query_index).view(n, q, num_heads, head_dim)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query.unsqueeze(2),  # [n, Hq, 1, Dh]
-            keys.view(shape).transpose(1, 2),  # [n, Hkv, C, Dh] (strided view, no copy)
-            values.view(shape).transpose(1, 2),
-            attn_mask=self.meta.single_valid,
+            queries.transpose(1, 2),  # [n, Hq, Q, Dh] (strided views, no copies)
+            keys.view(context).transpose(1, 2),  # [n, Hkv, C, Dh]
+            values.view(context).transpose(1, 2),
+            attn_mask=group.mask,
             scale=self.scale,
             enable_gqa=num_kv_heads != num_heads,
         )
-        return out.squeeze(2)
+        return out.transpose(1, 2).reshape(n * q, num_heads, head_dim)

@@ -8,6 +8,8 @@ scheduled items: the simulator drives the real scheduler, so any contract mismat
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 
 from loopserve.engine.contracts import ItemKind, SchedulerOutput, WorkItem
 from loopserve.engine.llm_engine import LLMEngine
+from loopserve.errors import ConfigError
 from loopserve.exit import ExitRule
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
@@ -22,6 +25,7 @@ from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.executor import SimExecutor
 from loopserve.sim.hardware import DEVICE_PROFILES, get_device_profile
 from loopserve.sim.metrics import summarize
+from loopserve.sim.scenarios import InterferenceSpec, run_interference, run_wcpb
 from loopserve.sim.simulator import Simulator
 from loopserve.sim.workload import (
     SimRequest,
@@ -297,3 +301,51 @@ def test_phase_roofline_never_hides_kv_traffic_under_gemm_compute():
         attention_pairs=512 * 513 // 2 + 64 * 2000,
     )
     assert phase.core_call(**mixed).time_s > 1.2 * call.core_call(**mixed).time_s
+
+
+def test_wcpb_scenario_fills_calls_with_chunks_at_different_depths():
+    points = run_wcpb(
+        OURO_1P4B,
+        get_device_profile("a100"),
+        prompt_lens=(1024, 1024),
+        chunk_sizes=(16,),
+        max_num_batched_tokens=128,
+    )
+    by_arm = {p.arm: p for p in points}
+    atomic, wave = by_arm["atomic"], by_arm["wavefront"]
+    assert atomic.rows_per_prompt_core_call == 32.0  # one 16-row chunk per prompt per call
+    assert wave.rows_per_prompt_core_call > 3 * atomic.rows_per_prompt_core_call
+    assert wave.prompt_tokens_per_s > atomic.prompt_tokens_per_s  # weight-bound small calls
+
+
+def test_interference_scenario_mixed_calls_cut_decode_itl():
+    spec = InterferenceSpec(
+        num_decode=8,
+        decode_prompt_len=16,
+        decode_max_tokens=256,
+        prompt_lens=(1024, 1024),
+        inject_at=(4, 6),
+        prefill_chunk_size=128,
+        max_num_batched_tokens=512,
+    )
+    h200 = get_device_profile("h200")
+    atomic, mixed = (run_interference(OURO_1P4B, h200, spec, arm) for arm in ("atomic", "mixed"))
+    assert atomic.num_mixed_core_calls == 0 < mixed.num_mixed_core_calls
+    assert mixed.decode_rows_per_core_call > atomic.decode_rows_per_core_call
+    assert mixed.itl_p99_ms < atomic.itl_p99_ms
+    assert atomic.prompt_token_loops_per_s > 0 and mixed.ttft_mean_s > 0
+    with pytest.raises(ConfigError, match="finished before the prompts"):
+        run_interference(OURO_1P4B, h200, dataclasses.replace(spec, decode_max_tokens=8), "atomic")
+    with pytest.raises(ConfigError, match="unknown arm"):
+        run_interference(OURO_1P4B, h200, spec, "nope")
+
+
+def test_simulate_cli_runs_a_scenario(tmp_path, capsys):
+    from loopserve.entrypoints.cli import main
+
+    argv = ["simulate", "--scenario", "wcpb", "--prompt-lens", "256,256", "--chunk-sizes", "32"]
+    argv += ["--max-num-batched-tokens", "256", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    record = json.loads((tmp_path / "scenario_wcpb.json").read_text())
+    assert [r["arm"] for r in record["results"]] == ["atomic", "wavefront"]
+    assert "wavefront" in capsys.readouterr().out

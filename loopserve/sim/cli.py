@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -20,10 +21,28 @@ from loopserve.config import LAYOUTS, PREFILL_MODES, SchedulerConfig
 from loopserve.models.config import OuroConfig
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import DEVICE_PROFILES, get_device_profile
+from loopserve.sim.scenarios import (
+    PROMPT_ARMS,
+    InterferenceSpec,
+    format_interference,
+    format_wcpb,
+    run_interference,
+    run_wcpb,
+)
 from loopserve.sim.sweep import ARMS, PointResult, SweepSetup, find_capacity, get_arm, run_point
 from loopserve.sim.workload import WorkloadSpec, sample_lengths
 
 _SCHED = SchedulerConfig()
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 8,16, got {text!r}")
+    return values
 
 
 def _rate(text: str) -> float:
@@ -85,6 +104,33 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--sched-bench", action="store_true", help="scheduler CPU microbenchmark and exit"
+    )
+    scenario = parser.add_argument_group(
+        "prompt-scheduling scenarios (--scenario; see loopserve.sim.scenarios)"
+    )
+    scenario.add_argument(
+        "--scenario",
+        choices=["wcpb", "interference"],
+        default=None,
+        help="instead of a rate sweep: wcpb (long prompts only) or interference (decode "
+        "population + injected long prompts); uses --device-profile, --max-num-batched-tokens, "
+        "--prefill-chunk-size (interference) and --exit-dist (interference)",
+    )
+    scenario.add_argument("--arms", nargs="+", default=None, choices=sorted(PROMPT_ARMS))
+    scenario.add_argument("--prompt-lens", type=_int_list, default=[8064] * 4)
+    scenario.add_argument("--chunk-sizes", type=_int_list, default=[128, 64, 32, 16])
+    scenario.add_argument("--num-decode", type=int, default=InterferenceSpec.num_decode)
+    scenario.add_argument(
+        "--decode-prompt-len", type=int, default=InterferenceSpec.decode_prompt_len
+    )
+    scenario.add_argument(
+        "--decode-max-tokens", type=int, default=InterferenceSpec.decode_max_tokens
+    )
+    scenario.add_argument(
+        "--inject-at",
+        type=_int_list,
+        default=None,
+        help="prompt j arrives once every decode request has this many tokens (default 8 each)",
     )
 
 
@@ -163,6 +209,45 @@ def _sched_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.scenario == "wcpb":
+        arms = args.arms or ["atomic", "wavefront"]
+        points = run_wcpb(
+            model_config,
+            device,
+            prompt_lens=tuple(args.prompt_lens),
+            chunk_sizes=tuple(args.chunk_sizes),
+            arms=tuple(arms),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        print(format_wcpb(points))
+        rows = [asdict(p) for p in points]
+    else:
+        arms = args.arms or ["atomic", "per_depth", "mixed"]
+        spec = InterferenceSpec(
+            num_decode=args.num_decode,
+            decode_prompt_len=args.decode_prompt_len,
+            decode_max_tokens=args.decode_max_tokens,
+            prompt_lens=tuple(args.prompt_lens),
+            inject_at=tuple(args.inject_at or [8] * len(args.prompt_lens)),
+            prefill_chunk_size=args.prefill_chunk_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            exit_dist=args.exit_dist,
+            seed=args.seed,
+        )
+        results = [run_interference(model_config, device, spec, arm) for arm in arms]
+        print(format_interference(results))
+        rows = [r.to_dict() for r in results]
+    path = out_dir / f"scenario_{args.scenario}.json"
+    record = {"scenario": args.scenario, "device": device.name, "results": rows}
+    record["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "request_rate")}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"device {device.name}; wrote {path}")
+    return 0
+
+
 def main_from_args(args: argparse.Namespace) -> int:
     if args.sched_bench:
         return _sched_bench(args)
@@ -170,6 +255,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         OURO_1P4B if args.model_config is None else OuroConfig.from_file(args.model_config)
     )
     device = get_device_profile(args.device_profile)
+    if args.scenario is not None:
+        return _scenario(args, model_config, device)
     arms = [get_arm(name) for name in args.policies]
     spec = WorkloadSpec(
         num_requests=args.num_requests,

@@ -61,7 +61,8 @@ def test_workload_is_seeded_and_traces_cover_every_output_token() -> None:
 def test_uniform_trace_exits_run_three_arms_with_equal_tokens(tmp_path) -> None:
     out = tmp_path / "throughput.json"
     threads = torch.get_num_threads()
-    assert main_from_args(_parse([*TINY, "--exit-dist", "uniform", "--out", str(out)])) == 0
+    argv = [*TINY, "--exit-dist", "uniform", "--cost-rows", "2,4", "--out", str(out)]
+    assert main_from_args(_parse(argv)) == 0
     assert torch.get_num_threads() == threads  # --threads is undone after the run
     result = json.loads(out.read_text())
     arms = result["arms"]
@@ -75,6 +76,9 @@ def test_uniform_trace_exits_run_three_arms_with_equal_tokens(tmp_path) -> None:
     refill = arms["refill"]["median"]
     assert 0 < refill["runner_host_share"] < refill["host_overhead_share"] < 1
     assert set(result["ratios"]) == {"refill_over_full_depth", "refill_over_no_refill"}
+    curve = result["cost_curve"]
+    assert curve["rows"] == [2, 4] and all(ms > 0 for ms in curve["step_ms"])
+    assert curve["per_row_ms"] != 0 and curve["implied_refill_over_no_refill"] > 0
     assert result["machine"]["torch_threads"] >= 1
 
 

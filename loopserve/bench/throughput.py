@@ -95,6 +95,16 @@ class HostOverhead:
     runner_host_ms: float  # the runner's part of host_ms
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 8,16,32; got {text!r}")
+    return values
+
+
 def exit_probabilities(name: str, num_loops: int) -> tuple[float, ...]:
     """P(exit after 1..D loops) of a named distribution."""
     if name == "uniform":
@@ -283,7 +293,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
     num_blocks = args.num_blocks or blocks_for(  # LAST_EXITED: one KV plane per depth
         requests, args.max_num_seqs, args.block_size, num_loops
     )
-    total = len(ARMS) * (args.repeats + 1) + 1
+    total = len(ARMS) * (args.repeats + 1) + 1 + len(args.cost_rows)
     with tqdm(total=total, desc="bench throughput", unit="run", disable=args.no_progress) as bar:
         engines = {
             a.name: build_engine(args, model_dir, a, args.max_num_seqs, num_blocks) for a in ARMS
@@ -308,6 +318,11 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         run_workload(engine, requests[:n], refill_params[:n], "warmup")
         host = measure_host_overhead(engine, requests[:rows], refill_params[:rows], rows)
         bar.update(1)
+        del engine
+        if args.cost_rows:
+            bar.set_postfix_str(f"decode step cost @ rows {args.cost_rows}")
+        curve = measure_cost_curve(args, model_dir, requests, params["full_depth"], num_loops)
+        bar.update(len(curve))
     m = {name: median_result(arm_runs) for name, arm_runs in runs.items()}
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update(num_loops=num_loops, num_blocks=num_blocks, model_dir=str(model_dir))
@@ -327,6 +342,46 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
             for b in ("full_depth", "no_refill")
         },
         "host_overhead_at_rows": asdict(host),
+        "cost_curve": cost_curve_summary(curve, m) if curve else None,
+    }
+
+
+def measure_cost_curve(
+    args: argparse.Namespace,
+    model_dir: Path,
+    requests: list[BenchRequest],
+    full_params: list[SamplingParams],
+    num_loops: int,
+) -> list[HostOverhead]:
+    """Step time of decode steps of exactly n rows (one core call), for n in `--cost-rows`:
+    n requests at `max_num_seqs` n, every token at all D loops (the coda runs every D-th step)."""
+    curve = []
+    for rows in args.cost_rows:
+        if rows > len(requests):
+            raise ConfigError(f"--cost-rows {rows} exceeds --num-requests {len(requests)}")
+        blocks = blocks_for(requests[:rows], rows, args.block_size, num_loops)
+        engine = build_engine(args, model_dir, ARMS[0], rows, blocks)
+        curve.append(measure_host_overhead(engine, requests[:rows], full_params[:rows], rows))
+    return curve
+
+
+def cost_curve_summary(curve: list[HostOverhead], medians: dict[str, RunResult]) -> dict:
+    """Least-squares `step_ms = fixed + per_row * rows`, and the refill / no_refill time ratio
+    that model implies for the arms' core calls and rows (prompt calls priced alike)."""
+    rows = np.array([c.rows for c in curve], dtype=float)
+    step_ms = np.array([c.step_ms for c in curve])
+    per_row, fixed = np.polyfit(rows, step_ms, 1) if len(curve) > 1 else (step_ms[0] / rows[0], 0.0)
+
+    def model_ms(m: RunResult) -> float:
+        return m.num_core_calls * fixed + m.num_core_calls * m.mean_rows_per_core_call * per_row
+
+    return {
+        "rows": rows.tolist(),
+        "step_ms": step_ms.tolist(),
+        "fixed_ms": float(fixed),
+        "per_row_ms": float(per_row),
+        "implied_refill_over_no_refill": model_ms(medians["no_refill"])
+        / model_ms(medians[REFILL.name]),
     }
 
 
@@ -348,6 +403,14 @@ def format_report(result: dict) -> str:
     for name, r in result["ratios"].items():
         lines.append(f"{name}: {r['wall']:.2f}x wall time, {r['cpu']:.2f}x CPU time")
     host = HostOverhead(**result["host_overhead_at_rows"])
+    curve = result.get("cost_curve")
+    if curve:
+        points = ", ".join(f"{r:.0f}: {t:.2f}" for r, t in zip(curve["rows"], curve["step_ms"]))
+        lines.append(
+            f"decode step ms by rows ({points}) ~ {curve['fixed_ms']:.2f} + "
+            f"{curve['per_row_ms']:.3f} x rows; implied refill/no_refill "
+            f"{curve['implied_refill_over_no_refill']:.2f}x"
+        )
     lines.append(
         f"host overhead @ {host.rows} rows: {100 * host.host_overhead_share:.1f}% of step "
         f"({host.host_ms:.2f} of {host.step_ms:.2f} ms, of which runner {host.runner_host_ms:.2f}; "
@@ -385,6 +448,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
     run.add_argument("--host-rows", type=int, default=32, help="rows of the host-overhead run")
+    run.add_argument(
+        "--cost-rows",
+        type=_int_list,
+        default=[],
+        help="also time single-call decode steps at these row counts (e.g. 8,16,32,64) and "
+        "fit step time = fixed + per_row x rows",
+    )
     run.add_argument("--out", default="bench_results/throughput.json")
     run.add_argument("--no-progress", action="store_true")
 

@@ -50,6 +50,7 @@ from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
+from loopserve.sim.metrics import window_gaps
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,19 +142,10 @@ def run_arm(engine: LLMEngine, work: Workload, arm: str) -> InterferenceRun:
     start_s = min(p.metrics.arrival_s for p in prompts)
     end_s = max(p.metrics.first_token_s for p in prompts)  # type: ignore[type-var]
     window_s = end_s - start_s
-    gaps: list[float] = []
-    per_request: list[float] = []
-    decode_tokens = 0
-    for out in population:
-        times = out.metrics.token_times_s
-        mine = [b - a for a, b in zip(times, times[1:]) if start_s < b <= end_s]
-        decode_tokens += sum(1 for t in times if start_s < t <= end_s)
-        gaps += mine
-        if mine:
-            per_request.append(statistics.fmean(mine))
-    if not gaps:
+    window = window_gaps([out.metrics.token_times_s for out in population], start_s, end_s)
+    if not window.gaps_s:
         raise InvalidRunError(f"arm {arm}: no decode token inside the window; lengthen prompts")
-    itl_ms = 1e3 * np.asarray(gaps)
+    itl_ms = 1e3 * np.asarray(window.gaps_s)
     ttft = [p.metrics.ttft_s for p in prompts]
     prompt_tokens = sum(len(p) for p in work.prompts)
     return InterferenceRun(
@@ -161,11 +153,11 @@ def run_arm(engine: LLMEngine, work: Workload, arm: str) -> InterferenceRun:
         itl_p50_ms=float(np.percentile(itl_ms, 50)),
         itl_p99_ms=float(np.percentile(itl_ms, 99)),
         itl_max_ms=float(itl_ms.max()),
-        tpot_ms=1e3 * statistics.fmean(per_request),
+        tpot_ms=1e3 * statistics.fmean(window.per_request_mean_s),
         ttft_mean_s=statistics.fmean(ttft),  # type: ignore[arg-type]
         ttft_max_s=max(ttft),  # type: ignore[type-var]
         prompt_token_loops_per_s=prompt_tokens * engine.num_loops / window_s,
-        output_tokens_per_s=(decode_tokens + len(prompts)) / window_s,
+        output_tokens_per_s=(window.num_tokens + len(prompts)) / window_s,
         num_core_calls=calls.num_core_calls,
         num_mixed_core_calls=calls.num_mixed_core_calls,
         prompt_rows_per_core_call=calls.prompt_rows_per_core_call,

@@ -35,6 +35,7 @@ import torch
 
 from loopserve.engine.contracts import ItemKind, SchedulerOutput
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
+from loopserve.entrypoints.engine_args import int_list
 from loopserve.errors import ConfigError, LoopserveError
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
@@ -133,18 +134,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--figure", default=None, help="PNG path (default: --out with .png)")
     run.add_argument("--no-progress", action="store_true")
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def arm_list(text: str) -> list[str]:

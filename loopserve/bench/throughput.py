@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
+from loopserve.entrypoints.engine_args import int_list
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
@@ -93,16 +94,6 @@ class HostOverhead:
     host_ms: float
     host_overhead_share: float
     runner_host_ms: float  # the runner's part of host_ms
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 8,16,32; got {text!r}")
-    return values
 
 
 def exit_probabilities(name: str, num_loops: int) -> tuple[float, ...]:
@@ -450,7 +441,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--host-rows", type=int, default=32, help="rows of the host-overhead run")
     run.add_argument(
         "--cost-rows",
-        type=_int_list,
+        type=int_list,
         default=[],
         help="also time single-call decode steps at these row counts (e.g. 8,16,32,64) and "
         "fit step time = fixed + per_row x rows",

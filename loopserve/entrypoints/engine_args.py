@@ -7,6 +7,19 @@ import argparse
 from loopserve.config import EXIT_MODES, LAYOUTS, MODES, PREFILL_MODES
 
 
+def int_list(text: str) -> list[int]:
+    """argparse type for comma-separated positive integers, e.g. `8,16,32`."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(

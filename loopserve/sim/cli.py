@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from loopserve.config import LAYOUTS, PREFILL_MODES, SchedulerConfig
+from loopserve.entrypoints.engine_args import int_list
 from loopserve.models.config import OuroConfig
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import DEVICE_PROFILES, get_device_profile
@@ -33,16 +34,6 @@ from loopserve.sim.sweep import ARMS, PointResult, SweepSetup, find_capacity, ge
 from loopserve.sim.workload import WorkloadSpec, sample_lengths
 
 _SCHED = SchedulerConfig()
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 8,16, got {text!r}")
-    return values
 
 
 def _rate(text: str) -> float:
@@ -117,8 +108,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk-size (interference) and --exit-dist (interference)",
     )
     scenario.add_argument("--arms", nargs="+", default=None, choices=sorted(PROMPT_ARMS))
-    scenario.add_argument("--prompt-lens", type=_int_list, default=[8064] * 4)
-    scenario.add_argument("--chunk-sizes", type=_int_list, default=[128, 64, 32, 16])
+    scenario.add_argument("--prompt-lens", type=int_list, default=[8064] * 4)
+    scenario.add_argument("--chunk-sizes", type=int_list, default=[128, 64, 32, 16])
     scenario.add_argument("--num-decode", type=int, default=InterferenceSpec.num_decode)
     scenario.add_argument(
         "--decode-prompt-len", type=int, default=InterferenceSpec.decode_prompt_len
@@ -128,7 +119,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     scenario.add_argument(
         "--inject-at",
-        type=_int_list,
+        type=int_list,
         default=None,
         help="prompt j arrives once every decode request has this many tokens (default 8 each)",
     )

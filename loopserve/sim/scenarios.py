@@ -25,6 +25,7 @@ from loopserve.engine.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.sim.hardware import DeviceProfile
+from loopserve.sim.metrics import window_gaps
 from loopserve.sim.simulator import Simulator
 from loopserve.sim.workload import SimRequest, exit_distribution
 
@@ -219,18 +220,10 @@ def run_interference(
                 first_token[request_id] = clock
     start_s, end_s = min(arrivals.values()), max(first_token.values())
     window_s = end_s - start_s
-    gaps: list[float] = []
-    per_request: list[float] = []
-    decode_tokens = 0
-    for token_times in times.values():
-        mine = [b - a for a, b in zip(token_times, token_times[1:]) if start_s < b <= end_s]
-        decode_tokens += sum(1 for t in token_times if start_s < t <= end_s)
-        gaps += mine
-        if mine:
-            per_request.append(statistics.fmean(mine))
-    if not gaps:
+    window = window_gaps(list(times.values()), start_s, end_s)
+    if not window.gaps_s:
         raise ConfigError(f"arm {arm}: no decode token inside the window; lengthen the prompts")
-    itl_ms = 1e3 * np.asarray(gaps)
+    itl_ms = 1e3 * np.asarray(window.gaps_s)
     ttft = [first_token[r] - arrivals[r] for r in arrivals]
     return InterferenceResult(
         arm=arm,
@@ -238,11 +231,11 @@ def run_interference(
         itl_p50_ms=float(np.percentile(itl_ms, 50)),
         itl_p99_ms=float(np.percentile(itl_ms, 99)),
         itl_max_ms=float(itl_ms.max()),
-        tpot_ms=1e3 * statistics.fmean(per_request),
+        tpot_ms=1e3 * statistics.fmean(window.per_request_mean_s),
         ttft_mean_s=statistics.fmean(ttft),
         ttft_max_s=max(ttft),
         prompt_token_loops_per_s=sum(spec.prompt_lens) * num_loops / window_s,
-        output_tokens_per_s=(decode_tokens + len(first_token)) / window_s,
+        output_tokens_per_s=(window.num_tokens + len(first_token)) / window_s,
         num_core_calls=calls,
         num_mixed_core_calls=mixed,
         prompt_rows_per_core_call=prompt_rows / calls,

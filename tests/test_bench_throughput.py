@@ -76,6 +76,7 @@ def test_uniform_trace_exits_run_three_arms_with_equal_tokens(tmp_path) -> None:
     refill = arms["refill"]["median"]
     assert 0 < refill["runner_host_share"] < refill["host_overhead_share"] < 1
     assert set(result["ratios"]) == {"refill_over_full_depth", "refill_over_no_refill"}
+    assert len(result["ratios"]["refill_over_no_refill"]["cpu_per_round"]) == 1  # --repeats 1
     curve = result["cost_curve"]
     assert curve["rows"] == [2, 4] and all(ms > 0 for ms in curve["step_ms"])
     assert curve["per_row_ms"] != 0 and curve["implied_refill_over_no_refill"] > 0

@@ -329,6 +329,8 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
             f"refill_over_{b}": {
                 "wall": m[b].wall_s / m[REFILL.name].wall_s,
                 "cpu": m[b].cpu_s / m[REFILL.name].cpu_s,
+                # Paired within each round (the arms ran back to back): robust to drift.
+                "cpu_per_round": [x.cpu_s / y.cpu_s for x, y in zip(runs[b], runs[REFILL.name])],
             }
             for b in ("full_depth", "no_refill")
         },
@@ -392,7 +394,12 @@ def format_report(result: dict) -> str:
             f"{m.host_ms_per_step:>12.2f}"
         )
     for name, r in result["ratios"].items():
-        lines.append(f"{name}: {r['wall']:.2f}x wall time, {r['cpu']:.2f}x CPU time")
+        rounds = ", ".join(f"{x:.2f}" for x in r["cpu_per_round"])
+        lines.append(
+            f"{name}: {r['wall']:.2f}x wall time, {r['cpu']:.2f}x CPU time "
+            f"(medians); per round, CPU time: {rounds} (median "
+            f"{statistics.median(r['cpu_per_round']):.2f}x)"
+        )
     host = HostOverhead(**result["host_overhead_at_rows"])
     curve = result.get("cost_curve")
     if curve:

@@ -212,6 +212,7 @@ def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int
             chunk_sizes=tuple(args.chunk_sizes),
             arms=tuple(arms),
             max_num_batched_tokens=args.max_num_batched_tokens,
+            roofline=args.roofline,
         )
         print(format_wcpb(points))
         rows = [asdict(p) for p in points]
@@ -228,11 +229,19 @@ def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int
             exit_dist=args.exit_dist,
             seed=args.seed,
         )
-        results = [run_interference(model_config, device, spec, arm) for arm in arms]
+        results = [
+            run_interference(model_config, device, spec, arm, roofline=args.roofline)
+            for arm in arms
+        ]
         print(format_interference(results))
         rows = [r.to_dict() for r in results]
     path = out_dir / f"scenario_{args.scenario}.json"
-    record = {"scenario": args.scenario, "device": device.name, "results": rows}
+    record = {
+        "scenario": args.scenario,
+        "device": device.name,
+        "roofline": args.roofline,
+        "results": rows,
+    }
     record["args"] = {k: v for k, v in vars(args).items() if k not in ("func", "request_rate")}
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"device {device.name}; wrote {path}")

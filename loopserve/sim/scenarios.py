@@ -12,6 +12,8 @@
 
 Both drive the real `Scheduler` through a `Simulator` (its `SimExecutor` prices every core call),
 step by step on the virtual clock; exits are replayed from seeded traces (`exit_mode="trace"`).
+`roofline` is the `CostModel` pricing ("call": one roofline per core call, so a mixed call's
+decode KV traffic can hide under prompt GEMMs; "phase": linear and attention priced apart).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def run_wcpb(
     chunk_sizes: tuple[int, ...] = (128, 64, 32, 16),
     arms: tuple[str, ...] = ("atomic", "wavefront"),
     max_num_batched_tokens: int = 1024,
+    roofline: str = "call",
 ) -> list[WcpbPoint]:
     """Every prompt arrives at t=0 with one output token (all D loops)."""
     num_loops = model_config.num_loops
@@ -79,7 +82,7 @@ def run_wcpb(
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "max_num_seqs": len(prompt_lens),
             }
-            sim = Simulator(model_config, device, engine_args)
+            sim = Simulator(model_config, device, engine_args, roofline=roofline)
             work = [SimRequest(f"p{j}", 0.0, n, 1, (num_loops,)) for j, n in enumerate(prompt_lens)]
             run = sim.run(work)
             stats = run.executor
@@ -156,6 +159,8 @@ def run_interference(
     device: DeviceProfile,
     spec: InterferenceSpec,
     arm: str,
+    *,
+    roofline: str = "call",
 ) -> InterferenceResult:
     spec.validate()
     num_loops = model_config.num_loops
@@ -165,7 +170,7 @@ def run_interference(
         "max_num_batched_tokens": spec.max_num_batched_tokens,
         "max_num_seqs": spec.num_decode + len(spec.prompt_lens),
     }
-    sim = Simulator(model_config, device, engine_args)
+    sim = Simulator(model_config, device, engine_args, roofline=roofline)
     scheduler, executor = sim.scheduler, sim.executor
     rng = np.random.default_rng(spec.seed)
     dist = exit_distribution(spec.exit_dist, num_loops)

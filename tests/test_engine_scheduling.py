@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from loopserve.attention.torch_paged import PagedAttentionMetadata, RowSegment, TorchPagedAttention
+from loopserve.attention.torch_paged import (
+    PagedAttentionMetadata,
+    RowSegment,
+    TorchPagedAttention,
+    Workspace,
+)
 from loopserve.engine.contracts import ItemKind
 from loopserve.errors import CapacityError, ConfigError, InvalidRequestError
 from loopserve.models.attention import attention_reference
@@ -191,7 +196,20 @@ def test_paged_attention_matches_reference_for_mixed_items(num_kv_heads):
     key = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
     value = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
     meta = PagedAttentionMetadata.build(segments, block_size, device="cpu")
-    out = TorchPagedAttention(cache, meta, scale=0.4).attend(0, query, key, value)
+    workspace = Workspace()  # shared with an earlier, larger call: reuse must not leak state
+    wide = [RowSegment(list(range(12, 16)), 0, 16)]
+    wide += [RowSegment(table, 13, 1) for table in ([0, 5, 6, 7], [1, 2, 3, 4], [8, 9, 10, 11])]
+    wide_rows = torch.randn(19, heads, head_dim, generator=gen)
+    wide_kv = torch.randn(19, num_kv_heads, head_dim, generator=gen)
+    wide_meta = PagedAttentionMetadata.build(wide, block_size, device="cpu")
+    TorchPagedAttention(cache.clone(), wide_meta, 0.4, workspace).attend(
+        0, wide_rows, wide_kv, wide_kv
+    )
+    grown = workspace.num_bytes
+    out = TorchPagedAttention(cache, meta, scale=0.4, workspace=workspace).attend(
+        0, query, key, value
+    )
+    assert workspace.num_bytes == grown  # the smaller call reused the buffers
     row = 0
     for seg in segments:
         end = seg.start + seg.count

@@ -19,6 +19,7 @@ Reads gather whole blocks (`index_select` of `[block_size, Hkv, Dh]` pieces) and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -133,15 +134,51 @@ class PagedAttentionMetadata:
         )
 
 
+class Workspace:
+    """Scratch memory reused by every core call for the K/V gathers (one flat buffer per name,
+    grown by 25% steps when a call needs more). Gathers are the largest temporaries of a call
+    (tens of MB for 64 decode rows); allocating them afresh each layer made the allocator hand
+    pages back to the OS and fault them in again (about a million page faults per thousand
+    decode steps on CPU). Its size is at most the largest gather seen: on CPU at most
+    `max_num_seqs` contexts of one layer's K and V."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype:
+            size = numel if buffer is None else max(numel, buffer.numel() * 5 // 4)
+            buffer = torch.empty(size, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(shape)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
 class TorchPagedAttention:
     """`AttentionBackend` for one core call over the engine's paged KV tensor."""
 
     def __init__(
-        self, kv_cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float
+        self,
+        kv_cache: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        scale: float,
+        workspace: Workspace | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.meta = metadata
         self.scale = scale
+        self.workspace = workspace if workspace is not None else Workspace()
+
+    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of one layer's K or V: [len(blocks), block_size, Hkv, Dh]."""
+        pieces = cache.view(-1, self.meta.block_size, cache.shape[1], cache.shape[2])
+        out = self.workspace.take(name, (blocks.numel(), *pieces.shape[1:]), cache)
+        return torch.index_select(pieces, 0, blocks, out=out)
 
     def attend(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -166,9 +203,8 @@ class TorchPagedAttention:
         count, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[1]
         group = num_heads // num_kv_heads
-        pieces = (-1, self.meta.block_size, num_kv_heads, head_dim)
-        keys = key_cache.view(pieces).index_select(0, span.blocks).view(-1, num_kv_heads, head_dim)
-        values = value_cache.view(pieces).index_select(0, span.blocks)
+        keys = self._gather("chunk_k", key_cache, span.blocks).view(-1, num_kv_heads, head_dim)
+        values = self._gather("chunk_v", value_cache, span.blocks)
         values = values.view(-1, num_kv_heads, head_dim)[: span.end].transpose(0, 1)
         # Query heads of one KV head side by side: [Hkv, group * count, Dh].
         q = query.view(count, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -187,11 +223,10 @@ class TorchPagedAttention:
     def _attend_single(self, group: PaddedGroup, query, key_cache, value_cache) -> torch.Tensor:
         """[num_items * max_queries, Hq, Dh]: gather whole blocks, then one fused SDPA."""
         num_heads, head_dim = query.shape[1], query.shape[2]
-        num_kv_heads, block_size = key_cache.shape[1], self.meta.block_size
+        num_kv_heads = key_cache.shape[1]
         n, q = group.num_items, group.max_queries
-        pieces = (-1, block_size, num_kv_heads, head_dim)
-        keys = key_cache.view(pieces).index_select(0, group.blocks)
-        values = value_cache.view(pieces).index_select(0, group.blocks)
+        keys = self._gather("single_k", key_cache, group.blocks)
+        values = self._gather("single_v", value_cache, group.blocks)
         context = (n, -1, num_kv_heads, head_dim)  # [n, C, Hkv, Dh]
         queries = query.index_select(0, group.query_index).view(n, q, num_heads, head_dim)
         out = torch.nn.functional.scaled_dot_product_attention(

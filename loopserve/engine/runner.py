@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loopserve.attention.torch_paged import PagedAttentionMetadata, RowSegment, TorchPagedAttention
+from loopserve.attention.torch_paged import (
+    PagedAttentionMetadata,
+    RowSegment,
+    TorchPagedAttention,
+    Workspace,
+)
 from loopserve.engine.contracts import ItemKind, ItemResult, RunnerOutput, SchedulerOutput, WorkItem
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
@@ -71,6 +76,7 @@ class ModelRunner:
         self.inflight: dict[int, InFlight] = {}  # handle -> state between steps
         self.handles_of: dict[str, set[int]] = defaultdict(set)
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
+        self.workspace = Workspace()  # attention gather scratch, reused by every core call
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -174,7 +180,7 @@ class ModelRunner:
             segments.append(RowSegment(table, item.token_start, item.token_count))
             positions.append(torch.arange(item.token_start, item.token_start + item.token_count))
         meta = PagedAttentionMetadata.build(segments, self.block_size, self.device)
-        attn = TorchPagedAttention(self.kv_cache, meta, self.scale)
+        attn = TorchPagedAttention(self.kv_cache, meta, self.scale, self.workspace)
         hidden = torch.cat([states[i] for i in active])
         out = self._timed(self.model.core, hidden, torch.cat(positions).to(self.device), attn)
         for i, chunk in zip(active, out.split([items[i].token_count for i in active])):

@@ -444,7 +444,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--prefill-chunk-size", type=int, default=512)
     engine.add_argument("--threads", type=int, default=1, help="torch threads; 0: torch default")
     run = parser.add_argument_group("run")
-    run.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
+    run.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
     run.add_argument("--host-rows", type=int, default=32, help="rows of the host-overhead run")
     run.add_argument(
         "--cost-rows",

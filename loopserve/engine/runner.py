@@ -173,16 +173,17 @@ class ModelRunner:
 
     def _core_call(self, scheduled, items, active, k, states) -> None:
         segments = []
-        positions = []
+        positions: list[int] = []
         for i in active:
             item = items[i]
             table = scheduled.block_tables[item.request_id][self._plane(item, k)]
             segments.append(RowSegment(table, item.token_start, item.token_count))
-            positions.append(torch.arange(item.token_start, item.token_start + item.token_count))
+            positions.extend(range(item.token_start, item.token_start + item.token_count))
         meta = PagedAttentionMetadata.build(segments, self.block_size, self.device)
         attn = TorchPagedAttention(self.kv_cache, meta, self.scale, self.workspace)
         hidden = torch.cat([states[i] for i in active])
-        out = self._timed(self.model.core, hidden, torch.cat(positions).to(self.device), attn)
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        out = self._timed(self.model.core, hidden, position_ids, attn)
         for i, chunk in zip(active, out.split([items[i].token_count for i in active])):
             states[i] = chunk
 

@@ -7,7 +7,7 @@ from loopserve.sampling_params import SamplingParams
 def __getattr__(name: str):
     # Lazy: importing the package for SamplingParams should not load torch.
     if name == "LLM":
-        from loopserve.entrypoints.llm import LLM
+        from loopserve.llm import LLM
 
         return LLM
     if name == "LLMEngine":

@@ -20,11 +20,12 @@ from typing import NamedTuple
 
 import torch
 
+from loopserve.contracts import SampleSpec
 from loopserve.errors import InvalidRequestError
 from loopserve.exit import ExitMode, ExitRule, TokenExit, choose_exit_from_hazards
 from loopserve.models.attention import DenseAttention, DenseKV
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.sampler import SampleSpec, make_generator, sample_rows
+from loopserve.runner.sampler import make_generator, sample_rows
 from loopserve.sampling_params import SamplingParams
 
 LAYOUTS = ("last_exited", "shared")

@@ -21,14 +21,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m loopserve.entrypoints.api_server` with the given flags, logging to a file."""
+    """`python -m loopserve.server.api_server` with the given flags, logging to a file."""
 
     def __init__(self, args: list[str], log_path: Path, *, torch_threads: int = 1) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, OMP_NUM_THREADS=str(torch_threads), PYTHONUNBUFFERED="1")
-        command = [sys.executable, "-m", "loopserve.entrypoints.api_server"]
+        command = [sys.executable, "-m", "loopserve.server.api_server"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(

@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from loopserve.engine.llm_engine import LLMEngine
-from loopserve.entrypoints.api_server import build_app
-from loopserve.entrypoints.async_engine import (
+from loopserve.errors import CapacityError, InvalidRequestError
+from loopserve.sampling_params import SamplingParams
+from loopserve.server.api_server import build_app
+from loopserve.server.async_engine import (
     AsyncLLM,
     EngineDeadError,
     EngineNotReadyError,
     GenerateRequest,
     QueueFullError,
 )
-from loopserve.errors import CapacityError, InvalidRequestError
-from loopserve.sampling_params import SamplingParams
 
 NUM_BLOCKS = 128
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

@@ -13,7 +13,7 @@ import torch
 
 from loopserve.bench import prompt_interference, prompt_sched
 from loopserve.bench.prompt_sched import CallRecorder, InvalidRunError, build_engine
-from loopserve.entrypoints.cli import main as cli_main
+from loopserve.cli.main import main as cli_main
 from loopserve.errors import ConfigError
 from loopserve.sampling_params import SamplingParams
 

@@ -84,7 +84,7 @@ def test_uniform_trace_exits_run_three_arms_with_equal_tokens(tmp_path) -> None:
 
 
 def test_gate_exits_run_through_the_cli(tmp_path) -> None:
-    from loopserve.entrypoints.cli import main
+    from loopserve.cli.main import main
 
     out = tmp_path / "gate.json"
     argv = ["bench", "throughput", *TINY, "--exit-threshold", "0.5", "--out", str(out)]

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from loopserve.attention.torch_paged import (
+from loopserve.contracts import ItemKind
+from loopserve.errors import CapacityError, ConfigError, InvalidRequestError
+from loopserve.models.attention import attention_reference
+from loopserve.runner.attention.torch_paged import (
     PagedAttentionMetadata,
     RowSegment,
     TorchPagedAttention,
     Workspace,
 )
-from loopserve.engine.contracts import ItemKind
-from loopserve.errors import CapacityError, ConfigError, InvalidRequestError
-from loopserve.models.attention import attention_reference
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, reference_for, run_steps
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from loopserve import LLM, SamplingParams
-from loopserve.entrypoints.cli import main
+from loopserve.cli.main import main
 from loopserve.errors import InvalidRequestError
 from loopserve.reference import generate
 

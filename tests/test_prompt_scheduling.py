@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loopserve.config import max_inflight_rows
-from loopserve.engine.contracts import ItemKind
+from loopserve.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, random_workload, reference_for, run_steps

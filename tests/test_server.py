@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from loopserve.entrypoints.llm import LLM
+from loopserve.llm import LLM
 from loopserve.sampling_params import SamplingParams
 from tests.server_utils import ServerProcess, metrics, sse_payloads, wait_all_blocks_free
 

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from loopserve.engine.contracts import ItemKind, SchedulerOutput, WorkItem
+from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.exit import ExitRule
@@ -124,8 +124,7 @@ def _decode_item(**kw) -> WorkItem:
 def test_gated_decode_exits_at_the_drawn_target():
     cost = CostModel(ModelShape.from_config(OURO_1P4B), H200)
     executor = SimExecutor(cost, exit_mode="ouro", exit_dist=exit_distribution("trace:3", 4))
-    from loopserve.engine.contracts import NewRequestData
-    from loopserve.sampler import SampleSpec
+    from loopserve.contracts import NewRequestData, SampleSpec
 
     new = (NewRequestData("r", SampleSpec(), None),)
     exits = []
@@ -151,8 +150,7 @@ def test_resuming_from_an_unknown_handle_fails_loudly():
 def test_first_token_uses_its_trace_and_atomic_prompt_runs_d_calls():
     cost = CostModel(ModelShape.from_config(OURO_1P4B), H200)
     executor = SimExecutor(cost)
-    from loopserve.engine.contracts import NewRequestData
-    from loopserve.sampler import SampleSpec
+    from loopserve.contracts import NewRequestData, SampleSpec
 
     item = WorkItem(
         "r", ItemKind.PROMPT, 0, 32, 0, 4, 7, True, (1,) * 32,
@@ -341,7 +339,7 @@ def test_interference_scenario_mixed_calls_cut_decode_itl():
 
 
 def test_simulate_cli_runs_a_scenario(tmp_path, capsys):
-    from loopserve.entrypoints.cli import main
+    from loopserve.cli.main import main
 
     argv = ["simulate", "--scenario", "wcpb", "--prompt-lens", "256,256", "--chunk-sizes", "32"]
     argv += ["--max-num-batched-tokens", "256", "--out-dir", str(tmp_path)]

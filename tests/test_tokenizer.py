@@ -10,12 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loopserve.errors import InvalidRequestError
-from loopserve.tokenizer import (
-    CHATML_TEMPLATE,
-    IncrementalDetokenizer,
-    Tokenizer,
-    write_byte_level_bpe_tokenizer,
-)
+from loopserve.text.detokenizer import IncrementalDetokenizer
+from loopserve.text.tokenizer import CHATML_TEMPLATE, Tokenizer
+from loopserve.text.toy_tokenizer import write_byte_level_bpe_tokenizer
 
 MULTIBYTE_TEXT = "café crème brûlée naïve piñata 😀🚀 日本語 Ωμέγα ü"
 
@@ -332,7 +329,7 @@ def test_tokens_after_stop_are_ignored(tokenizer: Tokenizer) -> None:
 
 
 def test_repeated_lead_bytes_stream_instead_of_being_held_to_the_end(tmp_path):
-    from loopserve.models.toy_tokenizer import write_byte_level_bpe_tokenizer as write
+    from loopserve.text.toy_tokenizer import write_byte_level_bpe_tokenizer as write
 
     write(tmp_path, vocab_size=512)
     tok = Tokenizer.from_dir(tmp_path)

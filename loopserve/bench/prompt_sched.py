@@ -33,9 +33,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from loopserve.engine.contracts import ItemKind, SchedulerOutput
+from loopserve.cli.engine_args import int_list
+from loopserve.contracts import ItemKind, SchedulerOutput
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
-from loopserve.entrypoints.engine_args import int_list
 from loopserve.errors import ConfigError, LoopserveError
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from loopserve.cli.engine_args import int_list
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
-from loopserve.entrypoints.engine_args import int_list
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path

@@ -19,16 +19,16 @@ from pathlib import Path
 import torch
 
 from loopserve.config import EngineConfig, max_inflight_rows, resolve_dtype, resolve_num_blocks
-from loopserve.detokenizer import IncrementalDetokenizer
-from loopserve.engine.kv_cache import KVCacheManager
-from loopserve.engine.request import FinishReason, Request
-from loopserve.engine.runner import ModelRunner
-from loopserve.engine.scheduler import Scheduler
 from loopserve.errors import CapacityError, InvalidRequestError
 from loopserve.models import load_model
 from loopserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
-from loopserve.tokenizer import Tokenizer
+from loopserve.scheduler.kv_cache import KVCacheManager
+from loopserve.scheduler.request import FinishReason, Request
+from loopserve.scheduler.scheduler import Scheduler
+from loopserve.text.detokenizer import IncrementalDetokenizer
+from loopserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"

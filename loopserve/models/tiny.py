@@ -80,7 +80,7 @@ def make_tiny_checkpoint(
     _init_weights(model, seed)
     save_model(model, out, max_shard_bytes=max_shard_bytes)
     if with_tokenizer:
-        from loopserve.models.toy_tokenizer import write_byte_level_bpe_tokenizer
+        from loopserve.text.toy_tokenizer import write_byte_level_bpe_tokenizer
 
         write_byte_level_bpe_tokenizer(out, vocab_size=vocab_size)
     return out

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from loopserve.cli.engine_args import int_list
 from loopserve.config import LAYOUTS, PREFILL_MODES, SchedulerConfig
-from loopserve.entrypoints.engine_args import int_list
 from loopserve.models.config import OuroConfig
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import DEVICE_PROFILES, get_device_profile

@@ -1,6 +1,6 @@
 """`SimExecutor`: a tensor-free stand-in for `ModelRunner` that prices each step on a GPU model.
 
-It honours the runner contract (DESIGN §6, `loopserve.engine.contracts`) item for item:
+It honours the runner contract (DESIGN §6, `loopserve.contracts`) item for item:
 - every item runs `num_depths` consecutive loops; loop k of the step is one core call over
   the items with `k < num_depths` (an atomic prompt step is D calls, a decode step one);
 - decode items exit when `exit_now` is True; when it is None the "gate" decides
@@ -25,15 +25,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from loopserve.engine.contracts import (
+from loopserve.contracts import (
     ItemKind,
     ItemResult,
     RunnerOutput,
+    SampledToken,
     SchedulerOutput,
     WorkItem,
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
-from loopserve.sampler import SampledToken
 from loopserve.sim.cost_model import CostModel
 from loopserve.sim.workload import ExitDistribution
 

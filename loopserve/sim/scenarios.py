@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from loopserve.engine.contracts import ItemKind
+from loopserve.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.sim.hardware import DeviceProfile

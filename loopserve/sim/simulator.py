@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loopserve.config import EngineConfig, max_inflight_rows, resolve_num_blocks
-from loopserve.engine.contracts import WorkItem
-from loopserve.engine.kv_cache import KVCacheManager
-from loopserve.engine.request import Request
-from loopserve.engine.scheduler import Scheduler
+from loopserve.contracts import WorkItem
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
+from loopserve.scheduler.kv_cache import KVCacheManager
+from loopserve.scheduler.request import Request
+from loopserve.scheduler.scheduler import Scheduler
 from loopserve.sim.cost_model import CostModel, ModelShape
 from loopserve.sim.executor import ExecutorStats, SimExecutor
 from loopserve.sim.hardware import DeviceProfile

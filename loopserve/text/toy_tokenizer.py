@@ -12,7 +12,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from loopserve.tokenizer import CHATML_TEMPLATE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, _write_json
+from loopserve.text.tokenizer import CHATML_TEMPLATE, MIN_VOCAB_SIZE, SPECIAL_TOKENS, _write_json
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. This sentence uses every letter of the alphabet,

@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from loopserve.entrypoints.metrics import ServingMetrics
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
+from loopserve.server.metrics import ServingMetrics
 
 if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` stays fast
     from loopserve.engine.llm_engine import LLMEngine

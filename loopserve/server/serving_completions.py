@@ -16,19 +16,20 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loopserve.entrypoints.async_engine import (
+from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.server.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     GenerateRequest,
     OutputStream,
 )
-from loopserve.entrypoints.protocol import (
+from loopserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
 )
-from loopserve.entrypoints.serving_common import (
+from loopserve.server.serving_common import (
     SSE_DONE,
     ApiError,
     ServingContext,
@@ -45,8 +46,7 @@ from loopserve.entrypoints.serving_common import (
     submit,
     usage,
 )
-from loopserve.outputs import RequestOutput, TokenLogprob
-from loopserve.tokenizer import Tokenizer
+from loopserve.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16
 

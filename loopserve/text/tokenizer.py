@@ -2,9 +2,8 @@
 
 `Tokenizer` wraps a Hugging Face `tokenizer.json` plus the small amount of metadata that lives
 next to it (`tokenizer_config.json`, `generation_config.json`): end-of-sequence ids, the BOS
-policy and the chat template. The streaming `IncrementalDetokenizer`
-(`loopserve.detokenizer`) and the toy tokenizer trainer (`loopserve.models.toy_tokenizer`)
-are re-exported here.
+policy and the chat template. The streaming detokenizer lives in
+`loopserve.text.detokenizer`, the toy tokenizer trainer in `loopserve.text.toy_tokenizer`.
 
 This module does not tokenize in batches or apply sampling: stop *token* ids and EOS handling
 belong to the engine; only stop *strings* are matched here, because they live in text space.
@@ -227,25 +226,10 @@ def _token_id_or_none(backend: tokenizers.Tokenizer, token: str | None) -> int |
     return None if token is None else backend.token_to_id(token)
 
 
-# Re-exports (kept at the bottom: both modules import this one).
-from loopserve.detokenizer import DetokenizerUpdate, IncrementalDetokenizer  # noqa: E402
-
-
-def __getattr__(name: str):
-    # Lazy: the trainer module imports this one.
-    if name == "write_byte_level_bpe_tokenizer":
-        from loopserve.models.toy_tokenizer import write_byte_level_bpe_tokenizer
-
-        return write_byte_level_bpe_tokenizer
-    raise AttributeError(name)
-
-
 __all__ = [
     "CHATML_TEMPLATE",
     "END_OF_TURN_TOKENS",
     "MIN_VOCAB_SIZE",
     "SPECIAL_TOKENS",
-    "DetokenizerUpdate",
-    "IncrementalDetokenizer",
     "Tokenizer",
 ]

@@ -7,25 +7,9 @@ reference generator and the engine runner both sample through `sample_rows`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class SampleSpec:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    num_logprobs: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    # The num_logprobs most likely tokens as (token_id, logprob), best first.
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+from loopserve.contracts import SampledToken, SampleSpec
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

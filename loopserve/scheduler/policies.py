@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loopserve.engine.request import PromptChunk, Request
+from loopserve.scheduler.request import PromptChunk, Request
 
 
 class DecodePolicy(ABC):

@@ -17,15 +17,18 @@ import time
 from collections.abc import Iterable
 
 from loopserve.config import EngineConfig
-from loopserve.engine.contracts import (
+from loopserve.contracts import (
     ItemKind,
     NewRequestData,
     RunnerOutput,
+    SampleSpec,
     SchedulerOutput,
     WorkItem,
 )
-from loopserve.engine.kv_cache import KVCacheManager
-from loopserve.engine.policies import (
+from loopserve.errors import CapacityError, InvalidRequestError
+from loopserve.exit import ExitMode, TokenExit
+from loopserve.scheduler.kv_cache import KVCacheManager
+from loopserve.scheduler.policies import (
     PROMPT_POLICIES,
     DecodePolicy,
     NoRefillPolicy,
@@ -33,10 +36,7 @@ from loopserve.engine.policies import (
     PromptWork,
     RefillPolicy,
 )
-from loopserve.engine.request import FinishReason, Request, RequestStatus
-from loopserve.errors import CapacityError, InvalidRequestError
-from loopserve.exit import ExitMode, TokenExit
-from loopserve.sampler import SampleSpec
+from loopserve.scheduler.request import FinishReason, Request, RequestStatus
 
 
 class Scheduler:

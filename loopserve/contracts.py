@@ -12,7 +12,22 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from loopserve.exit import ExitRule
-from loopserve.sampler import SampledToken, SampleSpec
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSpec:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    num_logprobs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    # The num_logprobs most likely tokens as (token_id, logprob), best first.
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class ItemKind(str, enum.Enum):

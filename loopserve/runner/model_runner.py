@@ -16,16 +16,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loopserve.attention.torch_paged import (
+from loopserve.contracts import (
+    ItemKind,
+    ItemResult,
+    RunnerOutput,
+    SampledToken,
+    SampleSpec,
+    SchedulerOutput,
+    WorkItem,
+)
+from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
+from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
+from loopserve.runner.attention.torch_paged import (
     PagedAttentionMetadata,
     RowSegment,
     TorchPagedAttention,
     Workspace,
 )
-from loopserve.engine.contracts import ItemKind, ItemResult, RunnerOutput, SchedulerOutput, WorkItem
-from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
-from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.sampler import SampledToken, SampleSpec, make_generator, sample_rows
+from loopserve.runner.sampler import make_generator, sample_rows
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loopserve.tokenizer import Tokenizer
+    from loopserve.text.tokenizer import Tokenizer
 
 # Prompt tokens decoded as left context for the first output token (vLLM uses the same 5), so
 # tokenizers that drop a leading space at the start of a decode keep it between prompt and output.

@@ -10,12 +10,12 @@ import importlib
 import json
 import sys
 
-from loopserve.entrypoints.engine_args import add_engine_args, engine_args_from
+from loopserve.cli.engine_args import add_engine_args, engine_args_from
 from loopserve.errors import LoopserveError
 
 # (command path, module with add_cli_args/main_from_args, help)
 MOUNTED = [
-    (("serve",), "loopserve.entrypoints.api_server", "OpenAI-compatible HTTP server"),
+    (("serve",), "loopserve.server.api_server", "OpenAI-compatible HTTP server"),
     (
         ("bench", "throughput"),
         "loopserve.bench.throughput",
@@ -67,7 +67,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from loopserve.entrypoints.llm import LLM
+    from loopserve.llm import LLM
     from loopserve.sampling_params import SamplingParams
 
     prompts: list = list(args.prompt)

@@ -10,8 +10,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from loopserve.contracts import SampledToken
 from loopserve.exit import ExitRule, TokenExit
-from loopserve.sampler import SampledToken
 from loopserve.sampling_params import SamplingParams
 
 

@@ -16,13 +16,15 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loopserve.entrypoints.async_engine import (
+from loopserve.errors import InvalidRequestError
+from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.server.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     GenerateRequest,
     OutputStream,
 )
-from loopserve.entrypoints.protocol import (
+from loopserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -34,7 +36,7 @@ from loopserve.entrypoints.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
 )
-from loopserve.entrypoints.serving_common import (
+from loopserve.server.serving_common import (
     SSE_DONE,
     ApiError,
     ServingContext,
@@ -52,9 +54,7 @@ from loopserve.entrypoints.serving_common import (
     token_text,
     usage,
 )
-from loopserve.errors import InvalidRequestError
-from loopserve.outputs import RequestOutput, TokenLogprob
-from loopserve.tokenizer import Tokenizer
+from loopserve.text.tokenizer import Tokenizer
 
 
 async def create_chat_completion(

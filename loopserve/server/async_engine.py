@@ -23,7 +23,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from loopserve.entrypoints.engine_thread import (
+from loopserve.errors import LoopserveError
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
+from loopserve.server.engine_thread import (
     AbortCommand,
     AddCommand,
     EngineDeadError,
@@ -33,11 +36,8 @@ from loopserve.entrypoints.engine_thread import (
     GenerateRequest,
     StopCommand,
 )
-from loopserve.entrypoints.metrics import ServingMetrics
-from loopserve.errors import LoopserveError
-from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import SamplingParams
-from loopserve.tokenizer import Tokenizer
+from loopserve.server.metrics import ServingMetrics
+from loopserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` stays fast
     from loopserve.engine.llm_engine import LLMEngine

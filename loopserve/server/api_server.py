@@ -25,12 +25,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loopserve.entrypoints.async_engine import AsyncLLM
-from loopserve.entrypoints.engine_args import add_engine_args, engine_args_from
-from loopserve.entrypoints.protocol import ModelCard, ModelList
-from loopserve.entrypoints.serving_chat import create_chat_completion
-from loopserve.entrypoints.serving_common import ApiError, ServingContext
-from loopserve.entrypoints.serving_completions import create_completion
+from loopserve.cli.engine_args import add_engine_args, engine_args_from
+from loopserve.server.async_engine import AsyncLLM
+from loopserve.server.protocol import ModelCard, ModelList
+from loopserve.server.serving_chat import create_chat_completion
+from loopserve.server.serving_common import ApiError, ServingContext
+from loopserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2

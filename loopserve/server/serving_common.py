@@ -20,7 +20,10 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from loopserve.entrypoints.async_engine import (
+from loopserve.errors import InvalidRequestError
+from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.sampling_params import SamplingParams
+from loopserve.server.async_engine import (
     AsyncLLM,
     EngineDeadError,
     EngineNotReadyError,
@@ -28,17 +31,14 @@ from loopserve.entrypoints.async_engine import (
     OutputStream,
     QueueFullError,
 )
-from loopserve.entrypoints.protocol import (
+from loopserve.server.protocol import (
     CompletionLogprobs,
     ErrorInfo,
     ErrorResponse,
     SamplingRequest,
     UsageInfo,
 )
-from loopserve.errors import InvalidRequestError
-from loopserve.outputs import RequestOutput, TokenLogprob
-from loopserve.sampling_params import SamplingParams
-from loopserve.tokenizer import Tokenizer
+from loopserve.text.tokenizer import Tokenizer
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")

@@ -17,6 +17,10 @@ LAYOUTS = ("last_exited", "shared")
 MODES = ("refill", "no_refill")
 PREFILL_MODES = ("atomic", "per_depth", "wavefront")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+KV_RESERVATIONS = ("incremental", "full")
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEFAULT_SWAP_SPACE_BYTES = 4 * 1024**3
 DEFAULT_CPU_KV_BYTES = 512 * 1024**2
 
 
@@ -27,6 +31,13 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     layout: str = "last_exited"
     gpu_memory_utilization: float = 0.9
+    # incremental: prompt blocks at admission, grow as positions are written; full: reserve
+    # prompt + max_tokens - 1 positions up front (never preempts for memory).
+    kv_reservation: str = "incremental"
+    kv_watermark: float = 0.01  # fraction of blocks admission keeps free while others run
+    swap_space: int = DEFAULT_SWAP_SPACE_BYTES  # host bytes for preemption_mode="swap"
+    # None: on for last_exited, off for shared.
+    enable_prefix_caching: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,10 @@ class SchedulerConfig:
     prefill_mode: str = "atomic"
     mixed_prefill_decode: bool = False
     max_prefill_batches_before_decode: int = 1
+    preemption_mode: str = "recompute"
+    # fcfs: no preemption for priority; priority: a waiting request with a strictly higher
+    # priority (lower value) preempts the lowest-priority running one when seats or KV are full.
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,13 @@ def validate(config: EngineConfig) -> None:
             f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}"
         )
     _choice("layout", cache.layout, LAYOUTS)
+    _choice("kv_reservation", cache.kv_reservation, KV_RESERVATIONS)
+    if not 0.0 <= cache.kv_watermark < 1.0:
+        raise ConfigError(f"kv_watermark must be in [0, 1), got {cache.kv_watermark}")
+    if not isinstance(cache.swap_space, int) or cache.swap_space < 0:
+        raise ConfigError(f"swap_space must be a non-negative byte count, got {cache.swap_space!r}")
+    _choice("preemption_mode", sched.preemption_mode, PREEMPTION_MODES)
+    _choice("scheduling_policy", sched.scheduling_policy, SCHEDULING_POLICIES)
     for name in (
         "max_num_seqs",
         "max_num_batched_tokens",

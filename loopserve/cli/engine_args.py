@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from loopserve.config import EXIT_MODES, LAYOUTS, MODES, PREFILL_MODES
+from loopserve.config import (
+    DEFAULT_SWAP_SPACE_BYTES,
+    EXIT_MODES,
+    KV_RESERVATIONS,
+    LAYOUTS,
+    MODES,
+    PREEMPTION_MODES,
+    PREFILL_MODES,
+    SCHEDULING_POLICIES,
+)
 
 
 def int_list(text: str) -> list[int]:
@@ -45,13 +54,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--mixed-prefill-decode", action="store_true")
     group.add_argument("--exit-mode", default="ouro", choices=EXIT_MODES)
     group.add_argument("--lookahead-seed", type=int, default=0)
+    group.add_argument("--kv-reservation", default="incremental", choices=KV_RESERVATIONS)
+    group.add_argument(
+        "--kv-watermark", type=float, default=0.01, help="free-block fraction kept at admission"
+    )
+    group.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
+    group.add_argument(
+        "--swap-space", type=int, default=DEFAULT_SWAP_SPACE_BYTES, help="host bytes for swap"
+    )
+    group.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: on for last_exited, off for shared",
+    )
 
 
 ENGINE_ARG_NAMES = (
     "model", "dtype", "device", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes",
     "gpu_memory_utilization", "layout", "max_num_seqs", "max_num_batched_tokens",
     "prefill_chunk_size", "mode", "prefill_mode", "mixed_prefill_decode", "exit_mode",
-    "lookahead_seed",
+    "lookahead_seed", "kv_reservation", "kv_watermark", "preemption_mode", "swap_space",
+    "scheduling_policy", "enable_prefix_caching",
 )  # fmt: skip
 
 

@@ -19,10 +19,12 @@ import torch
 from loopserve.contracts import (
     ItemKind,
     ItemResult,
+    KVTransfer,
     RunnerOutput,
     SampledToken,
     SampleSpec,
     SchedulerOutput,
+    SwapKind,
     WorkItem,
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
@@ -34,6 +36,7 @@ from loopserve.runner.attention.torch_paged import (
     Workspace,
 )
 from loopserve.runner.sampler import make_generator, sample_rows
+from loopserve.runner.swap import SwapSpace
 
 
 @dataclass
@@ -56,6 +59,7 @@ class ModelRunner:
         layout: str,
         exit_mode: str,
         lookahead_seed: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         config = model.config
@@ -85,6 +89,9 @@ class ModelRunner:
         self.handles_of: dict[str, set[int]] = defaultdict(set)
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self.workspace = Workspace()  # attention gather scratch, reused by every core call
+        self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
+        # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
+        self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -102,11 +109,36 @@ class ModelRunner:
             greedy = new.sample_spec.temperature == 0.0
             generator = None if greedy else make_generator(new.seed, self.device)
             self.samplers[new.request_id] = (new.sample_spec, generator)
+        for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
+            self._swap(transfer)
+        for request_id in scheduled.preempted_request_ids:
+            self.drop_inflight(request_id)  # recompute: the sampler stays
+
+    def _swap(self, transfer: KVTransfer) -> None:
+        request_id = transfer.request_id
+        self.swap.copy(transfer)
+        if transfer.kind is SwapKind.OUT:
+            states = {h: self.inflight.pop(h) for h in self.handles_of.pop(request_id, ())}
+            self.swapped_inflight[request_id] = {
+                h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.last_rows])
+                for h, s in states.items()
+            }
+            return
+        for handle, state in self.swapped_inflight.pop(request_id).items():
+            hidden = state.hidden.to(self.device)
+            self.inflight[handle] = InFlight(
+                hidden, state.hazards, [r.to(self.device) for r in state.last_rows]
+            )
+            self.handles_of[request_id].add(handle)
+
+    def drop_inflight(self, request_id: str) -> None:
+        for handle in self.handles_of.pop(request_id, ()):
+            self.inflight.pop(handle, None)
 
     def release_request(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
-        for handle in self.handles_of.pop(request_id, ()):
-            self.inflight.pop(handle, None)
+        self.swapped_inflight.pop(request_id, None)
+        self.drop_inflight(request_id)
 
     @property
     def num_live_handles(self) -> int:
@@ -209,7 +241,9 @@ class ModelRunner:
                 if item.first_token:
                     last_outputs[i].append(states[i][-1:])
                 continue
-            if item.exit_now is None:
+            if item.kind is ItemKind.REPLAY:
+                exited[i] = bool(item.exit_now)
+            elif item.exit_now is None:
                 before = GateState(item.cdf_before, item.survival_before)
                 exited[i] = next_gate_state(before, hazards[i][-1]).cdf >= item.threshold
             else:
@@ -258,8 +292,10 @@ class ModelRunner:
                 sampled[i] = token
         results = []
         for i, item in enumerate(items):
-            finished = i in sampled or (
-                item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1
+            finished = (
+                i in sampled
+                or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
+                or (item.kind is ItemKind.REPLAY and exited[i])
             )
             if finished:
                 self.handles_of[item.request_id].discard(item.handle)

@@ -38,7 +38,7 @@ from loopserve.sim.cost_model import CostModel
 from loopserve.sim.workload import ExitDistribution
 
 SYNTHETIC_TOKEN = SampledToken(1)
-DECODE, PROMPT = ItemKind.DECODE, ItemKind.PROMPT
+DECODE, PROMPT, REPLAY = ItemKind.DECODE, ItemKind.PROMPT, ItemKind.REPLAY
 
 
 @dataclass
@@ -60,6 +60,7 @@ class ExecutorStats:
     coda_time_s: float = 0.0
     sampling_time_s: float = 0.0
     coda_rows: int = 0
+    swapped_blocks: int = 0  # blocks (of one plane) copied between device and host
 
     @property
     def num_core_calls(self) -> int:
@@ -105,6 +106,14 @@ class SimExecutor:
         for new in scheduled.new_requests:
             self._handles_of[new.request_id] = set()
             self._num_sampled[new.request_id] = 0
+        for request_id in scheduled.preempted_request_ids:  # recompute: hidden states dropped
+            for handle in self._handles_of.get(request_id, set()):
+                self._live_handles.discard(handle)
+                self._continue_results.pop((request_id, handle), None)
+            self._handles_of[request_id] = set()
+        # Swapped requests keep their handles: their hidden states wait on the host.
+        for transfer in scheduled.kv_transfers:
+            self.stats.swapped_blocks += len(transfer.block_moves)
 
     def release_request(self, request_id: str) -> None:
         for handle in self._handles_of.pop(request_id, ()):
@@ -175,7 +184,14 @@ class SimExecutor:
             )
         count, start = item.token_count, item.token_start
         tally.rows += count
-        if item.kind is DECODE:
+        if item.kind is REPLAY:  # recompute: a known token through its recorded loops
+            tally.has_decode = True
+            tally.kv_read += start + 1
+            tally.pairs += start + 1
+            result = ItemResult(request_id, handle, (), bool(item.exit_now))
+            if result.exited and not self.shared and item.depth < self.num_loops - 1:
+                tally.finalize += self.num_loops - 1 - item.depth
+        elif item.kind is DECODE:
             tally.has_decode = True
             tally.kv_read += start + 1
             tally.pairs += start + 1

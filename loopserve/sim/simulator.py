@@ -110,7 +110,11 @@ class Simulator:
         cache = self.config.cache
         num_planes = 1 if cache.layout == "shared" else self.num_loops
         assert cache.num_blocks is not None
-        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, num_planes)
+        self.kv = KVCacheManager.from_config(
+            self.config,
+            num_planes=num_planes,
+            bytes_per_block=kv_bytes_per_block(self.shape, cache.block_size),
+        )
         self.scheduler = Scheduler(self.config, num_loops=self.num_loops, kv=self.kv)
         self.executor = SimExecutor(
             self.cost_model,

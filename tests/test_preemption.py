@@ -81,7 +81,7 @@ def test_preempted_requests_match_reference(
         exit_mode=exit_mode,
         preemption_mode=preemption,
         num_blocks=11 * num_planes,
-        swap_space=2048 * 40,  # 40 host blocks of 2 KiB: fills up, so swap falls back too
+        swap_space=2048 * 40,  # 40 host blocks of 2 KiB
         **PROMPT_ARMS[prompt_arm],
     )
     seed = 17 + CASES.index((preemption, layout, mode, prompt_arm, exit_mode, sampled))
@@ -230,3 +230,59 @@ def test_watermark_holds_back_admission_while_others_run(tiny_dir):
     engine2.add_request("b", list(range(1, 37)), params)  # 9 x 4 = 36 > 30 but alone: admitted
     engine2.step()
     assert engine2.scheduler.num_running == 1
+
+
+def _finish_order(engine) -> list[str]:
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+        engine.scheduler.check_invariants()
+    return order
+
+
+@pytest.mark.parametrize("full_on", ["seats", "kv"])
+def test_high_priority_arrival_preempts_lowest_priority_and_finishes_first(tiny_dir, full_on):
+    # Seats full: two seats, both taken. KV full: seats to spare, but the 2 running requests
+    # hold 2 x 3 blocks x 4 planes of 28 and the newcomer's prompt needs 3 x 4 more.
+    limits = {"max_num_seqs": 2} if full_on == "seats" else {"num_blocks": 28}
+    engine = make_engine(tiny_dir, scheduling_policy="priority", block_size=4, **limits)
+    low = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, priority=1)
+    high = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, priority=0)
+    engine.add_request("old", [1, 2, 3, 4, 5, 6, 7, 8, 9], low)
+    engine.add_request("young", [9, 8, 7, 6, 5, 4, 3, 2, 1], low)
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.num_running == 2
+    engine.add_request("vip", [5, 5, 6, 6, 7, 7, 8, 8, 9], high)
+    engine.step()
+    young = engine.scheduler.requests["young"]
+    assert young.num_preemptions == 1 and engine.scheduler.requests["old"].num_preemptions == 0
+    outputs = {}
+    order = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+                outputs[out.request_id] = out
+    assert order[0] == "vip"
+    for request_id, prompt, params in [
+        ("old", [1, 2, 3, 4, 5, 6, 7, 8, 9], low),
+        ("young", [9, 8, 7, 6, 5, 4, 3, 2, 1], low),
+        ("vip", [5, 5, 6, 6, 7, 7, 8, 8, 9], high),
+    ]:
+        assert outputs[request_id].token_ids == reference_for(engine, prompt, params).token_ids
+    assert_all_released(engine)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_no_preemption_for_equal_priority_or_under_fcfs(tiny_dir, policy):
+    engine = make_engine(tiny_dir, scheduling_policy=policy, max_num_seqs=2)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5, 6], params)
+    engine.step()
+    # Equal priority under "priority"; a better one under "fcfs": neither preempts.
+    newcomer = params if policy == "priority" else SamplingParams(max_tokens=2, priority=-5)
+    engine.add_request("c", [7, 8, 9], newcomer)
+    assert _finish_order(engine)[-1] == "c"
+    assert engine.scheduler.memory_stats.num_preemptions == 0

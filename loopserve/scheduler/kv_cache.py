@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
+from loopserve.scheduler.prefix_cache import CachedPage, PrefixCache
+
 if TYPE_CHECKING:
     from loopserve.config import EngineConfig
-    from loopserve.scheduler.prefix_cache import PrefixCache
 
 
 class BlockPool:
@@ -92,6 +93,10 @@ class KVCacheManager:
         self.tables: dict[str, Table] = {}
         self.host_tables: dict[str, Table] = {}  # swapped-out requests
         self.prefix_cache = prefix_cache
+        # Prefix caching, per request: chained page keys of its prompt (computed once), and
+        # how many leading pages of its table are cache entries (hit or published by it).
+        self._page_keys: dict[str, list[tuple[int, int, tuple[int, ...]]]] = {}
+        self.num_shared_pages: dict[str, int] = {}
         self.num_swapped_out_blocks = 0  # totals, for stats
         self.num_swapped_in_blocks = 0
 
@@ -104,12 +109,16 @@ class KVCacheManager:
         cache = config.cache
         assert cache.num_blocks is not None, "resolve num_blocks first"
         swap = config.scheduler.preemption_mode == "swap"
+        caching = cache.enable_prefix_caching
+        if caching is None:
+            caching = cache.layout == "last_exited"
         return cls(
             cache.num_blocks,
             cache.block_size,
             num_planes,
             num_host_blocks=cache.swap_space // bytes_per_block if swap else 0,
             watermark=cache.kv_watermark,
+            prefix_cache=PrefixCache(cache.block_size, num_planes) if caching else None,
         )
 
     # ---- sizes ----------------------------------------------------------------------------
@@ -156,20 +165,63 @@ class KVCacheManager:
 
     # ---- allocation -------------------------------------------------------------------------
 
-    def allocate(self, request_id: str, num_positions: int, prefix: Table | None = None) -> Table:
-        """A new table covering `num_positions`; `prefix` (cached pages, already referenced)
-        supplies its first blocks of every plane."""
+    def allocate(
+        self, request_id: str, num_positions: int, prefix: list[CachedPage] | None = None
+    ) -> Table:
+        """A new table covering `num_positions`; the cached pages `prefix` (from
+        `match_prefix`) supply its first blocks of every plane and gain a reference."""
         assert request_id not in self.tables, f"{request_id} already holds KV"
-        per_plane = self.blocks_per_plane(num_positions)
-        num_prefix = len(prefix[0]) if prefix else 0
-        fresh = self._take((per_plane - num_prefix) * self.num_planes)
-        step = per_plane - num_prefix
+        prefix = prefix or []
+        if prefix:
+            assert self.prefix_cache is not None
+            self.prefix_cache.acquire(prefix)  # before taking blocks: never evict our hits
+        step = self.blocks_per_plane(num_positions) - len(prefix)
+        fresh = self._take(step * self.num_planes)
         table = tuple(
-            (list(prefix[p]) if prefix else []) + fresh[p * step : (p + 1) * step]
+            [page.blocks[p] for page in prefix] + fresh[p * step : (p + 1) * step]
             for p in range(self.num_planes)
         )
         self.tables[request_id] = table
+        self.num_shared_pages[request_id] = len(prefix)
         return table
+
+    # ---- prefix caching ---------------------------------------------------------------------
+
+    def match_prefix(self, request_id: str, prompt_token_ids: list[int]) -> list[CachedPage]:
+        """Cached pages that can serve the start of this prompt (not yet referenced); the
+        last prompt position is always left to compute."""
+        if self.prefix_cache is None:
+            return []
+        keys = self._page_keys.get(request_id)
+        if keys is None:
+            keys = self._page_keys[request_id] = self.prefix_cache.page_keys(prompt_token_ids)
+        max_pages = (len(prompt_token_ids) - 1) // self.block_size
+        return self.prefix_cache.match(keys, max_pages)
+
+    def admission_blocks(self, num_positions: int, hits: list[CachedPage]) -> int:
+        """Free blocks an admission consumes: its new blocks, plus its hits that are
+        unreferenced now (they count as free until acquired), so nothing is counted twice."""
+        new = (self.blocks_per_plane(num_positions) - len(hits)) * self.num_planes
+        idle_hits = sum(1 for page in hits if page.ref_count == 0)
+        return new + idle_hits * self.num_planes
+
+    def publish_prompt(self, request_id: str, num_complete_positions: int) -> None:
+        """Publish the request's full prompt pages that are complete at every plane."""
+        if self.prefix_cache is None:
+            return
+        keys = self._page_keys.get(request_id, [])
+        table = self.tables[request_id]
+        first = self.num_shared_pages[request_id]
+        last = min(len(keys), num_complete_positions // self.block_size)
+        for i in range(first, last):
+            blocks = tuple(plane[i] for plane in table)
+            if not self.prefix_cache.publish(*keys[i], blocks):
+                break  # same content cached from another request: this copy stays private
+            self.num_shared_pages[request_id] = i + 1
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop its page keys."""
+        self._page_keys.pop(request_id, None)
 
     def blocks_to_grow(self, request_id: str, num_positions: int) -> int:
         have = len(self.tables[request_id][0])
@@ -190,17 +242,15 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
+        num_shared = self.num_shared_pages.pop(request_id, 0)
         if table is None:
             return
+        if num_shared:
+            assert self.prefix_cache is not None
+            for block in table[0][:num_shared]:
+                self.prefix_cache.release(block)
         for plane_blocks in table:
-            self._release(plane_blocks)
-
-    def _release(self, blocks: list[int]) -> None:
-        if self.prefix_cache is None:
-            self.pool.free(blocks)
-            return
-        private = [b for b in blocks if not self.prefix_cache.release(b)]
-        self.pool.free(private)
+            self.pool.free(plane_blocks[num_shared:])
 
     # ---- swap -------------------------------------------------------------------------------
 
@@ -257,6 +307,10 @@ class KVCacheManager:
                 for block in plane:
                     owners[block] = owners.get(block, 0) + 1
         cached = self.prefix_cache.check_invariants(owners) if self.prefix_cache else set()
+        for request_id, table in self.tables.items():
+            num_shared = self.num_shared_pages[request_id]
+            assert all(b in cached for plane in table for b in plane[:num_shared])
+        assert set(self.num_shared_pages) == set(self.tables)
         private = {b for b, n in owners.items() if b not in cached}
         for block in private:
             assert owners[block] == 1, f"private block {block} owned {owners[block]} times"

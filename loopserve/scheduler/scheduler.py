@@ -137,6 +137,7 @@ class Scheduler:
             self.running.remove(request)
             self.kv.free(request.request_id)
             self._gone_request_ids.append(request.request_id)
+        self.kv.forget(request.request_id)
         request.transition(RequestStatus.FINISHED)
         request.finish_reason = reason
         request.times.finished_s = time.monotonic()
@@ -170,17 +171,17 @@ class Scheduler:
             if request.request_id in victims:
                 break  # preempted by this very pass
             positions = self._admission_positions(request)
-            blocks = (
-                self.kv.swap_in_blocks(request.request_id)
-                if request.swapped
-                else self.kv.blocks_needed(positions)
-            )
+            if request.swapped:
+                hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
+            else:
+                hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+                blocks = self.kv.admission_blocks(positions, hits)
             if not self._has_room(blocks) and not (
                 self.priority_preemption and self._preempt_for(request, blocks, victims)
             ):
                 break
             del self.waiting[0]
-            self._start_running(request, positions)
+            self._start_running(request, positions, hits)
 
     def _admission_positions(self, request: Request) -> int:
         if self.full_reservation:
@@ -211,14 +212,23 @@ class Scheduler:
             victims.add(victim.request_id)
         return self._has_room(blocks)
 
-    def _start_running(self, request: Request, positions: int) -> None:
+    def _start_running(self, request: Request, positions: int, hits: list) -> None:
         request_id = request.request_id
         if request.swapped:
             moves = self.kv.swap_in(request_id)
             self._transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
             request.swapped = False
         else:
-            self.kv.allocate(request_id, positions)
+            self.kv.allocate(request_id, positions, prefix=hits)
+            if self.kv.prefix_cache is not None:
+                # Prompt positions served by cached pages are complete at every plane.
+                cached = len(hits) * self.kv.block_size
+                request.num_prefilled_tokens = request.next_chunk_start = cached
+                stats = self.kv.prefix_cache.stats
+                stats.num_queried_tokens += request.num_prompt_tokens
+                stats.num_hit_tokens += cached
+                if not request.announced:
+                    request.num_cached_prompt_tokens = cached
         request.transition(RequestStatus.RUNNING)
         if request.times.first_scheduled_s is None:
             request.times.first_scheduled_s = time.monotonic()
@@ -425,6 +435,7 @@ class Scheduler:
             if item.kind is ItemKind.PROMPT:
                 if not self._advance_chunk(request, item):
                     continue
+                self.kv.publish_prompt(request.request_id, request.num_prefilled_tokens)
                 if not item.first_token:
                     if request.output_token_ids and not request.in_prompt_phase:
                         request.replay = ReplayState.for_request(request)  # recompute resumes
@@ -503,6 +514,10 @@ class Scheduler:
             assert request.status is RequestStatus.RUNNING
             covered = len(self.kv.tables[request.request_id][0]) * block_size
             assert covered >= request.num_prompt_tokens, f"{request.request_id} lacks prompt KV"
+            # Shared (cached) pages sit behind every position the request will still write.
+            shared_end = self.kv.num_shared_pages[request.request_id] * block_size
+            assert shared_end <= request.num_prefilled_tokens, "a shared page is still written"
+            assert all(chunk.start >= shared_end for chunk in request.prompt_chunks)
             if not request.in_prompt_phase:
                 assert request.token_exit is not None and not request.token_exit.exited
             if request.replay is None and not request.in_prompt_phase:

@@ -139,7 +139,9 @@ class Simulator:
             raise ValueError(f"{sim.request_id}: {total} tokens exceed {self.max_model_len}")
         return Request(
             sim.request_id,
-            [1] * sim.prompt_len,
+            # Token ids only matter to prefix caching: a shared prefix of 1s, then ids unique
+            # to the request (no accidental sharing between requests).
+            [1] * sim.shared_prefix_len + [order + 2] * (sim.prompt_len - sim.shared_prefix_len),
             params,
             arrival_order=order,
             eos_token_ids=frozenset(),

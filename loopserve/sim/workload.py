@@ -90,6 +90,9 @@ class SimRequest:
     prompt_len: int
     output_len: int
     exit_trace: tuple[int, ...]  # loops of output token i (the first token included)
+    # Leading prompt tokens shared with other requests (a system prompt), for prefix caching;
+    # the rest of the prompt is unique to the request.
+    shared_prefix_len: int = 0
 
 
 @dataclass(frozen=True)

@@ -98,10 +98,14 @@ class ModelRunner:
             self.release_request(request_id)
         for handle in scheduled.released_handles:
             self.inflight.pop(handle, None)
+        # Build every new request's sampler first and install them together, so a failure in
+        # one request's setup leaves no half-installed samplers behind.
+        samplers = {}
         for new in scheduled.new_requests:
             greedy = new.sample_spec.temperature == 0.0
             generator = None if greedy else make_generator(new.seed, self.device)
-            self.samplers[new.request_id] = (new.sample_spec, generator)
+            samplers[new.request_id] = (new.sample_spec, generator)
+        self.samplers.update(samplers)
 
     def release_request(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)

@@ -582,7 +582,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         http=HeaderTimeoutH11Protocol.configured(args.header_timeout_s, args.max_connections),
-        limit_concurrency=args.max_connections,
+        # uvicorn answers 503 once connections or tasks reach this (counting the asking
+        # connection itself); connections beyond --max-connections never get this far.
+        limit_concurrency=args.max_connections + 1,
         # A backstop: streams normally end on their own once the engine aborts them.
         timeout_graceful_shutdown=args.shutdown_timeout_s + SHUTDOWN_GRACE_S,
     )

@@ -378,3 +378,39 @@ def test_docs_cite_no_file_outside_the_repository():
         text = doc.read_text()
         for name in ("DESIGN.md", "DATA.md", "STYLE.md"):
             assert name not in text, f"{doc.name} cites {name}"
+
+
+# ---- item 10: no internal exception text in responses --------------------------------------
+
+
+def test_dead_engine_answers_503_without_the_exception_text(tiny_tok_dir):
+    import asyncio
+
+    from loopserve.engine.llm_engine import LLMEngine
+    from loopserve.server.api_server import build_app
+
+    engine = LLMEngine.from_engine_args(model=str(tiny_tok_dir), dtype="float32", num_blocks=32)
+
+    def broken_step():
+        raise RuntimeError("secret-detail /home/alice/model")
+
+    async def main() -> list[httpx.Response]:
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        assert await async_llm.wait_ready(timeout_s=30)
+        engine.step = broken_step
+        app = build_app(async_llm, "tiny")
+        transport = httpx.ASGITransport(app=app)
+        body = {"prompt": "hello", "max_tokens": 4}
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                first = await client.post("/v1/completions", json=body)
+                later = await client.post("/v1/completions", json=body)
+        finally:
+            await async_llm.shutdown(1.0)
+        return [first, later]
+
+    for response in asyncio.run(main()):
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "engine_dead"
+        assert "secret-detail" not in response.text

@@ -614,7 +614,10 @@ def _allowed_hosts(hosts: list[str] | None, bind_host: str) -> tuple[str, ...] |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_cli_args(parser)
     return main_from_args(parser.parse_args(argv))
 

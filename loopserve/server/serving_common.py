@@ -185,8 +185,14 @@ def choice_seed(seed: int | None, sample_index: int) -> int | None:
 
 
 def engine_unavailable(err: Exception) -> ApiError:
-    if isinstance(err, EngineDeadError):
-        return ApiError(503, str(err), type="server_error", code="engine_dead")
+    if isinstance(err, EngineDeadError):  # its text names the internal exception: log only
+        logger.error("request refused: %s", err)
+        return ApiError(
+            503,
+            "the engine stopped after an internal error (details are in the server log)",
+            type="server_error",
+            code="engine_dead",
+        )
     return ApiError(503, str(err), type="server_error", code="engine_unavailable")
 
 

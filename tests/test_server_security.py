@@ -414,3 +414,28 @@ def test_dead_engine_answers_503_without_the_exception_text(tiny_tok_dir):
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "engine_dead"
         assert "secret-detail" not in response.text
+
+
+def test_runner_installs_no_sampler_when_one_new_request_setup_fails(tiny_model, monkeypatch):
+    """Item 1, runner part: setup of a step's new requests is all or nothing."""
+    from types import SimpleNamespace
+
+    from loopserve.runner import model_runner
+
+    runner = model_runner.ModelRunner(
+        tiny_model, num_blocks=8, block_size=16, layout="last_exited", exit_mode="ouro"
+    )
+
+    def flaky_generator(seed, device):
+        if seed == 13:
+            raise RuntimeError("device lost")
+        return make_generator(seed, device)
+
+    monkeypatch.setattr(model_runner, "make_generator", flaky_generator)
+    spec = SimpleNamespace(temperature=1.0)
+    new = [SimpleNamespace(request_id=rid, seed=seed, sample_spec=spec)
+           for rid, seed in (("ok", 1), ("bad", 13))]  # fmt: skip
+    scheduled = SimpleNamespace(finished_request_ids=(), released_handles=(), new_requests=new)
+    with pytest.raises(RuntimeError, match="device lost"):
+        runner._apply_bookkeeping(scheduled)
+    assert runner.samplers == {}

@@ -447,7 +447,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=f"require `Authorization: Bearer KEY` on /v1/* (and /metrics); also read from "
-        f"${API_KEY_ENV}; None: no key",
+        f"${API_KEY_ENV} (preferred: a flag is visible to local users in `ps`); None: no key",
     )
     group.add_argument(
         "--metrics-public",
@@ -507,7 +507,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--torch-threads",
         type=int,
         default=None,
-        help="torch intra-op threads on CPU (default: cores - 1, leaving one for the event loop; "
+        help="torch intra-op threads on CPU (None: cores - 1, leaving one for the event loop; "
         "OMP_NUM_THREADS overrides)",
     )
     group.add_argument(

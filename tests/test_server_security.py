@@ -33,6 +33,7 @@ ORIGIN = "https://app.example"
 SECURED_FLAGS = [
     "--dtype", "float32", "--num-blocks", "256", "--block-size", "16",
     "--allowed-origins", ORIGIN, "--header-timeout-s", "1", "--max-connections", "4",
+    "--body-timeout-s", "5",
     "--allow-client-priority", "--default-max-tokens", "3", "--log-level", "info",
 ]  # fmt: skip
 GOOD = {"prompt": "hello", "max_tokens": 2}
@@ -191,6 +192,22 @@ def test_partial_headers_are_cut_off_after_the_header_timeout(secured):
         assert _closed_by_server_within(slow, 15.0)
     # A complete request on a fresh connection is unaffected.
     assert httpx.get(secured.base_url + "/health", timeout=10.0).status_code == 200
+
+
+def test_a_body_that_stops_arriving_gets_408_and_the_connection_closes(secured):
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", secured.port)) as slow:
+        slow.sendall(head + b'{"prompt": ')
+        slow.settimeout(30.0)  # the body timeout is 5 s; 30 s bounds the wait on a loaded box
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := slow.recv(4096):
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 408 "), received
+    assert b'"code":"body_timeout"' in received
 
 
 def test_connections_beyond_the_cap_are_closed_unanswered(secured):

@@ -55,6 +55,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 DEFAULT_MODEL_NAME = "loopserve-default"
 SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to end
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 1000
 API_KEY_ENV = "LOOPSERVE_API_KEY"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -195,15 +196,19 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
 
 class BodySizeLimitMiddleware:
-    """Answers 413 to bodies over `max_body_bytes`, by Content-Length and by bytes received.
+    """Answers 413 to bodies over `max_body_bytes`, by Content-Length and by bytes received,
+    and 408 when the next part of a body does not arrive within `body_timeout_s`.
 
     The body is read here (bounded) and replayed to the app; later `receive` calls go to the
     server, so handlers can still observe a client disconnect.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -216,7 +221,18 @@ class BodySizeLimitMiddleware:
         chunks: list[bytes] = []
         num_bytes = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                error = ApiError(
+                    408,
+                    f"request body not received within {self.body_timeout_s} s",
+                    code="body_timeout",
+                )
+                await JSONResponse(error.body, status_code=408, headers={"Connection": "close"})(
+                    scope, receive, send
+                )
+                return
             if message["type"] != "http.request":
                 return  # the client left before sending its body
             chunks.append(message.get("body", b""))
@@ -256,6 +272,7 @@ def build_app(
     served_model_name: str,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     shutdown_timeout_s: float = 10.0,
     api_key: str | None = None,
     metrics_public: bool = False,
@@ -286,7 +303,9 @@ def build_app(
         await async_llm.shutdown(shutdown_timeout_s)
 
     app = FastAPI(title="loopserve", lifespan=lifespan)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+    )
     app.add_middleware(
         SecurityMiddleware,
         api_key=api_key,
@@ -486,6 +505,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="close a connection that has not sent a request's headers within this time",
     )
     group.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="answer 408 when the next part of a request body takes longer than this",
+    )
+    group.add_argument(
         "--max-connections",
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
@@ -568,6 +593,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         async_llm,
         served_model_name,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         metrics_public=args.metrics_public,

@@ -13,8 +13,8 @@ every `/v1/*` route (and `/metrics` unless it is made public) with the `Authoriz
 scheme; a Host-header allow-list against DNS rebinding (localhost names by default when bound to
 loopback); 415 for a POST whose Content-Type is not JSON (so a web page cannot post without a
 CORS preflight); CORS headers only for `--allowed-origins`; connections that do not finish
-their request headers within `--header-timeout-s` are closed, and at most `--max-connections`
-are open at once.
+their request headers within `--header-timeout-s` are closed, bodies that stop arriving get 408
+(`--body-timeout-s`), and at most `--max-connections` are open at once.
 """
 
 from __future__ import annotations

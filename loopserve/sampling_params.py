@@ -7,6 +7,10 @@ from dataclasses import dataclass, field, replace
 
 from loopserve.errors import InvalidRequestError
 
+# The seeds torch.Generator.manual_seed accepts (a signed or unsigned 64-bit integer).
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -60,8 +64,10 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise bad("top_k", "must be -1/0 (disabled) or an integer >= 1")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise bad("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] or None")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

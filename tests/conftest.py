@@ -8,7 +8,9 @@ import torch
 from loopserve.models import load_model
 from loopserve.models.tiny import make_tiny_checkpoint
 
-torch.set_num_threads(2)
+# One torch thread: with more, OpenMP workers wait at barriers for a descheduled sibling and the
+# suite slows down by an order of magnitude when other processes compete for the cores.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -23,11 +23,20 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m loopserve.server.api_server` with the given flags, logging to a file."""
 
-    def __init__(self, args: list[str], log_path: Path, *, torch_threads: int = 1) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        *,
+        torch_threads: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, OMP_NUM_THREADS=str(torch_threads), PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ, OMP_NUM_THREADS=str(torch_threads), PYTHONUNBUFFERED="1", **(env or {})
+        )
         command = [sys.executable, "-m", "loopserve.server.api_server"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -87,8 +96,9 @@ def prometheus_values(text: str) -> dict[str, float]:
     return values
 
 
-def metrics(base_url: str) -> dict[str, float]:
-    return prometheus_values(httpx.get(base_url + "/metrics", timeout=10.0).text)
+def metrics(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    response = httpx.get(base_url + "/metrics", timeout=10.0, headers=headers)
+    return prometheus_values(response.text)
 
 
 def wait_all_blocks_free(base_url: str, timeout_s: float = 15.0) -> dict[str, float]:

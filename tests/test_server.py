@@ -283,8 +283,44 @@ BAD_INPUTS = {
     ),
     "tools_unsupported": ("/v1/chat/completions", CHAT | {"tools": []}, 400, "tools"),
     "chat_unknown_model": ("/v1/chat/completions", CHAT | {"model": "x"}, 404, "model"),
-    "queue_full": ("/v1/completions", GOOD | {"prompt": ["a"] * 5, "n": 64}, 429, None),
+    # Item 4: more sequences than can ever be in flight is a 400 naming the limit, not a 429.
+    "never_admissible": ("/v1/completions", GOOD | {"prompt": ["a"] * 5, "n": 64}, 400, "n"),
+    # Item 1: seeds torch cannot take are rejected at submission (they used to fail the step).
+    "seed_over_2_64": ("/v1/completions", GOOD | {"seed": 2**64, "temperature": 1.0}, 400, "seed"),
+    "seed_under_minus_2_63": ("/v1/completions", GOOD | {"seed": -(2**63) - 1}, 400, "seed"),
+    "seed_plus_n_overflows": ("/v1/completions", GOOD | {"seed": 2**64 - 1, "n": 2}, 400, "seed"),
+    "chat_seed_over_2_64": ("/v1/chat/completions", CHAT | {"seed": 2**64}, 400, "seed"),
+    # Item 9: priority needs --allow-client-priority.
+    "priority_not_allowed": ("/v1/completions", GOOD | {"priority": -5}, 400, "priority"),
 }
+# Item 8: (path, body, headers, status, code), sent with these headers instead of JSON ones.
+BAD_HEADERS = {
+    "text_plain_body": ("/v1/completions", GOOD, {"content-type": "text/plain"}, 415, None),
+    "form_body": (
+        "/v1/chat/completions",
+        CHAT,
+        {"content-type": "application/x-www-form-urlencoded"},
+        415,
+        None,
+    ),
+    "no_content_type": ("/v1/completions", GOOD, {}, 415, None),
+    "rebound_host": (
+        "/v1/completions",
+        GOOD,
+        {"content-type": "application/json", "host": "evil.example:8000"},
+        400,
+        "host_not_allowed",
+    ),
+    "rebound_host_get": ("/v1/models", None, {"host": "attacker.test"}, 400, "host_not_allowed"),
+}
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    return error
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
@@ -293,15 +329,48 @@ def test_bad_input_gets_status_and_openai_error_shape(server, case):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json"}
     response = httpx.post(server.base_url + path, content=content, headers=headers, timeout=30.0)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"]
+    error = assert_openai_error(response, status)
     if param is not None:
         assert error["param"] == param
-    if status == 429:
-        assert response.headers["retry-after"] == "1"
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADERS))
+def test_bad_headers_get_status_and_openai_error_shape(server, case):
+    path, body, headers, status, code = BAD_HEADERS[case]
+    with httpx.Client(base_url=server.base_url, timeout=30.0) as http:
+        if body is None:
+            request = http.build_request("GET", path)
+        else:
+            request = http.build_request("POST", path, content=json.dumps(body).encode())
+        request.headers.pop("content-type", None)
+        request.headers.update(headers)
+        response = http.send(request)
+    error = assert_openai_error(response, status)
+    if code is not None:
+        assert error["code"] == code
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_a_large_seed_still_samples_like_its_torch_equivalent(client):
+    """2**64 - 1 and -1 are the same torch seed, and both are accepted."""
+    texts = [
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=seed
+        )
+        .choices[0]
+        .text
+        for seed in (2**64 - 1, -1)
+    ]
+    assert texts[0] == texts[1]
+
+
+def test_models_endpoint_has_no_cors_headers_without_allowed_origins(server):
+    response = httpx.get(
+        server.base_url + "/v1/models", headers={"origin": "https://evil.example"}, timeout=10.0
+    )
+    assert response.status_code == 200
+    assert "access-control-allow-origin" not in response.headers
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):

@@ -105,10 +105,14 @@ class ModelRunner:
             self.release_request(request_id)
         for handle in scheduled.released_handles:
             self.inflight.pop(handle, None)
+        # Build every new request's sampler first and install them together, so a failure in
+        # one request's setup leaves no half-installed samplers behind.
+        samplers = {}
         for new in scheduled.new_requests:
             greedy = new.sample_spec.temperature == 0.0
             generator = None if greedy else make_generator(new.seed, self.device)
-            self.samplers[new.request_id] = (new.sample_spec, generator)
+            samplers[new.request_id] = (new.sample_spec, generator)
+        self.samplers.update(samplers)
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
             self._swap(transfer)
         for request_id in scheduled.preempted_request_ids:

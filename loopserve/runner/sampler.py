@@ -18,7 +18,9 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed(seed)
+        # Same seed for every value torch accepts (-1 and 2**64 - 1 are one seed), and never an
+        # OverflowError: one request's seed can never fail the setup of a batch.
+        generator.manual_seed(seed % 2**64)
     return generator
 
 

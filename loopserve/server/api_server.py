@@ -7,48 +7,208 @@ engine is loaded and alive) and `/metrics` (Prometheus text). Every error uses O
 they are parsed. `main_from_args` runs uvicorn; on SIGTERM/SIGINT the server stops accepting,
 lets in-flight requests finish for up to `--shutdown-timeout-s`, aborts the rest and exits 0.
 The request handlers live in `serving_completions` and `serving_chat`.
+
+Security (`SecurityMiddleware`, `HeaderTimeoutH11Protocol`): an optional API key checked on
+every `/v1/*` route (and `/metrics` unless it is made public) with the `Authorization: Bearer`
+scheme; a Host-header allow-list against DNS rebinding (localhost names by default when bound to
+loopback); 415 for a POST whose Content-Type is not JSON (so a web page cannot post without a
+CORS preflight); CORS headers only for `--allowed-origins`; connections that do not finish
+their request headers within `--header-timeout-s` are closed, bodies that stop arriving get 408
+(`--body-timeout-s`), and at most `--max-connections` are open at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import hmac
+import ipaddress
 import logging
 import os
 import signal
+import sys
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from loopserve.cli.engine_args import add_engine_args, engine_args_from
 from loopserve.server.async_engine import AsyncLLM
+from loopserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loopserve.server.protocol import ModelCard, ModelList
 from loopserve.server.serving_chat import create_chat_completion
-from loopserve.server.serving_common import ApiError, ServingContext
+from loopserve.server.serving_common import DEFAULT_CHAT_MAX_TOKENS, ApiError, ServingContext
 from loopserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 DEFAULT_MODEL_NAME = "loopserve-default"
 SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to end
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 1000
+API_KEY_ENV = "LOOPSERVE_API_KEY"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+JSON_MEDIA_TYPES = ("application/json",)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def default_allowed_hosts(bind_host: str) -> tuple[str, ...] | None:
+    """Host names accepted by default: localhost names when bound to loopback, else any (None)."""
+    return LOOPBACK_HOSTS if _is_loopback(bind_host) else None
+
+
+def _host_name(header: str) -> str:
+    """The Host header without its port: `[::1]:8000` -> `::1`, `a.b:80` -> `a.b`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class SecurityMiddleware:
+    """Host allow-list (400), API key (401) and JSON-only POST bodies (415).
+
+    Order: the Host check first (a rebound DNS name never reaches anything), then the key, then
+    the Content-Type. `/health` needs no key; `/metrics` needs it unless `metrics_public`.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        allowed_hosts: tuple[str, ...] | None,
+        metrics_public: bool,
+    ) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.allowed_hosts = (
+            None if allowed_hosts is None else {h.lower().strip("[]") for h in allowed_hosts}
+        )
+        self.metrics_public = metrics_public
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._check(scope)
+        if error is not None:
+            await JSONResponse(error.body, status_code=error.status_code, headers=error.headers)(
+                scope, receive, send
+            )
+            return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope["headers"])
+        if self.allowed_hosts is not None:
+            host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.allowed_hosts:
+                return ApiError(
+                    400,
+                    f"host '{host}' is not allowed (see --allowed-hosts)",
+                    code="host_not_allowed",
+                )
+        path: str = scope["path"]
+        needs_key = path.startswith("/v1/") or path == "/v1"
+        needs_key |= path == "/metrics" and not self.metrics_public
+        if self.api_key is not None and needs_key and scope["method"] != "OPTIONS":
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode("latin-1"), self.api_key
+            ):
+                return ApiError(
+                    401,
+                    "invalid or missing API key: send `Authorization: Bearer <key>`",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if scope["method"] == "POST":
+            content_type = headers.get(b"content-type", b"").decode("latin-1")
+            media_type = content_type.split(";", 1)[0].strip().lower()
+            if media_type not in JSON_MEDIA_TYPES:
+                return ApiError(
+                    415,
+                    f"Content-Type must be application/json, got '{content_type}'",
+                    code="unsupported_media_type",
+                )
+        return None
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, plus: a connection must finish each request's headers within
+    `header_timeout_s` of connecting (or of its previous response ending), and connections
+    beyond `max_connections` are closed at once. uvicorn only times out idle keep-alive
+    connections, so without this a client sending partial headers holds a descriptor forever.
+    """
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    @classmethod
+    def configured(cls, header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+        return type(
+            "ConfiguredH11Protocol",
+            (cls,),
+            {"header_timeout_s": header_timeout_s, "max_connections": max_connections},
+        )
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            logger.warning("over %d connections; closing a new one", self.max_connections)
+            transport.close()
+            return
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        waiting_for_headers = self.conn.their_state is h11.IDLE and (
+            self.cycle is None or self.cycle.response_complete
+        )
+        if waiting_for_headers and not self.transport.is_closing():
+            self.transport.close()
 
 
 class BodySizeLimitMiddleware:
-    """Answers 413 to bodies over `max_body_bytes`, by Content-Length and by bytes received.
+    """Answers 413 to bodies over `max_body_bytes`, by Content-Length and by bytes received,
+    and 408 when the next part of a body does not arrive within `body_timeout_s`.
 
     The body is read here (bounded) and replayed to the app; later `receive` calls go to the
     server, so handlers can still observe a client disconnect.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,7 +221,18 @@ class BodySizeLimitMiddleware:
         chunks: list[bytes] = []
         num_bytes = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                error = ApiError(
+                    408,
+                    f"request body not received within {self.body_timeout_s} s",
+                    code="body_timeout",
+                )
+                await JSONResponse(error.body, status_code=408, headers={"Connection": "close"})(
+                    scope, receive, send
+                )
+                return
             if message["type"] != "http.request":
                 return  # the client left before sending its body
             chunks.append(message.get("body", b""))
@@ -101,23 +272,53 @@ def build_app(
     served_model_name: str,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     shutdown_timeout_s: float = 10.0,
+    api_key: str | None = None,
+    metrics_public: bool = False,
+    allowed_hosts: tuple[str, ...] | None = None,
+    allowed_origins: tuple[str, ...] = (),
+    allow_client_priority: bool = False,
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` as `served_model_name`.
 
-    Its lifespan starts the engine thread and, at shutdown, drains it within
-    `shutdown_timeout_s`.
+    Its lifespan starts the engine thread, logs one line once the model is ready and, at
+    shutdown, drains the engine within `shutdown_timeout_s`. `allowed_hosts=None` accepts any
+    Host header; `api_key=None` needs no key.
     """
-    ctx = ServingContext(async_llm, served_model_name)
+    ctx = ServingContext(
+        async_llm,
+        served_model_name,
+        allow_client_priority=allow_client_priority,
+        default_max_tokens_cap=default_max_tokens,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         async_llm.start()
+        ready_log = asyncio.ensure_future(_log_when_ready(async_llm, served_model_name))
         yield
+        ready_log.cancel()
         await async_llm.shutdown(shutdown_timeout_s)
 
     app = FastAPI(title="loopserve", lifespan=lifespan)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+    )
+    app.add_middleware(
+        SecurityMiddleware,
+        api_key=api_key,
+        allowed_hosts=allowed_hosts,
+        metrics_public=metrics_public,
+    )
+    if allowed_origins:  # outermost, so preflights are answered before the key check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.state.serving = ctx
 
     @app.exception_handler(ApiError)
@@ -132,8 +333,14 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, err: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        error = ApiError(500, f"internal error: {type(err).__name__}: {err}", type="server_error")
+        error_id = uuid.uuid4().hex[:16]
+        logger.error("unhandled error (error id %s)", error_id, exc_info=err)
+        error = ApiError(
+            500,
+            f"internal server error (error id {error_id}; details are in the server log)",
+            type="server_error",
+            code="internal_error",
+        )
         return JSONResponse(error.body, status_code=500)
 
     @app.post("/v1/completions")
@@ -167,9 +374,45 @@ def build_app(
             num_in_flight=async_llm.num_in_flight,
             is_ready=async_llm.is_ready,
         )
-        return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+        return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
 
     return app
+
+
+async def _log_when_ready(async_llm: AsyncLLM, served_model_name: str) -> None:
+    if await async_llm.wait_ready():
+        logger.info("%s", ready_line(async_llm.engine, served_model_name))
+
+
+def ready_line(engine: object, served_model_name: str) -> str:
+    """One line saying what is being served and how it is configured."""
+    config = getattr(engine, "config", None)
+    cache = getattr(config, "cache", None)
+    num_blocks = getattr(cache, "num_blocks", None)
+    block_size = getattr(cache, "block_size", None)
+    layout = getattr(cache, "layout", None)
+    num_loops = getattr(engine, "num_loops", 1)
+    positions = None
+    if num_blocks is not None and block_size is not None:
+        positions = num_blocks // (1 if layout == "shared" else num_loops) * block_size
+    scheduler = getattr(config, "scheduler", None)
+    policies = (
+        ""
+        if scheduler is None
+        else (
+            f"schedule={scheduler.mode} prefill={scheduler.prefill_mode} "
+            f"mixed_prefill_decode={scheduler.mixed_prefill_decode} "
+        )
+    )
+    exit_mode = getattr(getattr(config, "exit", None), "mode", None)
+    return (
+        f"ready: model={getattr(config, 'model', None) or '(embedded default)'} "
+        f"served_name={served_model_name} dtype={getattr(config, 'dtype', None)} "
+        f"device={getattr(config, 'device', None)} kv_blocks={num_blocks} "
+        f"block_size={block_size} kv_layout={layout} kv_positions={positions} "
+        f"max_model_len={getattr(engine, 'max_model_len', None)} loops={num_loops} "
+        f"{policies}exit={exit_mode}"
+    )
 
 
 def _model_card(ctx: ServingContext) -> ModelCard:
@@ -207,12 +450,71 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `loopserve serve`: every engine flag plus the server's own."""
     add_engine_args(parser)
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; do not bind a public address (0.0.0.0) without --api-key",
+    )
+    group.add_argument("--port", type=int, default=8000, help="TCP port")
     group.add_argument(
         "--served-model-name",
         default=None,
-        help=f"model id in the API (default: --model, or {DEFAULT_MODEL_NAME})",
+        help="model id in the API (None: the base name of the --model directory, or "
+        f"{DEFAULT_MODEL_NAME} for the embedded model)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on /v1/* (and /metrics); also read from "
+        f"${API_KEY_ENV} (preferred: a flag is visible to local users in `ps`); None: no key",
+    )
+    group.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without the API key (it needs the key when one is set)",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="browser origins allowed by CORS (e.g. https://app.example); empty: no CORS headers",
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        nargs="*",
+        default=None,
+        help="accepted Host header names, against DNS rebinding; '*' accepts any. None: "
+        "localhost, 127.0.0.1 and ::1 when bound to loopback, else any",
+    )
+    group.add_argument(
+        "--allow-client-priority",
+        action="store_true",
+        help="let clients set `priority` (otherwise a non-zero priority is a 400)",
+    )
+    group.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_CHAT_MAX_TOKENS,
+        help="chat completions without max_tokens generate up to this many tokens (less when "
+        "the context or KV cache holds less); completions default to 16 as in OpenAI's API",
+    )
+    group.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="close a connection that has not sent a request's headers within this time",
+    )
+    group.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="answer 408 when the next part of a request body takes longer than this",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections at most; further ones are closed at once",
     )
     group.add_argument(
         "--max-pending-requests",
@@ -220,12 +522,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="requests in flight (queued + running) before answering 429",
     )
-    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    group.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="request bodies over this size get 413",
+    )
     group.add_argument(
         "--torch-threads",
         type=int,
         default=None,
-        help="torch intra-op threads on CPU (default: cores - 1, leaving one for the event loop; "
+        help="torch intra-op threads on CPU (None: cores - 1, leaving one for the event loop; "
         "OMP_NUM_THREADS overrides)",
     )
     group.add_argument(
@@ -235,7 +542,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long in-flight requests may finish before they are aborted",
     )
     group.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log level of the server and uvicorn",
     )
 
 
@@ -255,7 +565,11 @@ def _set_torch_threads(args: argparse.Namespace) -> None:
 
 
 def main_from_args(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if the model failed to load."""
+    """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if the model failed to load,
+    2 (with a one-line error) if the model directory does not exist."""
+    if args.model is not None and not Path(args.model).exists():
+        print(f"loopserve serve: error: model directory not found: {args.model}", file=sys.stderr)
+        return 2
     from loopserve.engine.llm_engine import LLMEngine  # lazy: keeps `loopserve --help` fast
 
     logging.basicConfig(
@@ -279,13 +593,24 @@ def main_from_args(args: argparse.Namespace) -> int:
         async_llm,
         served_model_name,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        metrics_public=args.metrics_public,
+        allowed_hosts=_allowed_hosts(args.allowed_hosts, args.host),
+        allowed_origins=tuple(args.allowed_origins),
+        allow_client_priority=args.allow_client_priority,
+        default_max_tokens=args.default_max_tokens,
     )
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        http=HeaderTimeoutH11Protocol.configured(args.header_timeout_s, args.max_connections),
+        # uvicorn answers 503 once connections or tasks reach this (counting the asking
+        # connection itself); connections beyond --max-connections never get this far.
+        limit_concurrency=args.max_connections + 1,
         # A backstop: streams normally end on their own once the engine aborts them.
         timeout_graceful_shutdown=args.shutdown_timeout_s + SHUTDOWN_GRACE_S,
     )
@@ -302,11 +627,23 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 
 def _default_model_name(model: str | None) -> str:
-    return DEFAULT_MODEL_NAME if model is None else model
+    """The directory's base name: the API never shows a local filesystem path."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model).resolve().name or DEFAULT_MODEL_NAME
+
+
+def _allowed_hosts(hosts: list[str] | None, bind_host: str) -> tuple[str, ...] | None:
+    if hosts is None:
+        return default_allowed_hosts(bind_host)
+    return None if "*" in hosts else tuple(hosts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_cli_args(parser)
     return main_from_args(parser.parse_args(argv))
 

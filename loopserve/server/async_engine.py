@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from loopserve.errors import LoopserveError
+from loopserve.errors import InvalidRequestError, LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.server.engine_thread import (
@@ -71,6 +71,7 @@ class OutputStream:
 
     def __init__(self, owner: AsyncLLM, request_ids: list[str]) -> None:
         self._owner = owner
+        self.owner = owner
         self.request_ids = list(request_ids)
         self._unfinished = set(request_ids)
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -161,6 +162,11 @@ class AsyncLLM:
         return EngineSnapshot() if self._thread is None else self._thread.snapshot
 
     @property
+    def is_accepting(self) -> bool:
+        """False once shutdown began (`stop_accepting`)."""
+        return self._accepting
+
+    @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
@@ -241,6 +247,13 @@ class AsyncLLM:
         assert self._thread is not None
         if not self._accepting:
             raise EngineNotReadyError("the server is shutting down")
+        if len(requests) > self.max_pending_requests:  # never admissible: retrying is futile
+            raise InvalidRequestError(
+                f"this request needs {len(requests)} sequences (prompts x n), more than the "
+                f"server's limit of {self.max_pending_requests} requests in flight "
+                "(--max-pending-requests)",
+                param="n",
+            )
         if self._num_in_flight + len(requests) > self.max_pending_requests:
             raise QueueFullError(
                 f"{self._num_in_flight} requests in flight, the limit is "

@@ -43,7 +43,6 @@ from loopserve.server.serving_common import (
     cancel_on_disconnect,
     choice_seed,
     collect_finals,
-    default_max_tokens,
     engine_unavailable,
     failed_output_error,
     new_logprobs,
@@ -66,7 +65,7 @@ async def create_chat_completion(
     prompt_ids = _render_prompt(body, tokenizer)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
-        max_tokens = default_max_tokens(ctx.async_llm, len(prompt_ids))
+        max_tokens = ctx.default_max_tokens(len(prompt_ids))
     stop_ids = () if body.ignore_eos else tokenizer.end_of_turn_token_ids
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     response_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -3,9 +3,12 @@
 `ApiError` carries an HTTP status and the OpenAI error fields; every failure a handler can
 report becomes one (`api_server` renders it). `ServingContext` is the per-app state: the
 `AsyncLLM`, the served model name and the limits. This module decides status codes once:
-400 for invalid input (including `CapacityError`), 404 for an unknown model, 429 when the
-queue is full, 503 while the engine loads, shuts down or is dead, 500 when the engine failed a
-request.
+400 for invalid input (including `CapacityError` and a request larger than the in-flight limit,
+which no retry can fix), 404 for an unknown model, 429 when the queue is momentarily full, 503
+while the engine loads, shuts down or is dead, 500 when the engine failed a request. A
+non-streaming request that the engine aborted before it produced anything is an error too (503
+during shutdown, else 500), never a 200 with empty text. Internal failure details go to the
+server log under an error id; the client gets only that id.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -44,6 +49,7 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 DEFAULT_CHAT_MAX_TOKENS = 1024
+logger = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -73,6 +79,11 @@ class ApiError(Exception):
 class ServingContext:
     async_llm: AsyncLLM
     served_model_name: str
+    allow_client_priority: bool = False
+    default_max_tokens_cap: int = DEFAULT_CHAT_MAX_TOKENS
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        return default_max_tokens(self.async_llm, num_prompt_tokens, self.default_max_tokens_cap)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -156,14 +167,16 @@ def sampling_params(
         raise ApiError(400, err.message, param=err.param) from None
 
 
-def default_max_tokens(async_llm: AsyncLLM, num_prompt_tokens: int) -> int:
+def default_max_tokens(
+    async_llm: AsyncLLM, num_prompt_tokens: int, cap: int = DEFAULT_CHAT_MAX_TOKENS
+) -> int:
     """Chat's `max_tokens` when the client gives none: what fits in the context and in the KV
-    cache, capped at `DEFAULT_CHAT_MAX_TOKENS` because admission reserves the worst case."""
+    cache, capped at `cap` (`--default-max-tokens`) because admission reserves the worst case."""
     engine = async_llm.engine
     kv = engine.kv
     kv_positions = kv.pool.num_blocks // kv.num_planes * kv.block_size
     fits = min(engine.max_model_len - num_prompt_tokens, kv_positions + 1 - num_prompt_tokens)
-    return max(1, min(fits, DEFAULT_CHAT_MAX_TOKENS))
+    return max(1, min(fits, cap))
 
 
 def choice_seed(seed: int | None, sample_index: int) -> int | None:
@@ -172,13 +185,25 @@ def choice_seed(seed: int | None, sample_index: int) -> int | None:
 
 
 def engine_unavailable(err: Exception) -> ApiError:
-    if isinstance(err, EngineDeadError):
-        return ApiError(503, str(err), type="server_error", code="engine_dead")
+    if isinstance(err, EngineDeadError):  # its text names the internal exception: log only
+        logger.error("request refused: %s", err)
+        return ApiError(
+            503,
+            "the engine stopped after an internal error (details are in the server log)",
+            type="server_error",
+            code="engine_dead",
+        )
     return ApiError(503, str(err), type="server_error", code="engine_unavailable")
 
 
 async def submit(ctx: ServingContext, requests: list[GenerateRequest]) -> OutputStream:
     """Submit all requests of one HTTP call, mapping rejections to HTTP errors."""
+    if not ctx.allow_client_priority and any(r.params.priority != 0 for r in requests):
+        raise ApiError(
+            400,
+            "priority is disabled on this server (start it with --allow-client-priority)",
+            param="priority",
+        )
     try:
         return await ctx.async_llm.submit(requests)
     except InvalidRequestError as err:  # includes CapacityError
@@ -196,16 +221,24 @@ async def submit(ctx: ServingContext, requests: list[GenerateRequest]) -> Output
 
 
 def failed_output_error(output: RequestOutput) -> ApiError:
+    """A generic 500 for a request the engine failed; the details go to the log only."""
+    error_id = uuid.uuid4().hex[:16]
+    logger.error(
+        "the engine failed request %s (error id %s): %s", output.request_id, error_id, output.error
+    )
     return ApiError(
         500,
-        f"the engine failed request {output.request_id}: {output.error}",
+        f"the engine failed request {output.request_id} (error id {error_id}; details are in "
+        "the server log)",
         type="server_error",
         code="engine_error",
     )
 
 
 async def collect_finals(stream: OutputStream) -> dict[str, RequestOutput]:
-    """Drain a stream to the final output of each request; engine failures raise ApiError."""
+    """Drain a stream to the final output of each request; engine failures raise ApiError, and
+    so does a submission whose requests were all aborted before producing a token (503 during
+    shutdown, else 500)."""
     finals: dict[str, RequestOutput] = {}
     with stream:
         try:
@@ -216,6 +249,20 @@ async def collect_finals(stream: OutputStream) -> dict[str, RequestOutput]:
                     finals[output.request_id] = output
         except (EngineNotReadyError, EngineDeadError) as err:
             raise engine_unavailable(err) from None
+    if finals and all(o.finish_reason == "abort" and not o.token_ids for o in finals.values()):
+        if not stream.owner.is_accepting:
+            raise ApiError(
+                503,
+                "the server shut down before this request produced any output",
+                type="server_error",
+                code="shutting_down",
+            )
+        raise ApiError(
+            500,
+            "the engine aborted this request before it produced any output",
+            type="server_error",
+            code="aborted",
+        )
     return finals
 
 

@@ -1,0 +1,458 @@
+"""Server hardening, end to end, against real server processes.
+
+One "secured" server (API key from `LOOPSERVE_API_KEY`, a CORS origin, a 1 s header timeout,
+at most 4 connections, client priority allowed, `--default-max-tokens 3`, no
+`--served-model-name`) serves most tests here. Short-lived servers check the missing-model
+error, and the non-streaming shutdown status. In-process tests cover what is awkward to reach
+over HTTP (a public `/metrics`, the metrics registry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from loopserve.runner.sampler import make_generator
+from loopserve.server.async_engine import AsyncLLM
+from loopserve.server.metrics import ServingMetrics
+from tests.server_utils import ServerProcess, metrics
+
+API_KEY = "sk-test-4c1d"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+ORIGIN = "https://app.example"
+SECURED_FLAGS = [
+    "--dtype", "float32", "--num-blocks", "256", "--block-size", "16",
+    "--allowed-origins", ORIGIN, "--header-timeout-s", "1", "--max-connections", "4",
+    "--body-timeout-s", "5",
+    "--allow-client-priority", "--default-max-tokens", "3", "--log-level", "info",
+]  # fmt: skip
+GOOD = {"prompt": "hello", "max_tokens": 2}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_tok_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("secured") / "server.log"
+    proc = ServerProcess(
+        ["--model", str(tiny_tok_dir), *SECURED_FLAGS],
+        log_path,
+        env={"LOOPSERVE_API_KEY": API_KEY},
+    )
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+
+
+# ---- item 7: API key -----------------------------------------------------------------------
+
+# (method, path, body, headers, status)
+AUTH_MATRIX = {
+    "completions_no_key": ("POST", "/v1/completions", GOOD, {}, 401),
+    "completions_wrong_key": (
+        "POST",
+        "/v1/completions",
+        GOOD,
+        {"authorization": "Bearer sk-wrong"},
+        401,
+    ),
+    "completions_basic_scheme": (
+        "POST",
+        "/v1/completions",
+        GOOD,
+        {"authorization": f"Basic {API_KEY}"},
+        401,
+    ),
+    "chat_no_key": ("POST", "/v1/chat/completions", CHAT, {}, 401),
+    "models_no_key": ("GET", "/v1/models", None, {}, 401),
+    "model_card_no_key": ("GET", "/v1/models/tiny", None, {}, 401),
+    "metrics_no_key": ("GET", "/metrics", None, {}, 401),
+    "unknown_v1_route_no_key": ("GET", "/v1/files", None, {}, 401),
+    # With the key, the other checks still apply (items 4 and 8).
+    "key_but_text_plain": (
+        "POST",
+        "/v1/completions",
+        GOOD,
+        {**AUTH, "content-type": "text/plain"},
+        415,
+    ),
+    "key_but_rebound_host": ("GET", "/v1/models", None, {**AUTH, "host": "evil.test"}, 400),
+    "key_but_never_admissible": (
+        "POST",
+        "/v1/completions",
+        GOOD | {"prompt": ["a"] * 20, "n": 64},
+        AUTH,
+        400,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AUTH_MATRIX))
+def test_auth_matrix_gets_status_and_openai_error_shape(secured, case):
+    method, path, body, headers, status = AUTH_MATRIX[case]
+    with httpx.Client(base_url=secured.base_url, timeout=30.0) as http:
+        content = None if body is None else json.dumps(body).encode()
+        request = http.build_request(method, path, content=content)
+        if content is not None:
+            request.headers["content-type"] = "application/json"
+        request.headers.update(headers)
+        response = http.send(request)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if status == 401:
+        assert error["code"] == "invalid_api_key"
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert API_KEY not in response.text
+
+
+def test_the_key_opens_v1_and_metrics_and_health_stays_open(secured):
+    assert httpx.get(secured.base_url + "/health", timeout=10.0).status_code == 200
+    models = httpx.get(secured.base_url + "/v1/models", headers=AUTH, timeout=10.0)
+    assert models.status_code == 200
+    done = httpx.post(secured.base_url + "/v1/completions", json=GOOD, headers=AUTH, timeout=30)
+    assert done.status_code == 200, done.text
+    assert metrics(secured.base_url, AUTH)["loopserve_ready"] == 1.0
+
+
+def test_metrics_public_serves_metrics_without_the_key():
+    from loopserve.server.api_server import build_app
+
+    async_llm = AsyncLLM(lambda: None)  # never started: only the middleware is exercised
+    public = build_app(async_llm, "m", api_key=API_KEY, metrics_public=True)
+    private = build_app(async_llm, "m", api_key=API_KEY)
+
+    def get(app, path: str) -> int:
+        import asyncio
+
+        async def call() -> int:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                return (await client.get(path)).status_code
+
+        return asyncio.run(call())
+
+    assert get(public, "/metrics") == 200
+    assert get(private, "/metrics") == 401
+    assert get(public, "/v1/models") == 401  # only /metrics is made public
+
+
+# ---- item 8: CORS ---------------------------------------------------------------------------
+
+
+def test_cors_preflight_is_answered_for_an_allowed_origin_only(secured):
+    preflight = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization,content-type",
+    }
+    ok = httpx.options(
+        secured.base_url + "/v1/completions", headers={"origin": ORIGIN, **preflight}
+    )
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["access-control-allow-origin"] == ORIGIN
+    evil = httpx.options(
+        secured.base_url + "/v1/completions",
+        headers={"origin": "https://evil.example", **preflight},
+    )
+    assert evil.status_code == 400
+    assert "access-control-allow-origin" not in evil.headers
+
+
+# ---- item 6: header timeout and connection cap -----------------------------------------------
+
+
+def _closed_by_server_within(sock: socket.socket, bound_s: float) -> bool:
+    """True if the server closes `sock` (recv returns b"" or resets) within `bound_s`."""
+    sock.settimeout(bound_s)
+    try:
+        while True:
+            if sock.recv(4096) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_partial_headers_are_cut_off_after_the_header_timeout(secured):
+    with socket.create_connection(("127.0.0.1", secured.port)) as slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        # The timeout is 1 s; 15 s leaves room for a loaded machine without being unbounded.
+        assert _closed_by_server_within(slow, 15.0)
+    # A complete request on a fresh connection is unaffected.
+    assert httpx.get(secured.base_url + "/health", timeout=10.0).status_code == 200
+
+
+def test_a_body_that_stops_arriving_gets_408_and_the_connection_closes(secured):
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", secured.port)) as slow:
+        slow.sendall(head + b'{"prompt": ')
+        slow.settimeout(30.0)  # the body timeout is 5 s; 30 s bounds the wait on a loaded box
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := slow.recv(4096):
+                received += chunk
+    assert received.startswith(b"HTTP/1.1 408 "), received
+    assert b'"code":"body_timeout"' in received
+
+
+def test_connections_beyond_the_cap_are_closed_unanswered(secured):
+    """Four connections that sent a request's headers but not its body fill
+    `--max-connections 4` (the header timeout does not apply to them); a fifth connection is
+    closed without an answer even though it sends a complete request."""
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n"
+    ).encode()
+    held = [socket.create_connection(("127.0.0.1", secured.port)) for _ in range(4)]
+    try:
+        for sock in held:
+            sock.sendall(head)
+        time.sleep(0.5)  # not a bound: the server must have read them before the fifth comes
+        with socket.create_connection(("127.0.0.1", secured.port)) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            extra.settimeout(15.0)
+            received = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := extra.recv(4096):
+                    received += chunk
+        assert received == b""
+    finally:
+        for sock in held:
+            sock.close()
+    deadline_s = time.monotonic() + 20
+    while True:  # the held ones are gone; service resumes
+        try:
+            if httpx.get(secured.base_url + "/health", timeout=5.0).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline_s
+        time.sleep(0.1)
+
+
+# ---- items 9, 10, 12, 14: priority, served name, ready line, default max_tokens ------------
+
+
+def test_priority_is_accepted_with_allow_client_priority(secured):
+    body = GOOD | {"priority": -5}
+    response = httpx.post(secured.base_url + "/v1/completions", json=body, headers=AUTH)
+    assert response.status_code == 200, response.text
+
+
+def test_served_name_is_the_directory_base_name_not_its_path(secured, tiny_tok_dir):
+    data = httpx.get(secured.base_url + "/v1/models", headers=AUTH).json()["data"]
+    assert [card["id"] for card in data] == [Path(tiny_tok_dir).name]
+    assert str(Path(tiny_tok_dir).parent) not in json.dumps(data)
+
+
+def test_ready_line_names_model_and_configuration(secured, tiny_tok_dir):
+    lines = [line for line in secured.log().splitlines() if "ready: model=" in line]
+    assert len(lines) == 1, secured.log()
+    line = lines[0]
+    for part in (
+        f"served_name={Path(tiny_tok_dir).name}",
+        "dtype=float32",
+        "device=cpu",
+        "kv_blocks=256",
+        "block_size=16",
+        "max_model_len=",
+        "schedule=refill",
+    ):
+        assert part in line, line
+
+
+def test_chat_without_max_tokens_stops_at_default_max_tokens(secured):
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    response = httpx.post(
+        secured.base_url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_serve_with_a_missing_model_prints_one_line_and_exits_2(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run(
+        [sys.executable, "-m", "loopserve.cli.main", "serve", "--model", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"loopserve serve: error: model directory not found: {missing}"
+    ]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+# ---- item 5: a non-streaming request aborted at shutdown -----------------------------------
+
+
+def test_non_streaming_request_aborted_by_shutdown_gets_503(tiny_tok_dir, tmp_path):
+    """Two requests, one running (it produces tokens) and one queued behind it
+    (`--max-num-seqs 1`); SIGTERM with a 1 s drain aborts both: the queued one produced
+    nothing and gets 503, the running one its partial text with finish_reason "abort"."""
+    import threading
+
+    flags = ["--dtype", "float32", "--num-blocks", "512", "--max-num-seqs", "1"]
+    flags += ["--shutdown-timeout-s", "1", "--log-level", "warning"]
+    proc = ServerProcess(["--model", str(tiny_tok_dir), *flags], tmp_path / "server.log")
+    results: dict[str, httpx.Response] = {}
+    body = {"prompt": "hello", "max_tokens": 1900, "ignore_eos": True}
+
+    def post(name: str) -> None:
+        results[name] = httpx.post(proc.base_url + "/v1/completions", json=body, timeout=60)
+
+    try:
+        proc.wait_healthy()
+        threads = [threading.Thread(target=post, args=(name,)) for name in ("first", "second")]
+        threads[0].start()
+        deadline_s = time.monotonic() + 20
+        while metrics(proc.base_url)["loopserve_num_requests_running"] < 1:
+            assert time.monotonic() < deadline_s
+            time.sleep(0.05)
+        threads[1].start()
+        while metrics(proc.base_url)["loopserve_num_requests_waiting"] < 1:
+            assert time.monotonic() < deadline_s
+            time.sleep(0.05)
+        proc.terminate()
+        for thread in threads:
+            thread.join(60)
+        assert proc.process.wait(30) == 0
+    finally:
+        proc.stop()
+    first, second = results["first"], results["second"]
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["finish_reason"] == "abort"
+    assert first.json()["usage"]["completion_tokens"] > 0
+    assert second.status_code == 503, second.text
+    assert second.json()["error"]["code"] == "shutting_down"
+
+
+# ---- item 1 (runner part), item 11, item 16 --------------------------------------------------
+
+
+def test_generator_setup_never_raises_for_a_64_bit_seed():
+    """torch takes seeds in [-2**63, 2**64 - 1] and treats -1 as 2**64 - 1; the runner's setup
+    must not raise for any seed (one request's seed must not fail a whole batch)."""
+    same = [make_generator(seed).initial_seed() for seed in (-1, 2**64 - 1)]
+    assert same == [2**64 - 1, 2**64 - 1]
+    assert make_generator(2**64).initial_seed() == 0  # reduced mod 2**64, no OverflowError
+    draws = [torch.rand(3, generator=make_generator(seed)) for seed in (-1, 2**64 - 1)]
+    assert torch.equal(draws[0], draws[1])
+
+
+def test_test_process_runs_torch_with_one_thread():
+    assert torch.get_num_threads() == 1
+
+
+def test_metrics_use_prometheus_client_in_a_private_registry():
+    from prometheus_client import REGISTRY
+
+    from loopserve.server.engine_thread import EngineSnapshot
+
+    first, second = ServingMetrics(), ServingMetrics()  # no duplicate-name clash
+    assert first.registry is not REGISTRY and first.registry is not second.registry
+    text = first.render(EngineSnapshot(num_total_blocks=8, num_free_blocks=6), num_in_flight=2,
+                        is_ready=True)  # fmt: skip
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert families["loopserve_time_to_first_token_seconds"].type == "histogram"
+    assert families["loopserve_requests_finished"].type == "counter"
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in families.values()
+        for s in family.samples
+    }
+    assert samples[("loopserve_requests_finished_total", (("finish_reason", "stop"),))] == 0
+    assert samples[("loopserve_kv_cache_usage_ratio", ())] == 0.25
+    assert samples[("loopserve_num_requests_in_flight", ())] == 2
+    assert samples[("loopserve_kv_blocks_total", ())] == 8
+
+
+# ---- item 15 --------------------------------------------------------------------------------
+
+
+def test_docs_cite_no_file_outside_the_repository():
+    root = Path(__file__).resolve().parents[1]
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    for doc in docs:
+        text = doc.read_text()
+        for name in ("DESIGN.md", "DATA.md", "STYLE.md"):
+            assert name not in text, f"{doc.name} cites {name}"
+
+
+# ---- item 10: no internal exception text in responses --------------------------------------
+
+
+def test_dead_engine_answers_503_without_the_exception_text(tiny_tok_dir):
+    import asyncio
+
+    from loopserve.engine.llm_engine import LLMEngine
+    from loopserve.server.api_server import build_app
+
+    engine = LLMEngine.from_engine_args(model=str(tiny_tok_dir), dtype="float32", num_blocks=32)
+
+    def broken_step():
+        raise RuntimeError("secret-detail /home/alice/model")
+
+    async def main() -> list[httpx.Response]:
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        assert await async_llm.wait_ready(timeout_s=30)
+        engine.step = broken_step
+        app = build_app(async_llm, "tiny")
+        transport = httpx.ASGITransport(app=app)
+        body = {"prompt": "hello", "max_tokens": 4}
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                first = await client.post("/v1/completions", json=body)
+                later = await client.post("/v1/completions", json=body)
+        finally:
+            await async_llm.shutdown(1.0)
+        return [first, later]
+
+    for response in asyncio.run(main()):
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "engine_dead"
+        assert "secret-detail" not in response.text
+
+
+def test_runner_installs_no_sampler_when_one_new_request_setup_fails(tiny_model, monkeypatch):
+    """Item 1, runner part: setup of a step's new requests is all or nothing."""
+    from types import SimpleNamespace
+
+    from loopserve.runner import model_runner
+
+    runner = model_runner.ModelRunner(
+        tiny_model, num_blocks=8, block_size=16, layout="last_exited", exit_mode="ouro"
+    )
+
+    def flaky_generator(seed, device):
+        if seed == 13:
+            raise RuntimeError("device lost")
+        return make_generator(seed, device)
+
+    monkeypatch.setattr(model_runner, "make_generator", flaky_generator)
+    spec = SimpleNamespace(temperature=1.0)
+    new = [SimpleNamespace(request_id=rid, seed=seed, sample_spec=spec)
+           for rid, seed in (("ok", 1), ("bad", 13))]  # fmt: skip
+    scheduled = SimpleNamespace(finished_request_ids=(), released_handles=(), new_requests=new)
+    with pytest.raises(RuntimeError, match="device lost"):
+        runner._apply_bookkeeping(scheduled)
+    assert runner.samplers == {}

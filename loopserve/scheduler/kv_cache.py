@@ -265,7 +265,9 @@ class KVCacheManager:
         step = len(table[0])
         host_table = tuple(host[p * step : (p + 1) * step] for p in range(self.num_planes))
         moves = [
-            BlockMove(d, h) for plane, hplane in zip(table, host_table) for d, h in zip(plane, hplane)
+            BlockMove(d, h)
+            for plane, hplane in zip(table, host_table)
+            for d, h in zip(plane, hplane)
         ]
         self.free(request_id)
         self.host_tables[request_id] = host_table
@@ -280,7 +282,9 @@ class KVCacheManager:
         host_table = self.host_tables.pop(request_id)
         table = self.allocate(request_id, len(host_table[0]) * self.block_size)
         moves = [
-            BlockMove(h, d) for hplane, plane in zip(host_table, table) for h, d in zip(hplane, plane)
+            BlockMove(h, d)
+            for hplane, plane in zip(host_table, table)
+            for h, d in zip(hplane, plane)
         ]
         for hplane in host_table:
             self.host_pool.free(hplane)

@@ -68,7 +68,9 @@ class PrefixCache:
             parent = key
         return keys
 
-    def match(self, keys: list[tuple[int, int, tuple[int, ...]]], max_pages: int) -> list[CachedPage]:
+    def match(
+        self, keys: list[tuple[int, int, tuple[int, ...]]], max_pages: int
+    ) -> list[CachedPage]:
         """The longest run of cached pages at the start of `keys` (not yet referenced)."""
         hits = []
         for key, parent, tokens in keys[:max_pages]:
@@ -94,7 +96,9 @@ class PrefixCache:
         if page.ref_count == 0:
             self.evictable[page.key] = page  # most recently used last
 
-    def publish(self, key: int, parent: int, tokens: tuple[int, ...], blocks: tuple[int, ...]) -> bool:
+    def publish(
+        self, key: int, parent: int, tokens: tuple[int, ...], blocks: tuple[int, ...]
+    ) -> bool:
         """Make a request's complete page shareable (it keeps one reference); False when the
         same content is already cached (the request's copy stays private)."""
         if key in self.pages:

@@ -186,7 +186,9 @@ class Scheduler:
     def _admission_positions(self, request: Request) -> int:
         if self.full_reservation:
             return request.max_positions
-        if request.output_token_ids:  # resumed after recompute preemption: up to the token in flight
+        if (
+            request.output_token_ids
+        ):  # resumed after recompute preemption: up to the token in flight
             return request.next_position + 1
         return request.num_prompt_tokens
 

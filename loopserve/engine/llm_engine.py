@@ -44,6 +44,14 @@ class EngineStats:
     model_time_s: float = 0.0  # the runner's whole `execute`
     forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
     step_time_s: float = 0.0
+    # Memory management totals (refreshed every step).
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_swapped_out_bytes: int = 0
+    num_swapped_in_bytes: int = 0
+    kv_usage: float = 0.0
 
     @property
     def mean_rows_per_core_call(self) -> float:
@@ -224,8 +232,20 @@ class LLMEngine:
         self.stats.forward_time_s += output.forward_time_s
         outputs = [self._process(request) for request in touched]
         self._release_gone()
+        self._refresh_memory_stats()
         self.stats.step_time_s += time.perf_counter() - start_s
         return outputs
+
+    def _refresh_memory_stats(self) -> None:
+        stats, memory = self.stats, self.scheduler.memory_stats
+        stats.num_preemptions_recompute = memory.num_preemptions_recompute
+        stats.num_preemptions_swap = memory.num_preemptions_swap
+        if self.kv.prefix_cache is not None:
+            stats.num_prefix_queried_tokens = self.kv.prefix_cache.stats.num_queried_tokens
+            stats.num_prefix_hit_tokens = self.kv.prefix_cache.stats.num_hit_tokens
+        stats.num_swapped_out_bytes = self.runner.swap.num_bytes_out
+        stats.num_swapped_in_bytes = self.runner.swap.num_bytes_in
+        stats.kv_usage = self.kv.usage
 
     def _fail_step(self, scheduled, err: Exception) -> list[RequestOutput]:
         ids = list(dict.fromkeys(item.request_id for item in scheduled.items))

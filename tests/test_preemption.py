@@ -133,7 +133,8 @@ def test_recompute_rebuilds_kv_planes(tiny_dir, layout):
     match bit for bit; replayed positions match to float32 rounding (measured max |diff|
     about 2e-6), while any semantic slip (wrong depth, missing finalize copy) is O(1).
     """
-    engine = make_engine(tiny_dir, layout=layout, exit_mode="trace")
+    # Prefix caching off: the prompt then re-runs as the same chunk (same rows per call).
+    engine = make_engine(tiny_dir, layout=layout, exit_mode="trace", enable_prefix_caching=False)
     params = SamplingParams(
         max_tokens=14, temperature=0, ignore_eos=True, exit_trace=(1, 3, 2, 4, 1, 2, 3)
     )

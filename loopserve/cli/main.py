@@ -33,6 +33,11 @@ MOUNTED = [
         "prompt throughput: wavefront vs atomic chunked prefill over chunk sizes",
     ),
     (
+        ("bench", "memory"),
+        "loopserve.bench.memory",
+        "a KV pool too small for full reservation: full vs incremental+recompute vs +swap",
+    ),
+    (
         ("bench", "interference"),
         "loopserve.bench.prompt_interference",
         "decode latency while long prompts arrive: atomic vs per-depth vs mixed",

@@ -50,6 +50,7 @@ class MemoryStats:
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
     num_replayed_rows: int = 0  # REPLAY items scheduled (one row, one loop each)
+    num_recompute_prompt_rows: int = 0  # prompt rows x loops re-run after recompute preemption
 
     @property
     def num_preemptions(self) -> int:
@@ -362,6 +363,8 @@ class Scheduler:
         # The last prompt position samples the first token, unless this prompt is recomputed
         # after a preemption (the first token is known).
         last = chunk.end == request.num_prompt_tokens and not request.output_token_ids
+        if request.output_token_ids:
+            self.memory_stats.num_recompute_prompt_rows += chunk.count * work.num_depths
         return WorkItem(
             request_id=request.request_id,
             kind=ItemKind.PROMPT,

@@ -61,6 +61,7 @@ class ExecutorStats:
     sampling_time_s: float = 0.0
     coda_rows: int = 0
     swapped_blocks: int = 0  # blocks (of one plane) copied between device and host
+    swap_time_s: float = 0.0  # those copies over the host link (serial with the step)
 
     @property
     def num_core_calls(self) -> int:
@@ -68,7 +69,7 @@ class ExecutorStats:
 
     @property
     def model_time_s(self) -> float:
-        return self.core_time_s + self.coda_time_s + self.sampling_time_s
+        return self.core_time_s + self.coda_time_s + self.sampling_time_s + self.swap_time_s
 
 
 class SimExecutor:
@@ -80,7 +81,9 @@ class SimExecutor:
         exit_mode: str = "trace",
         exit_dist: ExitDistribution | None = None,
         seed: int = 0,
+        kv_block_bytes: int = 0,
     ) -> None:
+        """`kv_block_bytes`: one block of one plane, to price swap copies over the host link."""
         self.cost = cost_model
         self.num_loops = cost_model.shape.num_loops
         self.shared = layout == "shared"
@@ -89,7 +92,9 @@ class SimExecutor:
             raise ValueError(f"exit_mode {exit_mode!r} needs an exit_dist to draw hazards from")
         self.exit_dist = exit_dist
         self.seed = seed
+        self.kv_block_bytes = kv_block_bytes
         self.stats = ExecutorStats()
+        self._swap_s = 0.0  # this step's swap copies
         self._live_handles: set[int] = set()
         self._handles_of: dict[str, set[int]] = {}
         self._num_sampled: dict[str, int] = {}
@@ -112,8 +117,12 @@ class SimExecutor:
                 self._continue_results.pop((request_id, handle), None)
             self._handles_of[request_id] = set()
         # Swapped requests keep their handles: their hidden states wait on the host.
+        self._swap_s = 0.0
         for transfer in scheduled.kv_transfers:
             self.stats.swapped_blocks += len(transfer.block_moves)
+            num_bytes = len(transfer.block_moves) * self.kv_block_bytes
+            self._swap_s += num_bytes / self.cost.device.effective_host_link
+        self.stats.swap_time_s += self._swap_s
 
     def release_request(self, request_id: str) -> None:
         for handle in self._handles_of.pop(request_id, ()):
@@ -145,7 +154,7 @@ class SimExecutor:
         self._apply_bookkeeping(scheduled)
         items = scheduled.items
         if not items:
-            return RunnerOutput(scheduled.step_id, ())
+            return RunnerOutput(scheduled.step_id, (), model_time_s=self._swap_s)
         num_calls = max(item.num_depths for item in items)
         # Per-call totals by item depth count: an item with n depths runs in calls 0..n-1, and
         # its rows, context and KV traffic are the same at every depth (prelude only at 0).
@@ -169,7 +178,7 @@ class SimExecutor:
             scheduled.step_id,
             tuple(results),
             rows_per_call,
-            model_time_s=core_s + coda_s + sampling_s,
+            model_time_s=core_s + coda_s + sampling_s + self._swap_s,
             forward_time_s=core_s + coda_s,
         )
 

@@ -122,6 +122,7 @@ class Simulator:
             exit_mode=self.config.exit.mode,
             exit_dist=exit_dist,
             seed=seed,
+            kv_block_bytes=kv_bytes_per_block(self.shape, cache.block_size),
         )
         self.host_time_s = host_time_s
 

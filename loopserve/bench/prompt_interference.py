@@ -30,14 +30,11 @@ import numpy as np
 import torch
 
 from loopserve.bench.prompt_sched import (
-    ARMS,
     CallRecorder,
     InvalidRunError,
     add_model_args,
-    arm_list,
     blocks_for,
     build_engine,
-    int_list,
     machine_info,
     median_of,
     model_dir_for,
@@ -50,7 +47,9 @@ from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
-from loopserve.sim.metrics import window_gaps
+from loopserve.workloads.args import arm_list, int_list
+from loopserve.workloads.arms import prompt_arm_args
+from loopserve.workloads.metrics import window_gaps
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +136,7 @@ def run_arm(engine: LLMEngine, work: Workload, arm: str) -> InterferenceRun:
     recorder = CallRecorder(engine)
     population, prompts, first_step = drive(engine, work, recorder)
     calls = recorder.summary(first_step)
-    if ARMS[arm].get("mixed_prefill_decode") and calls.num_mixed_core_calls == 0:
+    if prompt_arm_args(arm).get("mixed_prefill_decode") and calls.num_mixed_core_calls == 0:
         raise InvalidRunError(f"arm {arm} ran no core call mixing prompt and decode rows")
     start_s = min(p.metrics.arrival_s for p in prompts)
     end_s = max(p.metrics.first_token_s for p in prompts)  # type: ignore[type-var]

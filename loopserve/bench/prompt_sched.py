@@ -33,7 +33,6 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from loopserve.cli.engine_args import int_list
 from loopserve.contracts import ItemKind, SchedulerOutput
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
 from loopserve.errors import ConfigError, LoopserveError
@@ -41,15 +40,9 @@ from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
+from loopserve.workloads.args import arm_list, int_list
+from loopserve.workloads.arms import prompt_arm_args
 
-# Engine overrides per arm (the ARMS of tests/test_prompt_scheduling.py).
-ARMS: dict[str, dict[str, object]] = {
-    "atomic": {"prefill_mode": "atomic"},  # A0
-    "per_depth": {"prefill_mode": "per_depth"},  # A1
-    "mixed": {"prefill_mode": "atomic", "mixed_prefill_decode": True},  # A2
-    "wavefront": {"prefill_mode": "wavefront"},
-    "wavefront_mixed": {"prefill_mode": "wavefront", "mixed_prefill_decode": True},
-}
 T = TypeVar("T")
 
 
@@ -136,14 +129,6 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--no-progress", action="store_true")
 
 
-def arm_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in ARMS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"arms must be among {', '.join(ARMS)}; got {text!r}")
-    return names
-
-
 def model_dir_for(args: argparse.Namespace, tmp: str, max_positions: int) -> Path:
     """A synthetic checkpoint in `tmp` (or the `--model` checkpoint)."""
     if args.model is not None:
@@ -172,7 +157,7 @@ def build_engine(
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=chunk_size,
         exit_mode="trace",
-        **ARMS[arm],
+        **prompt_arm_args(arm),
     )
     engine_args.update(overrides)
     return LLMEngine.from_engine_args(**engine_args)

@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from loopserve.bench.datasets import SampledRequest, sample_random, sample_sharegpt
+from loopserve.workloads.datasets import SampledRequest, sample_random, sample_sharegpt
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")

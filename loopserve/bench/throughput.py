@@ -31,32 +31,22 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from loopserve.cli.engine_args import int_list
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
+from loopserve.workloads.args import int_list
+from loopserve.workloads.arms import ARMS as ALL_ARMS
+from loopserve.workloads.arms import DECODE_ARMS, Arm
+from loopserve.workloads.exits import NAMED_EXIT_DISTRIBUTIONS as EXIT_DISTRIBUTIONS
+from loopserve.workloads.exits import exit_probabilities
 
-EXIT_DISTRIBUTIONS = ("uniform", "full", "ouro_1p4b_t0.5")
-# Ouro-1.4B's trained gate at threshold 0.5 on GSM8K decode tokens (shared/DATA.md).
-OURO_1P4B_T05 = (0.0, 0.043, 0.877, 0.080)
 NUM_WARMUP_REQUESTS = 4
 
 
-@dataclass(frozen=True, slots=True)
-class Arm:
-    name: str
-    mode: str  # scheduler mode
-    full_depth: bool  # every token runs all D loops
-
-
-ARMS = (
-    Arm("full_depth", "refill", True),
-    Arm("no_refill", "no_refill", False),
-    Arm("refill", "refill", False),
-)
+ARMS = tuple(ALL_ARMS[name] for name in DECODE_ARMS)  # full_depth, no_refill, refill
 REFILL = ARMS[-1]
 
 
@@ -94,19 +84,6 @@ class HostOverhead:
     host_ms: float
     host_overhead_share: float
     runner_host_ms: float  # the runner's part of host_ms
-
-
-def exit_probabilities(name: str, num_loops: int) -> tuple[float, ...]:
-    """P(exit after 1..D loops) of a named distribution."""
-    if name == "uniform":
-        return (1.0 / num_loops,) * num_loops
-    if name == "full":
-        return (0.0,) * (num_loops - 1) + (1.0,)
-    if name == "ouro_1p4b_t0.5":
-        if num_loops != len(OURO_1P4B_T05):
-            raise ConfigError(f"{name} is measured for 4 loops; this model has {num_loops}")
-        return OURO_1P4B_T05
-    raise ConfigError(f"--exit-dist must be one of {', '.join(EXIT_DISTRIBUTIONS)}; got {name!r}")
 
 
 def _uniform_lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> np.ndarray:

@@ -17,13 +17,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from loopserve.cli.engine_args import int_list
 from loopserve.config import LAYOUTS, PREFILL_MODES, SchedulerConfig
 from loopserve.models.config import OuroConfig
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import DEVICE_PROFILES, get_device_profile
 from loopserve.sim.scenarios import (
-    PROMPT_ARMS,
     InterferenceSpec,
     format_interference,
     format_wcpb,
@@ -32,6 +30,8 @@ from loopserve.sim.scenarios import (
 )
 from loopserve.sim.sweep import ARMS, PointResult, SweepSetup, find_capacity, get_arm, run_point
 from loopserve.sim.workload import WorkloadSpec, sample_lengths
+from loopserve.workloads.args import int_list
+from loopserve.workloads.arms import PROMPT_ARMS
 
 _SCHED = SchedulerConfig()
 

@@ -27,26 +27,11 @@ from loopserve.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.sim.hardware import DeviceProfile
-from loopserve.sim.metrics import window_gaps
 from loopserve.sim.simulator import Simulator
-from loopserve.sim.workload import SimRequest, exit_distribution
-
-# Prompt-scheduling arms: engine args on top of the scenario's budget and chunk size.
-PROMPT_ARMS: dict[str, dict[str, object]] = {
-    "atomic": {"prefill_mode": "atomic"},  # A0
-    "per_depth": {"prefill_mode": "per_depth"},  # A1
-    "wavefront": {"prefill_mode": "wavefront"},
-    "mixed": {"prefill_mode": "per_depth", "mixed_prefill_decode": True},  # A2
-    "wavefront_mixed": {"prefill_mode": "wavefront", "mixed_prefill_decode": True},
-}
-
-
-def _arm_args(arm: str) -> dict[str, object]:
-    try:
-        return PROMPT_ARMS[arm]
-    except KeyError:
-        raise ConfigError(f"unknown arm {arm!r}; choose from {', '.join(PROMPT_ARMS)}") from None
-
+from loopserve.sim.workload import SimRequest
+from loopserve.workloads.arms import prompt_arm_args
+from loopserve.workloads.exits import exit_distribution
+from loopserve.workloads.metrics import window_gaps
 
 # ---- WCPB: long prompts only -------------------------------------------------------------
 
@@ -77,7 +62,7 @@ def run_wcpb(
     for chunk in chunk_sizes:
         for arm in arms:
             engine_args = {
-                **_arm_args(arm),
+                **prompt_arm_args(arm),
                 "prefill_chunk_size": chunk,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "max_num_seqs": len(prompt_lens),
@@ -165,7 +150,7 @@ def run_interference(
     spec.validate()
     num_loops = model_config.num_loops
     engine_args = {
-        **_arm_args(arm),
+        **prompt_arm_args(arm),
         "prefill_chunk_size": spec.prefill_chunk_size,
         "max_num_batched_tokens": spec.max_num_batched_tokens,
         "max_num_seqs": spec.num_decode + len(spec.prompt_lens),

@@ -1,0 +1,52 @@
+"""argparse types and flag groups shared by `bench` and `simulate` (no engine imports)."""
+
+from __future__ import annotations
+
+import argparse
+
+from loopserve.workloads.arms import arm_list
+
+__all__ = ["add_output_args", "arm_list", "int_list", "positive_int"]
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type for comma-separated positive integers, e.g. `8,16,32`."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """argparse type for an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_output_args(
+    parser: argparse.ArgumentParser,
+    *,
+    default_json: str | None = None,
+    default_dir: str | None = None,
+) -> None:
+    """The one spelling of output locations: `--output-json` (a file) or `--output-dir`."""
+    if default_json is not None:
+        parser.add_argument(
+            "--output-json",
+            default=default_json,
+            help="where to write the JSON result (a PNG figure goes next to it)",
+        )
+    if default_dir is not None:
+        parser.add_argument(
+            "--output-dir", default=default_dir, help="directory for the JSON result and figures"
+        )

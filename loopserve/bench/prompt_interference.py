@@ -21,7 +21,6 @@ size and `max_num_seqs`; runs are interleaved and each metric is the median of `
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.workloads.args import arm_list, int_list
 from loopserve.workloads.arms import prompt_arm_args
+from loopserve.workloads.interference import InterferenceRun, interference_stats
 from loopserve.workloads.metrics import window_gaps
 
 
@@ -59,24 +59,6 @@ class Workload:
     decode_max_tokens: int
     prompts: list[list[int]]
     inject_at_tokens: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class InterferenceRun:
-    window_s: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    itl_max_ms: float
-    tpot_ms: float
-    ttft_mean_s: float
-    ttft_max_s: float
-    prompt_token_loops_per_s: float
-    output_tokens_per_s: float
-    num_core_calls: int
-    num_mixed_core_calls: int
-    prompt_rows_per_core_call: float
-    decode_rows_per_core_call: float
-    prompt_rows_per_prompt_core_call: float
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int, num_loops: int) -> Workload:
@@ -144,25 +126,19 @@ def run_arm(engine: LLMEngine, work: Workload, arm: str) -> InterferenceRun:
     window = window_gaps([out.metrics.token_times_s for out in population], start_s, end_s)
     if not window.gaps_s:
         raise InvalidRunError(f"arm {arm}: no decode token inside the window; lengthen prompts")
-    itl_ms = 1e3 * np.asarray(window.gaps_s)
-    ttft = [p.metrics.ttft_s for p in prompts]
-    prompt_tokens = sum(len(p) for p in work.prompts)
-    return InterferenceRun(
-        window_s=window_s,
-        itl_p50_ms=float(np.percentile(itl_ms, 50)),
-        itl_p99_ms=float(np.percentile(itl_ms, 99)),
-        itl_max_ms=float(itl_ms.max()),
-        tpot_ms=1e3 * statistics.fmean(window.per_request_mean_s),
-        ttft_mean_s=statistics.fmean(ttft),  # type: ignore[arg-type]
-        ttft_max_s=max(ttft),  # type: ignore[type-var]
-        prompt_token_loops_per_s=prompt_tokens * engine.num_loops / window_s,
-        output_tokens_per_s=(window.num_tokens + len(prompts)) / window_s,
+    stats = interference_stats(
+        window,
+        window_s,
+        [p.metrics.ttft_s for p in prompts],  # type: ignore[misc]
+        prompt_token_loops=sum(len(p) for p in work.prompts) * engine.num_loops,
+        num_first_tokens=len(prompts),
         num_core_calls=calls.num_core_calls,
         num_mixed_core_calls=calls.num_mixed_core_calls,
         prompt_rows_per_core_call=calls.prompt_rows_per_core_call,
         decode_rows_per_core_call=calls.decode_rows_per_core_call,
         prompt_rows_per_prompt_core_call=calls.prompt_rows_per_prompt_core_call,
     )
+    return InterferenceRun(**stats)  # type: ignore[arg-type]
 
 
 def run_interference(args: argparse.Namespace, model_dir: Path) -> dict:

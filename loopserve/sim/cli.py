@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from loopserve.config import LAYOUTS, PREFILL_MODES, SchedulerConfig
+from loopserve.engine_args import add_engine_args, engine_args_from
 from loopserve.models.config import OuroConfig
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import DEVICE_PROFILES, get_device_profile
@@ -33,7 +33,18 @@ from loopserve.sim.workload import WorkloadSpec, sample_lengths
 from loopserve.workloads.args import int_list
 from loopserve.workloads.arms import PROMPT_ARMS
 
-_SCHED = SchedulerConfig()
+# The engine flags `simulate` takes (same names, defaults and help as every other command).
+SIM_ENGINE_ARGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "prefill_chunk_size",
+    "prefill_mode",
+    "mixed_prefill_decode",
+    "block_size",
+    "num_blocks",
+    "gpu_memory_utilization",
+    "layout",
+)
 
 
 def _rate(text: str) -> float:
@@ -63,15 +74,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default="ouro_1p4b_t0.5",
         help="ouro_1p4b_t0.5 | uniform | full | probs:p1,..,pD | trace:l1,l2,..",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=_SCHED.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=_SCHED.max_num_batched_tokens)
-    parser.add_argument("--prefill-chunk-size", type=int, default=_SCHED.prefill_chunk_size)
-    parser.add_argument("--prefill-mode", default="atomic", choices=PREFILL_MODES)
-    parser.add_argument("--mixed-prefill-decode", action="store_true")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--layout", default="last_exited", choices=LAYOUTS)
+    add_engine_args(parser, names=SIM_ENGINE_ARGS, title="engine (simulated)")
     parser.add_argument(
         "--host-overhead-ms", type=float, default=0.0, help="host time added per step"
     )
@@ -126,18 +129,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_args(args: argparse.Namespace) -> dict[str, object]:
-    engine_args: dict[str, object] = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "prefill_chunk_size": args.prefill_chunk_size,
-        "prefill_mode": args.prefill_mode,
-        "mixed_prefill_decode": args.mixed_prefill_decode,
-        "block_size": args.block_size,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "layout": args.layout,
-    }
-    if args.num_blocks is not None:
-        engine_args["num_blocks"] = args.num_blocks
+    engine_args = engine_args_from(args, SIM_ENGINE_ARGS)
+    if engine_args["num_blocks"] is None:
+        del engine_args["num_blocks"]
     return engine_args
 
 

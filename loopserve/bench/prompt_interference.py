@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loopserve.bench.args import add_interference_args as add_cli_args  # noqa: F401
 from loopserve.bench.prompt_sched import (
     CallRecorder,
     InvalidRunError,
-    add_model_args,
     blocks_for,
     build_engine,
     machine_info,
@@ -46,7 +46,7 @@ from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
-from loopserve.workloads.args import arm_list, int_list
+from loopserve.workloads.args import show_progress
 from loopserve.workloads.arms import prompt_arm_args
 from loopserve.workloads.interference import InterferenceRun, interference_stats
 from loopserve.workloads.metrics import window_gaps
@@ -167,7 +167,7 @@ def run_interference(args: argparse.Namespace, model_dir: Path) -> dict:
             run = run_arm(engine, work, arm)
             runs[arm].append(run)
             del engine
-            if not args.no_progress:
+            if show_progress(args):
                 print(
                     f"  round {round_idx + 1} {arm:<15} ITL p99 {run.itl_p99_ms:8.1f} ms, "
                     f"prompt {run.prompt_token_loops_per_s:8.1f} token-loops/s"
@@ -230,22 +230,6 @@ def plot_interference(result: dict):
     )
     fig.tight_layout()
     return fig
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    work = parser.add_argument_group("workload")
-    work.add_argument("--num-decode", type=int, default=16, help="decode population size")
-    work.add_argument("--decode-prompt-len", type=int, default=32)
-    work.add_argument("--decode-max-tokens", type=int, default=512, help="must outlast prompts")
-    work.add_argument("--prompt-lens", type=int_list, default=[2048] * 4)
-    work.add_argument(
-        "--inject-at", type=int_list, default=[8] * 4,
-        help="prompt j arrives once every decode request has this many tokens (e.g. 8,16,24,32)",
-    )  # fmt: skip
-    work.add_argument("--prefill-chunk-size", type=int, default=64)
-    work.add_argument("--arms", type=arm_list, default=["atomic", "per_depth", "mixed"])
-    add_model_args(parser)
-    parser.add_argument("--out", default="bench_results/interference.json")
 
 
 def main_from_args(args: argparse.Namespace) -> int:

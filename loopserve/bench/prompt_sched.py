@@ -33,6 +33,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from loopserve.bench.args import add_model_args  # noqa: F401  (re-export)
+from loopserve.bench.args import add_wcpb_args as add_cli_args  # noqa: F401
 from loopserve.contracts import ItemKind, SchedulerOutput
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
 from loopserve.errors import ConfigError, LoopserveError
@@ -40,7 +42,7 @@ from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
-from loopserve.workloads.args import arm_list, int_list
+from loopserve.workloads.args import show_progress
 from loopserve.workloads.arms import prompt_arm_args
 
 T = TypeVar("T")
@@ -105,28 +107,6 @@ class CallRecorder:
             prompt_rows_per_core_call=prompt_rows / max(1, len(calls)),
             decode_rows_per_core_call=sum(c.decode_rows for c in calls) / max(1, len(calls)),
         )
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model (synthetic unless --model)")
-    model.add_argument("--model", default=None, help="checkpoint dir or Hub id")
-    model.add_argument("--hidden-size", type=int, default=512)
-    model.add_argument("--num-layers", type=int, default=4)
-    model.add_argument("--num-heads", type=int, default=8)
-    model.add_argument("--num-kv-heads", type=int, default=8)
-    model.add_argument("--loops", type=int, default=4)
-    model.add_argument("--vocab-size", type=int, default=4096)
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=256)
-    engine.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
-    run = parser.add_argument_group("run")
-    run.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--figure", default=None, help="PNG path (default: --out with .png)")
-    run.add_argument("--no-progress", action="store_true")
 
 
 def model_dir_for(args: argparse.Namespace, tmp: str, max_positions: int) -> Path:
@@ -199,7 +179,7 @@ def pyplot():
 def write_outputs(result: dict, args: argparse.Namespace, plot) -> None:
     """Write the JSON result and the figure `plot(result)` next to it."""
     result["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
-    out = Path(args.out)
+    out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     path = Path(args.figure) if args.figure else out.with_suffix(".png")
@@ -278,7 +258,7 @@ def run_wcpb(args: argparse.Namespace, model_dir: Path) -> dict:
                 run, tokens[arm] = run_prompts(engine, prompts, f"r{round_idx}")
                 runs[arm].append(run)
                 del engine  # free its KV before the next engine allocates
-                if not args.no_progress:
+                if show_progress(args):
                     print(f"  chunk {chunk:>4} {arm:<15} {run.prompt_tokens_per_s:8.1f} tok/s")
         agree = len({tuple(t) for t in tokens.values()}) == 1
         for arm, arm_runs in runs.items():
@@ -344,15 +324,6 @@ def plot_wcpb(result: dict):
     fig.suptitle(f"WCPB vs atomic: {len(result['config']['prompt_lens'])} prompts, budget {budget}")
     fig.tight_layout()
     return fig
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    work = parser.add_argument_group("workload")
-    work.add_argument("--prompt-lens", type=int_list, default=[2048] * 4, help="e.g. 2048,2048")
-    work.add_argument("--chunk-sizes", type=int_list, default=[128, 64, 32, 16])
-    work.add_argument("--arms", type=arm_list, default=["atomic", "wavefront"])
-    add_model_args(parser)
-    parser.add_argument("--out", default="bench_results/wcpb.json")
 
 
 def main_from_args(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from loopserve.bench.args import add_serve_args as add_cli_args  # noqa: F401
+from loopserve.workloads.args import show_progress
 from loopserve.workloads.datasets import SampledRequest, sample_random, sample_sharegpt
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -400,33 +402,6 @@ def write_results(
     return paths
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `loopserve bench serve`."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="default: first model of GET /v1/models")
-    parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
-    parser.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
-    parser.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths"
-    )
-    parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument(
-        "--request-rate", type=float, default=math.inf, help="req/s; inf = all at once"
-    )
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
-    parser.add_argument("--slo-ttft-ms", type=float, default=None)
-    parser.add_argument("--slo-tpot-ms", type=float, default=None)
-    parser.add_argument("--slo-e2e-ms", type=float, default=None)
-    parser.add_argument("--out-dir", default="bench_results/serve")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit")
-
-
 def first_model_id(base_url: str, timeout_s: float) -> str:
     """The id of the first model the server lists at GET /v1/models."""
     response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout_s)
@@ -480,13 +455,13 @@ def main_from_args(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
-            progress=not args.no_progress,
+            progress=show_progress(args),
             timeout_s=args.timeout_s,
             slo=slo,
         )
     )
     print(format_table(result.metrics))
-    paths = write_results(result, args.out_dir)
+    paths = write_results(result, args.output_dir)
     print(f"results: {paths.json_path}\nplots:   {paths.png_path}")
     return 0 if result.metrics.num_completed > 0 else 1
 

@@ -31,16 +31,16 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from loopserve.bench.args import add_throughput_args as add_cli_args  # noqa: F401
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
-from loopserve.workloads.args import int_list
+from loopserve.workloads.args import show_progress
 from loopserve.workloads.arms import ARMS as ALL_ARMS
 from loopserve.workloads.arms import DECODE_ARMS, Arm
-from loopserve.workloads.exits import NAMED_EXIT_DISTRIBUTIONS as EXIT_DISTRIBUTIONS
 from loopserve.workloads.exits import exit_probabilities
 
 NUM_WARMUP_REQUESTS = 4
@@ -262,7 +262,9 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         requests, args.max_num_seqs, args.block_size, num_loops
     )
     total = len(ARMS) * (args.repeats + 1) + 1 + len(args.cost_rows)
-    with tqdm(total=total, desc="bench throughput", unit="run", disable=args.no_progress) as bar:
+    with tqdm(
+        total=total, desc="bench throughput", unit="run", disable=not show_progress(args)
+    ) as bar:
         engines = {
             a.name: build_engine(args, model_dir, a, args.max_num_seqs, num_blocks) for a in ARMS
         }
@@ -394,46 +396,6 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    work = parser.add_argument_group("workload")
-    work.add_argument("--num-requests", type=int, default=64)
-    work.add_argument("--input-len", type=int, default=32, help="mean prompt tokens")
-    work.add_argument("--output-len", type=int, default=64, help="mean output tokens")
-    work.add_argument("--range-ratio", type=float, default=0.25, help="lengths uniform ±ratio")
-    work.add_argument("--exit-dist", default="uniform", choices=EXIT_DISTRIBUTIONS)
-    work.add_argument("--exit-threshold", type=float, help="gate exits at this CDF, no trace")
-    work.add_argument("--seed", type=int, default=0)
-    model = parser.add_argument_group("model (synthetic unless --model)")
-    model.add_argument("--model", default=None, help="checkpoint dir or Hub id")
-    model.add_argument("--hidden-size", type=int, default=512)
-    model.add_argument("--num-layers", type=int, default=4)
-    model.add_argument("--num-heads", type=int, default=8)
-    model.add_argument("--num-kv-heads", type=int, default=8)
-    model.add_argument("--loops", type=int, default=4)
-    model.add_argument("--vocab-size", type=int, default=4096)
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--num-blocks", type=int, default=None, help="default: fits the workload")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--prefill-chunk-size", type=int, default=512)
-    engine.add_argument("--threads", type=int, default=1, help="torch threads; 0: torch default")
-    run = parser.add_argument_group("run")
-    run.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
-    run.add_argument("--host-rows", type=int, default=32, help="rows of the host-overhead run")
-    run.add_argument(
-        "--cost-rows",
-        type=int_list,
-        default=[],
-        help="also time single-call decode steps at these row counts (e.g. 8,16,32,64) and "
-        "fit step time = fixed + per_row x rows",
-    )
-    run.add_argument("--out", default="bench_results/throughput.json")
-    run.add_argument("--no-progress", action="store_true")
-
-
 def main_from_args(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.num_requests < 1:
         raise ConfigError("--repeats and --num-requests must be >= 1")
@@ -452,7 +414,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads_before)
     print(format_report(result))
-    out = Path(args.out)
+    out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loopserve.cli.engine_args import add_engine_args, engine_args_from
+from loopserve.engine_args import engine_args_from
+from loopserve.server.args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MODEL_NAME, add_cli_args
 from loopserve.server.async_engine import AsyncLLM
 from loopserve.server.protocol import ModelCard, ModelList
 from loopserve.server.serving_chat import create_chat_completion
@@ -33,8 +34,6 @@ from loopserve.server.serving_common import ApiError, ServingContext
 from loopserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
-DEFAULT_MODEL_NAME = "loopserve-default"
 SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to end
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -201,42 +200,6 @@ class GracefulServer(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `loopserve serve`: every engine flag plus the server's own."""
-    add_engine_args(parser)
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
-    group.add_argument(
-        "--served-model-name",
-        default=None,
-        help=f"model id in the API (default: --model, or {DEFAULT_MODEL_NAME})",
-    )
-    group.add_argument(
-        "--max-pending-requests",
-        type=int,
-        default=1024,
-        help="requests in flight (queued + running) before answering 429",
-    )
-    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    group.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads on CPU (default: cores - 1, leaving one for the event loop; "
-        "OMP_NUM_THREADS overrides)",
-    )
-    group.add_argument(
-        "--shutdown-timeout-s",
-        type=float,
-        default=10.0,
-        help="on SIGTERM, how long in-flight requests may finish before they are aborted",
-    )
-    group.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
-    )
 
 
 def _set_torch_threads(args: argparse.Namespace) -> None:

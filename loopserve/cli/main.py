@@ -121,7 +121,9 @@ def _build(
     parser = argparse.ArgumentParser(
         prog="loopserve", description="Serve looped language models.", formatter_class=HelpFormatter
     )
-    top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    top = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to run"
+    )
     groups: dict[str, argparse._SubParsersAction] = {}
     for command in COMMANDS:
         parent = top
@@ -130,7 +132,7 @@ def _build(
             if group not in groups:
                 holder = top.add_parser(group, help=GROUPS[group], formatter_class=HelpFormatter)
                 groups[group] = holder.add_subparsers(
-                    dest=f"{group}_command", required=True, metavar="COMMAND"
+                    dest=f"{group}_command", required=True, metavar="COMMAND", help="which one"
                 )
             parent = groups[group]
         sub = parent.add_parser(

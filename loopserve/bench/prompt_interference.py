@@ -21,6 +21,7 @@ size and `max_num_seqs`; runs are interleaved and each metric is the median of `
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,7 +143,7 @@ def run_arm(engine: LLMEngine, work: Workload, arm: str) -> InterferenceRun:
 
 
 def run_interference(args: argparse.Namespace, model_dir: Path) -> dict:
-    info = machine_info()
+    info = machine_info(loadavg_1m_start=os.getloadavg()[0])
     model_config = OuroConfig.from_file(model_dir / "config.json")
     D = model_config.num_loops
     work = make_workload(args, model_config.vocab_size, D)

@@ -20,27 +20,30 @@ not budget-bound. This module does not judge targets; `docs/benchmarks.md` recor
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
 import torch
 
 from loopserve.bench.args import add_model_args  # noqa: F401  (re-export)
 from loopserve.bench.args import add_wcpb_args as add_cli_args  # noqa: F401
+from loopserve.bench.common import (  # noqa: F401  (re-exported for bench interference)
+    blocks_for,
+    machine_info,
+    median_of,
+    model_dir_for,
+    pyplot,
+    random_prompts,
+    write_outputs,
+)
 from loopserve.contracts import ItemKind, SchedulerOutput
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
 from loopserve.errors import ConfigError, LoopserveError
 from loopserve.models.config import OuroConfig
-from loopserve.models.loader import resolve_model_path
-from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
 from loopserve.workloads.args import show_progress
 from loopserve.workloads.arms import prompt_arm_args
@@ -109,23 +112,6 @@ class CallRecorder:
         )
 
 
-def model_dir_for(args: argparse.Namespace, tmp: str, max_positions: int) -> Path:
-    """A synthetic checkpoint in `tmp` (or the `--model` checkpoint)."""
-    if args.model is not None:
-        return resolve_model_path(args.model)
-    names = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size", "seed")
-    sizes = {name: getattr(args, name) for name in names}
-    positions = max(4096, max_positions)
-    return make_tiny_checkpoint(
-        tmp, total_ut_steps=args.loops, max_position_embeddings=positions, **sizes
-    )
-
-
-def blocks_for(positions: list[int], block_size: int, num_loops: int) -> int:
-    """KV blocks that hold every request at once (admission never waits on KV)."""
-    return sum(-(-p // block_size) * num_loops for p in positions)
-
-
 def build_engine(
     args: argparse.Namespace, model_dir: Path, arm: str, *, chunk_size: int, **overrides: object
 ) -> LLMEngine:
@@ -141,53 +127,6 @@ def build_engine(
     )
     engine_args.update(overrides)
     return LLMEngine.from_engine_args(**engine_args)
-
-
-def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
-
-
-def median_of(runs: list[T]) -> T:
-    """Field-wise median of dataclass results."""
-    names = [f.name for f in fields(runs[0])]  # type: ignore[arg-type]
-    return type(runs[0])(**{n: statistics.median(getattr(r, n) for r in runs) for n in names})
-
-
-def machine_info() -> dict[str, object]:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": models[0] if models else platform.processor(),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_1m_start": os.getloadavg()[0],
-    }
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def write_outputs(result: dict, args: argparse.Namespace, plot) -> None:
-    """Write the JSON result and the figure `plot(result)` next to it."""
-    result["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
-    out = Path(args.output_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    path = Path(args.figure) if args.figure else out.with_suffix(".png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = plot(result)
-    fig.savefig(path, dpi=120)
-    pyplot().close(fig)
-    print(f"wrote {out} and {path}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +177,7 @@ def run_prompts(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[
 
 
 def run_wcpb(args: argparse.Namespace, model_dir: Path) -> dict:
-    info = machine_info()
+    info = machine_info(loadavg_1m_start=os.getloadavg()[0])
     model_config = OuroConfig.from_file(model_dir / "config.json")
     D, vocab = model_config.num_loops, model_config.vocab_size
     prompts = random_prompts(args.prompt_lens, vocab, args.seed)

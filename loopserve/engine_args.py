@@ -88,10 +88,11 @@ def add_engine_args(
     *,
     names: Iterable[str] | None = None,
     defaults: Mapping[str, object] | None = None,
+    helps: Mapping[str, str] | None = None,
     title: str = "engine",
 ) -> None:
-    """Add the flags of `names` (all by default) to a new group of `parser`; `defaults`
-    overrides some defaults (a tool that needs a smaller budget)."""
+    """Add the flags of `names` (all by default) to a new group of `parser`; `defaults` and
+    `helps` override some defaults and help texts (a tool that sizes things its own way)."""
     wanted = list(names) if names is not None else [arg.name for arg in ENGINE_ARGS]
     overrides = dict(defaults or {})
     group = (
@@ -100,12 +101,11 @@ def add_engine_args(
     for name in wanted:
         arg = ENGINE_ARGS_BY_NAME[name]
         value = overrides.get(name, arg.default)
+        text = (helps or {}).get(name, arg.help)
         if arg.type is bool:
-            group.add_argument(arg.flag, action="store_true", default=value, help=arg.help)
+            group.add_argument(arg.flag, action="store_true", default=value, help=text)
             continue
-        group.add_argument(
-            arg.flag, type=arg.type, default=value, choices=arg.choices, help=arg.help
-        )
+        group.add_argument(arg.flag, type=arg.type, default=value, choices=arg.choices, help=text)
 
 
 def engine_args_from(

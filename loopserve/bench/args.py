@@ -17,7 +17,12 @@ from loopserve.workloads.exits import NAMED_EXIT_DISTRIBUTIONS
 ENDPOINT_NAMES = ("chat", "completions")
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, engine_defaults: dict[str, object]) -> None:
+def add_model_args(
+    parser: argparse.ArgumentParser,
+    *,
+    engine_defaults: dict[str, object],
+    engine_helps: dict[str, str] | None = None,
+) -> None:
     """The synthetic-model group and the engine group shared by the offline benchmarks."""
     model = parser.add_argument_group("model (synthetic unless --model)")
     model.add_argument("--model", default=None, help="checkpoint dir or Hub id")
@@ -28,7 +33,9 @@ def add_model_args(parser: argparse.ArgumentParser, *, engine_defaults: dict[str
     model.add_argument("--loops", type=int, default=4, help="synthetic model loops (D)")
     model.add_argument("--vocab-size", type=int, default=4096, help="synthetic vocabulary")
     engine = parser.add_argument_group("engine")
-    add_engine_args(engine, names=list(engine_defaults), defaults=engine_defaults)
+    add_engine_args(
+        engine, names=list(engine_defaults), defaults=engine_defaults, helps=engine_helps
+    )
     engine.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)"
     )
@@ -128,6 +135,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
             "max_num_batched_tokens": 2048,
             "prefill_chunk_size": 512,
         },
+        engine_helps={"num_blocks": "KV blocks (None: enough for the workload's largest requests)"},
     )
     run = parser.add_argument_group("run")
     run.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")

@@ -24,7 +24,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loopserve.engine.llm_engine import LLMEngine
 from loopserve.sampling_params import SamplingParams
 
 ARMS = {
@@ -73,6 +72,8 @@ def build_workload(args: argparse.Namespace, vocab: int, num_loops: int):
 
 
 def run_arm(args: argparse.Namespace, name: str, work) -> ArmResult:
+    from loopserve.engine.llm_engine import LLMEngine  # torch: only when the bench runs
+
     engine = LLMEngine.from_engine_args(
         model=args.model,
         dtype="float32",
@@ -136,6 +137,8 @@ def format_results(results: list[ArmResult]) -> str:
 
 
 def main_from_args(args: argparse.Namespace) -> int:
+    from loopserve.engine.llm_engine import LLMEngine
+
     probe = LLMEngine.from_engine_args(model=args.model, dtype="float32", num_blocks=16)
     work = build_workload(args, probe.model.config.vocab_size, probe.num_loops)
     del probe

@@ -49,15 +49,25 @@ class ArmResult:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint dir (default: embedded model)")
-    parser.add_argument("--num-requests", type=int, default=48)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=[16, 96], help="min max")
-    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 128], help="min max")
-    parser.add_argument("--client-max-tokens", type=int, default=512)
-    parser.add_argument("--num-blocks", type=int, default=512, help="KV pool (blocks of 16)")
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="checkpoint dir (None: embedded model)")
+    parser.add_argument("--num-requests", type=int, default=48, help="requests, all at t=0")
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=[16, 96], help="prompt length range (min max)"
+    )
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, default=[16, 128], help="output length range (min max)"
+    )
+    parser.add_argument(
+        "--client-max-tokens", type=int, default=512, help="max_tokens every client sends"
+    )
+    parser.add_argument(
+        "--num-blocks", type=int, default=512, help="KV pool in blocks of 16 positions"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="running requests at most")
+    parser.add_argument(
+        "--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms to compare"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--out", default=None, help="write results as JSON here")
 
 

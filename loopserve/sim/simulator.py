@@ -26,8 +26,8 @@ from loopserve.contracts import WorkItem
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
-from loopserve.scheduler.request import Request
-from loopserve.scheduler.scheduler import Scheduler
+from loopserve.scheduler.request import FinishReason, Request
+from loopserve.scheduler.scheduler import MemoryStats, Scheduler
 from loopserve.sim.cost_model import CostModel, ModelShape
 from loopserve.sim.executor import ExecutorStats, SimExecutor
 from loopserve.sim.hardware import DeviceProfile
@@ -51,6 +51,8 @@ class SimRun:
     wall_s: float = 0.0
     cpu_s: float = 0.0  # process CPU seconds of the whole run
     step_items: list[tuple] = field(default_factory=list)
+    memory: MemoryStats = field(default_factory=MemoryStats)
+    prefix_hit_tokens: int = 0
 
 
 def build_engine_config(engine_args: dict[str, object]) -> EngineConfig:
@@ -95,6 +97,7 @@ class Simulator:
         exit_threshold: float = 0.5,
         seed: int = 0,
         roofline: str = "call",
+        client_max_tokens: int | None = None,
     ) -> None:
         """`exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
         draws hazards from the distribution; requests get the threshold); trace mode replays
@@ -125,11 +128,21 @@ class Simulator:
             kv_block_bytes=kv_bytes_per_block(self.shape, cache.block_size),
         )
         self.host_time_s = host_time_s
+        # Clients that do not know the output length send this max_tokens (capped by the
+        # context); each request still stops at its sampled output length (a stop, as if
+        # the model emitted EOS), so the engine never learns the length in advance.
+        self.client_max_tokens = client_max_tokens
+        self._output_len: dict[str, int] = {}
 
     def make_request(self, sim: SimRequest, order: int, arrival_s: float) -> Request:
         trace_mode = self.config.exit.mode == "trace"
+        max_tokens = sim.output_len
+        if self.client_max_tokens is not None:
+            room = self.max_model_len - sim.prompt_len
+            max_tokens = max(sim.output_len, min(self.client_max_tokens, room))
+            self._output_len[sim.request_id] = sim.output_len
         params = SamplingParams(
-            max_tokens=sim.output_len,
+            max_tokens=max_tokens,
             temperature=0.0,
             ignore_eos=True,
             exit_trace=sim.exit_trace if trace_mode else None,
@@ -183,6 +196,11 @@ class Simulator:
             output = executor.execute(scheduled)
             t2 = cpu_clock()
             touched = scheduler.update(scheduled, output)
+            for request in touched:
+                if not request.is_finished and len(
+                    request.output_token_ids
+                ) >= self._output_len.get(request.request_id, 1 << 60):
+                    scheduler.finish(request, FinishReason.STOP)
             sched_s += (t1 - t0) + (cpu_clock() - t2)
             num_steps += 1
             if scheduled.is_empty:
@@ -206,6 +224,10 @@ class Simulator:
             wall_s=time.perf_counter() - wall_start,
             cpu_s=cpu_clock() - cpu_start,
             step_items=step_items,
+            memory=scheduler.memory_stats,
+            prefix_hit_tokens=self.kv.prefix_cache.stats.num_hit_tokens
+            if self.kv.prefix_cache
+            else 0,
         )
 
 

@@ -53,6 +53,9 @@ class WorkloadSpec:
     range_ratio: float = 0.5  # synthetic only
     max_prompt_len: int = 1024  # ShareGPT filter (vLLM's rule)
     max_total_len: int = 2048  # ShareGPT filter (vLLM's rule)
+    # A system prompt of this many tokens, the same for every request, put before each
+    # sampled prompt (prefix-caching studies).
+    shared_prefix_len: int = 0
 
 
 def sample_lengths(
@@ -114,6 +117,13 @@ def build_workload(
     arrivals = poisson_arrivals(len(lengths), spec.request_rate, rng)
     exit_rng = np.random.default_rng([spec.seed, 1])  # independent of the arrival stream
     return [
-        SimRequest(f"sim-{i}", arrival, prompt_len, output_len, dist.sample(exit_rng, output_len))
+        SimRequest(
+            f"sim-{i}",
+            arrival,
+            spec.shared_prefix_len + prompt_len,
+            output_len,
+            dist.sample(exit_rng, output_len),
+            shared_prefix_len=spec.shared_prefix_len,
+        )
         for i, (arrival, (prompt_len, output_len)) in enumerate(zip(arrivals, lengths))
     ]

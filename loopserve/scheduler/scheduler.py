@@ -248,12 +248,19 @@ class Scheduler:
         if self.full_reservation:
             return
         tables, block_size = self.kv.tables, self.kv.block_size
-        for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or request.in_prompt_phase:
-                continue  # preempted by an earlier grow, or its prompt blocks exist already
+        # Hot path (every step, every running request): plain attribute arithmetic. A decode
+        # token sits at position prompt + outputs - 1; prompt positions exist from admission.
+        short = [
+            r
+            for r in self.running
+            if len(tables[r.request_id][0]) * block_size
+            < r.num_prompt_tokens + len(r.output_token_ids)
+            and r.num_prefilled_tokens == r.num_prompt_tokens
+        ]
+        for request in short:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted while an older request grew
             needed = request.next_position + 1
-            if len(tables[request.request_id][0]) * block_size >= needed:
-                continue
             while not self.kv.grow(request.request_id, needed):
                 victim = pick_victim(self.running)
                 self._preempt(victim)

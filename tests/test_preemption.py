@@ -74,17 +74,20 @@ def test_preempted_requests_match_reference(
     # The largest request writes 23 + 15 - 1 = 37 positions: 10 blocks per plane. The pool
     # holds barely more than one such request, so four running requests preempt constantly.
     num_planes = 1 if layout == "shared" else 4
+    case_index = CASES.index((preemption, layout, mode, prompt_arm, exit_mode, sampled))
     engine = make_engine(
         tiny_dir,
         layout=layout,
         mode=mode,
         exit_mode=exit_mode,
         preemption_mode=preemption,
+        # Half the cases also preempt for priority (the workload mixes priorities).
+        scheduling_policy="priority" if case_index % 2 else "fcfs",
         num_blocks=11 * num_planes,
         swap_space=2048 * 40,  # 40 host blocks of 2 KiB
         **PROMPT_ARMS[prompt_arm],
     )
-    seed = 17 + CASES.index((preemption, layout, mode, prompt_arm, exit_mode, sampled))
+    seed = 17 + case_index
     work = priority_workload(seed, 9, engine.model.config.vocab_size, sampled=sampled)
     aborted = {"r3": 9, "r6": 25}
     finished = run_steps(engine, work, abort_at=aborted)

@@ -177,10 +177,13 @@ class Scheduler:
             else:
                 hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
                 blocks = self.kv.admission_blocks(positions, hits)
-            if not self._has_room(blocks) and not (
-                self.priority_preemption and self._preempt_for(request, blocks, victims)
-            ):
-                break
+            if not self._has_room(blocks):
+                if not (self.priority_preemption and self._preempt_for(request, blocks, victims)):
+                    break
+                if not request.swapped:  # a victim's release may have made some hits idle
+                    blocks = self.kv.admission_blocks(positions, hits)
+                    if not self._has_room(blocks):
+                        break
             del self.waiting[0]
             self._start_running(request, positions, hits)
 

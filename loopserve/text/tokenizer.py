@@ -92,9 +92,11 @@ class Tokenizer:
                 raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from exc
         elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
             backend = _gpt2_backend(directory, config)
+            # `special_tokens_map.json` names EOS/BOS where the config leaves them out or null.
             special_map = _read_json(directory / "special_tokens_map.json")
-            config = {**{k: special_map[k] for k in ("eos_token", "bos_token") if k in special_map}}
-            config |= _read_json(directory / "tokenizer_config.json")
+            for key in ("eos_token", "bos_token"):
+                if config.get(key) is None and special_map.get(key) is not None:
+                    config = {**config, key: special_map[key]}
         else:
             return None
         generation = _read_json(directory / "generation_config.json")

@@ -3,9 +3,10 @@
 `add_request` validates and queues; `step` runs schedule → execute → update once and returns
 one `RequestOutput` per request that produced a token or finished this step (cumulative
 fields plus the step's delta). Text stays at the edges: the `InputProcessor` checks and
-tokenizes prompts, the `OutputProcessor` detokenizes, matches stop strings and assembles outputs;
-a stop-string hit finishes the request through the scheduler (`_finish_on_stop_string`). A step whose execution raises fails
-only the requests it carried; the engine keeps serving the rest.
+tokenizes prompts, the `OutputProcessor` detokenizes, matches stop strings and assembles
+outputs; a stop-string hit finishes the request through the scheduler
+(`_finish_on_stop_string`). A step whose execution raises fails only the requests it carried;
+the engine keeps serving the rest.
 """
 
 from __future__ import annotations

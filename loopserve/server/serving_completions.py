@@ -3,8 +3,9 @@
 A body may carry one prompt or a batch (strings or token-id lists); every prompt gets `n`
 independent samples, and choice `prompt_index * n + sample_index` answers it. All samples are
 submitted at once, so a rejection of any of them is a 400 before any work is done. Prompts are
-checked and tokenized by the engine's `InputProcessor` in a worker thread, off the event loop. Each choice
-carries `exit_depths` (loops used per output token); streaming chunks carry the new ones.
+checked and tokenized by the engine's `InputProcessor` in a worker thread, off the event loop.
+Each choice carries `exit_depths` (loops used per output token); streaming chunks carry the new
+ones.
 """
 
 from __future__ import annotations

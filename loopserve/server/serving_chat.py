@@ -1,10 +1,11 @@
 """`POST /v1/chat/completions`: messages rendered by the model's chat template, then generated.
 
-The prompt is rendered with the model's chat template and tokenized without extra special
-tokens (the template already places them), by the engine's `InputProcessor` in a worker
-thread. Unless `ignore_eos` is set, the template family's end-of-turn tokens stop generation. Streaming sends a `role: "assistant"` delta per choice
-first, then content deltas, a final chunk with `finish_reason`, an optional usage chunk and
-`[DONE]`. Every choice carries `exit_depths` (loops used per output token).
+The prompt is rendered with the model's chat template and tokenized without extra special tokens
+(the template already places them), by the engine's `InputProcessor` in a worker thread. Unless
+`ignore_eos` is set, the template family's end-of-turn tokens stop generation. Streaming sends a
+`role: "assistant"` delta per choice first, then content deltas, a final chunk with
+`finish_reason`, an optional usage chunk and `[DONE]`. Every choice carries `exit_depths` (loops
+used per output token).
 """
 
 from __future__ import annotations

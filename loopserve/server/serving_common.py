@@ -4,10 +4,10 @@
 report becomes one (`api_server` renders it). `ServingContext` is the per-app state: the
 `AsyncLLM`, the served model name and the limits. Prompt text work (chat templates,
 tokenization) goes through the engine's `InputProcessor` in a worker thread (`process_text`),
-never on the event loop, so a huge prompt does not stall `/health` or other streams. This
-module decides status codes once: 400 for invalid input (including `CapacityError`), 404 for an unknown model, 429 when the
-queue is full, 503 while the engine loads, shuts down or is dead, 500 when the engine failed a
-request.
+never on the event loop, so a huge prompt does not stall `/health` or other streams. This module
+decides status codes once: 400 for invalid input (including `CapacityError`), 404 for an unknown
+model, 429 when the queue is full, 503 while the engine loads, shuts down or is dead, 500 when
+the engine failed a request.
 """
 
 from __future__ import annotations

@@ -200,6 +200,13 @@ def test_incremental_stop_matching_equals_naive_full_text_search(tokenizer: Toke
             pieces.append(update.new_text)
             if update.stop_hit is not None:
                 break
+            # Held back: exactly the longest tail that is a proper prefix of some stop string.
+            text_so_far = detokenizer.text
+            held = max(
+                (n for s in stops for n in range(1, len(s)) if text_so_far.endswith(s[:n])),
+                default=0,
+            )
+            assert "".join(pieces) == text_so_far[: len(text_so_far) - held]
         else:
             pieces.append(detokenizer.finish())
         expected_text, expected_stop = naive_stop(tokenizer, token_ids, stops)

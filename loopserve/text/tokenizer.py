@@ -23,9 +23,9 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
 
 from loopserve.errors import InvalidRequestError, ModelLoadError
+from loopserve.text.gpt2_files import gpt2_backend
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE: str = (
@@ -91,7 +91,8 @@ class Tokenizer:
             except Exception as exc:  # the Rust loader raises plain Exception on bad files
                 raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from exc
         elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
-            backend = _gpt2_backend(directory, config)
+            added_tokens = _read_json(directory / "added_tokens.json")
+            backend = gpt2_backend(directory, config, added_tokens)
             # `special_tokens_map.json` names EOS/BOS where the config leaves them out or null.
             special_map = _read_json(directory / "special_tokens_map.json")
             for key in ("eos_token", "bos_token"):
@@ -179,45 +180,6 @@ class Tokenizer:
         """
         vocab = self._backend.get_vocab(with_added_tokens=True)
         return max((len(token) for token in vocab), default=1)
-
-
-def _gpt2_backend(directory: Path, config: dict[str, Any]) -> tokenizers.Tokenizer:
-    """A byte-level BPE from GPT-2-style `vocab.json` + `merges.txt`, as `GPT2Tokenizer` builds
-    it, with the added tokens placed at the ids the checkpoint gives them."""
-    try:
-        model = models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
-    except Exception as exc:  # the Rust loader raises plain Exception on bad files
-        raise ModelLoadError(f"cannot load vocab.json + merges.txt in {directory}: {exc}") from exc
-    backend = tokenizers.Tokenizer(model)
-    add_prefix_space = bool(config.get("add_prefix_space", False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
-    backend.decoder = decoders.ByteLevel()
-    added: dict[int, tokenizers.AddedToken] = {}
-    for token, token_id in _read_json(directory / "added_tokens.json").items():
-        if isinstance(token_id, int):
-            added[token_id] = tokenizers.AddedToken(token, special=True, normalized=False)
-    for key, entry in (config.get("added_tokens_decoder") or {}).items():
-        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and key.isdigit():
-            added[int(key)] = tokenizers.AddedToken(
-                entry["content"],
-                single_word=bool(entry.get("single_word", False)),
-                lstrip=bool(entry.get("lstrip", False)),
-                rstrip=bool(entry.get("rstrip", False)),
-                normalized=bool(entry.get("normalized", False)),
-                special=bool(entry.get("special", True)),
-            )
-    for token_id in sorted(added):  # new tokens get the next free id, so add them in id order
-        token = added[token_id]
-        if token.special:
-            backend.add_special_tokens([token])
-        else:
-            backend.add_tokens([token])
-        if backend.token_to_id(token.content) != token_id:
-            raise ModelLoadError(
-                f"added token {token.content!r} should have id {token_id} in {directory}, "
-                f"but the vocabulary gives it {backend.token_to_id(token.content)}"
-            )
-    return backend
 
 
 def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

@@ -1,10 +1,13 @@
-"""`LLMEngine`: loads the model and wires config → KV manager → scheduler → runner.
+"""`LLMEngine`: loads the model and wires config → KV manager → scheduler → runner → core.
 
-`add_request` validates and queues; `step` runs schedule → execute → update once and returns
-one `RequestOutput` per request that produced a token or finished this step (cumulative
-fields plus the step's delta). Text is detokenized incrementally; stop strings finish a
-request here, after the scheduler's token-level stops. A step whose execution raises fails
-only the requests it carried; the engine keeps serving the rest.
+The step loop is `EngineCore` (loopserve/engine/core.py, token ids only) over a
+`ModelRunner`. This class adds what sits around it: loading the model and tokenizer, the
+memory plan (KV blocks from the byte budget), and text handling. `add_request` validates,
+tokenizes and queues; `step` runs one core step and returns one `RequestOutput` per request
+that produced a token or finished (cumulative fields plus the step's delta). Text is
+detokenized incrementally; stop strings finish a request here, after the scheduler's
+token-level stops. A step whose execution raises fails only the requests it carried.
+Statistics: `stats` (a frozen `EngineStats` snapshot from the core).
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from loopserve.config import EngineConfig, max_inflight_rows, resolve_dtype, resolve_num_blocks
+from loopserve.engine.core import EngineCore
+from loopserve.engine.stats import EngineStats
 from loopserve.errors import CapacityError, InvalidRequestError
 from loopserve.models import load_model
 from loopserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
@@ -32,38 +35,6 @@ from loopserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_core_calls: int = 0
-    num_rows: int = 0
-    num_output_tokens: int = 0
-    num_loops: int = 0  # sum of loops used over output tokens
-    model_time_s: float = 0.0  # the runner's whole `execute`
-    forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
-    step_time_s: float = 0.0
-
-    @property
-    def mean_rows_per_core_call(self) -> float:
-        return self.num_rows / self.num_core_calls if self.num_core_calls else 0.0
-
-    @property
-    def mean_loops_per_token(self) -> float:
-        return self.num_loops / self.num_output_tokens if self.num_output_tokens else 0.0
-
-    @property
-    def host_overhead_share(self) -> float:
-        """Share of step time outside the model forward: scheduling, engine bookkeeping, and the
-        runner's tensor building, finalize copies and sampling."""
-        return 1.0 - self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
-
-    @property
-    def runner_host_share(self) -> float:
-        """The part of `host_overhead_share` spent inside the runner around the forward."""
-        runner_s = self.model_time_s - self.forward_time_s
-        return runner_s / self.step_time_s if self.step_time_s else 0.0
 
 
 class _Tracked:
@@ -118,9 +89,18 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
-        self.stats = EngineStats()
+        self.core = EngineCore(self.scheduler, self.runner)
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
+
+    @property
+    def stats(self) -> EngineStats:
+        """Read-only snapshot of KV usage, queues and step counters (see `EngineStats`)."""
+        return self.core.stats()
+
+    def reset_stats(self) -> None:
+        """Restart the step counters (benchmarks measure one run at a time)."""
+        self.core.reset_counters()
 
     @classmethod
     def from_engine_args(cls, **engine_args: object) -> LLMEngine:
@@ -179,7 +159,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_s=arrival_s,
         )
-        self.scheduler.add_request(request)
+        self.core.add_request(request)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, token_ids, stop=resolved.stop)
@@ -187,60 +167,36 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         tracked = self._tracked.get(request_id)
-        if tracked is None or self.scheduler.abort_request(request_id) is None:
+        if tracked is None or self.core.abort_request(request_id) is None:
             return None
-        self._release_gone()
         return self._output(tracked, [], final=True)
 
-    def _release_gone(self) -> None:
-        """Drop runner state (generators, hidden handles) of requests that left."""
-        for request_id in self.scheduler.drain_gone_request_ids():
-            self.runner.release_request(request_id)
-
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_waiting + self.scheduler.num_running
+        return self.core.num_unfinished_requests
 
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        start_s = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        try:
-            output = self.runner.execute(scheduled)
-        except Exception as err:  # a failed step fails its own requests, not the engine
-            logger.exception("step %d failed", scheduled.step_id)
-            return self._fail_step(scheduled, err)
-        touched = self.scheduler.update(scheduled, output)
-        self.stats.num_steps += 1
-        self.stats.num_core_calls += len(output.rows_per_core_call)
-        self.stats.num_rows += sum(output.rows_per_core_call)
-        self.stats.model_time_s += output.model_time_s
-        self.stats.forward_time_s += output.forward_time_s
-        outputs = [self._process(request) for request in touched]
-        self._release_gone()
-        self.stats.step_time_s += time.perf_counter() - start_s
-        return outputs
+        result = self.core.step()
+        if result.error is not None:
+            logger.error("step %d failed", result.scheduled.step_id, exc_info=result.error)
+            return self._fail_outputs(result.failed, result.error)
+        return [self._process(request) for request in result.touched]
 
-    def _fail_step(self, scheduled, err: Exception) -> list[RequestOutput]:
-        ids = list(dict.fromkeys(item.request_id for item in scheduled.items))
-        outputs = []
-        failed = self.scheduler.fail_requests(ids)
-        self._release_gone()
-        for request in failed:
-            tracked = self._tracked[request.request_id]
-            outputs.append(
-                self._output(tracked, [], final=True, error=f"{type(err).__name__}: {err}")
-            )
-        return outputs
+    # ---- text (moves to the output processor) ---------------------------------------------
+
+    def _fail_outputs(self, failed: list[Request], err: Exception) -> list[RequestOutput]:
+        error = f"{type(err).__name__}: {err}"
+        return [
+            self._output(self._tracked[r.request_id], [], final=True, error=error) for r in failed
+        ]
 
     def _process(self, request: Request) -> RequestOutput:
         tracked = self._tracked[request.request_id]
         token = request.output_token_ids[-1]
-        self.stats.num_output_tokens += 1
-        self.stats.num_loops += request.exit_depths[-1]
         new_text = ""
         if tracked.detokenizer is not None:
             update = tracked.detokenizer.add_token(token)
@@ -251,7 +207,7 @@ class LLMEngine:
                 if request.is_finished:
                     request.finish_reason = FinishReason.STOP  # the stop string wins
                 else:
-                    self.scheduler.finish(request, FinishReason.STOP)
+                    self.core.finish_request(request, FinishReason.STOP)
         if request.finish_reason is FinishReason.STOP and tracked.stop_reason is None:
             tracked.stop_reason = token
         return self._output(tracked, [token], final=request.is_finished, new_text=new_text)

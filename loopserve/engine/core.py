@@ -14,12 +14,15 @@ clock; neither has a step loop of its own.
   through `SchedulerOutput.finished_request_ids`, with the next step. When the core goes idle
   (no unfinished request) with releases pending, it flushes them at once with a
   bookkeeping-only `SchedulerOutput` (no items), so an idle executor holds no request state.
+  If that flush raises too (a failing executor), the releases stay pending for the next
+  output.
 - Stats: `stats()` returns a frozen `EngineStats` snapshot (gauges now, counters since
   construction or `reset_counters()`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from loopserve.engine.stats import EngineStats, StepCounters
 from loopserve.scheduler.request import FinishReason, Request
 from loopserve.scheduler.scheduler import Scheduler
 
+logger = logging.getLogger(__name__)
 StepObserver = Callable[[SchedulerOutput, RunnerOutput], None]
 
 
@@ -129,7 +133,12 @@ class EngineCore:
     def _flush_if_idle(self) -> None:
         """Deliver pending releases now when no step would come to carry them."""
         if self.scheduler.has_pending_releases() and not self.scheduler.has_unfinished_requests():
-            self.executor.execute(self.scheduler.schedule_releases())
+            releases = self.scheduler.schedule_releases()
+            try:
+                self.executor.execute(releases)
+            except Exception:  # the executor is failing; the next output carries them again
+                logger.exception("releasing %s failed", list(releases.finished_request_ids))
+                self.scheduler.return_releases(releases.finished_request_ids)
 
     # ---- stats --------------------------------------------------------------------------------
 

@@ -120,6 +120,11 @@ class Scheduler:
         """True when requests left RUNNING since the last `SchedulerOutput` was built."""
         return bool(self._gone_request_ids)
 
+    def return_releases(self, request_ids: Iterable[str]) -> None:
+        """Put back releases whose bookkeeping-only output the executor failed to apply; the
+        next `SchedulerOutput` carries them again."""
+        self._gone_request_ids[:0] = list(request_ids)
+
     def schedule_releases(self) -> SchedulerOutput:
         """A bookkeeping-only output (no items) carrying the pending releases."""
         self._step_id += 1

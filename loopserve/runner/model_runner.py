@@ -4,19 +4,21 @@ It owns every tensor: the model, the paged KV cache, per-request sampling genera
 the hidden states of work in flight (a decode token between loops, a prompt chunk between
 depths) behind the scheduler's opaque handles. Per core call it embeds only rows that need a
 prelude, computes hazards only for rows that need a signal, runs the coda and sampler only
-for exiting rows, and finalizes LAST_EXITED planes after early exits. It never sees a
-`Request`.
+for exiting rows, and finalizes LAST_EXITED planes after early exits. It decides each exit
+with the pure functions of `loopserve.exit` (`loop_exits`, `choose_exit_from_hazards`) and
+reports it; the scheduler records it. It never sees a `Request`. One of the two `Executor`s
+(the other is the simulator's `SimExecutor`).
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 from loopserve.contracts import (
+    Executor,
     ItemKind,
     ItemResult,
     KVTransfer,
@@ -27,7 +29,7 @@ from loopserve.contracts import (
     SwapKind,
     WorkItem,
 )
-from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
+from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.runner.attention.torch_paged import (
     PagedAttentionMetadata,
@@ -35,6 +37,7 @@ from loopserve.runner.attention.torch_paged import (
     TorchPagedAttention,
     Workspace,
 )
+from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 from loopserve.runner.swap import SwapSpace
 
@@ -49,7 +52,7 @@ class InFlight:
     last_rows: list[torch.Tensor] = field(default_factory=list)
 
 
-class ModelRunner:
+class ModelRunner(Executor):
     def __init__(
         self,
         model: OuroForLoopedLM,
@@ -85,9 +88,9 @@ class ModelRunner:
         lookahead = lookahead_seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD else None
         self.hazard_fn = make_hazard_fn(model, lookahead_seed=lookahead)
         self.samplers: dict[str, tuple[SampleSpec, torch.Generator | None]] = {}
-        self.inflight: dict[int, InFlight] = {}  # handle -> state between steps
-        self.handles_of: dict[str, set[int]] = defaultdict(set)
+        self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
+        self._num_finalized = 0  # this step's finalized decode tokens
         self.workspace = Workspace()  # attention gather scratch, reused by every core call
         self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
@@ -102,9 +105,9 @@ class ModelRunner:
 
     def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_request_ids:
-            self.release_request(request_id)
-        for handle in scheduled.released_handles:
-            self.inflight.pop(handle, None)
+            self.samplers.pop(request_id, None)
+            self.inflight.release(request_id)
+            self.swapped_inflight.pop(request_id, None)
         # Build every new request's sampler first and install them together, so a failure in
         # one request's setup leaves no half-installed samplers behind.
         samplers = {}
@@ -116,13 +119,16 @@ class ModelRunner:
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
             self._swap(transfer)
         for request_id in scheduled.preempted_request_ids:
-            self.drop_inflight(request_id)  # recompute: the sampler stays
+            self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
 
     def _swap(self, transfer: KVTransfer) -> None:
+        """Copy the blocks, and move the request's paused work with them (same handles)."""
         request_id = transfer.request_id
         self.swap.copy(transfer)
         if transfer.kind is SwapKind.OUT:
-            states = {h: self.inflight.pop(h) for h in self.handles_of.pop(request_id, ())}
+            handles = self.inflight.handles_of(request_id)
+            states = {h: self.inflight.resume(h) for h in handles if h in self.inflight}
+            self.inflight.release(request_id)
             self.swapped_inflight[request_id] = {
                 h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.last_rows])
                 for h, s in states.items()
@@ -130,19 +136,8 @@ class ModelRunner:
             return
         for handle, state in self.swapped_inflight.pop(request_id).items():
             hidden = state.hidden.to(self.device)
-            self.inflight[handle] = InFlight(
-                hidden, state.hazards, [r.to(self.device) for r in state.last_rows]
-            )
-            self.handles_of[request_id].add(handle)
-
-    def drop_inflight(self, request_id: str) -> None:
-        for handle in self.handles_of.pop(request_id, ()):
-            self.inflight.pop(handle, None)
-
-    def release_request(self, request_id: str) -> None:
-        self.samplers.pop(request_id, None)
-        self.swapped_inflight.pop(request_id, None)
-        self.drop_inflight(request_id)
+            rows = [r.to(self.device) for r in state.last_rows]
+            self.inflight.keep(request_id, handle, InFlight(hidden, state.hazards, rows))
 
     @property
     def num_live_handles(self) -> int:
@@ -150,7 +145,7 @@ class ModelRunner:
 
     @property
     def inflight_rows(self) -> int:
-        return sum(state.hidden.shape[0] for state in self.inflight.values())
+        return sum(state.hidden.shape[0] for state in self.inflight.states())
 
     # ---- execution ----------------------------------------------------------------------
 
@@ -165,6 +160,7 @@ class ModelRunner:
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
         states = self._initial_states(items, hazards, last_outputs)
         exited = [False] * len(items)
+        self._num_finalized = 0
         rows_per_call = []
         for k in range(max(item.num_depths for item in items)):
             active = [i for i, item in enumerate(items) if k < item.num_depths]
@@ -174,6 +170,9 @@ class ModelRunner:
                 scheduled.block_tables, items, active, states, hazards, last_outputs, exited
             )
         results = self._coda(items, states, hazards, last_outputs, exited)
+        num_early = sum(
+            1 for r in results if r.loops_used is not None and r.loops_used < self.num_loops
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return RunnerOutput(
@@ -182,6 +181,8 @@ class ModelRunner:
             tuple(rows_per_call),
             model_time_s=time.perf_counter() - start_s,
             forward_time_s=self._forward_s,
+            num_early_exits=num_early,
+            num_finalize_copies=self._num_finalized,
         )
 
     def _timed(self, fn, *args) -> torch.Tensor:
@@ -206,7 +207,7 @@ class ModelRunner:
                 states[i] = chunk
         for i, item in enumerate(items):
             if states[i] is None:
-                resumed = self.inflight.pop(item.handle)
+                resumed = self.inflight.resume(item.handle)
                 states[i] = resumed.hidden
                 if item.first_token:  # the last prompt row's earlier depths
                     hazards[i], last_outputs[i] = resumed.hazards, resumed.last_rows
@@ -245,17 +246,14 @@ class ModelRunner:
                 if item.first_token:
                     last_outputs[i].append(states[i][-1:])
                 continue
-            if item.kind is ItemKind.REPLAY:
-                exited[i] = bool(item.exit_now)
-            elif item.exit_now is None:
-                before = GateState(item.cdf_before, item.survival_before)
-                exited[i] = next_gate_state(before, hazards[i][-1]).cdf >= item.threshold
-            else:
-                exited[i] = item.exit_now
+            before = GateState(item.cdf_before, item.survival_before)
+            hazard = hazards[i][-1] if item.needs_gate else None
+            exited[i] = loop_exits(item.exit_now, before, hazard, item.threshold)
             if exited[i] and not self.shared and item.depth < self.num_loops - 1:
                 finalize.append(item)
         if finalize:
             self._finalize(tables, finalize)
+            self._num_finalized += len(finalize)
 
     def _finalize(self, tables, items: list[WorkItem]) -> None:
         """Copy each exited token's K/V of its exit depth into every deeper plane."""
@@ -299,13 +297,13 @@ class ModelRunner:
             finished = (
                 i in sampled
                 or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
-                or (item.kind is ItemKind.REPLAY and exited[i])
+                or (item.kind is ItemKind.REPLAY and exited[i])  # replay: no coda
             )
             if finished:
-                self.handles_of[item.request_id].discard(item.handle)
+                self.inflight.done(item.request_id, item.handle)
             else:
-                self.inflight[item.handle] = InFlight(states[i], hazards[i], last_outputs[i])
-                self.handles_of[item.request_id].add(item.handle)
+                state = InFlight(states[i], hazards[i], last_outputs[i])
+                self.inflight.keep(item.request_id, item.handle, state)
             results.append(
                 ItemResult(
                     request_id=item.request_id,

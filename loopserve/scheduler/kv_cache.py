@@ -99,6 +99,7 @@ class KVCacheManager:
         self.num_shared_pages: dict[str, int] = {}
         self.num_swapped_out_blocks = 0  # totals, for stats
         self.num_swapped_in_blocks = 0
+        self.bytes_per_block = 0  # one block of one plane, when known (stats only)
 
     @classmethod
     def from_config(
@@ -112,7 +113,7 @@ class KVCacheManager:
         caching = cache.enable_prefix_caching
         if caching is None:
             caching = cache.layout == "last_exited"
-        return cls(
+        manager = cls(
             cache.num_blocks,
             cache.block_size,
             num_planes,
@@ -120,6 +121,8 @@ class KVCacheManager:
             watermark=cache.kv_watermark,
             prefix_cache=PrefixCache(cache.block_size, num_planes) if caching else None,
         )
+        manager.bytes_per_block = bytes_per_block
+        return manager
 
     # ---- sizes ----------------------------------------------------------------------------
 
@@ -137,6 +140,11 @@ class KVCacheManager:
         """Free blocks plus cached blocks no request references (evicted on demand)."""
         evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
         return self.pool.num_free_blocks + evictable
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the device pool, over all planes."""
+        return self.pool.num_blocks
 
     @property
     def num_used_blocks(self) -> int:

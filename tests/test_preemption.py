@@ -290,3 +290,22 @@ def test_no_preemption_for_equal_priority_or_under_fcfs(tiny_dir, policy):
     engine.add_request("c", [7, 8, 9], newcomer)
     assert _finish_order(engine)[-1] == "c"
     assert engine.scheduler.memory_stats.num_preemptions == 0
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(tiny_dir):
+    # 2 host blocks of 2 KiB; the request holds at least 2 blocks x 4 planes.
+    engine = make_engine(tiny_dir, preemption_mode="swap", swap_space=2 * 2048)
+    assert engine.kv.host_pool.num_blocks == 2
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("a", [3, 1, 4, 1, 5, 9, 2], params)
+    request = engine.scheduler.requests["a"]
+    while len(request.output_token_ids) < 3:
+        engine.step()
+    engine.scheduler.preempt("a")
+    assert not request.swapped
+    stats = engine.scheduler.memory_stats
+    assert (stats.num_preemptions_swap, stats.num_preemptions_recompute) == (0, 1)
+    finished = run_steps(engine, [])
+    assert finished["a"].token_ids == reference_for(engine, [3, 1, 4, 1, 5, 9, 2], params).token_ids
+    assert finished["a"].metrics.num_preemptions == 1
+    assert_all_released(engine)

@@ -17,6 +17,7 @@ LAYOUTS = ("last_exited", "shared")
 MODES = ("refill", "no_refill")
 PREFILL_MODES = ("atomic", "per_depth", "wavefront")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # resolved per device by the runner's registry
 DEFAULT_CPU_KV_BYTES = 512 * 1024**2
 
 
@@ -52,6 +53,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
+    attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -64,7 +66,7 @@ class EngineConfig:
         """Build from flat names; unknown names raise with the list of valid ones."""
         groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
         parts: dict[str, dict[str, object]] = {"cache": {}, "scheduler": {}, "exit": {}, "top": {}}
-        top_names = {"model", "dtype", "device", "max_model_len"}
+        top_names = {"model", "dtype", "device", "max_model_len", "attention_backend"}
         for name, value in kwargs.items():
             if name in top_names:
                 parts["top"][name] = value
@@ -93,7 +95,8 @@ class EngineConfig:
 
 
 def engine_arg_names() -> set[str]:
-    names = {"model", "dtype", "device", "max_model_len", "exit_mode", "lookahead_seed"}
+    names = {"model", "dtype", "device", "max_model_len", "attention_backend"}
+    names |= {"exit_mode", "lookahead_seed"}
     for klass in (CacheConfig, SchedulerConfig):
         names |= {f.name for f in dataclasses.fields(klass)}
     return names
@@ -134,6 +137,7 @@ def validate(config: EngineConfig) -> None:
     _choice("prefill_mode", sched.prefill_mode, PREFILL_MODES)
     _choice("exit_mode", exit_.mode, EXIT_MODES)
     _choice("device", config.device.split(":")[0], ("cpu", "cuda"))
+    _choice("attention_backend", config.attention_backend, ATTENTION_BACKENDS)
     if sched.prefill_chunk_size > sched.max_num_batched_tokens:
         raise ConfigError(
             f"prefill_chunk_size ({sched.prefill_chunk_size}) must be <= max_num_batched_tokens "

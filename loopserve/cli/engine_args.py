@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loopserve.config import EXIT_MODES, LAYOUTS, MODES, PREFILL_MODES
+from loopserve.config import ATTENTION_BACKENDS, EXIT_MODES, LAYOUTS, MODES, PREFILL_MODES
 
 
 def int_list(text: str) -> list[int]:
@@ -30,6 +30,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)",
+    )
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks (default: from a byte budget)"
@@ -51,7 +57,7 @@ ENGINE_ARG_NAMES = (
     "model", "dtype", "device", "max_model_len", "block_size", "num_blocks", "kv_cache_bytes",
     "gpu_memory_utilization", "layout", "max_num_seqs", "max_num_batched_tokens",
     "prefill_chunk_size", "mode", "prefill_mode", "mixed_prefill_decode", "exit_mode",
-    "lookahead_seed",
+    "lookahead_seed", "attention_backend",
 )  # fmt: skip
 
 

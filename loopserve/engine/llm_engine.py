@@ -113,6 +113,7 @@ class LLMEngine:
             layout=cache.layout,
             exit_mode=self.config.exit.mode,
             lookahead_seed=self.config.exit.lookahead_seed,
+            attention_backend=self.config.attention_backend,
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:

@@ -27,12 +27,8 @@ from loopserve.contracts import (
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.runner.attention.torch_paged import (
-    PagedAttentionMetadata,
-    RowSegment,
-    TorchPagedAttention,
-    Workspace,
-)
+from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.sampler import make_generator, sample_rows
 
 
@@ -56,6 +52,7 @@ class ModelRunner:
         layout: str,
         exit_mode: str,
         lookahead_seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         config = model.config
@@ -84,7 +81,9 @@ class ModelRunner:
         self.inflight: dict[int, InFlight] = {}  # handle -> state between steps
         self.handles_of: dict[str, set[int]] = defaultdict(set)
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
-        self.workspace = Workspace()  # attention gather scratch, reused by every core call
+        self.attention = make_attention_backend(
+            attention_backend, self.kv_cache, block_size=block_size, scale=self.scale
+        )
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -187,8 +186,7 @@ class ModelRunner:
             table = scheduled.block_tables[item.request_id][self._plane(item, k)]
             segments.append(RowSegment(table, item.token_start, item.token_count))
             positions.extend(range(item.token_start, item.token_start + item.token_count))
-        meta = PagedAttentionMetadata.build(segments, self.block_size, self.device)
-        attn = TorchPagedAttention(self.kv_cache, meta, self.scale, self.workspace)
+        attn = self.attention.prepare(segments)
         hidden = torch.cat([states[i] for i in active])
         position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
         out = self._timed(self.model.core, hidden, position_ids, attn)
@@ -229,9 +227,9 @@ class ModelRunner:
             for plane in range(item.depth + 1, self.num_loops):
                 src.append(source)
                 dst.append(table[plane][block] * self.block_size + offset)
-        src_t = torch.tensor(src, device=self.device)
-        dst_t = torch.tensor(dst, device=self.device)
-        self.kv_cache[:, :, dst_t] = self.kv_cache[:, :, src_t]
+        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        self.attention.finalize(src_t, dst_t)
 
     def _coda(self, items, states, hazards, last_outputs, exited) -> list[ItemResult]:
         coda_rows: list[torch.Tensor] = []

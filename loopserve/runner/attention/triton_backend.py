@@ -90,7 +90,14 @@ class TritonAttention:
         backend, meta = self.backend, self.meta
         key_cache = backend.kv_cache[layer_idx, 0]  # [slots, Hkv, Dh]
         value_cache = backend.kv_cache[layer_idx, 1]
-        kernels.write_kv(key, value, key_cache, value_cache, meta.write_slots)
+        kernels.write_kv(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            meta.write_slots,
+            rows_per_program=backend.write_rows,
+        )
         out = torch.empty_like(query)
         kernels.decode_attention(
             query,
@@ -141,16 +148,20 @@ class TritonBackend(PagedAttentionBackend):
         block_size: int,
         scale: float,
         split_len: int = 512,
-        decode_block_n: int = 64,
-        prefill_block_m: int = 64,
-        prefill_block_n: int = 64,
+        decode_block_n: int | None = None,
+        prefill_block_m: int | None = None,
+        prefill_block_n: int | None = None,
     ) -> None:
         super().__init__(kv_cache, block_size=block_size, scale=scale)
         assert kv_cache.is_contiguous()
+        # The interpreter (CPU) pays per element of a tile: small tiles suit its short
+        # contexts; on CUDA 64-wide tiles keep the loads coalesced.
+        tile = 16 if kv_cache.device.type == "cpu" else 64
+        self.write_rows = 16 if kv_cache.device.type == "cpu" else 2  # rows per KV-write program
         self.split_len = split_len
-        self.decode_block_n = decode_block_n
-        self.prefill_block_m = prefill_block_m
-        self.prefill_block_n = prefill_block_n
+        self.decode_block_n = decode_block_n or tile
+        self.prefill_block_m = prefill_block_m or tile
+        self.prefill_block_n = prefill_block_n or tile
 
     def prepare(self, segments: Sequence[RowSegment]) -> TritonAttention:
         meta = TritonCallMetadata.build(

@@ -5,7 +5,7 @@ block_size + position % block_size`; a position's block comes from the block tab
 plane its row addresses, so every row (or prompt chunk) of one launch may read a different
 request and plane. Any `block_size` works (the slot is computed per position, not per tile).
 
-- `write_kv`: K/V of every row of a call into its slot, one program per (row, KV head).
+- `write_kv`: K/V of every row of a call into its slot, a few rows (all heads) per program.
 - `decode_attention`: one query row per item; one program per (row, KV head, split) serving
   all query heads of the KV head's group (grouped-query attention without K/V copies); with
   more than one split (flash-decoding) each split writes a partial output and its
@@ -40,25 +40,23 @@ def _write_kv_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slots_ptr,
-    stride_k_row,
-    stride_k_head,
-    stride_v_row,
-    stride_v_head,
+    num_rows,
     stride_c_slot,
-    stride_c_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    ROW_ELEMS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    mask = d < HEAD_DIM
-    dst = slot * stride_c_slot + head * stride_c_head + d
-    k = tl.load(key_ptr + row * stride_k_row + head * stride_k_head + d, mask=mask)
-    tl.store(key_cache_ptr + dst, k, mask=mask)
-    v = tl.load(value_ptr + row * stride_v_row + head * stride_v_head + d, mask=mask)
-    tl.store(value_cache_ptr + dst, v, mask=mask)
+    # A row's K (and V) is ROW_ELEMS = Hkv * Dh contiguous elements both in the call's tensor
+    # and in its cache slot, so a program copies BLOCK_R rows x BLOCK_W elements at once.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    r_mask = r < num_rows
+    mask = r_mask[:, None] & (w[None, :] < ROW_ELEMS)
+    slot = tl.load(slots_ptr + r, mask=r_mask, other=0).to(tl.int64)
+    src = r.to(tl.int64)[:, None] * ROW_ELEMS + w[None, :]
+    dst = slot[:, None] * stride_c_slot + w[None, :]
+    tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
+    tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
 
 
 def write_kv(
@@ -67,26 +65,29 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slots: torch.Tensor,
+    *,
+    rows_per_program: int = 8,
 ) -> None:
     """key/value [rows, Hkv, Dh] -> caches [slots, Hkv, Dh] at `slots` [rows]."""
-    rows, num_kv_heads, head_dim = key.shape
+    rows = key.shape[0]
     if rows == 0:
         return
-    assert key.stride(2) == 1 and value.stride(2) == 1 and key_cache.stride(2) == 1
-    _write_kv_kernel[(rows, num_kv_heads)](
+    key, value = key.contiguous(), value.contiguous()
+    assert key_cache.stride(1) == key_cache.shape[2] and key_cache.stride(2) == 1
+    row_elems = key.shape[1] * key.shape[2]
+    block_w = min(2048, _pow2(row_elems))
+    grid = (triton.cdiv(rows, rows_per_program), triton.cdiv(row_elems, block_w))
+    _write_kv_kernel[grid](
         key,
         value,
         key_cache,
         value_cache,
         slots,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
+        rows,
         key_cache.stride(0),
-        key_cache.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_D=_pow2(head_dim),
+        ROW_ELEMS=row_elems,
+        BLOCK_R=rows_per_program,
+        BLOCK_W=block_w,
     )
 
 

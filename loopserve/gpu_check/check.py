@@ -187,8 +187,10 @@ def measure_core_calls(engine: LLMEngine, plan: Plan, cost: CostModel) -> list[T
         extra = ""
         if kind == "prefill_call":
             loops = model.num_loops
+            mfu = predicted.flops / (measured * cost.device.peak_bf16_flops_per_s)
             extra = (f"  prefill {rows / (loops * measured):,.0f} tok/s "
-                     f"(predicted {rows / (loops * predicted.time_s):,.0f})")  # fmt: skip
+                     f"(predicted {rows / (loops * predicted.time_s):,.0f}), "
+                     f"{mfu:.0%} of dense bf16 peak")  # fmt: skip
         print(f"{kind:12s} rows={rows:5d} ctx={context:5d}  measured {measured * 1e3:8.3f} ms  "
               f"predicted {predicted.time_s * 1e3:8.3f} ms  ratio "
               f"{measured / predicted.time_s:5.2f}{extra}", flush=True)  # fmt: skip
@@ -281,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine.from_engine_args(model=str(model_dir), **base_args, max_num_seqs=1)
         print(f"attention backend: {engine.runner.attention.name}", flush=True)
         points = measure_core_calls(engine, plan, cost)
+        decode = {p.rows: p.measured_s for p in points if p.kind == "decode_loop"}
+        if 1 in decode and 64 in decode:
+            print(f"decode loop 64 rows / 1 row: {decode[64] / decode[1]:.2f}x "
+                  f"(target <= 1.3x)", flush=True)  # fmt: skip
         del engine
         gc.collect()
         print("== 4. throughput (eager)", flush=True)

@@ -170,3 +170,13 @@ def test_engine_with_triton_backend_matches_dense_reference(tiny_dir):
         depths += out.exit_depths
     assert min(depths) < 4 and max(depths) == 4  # early exits and full-depth tokens both ran
     assert sum(finalized) > 0  # finalize copies went through the triton kernel
+
+
+def test_auto_split_fills_the_device_only_when_rows_are_few():
+    from loopserve.runner.attention.triton_backend import auto_split_len
+
+    # 1 row x 16 KV heads on 132 SMs wants 17 splits; 4096 positions allow up to 32 of 128.
+    assert auto_split_len(1, 16, 4096, 132) == 241  # ceil(4096 / 17)
+    assert auto_split_len(1, 16, 300, 132) == 150  # at most 300 // 128 = 2 splits
+    assert auto_split_len(64, 16, 4096, 132) == 4096  # 1024 programs already: one split
+    assert auto_split_len(1, 16, 100, 132) == 100  # too short to split

@@ -77,6 +77,18 @@ class TritonCallMetadata:
         )
 
 
+def auto_split_len(
+    num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *, min_split: int = 128
+) -> int:
+    """Positions per decode split so that (rows x KV heads x splits) programs fill about two
+    waves of `num_sms` multiprocessors, never splitting below `min_split` positions (below
+    that the reduce costs more than the parallelism gains). >= max_seq_len means one split."""
+    programs = max(1, num_rows * num_kv_heads)
+    wanted = -(-2 * num_sms // programs)
+    splits = max(1, min(wanted, max_seq_len // min_split))
+    return -(-max_seq_len // splits) if max_seq_len else min_split
+
+
 class TritonAttention:
     """The per-call object the model's layers call (`AttentionBackend` protocol)."""
 
@@ -111,7 +123,7 @@ class TritonAttention:
             max_seq_len=meta.max_decode_seq_len,
             scale=backend.scale,
             block_size=backend.block_size,
-            split_len=backend.split_len,
+            split_len=backend.decode_split_len(meta),
             block_n=backend.decode_block_n,
         )
         kernels.prefill_attention(
@@ -136,7 +148,8 @@ class TritonBackend(PagedAttentionBackend):
     """Paged attention with Triton kernels (CUDA, or CPU under `TRITON_INTERPRET=1`).
 
     `split_len`: context positions per decode split; a decode call whose longest context
-    exceeds it runs flash-decoding with `ceil(max_len / split_len)` splits. Tile sizes are
+    exceeds it runs flash-decoding with `ceil(max_len / split_len)` splits. None: chosen per
+    call by `auto_split_len` (few rows with long contexts split; full batches do not). Tile sizes are
     kernel launch parameters (powers of two; `prefill_block_*` >= 16 for `tl.dot`)."""
 
     name = "triton"
@@ -147,7 +160,7 @@ class TritonBackend(PagedAttentionBackend):
         *,
         block_size: int,
         scale: float,
-        split_len: int = 512,
+        split_len: int | None = None,
         decode_block_n: int | None = None,
         prefill_block_m: int | None = None,
         prefill_block_n: int | None = None,
@@ -158,10 +171,25 @@ class TritonBackend(PagedAttentionBackend):
         # contexts; on CUDA 64-wide tiles keep the loads coalesced.
         tile = 16 if kv_cache.device.type == "cpu" else 64
         self.write_rows = 16 if kv_cache.device.type == "cpu" else 2  # rows per KV-write program
-        self.split_len = split_len
-        self.decode_block_n = decode_block_n or tile
+        self.split_len = split_len  # None: `auto_split_len` per call
+        device = kv_cache.device
+        # multiprocessors to fill; on CPU (interpreter) a nominal count keeps the same logic
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 4
+        )
+        # decode holds a [group, block_n, head_dim] float32 product per step: 32 keeps it in
+        # registers at head_dim 128
+        self.decode_block_n = decode_block_n or min(tile, 32)
         self.prefill_block_m = prefill_block_m or tile
         self.prefill_block_n = prefill_block_n or tile
+
+    def decode_split_len(self, meta: TritonCallMetadata) -> int:
+        if self.split_len is not None:
+            return self.split_len
+        num_rows, max_len = meta.decode_rows.numel(), meta.max_decode_seq_len
+        return auto_split_len(num_rows, self.kv_cache.shape[3], max_len, self.num_sms)
 
     def prepare(self, segments: Sequence[RowSegment]) -> TritonAttention:
         meta = TritonCallMetadata.build(

@@ -76,6 +76,7 @@ class LLMEngine:
             exit_mode=self.config.exit.mode,
             lookahead_seed=self.config.exit.lookahead_seed,
             num_host_blocks=self.kv.host_pool.num_blocks,
+            attention_backend=self.config.attention_backend,
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:

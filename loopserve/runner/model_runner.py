@@ -31,12 +31,8 @@ from loopserve.contracts import (
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.runner.attention.torch_paged import (
-    PagedAttentionMetadata,
-    RowSegment,
-    TorchPagedAttention,
-    Workspace,
-)
+from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 from loopserve.runner.swap import SwapSpace
@@ -63,6 +59,7 @@ class ModelRunner(Executor):
         exit_mode: str,
         lookahead_seed: int = 0,
         num_host_blocks: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         config = model.config
@@ -91,10 +88,12 @@ class ModelRunner(Executor):
         self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
-        self.workspace = Workspace()  # attention gather scratch, reused by every core call
         self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
         self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
+        self.attention = make_attention_backend(
+            attention_backend, self.kv_cache, block_size=block_size, scale=self.scale
+        )
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -224,8 +223,7 @@ class ModelRunner(Executor):
             table = scheduled.block_tables[item.request_id][self._plane(item, k)]
             segments.append(RowSegment(table, item.token_start, item.token_count))
             positions.extend(range(item.token_start, item.token_start + item.token_count))
-        meta = PagedAttentionMetadata.build(segments, self.block_size, self.device)
-        attn = TorchPagedAttention(self.kv_cache, meta, self.scale, self.workspace)
+        attn = self.attention.prepare(segments)
         hidden = torch.cat([states[i] for i in active])
         position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
         out = self._timed(self.model.core, hidden, position_ids, attn)
@@ -265,9 +263,9 @@ class ModelRunner(Executor):
             for plane in range(item.depth + 1, self.num_loops):
                 src.append(source)
                 dst.append(table[plane][block] * self.block_size + offset)
-        src_t = torch.tensor(src, device=self.device)
-        dst_t = torch.tensor(dst, device=self.device)
-        self.kv_cache[:, :, dst_t] = self.kv_cache[:, :, src_t]
+        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        self.attention.finalize(src_t, dst_t)
 
     def _coda(self, items, states, hazards, last_outputs, exited) -> list[ItemResult]:
         coda_rows: list[torch.Tensor] = []

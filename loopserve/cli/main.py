@@ -28,6 +28,11 @@ MOUNTED = [
     ),
     (("simulate",), "loopserve.sim.cli", "simulated GPU executor driving the real scheduler"),
     (
+        ("eval",),
+        "loopserve.eval.cli",
+        "quality (cross-entropy) versus loops across exit thresholds",
+    ),
+    (
         ("bench", "wcpb"),
         "loopserve.bench.prompt_sched",
         "prompt throughput: wavefront vs atomic chunked prefill over chunk sizes",

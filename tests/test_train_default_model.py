@@ -93,6 +93,17 @@ def test_training_script_tiny_run_writes_a_checkpoint_the_engine_loads(tmp_path)
     )
     assert len(result.token_ids) == 4 and all(1 <= d <= 4 for d in result.exit_depths)
 
+    # Gate-only phase from that checkpoint: only `early_exit_gate` may change.
+    gated = tmp_path / "gated"
+    gate_args = ["--out", str(gated), "--init-from", str(out), "--max-steps", "0",
+                 "--gate-steps", "3", "--gate-entropy-beta", "0.0"]  # fmt: skip
+    shared = args[args.index("--data-file") : args.index("--max-steps")]
+    assert _load_script().main(gate_args + shared) == 0
+    before, after = model.state_dict(), load_model(gated, dtype="float32").state_dict()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}
+    assert json.loads((gated / "training.json").read_text())["steps"] == 0
+
 
 def test_ouro_loss_matches_a_hand_computed_two_loop_case():
     module = _load_script()

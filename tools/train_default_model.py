@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from loopserve.eval.data import prose_conversations, sharegpt_path, split_conversations
 from loopserve.eval.scoring import CausalBatchAttention, loop_outputs
 from loopserve.models.config import OuroConfig
-from loopserve.models.loader import save_model
+from loopserve.models.loader import load_model, save_model
 from loopserve.models.ouro import OuroForLoopedLM
 from loopserve.text.tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, Tokenizer, _write_json
 
@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--entropy-beta", type=float, default=0.03)
     p.add_argument("--last-loop-weight", type=float, default=0.5)
     p.add_argument("--gate-steps", type=int, default=0, help="gate-only steps at the end")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint and tokenizer")
     p.add_argument("--gate-entropy-beta", type=float, default=None, help="default: same β")
     p.add_argument("--max-steps", type=int, default=1_000_000)
     p.add_argument("--budget-minutes", type=float, default=30.0)
@@ -146,6 +147,15 @@ def train_tokenizer(texts: list[str], vocab_size: int, out: Path) -> Tokenizer:
             "bos_token_id": None,
         },
     )
+    tokenizer = Tokenizer.from_dir(out)
+    assert tokenizer is not None
+    return tokenizer
+
+
+def copy_tokenizer(source: Path, out: Path) -> Tokenizer:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / name).write_bytes((source / name).read_bytes())
     tokenizer = Tokenizer.from_dir(out)
     assert tokenizer is not None
     return tokenizer
@@ -299,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             chars += len(message["content"])
         if chars >= args.tokenizer_chars:
             break
-    tokenizer = train_tokenizer(texts, args.vocab_size, out)
+    if args.init_from:
+        tokenizer = copy_tokenizer(Path(args.init_from), out)
+    else:
+        tokenizer = train_tokenizer(texts, args.vocab_size, out)
     train_ids = token_stream(tokenizer, train_convs)
     heldout_ids = token_stream(tokenizer, heldout_convs)
     window = args.seq_len + 1
@@ -311,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     if num_val == 0 or len(train_ids) <= window:
         raise SystemExit("not enough tokens for one window of --seq-len")
 
-    model = make_model(args, args.seed)
+    if args.init_from:
+        model = load_model(args.init_from, dtype="float32").requires_grad_(True)
+    else:
+        model = make_model(args, args.seed)
     num_params = sum(p.numel() for p in model.parameters())
     log(f"model: {num_params / 1e6:.2f}M parameters, {args.num_loops} loops")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -328,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     history = []
     while True:
         elapsed = time.monotonic() - started
-        progress = max(step / args.max_steps, elapsed / budget_s)
+        progress = 1.0 if args.max_steps <= 0 else max(step / args.max_steps, elapsed / budget_s)
         if progress >= 1.0:
             break
         lr_scale = min(1.0, (step + 1) / args.warmup_steps)

@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -277,7 +278,8 @@ def describe(parts: LossParts) -> str:
     return f"CE/loop [{loops}] E[CE] {parts.expected_ce:.3f} E[loops] {parts.mean_exit_loops:.2f}"
 
 
-def progress_bar(total: int):
+def progress_bar(total: int) -> Any:
+    """A tqdm bar when stderr is a terminal (and tqdm is installed), else None: log lines."""
     if not sys.stderr.isatty():
         return None
     try:
@@ -396,7 +398,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train_gate_only(model, train_ids, window, args, generator, log) -> None:
+def train_gate_only(
+    model: OuroForLoopedLM,
+    train_ids: torch.Tensor,
+    window: int,
+    args: argparse.Namespace,
+    generator: torch.Generator,
+    log: Log,
+) -> None:
     """Fit `early_exit_gate` alone on the Ouro objective, the rest of the model frozen."""
     beta = args.entropy_beta if args.gate_entropy_beta is None else args.gate_entropy_beta
     gate_params = list(model.model.early_exit_gate.parameters())

@@ -40,7 +40,9 @@ class CausalBatchAttention:
 
 
 def loop_outputs(
-    model: OuroForLoopedLM, token_ids: torch.Tensor, attention_cls=CausalBatchAttention
+    model: OuroForLoopedLM,
+    token_ids: torch.Tensor,
+    attention_cls: type[CausalBatchAttention] = CausalBatchAttention,
 ) -> list[torch.Tensor]:
     """Normed output of every loop for token_ids [B, S]: D tensors [B*S, hidden]."""
     batch, seq_len = token_ids.shape

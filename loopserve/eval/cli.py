@@ -12,10 +12,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from loopserve.errors import LoopserveError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _floats(text: str) -> list[float]:
@@ -62,6 +64,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def load_token_windows(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, str]:
     """Non-overlapping windows of seq_len + 1 tokens (seq_len scored positions each)."""
+    import torch
+
     if tokenizer is None:
         raise LoopserveError("the checkpoint has no tokenizer; eval needs tokenizer.json")
     if args.text_file is not None:
@@ -88,6 +92,8 @@ def load_token_windows(args: argparse.Namespace, tokenizer) -> tuple[torch.Tenso
 
 
 def main_from_args(args: argparse.Namespace) -> int:
+    import torch
+
     from loopserve.eval.quality import evaluate, format_table, plot_report
     from loopserve.eval.scoring import SequenceScores, score_sequences
     from loopserve.models.loader import load_model

@@ -433,10 +433,10 @@ def test_dead_engine_answers_503_without_the_exception_text(tiny_tok_dir):
         assert "secret-detail" not in response.text
 
 
-def test_runner_installs_no_sampler_when_one_new_request_setup_fails(tiny_model, monkeypatch):
-    """Item 1, runner part: setup of a step's new requests is all or nothing."""
-    from types import SimpleNamespace
-
+def test_runner_keeps_no_state_of_a_request_whose_setup_fails(tiny_model, monkeypatch):
+    """Item 1, runner part: each new request is set up on its own; the one whose setup raises
+    is reported with its error and keeps no sampler, the others are installed."""
+    from loopserve.contracts import NewRequestData, RequestFailure, SampleSpec, SchedulerOutput
     from loopserve.runner import model_runner
 
     runner = model_runner.ModelRunner(
@@ -449,10 +449,11 @@ def test_runner_installs_no_sampler_when_one_new_request_setup_fails(tiny_model,
         return make_generator(seed, device)
 
     monkeypatch.setattr(model_runner, "make_generator", flaky_generator)
-    spec = SimpleNamespace(temperature=1.0)
-    new = [SimpleNamespace(request_id=rid, seed=seed, sample_spec=spec)
-           for rid, seed in (("ok", 1), ("bad", 13))]  # fmt: skip
-    scheduled = SimpleNamespace(finished_request_ids=(), released_handles=(), new_requests=new)
-    with pytest.raises(RuntimeError, match="device lost"):
-        runner._apply_bookkeeping(scheduled)
-    assert runner.samplers == {}
+    spec = SampleSpec(temperature=1.0)
+    new = tuple(
+        NewRequestData(rid, spec, seed) for rid, seed in (("ok", 1), ("bad", 13), ("ok2", 2))
+    )
+    output = runner.execute(SchedulerOutput(1, (), {}, new_requests=new))
+    assert output.failed_requests == (RequestFailure("bad", "RuntimeError: device lost"),)
+    assert set(runner.samplers) == {"ok", "ok2"}
+    assert runner.samplers["ok2"][1].initial_seed() == 2

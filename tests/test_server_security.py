@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from loopserve.runner.sampler import make_generator
 from loopserve.server.async_engine import AsyncLLM
 from loopserve.server.metrics import ServingMetrics
-from tests.server_utils import ServerProcess, metrics
+from tests.fault_runner import FAIL_SEED, FAULT_TEXT
+from tests.server_utils import ServerProcess, metrics, sse_payloads, wait_all_blocks_free
 
 API_KEY = "sk-test-4c1d"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
@@ -343,6 +344,78 @@ def test_non_streaming_request_aborted_by_shutdown_gets_503(tiny_tok_dir, tmp_pa
     assert first.json()["usage"]["completion_tokens"] > 0
     assert second.status_code == 503, second.text
     assert second.json()["error"]["code"] == "shutting_down"
+
+
+# ---- items 1 and 5: one request's setup fails in the runner ---------------------------------
+
+
+def test_setup_failure_is_500_for_that_request_and_a_running_stream_survives(
+    tiny_tok_dir, tmp_path
+):
+    """`tests.fault_runner` serves with a runner whose setup raises for requests seeded
+    FAIL_SEED (a valid seed). With --mixed-prefill-decode such a request joins the core call
+    of a running stream: it gets 500 with an error id (non-streaming) or an error event
+    (streaming), and the stream runs on to max_tokens with the same text and exit depths as
+    when it runs alone."""
+    import threading
+
+    flags = ["--dtype", "float32", "--num-blocks", "512", "--mixed-prefill-decode"]
+    proc = ServerProcess(
+        ["--model", str(tiny_tok_dir), *flags, "--log-level", "warning"],
+        tmp_path / "server.log",
+        module="tests.fault_runner",
+    )
+    body = {"prompt": "hello there", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    body["exit_threshold"] = 0.6  # varied exit depths
+    first_chunk, done = threading.Event(), threading.Event()
+    chunks: list[dict] = []
+
+    def stream() -> None:
+        url = proc.base_url + "/v1/completions"
+        with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line.removeprefix("data: ")))
+                    first_chunk.set()
+        done.set()
+
+    bad = {"prompt": "hi", "max_tokens": 4, "seed": FAIL_SEED}
+    try:
+        proc.wait_healthy()
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert first_chunk.wait(60), proc.log()
+        failed = httpx.post(proc.base_url + "/v1/completions", json=bad, timeout=60)
+        failed_stream = httpx.post(
+            proc.base_url + "/v1/completions", json=bad | {"stream": True}, timeout=60
+        )
+        overlapped = not done.is_set()  # the stream was still running meanwhile
+        thread.join(120)
+        alone = httpx.post(proc.base_url + "/v1/completions", json=body, timeout=120)
+        blocks = wait_all_blocks_free(proc.base_url)
+    finally:
+        proc.stop()
+    assert overlapped
+    assert failed.status_code == 500, failed.text
+    error = failed.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "engine_error")
+    error_id = error["message"].split("error id ")[1].split(";")[0]
+    assert FAULT_TEXT not in failed.text and FAULT_TEXT not in failed_stream.text
+    events = sse_payloads(failed_stream.text.splitlines())
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
+    log = proc.log()
+    assert error_id in log and FAULT_TEXT in log  # the details are in the server log only
+    # The stream ran to max_tokens, equal to the same request alone.
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    depths = [d for c in chunks for d in c["choices"][0]["exit_depths"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(depths) == 120 and len(set(depths)) > 1
+    assert alone.status_code == 200, alone.text
+    assert (text, depths) == (
+        alone.json()["choices"][0]["text"],
+        alone.json()["choices"][0]["exit_depths"],
+    )
+    assert blocks["loopserve_kv_blocks_free"] == blocks["loopserve_kv_blocks_total"]
 
 
 # ---- item 1 (runner part), item 11, item 16 --------------------------------------------------

@@ -196,9 +196,7 @@ class ModelRunner(Executor):
             ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
             for item in scheduled.items
         )
-        return dataclasses.replace(
-            output, step_id=scheduled.step_id, results=results, failed_requests=failures
-        )
+        return dataclasses.replace(output, results=results, failed_requests=failures)
 
     def _timed(self, fn, *args) -> torch.Tensor:
         """Call a model function, adding its duration to this step's forward time.

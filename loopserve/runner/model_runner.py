@@ -27,12 +27,14 @@ from loopserve.contracts import (
     Executor,
     ItemKind,
     ItemResult,
+    KVTransfer,
     NewRequestData,
     RequestFailure,
     RunnerOutput,
     SampledToken,
     SampleSpec,
     SchedulerOutput,
+    SwapKind,
     WorkItem,
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
@@ -45,6 +47,7 @@ from loopserve.runner.attention.torch_paged import (
 )
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
+from loopserve.runner.swap import SwapSpace
 
 logger = logging.getLogger(__name__)
 Sampler = tuple[SampleSpec, torch.Generator | None]
@@ -70,6 +73,7 @@ class ModelRunner(Executor):
         layout: str,
         exit_mode: str,
         lookahead_seed: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         config = model.config
@@ -99,6 +103,9 @@ class ModelRunner(Executor):
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
         self.workspace = Workspace()  # attention gather scratch, reused by every core call
+        self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
+        # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
+        self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -120,6 +127,10 @@ class ModelRunner(Executor):
                 logger.exception("setup of request %s failed", new.request_id)
                 self._drop_request(new.request_id)
                 failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
+        for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
+            self._swap(transfer)
+        for request_id in scheduled.preempted_request_ids:
+            self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
         return tuple(failures)
 
     def setup_request(self, new: NewRequestData) -> Sampler:
@@ -132,6 +143,25 @@ class ModelRunner(Executor):
     def _drop_request(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
+        self.swapped_inflight.pop(request_id, None)
+
+    def _swap(self, transfer: KVTransfer) -> None:
+        """Copy the blocks, and move the request's paused work with them (same handles)."""
+        request_id = transfer.request_id
+        self.swap.copy(transfer)
+        if transfer.kind is SwapKind.OUT:
+            handles = self.inflight.handles_of(request_id)
+            states = {h: self.inflight.resume(h) for h in handles if h in self.inflight}
+            self.inflight.release(request_id)
+            self.swapped_inflight[request_id] = {
+                h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.last_rows])
+                for h, s in states.items()
+            }
+            return
+        for handle, state in self.swapped_inflight.pop(request_id).items():
+            hidden = state.hidden.to(self.device)
+            rows = [r.to(self.device) for r in state.last_rows]
+            self.inflight.keep(request_id, handle, InFlight(hidden, state.hazards, rows))
 
     @property
     def num_live_handles(self) -> int:
@@ -147,7 +177,11 @@ class ModelRunner(Executor):
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         failures = self._apply_bookkeeping(scheduled)
         if failures:
-            return self._execute_without(scheduled, failures)
+            return self._run_without(scheduled, failures)
+        return self._run(scheduled)
+
+    def _run(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """Run the step's items (its bookkeeping is already applied)."""
         items = scheduled.items
         if not items:
             return RunnerOutput(scheduled.step_id, ())
@@ -181,16 +215,14 @@ class ModelRunner(Executor):
             num_finalize_copies=self._num_finalized,
         )
 
-    def _execute_without(
+    def _run_without(
         self, scheduled: SchedulerOutput, failures: tuple[RequestFailure, ...]
     ) -> RunnerOutput:
         """Run the step without the items of requests whose setup failed; those items get
         empty results, so results stay one per item, in item order."""
         failed_ids = {failure.request_id for failure in failures}
         kept = tuple(item for item in scheduled.items if item.request_id not in failed_ids)
-        # Bookkeeping is done: the inner run gets no releases or new requests to apply again.
-        inner = dataclasses.replace(scheduled, items=kept, new_requests=(), finished_request_ids=())
-        output = self.execute(inner)
+        output = self._run(dataclasses.replace(scheduled, items=kept))
         ran = iter(output.results)
         results = tuple(
             ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
@@ -307,8 +339,10 @@ class ModelRunner(Executor):
                 sampled[i] = token
         results = []
         for i, item in enumerate(items):
-            finished = i in sampled or (
-                item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1
+            finished = (
+                i in sampled
+                or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
+                or (item.kind is ItemKind.REPLAY and exited[i])  # replay: no coda
             )
             if finished:
                 self.inflight.done(item.request_id, item.handle)

@@ -86,6 +86,10 @@ def test_failed_setup_fails_only_that_request_and_the_rest_match_the_reference(f
             assert (result.sampled, result.hazards, result.exited) == (None, (), False)
     assert not any(item.request_id == "bad" for s, _ in steps[checked[0] :] for item in s.items)
 
+    assert_only_bad_failed(engine, finished)
+
+
+def assert_only_bad_failed(engine, finished) -> None:
     bad = finished["bad"]
     assert bad.finish_reason == "abort" and FAULT_TEXT in bad.error and bad.token_ids == []
     for request_id, tokens, params, _ in WORK:
@@ -98,6 +102,23 @@ def test_failed_setup_fails_only_that_request_and_the_rest_match_the_reference(f
     assert engine.stats.kv_blocks_used == 0
     assert engine.runner.num_live_handles == 0 and engine.runner.samplers == {}
     assert engine.stats.num_failed_steps == 0  # the step itself succeeded
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_failed_setup_under_preemption_fails_only_that_request(fault_engine, preemption):
+    """14 blocks of 4 positions per plane, while "c" alone grows to 30 + 8 - 1 = 37 positions
+    (10 blocks): the running requests preempt each other around the failed setup."""
+    engine = fault_engine(
+        **ARMS["mixed"],
+        **BUDGET | dict(num_blocks=14 * 4),
+        preemption_mode=preemption,
+        swap_space=2048 * 40,  # 40 host blocks of 2 KiB
+    )
+    finished = run_steps(engine, WORK)
+    assert engine.scheduler.memory_stats.num_preemptions > 0
+    assert_only_bad_failed(engine, finished)
+    assert engine.runner.swapped_inflight == {}
+    assert engine.kv.host_pool.num_free_blocks == engine.kv.host_pool.num_blocks
 
 
 def test_request_announced_in_a_step_without_its_items_fails_alone(fault_engine):

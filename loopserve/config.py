@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from loopserve.engine_args import (  # noqa: F401  (the choice lists, re-exported)
     ENGINE_ARGS_BY_NAME,
     EXIT_MODES,
+    GRAPH_MODES,
     LAYOUTS,
     MODES,
     PREFILL_MODES,
@@ -57,6 +58,9 @@ class EngineConfig:
     dtype: str = default("dtype")
     device: str = default("device")
     max_model_len: int | None = default("max_model_len")
+    graph_mode: str = default("graph_mode")
+    enforce_eager: bool = default("enforce_eager")
+    async_scheduling: bool = default("async_scheduling")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -126,6 +130,14 @@ def validate(config: EngineConfig) -> None:
     _choice("prefill_mode", sched.prefill_mode, PREFILL_MODES)
     _choice("exit_mode", exit_.mode, EXIT_MODES)
     _choice("device", config.device.split(":")[0], ("cpu", "cuda"))
+    _choice("graph_mode", config.graph_mode, GRAPH_MODES)
+    if config.async_scheduling and exit_.mode == "ouro":
+        raise ConfigError(
+            "async_scheduling needs an exit rule known one loop ahead, but exit_mode='ouro' "
+            "decides each exit from the gate of the loop just run, so step n+1's rows would "
+            "depend on step n's results; use exit_mode='ouro_delayed' (same CDF, exit one loop "
+            "later), 'random_lookahead' or 'trace', or turn async_scheduling off"
+        )
     if sched.prefill_chunk_size > sched.max_num_batched_tokens:
         raise ConfigError(
             f"prefill_chunk_size ({sched.prefill_chunk_size}) must be <= max_num_batched_tokens "
@@ -151,6 +163,15 @@ def validate(config: EngineConfig) -> None:
                 f"= {needed} > {sched.max_num_batched_tokens}; set max_num_batched_tokens >= {needed} "
                 f"or lower prefill_chunk_size / max_num_seqs"
             )
+
+
+def effective_graph_mode(config: EngineConfig) -> str:
+    """'capture' (CUDA graphs), 'emulate' (static padded buffers, run eagerly) or 'off'."""
+    if config.enforce_eager or config.graph_mode == "off":
+        return "off"
+    if config.graph_mode == "emulate":
+        return "emulate"
+    return "capture" if config.device.startswith("cuda") else "off"
 
 
 def resolve_dtype(config: EngineConfig) -> EngineConfig:

@@ -132,6 +132,8 @@ class RunnerOutput:
     forward_time_s: float = 0.0  # inside the model's prelude / core / gate / coda calls only
     num_early_exits: int = 0  # tokens sampled this step after fewer than D loops
     num_finalize_copies: int = 0  # LAST_EXITED: decode tokens whose K/V was finalized
+    num_graph_calls: int = 0  # core calls run through the static bucketed buffers (graphs)
+    num_padded_rows: int = 0  # padding rows those calls added to reach their bucket
 
 
 class Executor(ABC):

@@ -17,6 +17,7 @@ MODES = ("refill", "no_refill")
 PREFILL_MODES = ("atomic", "per_depth", "wavefront")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GRAPH_MODES = ("auto", "off", "emulate")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,15 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "against exit_threshold), ouro_delayed, random_lookahead, or trace (replay "
               "SamplingParams.exit_trace)", choices=EXIT_MODES),
     EngineArg("lookahead_seed", "exit", "lookahead_seed", 0, "seed of random_lookahead exits", int),
+    EngineArg("graph_mode", "top", "graph_mode", "auto", "decode core calls through static, "
+              "row-bucketed buffers: auto captures CUDA graphs on CUDA and runs eagerly on CPU; "
+              "emulate runs the padded static-buffer path without capture (any device); off: "
+              "eager", choices=GRAPH_MODES),
+    EngineArg("enforce_eager", "top", "enforce_eager", False, "never use CUDA graphs (the same "
+              "as --graph-mode off)", bool),
+    EngineArg("async_scheduling", "top", "async_scheduling", False, "choose step n+1's rows "
+              "while step n executes (needs exit_mode ouro_delayed, random_lookahead or trace)",
+              bool),
 )  # fmt: skip
 
 ENGINE_ARGS_BY_NAME: dict[str, EngineArg] = {arg.name: arg for arg in ENGINE_ARGS}

@@ -104,12 +104,25 @@ class EngineCore:
         try:
             output = self.executor.execute(scheduled)
         except Exception as err:  # a failed step fails its own requests, not the engine
-            ids = dict.fromkeys(item.request_id for item in scheduled.items)
-            failed = self.scheduler.fail_requests(ids)
-            counters.num_failed_steps += 1
-            self._flush_if_idle()
-            return StepResult(scheduled, failed=failed, error=err)
+            return self._fail_step(scheduled, err)
         execute_end = clock()
+        touched = self._apply(scheduled, output)
+        end = clock()
+        counters.schedule_time_s += execute_start - start
+        counters.execute_time_s += execute_end - execute_start
+        counters.step_time_s += end - start
+        return StepResult(scheduled, output, touched)
+
+    def _fail_step(self, scheduled: SchedulerOutput, err: Exception) -> StepResult:
+        ids = dict.fromkeys(item.request_id for item in scheduled.items)
+        failed = self.scheduler.fail_requests(ids)
+        self._counters.num_failed_steps += 1
+        self._flush_if_idle()
+        return StepResult(scheduled, failed=failed, error=err)
+
+    def _apply(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
+        """`update`, observers, counters and idle flush of one executed step."""
+        counters = self._counters
         touched = self.scheduler.update(scheduled, output)
         for observer in self._observers:
             observer(scheduled, output)
@@ -121,14 +134,12 @@ class EngineCore:
         counters.num_loops += sum(request.exit_depths[-1] for request in touched)
         counters.num_early_exits += output.num_early_exits
         counters.num_finalize_copies += output.num_finalize_copies
+        counters.num_graph_calls += output.num_graph_calls
+        counters.num_padded_rows += output.num_padded_rows
         counters.model_time_s += output.model_time_s
         counters.forward_time_s += output.forward_time_s
         self._flush_if_idle()
-        end = clock()
-        counters.schedule_time_s += execute_start - start
-        counters.execute_time_s += execute_end - execute_start
-        counters.step_time_s += end - start
-        return StepResult(scheduled, output, touched)
+        return touched
 
     def _flush_if_idle(self) -> None:
         """Deliver pending releases now when no step would come to carry them."""
@@ -159,6 +170,9 @@ class EngineCore:
             num_early_exits=counters.num_early_exits,
             num_finalize_copies=counters.num_finalize_copies,
             num_failed_steps=counters.num_failed_steps,
+            num_graph_calls=counters.num_graph_calls,
+            num_padded_rows=counters.num_padded_rows,
+            num_steps_scheduled_ahead=counters.num_steps_scheduled_ahead,
             model_time_s=counters.model_time_s,
             forward_time_s=counters.forward_time_s,
             step_time_s=counters.step_time_s,

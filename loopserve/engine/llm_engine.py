@@ -20,7 +20,14 @@ from pathlib import Path
 
 import torch
 
-from loopserve.config import EngineConfig, max_inflight_rows, resolve_dtype, resolve_num_blocks
+from loopserve.config import (
+    EngineConfig,
+    effective_graph_mode,
+    max_inflight_rows,
+    resolve_dtype,
+    resolve_num_blocks,
+)
+from loopserve.engine.async_core import AsyncEngineCore
 from loopserve.engine.core import EngineCore
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
@@ -73,6 +80,9 @@ class LLMEngine:
             layout=cache.layout,
             exit_mode=self.config.exit.mode,
             lookahead_seed=self.config.exit.lookahead_seed,
+            graph_mode=effective_graph_mode(self.config),
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:
@@ -84,7 +94,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.core = EngineCore(self.scheduler, self.runner)
+        core_class = AsyncEngineCore if self.config.async_scheduling else EngineCore
+        self.core = core_class(self.scheduler, self.runner)
         self._tracked: dict[str, Request] = {}
         self._arrivals = itertools.count()
 

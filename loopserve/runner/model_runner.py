@@ -35,6 +35,7 @@ from loopserve.runner.attention.torch_paged import (
     TorchPagedAttention,
     Workspace,
 )
+from loopserve.runner.graphs import DecodeGraphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 
@@ -59,7 +60,12 @@ class ModelRunner(Executor):
         layout: str,
         exit_mode: str,
         lookahead_seed: int = 0,
+        graph_mode: str = "off",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 1,
     ) -> None:
+        """`graph_mode`: 'off' (eager), 'emulate' or 'capture' (`loopserve.runner.graphs`);
+        with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows."""
         self.model = model
         config = model.config
         self.num_loops = model.num_loops
@@ -74,7 +80,7 @@ class ModelRunner(Executor):
             (
                 config.num_hidden_layers,
                 2,
-                num_blocks * block_size,
+                (num_blocks + (graph_mode != "off")) * block_size,
                 config.num_key_value_heads,
                 config.head_dim,
             ),
@@ -88,6 +94,19 @@ class ModelRunner(Executor):
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
         self.workspace = Workspace()  # attention gather scratch, reused by every core call
+        self.graphs: DecodeGraphs | None = None
+        if graph_mode != "off":
+            self.graphs = DecodeGraphs(
+                model.core,
+                self.kv_cache,
+                hidden_size=config.hidden_size,
+                block_size=block_size,
+                max_model_len=max_model_len or config.max_position_embeddings,
+                max_rows=max_num_seqs,
+                dummy_block=num_blocks,
+                scale=self.scale,
+                capture=graph_mode == "capture",
+            )
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -131,6 +150,8 @@ class ModelRunner(Executor):
         states = self._initial_states(items, hazards, last_outputs)
         exited = [False] * len(items)
         self._num_finalized = 0
+        calls0 = self.graphs.num_calls if self.graphs is not None else 0
+        pad0 = self.graphs.num_padded_rows if self.graphs is not None else 0
         rows_per_call = []
         for k in range(max(item.num_depths for item in items)):
             active = [i for i, item in enumerate(items) if k < item.num_depths]
@@ -145,6 +166,9 @@ class ModelRunner(Executor):
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        graph_calls = padded = 0
+        if self.graphs is not None:
+            graph_calls, padded = self.graphs.num_calls - calls0, self.graphs.num_padded_rows - pad0
         return RunnerOutput(
             scheduled.step_id,
             tuple(results),
@@ -153,6 +177,8 @@ class ModelRunner(Executor):
             forward_time_s=self._forward_s,
             num_early_exits=num_early,
             num_finalize_copies=self._num_finalized,
+            num_graph_calls=graph_calls,
+            num_padded_rows=padded,
         )
 
     def _timed(self, fn, *args) -> torch.Tensor:
@@ -187,6 +213,22 @@ class ModelRunner(Executor):
         return 0 if self.shared else item.depth + k
 
     def _core_call(self, scheduled, items, active, k, states) -> None:
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and graphs.fits(len(active))
+            and all(items[i].kind is ItemKind.DECODE for i in active)
+        ):  # decode-only call: the static, bucketed path (one row per item)
+            tables = [
+                scheduled.block_tables[items[i].request_id][self._plane(items[i], k)]
+                for i in active
+            ]
+            positions = [items[i].token_start for i in active]
+            hidden = torch.cat([states[i] for i in active])
+            out = self._timed(graphs.run, hidden, positions, tables)
+            for i, row in zip(active, out.split(1)):
+                states[i] = row
+            return
         segments = []
         positions: list[int] = []
         for i in active:

@@ -274,6 +274,67 @@ class Scheduler:
             )
         return items
 
+    # ---- async scheduling (rows of step n+1 chosen before update(n)) ------------------------
+
+    def select_ahead(self, inflight: SchedulerOutput) -> list[str] | None:
+        """Choose the next step's decode rows while `inflight` still executes, or None when the
+        next step needs `inflight`'s results first (then `schedule()` runs after update).
+
+        Only the exit modes that know a loop's exit before its gate is read allow this (the
+        config rejects async scheduling with `ouro`): every decode item of `inflight` carries
+        `exit_now` True or False. So the requests of the next step are known now: tokens of
+        `inflight` that do not exit advance one depth; tokens not in `inflight` keep their
+        depth; tokens exiting in `inflight` leave (their request's next token needs the sampled
+        id and stop checks, so it joins one step later). Prompt work and admissions are never
+        planned ahead: with a request in its prompt phase, or a waiting request that could be
+        admitted, this returns None. Outputs do not depend on which step a row runs in (batch
+        invariance), so they equal synchronous scheduling. The items themselves are built by
+        `complete_ahead` after update, from the exit state it records.
+        """
+        if not self.exit_mode.delayed and self.exit_mode is not ExitMode.TRACE:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            if self.kv.can_allocate(self.waiting[0].max_positions):
+                return None
+        leaving = set()
+        for item in inflight.items:
+            if item.kind is not ItemKind.DECODE:
+                return None
+            assert item.exit_now is not None, "async scheduling needs exits known a loop ahead"
+            if item.exit_now:
+                leaving.add(item.request_id)
+        decode_requests = []
+        for request in self.running:
+            if request.num_prefilled_tokens < request.num_prompt_tokens:
+                return None
+            decode_requests.append(request)
+        chosen = self.decode_policy.select_ahead(decode_requests, leaving, self.max_rows)
+        return [r.request_id for r in chosen] or None
+
+    def complete_ahead(self, request_ids: list[str]) -> SchedulerOutput | None:
+        """The `SchedulerOutput` of rows chosen by `select_ahead`, built after the previous
+        step's update from the recorded exit state. Requests finished or aborted since are
+        dropped (None if none is left); the output carries the releases and announcements
+        pending now."""
+        requests = [self.requests.get(request_id) for request_id in request_ids]
+        running = [r for r in requests if r is not None and r.status is RequestStatus.RUNNING]
+        if not running:
+            return None
+        self._prompt_steps_in_a_row = 0
+        items = self._decode_items(running)
+        self._step_id += 1
+        tables = self.kv.tables
+        out = SchedulerOutput(
+            step_id=self._step_id,
+            items=tuple(items),
+            block_tables={item.request_id: tables[item.request_id] for item in items},
+            new_requests=tuple(self._new_requests),
+            finished_request_ids=tuple(self._gone_request_ids),
+        )
+        self._new_requests.clear()
+        self._gone_request_ids.clear()
+        return out
+
     # ---- applying results -----------------------------------------------------------------
 
     def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:

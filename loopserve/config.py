@@ -196,14 +196,46 @@ def max_inflight_rows(config: EngineConfig, num_loops: int) -> int:
     return sched.max_num_seqs * (max(1, chunks * sched.prefill_chunk_size) + num_loops)
 
 
+def cuda_kv_budget(
+    *,
+    total_bytes: int,
+    gpu_memory_utilization: float,
+    peak_bytes: int,
+    graph_bytes: int = 0,
+) -> int:
+    """KV byte budget on CUDA, as vLLM: `total x utilization` minus what the engine itself
+    needs at its peak (`peak_bytes`: weights, the activation peak of a dummy forward at
+    `max_num_batched_tokens` rows, and memory outside torch's allocator, all measured) minus
+    the CUDA graphs' pool (`graph_bytes`; captured after the KV cache exists, so estimated).
+    Raises when nothing is left, naming every term."""
+    budget = int(total_bytes * gpu_memory_utilization) - peak_bytes - graph_bytes
+    if budget <= 0:
+        raise ConfigError(
+            f"no GPU memory left for the KV cache: {total_bytes} total x "
+            f"gpu_memory_utilization {gpu_memory_utilization} - {peak_bytes} at the profiled "
+            f"peak - {graph_bytes} for CUDA graphs = {budget} bytes; raise "
+            "gpu_memory_utilization, lower max_num_batched_tokens / max_num_seqs, or set "
+            "enforce_eager"
+        )
+    return budget
+
+
 def resolve_num_blocks(
-    cache: CacheConfig, *, bytes_per_block: int, free_bytes: int | None, reserved_bytes: int = 0
+    cache: CacheConfig,
+    *,
+    bytes_per_block: int,
+    free_bytes: int | None,
+    reserved_bytes: int = 0,
+    budget_bytes: int | None = None,
 ) -> CacheConfig:
-    """Fix `num_blocks` from an explicit count, a byte budget, or profiled free memory."""
+    """Fix `num_blocks` from an explicit count, a byte budget, a profiled budget
+    (`budget_bytes`, from `cuda_kv_budget`) or free memory x utilization."""
     if cache.num_blocks is not None:
         return cache
     if cache.kv_cache_bytes is not None:
         budget = cache.kv_cache_bytes
+    elif budget_bytes is not None:
+        budget = budget_bytes
     elif free_bytes is not None:
         budget = int(free_bytes * cache.gpu_memory_utilization)
     else:

@@ -18,10 +18,9 @@ import itertools
 import logging
 from pathlib import Path
 
-import torch
-
 from loopserve.config import (
     EngineConfig,
+    cuda_kv_budget,
     effective_graph_mode,
     max_inflight_rows,
     resolve_dtype,
@@ -33,6 +32,7 @@ from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
 from loopserve.models import load_model
 from loopserve.outputs import RequestOutput
+from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
@@ -55,21 +55,37 @@ class LLMEngine:
         bytes_per_block = ModelRunner.kv_bytes_per_block(
             self.model, config.cache.block_size, self.model.lm_head.weight.dtype
         )
-        free = None
-        if config.device.startswith("cuda"):
-            free = torch.cuda.mem_get_info()[0]
+        budget = None
+        self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
+        if config.device.startswith("cuda") and config.cache.num_blocks is None:
+            # Profile before sizing the KV cache: weights, activation peak, graphs' pool.
+            profile = profile_cuda_memory(
+                self.model,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                prefill_chunk_size=config.scheduler.prefill_chunk_size,
+                max_num_seqs=config.scheduler.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=config.cache.block_size,
+                graphs=effective_graph_mode(config) == "capture",
+            )
+            budget = cuda_kv_budget(
+                total_bytes=profile.total_bytes,
+                gpu_memory_utilization=config.cache.gpu_memory_utilization,
+                peak_bytes=profile.peak_bytes,
+                graph_bytes=profile.graph_bytes,
+            )
         element_size = self.model.lm_head.weight.element_size()
         inflight_rows = max_inflight_rows(config, self.model.num_loops)
         self.inflight_hidden_bytes = inflight_rows * self.model.config.hidden_size * element_size
         cache = resolve_num_blocks(
             config.cache,
             bytes_per_block=bytes_per_block,
-            free_bytes=free,
+            free_bytes=None,
             reserved_bytes=self.inflight_hidden_bytes,
+            budget_bytes=budget,
         )
         self.config = dataclasses.replace(config, cache=cache)
         self.num_loops = self.model.num_loops
-        self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
         num_planes = 1 if cache.layout == "shared" else self.num_loops
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, num_planes)
         self.scheduler = Scheduler(self.config, num_loops=self.num_loops, kv=self.kv)

@@ -53,7 +53,19 @@ def bucket_for(buckets: tuple[int, ...], rows: int) -> int | None:
     return None
 
 
-CoreFn = Callable[[torch.Tensor, torch.Tensor, TorchPagedAttention], torch.Tensor]
+CoreFn = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
+# (graphs, rows) -> the attention backend of one static call over the first `rows` rows of the
+# static buffers. It must read only device tensors (no host data) so that it can be captured;
+# a paged-attention kernel reads `block_tables[:rows]`, `context_lens[:rows]`,
+# `positions[:rows]` and `write_slots[:rows]`.
+BackendFn = Callable[["DecodeGraphs", int], object]
+
+
+def torch_backend(graphs: DecodeGraphs, rows: int) -> TorchPagedAttention:
+    """The torch reference backend over the static buffers (`DecodeGraphs.metadata`)."""
+    return TorchPagedAttention(
+        graphs.kv_cache, graphs.metadata(rows), graphs.scale, graphs.workspace
+    )
 
 
 class DecodeGraphs:
@@ -69,8 +81,10 @@ class DecodeGraphs:
         dummy_block: int,
         scale: float,
         capture: bool,
+        make_backend: BackendFn = torch_backend,
     ) -> None:
         self.core = core
+        self.make_backend = make_backend
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.scale = scale
@@ -126,7 +140,7 @@ class DecodeGraphs:
         )
 
     def _forward(self, rows: int) -> torch.Tensor:
-        attn = TorchPagedAttention(self.kv_cache, self.metadata(rows), self.scale, self.workspace)
+        attn = self.make_backend(self, rows)
         return self.core(self.hidden[:rows], self.positions[:rows], attn)
 
     def _load(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]]) -> int:

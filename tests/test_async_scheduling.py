@@ -80,3 +80,35 @@ def test_async_with_graph_emulation_matches_sync(tiny_dir):
     assert _outputs(run_steps(engine, work)) == sync_out
     stats = engine.stats
     assert stats.num_steps_scheduled_ahead > 0 and stats.num_graph_calls > 0
+
+
+def test_select_ahead_predicts_the_next_rows_before_update(tiny_dir):
+    """Trace exits (the first entry is the first token's, from the prompt): the second token
+    of "a" exits after 2 loops (depth 1); the others go on.
+    The rows chosen before `update` are the continuing tokens, one depth deeper after it."""
+    from loopserve.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_dir, exit_mode="trace", async_scheduling=True)
+    scheduler, runner = engine.scheduler, engine.runner
+    traces = {"a": (4, 2), "b": (4, 4), "c": (4, 3)}
+    for request_id, trace in traces.items():
+        params = SamplingParams(max_tokens=3, exit_trace=trace, ignore_eos=True)
+        engine.add_request(request_id, [5, 6, 7], params)
+    # Prompt steps are never planned ahead.
+    scheduled = scheduler.schedule()
+    assert scheduled.items[0].kind.value == "prompt"
+    assert scheduler.select_ahead(scheduled) is None
+    scheduler.update(scheduled, runner.execute(scheduled))
+    ahead_out = None
+    for _ in range(2):  # decode loops at depth 0 and 1
+        scheduled = ahead_out or scheduler.schedule()
+        depths = {item.request_id: item.depth for item in scheduled.items}
+        ahead = scheduler.select_ahead(scheduled)
+        output = runner.execute(scheduled)
+        scheduler.update(scheduled, output)
+        ahead_out = scheduler.complete_ahead(ahead)
+    # Depth 1: "a" exits (trace 2 loops), so step 3 holds "b" and "c" at depth 2 only.
+    assert depths == {"a": 1, "b": 1, "c": 1}
+    assert ahead == ["b", "c"]
+    assert {item.request_id: item.depth for item in ahead_out.items} == {"b": 2, "c": 2}
+    assert engine.scheduler.requests["a"].exit_depths == [4, 2]  # first and second token

@@ -82,13 +82,15 @@ def test_async_with_graph_emulation_matches_sync(tiny_dir):
     assert stats.num_steps_scheduled_ahead > 0 and stats.num_graph_calls > 0
 
 
-def test_select_ahead_predicts_the_next_rows_before_update(tiny_dir):
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_select_ahead_predicts_the_next_rows_before_update(tiny_dir, mode):
     """Trace exits (the first entry is the first token's, from the prompt): the second token
-    of "a" exits after 2 loops (depth 1); the others go on.
-    The rows chosen before `update` are the continuing tokens, one depth deeper after it."""
+    of "a" exits after 2 loops (depth 1); "b" and "c" go on. The rows of step 3 are chosen
+    before step 2's update: refill keeps "a"'s row for its next token (depth 0, built after
+    update, once its sampled id is known); no_refill drops "a" from the cohort."""
     from loopserve.sampling_params import SamplingParams
 
-    engine = make_engine(tiny_dir, exit_mode="trace", async_scheduling=True)
+    engine = make_engine(tiny_dir, exit_mode="trace", async_scheduling=True, mode=mode)
     scheduler, runner = engine.scheduler, engine.runner
     traces = {"a": (4, 2), "b": (4, 4), "c": (4, 3)}
     for request_id, trace in traces.items():
@@ -107,8 +109,14 @@ def test_select_ahead_predicts_the_next_rows_before_update(tiny_dir):
         output = runner.execute(scheduled)
         scheduler.update(scheduled, output)
         ahead_out = scheduler.complete_ahead(ahead)
-    # Depth 1: "a" exits (trace 2 loops), so step 3 holds "b" and "c" at depth 2 only.
     assert depths == {"a": 1, "b": 1, "c": 1}
-    assert ahead == ["b", "c"]
-    assert {item.request_id: item.depth for item in ahead_out.items} == {"b": 2, "c": 2}
+    next_depths = {item.request_id: item.depth for item in ahead_out.items}
+    if mode == "refill":
+        assert ahead == ["a", "b", "c"]
+        assert next_depths == {"a": 0, "b": 2, "c": 2}
+        first = ahead_out.items[0]
+        assert first.needs_prelude and first.token_ids == (output.results[0].sampled.token_id,)
+    else:
+        assert ahead == ["b", "c"]
+        assert next_depths == {"b": 2, "c": 2}
     assert engine.scheduler.requests["a"].exit_depths == [4, 2]  # first and second token

@@ -7,9 +7,10 @@ is planned (a gate crossing at loop d commits the exit after loop d+1), so the t
 continue, and therefore the next step's rows, do not depend on step n's outputs. After step n
 returns, `update(n)` records its results, and the chosen rows become step n+1's items
 (`Scheduler.complete_ahead`: depths, exit plans and block tables read from the now-current
-state). Tokens that exit in step n start their next token one step later (it needs the
-sampled id and the stop checks); prompt work and admissions are never planned ahead (those
-steps are scheduled after update, as in `EngineCore`).
+state). A token that exits in step n keeps its request's row under refill (its next token,
+built after update once the sampled id is known) and leaves the cohort under no_refill;
+prompt work and admissions are never planned ahead (those steps are scheduled after update,
+as in `EngineCore`).
 
 What overlaps: the row selection of step n+1 with the execution of step n. What does not:
 `update(n)`, building step n+1's items, and the caller's output processing of step n run

@@ -50,6 +50,14 @@ class RefillPolicy(DecodePolicy):
     def select(self, decode_requests: list[Request], max_rows: int) -> list[Request]:
         return decode_requests[:max_rows]
 
+    def select_ahead(
+        self, decode_requests: list[Request], leaving: set[str], max_rows: int
+    ) -> list[Request]:
+        """The same rows as `select`: a leaving token's request keeps its row for its next
+        token (started by `update`, built into an item after it); a request that finishes
+        instead is dropped then, and its row stays empty for that one step."""
+        return decode_requests[:max_rows]
+
 
 class NoRefillPolicy(DecodePolicy):
     def __init__(self) -> None:

@@ -284,8 +284,9 @@ class Scheduler:
         config rejects async scheduling with `ouro`): every decode item of `inflight` carries
         `exit_now` True or False. So the requests of the next step are known now: tokens of
         `inflight` that do not exit advance one depth; tokens not in `inflight` keep their
-        depth; tokens exiting in `inflight` leave (their request's next token needs the sampled
-        id and stop checks, so it joins one step later). Prompt work and admissions are never
+        depth; for tokens exiting in `inflight` the decode policy decides (refill: the
+        request's next token keeps the row, dropped at completion if the request finished;
+        no_refill: the request leaves the cohort). Prompt work and admissions are never
         planned ahead: with a request in its prompt phase, or a waiting request that could be
         admitted, this returns None. Outputs do not depend on which step a row runs in (batch
         invariance), so they equal synchronous scheduling. The items themselves are built by

@@ -117,3 +117,14 @@ def test_padding_rows_write_only_the_dummy_block(tiny_dir):
     changed = (kv != before).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
     dummy = engine.config.cache.num_blocks * 4
     assert changed == [21, 26, 36, dummy]  # the real rows' slots, then the dummy slot
+    # The static inputs of bucket 4: real tables then the dummy block, one padding row.
+    d = engine.config.cache.num_blocks
+    width = graphs.max_blocks  # ceil(96 / 4)
+    assert width == 24
+    expected = [[2, 5] + [d] * 22, [7, 6] + [d] * 22, [1, 9] + [d] * 22, [d] * 24]
+    assert graphs.block_tables[:4].tolist() == expected
+    assert graphs.context_lens[:4].tolist() == [6, 7, 5, 1]
+    assert graphs.write_slots[:4].tolist() == [21, 26, 36, dummy]
+    # A smaller call after it resets the table rows it reuses (no stale blocks).
+    graphs.run(torch.randn(1, hidden_size), [0], [[3]])
+    assert graphs.block_tables[:1].tolist() == [[3] + [d] * 23]

@@ -144,25 +144,34 @@ class DecodeGraphs:
         return self.core(self.hidden[:rows], self.positions[:rows], attn)
 
     def _load(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]]) -> int:
-        """Copy n real rows into the static buffers, pad to the bucket; returns the bucket."""
+        """Copy n real rows into the static buffers, pad to the bucket; returns the bucket.
+
+        Host work is proportional to the rows' real context blocks, not to `max_blocks`: the
+        table buffer is reset to the dummy block on device and only the used entries are
+        scattered in (flat index `row * max_blocks + column`), in one host-to-device copy."""
         n = len(positions)
         bucket = bucket_for(self.buckets, n)
         assert bucket is not None, f"{n} rows exceed the largest bucket {self.max_rows}"
-        size = self.block_size
-        table_rows, slots = [], []
-        for position, table in zip(positions, tables):
-            used = table[: position // size + 1]
-            table_rows.append(used + [self.dummy_block] * (self.max_blocks - len(used)))
-            slots.append(table[position // size] * size + position % size)
-        pad = bucket - n
-        table_rows.extend([[self.dummy_block] * self.max_blocks] * pad)
-        rows = zip(positions + [0] * pad, slots + [self.dummy_slot] * pad, table_rows)
-        host = torch.tensor([[p, s, *row] for p, s, row in rows], dtype=torch.int64)
-        host = host.to(self.device)
-        self.positions[:bucket].copy_(host[:, 0])
-        self.write_slots[:bucket].copy_(host[:, 1])
-        self.block_tables[:bucket].copy_(host[:, 2:])
-        self.context_lens[:bucket].copy_(host[:, 0] + 1)
+        size, width, pad = self.block_size, self.max_blocks, bucket - n
+        index: list[int] = []
+        blocks: list[int] = []
+        slots: list[int] = []
+        for row, (position, table) in enumerate(zip(positions, tables)):
+            used = position // size + 1
+            index.extend(range(row * width, row * width + used))
+            blocks.extend(table[:used])
+            slots.append(table[used - 1] * size + position % size)
+        host = torch.tensor(
+            positions + [0] * pad + slots + [self.dummy_slot] * pad + index + blocks,
+            dtype=torch.int64,
+        ).to(self.device)
+        self.positions[:bucket].copy_(host[:bucket])
+        self.write_slots[:bucket].copy_(host[bucket : 2 * bucket])
+        self.context_lens[:bucket].copy_(host[:bucket] + 1)
+        self.block_tables[:bucket].fill_(self.dummy_block)
+        used_entries = len(index)
+        flat_index = host[2 * bucket : 2 * bucket + used_entries]
+        self.block_tables.view(-1).index_copy_(0, flat_index, host[2 * bucket + used_entries :])
         self.hidden[:n].copy_(hidden)
         self.hidden[n:bucket].zero_()
         self.num_calls += 1

@@ -28,6 +28,7 @@ def test_cuda_graphs_match_eager_fp32(tiny_dir, layout, exit_mode):
     eager = make_engine(tiny_dir, enforce_eager=True, **args)
     graphs = make_engine(tiny_dir, **args)  # graph_mode auto: captured on CUDA
     assert eager.runner.graphs is None
+    assert graphs.runner.graph_capture_error is None
     assert graphs.runner.graphs is not None and graphs.runner.graphs.captured
     assert sorted(graphs.runner.graphs.graphs) == [1, 2, 4, 6]
     eager_out = _outputs(run_steps(eager, work))

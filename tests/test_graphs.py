@@ -128,3 +128,21 @@ def test_padding_rows_write_only_the_dummy_block(tiny_dir):
     # A smaller call after it resets the table rows it reuses (no stale blocks).
     graphs.run(torch.randn(1, hidden_size), [0], [[3]])
     assert graphs.block_tables[:1].tolist() == [[3] + [d] * 23]
+
+
+def test_failed_capture_falls_back_to_eager_and_says_why(tiny_model):
+    from loopserve.runner.model_runner import ModelRunner
+
+    # Capture on CPU raises; the runner keeps serving eagerly and records the error.
+    runner = ModelRunner(
+        tiny_model,
+        num_blocks=8,
+        block_size=4,
+        layout="last_exited",
+        exit_mode="ouro",
+        graph_mode="capture",
+        max_model_len=32,
+        max_num_seqs=2,
+    )
+    assert runner.graphs is None
+    assert runner.graph_capture_error is not None and "CUDA" in runner.graph_capture_error

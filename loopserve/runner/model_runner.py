@@ -12,6 +12,7 @@ reports it; the scheduler records it. It never sees a `Request`. One of the two 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ from loopserve.runner.attention.torch_paged import (
 from loopserve.runner.graphs import DecodeGraphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +98,7 @@ class ModelRunner(Executor):
         self._num_finalized = 0  # this step's finalized decode tokens
         self.workspace = Workspace()  # attention gather scratch, reused by every core call
         self.graphs: DecodeGraphs | None = None
+        self.graph_capture_error: str | None = None
         if graph_mode != "off":
             self.graphs = DecodeGraphs(
                 model.core,
@@ -105,8 +109,15 @@ class ModelRunner(Executor):
                 max_rows=max_num_seqs,
                 dummy_block=num_blocks,
                 scale=self.scale,
-                capture=graph_mode == "capture",
+                capture=False,
             )
+            if graph_mode == "capture":
+                try:
+                    self.graphs.capture()
+                except Exception as err:  # keep serving eagerly; say why, once, loudly
+                    logger.exception("CUDA graph capture failed; decode runs eagerly")
+                    self.graph_capture_error = f"{type(err).__name__}: {err}"
+                    self.graphs = None
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:

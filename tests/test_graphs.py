@@ -80,7 +80,8 @@ def test_calls_above_the_largest_bucket_and_prompt_calls_run_eagerly(tiny_dir):
     engine = make_engine(tiny_dir, max_model_len=96, graph_mode="emulate", max_num_seqs=4)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.buckets == (1, 2, 4)
-    assert not graphs.fits(5)
+    assert graphs.fits(4, 95) and not graphs.fits(5, 0)
+    assert not graphs.fits(1, 96)  # max_model_len 96: positions 0..95 only
     work = random_workload(7, 3, 256, sampled=False)
     seen = []
     run_steps(

@@ -6,11 +6,15 @@ table and write slot), not part of the graph. `DecodeGraphs` holds, once per eng
 
 - static inputs sized for the largest bucket, shared by every bucket as leading views:
   `hidden [R, H]`, `positions [R]`, `write_slots [R]`, `block_tables [R, max_blocks]`
-  (`max_blocks = ceil(max_model_len / block_size)`, padded with the dummy block) and
+  (`max_blocks = ceil(max_context / block_size)`, padded with the dummy block) and
   `context_lens [R]` (position + 1; what a paged-attention kernel needs to skip the padded
   tail of a table; the torch backend masks by position instead);
 - buckets 1, 2, 4, 8, 16, 24, 32, ... (multiples of 8) up to `max_rows` (`max_num_seqs`,
   always its own bucket); a call of n rows runs in the smallest bucket >= n;
+- a context bound `max_context = min(max_model_len, GRAPH_MAX_CONTEXT)`: the torch backend
+  gathers `max_blocks` blocks per row inside a graph (fixed shapes), so an unbounded context
+  would cost `rows x max_model_len` K/V per layer (tens of GB for long-context models); calls
+  with a row at a position >= `max_context` run eagerly;
 - padding rows: zero hidden, position 0, a block table of only the dummy block and a write
   slot in it. The dummy block is one block past the scheduler's pool (`num_blocks`), owned by
   the runner: padding rows write there and attend only to what they just wrote, so they never
@@ -20,7 +24,7 @@ Modes: `emulate` runs the static function eagerly on the padded buffers (any dev
 tests prove that padding and buffers change no output); `capture` records one
 `torch.cuda.CUDAGraph` per bucket at start-up (largest first, after two warm-up runs on a side
 stream, all graphs in one shared memory pool) and replays it. Calls above the largest bucket
-and every call with prompt rows run eagerly (the caller checks `fits`).
+and every call with prompt rows or a longer context run eagerly (the caller checks `fits`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from loopserve.runner.attention.torch_paged import (
     TorchPagedAttention,
     Workspace,
 )
+
+GRAPH_MAX_CONTEXT = 2048  # positions a graphed decode row may attend to (see the docstring)
 
 
 def graph_buckets(max_rows: int) -> tuple[int, ...]:
@@ -76,7 +82,7 @@ class DecodeGraphs:
         *,
         hidden_size: int,
         block_size: int,
-        max_model_len: int,
+        max_context: int,
         max_rows: int,
         dummy_block: int,
         scale: float,
@@ -90,7 +96,7 @@ class DecodeGraphs:
         self.scale = scale
         self.buckets = graph_buckets(max_rows)
         self.max_rows = max_rows
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = -(-max_context // block_size)
         self.dummy_block = dummy_block
         self.dummy_slot = dummy_block * block_size
         device, dtype = kv_cache.device, kv_cache.dtype
@@ -114,8 +120,10 @@ class DecodeGraphs:
     def captured(self) -> bool:
         return bool(self.graphs)
 
-    def fits(self, rows: int) -> bool:
-        return rows <= self.max_rows
+    def fits(self, rows: int, max_position: int) -> bool:
+        """True when a decode call of `rows` rows, the deepest at `max_position`, can run
+        through the static buffers."""
+        return rows <= self.max_rows and max_position < self.max_blocks * self.block_size
 
     def metadata(self, rows: int) -> PagedAttentionMetadata:
         """Torch-backend metadata computed on device from the static buffers (no host data,

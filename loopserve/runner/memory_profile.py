@@ -8,7 +8,8 @@ attention backend's prompt-chunk scores (`[heads, chunk, context]` in float32, u
 `max_model_len` context) are added analytically, since the dummy sequence has no cached
 context. `graph_pool_bytes` estimates the CUDA graphs' private pool (captured after the KV
 cache exists, so it cannot be measured first): one forward at the largest bucket
-(`max_num_seqs` rows) and the attention gather workspace of that bucket over `max_model_len`.
+(`max_num_seqs` rows) and the attention gather workspace of that bucket over the graphs'
+context bound (`min(max_model_len, GRAPH_MAX_CONTEXT)`).
 `loopserve.config.cuda_kv_budget` turns these into the KV byte budget (pure arithmetic,
 unit-tested on CPU). Every function here needs CUDA.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.models.ouro import OuroForLoopedLM
+from loopserve.runner.graphs import GRAPH_MAX_CONTEXT
 
 
 class _SelfAttention:
@@ -80,7 +82,7 @@ def profile_cuda_memory(
     scores = config.num_attention_heads * prefill_chunk_size * max_model_len * 4 * 2
     graph_bytes = 0
     if graphs:
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = -(-min(max_model_len, GRAPH_MAX_CONTEXT) // block_size)
         gather = 2 * max_num_seqs * max_blocks * block_size * config.head_dim * element
         gather *= config.num_key_value_heads
         graph_bytes = _forward_peak(model, max_num_seqs, device) + gather

@@ -36,7 +36,7 @@ from loopserve.runner.attention.torch_paged import (
     TorchPagedAttention,
     Workspace,
 )
-from loopserve.runner.graphs import DecodeGraphs
+from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 
@@ -105,7 +105,7 @@ class ModelRunner(Executor):
                 self.kv_cache,
                 hidden_size=config.hidden_size,
                 block_size=block_size,
-                max_model_len=max_model_len or config.max_position_embeddings,
+                max_context=min(max_model_len or config.max_position_embeddings, GRAPH_MAX_CONTEXT),
                 max_rows=max_num_seqs,
                 dummy_block=num_blocks,
                 scale=self.scale,
@@ -227,7 +227,7 @@ class ModelRunner(Executor):
         graphs = self.graphs
         if (
             graphs is not None
-            and graphs.fits(len(active))
+            and graphs.fits(len(active), max(items[i].token_start for i in active))
             and all(items[i].kind is ItemKind.DECODE for i in active)
         ):  # decode-only call: the static, bucketed path (one row per item)
             tables = [

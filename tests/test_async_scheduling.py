@@ -120,3 +120,23 @@ def test_select_ahead_predicts_the_next_rows_before_update(tiny_dir, mode):
         assert ahead == ["b", "c"]
         assert next_depths == {"b": 2, "c": 2}
     assert engine.scheduler.requests["a"].exit_depths == [4, 2]  # first and second token
+
+
+def test_complete_ahead_drops_requests_finished_between_steps(tiny_dir):
+    from loopserve.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_dir, exit_mode="ouro_delayed", async_scheduling=True)
+    scheduler, runner = engine.scheduler, engine.runner
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, [3, 4], SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(2):  # the prompt step, then one decode step at depth 0
+        scheduled = scheduler.schedule()
+        ahead = scheduler.select_ahead(scheduled)
+        scheduler.update(scheduled, runner.execute(scheduled))
+    assert ahead == ["a", "b"]
+    engine.abort_request("b")  # between steps, while "b" sits in the planned rows
+    out = scheduler.complete_ahead(ahead)
+    assert [item.request_id for item in out.items] == ["a"]
+    assert out.finished_request_ids == ("b",)  # the release still reaches the runner
+    engine.abort_request("a")
+    assert scheduler.complete_ahead(["a"]) is None  # nothing left: schedule after update

@@ -47,12 +47,15 @@ def _run(tiny_dir, work, **overrides):
         ("last_exited", "no_refill", "ouro_delayed", "wavefront"),
         ("shared", "refill", "trace", "atomic"),
         ("last_exited", "refill", "random_lookahead", "per_depth"),
+        ("last_exited", "no_refill", "ouro", "mixed"),  # decode + prompt rows: eager calls
     ],
 )
 def test_emulated_graphs_match_eager_and_reference(tiny_dir, layout, mode, exit_mode, prefill_mode):
     vocab = 256
     work = random_workload(41, 8, vocab, sampled=True)
     args = dict(layout=layout, mode=mode, exit_mode=exit_mode, prefill_mode=prefill_mode)
+    if prefill_mode == "mixed":
+        args.update(prefill_mode="per_depth", mixed_prefill_decode=True)
     # max_num_seqs 6: buckets 1, 2, 4, 6, so calls of 3 and 5 rows are padded.
     eager, eager_out = _run(tiny_dir, work, max_num_seqs=6, **args)
     graphs, graph_out = _run(tiny_dir, work, max_num_seqs=6, graph_mode="emulate", **args)

@@ -140,3 +140,28 @@ def test_complete_ahead_drops_requests_finished_between_steps(tiny_dir):
     assert out.finished_request_ids == ("b",)  # the release still reaches the runner
     engine.abort_request("a")
     assert scheduler.complete_ahead(["a"]) is None  # nothing left: schedule after update
+
+
+def test_aborting_everything_while_a_step_is_in_flight_drains_it(tiny_dir):
+    from loopserve.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_dir, exit_mode="ouro_delayed", async_scheduling=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for request_id in ("a", "b"):
+        engine.add_request(request_id, [3, 4, 5], params)
+    steps = 0
+    while engine.core._inflight is None:  # until a step returns with the next one submitted
+        engine.step()
+        steps += 1
+        assert steps < 20
+    in_flight = engine.core._inflight[0]
+    assert {item.request_id for item in in_flight.items} == {"a", "b"}
+    engine.abort_request("a")
+    assert engine.core._inflight is not None  # "b" still runs: the step stays in flight
+    engine.abort_request("b")
+    # Idle now: the step in flight was collected before the release-only output ran.
+    assert engine.core._inflight is None
+    assert not engine.has_unfinished_requests()
+    assert engine.runner.num_live_handles == 0 and engine.runner.samplers == {}
+    assert engine.stats.kv_blocks_used == 0
+    engine.core.shutdown()

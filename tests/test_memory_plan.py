@@ -47,3 +47,40 @@ def test_profiled_budget_sizes_blocks_after_the_inflight_reserve():
         ).num_blocks
         == 5
     )  # an explicit byte budget wins and is not reduced
+
+
+def test_dummy_forward_of_the_profile_runs_the_whole_model(tiny_model, monkeypatch):
+    """The profile's dummy forward (prelude, core with self-attention, gate, coda) runs on
+    the real model; the CUDA allocator queries are stubbed so it runs on CPU."""
+    import torch
+
+    from loopserve.runner import memory_profile
+
+    calls = []
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: calls.append(_n))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 7000)
+    seen = {}
+    core = tiny_model.core
+
+    def spy(hidden, positions, attn):
+        out = core(hidden, positions, attn)
+        seen["rows"], seen["out"] = hidden.shape[0], out
+        return out
+
+    monkeypatch.setattr(tiny_model, "core", spy)
+    peak = memory_profile._forward_peak(tiny_model, 37, torch.device("cpu"))
+    assert peak == 6000  # max allocated - allocated before the forward
+    assert seen["rows"] == 37 and torch.isfinite(seen["out"]).all()
+    assert calls == ["synchronize", "reset_peak_memory_stats", "synchronize"]
+    with pytest.raises(RuntimeError, match="CUDA"):
+        memory_profile.profile_cuda_memory(
+            tiny_model,
+            max_num_batched_tokens=8,
+            prefill_chunk_size=8,
+            max_num_seqs=2,
+            max_model_len=32,
+            block_size=4,
+            graphs=False,
+        )

@@ -57,7 +57,8 @@ class LLMEngine:
         )
         budget = None
         self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
-        if config.device.startswith("cuda") and config.cache.num_blocks is None:
+        sized = config.cache.num_blocks is not None or config.cache.kv_cache_bytes is not None
+        if config.device.startswith("cuda") and not sized:
             # Profile before sizing the KV cache: weights, activation peak, graphs' pool.
             profile = profile_cuda_memory(
                 self.model,

@@ -16,6 +16,7 @@ from loopserve.engine_args import (  # noqa: F401  (the choice lists, re-exporte
     ATTENTION_BACKENDS,
     ENGINE_ARGS_BY_NAME,
     EXIT_MODES,
+    GRAPH_MODES,
     KV_RESERVATIONS,
     LAYOUTS,
     MODES,
@@ -68,6 +69,9 @@ class EngineConfig:
     device: str = default("device")
     max_model_len: int | None = default("max_model_len")
     attention_backend: str = default("attention_backend")
+    graph_mode: str = default("graph_mode")
+    enforce_eager: bool = default("enforce_eager")
+    async_scheduling: bool = default("async_scheduling")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -145,6 +149,14 @@ def validate(config: EngineConfig) -> None:
     _choice("exit_mode", exit_.mode, EXIT_MODES)
     _choice("device", config.device.split(":")[0], ("cpu", "cuda"))
     _choice("attention_backend", config.attention_backend, ATTENTION_BACKENDS)
+    _choice("graph_mode", config.graph_mode, GRAPH_MODES)
+    if config.async_scheduling and exit_.mode == "ouro":
+        raise ConfigError(
+            "async_scheduling needs an exit rule known one loop ahead, but exit_mode='ouro' "
+            "decides each exit from the gate of the loop just run, so step n+1's rows would "
+            "depend on step n's results; use exit_mode='ouro_delayed' (same CDF, exit one loop "
+            "later), 'random_lookahead' or 'trace', or turn async_scheduling off"
+        )
     if sched.prefill_chunk_size > sched.max_num_batched_tokens:
         raise ConfigError(
             f"prefill_chunk_size ({sched.prefill_chunk_size}) must be <= max_num_batched_tokens "
@@ -172,6 +184,15 @@ def validate(config: EngineConfig) -> None:
             )
 
 
+def effective_graph_mode(config: EngineConfig) -> str:
+    """'capture' (CUDA graphs), 'emulate' (static padded buffers, run eagerly) or 'off'."""
+    if config.enforce_eager or config.graph_mode == "off":
+        return "off"
+    if config.graph_mode == "emulate":
+        return "emulate"
+    return "capture" if config.device.startswith("cuda") else "off"
+
+
 def resolve_dtype(config: EngineConfig) -> EngineConfig:
     if config.dtype != "auto":
         return config
@@ -194,14 +215,46 @@ def max_inflight_rows(config: EngineConfig, num_loops: int) -> int:
     return sched.max_num_seqs * (max(1, chunks * sched.prefill_chunk_size) + num_loops)
 
 
+def cuda_kv_budget(
+    *,
+    total_bytes: int,
+    gpu_memory_utilization: float,
+    peak_bytes: int,
+    graph_bytes: int = 0,
+) -> int:
+    """KV byte budget on CUDA, as vLLM: `total x utilization` minus what the engine itself
+    needs at its peak (`peak_bytes`: weights, the activation peak of a dummy forward at
+    `max_num_batched_tokens` rows, and memory outside torch's allocator, all measured) minus
+    the CUDA graphs' pool (`graph_bytes`; captured after the KV cache exists, so estimated).
+    Raises when nothing is left, naming every term."""
+    budget = int(total_bytes * gpu_memory_utilization) - peak_bytes - graph_bytes
+    if budget <= 0:
+        raise ConfigError(
+            f"no GPU memory left for the KV cache: {total_bytes} total x "
+            f"gpu_memory_utilization {gpu_memory_utilization} - {peak_bytes} at the profiled "
+            f"peak - {graph_bytes} for CUDA graphs = {budget} bytes; raise "
+            "gpu_memory_utilization, lower max_num_batched_tokens / max_num_seqs, or set "
+            "enforce_eager"
+        )
+    return budget
+
+
 def resolve_num_blocks(
-    cache: CacheConfig, *, bytes_per_block: int, free_bytes: int | None, reserved_bytes: int = 0
+    cache: CacheConfig,
+    *,
+    bytes_per_block: int,
+    free_bytes: int | None,
+    reserved_bytes: int = 0,
+    budget_bytes: int | None = None,
 ) -> CacheConfig:
-    """Fix `num_blocks` from an explicit count, a byte budget, or profiled free memory."""
+    """Fix `num_blocks` from an explicit count, a byte budget, a profiled budget
+    (`budget_bytes`, from `cuda_kv_budget`) or free memory x utilization."""
     if cache.num_blocks is not None:
         return cache
     if cache.kv_cache_bytes is not None:
         budget = cache.kv_cache_bytes
+    elif budget_bytes is not None:
+        budget = budget_bytes
     elif free_bytes is not None:
         budget = int(free_bytes * cache.gpu_memory_utilization)
     else:

@@ -166,6 +166,8 @@ class RunnerOutput:
     num_finalize_copies: int = 0  # LAST_EXITED: decode tokens whose K/V was finalized
     # New requests whose setup raised this step (their items got empty results).
     failed_requests: tuple[RequestFailure, ...] = ()
+    num_graph_calls: int = 0  # core calls run through the static bucketed buffers (graphs)
+    num_padded_rows: int = 0  # padding rows those calls added to reach their bucket
 
 
 class Executor(ABC):

@@ -22,6 +22,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # resolved per device by the runner's registry
 DEFAULT_SWAP_SPACE_BYTES = 4 * 1024**3
+GRAPH_MODES = ("auto", "off", "emulate")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,15 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("scheduling_policy", "scheduler", "scheduling_policy", "fcfs", "priority: a "
               "waiting request with a strictly higher priority (lower value) preempts the "
               "lowest-priority running one when seats or KV are full", choices=SCHEDULING_POLICIES),
+    EngineArg("graph_mode", "top", "graph_mode", "auto", "decode core calls through static, "
+              "row-bucketed buffers: auto captures CUDA graphs on CUDA and runs eagerly on CPU; "
+              "emulate runs the padded static-buffer path without capture (any device); off: "
+              "eager", choices=GRAPH_MODES),
+    EngineArg("enforce_eager", "top", "enforce_eager", False, "never use CUDA graphs (the same "
+              "as --graph-mode off)", bool),
+    EngineArg("async_scheduling", "top", "async_scheduling", False, "choose step n+1's rows "
+              "while step n executes (needs exit_mode ouro_delayed, random_lookahead or trace)",
+              bool),
 )  # fmt: skip
 
 ENGINE_ARGS_BY_NAME: dict[str, EngineArg] = {arg.name: arg for arg in ENGINE_ARGS}

@@ -224,7 +224,7 @@ def test_incremental_stop_matching_equals_naive_full_text_search(tokenizer: Toke
 # --- finish reasons ---------------------------------------------------------------------------
 
 
-def test_stop_string_finishes_through_scheduler_and_length_keeps_its_reason(
+def test_stop_string_finishes_through_scheduler_and_wins_over_length(
     tiny_tok_dir: Path,
 ) -> None:
     llm = LLM(model=str(tiny_tok_dir), dtype="float32", num_blocks=64)
@@ -243,9 +243,10 @@ def test_stop_string_finishes_through_scheduler_and_length_keeps_its_reason(
     assert out.token_ids == free.token_ids[:k]
     assert out.text == texts[k][:-1]
     assert llm.engine.scheduler.kv.num_free_blocks == 64
-    # The same stop on the max_tokens-th token: the scheduler finished it first ("length").
+    # The same stop on the max_tokens-th token: the text is cut at the stop string, so the
+    # reason is "stop" (as OpenAI reports it), not the "length" the token also reached.
     capped = llm.generate("the loop", SamplingParams(max_tokens=k, stop=[stop], **greedy))[0]
-    assert capped.finish_reason == "length" and capped.stop_reason == stop
+    assert capped.finish_reason == "stop" and capped.stop_reason == stop
     assert capped.text == out.text and capped.token_ids == out.token_ids
 
 

@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loopserve.contracts import Executor, RunnerOutput, SchedulerOutput
 from loopserve.engine.stats import EngineStats, StepCounters
@@ -38,6 +39,15 @@ from loopserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 StepObserver = Callable[[SchedulerOutput, RunnerOutput], None]
+
+
+class AppliedStep(NamedTuple):
+    """What applying one executed step produced: requests with a new token or finished, and
+    the requests whose per-request setup failed (with their messages)."""
+
+    touched: list[Request]
+    failed: list[Request]
+    errors: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,18 +119,32 @@ class EngineCore:
         try:
             output = self.executor.execute(scheduled)
         except Exception as err:  # a failed step fails its own requests, not the engine
-            # Announced requests too: the executor may not have set them up.
-            ids = dict.fromkeys(
-                [item.request_id for item in scheduled.items]
-                + [new.request_id for new in scheduled.new_requests]
-            )
-            failed = self.scheduler.fail_requests(ids)
-            counters.num_failed_steps += 1
-            self._flush_if_idle()
-            message = f"{type(err).__name__}: {err}"
-            errors = {request.request_id: message for request in failed}
-            return StepResult(scheduled, failed=failed, error=err, errors=errors)
+            return self._fail_step(scheduled, err)
         execute_end = clock()
+        applied = self._apply(scheduled, output)
+        end = clock()
+        counters.schedule_time_s += execute_start - start
+        counters.execute_time_s += execute_end - execute_start
+        counters.step_time_s += end - start
+        return StepResult(scheduled, output, applied.touched, applied.failed, errors=applied.errors)
+
+    def _fail_step(self, scheduled: SchedulerOutput, err: Exception) -> StepResult:
+        # Announced requests too: the executor may not have set them up.
+        ids = dict.fromkeys(
+            [item.request_id for item in scheduled.items]
+            + [new.request_id for new in scheduled.new_requests]
+        )
+        failed = self.scheduler.fail_requests(ids)
+        self._counters.num_failed_steps += 1
+        self._flush_if_idle()
+        message = f"{type(err).__name__}: {err}"
+        errors = {request.request_id: message for request in failed}
+        return StepResult(scheduled, failed=failed, error=err, errors=errors)
+
+    def _apply(self, scheduled: SchedulerOutput, output: RunnerOutput) -> AppliedStep:
+        """Per-request failures, `update`, observers, counters and idle flush of one executed
+        step."""
+        counters = self._counters
         failed, errors = [], {}
         if output.failed_requests:  # their items ran nothing; `update` skips finished requests
             errors = {failure.request_id: failure.error for failure in output.failed_requests}
@@ -136,14 +160,12 @@ class EngineCore:
         counters.num_loops += sum(request.exit_depths[-1] for request in touched)
         counters.num_early_exits += output.num_early_exits
         counters.num_finalize_copies += output.num_finalize_copies
+        counters.num_graph_calls += output.num_graph_calls
+        counters.num_padded_rows += output.num_padded_rows
         counters.model_time_s += output.model_time_s
         counters.forward_time_s += output.forward_time_s
         self._flush_if_idle()
-        end = clock()
-        counters.schedule_time_s += execute_start - start
-        counters.execute_time_s += execute_end - execute_start
-        counters.step_time_s += end - start
-        return StepResult(scheduled, output, touched, failed, errors=errors)
+        return AppliedStep(touched, failed, errors)
 
     def _flush_if_idle(self) -> None:
         """Deliver pending releases now when no step would come to carry them."""
@@ -181,6 +203,9 @@ class EngineCore:
             num_early_exits=counters.num_early_exits,
             num_finalize_copies=counters.num_finalize_copies,
             num_failed_steps=counters.num_failed_steps,
+            num_graph_calls=counters.num_graph_calls,
+            num_padded_rows=counters.num_padded_rows,
+            num_steps_scheduled_ahead=counters.num_steps_scheduled_ahead,
             model_time_s=counters.model_time_s,
             forward_time_s=counters.forward_time_s,
             step_time_s=counters.step_time_s,

@@ -19,14 +19,21 @@ import itertools
 import logging
 from pathlib import Path
 
-import torch
-
-from loopserve.config import EngineConfig, max_inflight_rows, resolve_dtype, resolve_num_blocks
+from loopserve.config import (
+    EngineConfig,
+    cuda_kv_budget,
+    effective_graph_mode,
+    max_inflight_rows,
+    resolve_dtype,
+    resolve_num_blocks,
+)
+from loopserve.engine.async_core import AsyncEngineCore
 from loopserve.engine.core import EngineCore
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
 from loopserve.models import load_model
 from loopserve.outputs import RequestOutput
+from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
@@ -49,21 +56,38 @@ class LLMEngine:
         bytes_per_block = ModelRunner.kv_bytes_per_block(
             self.model, config.cache.block_size, self.model.lm_head.weight.dtype
         )
-        free = None
-        if config.device.startswith("cuda"):
-            free = torch.cuda.mem_get_info()[0]
+        budget = None
+        self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
+        sized = config.cache.num_blocks is not None or config.cache.kv_cache_bytes is not None
+        if config.device.startswith("cuda") and not sized:
+            # Profile before sizing the KV cache: weights, activation peak, graphs' pool.
+            profile = profile_cuda_memory(
+                self.model,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                prefill_chunk_size=config.scheduler.prefill_chunk_size,
+                max_num_seqs=config.scheduler.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=config.cache.block_size,
+                graphs=effective_graph_mode(config) == "capture",
+            )
+            budget = cuda_kv_budget(
+                total_bytes=profile.total_bytes,
+                gpu_memory_utilization=config.cache.gpu_memory_utilization,
+                peak_bytes=profile.peak_bytes,
+                graph_bytes=profile.graph_bytes,
+            )
         element_size = self.model.lm_head.weight.element_size()
         inflight_rows = max_inflight_rows(config, self.model.num_loops)
         self.inflight_hidden_bytes = inflight_rows * self.model.config.hidden_size * element_size
         cache = resolve_num_blocks(
             config.cache,
             bytes_per_block=bytes_per_block,
-            free_bytes=free,
+            free_bytes=None,
             reserved_bytes=self.inflight_hidden_bytes,
+            budget_bytes=budget,
         )
         self.config = dataclasses.replace(config, cache=cache)
         self.num_loops = self.model.num_loops
-        self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
         num_planes = 1 if cache.layout == "shared" else self.num_loops
         self.kv = KVCacheManager.from_config(
             self.config, num_planes=num_planes, bytes_per_block=bytes_per_block
@@ -78,6 +102,9 @@ class LLMEngine:
             lookahead_seed=self.config.exit.lookahead_seed,
             num_host_blocks=self.kv.host_pool.num_blocks,
             attention_backend=self.config.attention_backend,
+            graph_mode=effective_graph_mode(self.config),
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:
@@ -89,7 +116,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.core = EngineCore(self.scheduler, self.runner)
+        core_class = AsyncEngineCore if self.config.async_scheduling else EngineCore
+        self.core = core_class(self.scheduler, self.runner)
         self._tracked: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
@@ -171,10 +199,9 @@ class LLMEngine:
         return self._output(request)
 
     def _finish_on_stop_string(self, request: Request) -> None:
-        """The one place a stop string finishes a request: through the scheduler, reason STOP.
-        A request the scheduler already finished on the same token keeps its reason."""
-        if not request.is_finished:
-            self.core.finish_request(request, FinishReason.STOP)
+        """A stop string finishes a request through the scheduler (reason STOP), also when the
+        same token reached max_tokens (`Scheduler.finish` then turns "length" into "stop")."""
+        self.core.finish_request(request, FinishReason.STOP)
 
     def _output(self, request: Request, *, error: str | None = None) -> RequestOutput:
         if request.is_finished:

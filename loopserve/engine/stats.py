@@ -24,6 +24,9 @@ class StepCounters:
     num_early_exits: int = 0
     num_finalize_copies: int = 0
     num_failed_steps: int = 0
+    num_graph_calls: int = 0
+    num_padded_rows: int = 0
+    num_steps_scheduled_ahead: int = 0
     model_time_s: float = 0.0
     forward_time_s: float = 0.0
     schedule_time_s: float = 0.0
@@ -49,6 +52,13 @@ class EngineStats:
     num_early_exits: int = 0  # output tokens that exited before the last loop
     num_finalize_copies: int = 0  # LAST_EXITED decode tokens copied into deeper planes
     num_failed_steps: int = 0  # steps whose execution raised (their requests failed)
+    # Decode core calls run through the static, row-bucketed buffers (CUDA graph replays, or
+    # their eager emulation), and the padding rows they added to reach their bucket.
+    num_graph_calls: int = 0
+    num_padded_rows: int = 0
+    # Async scheduling: steps whose rows were chosen while the previous step still executed
+    # (before its results were applied).
+    num_steps_scheduled_ahead: int = 0
     # Memory management, since construction: prompt tokens looked up in / served by the
     # prefix cache at admission; preemptions by mode; KV bytes swapped (both directions).
     num_prefix_cache_queried_tokens: int = 0

@@ -3,14 +3,15 @@
     scripts/gpu_check.sh              # on a CUDA machine (<= 8 min on one H100/H200)
     scripts/gpu_check.sh --dry-run    # the same steps on CPU with a tiny model (seconds)
 
-Steps: (1) `pytest -m gpu tests/test_gpu.py` in a subprocess (Triton vs torch on CUDA, engine
-batch invariance on CUDA); (2) an Ouro-1.4B-shaped checkpoint with random weights written
-from GPU memory (no download); (3) decode time per loop at 1..256 rows, prefill tokens/s at
+Steps: (1) `pytest -m gpu tests/test_gpu.py tests/test_gpu_graphs.py` in a subprocess (Triton
+vs torch on CUDA, engine batch invariance on CUDA, captured graphs vs eager, async vs sync); (2) an Ouro-1.4B-shaped checkpoint with random weights written
+from GPU memory (no download); (3) decode time per loop at 1..256 rows, eager and through the CUDA-graph
+path (`graph_mode`; its eager emulation in a dry run), prefill tokens/s at
 chunk 512 and 2048, output tok/s of full_depth / no_refill / refill on a synthetic workload
 whose exit depths follow the Ouro-1.4B threshold-0.5 distribution (exit_mode=trace), and one
 full-depth stream; (4) beside each number what the simulator's cost model predicts for the
 detected device profile; a JSON (`loopserve.sim.calibration` format) with the fitted
-efficiencies and call overhead. Eager only for now: CUDA graphs will add a second column.
+efficiencies and call overhead.
 Needs only torch, numpy, safetensors, tokenizers (and triton on CUDA).
 """
 
@@ -96,12 +97,26 @@ def detect_profile(device: str) -> str:
 
 
 def run_gpu_tests(dry_run: bool) -> dict:
-    tests = REPO_ROOT / "tests" / "test_gpu.py"
-    if not tests.exists():
-        return {"ran": False, "reason": f"{tests} not found (run from the source tree)"}
+    files = [REPO_ROOT / "tests" / name for name in ("test_gpu.py", "test_gpu_graphs.py")]
+    missing = [str(path) for path in files if not path.exists()]
+    if missing:
+        return {
+            "ran": False,
+            "reason": f"{', '.join(missing)} not found (run from the source tree)",
+        }
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-q", "-p", "no:cacheprovider"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        *map(str, files),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     print("\n".join(lines[-15:] if proc.returncode else lines[-1:]), flush=True)
@@ -197,6 +212,46 @@ def measure_core_calls(engine: LLMEngine, plan: Plan, cost: CostModel) -> list[T
     return points
 
 
+@torch.inference_mode()
+def measure_graph_decode(
+    model_dir: Path, plan: Plan, base_args: dict, eager: dict[int, float]
+) -> dict[int, float]:
+    """Decode loops at the same rows and context as the eager points, through the runner's
+    static, row-bucketed path: captured CUDA graphs on CUDA, their eager emulation in a dry run
+    (which checks the plumbing, not the speed)."""
+    mode = "auto" if plan.device.startswith("cuda") else "emulate"
+    engine = LLMEngine.from_engine_args(
+        model=str(model_dir), **base_args, max_num_seqs=max(plan.decode_rows), graph_mode=mode
+    )
+    graphs = engine.runner.graphs
+    if graphs is None:
+        print(f"no graph path: {engine.runner.graph_capture_error}", flush=True)
+        return {}
+    context, block_size = plan.decode_context, engine.config.cache.block_size
+    per_item = -(-context // block_size)
+    hidden_size = engine.model.config.hidden_size
+    dtype = engine.model.lm_head.weight.dtype
+    measured = {}
+    for rows in plan.decode_rows:
+        if rows * per_item > engine.config.cache.num_blocks or not graphs.fits(rows, context - 1):
+            print(f"skip graphed decode rows={rows}", flush=True)
+            continue
+        tables = [list(range(i * per_item, (i + 1) * per_item)) for i in range(rows)]
+        positions = [context - 1] * rows
+        hidden = torch.randn(rows, hidden_size, device=plan.device).to(dtype)
+        measured[rows] = time_call(
+            lambda h=hidden, p=positions, t=tables: graphs.run(h, p, t), plan.device, plan.iters
+        )
+        ratio = f"  eager/graphs {eager[rows] / measured[rows]:5.2f}x" if rows in eager else ""
+        print(f"{'graph_decode':12s} rows={rows:5d} ctx={context:5d}  measured "
+              f"{measured[rows] * 1e3:8.3f} ms{ratio}", flush=True)  # fmt: skip
+    if 1 in measured and 1 in eager:
+        print(f"graphs vs eager at 1 row: {eager[1] / measured[1]:.2f}x (target >= 2x)", flush=True)
+    del engine
+    gc.collect()
+    return measured
+
+
 def run_workload(engine: LLMEngine, workload: list[SimRequest], seed: int) -> float:
     """Output tokens/s of the engine over the workload, every request arriving at t=0."""
     generator = torch.Generator().manual_seed(seed)
@@ -279,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_num_batched_tokens=2048, prefill_chunk_size=512)  # fmt: skip
         if args.dry_run:
             base_args.update(max_num_batched_tokens=64, prefill_chunk_size=16, num_blocks=256)
-        print("== 3. core calls (eager)", flush=True)
+        print("== 3. core calls (eager, model.core directly)", flush=True)
         engine = LLMEngine.from_engine_args(model=str(model_dir), **base_args, max_num_seqs=1)
         print(f"attention backend: {engine.runner.attention.name}", flush=True)
         points = measure_core_calls(engine, plan, cost)
@@ -289,13 +344,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"(target <= 1.3x)", flush=True)  # fmt: skip
         del engine
         gc.collect()
-        print("== 4. throughput (eager)", flush=True)
+        print("== 3b. decode core calls through the CUDA-graph path", flush=True)
+        graph_decode = measure_graph_decode(model_dir, plan, base_args, decode)
+        print("== 4. throughput (graph_mode=auto: CUDA graphs for decode on CUDA)", flush=True)
         throughput = measure_throughput(model_dir, plan, profile_name, base_args)
     fitted = fit_profile(profile, points)
     record = calibration_record(
         profile, fitted, points, device_name=device_name, dtype=plan.dtype,
         dry_run=args.dry_run, torch_version=torch.__version__, tests=tests,
-        throughput=throughput, graphs=False, wall_s=time.perf_counter() - start,
+        throughput=throughput, graph_decode_s=graph_decode,
+        wall_s=time.perf_counter() - start,
     )  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"== fitted: {json.dumps(record['fitted'])}", flush=True)

@@ -41,6 +41,7 @@ from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_e
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.attention.registry import make_attention_backend
+from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 from loopserve.runner.swap import SwapSpace
@@ -71,7 +72,12 @@ class ModelRunner(Executor):
         lookahead_seed: int = 0,
         num_host_blocks: int = 0,
         attention_backend: str = "auto",
+        graph_mode: str = "off",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 1,
     ) -> None:
+        """`graph_mode`: 'off' (eager), 'emulate' or 'capture' (`loopserve.runner.graphs`);
+        with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows."""
         self.model = model
         config = model.config
         self.num_loops = model.num_loops
@@ -86,7 +92,7 @@ class ModelRunner(Executor):
             (
                 config.num_hidden_layers,
                 2,
-                num_blocks * block_size,
+                (num_blocks + (graph_mode != "off")) * block_size,
                 config.num_key_value_heads,
                 config.head_dim,
             ),
@@ -105,6 +111,27 @@ class ModelRunner(Executor):
         self.attention = make_attention_backend(
             attention_backend, self.kv_cache, block_size=block_size, scale=self.scale
         )
+        self.graphs: DecodeGraphs | None = None
+        self.graph_capture_error: str | None = None
+        if graph_mode != "off":
+            self.graphs = DecodeGraphs(
+                model.core,
+                self.kv_cache,
+                hidden_size=config.hidden_size,
+                block_size=block_size,
+                max_context=min(max_model_len or config.max_position_embeddings, GRAPH_MAX_CONTEXT),
+                max_rows=max_num_seqs,
+                dummy_block=num_blocks,
+                scale=self.scale,
+                capture=False,
+            )
+            if graph_mode == "capture":
+                try:
+                    self.graphs.capture()
+                except Exception as err:  # keep serving eagerly; say why, once, loudly
+                    logger.exception("CUDA graph capture failed; decode runs eagerly")
+                    self.graph_capture_error = f"{type(err).__name__}: {err}"
+                    self.graphs = None
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -190,6 +217,8 @@ class ModelRunner(Executor):
         states = self._initial_states(items, hazards, last_outputs)
         exited = [False] * len(items)
         self._num_finalized = 0
+        calls0 = self.graphs.num_calls if self.graphs is not None else 0
+        pad0 = self.graphs.num_padded_rows if self.graphs is not None else 0
         rows_per_call = []
         for k in range(max(item.num_depths for item in items)):
             active = [i for i, item in enumerate(items) if k < item.num_depths]
@@ -204,6 +233,9 @@ class ModelRunner(Executor):
         )
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        graph_calls = padded = 0
+        if self.graphs is not None:
+            graph_calls, padded = self.graphs.num_calls - calls0, self.graphs.num_padded_rows - pad0
         return RunnerOutput(
             scheduled.step_id,
             tuple(results),
@@ -212,6 +244,8 @@ class ModelRunner(Executor):
             forward_time_s=self._forward_s,
             num_early_exits=num_early,
             num_finalize_copies=self._num_finalized,
+            num_graph_calls=graph_calls,
+            num_padded_rows=padded,
         )
 
     def _run_without(
@@ -261,6 +295,22 @@ class ModelRunner(Executor):
         return 0 if self.shared else item.depth + k
 
     def _core_call(self, scheduled, items, active, k, states) -> None:
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and graphs.fits(len(active), max(items[i].token_start for i in active))
+            and all(items[i].kind is ItemKind.DECODE for i in active)
+        ):  # decode-only call: the static, bucketed path (one row per item)
+            tables = [
+                scheduled.block_tables[items[i].request_id][self._plane(items[i], k)]
+                for i in active
+            ]
+            positions = [items[i].token_start for i in active]
+            hidden = torch.cat([states[i] for i in active])
+            out = self._timed(graphs.run, hidden, positions, tables)
+            for i, row in zip(active, out.split(1)):
+                states[i] = row
+            return
         segments = []
         positions: list[int] = []
         for i in active:

@@ -34,12 +34,28 @@ class DecodePolicy(ABC):
     def on_token_exit(self, request: Request) -> None:  # noqa: B027 - optional hook
         """A request's decode token just exited."""
 
+    def select_ahead(
+        self, decode_requests: list[Request], leaving: set[str], max_rows: int
+    ) -> list[Request]:
+        """Async scheduling: the rows of the next step chosen before this step's results are
+        applied, where the tokens of `leaving` exit this step (their next token waits a step).
+        Default: every other ready token, oldest first."""
+        return [r for r in decode_requests if r.request_id not in leaving][:max_rows]
+
     def on_request_gone(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """A request finished, was aborted or was preempted."""
 
 
 class RefillPolicy(DecodePolicy):
     def select(self, decode_requests: list[Request], max_rows: int) -> list[Request]:
+        return decode_requests[:max_rows]
+
+    def select_ahead(
+        self, decode_requests: list[Request], leaving: set[str], max_rows: int
+    ) -> list[Request]:
+        """The same rows as `select`: a leaving token's request keeps its row for its next
+        token (started by `update`, built into an item after it); a request that finishes
+        instead is dropped then, and its row stays empty for that one step."""
         return decode_requests[:max_rows]
 
 
@@ -54,6 +70,14 @@ class NoRefillPolicy(DecodePolicy):
 
     def on_token_exit(self, request: Request) -> None:
         self.cohort.discard(request.request_id)
+
+    def select_ahead(
+        self, decode_requests: list[Request], leaving: set[str], max_rows: int
+    ) -> list[Request]:
+        """The cohort minus its leaving tokens; none when the whole cohort leaves (a new cohort
+        forms only once results are applied, as in synchronous scheduling)."""
+        cohort = self.cohort - leaving
+        return [r for r in decode_requests if r.request_id in cohort]
 
     def on_request_gone(self, request_id: str) -> None:
         self.cohort.discard(request_id)

@@ -131,6 +131,13 @@ class Scheduler:
         return request
 
     def finish(self, request: Request, reason: FinishReason) -> None:
+        """The one place a request's finish reason is set. A stop string completed by the token
+        that also reached max_tokens finishes the request a second time, with STOP: text cut at
+        a stop string reads "stop", as in the OpenAI API; any other repeat is a no-op."""
+        if request.is_finished:
+            if reason is FinishReason.STOP and request.finish_reason is FinishReason.LENGTH:
+                request.finish_reason = reason
+            return
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             if request.swapped:
@@ -159,16 +166,26 @@ class Scheduler:
 
     def schedule_releases(self) -> SchedulerOutput:
         """A bookkeeping-only output (no items) carrying the pending releases."""
+        return self._output([])
+
+    def _output(self, items: list[WorkItem]) -> SchedulerOutput:
+        """The next `SchedulerOutput`: `items` plus every pending announcement, release,
+        preemption and KV transfer (each delivered exactly once)."""
         self._step_id += 1
+        tables = self.kv.tables
         out = SchedulerOutput(
             step_id=self._step_id,
-            items=(),
-            block_tables={},
+            items=tuple(items),
+            block_tables={item.request_id: tables[item.request_id] for item in items},
             new_requests=tuple(self._new_requests),
             finished_request_ids=tuple(self._gone_request_ids),
+            preempted_request_ids=tuple(self._preempted_ids),
+            kv_transfers=tuple(self._transfers),
         )
         self._new_requests.clear()
         self._gone_request_ids.clear()
+        self._preempted_ids.clear()
+        self._transfers.clear()
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -338,22 +355,7 @@ class Scheduler:
             items = self._mixed_items(prompt_requests, decode_requests, replay_requests)
         else:
             items = self._alternating_items(prompt_requests, decode_requests, replay_requests)
-        self._step_id += 1
-        tables = self.kv.tables
-        out = SchedulerOutput(
-            step_id=self._step_id,
-            items=tuple(items),
-            block_tables={item.request_id: tables[item.request_id] for item in items},
-            new_requests=tuple(self._new_requests),
-            finished_request_ids=tuple(self._gone_request_ids),
-            preempted_request_ids=tuple(self._preempted_ids),
-            kv_transfers=tuple(self._transfers),
-        )
-        self._new_requests.clear()
-        self._gone_request_ids.clear()
-        self._preempted_ids.clear()
-        self._transfers.clear()
-        return out
+        return self._output(items)
 
     def _alternating_items(self, prompt_requests, decode_requests, replay_requests):
         """A prompt step or a decode step; alternate when both kinds of work are ready.
@@ -447,6 +449,75 @@ class Scheduler:
                 )
             )
         return items
+
+    # ---- async scheduling (rows of step n+1 chosen before update(n)) ------------------------
+
+    def select_ahead(self, inflight: SchedulerOutput) -> list[str] | None:
+        """Choose the next step's decode rows while `inflight` still executes, or None when the
+        next step needs `inflight`'s results first (then `schedule()` runs after update).
+
+        Only the exit modes that know a loop's exit before its gate is read allow this (the
+        config rejects async scheduling with `ouro`): every decode item of `inflight` carries
+        `exit_now` True or False. So the requests of the next step are known now: tokens of
+        `inflight` that do not exit advance one depth; tokens not in `inflight` keep their
+        depth; for tokens exiting in `inflight` the decode policy decides (refill: the
+        request's next token keeps the row, dropped at completion if the request finished;
+        no_refill: the request leaves the cohort). Prompt work and admissions are never
+        planned ahead: with a request in its prompt phase, or a waiting request that could be
+        admitted, this returns None. Outputs do not depend on which step a row runs in (batch
+        invariance), so they equal synchronous scheduling. The items themselves are built by
+        `complete_ahead` after update, from the exit state it records.
+        """
+        if not self.exit_mode.delayed and self.exit_mode is not ExitMode.TRACE:
+            return None
+        if self.waiting and self._head_may_be_admitted():
+            return None
+        leaving = set()
+        for item in inflight.items:
+            if item.kind is not ItemKind.DECODE:
+                return None
+            assert item.exit_now is not None, "async scheduling needs exits known a loop ahead"
+            if item.exit_now:
+                leaving.add(item.request_id)
+        decode_requests = []
+        for request in self.running:
+            if request.num_prefilled_tokens < request.num_prompt_tokens or request.replay:
+                return None  # prompt and replay rows are planned by `schedule()` only
+            decode_requests.append(request)
+        chosen = self.decode_policy.select_ahead(decode_requests, leaving, self.max_rows)
+        return [r.request_id for r in chosen] or None
+
+    def _head_may_be_admitted(self) -> bool:
+        """Whether `schedule()` could admit the first waiting request now (the same test as
+        `_admit`, without side effects); True whenever the priority policy might preempt."""
+        request = self.waiting[0]
+        if self.priority_preemption:
+            return True
+        if request.swapped:
+            blocks = self.kv.swap_in_blocks(request.request_id)
+        else:
+            hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+            blocks = self.kv.admission_blocks(self._admission_positions(request), hits)
+        return self._has_room(blocks)
+
+    def complete_ahead(self, request_ids: list[str]) -> SchedulerOutput | None:
+        """The `SchedulerOutput` of rows chosen by `select_ahead`, built after the previous
+        step's update from the recorded exit state. Requests finished or aborted since are
+        dropped (None if none is left); the output carries the releases and announcements
+        pending now."""
+        # Decode tokens entering a new block need it in every plane first (incremental KV);
+        # growth may preempt, and a preempted request leaves RUNNING.
+        self._grow_running()
+        requests = [self.requests.get(request_id) for request_id in request_ids]
+        running = [
+            r
+            for r in requests
+            if r is not None and r.status is RequestStatus.RUNNING and r.replay is None
+        ]
+        if not running:
+            return None  # pending preemptions and releases travel with the next output
+        self._prompt_steps_in_a_row = 0
+        return self._output(self._decode_items(running))
 
     # ---- applying results -----------------------------------------------------------------
 

@@ -9,7 +9,8 @@ Finish reasons: the output processor never sets one. `detokenize` reports a stop
 the engine then finishes the request (reason STOP) through the scheduler, the owner of
 `Request.finish_reason`, and `make_output` copies the reason from the request. When the token
 that completed a stop string had already finished the request (max_tokens reached), the
-scheduler's reason stands; the text is still cut at the stop string and `stop_reason` names it.
+scheduler turns "length" into "stop" (as the OpenAI API reports it); the text is cut at the
+stop string and `stop_reason` names it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,94 @@
+"""The CUDA memory plan: profile what the engine needs before the KV cache is sized.
+
+`profile_cuda_peak` runs, with the weights loaded and no KV cache yet, one dummy core loop
+plus gate and coda over `max_num_batched_tokens` rows (a single causal sequence, attention
+on the rows themselves) and reads torch's allocator peak; memory outside torch's allocator
+(CUDA context, cuBLAS workspaces) is `used by the device - reserved by torch`. The torch
+attention backend's prompt-chunk scores (`[heads, chunk, context]` in float32, up to
+`max_model_len` context) are added analytically, since the dummy sequence has no cached
+context. `graph_pool_bytes` estimates the CUDA graphs' private pool (captured after the KV
+cache exists, so it cannot be measured first): one forward at the largest bucket
+(`max_num_seqs` rows) and the attention gather workspace of that bucket over the graphs'
+context bound (`min(max_model_len, GRAPH_MAX_CONTEXT)`).
+`loopserve.config.cuda_kv_budget` turns these into the KV byte budget (pure arithmetic,
+unit-tested on CPU). Every function here needs CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loopserve.models.ouro import OuroForLoopedLM
+from loopserve.runner.graphs import GRAPH_MAX_CONTEXT
+
+
+class _SelfAttention:
+    """Attention backend of the dummy forward: the rows are one causal sequence, no KV."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def attend(self, layer_idx, query, key, value) -> torch.Tensor:
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [heads, rows, Dh]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.scale, enable_gqa=k.shape[0] != q.shape[0]
+        )
+        return out.transpose(0, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaMemoryProfile:
+    total_bytes: int
+    peak_bytes: int  # weights + activation peak + non-torch memory + chunk-attention scores
+    graph_bytes: int  # estimate of the CUDA graphs' pool (0 when graphs are off)
+
+
+def _forward_peak(model: OuroForLoopedLM, rows: int, device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        token_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        hidden = model.prelude(token_ids)
+        positions = torch.arange(rows, device=device)
+        hidden = model.core(hidden, positions, _SelfAttention(model.config.head_dim**-0.5))
+        model.gate(hidden)
+        model.coda(hidden[:rows])
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def profile_cuda_memory(
+    model: OuroForLoopedLM,
+    *,
+    max_num_batched_tokens: int,
+    prefill_chunk_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    graphs: bool,
+) -> CudaMemoryProfile:
+    device = model.lm_head.weight.device
+    if device.type != "cuda":
+        raise RuntimeError("profile_cuda_memory needs the model on a CUDA device")
+    config = model.config
+    element = model.lm_head.weight.element_size()
+    activation = _forward_peak(model, max_num_batched_tokens, device)
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    weights = torch.cuda.memory_allocated(device)
+    scores = config.num_attention_heads * prefill_chunk_size * max_model_len * 4 * 2
+    graph_bytes = 0
+    if graphs:
+        max_blocks = -(-min(max_model_len, GRAPH_MAX_CONTEXT) // block_size)
+        gather = 2 * max_num_seqs * max_blocks * block_size * config.head_dim * element
+        gather *= config.num_key_value_heads
+        graph_bytes = _forward_peak(model, max_num_seqs, device) + gather
+    torch.cuda.empty_cache()
+    return CudaMemoryProfile(
+        total_bytes=total,
+        peak_bytes=weights + activation + non_torch + scores,
+        graph_bytes=graph_bytes,
+    )

@@ -1,0 +1,86 @@
+"""The CUDA memory plan's arithmetic (pure functions; the profiling itself needs CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopserve.config import CacheConfig, cuda_kv_budget, resolve_num_blocks
+from loopserve.errors import ConfigError
+
+GIB = 1024**3
+
+
+def test_budget_is_utilization_share_minus_peak_and_graphs():
+    # 80 GiB x 0.9 = 72 GiB; minus 3 GiB peak (weights + activations + non-torch) and 1 GiB of
+    # graphs leaves 68 GiB.
+    budget = cuda_kv_budget(
+        total_bytes=80 * GIB, gpu_memory_utilization=0.9, peak_bytes=3 * GIB, graph_bytes=GIB
+    )
+    assert budget == int(80 * GIB * 0.9) - 4 * GIB
+    assert budget == 73014444032
+
+
+def test_budget_exhausted_names_every_term():
+    with pytest.raises(ConfigError) as err:
+        cuda_kv_budget(
+            total_bytes=1000, gpu_memory_utilization=0.5, peak_bytes=400, graph_bytes=200
+        )
+    text = str(err.value)
+    for term in ("1000", "0.5", "400", "200", "-100", "enforce_eager"):
+        assert term in text
+
+
+def test_profiled_budget_sizes_blocks_after_the_inflight_reserve():
+    cache = CacheConfig()
+    resolved = resolve_num_blocks(
+        cache, bytes_per_block=1000, free_bytes=None, reserved_bytes=2500, budget_bytes=10_000
+    )
+    assert resolved.num_blocks == 7  # (10000 - 2500) // 1000
+    explicit = CacheConfig(kv_cache_bytes=5000)
+    assert (
+        resolve_num_blocks(
+            explicit,
+            bytes_per_block=1000,
+            free_bytes=None,
+            reserved_bytes=2500,
+            budget_bytes=10_000,
+        ).num_blocks
+        == 5
+    )  # an explicit byte budget wins and is not reduced
+
+
+def test_dummy_forward_of_the_profile_runs_the_whole_model(tiny_model, monkeypatch):
+    """The profile's dummy forward (prelude, core with self-attention, gate, coda) runs on
+    the real model; the CUDA allocator queries are stubbed so it runs on CPU."""
+    import torch
+
+    from loopserve.runner import memory_profile
+
+    calls = []
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: calls.append(_n))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 7000)
+    seen = {}
+    core = tiny_model.core
+
+    def spy(hidden, positions, attn):
+        out = core(hidden, positions, attn)
+        seen["rows"], seen["out"] = hidden.shape[0], out
+        return out
+
+    monkeypatch.setattr(tiny_model, "core", spy)
+    peak = memory_profile._forward_peak(tiny_model, 37, torch.device("cpu"))
+    assert peak == 6000  # max allocated - allocated before the forward
+    assert seen["rows"] == 37 and torch.isfinite(seen["out"]).all()
+    assert calls == ["synchronize", "reset_peak_memory_stats", "synchronize"]
+    with pytest.raises(RuntimeError, match="CUDA"):
+        memory_profile.profile_cuda_memory(
+            tiny_model,
+            max_num_batched_tokens=8,
+            prefill_chunk_size=8,
+            max_num_seqs=2,
+            max_model_len=32,
+            block_size=4,
+            graphs=False,
+        )

@@ -43,6 +43,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from loopserve.cli.engine_args import add_engine_args, engine_args_from
+from loopserve.distributed.args import add_distributed_args, build_pool, uses_ray
+from loopserve.distributed.pool import ReplicaPool
 from loopserve.server.async_engine import AsyncLLM
 from loopserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loopserve.server.protocol import ModelCard, ModelList
@@ -268,7 +270,7 @@ class BodySizeLimitMiddleware:
 
 
 def build_app(
-    async_llm: AsyncLLM,
+    async_llm: AsyncLLM | ReplicaPool,
     served_model_name: str,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -281,7 +283,8 @@ def build_app(
     allow_client_priority: bool = False,
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
 ) -> FastAPI:
-    """The FastAPI app serving `async_llm` as `served_model_name`.
+    """The FastAPI app serving `async_llm` (one engine, or a `ReplicaPool` of replicas with
+    the same interface) as `served_model_name`.
 
     Its lifespan starts the engine thread, logs one line once the model is ready and, at
     shutdown, drains the engine within `shutdown_timeout_s`. `allowed_hosts=None` accepts any
@@ -362,6 +365,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if isinstance(async_llm, ReplicaPool):  # "degraded" while some replicas restart
+            details = async_llm.health()
+            return JSONResponse(details, status_code=200 if async_llm.is_ready else 503)
         if async_llm.is_ready:
             return JSONResponse({"status": "ok"})
         status = "dead" if async_llm.is_dead else "loading"
@@ -449,6 +455,7 @@ class GracefulServer(uvicorn.Server):
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `loopserve serve`: every engine flag plus the server's own."""
     add_engine_args(parser)
+    add_distributed_args(parser)
     group = parser.add_argument_group("server")
     group.add_argument(
         "--host",
@@ -584,11 +591,15 @@ def main_from_args(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    async_llm = AsyncLLM(
-        lambda: LLMEngine.from_engine_args(**engine_args),
-        max_pending_requests=args.max_pending_requests,
-        on_load_error=stop_server,
-    )
+    async_llm: AsyncLLM | ReplicaPool
+    if uses_ray(args):
+        async_llm = build_pool(args, engine_args, on_load_error=stop_server)
+    else:
+        async_llm = AsyncLLM(
+            lambda: LLMEngine.from_engine_args(**engine_args),
+            max_pending_requests=args.max_pending_requests,
+            on_load_error=stop_server,
+        )
     app = build_app(
         async_llm,
         served_model_name,

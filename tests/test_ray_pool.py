@@ -41,7 +41,7 @@ def loop():
 @pytest.fixture(scope="module")
 def pool(tiny_dir, loop):
     ray.init(
-        num_cpus=2,
+        num_cpus=4,  # logical: the pool's two replicas plus the offline test's two
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         object_store_memory=80 * 1024**2,
@@ -160,6 +160,24 @@ def test_http_metrics_label_replicas_and_health_is_ok(pool, loop):
     assert values["loopserve_replicas_serving"] == 2
     assert completion.status_code == 200
     assert len(completion.json()["choices"][0]["exit_depths"]) == 4
+
+
+def test_offline_llm_with_two_replicas_returns_what_one_engine_returns(pool, tiny_dir, reference):
+    prompts = [_prompt(70 + s, 4 + 3 * s) for s in range(5)]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.8, seed=99 + i, ignore_eos=True)
+        for i in range(5)
+    ]
+    llm = LLM(str(tiny_dir), data_parallel_size=2, **ENGINE_ARGS)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        split = llm._replicas.last_split
+    finally:
+        llm._replicas.shutdown()
+    expected = reference.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [e.token_ids for e in expected]
+    assert [o.exit_depths for o in outputs] == [e.exit_depths for e in expected]
+    assert sorted(split) != [0, 5] and sum(split) == 5, split  # both replicas ran requests
 
 
 def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):

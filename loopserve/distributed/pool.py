@@ -219,7 +219,7 @@ class ReplicaPool:
 
     async def _start_replicas(self) -> None:
         try:
-            await asyncio.to_thread(self._init_ray)
+            await asyncio.to_thread(self.init_ray)  # a no-op when done before
             actor_cls = self._actor_class()
             for index in range(self.num_replicas):
                 self.replicas.append(_Replica(index, actor_cls.remote(**self._replica_kwargs())))
@@ -235,7 +235,9 @@ class ReplicaPool:
         for replica in self.replicas:
             self._tasks.append(asyncio.ensure_future(self._probe(replica)))
 
-    def _init_ray(self) -> None:
+    def init_ray(self) -> None:
+        """Start the embedded Ray cluster (or join `ray_address`) unless Ray is already
+        initialized; call it from the main thread (Ray installs signal handlers there)."""
         import ray
 
         if ray.is_initialized():

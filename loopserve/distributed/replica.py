@@ -8,7 +8,9 @@ with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an 
   It first yields `Accepted`, or one `Rejected` carrying the submission's error (invalid,
   capacity, queue full, not ready), then each `RequestOutput` as the engine produces it, and
   ends when every request finished. If the engine dies underneath it yields `EngineFailed`.
-- `abort(request_ids)`, `abort_all()`: abort requests (client disconnects, shutdown).
+- `abort(request_ids)`: abort requests (client disconnects, shutdown).
+- `generate_batch(...)`: the offline loop over a share of `LLM.generate`'s batch (a replica
+  used offline never starts its `AsyncLLM`).
 - `info()`: what the serving layer reads from an engine (tokenizer, context length, KV size).
 - `stats()`: gauges for routing metrics and health, plus this actor instance's id, so the pool
   notices a restart.
@@ -26,6 +28,7 @@ from typing import Any
 
 from loopserve.errors import CapacityError, InvalidRequestError, LoopserveError
 from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
 from loopserve.server.async_engine import (
     AsyncLLM,
     EngineDeadError,
@@ -165,6 +168,31 @@ class EngineReplica:
                 yield EngineFailed(str(err))
             except EngineNotReadyError as err:  # the replica is shutting down
                 yield EngineFailed(str(err))
+
+    def generate_batch(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+    ) -> list[RequestOutput] | Rejected:
+        """The offline loop (`LLM.generate`) over this replica's share of a batch: final outputs
+        in the given order, or the first request's rejection (then nothing ran)."""
+        engine = self.engine
+        added: list[str] = []
+        try:
+            for request_id, prompt, sp in zip(request_ids, prompts, params):
+                engine.add_request(request_id, prompt, sp)
+                added.append(request_id)
+        except LoopserveError as err:
+            for request_id in added:
+                engine.abort_request(request_id)
+            return Rejected.of(err)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(added):
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in added]
 
     async def abort(self, request_ids: list[str]) -> None:
         llm = self._started()

@@ -630,6 +630,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         async_llm.stop_accepting(abort_after_s=args.shutdown_timeout_s)
 
     server = GracefulServer(config, on_exit_signal=on_exit_signal)
+    if isinstance(async_llm, ReplicaPool):
+        async_llm.init_ray()  # in the main thread, before uvicorn takes the signals
     server.run()
     if async_llm.load_error is not None:
         logger.error("the model failed to load: %s", async_llm.load_error)

@@ -1,8 +1,9 @@
 """Frozen engine configuration, validated once at start-up.
 
-`EngineConfig.from_engine_args(**kwargs)` takes the flat names shared by `LLM(...)` and the
-CLI flags (`block_size`, `layout`, `max_num_seqs`, `mode`, `exit_mode`, ...). Values that
-depend on the model ("auto" dtype, the number of KV blocks) are resolved by pure functions
+`EngineConfig.from_engine_args(**kwargs)` takes the flat names of the engine-argument table
+(`loopserve.engine_args`), shared by `LLM(...)` and the CLI flags (`block_size`, `layout`,
+`max_num_seqs`, `mode`, `exit_mode`, ...); the dataclass defaults come from that table too.
+Values that depend on the model ("auto" dtype, the number of KV blocks) are resolved by pure functions
 with `dataclasses.replace`; nothing here does I/O.
 """
 
@@ -11,47 +12,51 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from loopserve.engine_args import (  # noqa: F401  (the choice lists, re-exported)
+    ENGINE_ARGS_BY_NAME,
+    EXIT_MODES,
+    LAYOUTS,
+    MODES,
+    PREFILL_MODES,
+    default,
+)
 from loopserve.errors import ConfigError
 
-LAYOUTS = ("last_exited", "shared")
-MODES = ("refill", "no_refill")
-PREFILL_MODES = ("atomic", "per_depth", "wavefront")
-EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 DEFAULT_CPU_KV_BYTES = 512 * 1024**2
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized from kv_cache_bytes (CPU) or free memory (CUDA)
-    kv_cache_bytes: int | None = None
-    layout: str = "last_exited"
-    gpu_memory_utilization: float = 0.9
+    block_size: int = default("block_size")
+    num_blocks: int | None = default("num_blocks")  # None: from kv_cache_bytes or free memory
+    kv_cache_bytes: int | None = default("kv_cache_bytes")
+    layout: str = default("layout")
+    gpu_memory_utilization: float = default("gpu_memory_utilization")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int = 512
-    mode: str = "refill"
-    prefill_mode: str = "atomic"
-    mixed_prefill_decode: bool = False
-    max_prefill_batches_before_decode: int = 1
+    max_num_seqs: int = default("max_num_seqs")
+    max_num_batched_tokens: int = default("max_num_batched_tokens")
+    prefill_chunk_size: int = default("prefill_chunk_size")
+    mode: str = default("mode")
+    prefill_mode: str = default("prefill_mode")
+    mixed_prefill_decode: bool = default("mixed_prefill_decode")
+    max_prefill_batches_before_decode: int = default("max_prefill_batches_before_decode")
 
 
 @dataclass(frozen=True)
 class ExitConfig:
-    mode: str = "ouro"
-    lookahead_seed: int = 0
+    mode: str = default("exit_mode")
+    lookahead_seed: int = default("lookahead_seed")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"
-    device: str = "cpu"
-    max_model_len: int | None = None
+    model: str | None = default("model")  # None: the embedded default model
+    dtype: str = default("dtype")
+    device: str = default("device")
+    max_model_len: int | None = default("max_model_len")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -61,26 +66,16 @@ class EngineConfig:
 
     @classmethod
     def from_engine_args(cls, **kwargs: object) -> EngineConfig:
-        """Build from flat names; unknown names raise with the list of valid ones."""
-        groups = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        """Build from flat names (the engine-argument table); unknown names raise with the
+        list of valid ones."""
         parts: dict[str, dict[str, object]] = {"cache": {}, "scheduler": {}, "exit": {}, "top": {}}
-        top_names = {"model", "dtype", "device", "max_model_len"}
         for name, value in kwargs.items():
-            if name in top_names:
-                parts["top"][name] = value
-            elif name == "exit_mode":
-                parts["exit"]["mode"] = value
-            elif name == "lookahead_seed":
-                parts["exit"]["lookahead_seed"] = value
-            else:
-                for group, klass in groups.items():
-                    if name in {f.name for f in dataclasses.fields(klass)}:
-                        parts[group][name] = value
-                        break
-                else:
-                    raise ConfigError(
-                        f"unknown engine argument {name!r}; valid: {sorted(engine_arg_names())}"
-                    )
+            arg = ENGINE_ARGS_BY_NAME.get(name)
+            if arg is None:
+                raise ConfigError(
+                    f"unknown engine argument {name!r}; valid: {sorted(engine_arg_names())}"
+                )
+            parts[arg.group][arg.field] = value
         try:
             return cls(
                 **parts["top"],
@@ -93,10 +88,7 @@ class EngineConfig:
 
 
 def engine_arg_names() -> set[str]:
-    names = {"model", "dtype", "device", "max_model_len", "exit_mode", "lookahead_seed"}
-    for klass in (CacheConfig, SchedulerConfig):
-        names |= {f.name for f in dataclasses.fields(klass)}
-    return names
+    return set(ENGINE_ARGS_BY_NAME)
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -22,15 +22,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loopserve.bench import datasets
-from loopserve.bench.datasets import (
-    DatasetUnavailableError,
-    SampledRequest,
-    conversation_pairs,
-    iter_json_array_prefix,
-    sample_random,
-    sample_sharegpt,
-)
 from loopserve.bench.serve_client import (
     BenchmarkResult,
     RequestRecord,
@@ -41,6 +32,15 @@ from loopserve.bench.serve_client import (
     main_from_args,
     run_benchmark,
     write_results,
+)
+from loopserve.workloads import datasets
+from loopserve.workloads.datasets import (
+    DatasetUnavailableError,
+    SampledRequest,
+    conversation_pairs,
+    iter_json_array_prefix,
+    sample_random,
+    sample_sharegpt,
 )
 
 CHUNK_DELAY_S = 0.002

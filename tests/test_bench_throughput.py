@@ -87,8 +87,13 @@ def test_gate_exits_run_through_the_cli(tmp_path) -> None:
     from loopserve.cli.main import main
 
     out = tmp_path / "gate.json"
-    argv = ["bench", "throughput", *TINY, "--exit-threshold", "0.5", "--out", str(out)]
+    # Threshold 0: the gate CDF (>= 0) crosses at the first loop, so with min_loops 1 every
+    # token of the early-exit arms must exit after one loop; full depth runs all 4.
+    argv = ["bench", "throughput", *TINY, "--exit-threshold", "0.0", "--out", str(out)]
     assert main(argv) == 0
     arms = json.loads(out.read_text())["arms"]
     assert arms["full_depth"]["median"]["mean_loops_per_token"] == 4.0
-    assert arms["refill"]["median"]["mean_loops_per_token"] <= 4.0
+    assert arms["refill"]["median"]["mean_loops_per_token"] == 1.0
+    assert arms["no_refill"]["median"]["mean_loops_per_token"] == 1.0
+    tokens = {name: arm["median"]["output_tokens"] for name, arm in arms.items()}
+    assert len(set(tokens.values())) == 1 and tokens["refill"] > 0

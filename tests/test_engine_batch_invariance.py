@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 
 from tests.engine_utils import make_engine, random_workload, reference_for, run_steps
@@ -15,7 +17,8 @@ def test_engine_matches_reference_with_staggered_arrivals_and_aborts(
     tiny_dir, layout, mode, exit_mode, sampled
 ):
     engine = make_engine(tiny_dir, layout=layout, mode=mode, exit_mode=exit_mode)
-    seed = hash((layout, mode, exit_mode, sampled)) % 1000
+    # Stable across processes (str hashing is salted): a failure reproduces with this seed.
+    seed = zlib.crc32(f"{layout}-{mode}-{exit_mode}-{sampled}".encode()) % 1000
     work = random_workload(seed, 9, engine.model.config.vocab_size, sampled=sampled)
     aborted = {"r2": 6, "r5": 15}
     finished = run_steps(engine, work, abort_at=aborted)

@@ -134,22 +134,36 @@ def test_prompt_and_decode_steps_alternate_when_both_are_ready(tiny_dir):
 
 
 def test_finalize_copies_exit_depth_kv_into_deeper_planes_across_block_boundary(tiny_dir):
-    engine = make_engine(tiny_dir, exit_mode="trace", block_size=4)
-    # Prompt of 3 tokens: the first decode token sits at position 3 (end of block 0), the
-    # second at position 4 (start of block 1). Both exit after loop 1 (depth 0).
-    engine.add_request("a", [5, 6, 7], trace_params([1], max_tokens=3))
+    block_size = 4
+    engine = make_engine(tiny_dir, exit_mode="trace", block_size=block_size)
+    # Prompt positions 0..2; output token k is fed back at position 3 + k: token 0 at position
+    # 3 (last slot of block 0), token 1 at position 4 (first slot of block 1). Every decode
+    # token exits after loop 2 (depth 1), so finalize copies plane 1 into planes 2 and 3, and
+    # loops 3 and 4 never write those slots themselves. max_tokens=6 keeps the request running
+    # well past the boundary.
+    engine.add_request("a", [5, 6, 7], trace_params([2], max_tokens=6))
+    checked: dict[int, int] = {}  # position -> outputs when its finalized KV was checked
+    finished = []
     while engine.has_unfinished_requests():
-        engine.step()
-        table = engine.kv.tables.get("a")
-        if table is None:
+        finished += [o for o in engine.step() if o.finished]
+        request = engine.scheduler.requests.get("a")
+        if request is None:
             break
-        cache = engine.runner.kv_cache
-        request = engine.scheduler.requests["a"]
+        table = engine.kv.tables["a"]
+        # Decode tokens that exited so far sit at positions 3 .. 3 + len(outputs) - 2.
         for position in range(3, 3 + len(request.output_token_ids) - 1):
-            block, offset = divmod(position, 4)
-            slots = [table[p][block] * 4 + offset for p in range(4)]
-            for plane in (1, 2, 3):
-                assert torch.equal(cache[:, :, slots[plane]], cache[:, :, slots[0]])
+            block, offset = divmod(position, block_size)
+            slots = [table[plane][block] * block_size + offset for plane in range(4)]
+            kv = engine.runner.kv_cache[:, :, slots]  # [layers, K/V, plane, kv_heads, head_dim]
+            assert kv[:, :, 1].abs().sum() > 0, f"position {position}: loop 2 wrote nothing"
+            assert not torch.equal(kv[:, :, 0], kv[:, :, 1]), "depths 0 and 1 should differ"
+            for plane in (2, 3):
+                assert torch.equal(kv[:, :, plane], kv[:, :, 1]), (position, plane)
+            checked.setdefault(position, len(request.output_token_ids))
+    assert divmod(4, block_size) == (1, 0)  # position 4 is the first slot of the next block
+    assert 4 in checked and 3 in checked
+    assert checked[4] < 6, "the request should still be running after position 4 exited"
+    assert [(o.request_id, o.exit_depths) for o in finished] == [("a", [2] * 6)]
 
 
 def _worked_example_cache(shared: bool):

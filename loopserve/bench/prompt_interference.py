@@ -21,7 +21,7 @@ size and `max_num_seqs`; runs are interleaved and each metric is the median of `
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,15 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loopserve.bench.args import add_interference_args as add_cli_args  # noqa: F401
 from loopserve.bench.prompt_sched import (
-    ARMS,
     CallRecorder,
     InvalidRunError,
-    add_model_args,
-    arm_list,
     blocks_for,
     build_engine,
-    int_list,
     machine_info,
     median_of,
     model_dir_for,
@@ -50,7 +47,10 @@ from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
-from loopserve.sim.metrics import window_gaps
+from loopserve.workloads.args import show_progress
+from loopserve.workloads.arms import prompt_arm_args
+from loopserve.workloads.interference import InterferenceRun, interference_stats
+from loopserve.workloads.metrics import window_gaps
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,24 +60,6 @@ class Workload:
     decode_max_tokens: int
     prompts: list[list[int]]
     inject_at_tokens: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class InterferenceRun:
-    window_s: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    itl_max_ms: float
-    tpot_ms: float
-    ttft_mean_s: float
-    ttft_max_s: float
-    prompt_token_loops_per_s: float
-    output_tokens_per_s: float
-    num_core_calls: int
-    num_mixed_core_calls: int
-    prompt_rows_per_core_call: float
-    decode_rows_per_core_call: float
-    prompt_rows_per_prompt_core_call: float
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int, num_loops: int) -> Workload:
@@ -137,7 +119,7 @@ def run_arm(engine: LLMEngine, work: Workload, arm: str) -> InterferenceRun:
     recorder = CallRecorder(engine)
     population, prompts, first_step = drive(engine, work, recorder)
     calls = recorder.summary(first_step)
-    if ARMS[arm].get("mixed_prefill_decode") and calls.num_mixed_core_calls == 0:
+    if prompt_arm_args(arm).get("mixed_prefill_decode") and calls.num_mixed_core_calls == 0:
         raise InvalidRunError(f"arm {arm} ran no core call mixing prompt and decode rows")
     start_s = min(p.metrics.arrival_s for p in prompts)
     end_s = max(p.metrics.first_token_s for p in prompts)  # type: ignore[type-var]
@@ -145,29 +127,23 @@ def run_arm(engine: LLMEngine, work: Workload, arm: str) -> InterferenceRun:
     window = window_gaps([out.metrics.token_times_s for out in population], start_s, end_s)
     if not window.gaps_s:
         raise InvalidRunError(f"arm {arm}: no decode token inside the window; lengthen prompts")
-    itl_ms = 1e3 * np.asarray(window.gaps_s)
-    ttft = [p.metrics.ttft_s for p in prompts]
-    prompt_tokens = sum(len(p) for p in work.prompts)
-    return InterferenceRun(
-        window_s=window_s,
-        itl_p50_ms=float(np.percentile(itl_ms, 50)),
-        itl_p99_ms=float(np.percentile(itl_ms, 99)),
-        itl_max_ms=float(itl_ms.max()),
-        tpot_ms=1e3 * statistics.fmean(window.per_request_mean_s),
-        ttft_mean_s=statistics.fmean(ttft),  # type: ignore[arg-type]
-        ttft_max_s=max(ttft),  # type: ignore[type-var]
-        prompt_token_loops_per_s=prompt_tokens * engine.num_loops / window_s,
-        output_tokens_per_s=(window.num_tokens + len(prompts)) / window_s,
+    stats = interference_stats(
+        window,
+        window_s,
+        [p.metrics.ttft_s for p in prompts],  # type: ignore[misc]
+        prompt_token_loops=sum(len(p) for p in work.prompts) * engine.num_loops,
+        num_first_tokens=len(prompts),
         num_core_calls=calls.num_core_calls,
         num_mixed_core_calls=calls.num_mixed_core_calls,
         prompt_rows_per_core_call=calls.prompt_rows_per_core_call,
         decode_rows_per_core_call=calls.decode_rows_per_core_call,
         prompt_rows_per_prompt_core_call=calls.prompt_rows_per_prompt_core_call,
     )
+    return InterferenceRun(**stats)  # type: ignore[arg-type]
 
 
 def run_interference(args: argparse.Namespace, model_dir: Path) -> dict:
-    info = machine_info()
+    info = machine_info(loadavg_1m_start=os.getloadavg()[0])
     model_config = OuroConfig.from_file(model_dir / "config.json")
     D = model_config.num_loops
     work = make_workload(args, model_config.vocab_size, D)
@@ -192,7 +168,7 @@ def run_interference(args: argparse.Namespace, model_dir: Path) -> dict:
             run = run_arm(engine, work, arm)
             runs[arm].append(run)
             del engine
-            if not args.no_progress:
+            if show_progress(args):
                 print(
                     f"  round {round_idx + 1} {arm:<15} ITL p99 {run.itl_p99_ms:8.1f} ms, "
                     f"prompt {run.prompt_token_loops_per_s:8.1f} token-loops/s"
@@ -255,22 +231,6 @@ def plot_interference(result: dict):
     )
     fig.tight_layout()
     return fig
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    work = parser.add_argument_group("workload")
-    work.add_argument("--num-decode", type=int, default=16, help="decode population size")
-    work.add_argument("--decode-prompt-len", type=int, default=32)
-    work.add_argument("--decode-max-tokens", type=int, default=512, help="must outlast prompts")
-    work.add_argument("--prompt-lens", type=int_list, default=[2048] * 4)
-    work.add_argument(
-        "--inject-at", type=int_list, default=[8] * 4,
-        help="prompt j arrives once every decode request has this many tokens (e.g. 8,16,24,32)",
-    )  # fmt: skip
-    work.add_argument("--prefill-chunk-size", type=int, default=64)
-    work.add_argument("--arms", type=arm_list, default=["atomic", "per_depth", "mixed"])
-    add_model_args(parser)
-    parser.add_argument("--out", default="bench_results/interference.json")
 
 
 def main_from_args(args: argparse.Namespace) -> int:

@@ -20,36 +20,34 @@ not budget-bound. This module does not judge targets; `docs/benchmarks.md` recor
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
 import torch
 
-from loopserve.cli.engine_args import int_list
+from loopserve.bench.args import add_model_args  # noqa: F401  (re-export)
+from loopserve.bench.args import add_wcpb_args as add_cli_args  # noqa: F401
+from loopserve.bench.common import (  # noqa: F401  (re-exported for bench interference)
+    blocks_for,
+    machine_info,
+    median_of,
+    model_dir_for,
+    pyplot,
+    random_prompts,
+    write_outputs,
+)
 from loopserve.contracts import ItemKind, SchedulerOutput
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
 from loopserve.errors import ConfigError, LoopserveError
 from loopserve.models.config import OuroConfig
-from loopserve.models.loader import resolve_model_path
-from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
+from loopserve.workloads.args import show_progress
+from loopserve.workloads.arms import prompt_arm_args
 
-# Engine overrides per arm (the ARMS of tests/test_prompt_scheduling.py).
-ARMS: dict[str, dict[str, object]] = {
-    "atomic": {"prefill_mode": "atomic"},  # A0
-    "per_depth": {"prefill_mode": "per_depth"},  # A1
-    "mixed": {"prefill_mode": "atomic", "mixed_prefill_decode": True},  # A2
-    "wavefront": {"prefill_mode": "wavefront"},
-    "wavefront_mixed": {"prefill_mode": "wavefront", "mixed_prefill_decode": True},
-}
 T = TypeVar("T")
 
 
@@ -114,53 +112,6 @@ class CallRecorder:
         )
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model (synthetic unless --model)")
-    model.add_argument("--model", default=None, help="checkpoint dir or Hub id")
-    model.add_argument("--hidden-size", type=int, default=512)
-    model.add_argument("--num-layers", type=int, default=4)
-    model.add_argument("--num-heads", type=int, default=8)
-    model.add_argument("--num-kv-heads", type=int, default=8)
-    model.add_argument("--loops", type=int, default=4)
-    model.add_argument("--vocab-size", type=int, default=4096)
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=256)
-    engine.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
-    run = parser.add_argument_group("run")
-    run.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--figure", default=None, help="PNG path (default: --out with .png)")
-    run.add_argument("--no-progress", action="store_true")
-
-
-def arm_list(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in ARMS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"arms must be among {', '.join(ARMS)}; got {text!r}")
-    return names
-
-
-def model_dir_for(args: argparse.Namespace, tmp: str, max_positions: int) -> Path:
-    """A synthetic checkpoint in `tmp` (or the `--model` checkpoint)."""
-    if args.model is not None:
-        return resolve_model_path(args.model)
-    names = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size", "seed")
-    sizes = {name: getattr(args, name) for name in names}
-    positions = max(4096, max_positions)
-    return make_tiny_checkpoint(
-        tmp, total_ut_steps=args.loops, max_position_embeddings=positions, **sizes
-    )
-
-
-def blocks_for(positions: list[int], block_size: int, num_loops: int) -> int:
-    """KV blocks that hold every request at once (admission never waits on KV)."""
-    return sum(-(-p // block_size) * num_loops for p in positions)
-
-
 def build_engine(
     args: argparse.Namespace, model_dir: Path, arm: str, *, chunk_size: int, **overrides: object
 ) -> LLMEngine:
@@ -172,57 +123,10 @@ def build_engine(
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=chunk_size,
         exit_mode="trace",
-        **ARMS[arm],
+        **prompt_arm_args(arm),
     )
     engine_args.update(overrides)
     return LLMEngine.from_engine_args(**engine_args)
-
-
-def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab_size, size=n).tolist() for n in lengths]
-
-
-def median_of(runs: list[T]) -> T:
-    """Field-wise median of dataclass results."""
-    names = [f.name for f in fields(runs[0])]  # type: ignore[arg-type]
-    return type(runs[0])(**{n: statistics.median(getattr(r, n) for r in runs) for n in names})
-
-
-def machine_info() -> dict[str, object]:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": models[0] if models else platform.processor(),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_1m_start": os.getloadavg()[0],
-    }
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def write_outputs(result: dict, args: argparse.Namespace, plot) -> None:
-    """Write the JSON result and the figure `plot(result)` next to it."""
-    result["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    path = Path(args.figure) if args.figure else out.with_suffix(".png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = plot(result)
-    fig.savefig(path, dpi=120)
-    pyplot().close(fig)
-    print(f"wrote {out} and {path}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +177,7 @@ def run_prompts(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[
 
 
 def run_wcpb(args: argparse.Namespace, model_dir: Path) -> dict:
-    info = machine_info()
+    info = machine_info(loadavg_1m_start=os.getloadavg()[0])
     model_config = OuroConfig.from_file(model_dir / "config.json")
     D, vocab = model_config.num_loops, model_config.vocab_size
     prompts = random_prompts(args.prompt_lens, vocab, args.seed)
@@ -293,7 +197,7 @@ def run_wcpb(args: argparse.Namespace, model_dir: Path) -> dict:
                 run, tokens[arm] = run_prompts(engine, prompts, f"r{round_idx}")
                 runs[arm].append(run)
                 del engine  # free its KV before the next engine allocates
-                if not args.no_progress:
+                if show_progress(args):
                     print(f"  chunk {chunk:>4} {arm:<15} {run.prompt_tokens_per_s:8.1f} tok/s")
         agree = len({tuple(t) for t in tokens.values()}) == 1
         for arm, arm_runs in runs.items():
@@ -359,15 +263,6 @@ def plot_wcpb(result: dict):
     fig.suptitle(f"WCPB vs atomic: {len(result['config']['prompt_lens'])} prompts, budget {budget}")
     fig.tight_layout()
     return fig
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    work = parser.add_argument_group("workload")
-    work.add_argument("--prompt-lens", type=int_list, default=[2048] * 4, help="e.g. 2048,2048")
-    work.add_argument("--chunk-sizes", type=int_list, default=[128, 64, 32, 16])
-    work.add_argument("--arms", type=arm_list, default=["atomic", "wavefront"])
-    add_model_args(parser)
-    parser.add_argument("--out", default="bench_results/wcpb.json")
 
 
 def main_from_args(args: argparse.Namespace) -> int:

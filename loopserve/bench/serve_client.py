@@ -5,6 +5,7 @@ Sends `SampledRequest`s to `/v1/completions` or `/v1/chat/completions` with Pois
 inter-token latencies and end-to-end latency per request; `compute_metrics` turns the records
 into throughput, latency percentiles and goodput. It does not start or manage the server, and
 it never retries: every request is bounded by a timeout and a failure is recorded as such.
+Records, metrics and the table live in `serve_metrics`, files and figures in `serve_report`.
 Mounted by the project CLI as `loopserve bench serve`; `python -m loopserve.bench.serve_client`.
 """
 
@@ -17,128 +18,25 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import httpx
 import numpy as np
 from tqdm import tqdm
 
-from loopserve.bench.datasets import SampledRequest, sample_random, sample_sharegpt
+from loopserve.bench.args import add_serve_args as add_cli_args  # noqa: F401
+from loopserve.bench.serve_metrics import (
+    SLO_KEYS,
+    RequestRecord,
+    compute_metrics,
+    format_table,
+)
+from loopserve.bench.serve_report import BenchmarkResult, write_results
+from loopserve.workloads.args import show_progress
+from loopserve.workloads.datasets import SampledRequest, sample_random, sample_sharegpt
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-SLO_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """What one request did. Times in seconds; `start_s` is relative to the benchmark start."""
-
-    success: bool
-    error: str
-    start_s: float
-    prompt_tokens: int
-    output_tokens: int = 0
-    ttft_s: float = 0.0
-    e2e_s: float = 0.0
-    itl_s: tuple[float, ...] = ()  # gaps between successive text chunks
-
-
-@dataclass(frozen=True)
-class LatencyStats:
-    """Mean and percentiles (linear interpolation) in milliseconds; zeros when empty."""
-
-    mean_ms: float
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-
-    @classmethod
-    def of(cls, values_ms: list[float]) -> LatencyStats:
-        if not values_ms:
-            return cls(0.0, 0.0, 0.0, 0.0)
-        p50, p90, p99 = np.percentile(values_ms, [50, 90, 99])
-        return cls(float(np.mean(values_ms)), float(p50), float(p90), float(p99))
-
-
-@dataclass(frozen=True)
-class BenchmarkMetrics:
-    num_completed: int
-    num_failed: int
-    duration_s: float
-    total_input_tokens: int
-    total_output_tokens: int
-    request_throughput_rps: float
-    input_tokens_per_s: float
-    output_tokens_per_s: float
-    goodput_rps: float | None  # None when no SLO was given
-    ttft: LatencyStats
-    tpot: LatencyStats
-    itl: LatencyStats
-    e2e: LatencyStats
-
-
-@dataclass(frozen=True)
-class BenchmarkResult:
-    config: dict[str, Any]
-    started_at: str
-    duration_s: float
-    metrics: BenchmarkMetrics
-    records: list[RequestRecord] = field(default_factory=list)
-
-
-class ResultPaths(NamedTuple):
-    json_path: Path
-    png_path: Path
-
-
-def tpot_ms(record: RequestRecord) -> float | None:
-    """Time per output token after the first, or None for requests with at most one token."""
-    if record.output_tokens <= 1:
-        return None
-    return (record.e2e_s - record.ttft_s) / (record.output_tokens - 1) * 1000.0
-
-
-def _meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
-    tpot = tpot_ms(record)
-    return (
-        record.ttft_s * 1000.0 <= slo.get("ttft_ms", math.inf)
-        and record.e2e_s * 1000.0 <= slo.get("e2e_ms", math.inf)
-        and (tpot is None or tpot <= slo.get("tpot_ms", math.inf))
-    )
-
-
-def compute_metrics(
-    results: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None
-) -> BenchmarkMetrics:
-    """Aggregate request records; `slo` keys are `ttft_ms`, `tpot_ms`, `e2e_ms`."""
-    slo = slo or {}
-    if unknown := set(slo) - set(SLO_KEYS):
-        raise ValueError(f"unknown SLO keys {sorted(unknown)}; expected {SLO_KEYS}")
-    if duration_s <= 0:
-        raise ValueError(f"duration_s must be positive, got {duration_s}")
-    ok = [r for r in results if r.success]
-    input_tokens = sum(r.prompt_tokens for r in ok)
-    output_tokens = sum(r.output_tokens for r in ok)
-    tpots = [t for r in ok if (t := tpot_ms(r)) is not None]
-    goodput = sum(_meets_slo(r, slo) for r in ok) / duration_s if slo else None
-    return BenchmarkMetrics(
-        num_completed=len(ok),
-        num_failed=len(results) - len(ok),
-        duration_s=duration_s,
-        total_input_tokens=input_tokens,
-        total_output_tokens=output_tokens,
-        request_throughput_rps=len(ok) / duration_s,
-        input_tokens_per_s=input_tokens / duration_s,
-        output_tokens_per_s=output_tokens / duration_s,
-        goodput_rps=goodput,
-        ttft=LatencyStats.of([r.ttft_s * 1000.0 for r in ok]),
-        tpot=LatencyStats.of(tpots),
-        itl=LatencyStats.of([gap * 1000.0 for r in ok for gap in r.itl_s]),
-        e2e=LatencyStats.of([r.e2e_s * 1000.0 for r in ok]),
-    )
 
 
 def arrival_offsets_s(
@@ -294,139 +192,6 @@ async def run_benchmark(
     return BenchmarkResult(config, started_at, duration_s, metrics, list(records))
 
 
-def format_table(metrics: BenchmarkMetrics) -> str:
-    """A human-readable summary in the layout of vLLM's benchmark_serving."""
-    lines = ["{:=^60}".format(" Serving Benchmark Result ")]
-
-    def row(label: str, value: float | int) -> None:
-        lines.append(
-            f"{label:<44}{value:>16.2f}" if isinstance(value, float) else f"{label:<44}{value:>16}"
-        )
-
-    row("Successful requests:", metrics.num_completed)
-    row("Failed requests:", metrics.num_failed)
-    row("Benchmark duration (s):", metrics.duration_s)
-    row("Total input tokens:", metrics.total_input_tokens)
-    row("Total generated tokens:", metrics.total_output_tokens)
-    row("Request throughput (req/s):", metrics.request_throughput_rps)
-    if metrics.goodput_rps is not None:
-        row("Request goodput (req/s):", metrics.goodput_rps)
-    row("Output token throughput (tok/s):", metrics.output_tokens_per_s)
-    row("Total token throughput (tok/s):", metrics.input_tokens_per_s + metrics.output_tokens_per_s)
-    for name, title, stats in (
-        ("TTFT", "Time to First Token", metrics.ttft),
-        ("TPOT", "Time per Output Token (excl. 1st token)", metrics.tpot),
-        ("ITL", "Inter-token Latency", metrics.itl),
-        ("E2EL", "End-to-end Latency", metrics.e2e),
-    ):
-        lines.append(f"{title:-^60}")
-        row(f"Mean {name} (ms):", stats.mean_ms)
-        row(f"Median {name} (ms):", stats.p50_ms)
-        row(f"P90 {name} (ms):", stats.p90_ms)
-        row(f"P99 {name} (ms):", stats.p99_ms)
-    lines.append("=" * 60)
-    return "\n".join(lines)
-
-
-def _chunk_times_s(record: RequestRecord) -> np.ndarray:
-    """Arrival of each text chunk relative to the benchmark start."""
-    return record.start_s + record.ttft_s + np.concatenate(([0.0], np.cumsum(record.itl_s)))
-
-
-def _plot(result: BenchmarkResult, png_path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: optional dependency
-    from matplotlib.figure import Figure
-
-    ok = [r for r in result.records if r.success]
-    fig = Figure(figsize=(15, 8), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 3).ravel()
-    series = {
-        "TTFT": [r.ttft_s * 1000.0 for r in ok],
-        "TPOT": [t for r in ok if (t := tpot_ms(r)) is not None],
-        "ITL": [gap * 1000.0 for r in ok for gap in r.itl_s],
-        "E2E latency": [r.e2e_s * 1000.0 for r in ok],
-    }
-    for ax, (name, values) in zip(axes, series.items()):
-        values_ms = np.sort(values)
-        ax.step(values_ms, np.arange(1, len(values_ms) + 1) / max(len(values_ms), 1), where="post")
-        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction", ylim=(0, 1.02))
-        ax.grid(alpha=0.3)
-    num_bins = int(min(120, max(10, result.duration_s)))
-    edges_s = np.linspace(0.0, max(result.duration_s, 1e-6), num_bins + 1)
-    width_s = edges_s[1] - edges_s[0]
-    times_s = [_chunk_times_s(r) for r in ok]
-    # A chunk may carry several tokens: spread each request's tokens evenly over its chunks.
-    weights = [np.full(len(t), r.output_tokens / len(t)) for r, t in zip(ok, times_s)]
-    tokens, _ = np.histogram(
-        np.concatenate(times_s) if ok else [],
-        bins=edges_s,
-        weights=np.concatenate(weights) if ok else None,
-    )
-    centers_s = (edges_s[:-1] + edges_s[1:]) / 2
-    axes[4].plot(centers_s, tokens / width_s)
-    axes[4].set(title="Output throughput over time", xlabel="s since start", ylabel="tokens/s")
-    starts_s = np.array([r.start_s for r in result.records])
-    ends_s = starts_s + np.array([r.e2e_s for r in result.records])
-    in_flight = [int(np.sum((starts_s <= t) & (t < ends_s))) for t in centers_s]
-    axes[5].plot(centers_s, in_flight)
-    axes[5].set(title="Requests in flight", xlabel="s since start", ylabel="requests")
-    for ax in axes[4:]:
-        ax.grid(alpha=0.3)
-    config = result.config
-    fig.suptitle(
-        f"{config['model']} @ {config['endpoint']}  rate={config['request_rate']}  "
-        f"concurrency={config['max_concurrency']}  n={config['num_requests']}"
-    )
-    fig.savefig(png_path, dpi=100)
-
-
-def write_results(
-    result: BenchmarkResult, out_dir: str | Path, stem: str | None = None
-) -> ResultPaths:
-    """Write `<stem>.json` (config, metrics, per-request records) and `<stem>.png` (plots)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = stem or "serve-" + result.started_at.replace(":", "").replace("-", "")
-    paths = ResultPaths(out_dir / f"{stem}.json", out_dir / f"{stem}.png")
-    document = {
-        "config": result.config,
-        "started_at": result.started_at,
-        "metrics": asdict(result.metrics),
-        "requests": [asdict(r) for r in result.records],
-    }
-    paths.json_path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
-    _plot(result, paths.png_path)
-    return paths
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `loopserve bench serve`."""
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--model", default=None, help="default: first model of GET /v1/models")
-    parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
-    parser.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
-    parser.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json for exact ShareGPT lengths"
-    )
-    parser.add_argument("--num-prompts", type=int, default=1000)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument(
-        "--request-rate", type=float, default=math.inf, help="req/s; inf = all at once"
-    )
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
-    parser.add_argument("--slo-ttft-ms", type=float, default=None)
-    parser.add_argument("--slo-tpot-ms", type=float, default=None)
-    parser.add_argument("--slo-e2e-ms", type=float, default=None)
-    parser.add_argument("--out-dir", default="bench_results/serve")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit")
-
-
 def first_model_id(base_url: str, timeout_s: float) -> str:
     """The id of the first model the server lists at GET /v1/models."""
     response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout_s)
@@ -480,13 +245,13 @@ def main_from_args(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
-            progress=not args.no_progress,
+            progress=show_progress(args),
             timeout_s=args.timeout_s,
             slo=slo,
         )
     )
     print(format_table(result.metrics))
-    paths = write_results(result, args.out_dir)
+    paths = write_results(result, args.output_dir)
     print(f"results: {paths.json_path}\nplots:   {paths.png_path}")
     return 0 if result.metrics.num_completed > 0 else 1
 

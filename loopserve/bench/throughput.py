@@ -17,151 +17,46 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from loopserve.cli.engine_args import int_list
+from loopserve.bench.args import add_throughput_args as add_cli_args  # noqa: F401
+from loopserve.bench.common import machine_info, median_of
+from loopserve.bench.throughput_report import (
+    HostOverhead,
+    RunResult,
+    cost_curve_summary,
+    format_report,
+)
+from loopserve.bench.throughput_workload import (  # noqa: F401  (make_workload: re-export)
+    BenchRequest,
+    blocks_for,
+    make_workload,
+    sampling_params,
+)
 from loopserve.engine.llm_engine import EngineStats, LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
+from loopserve.workloads.args import show_progress
+from loopserve.workloads.arms import ARMS as ALL_ARMS
+from loopserve.workloads.arms import DECODE_ARMS, Arm
+from loopserve.workloads.exits import exit_probabilities  # noqa: F401  (re-export)
 
-EXIT_DISTRIBUTIONS = ("uniform", "full", "ouro_1p4b_t0.5")
-# Ouro-1.4B's trained gate at threshold 0.5 on GSM8K decode tokens (shared/DATA.md).
-OURO_1P4B_T05 = (0.0, 0.043, 0.877, 0.080)
 NUM_WARMUP_REQUESTS = 4
 
 
-@dataclass(frozen=True, slots=True)
-class Arm:
-    name: str
-    mode: str  # scheduler mode
-    full_depth: bool  # every token runs all D loops
-
-
-ARMS = (
-    Arm("full_depth", "refill", True),
-    Arm("no_refill", "no_refill", False),
-    Arm("refill", "refill", False),
-)
+ARMS = tuple(ALL_ARMS[name] for name in DECODE_ARMS)  # full_depth, no_refill, refill
 REFILL = ARMS[-1]
-
-
-@dataclass(frozen=True, slots=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
-    output_len: int
-    exit_trace: tuple[int, ...] | None  # loops per output token; None: the gate decides
-
-
-@dataclass(frozen=True, slots=True)
-class RunResult:
-    """One run of one arm over the whole workload."""
-
-    output_tokens: int
-    wall_s: float
-    cpu_s: float  # this process's CPU time: barely moved by other tenants of a shared machine
-    output_tokens_per_s: float
-    num_steps: int
-    num_core_calls: int
-    mean_rows_per_core_call: float
-    mean_loops_per_token: float
-    host_overhead_share: float  # 1 - forward time / step time
-    host_ms_per_step: float
-    runner_host_share: float  # (runner execute - forward) / step time
-
-
-@dataclass(frozen=True, slots=True)
-class HostOverhead:
-    """Host overhead on the steps that ran exactly one core call of `rows` rows."""
-
-    rows: int
-    num_steps: int
-    step_ms: float
-    host_ms: float
-    host_overhead_share: float
-    runner_host_ms: float  # the runner's part of host_ms
-
-
-def exit_probabilities(name: str, num_loops: int) -> tuple[float, ...]:
-    """P(exit after 1..D loops) of a named distribution."""
-    if name == "uniform":
-        return (1.0 / num_loops,) * num_loops
-    if name == "full":
-        return (0.0,) * (num_loops - 1) + (1.0,)
-    if name == "ouro_1p4b_t0.5":
-        if num_loops != len(OURO_1P4B_T05):
-            raise ConfigError(f"{name} is measured for 4 loops; this model has {num_loops}")
-        return OURO_1P4B_T05
-    raise ConfigError(f"--exit-dist must be one of {', '.join(EXIT_DISTRIBUTIONS)}; got {name!r}")
-
-
-def _uniform_lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> np.ndarray:
-    low = max(1, math.floor(mean * (1.0 - ratio)))
-    return rng.integers(low, max(low, math.ceil(mean * (1.0 + ratio))) + 1, size=n)
-
-
-def make_workload(
-    num_requests: int,
-    *,
-    input_len: int,
-    output_len: int,
-    range_ratio: float,
-    vocab_size: int,
-    exit_probs: tuple[float, ...] | None,
-    seed: int,
-) -> list[BenchRequest]:
-    """Seeded requests; lengths uniform in len·[1 - ratio, 1 + ratio] (the `bench serve` rule)."""
-    if not 0.0 <= range_ratio < 1.0:
-        raise ConfigError(f"--range-ratio must be in [0, 1), got {range_ratio}")
-    rng = np.random.default_rng(seed)
-    input_lens = _uniform_lengths(rng, input_len, range_ratio, num_requests)
-    output_lens = _uniform_lengths(rng, output_len, range_ratio, num_requests)
-    requests = []
-    for prompt_len, out_len in zip(input_lens, output_lens):
-        prompt = rng.integers(0, vocab_size, size=int(prompt_len)).tolist()
-        trace = None
-        if exit_probs is not None:
-            loops = rng.choice(len(exit_probs), size=int(out_len), p=exit_probs) + 1
-            trace = tuple(int(x) for x in loops)
-        requests.append(BenchRequest(prompt, int(out_len), trace))
-    return requests
-
-
-def sampling_params(
-    request: BenchRequest, arm: Arm, num_loops: int, exit_threshold: float
-) -> SamplingParams:
-    """Greedy, `ignore_eos`, exactly `output_len` tokens; full depth: trace all-D or no gate."""
-    full, trace = arm.full_depth, request.exit_trace
-    return SamplingParams(
-        max_tokens=request.output_len,
-        temperature=0.0,
-        ignore_eos=True,
-        exit_threshold=1.0 if full else exit_threshold,
-        exit_trace=(num_loops,) if full and trace is not None else trace,
-    )
-
-
-def blocks_for(
-    requests: list[BenchRequest], max_num_seqs: int, block_size: int, num_planes: int
-) -> int:
-    """KV blocks for the `max_num_seqs` largest requests at once: admission never waits on KV."""
-    positions = [len(r.prompt_token_ids) + r.output_len - 1 for r in requests]
-    per_request = sorted(-(-p // block_size) * num_planes for p in positions)
-    return sum(per_request[-max_num_seqs:])
 
 
 def _drive(
@@ -230,24 +125,6 @@ def measure_host_overhead(
     )
 
 
-def median_result(runs: list[RunResult]) -> RunResult:
-    names = [f.name for f in fields(RunResult)]
-    return RunResult(**{name: statistics.median(getattr(r, name) for r in runs) for name in names})
-
-
-def machine_info() -> dict[str, object]:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": names[0] if names else platform.processor(),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-    }
-
-
 def build_engine(
     args: argparse.Namespace, model_dir: Path, arm: Arm, max_num_seqs: int, num_blocks: int
 ) -> LLMEngine:
@@ -285,7 +162,9 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         requests, args.max_num_seqs, args.block_size, num_loops
     )
     total = len(ARMS) * (args.repeats + 1) + 1 + len(args.cost_rows)
-    with tqdm(total=total, desc="bench throughput", unit="run", disable=args.no_progress) as bar:
+    with tqdm(
+        total=total, desc="bench throughput", unit="run", disable=not show_progress(args)
+    ) as bar:
         engines = {
             a.name: build_engine(args, model_dir, a, args.max_num_seqs, num_blocks) for a in ARMS
         }
@@ -314,12 +193,12 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
             bar.set_postfix_str(f"decode step cost @ rows {args.cost_rows}")
         curve = measure_cost_curve(args, model_dir, requests, params["full_depth"], num_loops)
         bar.update(len(curve))
-    m = {name: median_result(arm_runs) for name, arm_runs in runs.items()}
+    m = {name: median_of(arm_runs) for name, arm_runs in runs.items()}
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config.update(num_loops=num_loops, num_blocks=num_blocks, model_dir=str(model_dir))
     return {
         "config": config,
-        "machine": machine_info(),
+        "machine": machine_info(python=platform.python_version()),
         "arms": {
             name: {"median": asdict(m[name]), "runs": [asdict(r) for r in runs[name]]}
             for name in runs
@@ -358,105 +237,6 @@ def measure_cost_curve(
     return curve
 
 
-def cost_curve_summary(curve: list[HostOverhead], medians: dict[str, RunResult]) -> dict:
-    """Least-squares `step_ms = fixed + per_row * rows`, and the refill / no_refill time ratio
-    that model implies for the arms' core calls and rows (prompt calls priced alike)."""
-    rows = np.array([c.rows for c in curve], dtype=float)
-    step_ms = np.array([c.step_ms for c in curve])
-    per_row, fixed = np.polyfit(rows, step_ms, 1) if len(curve) > 1 else (step_ms[0] / rows[0], 0.0)
-
-    def model_ms(m: RunResult) -> float:
-        return m.num_core_calls * fixed + m.num_core_calls * m.mean_rows_per_core_call * per_row
-
-    return {
-        "rows": rows.tolist(),
-        "step_ms": step_ms.tolist(),
-        "fixed_ms": float(fixed),
-        "per_row_ms": float(per_row),
-        "implied_refill_over_no_refill": model_ms(medians["no_refill"])
-        / model_ms(medians[REFILL.name]),
-    }
-
-
-def format_report(result: dict) -> str:
-    header = (
-        f"{'arm':<11} {'tok/s':>7} {'wall s':>7} {'cpu s':>7} {'core calls':>10} {'rows/call':>9} "
-        f"{'loops/tok':>9} {'host %':>7} {'runner %':>8} {'host ms/step':>12}"
-    )
-    lines = [header, "-" * len(header)]
-    for name, arm in result["arms"].items():
-        m = RunResult(**arm["median"])
-        lines.append(
-            f"{name:<11} {m.output_tokens_per_s:>7.1f} {m.wall_s:>7.2f} {m.cpu_s:>7.2f} "
-            f"{m.num_core_calls:>10.0f} "
-            f"{m.mean_rows_per_core_call:>9.1f} {m.mean_loops_per_token:>9.2f} "
-            f"{100 * m.host_overhead_share:>6.1f}% {100 * m.runner_host_share:>7.1f}% "
-            f"{m.host_ms_per_step:>12.2f}"
-        )
-    for name, r in result["ratios"].items():
-        rounds = ", ".join(f"{x:.2f}" for x in r["cpu_per_round"])
-        lines.append(
-            f"{name}: {r['wall']:.2f}x wall time, {r['cpu']:.2f}x CPU time "
-            f"(medians); per round, CPU time: {rounds} (median "
-            f"{statistics.median(r['cpu_per_round']):.2f}x)"
-        )
-    host = HostOverhead(**result["host_overhead_at_rows"])
-    curve = result.get("cost_curve")
-    if curve:
-        points = ", ".join(f"{r:.0f}: {t:.2f}" for r, t in zip(curve["rows"], curve["step_ms"]))
-        lines.append(
-            f"decode step ms by rows ({points}) ~ {curve['fixed_ms']:.2f} + "
-            f"{curve['per_row_ms']:.3f} x rows; implied refill/no_refill "
-            f"{curve['implied_refill_over_no_refill']:.2f}x"
-        )
-    lines.append(
-        f"host overhead @ {host.rows} rows: {100 * host.host_overhead_share:.1f}% of step "
-        f"({host.host_ms:.2f} of {host.step_ms:.2f} ms, of which runner {host.runner_host_ms:.2f}; "
-        f"{host.num_steps} steps)"
-    )
-    return "\n".join(lines)
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    work = parser.add_argument_group("workload")
-    work.add_argument("--num-requests", type=int, default=64)
-    work.add_argument("--input-len", type=int, default=32, help="mean prompt tokens")
-    work.add_argument("--output-len", type=int, default=64, help="mean output tokens")
-    work.add_argument("--range-ratio", type=float, default=0.25, help="lengths uniform ±ratio")
-    work.add_argument("--exit-dist", default="uniform", choices=EXIT_DISTRIBUTIONS)
-    work.add_argument("--exit-threshold", type=float, help="gate exits at this CDF, no trace")
-    work.add_argument("--seed", type=int, default=0)
-    model = parser.add_argument_group("model (synthetic unless --model)")
-    model.add_argument("--model", default=None, help="checkpoint dir or Hub id")
-    model.add_argument("--hidden-size", type=int, default=512)
-    model.add_argument("--num-layers", type=int, default=4)
-    model.add_argument("--num-heads", type=int, default=8)
-    model.add_argument("--num-kv-heads", type=int, default=8)
-    model.add_argument("--loops", type=int, default=4)
-    model.add_argument("--vocab-size", type=int, default=4096)
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--num-blocks", type=int, default=None, help="default: fits the workload")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--prefill-chunk-size", type=int, default=512)
-    engine.add_argument("--threads", type=int, default=1, help="torch threads; 0: torch default")
-    run = parser.add_argument_group("run")
-    run.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")
-    run.add_argument("--host-rows", type=int, default=32, help="rows of the host-overhead run")
-    run.add_argument(
-        "--cost-rows",
-        type=int_list,
-        default=[],
-        help="also time single-call decode steps at these row counts (e.g. 8,16,32,64) and "
-        "fit step time = fixed + per_row x rows",
-    )
-    run.add_argument("--out", default="bench_results/throughput.json")
-    run.add_argument("--no-progress", action="store_true")
-
-
 def main_from_args(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.num_requests < 1:
         raise ConfigError("--repeats and --num-requests must be >= 1")
@@ -475,7 +255,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads_before)
     print(format_report(result))
-    out = Path(args.out)
+    out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -42,24 +42,28 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from loopserve.cli.engine_args import add_engine_args, engine_args_from
-from loopserve.distributed.args import add_distributed_args, build_pool, uses_ray
+from loopserve.distributed.args import build_pool, uses_ray
 from loopserve.distributed.pool import ReplicaPool
+from loopserve.engine_args import engine_args_from
+from loopserve.server.args import (
+    API_KEY_ENV,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_CHAT_MAX_TOKENS,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MODEL_NAME,
+    add_cli_args,
+)
 from loopserve.server.async_engine import AsyncLLM
 from loopserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loopserve.server.protocol import ModelCard, ModelList
 from loopserve.server.serving_chat import create_chat_completion
-from loopserve.server.serving_common import DEFAULT_CHAT_MAX_TOKENS, ApiError, ServingContext
+from loopserve.server.serving_common import ApiError, ServingContext
 from loopserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
-DEFAULT_MODEL_NAME = "loopserve-default"
 SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to end
-DEFAULT_HEADER_TIMEOUT_S = 10.0
-DEFAULT_BODY_TIMEOUT_S = 30.0
-DEFAULT_MAX_CONNECTIONS = 1000
-API_KEY_ENV = "LOOPSERVE_API_KEY"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 JSON_MEDIA_TYPES = ("application/json",)
 
@@ -450,110 +454,6 @@ class GracefulServer(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `loopserve serve`: every engine flag plus the server's own."""
-    add_engine_args(parser)
-    add_distributed_args(parser)
-    group = parser.add_argument_group("server")
-    group.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind; do not bind a public address (0.0.0.0) without --api-key",
-    )
-    group.add_argument("--port", type=int, default=8000, help="TCP port")
-    group.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id in the API (None: the base name of the --model directory, or "
-        f"{DEFAULT_MODEL_NAME} for the embedded model)",
-    )
-    group.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require `Authorization: Bearer KEY` on /v1/* (and /metrics); also read from "
-        f"${API_KEY_ENV} (preferred: a flag is visible to local users in `ps`); None: no key",
-    )
-    group.add_argument(
-        "--metrics-public",
-        action="store_true",
-        help="serve /metrics without the API key (it needs the key when one is set)",
-    )
-    group.add_argument(
-        "--allowed-origins",
-        nargs="*",
-        default=[],
-        help="browser origins allowed by CORS (e.g. https://app.example); empty: no CORS headers",
-    )
-    group.add_argument(
-        "--allowed-hosts",
-        nargs="*",
-        default=None,
-        help="accepted Host header names, against DNS rebinding; '*' accepts any. None: "
-        "localhost, 127.0.0.1 and ::1 when bound to loopback, else any",
-    )
-    group.add_argument(
-        "--allow-client-priority",
-        action="store_true",
-        help="let clients set `priority` (otherwise a non-zero priority is a 400)",
-    )
-    group.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=DEFAULT_CHAT_MAX_TOKENS,
-        help="chat completions without max_tokens generate up to this many tokens (less when "
-        "the context or KV cache holds less); completions default to 16 as in OpenAI's API",
-    )
-    group.add_argument(
-        "--header-timeout-s",
-        type=float,
-        default=DEFAULT_HEADER_TIMEOUT_S,
-        help="close a connection that has not sent a request's headers within this time",
-    )
-    group.add_argument(
-        "--body-timeout-s",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT_S,
-        help="answer 408 when the next part of a request body takes longer than this",
-    )
-    group.add_argument(
-        "--max-connections",
-        type=int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        help="open connections at most; further ones are closed at once",
-    )
-    group.add_argument(
-        "--max-pending-requests",
-        type=int,
-        default=1024,
-        help="requests in flight (queued + running) before answering 429",
-    )
-    group.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="request bodies over this size get 413",
-    )
-    group.add_argument(
-        "--torch-threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads on CPU (None: cores - 1, leaving one for the event loop; "
-        "OMP_NUM_THREADS overrides)",
-    )
-    group.add_argument(
-        "--shutdown-timeout-s",
-        type=float,
-        default=10.0,
-        help="on SIGTERM, how long in-flight requests may finish before they are aborted",
-    )
-    group.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="log level of the server and uvicorn",
-    )
 
 
 def _set_torch_threads(args: argparse.Namespace) -> None:

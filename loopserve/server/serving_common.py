@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from loopserve.errors import InvalidRequestError
 from loopserve.outputs import RequestOutput, TokenLogprob
 from loopserve.sampling_params import SamplingParams
+from loopserve.server.args import DEFAULT_CHAT_MAX_TOKENS
 from loopserve.server.async_engine import (
     AsyncLLM,
     EngineDeadError,
@@ -48,7 +49,6 @@ from loopserve.text.tokenizer import Tokenizer
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
-DEFAULT_CHAT_MAX_TOKENS = 1024
 logger = logging.getLogger(__name__)
 
 

@@ -18,7 +18,6 @@ decode KV traffic can hide under prompt GEMMs; "phase": linear and attention pri
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -27,26 +26,12 @@ from loopserve.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.sim.hardware import DeviceProfile
-from loopserve.sim.metrics import window_gaps
 from loopserve.sim.simulator import Simulator
-from loopserve.sim.workload import SimRequest, exit_distribution
-
-# Prompt-scheduling arms: engine args on top of the scenario's budget and chunk size.
-PROMPT_ARMS: dict[str, dict[str, object]] = {
-    "atomic": {"prefill_mode": "atomic"},  # A0
-    "per_depth": {"prefill_mode": "per_depth"},  # A1
-    "wavefront": {"prefill_mode": "wavefront"},
-    "mixed": {"prefill_mode": "per_depth", "mixed_prefill_decode": True},  # A2
-    "wavefront_mixed": {"prefill_mode": "wavefront", "mixed_prefill_decode": True},
-}
-
-
-def _arm_args(arm: str) -> dict[str, object]:
-    try:
-        return PROMPT_ARMS[arm]
-    except KeyError:
-        raise ConfigError(f"unknown arm {arm!r}; choose from {', '.join(PROMPT_ARMS)}") from None
-
+from loopserve.sim.workload import SimRequest
+from loopserve.workloads.arms import prompt_arm_args
+from loopserve.workloads.exits import exit_distribution
+from loopserve.workloads.interference import InterferenceRun, InterferenceSpec, interference_stats
+from loopserve.workloads.metrics import window_gaps
 
 # ---- WCPB: long prompts only -------------------------------------------------------------
 
@@ -77,7 +62,7 @@ def run_wcpb(
     for chunk in chunk_sizes:
         for arm in arms:
             engine_args = {
-                **_arm_args(arm),
+                **prompt_arm_args(arm),
                 "prefill_chunk_size": chunk,
                 "max_num_batched_tokens": max_num_batched_tokens,
                 "max_num_seqs": len(prompt_lens),
@@ -115,43 +100,14 @@ def format_wcpb(points: list[WcpbPoint]) -> str:
 
 
 @dataclass(frozen=True)
-class InterferenceSpec:
-    num_decode: int = 64
-    decode_prompt_len: int = 128
-    decode_max_tokens: int = 1536  # must outlast the prompts; the KV of all must fit
-    prompt_lens: tuple[int, ...] = (8064, 8064, 8064, 8064)
-    inject_at: tuple[int, ...] = (8, 8, 8, 8)
-    prefill_chunk_size: int = 512
-    max_num_batched_tokens: int = 2048
-    exit_dist: str = "ouro_1p4b_t0.5"
-    seed: int = 0
+class InterferenceResult(InterferenceRun):
+    """An `InterferenceRun` of the simulator, with its arm."""
 
-    def validate(self) -> None:
-        if len(self.inject_at) != len(self.prompt_lens):
-            raise ConfigError("inject_at needs one value per prompt length")
-        if self.num_decode < 1 or max(self.inject_at) >= self.decode_max_tokens:
-            raise ConfigError("need num_decode >= 1 and every inject_at < decode_max_tokens")
-
-
-@dataclass(frozen=True)
-class InterferenceResult:
-    arm: str
-    window_s: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    itl_max_ms: float
-    tpot_ms: float
-    ttft_mean_s: float
-    ttft_max_s: float
-    prompt_token_loops_per_s: float
-    output_tokens_per_s: float
-    num_core_calls: int
-    num_mixed_core_calls: int
-    prompt_rows_per_core_call: float
-    decode_rows_per_core_call: float
+    arm: str = ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        record = asdict(self)
+        return {"arm": record.pop("arm"), **record}
 
 
 def run_interference(
@@ -165,7 +121,7 @@ def run_interference(
     spec.validate()
     num_loops = model_config.num_loops
     engine_args = {
-        **_arm_args(arm),
+        **prompt_arm_args(arm),
         "prefill_chunk_size": spec.prefill_chunk_size,
         "max_num_batched_tokens": spec.max_num_batched_tokens,
         "max_num_seqs": spec.num_decode + len(spec.prompt_lens),
@@ -228,24 +184,18 @@ def run_interference(
     window = window_gaps(list(times.values()), start_s, end_s)
     if not window.gaps_s:
         raise ConfigError(f"arm {arm}: no decode token inside the window; lengthen the prompts")
-    itl_ms = 1e3 * np.asarray(window.gaps_s)
-    ttft = [first_token[r] - arrivals[r] for r in arrivals]
-    return InterferenceResult(
-        arm=arm,
-        window_s=window_s,
-        itl_p50_ms=float(np.percentile(itl_ms, 50)),
-        itl_p99_ms=float(np.percentile(itl_ms, 99)),
-        itl_max_ms=float(itl_ms.max()),
-        tpot_ms=1e3 * statistics.fmean(window.per_request_mean_s),
-        ttft_mean_s=statistics.fmean(ttft),
-        ttft_max_s=max(ttft),
-        prompt_token_loops_per_s=sum(spec.prompt_lens) * num_loops / window_s,
-        output_tokens_per_s=(window.num_tokens + len(first_token)) / window_s,
+    stats = interference_stats(
+        window,
+        window_s,
+        [first_token[r] - arrivals[r] for r in arrivals],
+        prompt_token_loops=sum(spec.prompt_lens) * num_loops,
+        num_first_tokens=len(first_token),
         num_core_calls=calls,
         num_mixed_core_calls=mixed,
         prompt_rows_per_core_call=prompt_rows / calls,
         decode_rows_per_core_call=decode_rows / calls,
     )
+    return InterferenceResult(arm=arm, **stats)  # type: ignore[arg-type]
 
 
 def format_interference(results: list[InterferenceResult]) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
@@ -22,23 +22,10 @@ from loopserve.sim.hardware import DeviceProfile
 from loopserve.sim.metrics import SimResult, summarize
 from loopserve.sim.simulator import Simulator
 from loopserve.sim.workload import WorkloadSpec, build_workload
+from loopserve.workloads.arms import ARMS as ALL_ARMS
+from loopserve.workloads.arms import SIM_POLICIES, Arm
 
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    engine_args: dict[str, object] = field(default_factory=dict)
-    exit_dist: str | None = None  # None: the workload's distribution
-
-
-ARMS: dict[str, Arm] = {
-    "refill": Arm("refill", {"mode": "refill"}),
-    "no_refill": Arm("no_refill", {"mode": "no_refill"}),
-    "full_depth": Arm("full_depth", {"mode": "refill"}, exit_dist="full"),
-    "per_depth": Arm("per_depth", {"mode": "refill", "prefill_mode": "per_depth"}),
-    "mixed": Arm("mixed", {"mode": "refill", "mixed_prefill_decode": True}),
-    "wavefront": Arm("wavefront", {"mode": "refill", "prefill_mode": "wavefront"}),
-}
+ARMS: dict[str, Arm] = {name: ALL_ARMS[name] for name in SIM_POLICIES}
 
 
 def get_arm(name: str) -> Arm:

@@ -2,7 +2,7 @@
 
 A workload is a list of `SimRequest`s (id, arrival time, prompt and output lengths, and an
 exit trace: loops used by each output token). Lengths come from ShareGPT through
-`loopserve.bench.datasets` (token counts approximated by its documented rule, ceil(UTF-8
+`loopserve.workloads.datasets` (token counts approximated by its documented rule, ceil(UTF-8
 bytes / 4), unless a tokenizer's `count_tokens` is passed) or from its synthetic sampler.
 Arrivals are Poisson at a rate (exponential gaps) or all at t=0 (rate = inf, offline).
 Exit depths are drawn per token from an `ExitDistribution`; the simulator replays them with
@@ -17,70 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loopserve.bench.datasets import sample_random, sample_sharegpt
 from loopserve.errors import ConfigError
-
-# Trained Ouro-1.4B gate at threshold 0.5 (DATA.md, GSM8K decode tokens): loops 1..4.
-OURO_1P4B_T05 = (0.0, 0.043, 0.877, 0.080)
-NAMED_EXIT_DISTRIBUTIONS = ("ouro_1p4b_t0.5", "uniform", "full")
-
-
-@dataclass(frozen=True, slots=True)
-class ExitDistribution:
-    """Probabilities of using 1..D loops (`probs[i]` = P(loops = i + 1)), or a fixed trace."""
-
-    name: str
-    probs: tuple[float, ...]
-    trace: tuple[int, ...] | None = None
-
-    @property
-    def num_loops(self) -> int:
-        return len(self.probs)
-
-    @property
-    def mean_loops(self) -> float:
-        if self.trace is not None:
-            return sum(self.trace) / len(self.trace)
-        return sum((i + 1) * p for i, p in enumerate(self.probs))
-
-    def sample(self, rng: np.random.Generator, num_tokens: int) -> tuple[int, ...]:
-        """Loops used by each of `num_tokens` tokens."""
-        if self.trace is not None:
-            reps = -(-num_tokens // len(self.trace))
-            return (self.trace * reps)[:num_tokens]
-        loops = rng.choice(self.num_loops, size=num_tokens, p=self.probs) + 1
-        return tuple(loops.tolist())
-
-
-def exit_distribution(spec: str, num_loops: int) -> ExitDistribution:
-    """Parse a distribution name.
-
-    `ouro_1p4b_t0.5` (needs D = 4), `uniform` (1..D equally likely), `full` (always D),
-    `probs:p1,p2,...,pD` (explicit, normalised), `trace:l1,l2,...` (replayed cyclically).
-    """
-    if spec == "ouro_1p4b_t0.5":
-        if num_loops != len(OURO_1P4B_T05):
-            raise ConfigError(f"{spec} is defined for 4 loops; this model has {num_loops}")
-        return ExitDistribution(spec, OURO_1P4B_T05)
-    if spec == "uniform":
-        return ExitDistribution(spec, tuple(1.0 / num_loops for _ in range(num_loops)))
-    if spec == "full":
-        return ExitDistribution(spec, tuple(float(i == num_loops - 1) for i in range(num_loops)))
-    kind, _, body = spec.partition(":")
-    try:
-        values = [float(v) for v in body.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if kind == "probs" and len(values) == num_loops and min(values) >= 0 and sum(values) > 0:
-        total = sum(values)
-        return ExitDistribution(spec, tuple(v / total for v in values))
-    if kind == "trace" and values and all(v == int(v) and 1 <= v <= num_loops for v in values):
-        probs = tuple(values.count(float(i + 1)) / len(values) for i in range(num_loops))
-        return ExitDistribution(spec, probs, tuple(int(v) for v in values))
-    raise ConfigError(
-        f"unknown exit distribution {spec!r}; use one of {', '.join(NAMED_EXIT_DISTRIBUTIONS)}, "
-        f"probs:p1,...,p{num_loops} or trace:l1,l2,... (loops in 1..{num_loops})"
-    )
+from loopserve.workloads.datasets import sample_random, sample_sharegpt
+from loopserve.workloads.exits import (  # noqa: F401  (re-exported for sim callers)
+    NAMED_EXIT_DISTRIBUTIONS,
+    OURO_1P4B_T05,
+    ExitDistribution,
+    exit_distribution,
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Benchmark workloads: ShareGPT conversations and synthetic random prompts.
+"""Tool workloads: ShareGPT conversations and synthetic random prompts.
 
 Turns a dataset into `SampledRequest`s (prompt text, prompt length, output length) for the
 serving benchmark client. It does not tokenize on its own: callers pass a `count_tokens`

@@ -1,0 +1,116 @@
+"""The engine-argument table: every `LLM(...)` keyword, CLI flag, default and help in one place.
+
+`EngineConfig` takes its field defaults from this table, `EngineConfig.from_engine_args`
+routes each flat name to its config group through it, and `add_engine_args` turns it into
+argparse flags (`block_size` -> `--block-size`). Torch-free; the tools import it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+LAYOUTS = ("last_exited", "shared")
+MODES = ("refill", "no_refill")
+PREFILL_MODES = ("atomic", "per_depth", "wavefront")
+EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    """One engine argument: `name` is the `LLM` keyword; `group.field` its place in the config
+    (`group` is "top" for `EngineConfig` itself, else "cache", "scheduler" or "exit")."""
+
+    name: str
+    group: str
+    field: str
+    default: object
+    help: str
+    type: type | None = None  # None: a string; bool: an on/off flag
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+ENGINE_ARGS: tuple[EngineArg, ...] = (
+    EngineArg("model", "top", "model", None, "checkpoint dir or Hub id (None: the embedded model)"),
+    EngineArg("dtype", "top", "dtype", "auto", "weights/activations dtype; auto: bfloat16 on CUDA, "
+              "float32 on CPU", choices=DTYPES),
+    EngineArg("device", "top", "device", "cpu", "cpu or cuda[:N]"),
+    EngineArg("max_model_len", "top", "max_model_len", None, "longest prompt + output in tokens "
+              "(None: the model's max_position_embeddings)", int),
+    EngineArg("block_size", "cache", "block_size", 16, "tokens per KV block", int),
+    EngineArg("num_blocks", "cache", "num_blocks", None, "KV blocks (None: from "
+              "--kv-cache-bytes on CPU, free memory x --gpu-memory-utilization on CUDA)", int),
+    EngineArg("kv_cache_bytes", "cache", "kv_cache_bytes", None, "KV cache byte budget "
+              "(None: 512 MiB on CPU, free memory on CUDA)", int),
+    EngineArg("layout", "cache", "layout", "last_exited", "KV layout: last_exited keeps a token's "
+              "K/V of every depth it ran; shared keeps one per position", choices=LAYOUTS),
+    EngineArg("gpu_memory_utilization", "cache", "gpu_memory_utilization", 0.9,
+              "share of free CUDA memory the KV cache may use", float),
+    EngineArg("max_num_seqs", "scheduler", "max_num_seqs", 64, "requests running at once", int),
+    EngineArg("max_num_batched_tokens", "scheduler", "max_num_batched_tokens", 2048,
+              "rows per core call (the token budget of one step)", int),
+    EngineArg("prefill_chunk_size", "scheduler", "prefill_chunk_size", 512,
+              "prompt tokens per chunk", int),
+    EngineArg("mode", "scheduler", "mode", "refill", "decode policy: refill fills rows freed by "
+              "early exits with other tokens; no_refill waits for the slowest token",
+              choices=MODES),
+    EngineArg("prefill_mode", "scheduler", "prefill_mode", "atomic", "prompt policy: atomic "
+              "chunks run all loops in one step; per_depth one loop per step; wavefront "
+              "pipelines chunks across depths", choices=PREFILL_MODES),
+    EngineArg("mixed_prefill_decode", "scheduler", "mixed_prefill_decode", False,
+              "put prompt rows (one loop at a time) into the decode core call", bool),
+    EngineArg("max_prefill_batches_before_decode", "scheduler",
+              "max_prefill_batches_before_decode", 1,
+              "prompt steps in a row before one decode step (when not mixed)", int),
+    EngineArg("exit_mode", "exit", "mode", "ouro", "exit rule: ouro (the trained gate's CDF "
+              "against exit_threshold), ouro_delayed, random_lookahead, or trace (replay "
+              "SamplingParams.exit_trace)", choices=EXIT_MODES),
+    EngineArg("lookahead_seed", "exit", "lookahead_seed", 0, "seed of random_lookahead exits", int),
+)  # fmt: skip
+
+ENGINE_ARGS_BY_NAME: dict[str, EngineArg] = {arg.name: arg for arg in ENGINE_ARGS}
+
+
+def default(name: str) -> Any:
+    """The default of one engine argument (what the config dataclasses use)."""
+    return ENGINE_ARGS_BY_NAME[name].default
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    names: Iterable[str] | None = None,
+    defaults: Mapping[str, object] | None = None,
+    helps: Mapping[str, str] | None = None,
+    title: str = "engine",
+) -> None:
+    """Add the flags of `names` (all by default) to a new group of `parser`; `defaults` and
+    `helps` override some defaults and help texts (a tool that sizes things its own way)."""
+    wanted = list(names) if names is not None else [arg.name for arg in ENGINE_ARGS]
+    overrides = dict(defaults or {})
+    group = (
+        parser.add_argument_group(title) if isinstance(parser, argparse.ArgumentParser) else parser
+    )
+    for name in wanted:
+        arg = ENGINE_ARGS_BY_NAME[name]
+        value = overrides.get(name, arg.default)
+        text = (helps or {}).get(name, arg.help)
+        if arg.type is bool:
+            group.add_argument(arg.flag, action="store_true", default=value, help=text)
+            continue
+        group.add_argument(arg.flag, type=arg.type, default=value, choices=arg.choices, help=text)
+
+
+def engine_args_from(
+    args: argparse.Namespace, names: Iterable[str] | None = None
+) -> dict[str, object]:
+    """The `LLM(**engine_args)` keywords of a parsed namespace."""
+    wanted = names if names is not None else [arg.name for arg in ENGINE_ARGS]
+    return {name: getattr(args, name) for name in wanted}

@@ -1,0 +1,121 @@
+"""Flags of `loopserve serve`, kept apart from the server so `serve --help` imports neither
+torch nor fastapi."""
+
+from __future__ import annotations
+
+import argparse
+
+from loopserve.distributed.args import add_distributed_args
+from loopserve.engine_args import add_engine_args
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
+DEFAULT_MODEL_NAME = "loopserve-default"
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 1000
+DEFAULT_CHAT_MAX_TOKENS = 1024
+API_KEY_ENV = "LOOPSERVE_API_KEY"
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `loopserve serve`: every engine flag plus the server's own."""
+    add_engine_args(parser)
+    add_distributed_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; do not bind a public address (0.0.0.0) without --api-key",
+    )
+    group.add_argument("--port", type=int, default=8000, help="TCP port")
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id in the API (None: the base name of the --model directory, or "
+        f"{DEFAULT_MODEL_NAME} for the embedded model)",
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on /v1/* (and /metrics); also read from "
+        f"${API_KEY_ENV} (preferred: a flag is visible to local users in `ps`); None: no key",
+    )
+    group.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without the API key (it needs the key when one is set)",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="browser origins allowed by CORS (e.g. https://app.example); empty: no CORS headers",
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        nargs="*",
+        default=None,
+        help="accepted Host header names, against DNS rebinding; '*' accepts any. None: "
+        "localhost, 127.0.0.1 and ::1 when bound to loopback, else any",
+    )
+    group.add_argument(
+        "--allow-client-priority",
+        action="store_true",
+        help="let clients set `priority` (otherwise a non-zero priority is a 400)",
+    )
+    group.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=DEFAULT_CHAT_MAX_TOKENS,
+        help="chat completions without max_tokens generate up to this many tokens (less when "
+        "the context or KV cache holds less); completions default to 16 as in OpenAI's API",
+    )
+    group.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="close a connection that has not sent a request's headers within this time",
+    )
+    group.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="answer 408 when the next part of a request body takes longer than this",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections at most; further ones are closed at once",
+    )
+    group.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="requests in flight (queued + running) before answering 429",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="request bodies over this size get 413",
+    )
+    group.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads on CPU (None: cores - 1, leaving one for the event loop; "
+        "OMP_NUM_THREADS overrides)",
+    )
+    group.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, how long in-flight requests may finish before they are aborted",
+    )
+    group.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log level of the server and uvicorn",
+    )

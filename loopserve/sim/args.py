@@ -1,0 +1,146 @@
+"""Flags of `loopserve simulate`, kept torch-free so `simulate --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from loopserve.engine_args import add_engine_args
+from loopserve.sim.hardware import DEVICE_PROFILES
+from loopserve.workloads.args import add_output_args, add_progress_arg, int_list
+from loopserve.workloads.arms import PROMPT_ARMS, SIM_POLICIES
+from loopserve.workloads.interference import InterferenceSpec
+
+# The engine flags `simulate` takes (same names, defaults and help as every other command).
+SIM_ENGINE_ARGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "prefill_chunk_size",
+    "prefill_mode",
+    "mixed_prefill_decode",
+    "block_size",
+    "num_blocks",
+    "gpu_memory_utilization",
+    "layout",
+)
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 (or inf), got {text}")
+    return value
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device-profile",
+        default="h100",
+        choices=sorted(DEVICE_PROFILES),
+        help="simulated GPU",
+    )
+    parser.add_argument(
+        "--model-config", default=None, help="an Ouro config.json (default: Ouro-1.4B)"
+    )
+    parser.add_argument(
+        "--dataset",
+        default="sharegpt",
+        choices=["sharegpt", "synthetic"],
+        help="request lengths: ShareGPT conversations or uniform synthetic lengths",
+    )
+    parser.add_argument("--input-len", type=int, default=256, help="synthetic prompt length")
+    parser.add_argument("--output-len", type=int, default=256, help="synthetic output length")
+    parser.add_argument("--range-ratio", type=float, default=0.5, help="synthetic length spread")
+    parser.add_argument("--num-requests", type=int, default=1000, help="requests per run")
+    parser.add_argument(
+        "--request-rate", type=_rate, nargs="+", default=[math.inf], help="req/s; inf = offline"
+    )
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight (None: no cap)"
+    )
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        default=["refill"],
+        choices=SIM_POLICIES,
+        help="policies (arms) to compare",
+    )
+    parser.add_argument(
+        "--exit-dist",
+        default="ouro_1p4b_t0.5",
+        help="ouro_1p4b_t0.5 | uniform | full | probs:p1,..,pD | trace:l1,l2,..",
+    )
+    add_engine_args(parser, names=SIM_ENGINE_ARGS, title="engine (simulated)")
+    parser.add_argument(
+        "--host-overhead-ms", type=float, default=0.0, help="host time added per step"
+    )
+    parser.add_argument(
+        "--roofline",
+        default="call",
+        choices=["call", "phase"],
+        help="one roofline per core call, or linear and attention phases priced separately",
+    )
+    parser.add_argument(
+        "--slo-ms", type=float, default=50.0, help="P99 normalized latency SLO (ms/token)"
+    )
+    parser.add_argument(
+        "--find-capacity",
+        action="store_true",
+        help="bisect the rate per policy between min and max of --request-rate",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    add_output_args(parser, default_dir="sim_out")
+    parser.add_argument("--no-plot", action="store_true", help="skip simulate.png")
+    add_progress_arg(parser)
+    parser.add_argument(
+        "--sched-bench", action="store_true", help="scheduler CPU microbenchmark and exit"
+    )
+    scenario = parser.add_argument_group(
+        "prompt-scheduling scenarios (--scenario; see loopserve.sim.scenarios)"
+    )
+    scenario.add_argument(
+        "--scenario",
+        choices=["wcpb", "interference"],
+        default=None,
+        help="instead of a rate sweep: wcpb (long prompts only) or interference (decode "
+        "population + injected long prompts); uses --device-profile, --max-num-batched-tokens, "
+        "--prefill-chunk-size (interference) and --exit-dist (interference)",
+    )
+    scenario.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        choices=PROMPT_ARMS,
+        help="prompt arms (None: atomic wavefront for wcpb, atomic per_depth mixed for "
+        "interference)",
+    )
+    scenario.add_argument(
+        "--prompt-lens", type=int_list, default=[8064] * 4, help="long prompt lengths"
+    )
+    scenario.add_argument(
+        "--chunk-sizes", type=int_list, default=[128, 64, 32, 16], help="wcpb chunk sizes"
+    )
+    scenario.add_argument(
+        "--num-decode",
+        type=int,
+        default=InterferenceSpec.num_decode,
+        help="interference: decode population size",
+    )
+    scenario.add_argument(
+        "--decode-prompt-len",
+        type=int,
+        default=InterferenceSpec.decode_prompt_len,
+        help="interference: prompt tokens of each decode request",
+    )
+    scenario.add_argument(
+        "--decode-max-tokens",
+        type=int,
+        default=InterferenceSpec.decode_max_tokens,
+        help="interference: decode length; must outlast the prompts",
+    )
+    scenario.add_argument(
+        "--inject-at",
+        type=int_list,
+        default=None,
+        help="prompt j arrives once every decode request has this many tokens (None: 8 each)",
+    )

@@ -1,0 +1,67 @@
+"""What `loopserve simulate` prints and draws: the sweep table, capacities and the figure."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from loopserve.sim.sweep import PointResult
+
+
+def format_table(points: list[PointResult]) -> str:
+    header = (
+        f"{'policy':>11} {'rate':>7} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'norm mean':>9} {'norm p99':>9} {'busy':>5} "
+        f"{'dec rows':>8} {'W share':>7} {'loops':>5} {'wall s':>6} {'cpu s':>6} {'sched us':>8}"
+    )
+    lines = [header + "\n" + " " * 31 + "(latencies in ms; norm = E2E / output tokens)"]
+    for p in points:
+        rate = "inf" if math.isinf(p.request_rate) else f"{p.request_rate:.2f}"
+        r = p.result
+        if r is None:
+            lines.append(f"{p.arm:>11} {rate:>7} {p.error}")
+            continue
+        lines.append(
+            f"{p.arm:>11} {rate:>7} {r.request_throughput:>7.2f} {r.output_throughput:>9.0f} "
+            f"{r.ttft.p50_s * 1e3:>9.1f} {r.ttft.p99_s * 1e3:>9.1f} {r.tpot.p50_s * 1e3:>9.2f} "
+            f"{r.normalized_latency.mean_s * 1e3:>9.2f} "
+            f"{r.normalized_latency.p99_s * 1e3:>9.2f} {r.gpu_busy_share:>5.2f} "
+            f"{r.mean_decode_rows_per_call:>8.1f} {r.decode_weight_byte_share:>7.2f} "
+            f"{r.mean_loops_per_token:>5.2f} {r.wall_s:>6.1f} "
+            f"{r.cpu_s:>6.1f} {r.scheduler_us_per_step:>8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(points: list[PointResult], slo_s: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm in dict.fromkeys(p.arm for p in points):
+        pts = sorted(
+            (p.request_rate, p.p99_normalized_latency_s * 1e3)
+            for p in points
+            if p.arm == arm and p.result is not None and not math.isinf(p.request_rate)
+        )
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=arm)
+    ax.axhline(slo_s * 1e3, color="grey", linestyle="--", label=f"SLO {slo_s * 1e3:g} ms")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("P99 normalized latency (ms/token)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_capacity(name: str, capacity: float, top_rate: float) -> str:
+    """One capacity line; "≥ X" when the top rate of the sweep still met the SLO (the true
+    capacity lies above what was simulated)."""
+    at_least = capacity > 0 and capacity >= top_rate
+    value = f"≥ {capacity:.3f}" if at_least else f"{capacity:.3f}"
+    return f"capacity {name:>11}: {value} req/s"

@@ -1,0 +1,183 @@
+"""Row-selection policies on hand-built requests (no torch, no engine).
+
+Decode: refill takes every ready token up to the row budget; no_refill keeps a cohort until
+all of its tokens exit. Prompt: the chunk/depth order of atomic, per-depth and wavefront
+prefill, driven by a small stand-in for the scheduler's `update()` (a chunk that ran advances
+its depth; a chunk done at every depth leaves the request and extends its prefilled prefix).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from loopserve.sampling_params import SamplingParams
+from loopserve.scheduler.policies import (
+    PROMPT_POLICIES,
+    NoRefillPolicy,
+    PromptPolicy,
+    RefillPolicy,
+)
+from loopserve.scheduler.request import Request
+
+NUM_LOOPS = 4
+
+
+def make_request(request_id: str, num_prompt_tokens: int = 3, order: int = 0) -> Request:
+    params = SamplingParams(max_tokens=4, temperature=0).resolve_loops(NUM_LOOPS)
+    return Request(
+        request_id,
+        list(range(1, num_prompt_tokens + 1)),
+        params,
+        arrival_order=order,
+        eos_token_ids=frozenset(),
+        arrival_s=0.0,
+    )
+
+
+def ids(requests: list[Request]) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+# ---- decode policies ------------------------------------------------------------------------
+
+
+def test_refill_picks_every_ready_token_in_order_up_to_the_row_budget():
+    requests = [make_request(f"r{i}", order=i) for i in range(5)]
+    policy = RefillPolicy()
+    assert ids(policy.select(requests, 3)) == ["r0", "r1", "r2"]
+    assert ids(policy.select(requests, 8)) == ["r0", "r1", "r2", "r3", "r4"]
+    policy.on_token_exit(requests[0])  # an exit frees the row at once: r0 is ready again
+    assert ids(policy.select(requests, 5)) == ["r0", "r1", "r2", "r3", "r4"]
+
+
+def test_no_refill_keeps_its_cohort_until_every_token_exits_then_refills():
+    a, b, c, d = (make_request(name, order=i) for i, name in enumerate("abcd"))
+    policy = NoRefillPolicy()
+    assert ids(policy.select([a, b, c], 2)) == ["a", "b"]  # cohort {a, b}; c waits
+    policy.on_token_exit(a)
+    # a's next token is ready and a row is free, but the cohort has not drained.
+    assert ids(policy.select([a, b, c, d], 2)) == ["b"]
+    assert ids(policy.select([a, b, c, d], 2)) == ["b"]
+    policy.on_token_exit(b)
+    assert ids(policy.select([a, b, c, d], 2)) == ["a", "b"]  # drained: a new cohort forms
+    policy.on_token_exit(a)
+    policy.on_request_gone("b")  # a finished or aborted member also leaves the cohort
+    assert ids(policy.select([a, c, d], 2)) == ["a", "c"]
+
+
+# ---- prompt policies ------------------------------------------------------------------------
+
+
+def make_policy(name: str, chunk_size: int) -> PromptPolicy:
+    handles = itertools.count(1)
+    return PROMPT_POLICIES[name](chunk_size, NUM_LOOPS, lambda: next(handles))
+
+
+def run_prompts(policy: PromptPolicy, requests: list[Request], max_rows: int) -> list[list]:
+    """Select until every prompt is done; each step as [(request, chunk start, depth, depths)]."""
+    steps = []
+    while any(r.in_prompt_phase for r in requests):
+        work = policy.select([r for r in requests if r.in_prompt_phase], max_rows)
+        assert work, "no prompt work was ready"
+        assert sum(w.chunk.count for w in work) <= max_rows
+        steps.append([(w.request.request_id, w.chunk.start, w.depth, w.num_depths) for w in work])
+        for w in work:  # what the scheduler's update does with a prompt item
+            w.chunk.next_depth += w.num_depths
+            if w.chunk.next_depth == NUM_LOOPS:
+                assert w.request.prompt_chunks[0] is w.chunk, "chunks must complete in order"
+                w.request.prompt_chunks.pop(0)
+                w.request.num_prefilled_tokens = w.chunk.end
+        assert len(steps) < 100
+    return steps
+
+
+def test_atomic_runs_one_chunk_per_request_through_all_depths_per_step():
+    requests = [make_request("a", 20, 0), make_request("b", 5, 1)]
+    steps = run_prompts(make_policy("atomic", 8), requests, max_rows=24)
+    # Chunks of 8 fixed at creation: a = 0..8, 8..16, 16..20; b = 0..5.
+    assert steps == [
+        [("a", 0, 0, 4), ("b", 0, 0, 4)],
+        [("a", 8, 0, 4)],
+        [("a", 16, 0, 4)],
+    ]
+
+
+def test_per_depth_advances_one_chunk_one_depth_per_step():
+    requests = [make_request("a", 12, 0), make_request("b", 3, 1)]
+    steps = run_prompts(make_policy("per_depth", 8), requests, max_rows=24)
+    assert steps == [
+        [("a", 0, 0, 1), ("b", 0, 0, 1)],
+        [("a", 0, 1, 1), ("b", 0, 1, 1)],
+        [("a", 0, 2, 1), ("b", 0, 2, 1)],
+        [("a", 0, 3, 1), ("b", 0, 3, 1)],
+        [("a", 8, 0, 1)],  # a's second chunk opens only after the first finished every depth
+        [("a", 8, 1, 1)],
+        [("a", 8, 2, 1)],
+        [("a", 8, 3, 1)],
+    ]
+
+
+def test_wavefront_overlaps_chunks_at_staggered_depths():
+    steps = run_prompts(make_policy("wavefront", 8), [make_request("a", 20)], max_rows=100)
+    # Chunk c at depth d runs after c-1 finished d and c finished d-1; chunk c opens once
+    # c-1 finished depth 0. Chunks: 0..8, 8..16, 16..20.
+    assert steps == [
+        [("a", 0, 0, 1)],
+        [("a", 0, 1, 1), ("a", 8, 0, 1)],
+        [("a", 0, 2, 1), ("a", 8, 1, 1), ("a", 16, 0, 1)],
+        [("a", 0, 3, 1), ("a", 8, 2, 1), ("a", 16, 1, 1)],
+        [("a", 8, 3, 1), ("a", 16, 2, 1)],
+        [("a", 16, 3, 1)],
+    ]
+
+
+def test_wavefront_row_budget_never_splits_a_chunk():
+    steps = run_prompts(make_policy("wavefront", 8), [make_request("a", 20)], max_rows=16)
+    # Step 3: c0@2 and c1@1 fill the 16 rows, so c2 (4 rows) does not open until c0 is done
+    # and c1@3 leaves room.
+    assert steps == [
+        [("a", 0, 0, 1)],
+        [("a", 0, 1, 1), ("a", 8, 0, 1)],
+        [("a", 0, 2, 1), ("a", 8, 1, 1)],
+        [("a", 0, 3, 1), ("a", 8, 2, 1)],
+        [("a", 8, 3, 1), ("a", 16, 0, 1)],
+        [("a", 16, 1, 1)],
+        [("a", 16, 2, 1)],
+        [("a", 16, 3, 1)],
+    ]
+
+
+@pytest.mark.parametrize("name", ["atomic", "per_depth", "wavefront"])
+def test_an_item_that_does_not_fit_stops_selection_in_admission_order(name):
+    first, second = make_request("a", 8, 0), make_request("b", 2, 1)
+    policy = make_policy(name, 8)
+    # 6 rows: a's 8-row chunk does not fit and is not split; b may not jump ahead of it.
+    assert policy.select([first, second], 6) == []
+    work = policy.select([first, second], 9)
+    assert [(w.request.request_id, w.chunk.count) for w in work] == [("a", 8)]
+
+
+def test_wavefront_dependencies_hold_for_several_requests_under_a_tight_budget():
+    requests = [make_request(f"p{i}", n, i) for i, n in enumerate([29, 17, 9])]
+    steps = run_prompts(make_policy("wavefront", 8), requests, max_rows=20)
+    done: set[tuple[str, int, int]] = set()
+    for step in steps:
+        for request_id, start, depth, _ in step:
+            if start > 0:  # the previous chunk finished this depth in an earlier step
+                assert (request_id, start - 8, depth) in done
+            if depth > 0:
+                assert (request_id, start, depth - 1) in done
+        order = [int(request_id[1:]) for request_id, *_ in step]
+        assert order == sorted(order), "prompt items keep admission order"
+        done |= {(request_id, start, depth) for request_id, start, depth, _ in step}
+    expected = {
+        (f"p{i}", start, depth)
+        for i, n in enumerate([29, 17, 9])
+        for start in range(0, n, 8)
+        for depth in range(NUM_LOOPS)
+    }
+    assert done == expected  # every chunk ran every depth exactly once
+    assert sum(len(step) for step in steps) == len(expected)
+    assert any(len({d for _, _, d, _ in step}) > 1 for step in steps), "depths never overlapped"

@@ -1,0 +1,153 @@
+"""Sampling filters: temperature, top-k and top-p against an independent sort-based numpy
+implementation, and seeded sampling that only ever draws from the filtered support."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loopserve.contracts import SampleSpec
+from loopserve.runner.sampler import _filtered_probs, make_generator, sample_rows
+
+
+def reference_filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
+    """Float64 reference. Returns (probabilities, margin).
+
+    top-k keeps every token whose scaled logit is >= the k-th largest (ties at the k-th value
+    are all kept); top-p then walks the renormalized top-k distribution from the most likely
+    token and keeps a token while the mass strictly before it is < top_p (the token that
+    crosses top_p is kept). `margin` is how far the top-p decisions are from flipping.
+    """
+    scaled = logits.astype(np.float64) / temperature
+    keep = np.ones(scaled.shape, dtype=bool)
+    if 0 < top_k < scaled.size:
+        kth = np.sort(scaled)[::-1][top_k - 1]
+        keep &= scaled >= kth
+    margin = np.inf
+    if top_p < 1.0:
+        masked = np.where(keep, scaled, -np.inf)
+        probs = np.exp(masked - masked.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        mass_before = np.concatenate([[0.0], np.cumsum(probs[order])[:-1]])
+        kept_sorted = mass_before < top_p
+        live = probs[order] > 0
+        margin = float(np.min(np.abs(mass_before[live] - top_p)))
+        keep_p = np.zeros_like(keep)
+        keep_p[order] = kept_sorted
+        keep &= keep_p
+    out = np.where(keep, np.exp(scaled - scaled[keep].max()), 0.0)
+    return out / out.sum(), margin
+
+
+def torch_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    spec = SampleSpec(temperature=temperature, top_p=top_p, top_k=top_k)
+    return _filtered_probs(torch.tensor(logits, dtype=torch.float32), spec).double().numpy()
+
+
+RANDOM_CASES = [
+    (1.0, -1, 1.0),
+    (1.0, 5, 1.0),
+    (0.7, -1, 0.9),
+    (1.3, -1, 0.5),
+    (1.0, 10, 0.8),
+    (0.5, 3, 0.95),
+    (2.0, 20, 0.3),
+    (1.0, 50, 1.0),  # k == vocab: no top-k filtering
+]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), RANDOM_CASES)
+def test_filtered_distribution_matches_sort_based_reference(temperature, top_k, top_p):
+    rng = np.random.default_rng(20261201)
+    for _ in range(5):
+        logits = rng.normal(scale=3.0, size=50).astype(np.float32)
+        expected, margin = reference_filtered_probs(logits, temperature, top_k, top_p)
+        assert margin > 1e-4, "case too close to the top-p boundary to be well defined"
+        got = torch_probs(logits, temperature, top_k, top_p)
+        assert np.array_equal(got > 0, expected > 0), (temperature, top_k, top_p)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+        if top_k > 0 and top_k < 50 and top_p == 1.0:
+            assert np.count_nonzero(got) == top_k  # continuous logits: no ties
+
+
+def test_top_k_keeps_every_token_tied_at_the_kth_value():
+    logits = np.array([3.0, 2.0, 2.0, 2.0, 1.0, 0.0], dtype=np.float32)
+    got = torch_probs(logits, 1.0, 2, 1.0)
+    # k = 2: the 2nd largest value is 2.0, held by three tokens; all of them stay.
+    assert np.flatnonzero(got).tolist() == [0, 1, 2, 3]
+    e = np.exp(1.0)
+    np.testing.assert_allclose(got[:4], np.array([e, 1, 1, 1]) / (e + 3), rtol=1e-6)
+    expected, _ = reference_filtered_probs(logits, 1.0, 2, 1.0)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_top_k_one_is_the_argmax_and_tie_free_boundary_keeps_exactly_k():
+    logits = np.array([0.5, 4.0, -1.0, 3.0, 2.5], dtype=np.float32)
+    assert torch_probs(logits, 0.8, 1, 1.0).tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
+    assert np.flatnonzero(torch_probs(logits, 0.8, 3, 1.0)).tolist() == [1, 3, 4]
+
+
+def test_top_p_keeps_the_token_that_crosses_the_threshold():
+    logits = np.array([1.0, 3.0, 0.0, 2.0, -2.0], dtype=np.float32)
+    probs, _ = reference_filtered_probs(logits, 1.0, -1, 1.0)
+    top1, top2 = probs[1], probs[1] + probs[3]  # masses of the 1 and 2 most likely tokens
+    cases = [
+        (1e-6, [1]),  # tiny top_p: only the most likely token
+        (top1 - 1e-4, [1]),  # the first token already crosses
+        (top1 + 1e-4, [1, 3]),  # mass before token 3 is top1 < top_p: kept
+        (top2 - 1e-4, [1, 3]),
+        (top2 + 1e-4, [0, 1, 3]),
+        (1.0, [0, 1, 2, 3, 4]),  # top_p 1: no filtering
+    ]
+    for top_p, support in cases:
+        got = torch_probs(logits, 1.0, -1, top_p)
+        assert np.flatnonzero(got).tolist() == support, top_p
+        kept = probs[support]
+        np.testing.assert_allclose(got[support], kept / kept.sum(), rtol=1e-5)
+
+
+def test_top_p_applies_to_the_renormalized_top_k_distribution():
+    logits = np.linspace(2.0, 1.1, 10).astype(np.float32)
+    # After top-k 3 the survivors hold about 0.37, 0.33, 0.30: with top_p 0.5 the third has
+    # 0.70 before it and is dropped. Over the whole vocabulary it would have only about 0.29
+    # before it and stay, so this case tells the two readings apart.
+    got = torch_probs(logits, 1.0, 3, 0.5)
+    expected, margin = reference_filtered_probs(logits, 1.0, 3, 0.5)
+    assert margin > 1e-4
+    assert np.flatnonzero(got).tolist() == np.flatnonzero(expected).tolist() == [0, 1]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    full, _ = reference_filtered_probs(logits, 1.0, -1, 1.0)
+    assert full[0] + full[1] < 0.5  # without renormalization token 2 would be kept
+
+
+def test_top_p_boundary_on_exactly_representable_mass_with_ties():
+    # Four equal tokens (0.25 each, exact in float32), the rest impossible. top_p 0.5: the
+    # third token has exactly 0.5 before it, which reaches top_p, so two tokens stay; which
+    # two of the tied ones is an ordering detail, the count and their mass are not.
+    logits = np.array([0.0, -np.inf, 0.0, 0.0, -np.inf, 0.0], dtype=np.float32)
+    got = torch_probs(logits, 1.0, -1, 0.5)
+    support = np.flatnonzero(got).tolist()
+    assert len(support) == 2 and set(support) <= {0, 2, 3, 5}
+    np.testing.assert_allclose(got[support], [0.5, 0.5])
+
+
+def test_seeded_sampling_draws_only_allowed_tokens_with_reference_frequencies():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(scale=2.0, size=40).astype(np.float32)
+    spec = SampleSpec(temperature=0.9, top_p=0.8, top_k=8)
+    expected, margin = reference_filtered_probs(logits, 0.9, 8, 0.8)
+    assert margin > 1e-4
+    allowed = set(np.flatnonzero(expected).tolist())
+    assert 2 <= len(allowed) < 8
+    num_draws = 4000
+    rows = torch.tensor(logits).expand(num_draws, -1)
+    generator = make_generator(1234)
+    tokens = [t.token_id for t in sample_rows(rows, [spec] * num_draws, [generator] * num_draws)]
+    assert set(tokens) == allowed  # never outside the support, and every allowed token drawn
+    freqs = np.bincount(tokens, minlength=logits.size) / num_draws
+    assert np.max(np.abs(freqs - expected)) < 0.03
+    again = make_generator(1234)
+    repeat = sample_rows(rows[:50], [spec] * 50, [again] * 50)
+    assert [t.token_id for t in repeat] == tokens[:50]  # the seed reproduces the draws

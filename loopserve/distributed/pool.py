@@ -20,7 +20,7 @@ Routing is the `Router`'s (least outstanding tokens, or prompt prefix). Failure 
 - `health()` is "ok" with every replica serving, "degraded" with some, and the pool is not
   ready with none. A replica whose restarts are exhausted stays "dead".
 
-The first replica's creation failing (for example a bad checkpoint) is a load error
+The first replica to finish loading failing (for example a bad checkpoint) is a load error
 (`load_error`, `on_load_error`), as with `AsyncLLM`.
 """
 
@@ -86,6 +86,7 @@ class _Replica:
     num_routed: int = 0
     num_prefix_hits: int = 0
     num_failed_requests: int = 0
+    failed_instance_id: str | None = None  # the instance that failed; its late replies are stale
 
 
 @dataclass(frozen=True)
@@ -223,15 +224,21 @@ class ReplicaPool:
             actor_cls = self._actor_class()
             for index in range(self.num_replicas):
                 self.replicas.append(_Replica(index, actor_cls.remote(**self._replica_kwargs())))
-            infos = await asyncio.gather(*(r.actor.info.remote() for r in self.replicas))
+            # The first replica to load decides: its info serves all (they share the engine
+            # arguments); if it failed, the model cannot load. The others join through their
+            # probes whenever they are up (a replica waiting for a free GPU does not block).
+            first_loaded = next(
+                asyncio.as_completed([r.actor.info.remote() for r in self.replicas])
+            )
+            info = await first_loaded
         except Exception as err:
             logger.exception("starting the replicas failed")
             self.load_error = err
             if self._on_load_error is not None:
                 self._on_load_error(err)
             return
-        self.info = infos[0]
-        self.router.block_size = self.info.block_size
+        self.info = info
+        self.router.block_size = info.block_size
         for replica in self.replicas:
             self._tasks.append(asyncio.ensure_future(self._probe(replica)))
 
@@ -433,6 +440,7 @@ class ReplicaPool:
             return
         logger.warning("replica %d failed (%s); waiting for its restart", index, why)
         replica.state = ReplicaState.RESTARTING
+        replica.failed_instance_id = instance_id
         self.router.forget_replica(index)
 
     async def _probe(self, replica: _Replica) -> None:
@@ -451,8 +459,11 @@ class ReplicaPool:
                     self.router.forget_replica(replica.index)
                     return
                 self.replica_failed(replica.index, replica.instance_id, err)
-            except (ray.exceptions.RayError, asyncio.TimeoutError) as err:
+            except ray.exceptions.RayError as err:
                 self.replica_failed(replica.index, replica.instance_id, err)
+            except asyncio.TimeoutError:  # alive but unresponsive: out of rotation until it answers
+                self.replica_failed(replica.index, replica.instance_id, "probe timed out")
+                replica.failed_instance_id = None
             else:
                 self._apply_stats(replica, stats)
             await asyncio.sleep(PROBE_INTERVAL_S)
@@ -462,6 +473,8 @@ class ReplicaPool:
         return limit != -1 and replica.num_restarts >= limit
 
     def _apply_stats(self, replica: _Replica, stats: ReplicaStats) -> None:
+        if stats.instance_id == replica.failed_instance_id:
+            return  # a reply the failed instance sent before it died: stale
         if replica.instance_id is not None and stats.instance_id != replica.instance_id:
             replica.num_restarts += 1
             logger.warning("replica %d restarted (restart %d)", replica.index, replica.num_restarts)

@@ -162,6 +162,36 @@ def test_http_metrics_label_replicas_and_health_is_ok(pool, loop):
     assert len(completion.json()["choices"][0]["exit_depths"]) == 4
 
 
+def test_closing_a_stream_aborts_its_request_on_the_replica(pool, loop):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)  # 408 of 512 blocks
+    aborts_before = _finished(pool, "abort")
+
+    async def main():
+        stream = await pool.submit([GenerateRequest("gone", _prompt(5, 8), params)])
+        actor = pool.replicas[stream.replica].actor
+        before = (await actor.stats.remote()).snapshot.num_output_tokens
+        async for output in stream:
+            if output.token_ids:
+                break
+        stream.close()  # what a client disconnect does
+        while True:  # fresh gauges from the replica until the request is gone
+            snap = (await actor.stats.remote()).snapshot
+            if snap.num_running == 0 and snap.num_waiting == 0:
+                return output, snap, snap.num_output_tokens - before
+            await asyncio.sleep(0.05)
+
+    output, snap, num_generated = loop.run_until_complete(asyncio.wait_for(main(), 60.0))
+    assert not output.finished
+    assert num_generated < 400  # it stopped long before max_tokens
+    assert snap.num_free_blocks == snap.num_total_blocks  # its KV blocks came back
+    assert _finished(pool, "abort") == aborts_before + 1
+
+
+def _finished(pool: ReplicaPool, reason: str) -> float:
+    text = pool.metrics.render(pool.snapshot, num_in_flight=0, is_ready=True)
+    return prometheus_values(text)[f'loopserve_requests_finished_total{{finish_reason="{reason}"}}']
+
+
 def test_offline_llm_with_two_replicas_returns_what_one_engine_returns(pool, tiny_dir, reference):
     prompts = [_prompt(70 + s, 4 + 3 * s) for s in range(5)]
     params = [

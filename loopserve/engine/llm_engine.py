@@ -2,9 +2,11 @@
 
 `add_request` validates and queues; `step` runs schedule → execute → update once and returns
 one `RequestOutput` per request that produced a token or finished this step (cumulative
-fields plus the step's delta). Text is detokenized incrementally; stop strings finish a
-request here, after the scheduler's token-level stops. A step whose execution raises fails
-only the requests it carried; the engine keeps serving the rest.
+fields plus the step's delta). Text stays at the edges: the `InputProcessor` checks and
+tokenizes prompts, the `OutputProcessor` detokenizes, matches stop strings and assembles
+outputs; a stop-string hit finishes the request through the scheduler
+(`_finish_on_stop_string`). A step whose execution raises fails only the requests it carried;
+the engine keeps serving the rest.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ from pathlib import Path
 import torch
 
 from loopserve.config import EngineConfig, max_inflight_rows, resolve_dtype, resolve_num_blocks
-from loopserve.errors import CapacityError, InvalidRequestError
+from loopserve.errors import InvalidRequestError
 from loopserve.models import load_model
-from loopserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from loopserve.outputs import RequestOutput
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.request import FinishReason, Request
 from loopserve.scheduler.scheduler import Scheduler
-from loopserve.text.detokenizer import IncrementalDetokenizer
+from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
+from loopserve.text.output_processor import OutputProcessor
 from loopserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,19 +67,6 @@ class EngineStats:
         """The part of `host_overhead_share` spent inside the runner around the forward."""
         runner_s = self.model_time_s - self.forward_time_s
         return runner_s / self.step_time_s if self.step_time_s else 0.0
-
-
-class _Tracked:
-    """Engine-side view of a request: prompt text and its detokenizer."""
-
-    __slots__ = ("request", "prompt", "detokenizer", "text", "stop_reason")
-
-    def __init__(self, request: Request, prompt: str | None, detokenizer) -> None:
-        self.request = request
-        self.prompt = prompt
-        self.detokenizer = detokenizer
-        self.text = ""
-        self.stop_reason: str | int | None = None
 
 
 class LLMEngine:
@@ -118,8 +108,14 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            vocab_size=self.model.config.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Request] = {}
         self._arrivals = itertools.count()
 
     @classmethod
@@ -129,28 +125,14 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model has no tokenizer; pass prompt token ids", "prompt"
-                )
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt"
-            )
-        return None, list(prompt)
+        """(prompt text or None, prompt token ids); see `InputProcessor.process`."""
+        processed = self.input_processor.process(prompt)
+        return processed.text, processed.token_ids
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | ProcessedPrompt,
         params: SamplingParams | None = None,
         *,
         arrival_s: float | None = None,
@@ -158,39 +140,29 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
-        text, token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        processed = self.input_processor.process(prompt)
         resolved = params.resolve_loops(self.num_loops)
-        total = len(token_ids) + resolved.max_tokens
-        if total > self.max_model_len:
-            raise CapacityError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({resolved.max_tokens}) = {total} "
-                f"exceeds the maximum context length {self.max_model_len}",
-                param="max_tokens",
-            )
+        self.input_processor.check_request(processed, resolved)
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         request = Request(
             request_id,
-            token_ids,
+            processed.token_ids,
             resolved,
             arrival_order=next(self._arrivals),
             eos_token_ids=self.eos_token_ids,
             arrival_s=arrival_s,
         )
         self.scheduler.add_request(request)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, stop=resolved.stop)
-        self._tracked[request_id] = _Tracked(request, text, detok)
+        self.output_processor.add_request(request, processed.text)
+        self._tracked[request_id] = request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        tracked = self._tracked.get(request_id)
-        if tracked is None or self.scheduler.abort_request(request_id) is None:
+        request = self._tracked.get(request_id)
+        if request is None or self.scheduler.abort_request(request_id) is None:
             return None
         self._release_gone()
-        return self._output(tracked, [], final=True)
+        return self._output(request)
 
     def _release_gone(self) -> None:
         """Drop runner state (generators, hidden handles) of requests that left."""
@@ -230,73 +202,24 @@ class LLMEngine:
         failed = self.scheduler.fail_requests(ids)
         self._release_gone()
         for request in failed:
-            tracked = self._tracked[request.request_id]
-            outputs.append(
-                self._output(tracked, [], final=True, error=f"{type(err).__name__}: {err}")
-            )
+            outputs.append(self._output(request, error=f"{type(err).__name__}: {err}"))
         return outputs
 
     def _process(self, request: Request) -> RequestOutput:
-        tracked = self._tracked[request.request_id]
-        token = request.output_token_ids[-1]
         self.stats.num_output_tokens += 1
         self.stats.num_loops += request.exit_depths[-1]
-        new_text = ""
-        if tracked.detokenizer is not None:
-            update = tracked.detokenizer.add_token(token)
-            new_text = update.new_text
-            tracked.text += new_text
-            if update.stop_hit is not None:
-                tracked.stop_reason = update.stop_hit
-                if request.is_finished:
-                    request.finish_reason = FinishReason.STOP  # the stop string wins
-                else:
-                    self.scheduler.finish(request, FinishReason.STOP)
-        if request.finish_reason is FinishReason.STOP and tracked.stop_reason is None:
-            tracked.stop_reason = token
-        return self._output(tracked, [token], final=request.is_finished, new_text=new_text)
+        stop = self.output_processor.detokenize(request)
+        if stop is not None:
+            self._finish_on_stop_string(request)
+        return self._output(request)
 
-    def _output(
-        self,
-        tracked: _Tracked,
-        new_ids: list[int],
-        *,
-        final: bool,
-        new_text: str = "",
-        error: str | None = None,
-    ) -> RequestOutput:
-        request = tracked.request
-        if final:
-            if tracked.detokenizer is not None and not isinstance(tracked.stop_reason, str):
-                tail = tracked.detokenizer.finish()
-                tracked.text += tail
-                new_text += tail
+    def _finish_on_stop_string(self, request: Request) -> None:
+        """The one place a stop string finishes a request: through the scheduler, reason STOP.
+        A request the scheduler already finished on the same token keeps its reason."""
+        if not request.is_finished:
+            self.scheduler.finish(request, FinishReason.STOP)
+
+    def _output(self, request: Request, *, error: str | None = None) -> RequestOutput:
+        if request.is_finished:
             self._tracked.pop(request.request_id, None)
-        times = request.times
-        logprobs = None
-        if request.params.logprobs is not None:
-            logprobs = [
-                TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs) for s in request.logprobs
-            ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=tracked.text,
-            exit_depths=list(request.exit_depths),
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            metrics=RequestMetrics(
-                times.arrival_s,
-                times.first_scheduled_s,
-                times.first_token_s,
-                times.finished_s,
-                tuple(times.token_times_s),
-            ),
-            logprobs=logprobs,
-            new_token_ids=list(new_ids),
-            new_text=new_text,
-            new_exit_depths=request.exit_depths[-len(new_ids) :] if new_ids else [],
-            stop_reason=tracked.stop_reason,
-            error=error,
-        )
+        return self.output_processor.make_output(request, error=error)

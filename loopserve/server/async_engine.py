@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,6 +38,7 @@ from loopserve.server.engine_thread import (
     StopCommand,
 )
 from loopserve.server.metrics import ServingMetrics
+from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
 from loopserve.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` stays fast
@@ -242,8 +244,13 @@ class AsyncLLM:
 
         Raises `InvalidRequestError`/`CapacityError` from the engine, `QueueFullError`,
         `EngineNotReadyError` or `EngineDeadError`, always before any output is produced.
+        Prompts not yet processed (strings, token ids) go through the engine's input processor
+        in a worker thread first, so neither this event loop nor the engine thread tokenizes.
         """
         self._check_usable()
+        if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
+            requests = await asyncio.to_thread(_processed, self.engine.input_processor, requests)
+            self._check_usable()
         assert self._thread is not None
         if not self._accepting:
             raise EngineNotReadyError("the server is shutting down")
@@ -301,3 +308,15 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine died: {self._thread.dead_error!r}")
         if not self.is_ready:
             raise EngineNotReadyError("the model is still loading")
+
+
+def _processed(
+    processor: InputProcessor, requests: Sequence[GenerateRequest]
+) -> list[GenerateRequest]:
+    """`requests` with every prompt run through `processor`."""
+    return [
+        r
+        if isinstance(r.prompt, ProcessedPrompt)
+        else dataclasses.replace(r, prompt=processor.process(r.prompt))
+        for r in requests
+    ]

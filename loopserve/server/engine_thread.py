@@ -26,6 +26,7 @@ from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.server.metrics import ServingMetrics
+from loopserve.text.input_processor import ProcessedPrompt
 
 if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` stays fast
     from loopserve.engine.llm_engine import LLMEngine
@@ -46,7 +47,7 @@ class GenerateRequest:
     """One request of a submission."""
 
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int] | ProcessedPrompt  # the server passes prompts already processed
     params: SamplingParams
 
 

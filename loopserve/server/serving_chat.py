@@ -1,10 +1,11 @@
 """`POST /v1/chat/completions`: messages rendered by the model's chat template, then generated.
 
-The prompt is rendered with `Tokenizer.apply_chat_template` and tokenized without extra special
-tokens (the template already places them). Unless `ignore_eos` is set, the template family's
-end-of-turn tokens stop generation. Streaming sends a `role: "assistant"` delta per choice
-first, then content deltas, a final chunk with `finish_reason`, an optional usage chunk and
-`[DONE]`. Every choice carries `exit_depths` (loops used per output token).
+The prompt is rendered with the model's chat template and tokenized without extra special tokens
+(the template already places them), by the engine's `InputProcessor` in a worker thread. Unless
+`ignore_eos` is set, the template family's end-of-turn tokens stop generation. Streaming sends a
+`role: "assistant"` delta per choice first, then content deltas, a final chunk with
+`finish_reason`, an optional usage chunk and `[DONE]`. Every choice carries `exit_depths` (loops
+used per output token).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loopserve.errors import InvalidRequestError
 from loopserve.outputs import RequestOutput, TokenLogprob
 from loopserve.server.async_engine import (
     EngineDeadError,
@@ -38,7 +38,6 @@ from loopserve.server.protocol import (
 )
 from loopserve.server.serving_common import (
     SSE_DONE,
-    ApiError,
     ServingContext,
     cancel_on_disconnect,
     choice_seed,
@@ -47,6 +46,7 @@ from loopserve.server.serving_common import (
     failed_output_error,
     new_logprobs,
     parse_body,
+    process_text,
     sampling_params,
     sse,
     submit,
@@ -62,7 +62,12 @@ async def create_chat_completion(
     body = parse_body(raw_body, ChatCompletionRequest)
     ctx.check_model(body.model)
     tokenizer = ctx.tokenizer()
-    prompt_ids = _render_prompt(body, tokenizer)
+    processor = ctx.input_processor()
+    messages = _messages(body)
+    processed = await process_text(
+        lambda: processor.process_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    )
+    prompt_ids = processed.token_ids
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.default_max_tokens(len(prompt_ids))
@@ -72,7 +77,7 @@ async def create_chat_completion(
     requests = [
         GenerateRequest(
             f"{response_id}-{i}",
-            prompt_ids,
+            processed,
             sampling_params(
                 body,
                 max_tokens=max_tokens,
@@ -112,27 +117,14 @@ async def create_chat_completion(
     return JSONResponse(response.model_dump())
 
 
-def _render_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer | None) -> list[int]:
-    if tokenizer is None or not tokenizer.has_chat_template:
-        what = "no tokenizer" if tokenizer is None else "no chat template"
-        raise ApiError(
-            400,
-            f"this model has {what}; use /v1/completions instead",
-            param="messages",
-        )
+def _messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
     messages = []
     for message in body.messages:
         rendered = {"role": message.role, "content": message.text()}
         if message.name is not None:
             rendered["name"] = message.name
         messages.append(rendered)
-    try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt
-        )
-    except InvalidRequestError as err:
-        raise ApiError(400, err.message, param=err.param) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return messages
 
 
 def _logprobs(

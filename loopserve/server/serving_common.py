@@ -2,7 +2,10 @@
 
 `ApiError` carries an HTTP status and the OpenAI error fields; every failure a handler can
 report becomes one (`api_server` renders it). `ServingContext` is the per-app state: the
-`AsyncLLM`, the served model name and the limits. This module decides status codes once:
+`AsyncLLM`, the served model name and the limits. Prompt text work (chat templates,
+tokenization) goes through the engine's `InputProcessor` in a worker thread (`process_text`),
+never on the event loop, so a huge prompt does not stall `/health` or other streams.
+This module decides status codes once:
 400 for invalid input (including `CapacityError` and a request larger than the in-flight limit,
 which no retry can fix), 404 for an unknown model, 429 when the queue is momentarily full, 503
 while the engine loads, shuts down or is dead, 500 when the engine failed a request. A
@@ -18,7 +21,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -44,6 +47,7 @@ from loopserve.server.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from loopserve.text.input_processor import InputProcessor, check_stop_strings
 from loopserve.text.tokenizer import Tokenizer
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -102,6 +106,21 @@ class ServingContext:
         except (EngineNotReadyError, EngineDeadError) as err:
             raise engine_unavailable(err) from err
 
+    def input_processor(self) -> InputProcessor:
+        try:
+            return self.async_llm.engine.input_processor
+        except (EngineNotReadyError, EngineDeadError) as err:
+            raise engine_unavailable(err) from err
+
+
+async def process_text(work: Callable[[], T]) -> T:
+    """Run prompt text work (templating, tokenization) in a worker thread; its rejections
+    (`InvalidRequestError`, including `CapacityError`) become 400s."""
+    try:
+        return await asyncio.to_thread(work)
+    except InvalidRequestError as err:
+        raise ApiError(400, err.message, param=err.param) from None
+
 
 def parse_body(raw: bytes, model_cls: type[ModelT]) -> ModelT:
     """Validate a JSON body; malformed JSON and invalid fields are 400s naming the field."""
@@ -143,7 +162,8 @@ def sampling_params(
     seed: int | None,
     extra_stop_token_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
-    """`SamplingParams` for one choice; its validation errors become 400s naming the field."""
+    """`SamplingParams` for one choice; its validation errors (and the stop-string limits)
+    become 400s naming the field."""
     fields: dict[str, object] = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -153,7 +173,7 @@ def sampling_params(
         "max_tokens": max_tokens,
     }
     try:
-        return SamplingParams(
+        params = SamplingParams(
             **{name: value for name, value in fields.items() if value is not None},
             max_loops=request.max_loops,
             seed=seed,
@@ -163,6 +183,8 @@ def sampling_params(
             logprobs=logprobs,
             priority=request.priority,
         )
+        check_stop_strings(params.stop)
+        return params
     except InvalidRequestError as err:
         raise ApiError(400, err.message, param=err.param) from None
 

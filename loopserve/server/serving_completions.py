@@ -2,8 +2,10 @@
 
 A body may carry one prompt or a batch (strings or token-id lists); every prompt gets `n`
 independent samples, and choice `prompt_index * n + sample_index` answers it. All samples are
-submitted at once, so a rejection of any of them is a 400 before any work is done. Each choice
-carries `exit_depths` (loops used per output token); streaming chunks carry the new ones.
+submitted at once, so a rejection of any of them is a 400 before any work is done. Prompts are
+checked and tokenized by the engine's `InputProcessor` in a worker thread, off the event loop.
+Each choice carries `exit_depths` (loops used per output token); streaming chunks carry the new
+ones.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ from loopserve.server.serving_common import (
     failed_output_error,
     new_logprobs,
     parse_body,
+    process_text,
     sampling_params,
     sse,
     submit,
     usage,
 )
+from loopserve.text.input_processor import ProcessedPrompt
 from loopserve.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16
@@ -79,13 +83,15 @@ async def create_completion(
         for i in range(body.n)
     ]
     tokenizer = ctx.tokenizer()
+    processor = ctx.input_processor()
+    processed = await process_text(lambda: [processor.process(prompt) for prompt in prompts])
     choices = [
         _Choice(
             GenerateRequest(f"{response_id}-{p * body.n + i}", prompt, params[i]),
             p,
             _echo_text(tokenizer, prompt) if body.echo else "",
         )
-        for p, prompt in enumerate(prompts)
+        for p, prompt in enumerate(processed)
         for i in range(body.n)
     ]
     stream = await submit(ctx, [choice.request for choice in choices])
@@ -119,10 +125,10 @@ def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _echo_text(tokenizer: Tokenizer | None, prompt: str | list[int]) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    return "" if tokenizer is None else tokenizer.decode(prompt)
+def _echo_text(tokenizer: Tokenizer | None, prompt: ProcessedPrompt) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
 
 
 def _choice(

@@ -130,12 +130,16 @@ class IncrementalDetokenizer:
 
     def _stop_prefix_chars(self) -> int:
         """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-        longest = 0
+        text, longest = self._text, 0
         for stop in self._stop:
-            for num_chars in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:num_chars]):
-                    longest = num_chars
+            # Candidate tails start with the stop's first character, within its length - 1 of
+            # the end; the earliest one that the stop starts with is the longest.
+            start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+            while start != -1 and len(text) - start > longest:
+                if stop.startswith(text[start:]):
+                    longest = len(text) - start
                     break
+                start = text.find(stop[0], start + 1)
         return longest
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -2,7 +2,10 @@
 
 `Tokenizer` wraps a Hugging Face `tokenizer.json` plus the small amount of metadata that lives
 next to it (`tokenizer_config.json`, `generation_config.json`): end-of-sequence ids, the BOS
-policy and the chat template. The streaming detokenizer lives in
+policy and the chat template. A checkpoint without `tokenizer.json` but with GPT-2-style files
+(`vocab.json` + `merges.txt`, special tokens in `tokenizer_config.json`'s
+`added_tokens_decoder`, `added_tokens.json` or `special_tokens_map.json`) gets the equivalent
+byte-level BPE built from them. The streaming detokenizer lives in
 `loopserve.text.detokenizer`, the toy tokenizer trainer in `loopserve.text.toy_tokenizer`.
 
 This module does not tokenize in batches or apply sampling: stop *token* ids and EOS handling
@@ -22,6 +25,7 @@ import jinja2.sandbox
 import tokenizers
 
 from loopserve.errors import InvalidRequestError, ModelLoadError
+from loopserve.text.gpt2_files import gpt2_backend
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE: str = (
@@ -34,6 +38,9 @@ CHATML_TEMPLATE: str = (
 END_OF_TURN_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 # 256 byte symbols + 3 specials, plus enough merges that the vocabulary is more than bytes.
 MIN_VOCAB_SIZE: int = 256 + len(SPECIAL_TOKENS) + 16
+# Texts longer than this are encoded through `encode_batch`, which releases the GIL (plain
+# `encode` holds it: a 4 MB prompt would freeze every other Python thread for seconds).
+_GIL_FREE_ENCODE_CHARS = 8192
 
 
 class Tokenizer:
@@ -77,13 +84,22 @@ class Tokenizer:
         """Load the tokenizer saved in checkpoint directory `path`; None if it has none."""
         directory = Path(path)
         tokenizer_file = directory / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            return None
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-        except Exception as exc:  # the Rust loader raises plain Exception on bad files
-            raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from exc
         config = _read_json(directory / "tokenizer_config.json")
+        if tokenizer_file.is_file():
+            try:
+                backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            except Exception as exc:  # the Rust loader raises plain Exception on bad files
+                raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from exc
+        elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+            added_tokens = _read_json(directory / "added_tokens.json")
+            backend = gpt2_backend(directory, config, added_tokens)
+            # `special_tokens_map.json` names EOS/BOS where the config leaves them out or null.
+            special_map = _read_json(directory / "special_tokens_map.json")
+            for key in ("eos_token", "bos_token"):
+                if config.get(key) is None and special_map.get(key) is not None:
+                    config = {**config, key: special_map[key]}
+        else:
+            return None
         generation = _read_json(directory / "generation_config.json")
         chat_template = _chat_template_from(config.get("chat_template"))
         template_file = directory / "chat_template.jinja"
@@ -102,7 +118,11 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS is added when the model wants it."""
         defer_to_backend = add_special_tokens and self._add_bos_token is None
-        token_ids = self._backend.encode(text, add_special_tokens=defer_to_backend).ids
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            batch = self._backend.encode_batch([text], add_special_tokens=defer_to_backend)
+            token_ids = batch[0].ids
+        else:
+            token_ids = self._backend.encode(text, add_special_tokens=defer_to_backend).ids
         if add_special_tokens and self._add_bos_token and self.bos_token_id is not None:
             token_ids.insert(0, self.bos_token_id)
         return token_ids
@@ -149,6 +169,17 @@ class Tokenizer:
                     f"chat template does not compile: {exc}", param="messages"
                 ) from exc
         return self._compiled_template
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters in the longest vocabulary entry (added tokens included).
+
+        A byte-level entry spells one character per byte, so it is never shorter than the text
+        it decodes to: a prompt of more than `n * max_token_chars` characters needs more than
+        `n` tokens, unless a normalizer deletes characters (none of the usual ones do).
+        """
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=1)
 
 
 def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

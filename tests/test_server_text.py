@@ -1,0 +1,147 @@
+"""Text at the server's edge, through a real server process: huge prompts are processed off the
+event loop (`/health` and a running stream keep going), and the stop-string limits are 400s.
+
+The server runs with a context of 2,000,000 tokens so that a 2 MB prompt passes the character
+pre-check and is really tokenized (about 0.5 M tokens, seconds of work), then rejected by the KV
+cache's capacity. The bounds are behaviour bounds (see `STALL_SHARE`), scaled by how long
+the huge prompts took so that they hold on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_utils import ServerProcess, sse_payloads, wait_all_blocks_free
+
+HUGE_PROMPT_CHARS = 2_000_000
+# A stall is judged against the time the huge prompts took, which grows with the machine's load:
+# no /health answer and no stream gap may take more than an eighth of it (or 0.5 s). Processing
+# the prompts on the event loop or the engine thread holds the GIL for each whole tokenization,
+# a stall of at least a third of that time with three prompts.
+MIN_STALL_BOUND_S = 0.5
+STALL_SHARE = 1 / 8
+FLAGS = [
+    "--dtype", "float32", "--num-blocks", "512", "--block-size", "16",
+    "--served-model-name", "tiny", "--max-model-len", "2000000",
+    "--max-body-bytes", "20000000", "--log-level", "warning",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tiny_tok_dir, tmp_path_factory):
+    proc = ServerProcess(
+        ["--model", str(tiny_tok_dir), *FLAGS], tmp_path_factory.mktemp("srv") / "server.log"
+    )
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def huge_text(seed_words: str) -> str:
+    words = seed_words.split()
+    repeats = HUGE_PROMPT_CHARS // (len(seed_words) + 1) + 1
+    return " ".join(words * repeats)[:HUGE_PROMPT_CHARS]
+
+
+def test_huge_prompts_do_not_stall_health_or_a_running_stream(server: ServerProcess) -> None:
+    url = server.base_url
+    chunk_times_s: list[float] = []
+    first_chunk = threading.Event()
+    stop_reading = threading.Event()
+    statuses: list[int] = []
+
+    def read_stream() -> None:
+        body = {
+            "model": "tiny", "prompt": "the loop", "max_tokens": 1500, "stream": True,
+            "temperature": 0.0, "ignore_eos": True,
+        }  # fmt: skip
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            statuses.append(response.status_code)
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    chunk_times_s.append(time.monotonic())
+                    first_chunk.set()
+                if stop_reading.is_set():
+                    break
+
+    huge_results: list[httpx.Response] = []
+
+    def send_huge(path: str, body: dict) -> None:
+        huge_results.append(httpx.post(url + path, json=body, timeout=300))
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert first_chunk.wait(60), f"the stream produced no token: {statuses}"
+    text = huge_text("the quick brown fox jumps over the lazy dog and the café")
+    senders = [
+        threading.Thread(
+            target=send_huge, args=("/v1/completions", {"prompt": text, "max_tokens": 4})
+        ),
+        threading.Thread(
+            target=send_huge, args=("/v1/completions", {"prompt": "Q: " + text, "max_tokens": 4})
+        ),
+        threading.Thread(
+            target=send_huge,
+            args=("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+        ),
+    ]
+    start_s = time.monotonic()
+    for sender in senders:
+        sender.start()
+    health_latencies_s = []
+    while any(sender.is_alive() for sender in senders):
+        sent_s = time.monotonic()
+        assert httpx.get(url + "/health", timeout=60).status_code == 200
+        health_latencies_s.append(time.monotonic() - sent_s)
+        time.sleep(0.05)
+    end_s = time.monotonic()
+    stop_reading.set()
+    reader.join(60)
+
+    assert [r.status_code for r in huge_results] == [400, 400, 400], [
+        r.text[:300] for r in huge_results
+    ]
+    # Tokenized, then refused for KV capacity: the text really went through the tokenizer.
+    messages = [r.json()["error"]["message"] for r in huge_results]
+    assert all(re.search(r"prompt has \d+ tokens|needs \d+ KV blocks", m) for m in messages)
+    print(
+        f"huge prompts took {end_s - start_s:.2f} s; /health max "
+        f"{max(health_latencies_s):.3f} s over {len(health_latencies_s)} polls"
+    )
+    assert len(health_latencies_s) >= 3, "the huge prompts were too quick to test anything"
+    bound_s = max(MIN_STALL_BOUND_S, STALL_SHARE * (end_s - start_s))
+    assert max(health_latencies_s) < bound_s, (bound_s, health_latencies_s)
+    in_window = [t for t in chunk_times_s if start_s <= t <= end_s]
+    window_marks = [start_s, *in_window, end_s]
+    gaps_s = [b - a for a, b in zip(window_marks, window_marks[1:])]
+    print(f"stream: {len(in_window)} chunks in the window, max gap {max(gaps_s):.3f} s")
+    assert len(in_window) >= 3 and max(gaps_s) < bound_s, (bound_s, len(in_window), max(gaps_s))
+    wait_all_blocks_free(url)
+
+
+def test_stop_string_limits_are_400s(server: ServerProcess) -> None:
+    url = server.base_url
+    many = [f"stop{i}" for i in range(30_000)]
+    for path, body in [
+        ("/v1/completions", {"prompt": "the loop", "max_tokens": 4, "stop": many}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": many}),
+    ]:
+        response = httpx.post(url + path, json=body, timeout=60)
+        assert response.status_code == 400, response.text[:300]
+        error = response.json()["error"]
+        assert error["param"] == "stop" and "too many stop strings: 30000" in error["message"]
+    long = {"prompt": "the loop", "max_tokens": 4, "stop": ["x" * 2049]}
+    response = httpx.post(url + "/v1/completions", json=long, timeout=60)
+    assert response.status_code == 400 and "2049 characters" in response.json()["error"]["message"]
+    ok = {"prompt": "the loop", "max_tokens": 4, "stop": ["zz"] * 32, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=ok, timeout=60) as response:
+        assert response.status_code == 200
+        payloads = sse_payloads(list(response.iter_lines()))
+    assert payloads[-1] == "[DONE]"

@@ -68,12 +68,14 @@ class DataParallelEngines:
         """Run every request on one replica; outputs in the order of `request_ids`."""
         import ray
 
+        processor = self.info.input_processor
+        prompts = [processor.process(prompt) for prompt in prompts]  # tokenized once, checked
         router = Router(self.num_replicas)
         shares: list[list[int]] = [[] for _ in range(self.num_replicas)]
         for index, (request_id, prompt, sp) in enumerate(zip(request_ids, prompts, params)):
             replica = router.choose(range(self.num_replicas), None).replica
             router.assign(
-                replica, [RoutedRequest(request_id, self._num_tokens(prompt), sp.max_tokens)]
+                replica, [RoutedRequest(request_id, len(prompt.token_ids), sp.max_tokens)]
             )
             shares[replica].append(index)
         self.last_split = [len(share) for share in shares]
@@ -93,12 +95,6 @@ class DataParallelEngines:
                 outputs[index] = output
         assert all(output is not None for output in outputs)
         return outputs  # type: ignore[return-value]
-
-    def _num_tokens(self, prompt: str | list[int]) -> int:
-        if not isinstance(prompt, str):
-            return len(prompt)
-        tokenizer = self.info.tokenizer
-        return len(tokenizer.encode(prompt)) if tokenizer is not None else len(prompt) // 4
 
     def shutdown(self) -> None:
         import ray

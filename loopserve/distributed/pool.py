@@ -27,6 +27,7 @@ The first replica to finish loading failing (for example a bad checkpoint) is a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import os
@@ -55,6 +56,7 @@ from loopserve.server.async_engine import (
     GenerateRequest,
     QueueFullError,
 )
+from loopserve.text.input_processor import ProcessedPrompt
 
 logger = logging.getLogger(__name__)
 MAX_REROUTES = 2
@@ -361,10 +363,16 @@ class ReplicaPool:
                 f"{self._num_in_flight} requests in flight, the limit is "
                 f"{self.max_pending_requests}; retry later"
             )
-        prompt_ids = self._token_ids(requests[0].prompt) if requests else None
+        # Prompts are tokenized here (the server already did; in a worker thread otherwise),
+        # once: routing needs the token ids and the replicas take the processed prompts as is.
+        if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
+            requests = await asyncio.to_thread(self._processed, requests)
+            self._check_usable()
+        prompts = [r.prompt for r in requests]
+        prompt_ids = prompts[0].token_ids if prompts else None
         routed = [
-            RoutedRequest(r.request_id, self._num_tokens(r.prompt), r.params.max_tokens)
-            for r in requests
+            RoutedRequest(r.request_id, len(p.token_ids), r.params.max_tokens)
+            for r, p in zip(requests, prompts)
         ]
         stream = PoolStream(self, list(requests), routed, prompt_ids)
         self._num_in_flight += len(requests)
@@ -395,19 +403,15 @@ class ReplicaPool:
             if request_id in stream.request_ids:
                 stream.abort_unfinished([request_id])
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int] | None:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        tokenizer = self.info.tokenizer if self.info is not None else None
-        if tokenizer is None:
-            return None
-        return tokenizer.encode(prompt, add_special_tokens=True)
-
-    def _num_tokens(self, prompt: str | list[int]) -> int:
-        if not isinstance(prompt, str):
-            return len(prompt)
-        ids = self._token_ids(prompt)
-        return len(ids) if ids is not None else max(1, len(prompt) // 4)
+    def _processed(self, requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+        assert self.info is not None
+        processor = self.info.input_processor
+        return [
+            r
+            if isinstance(r.prompt, ProcessedPrompt)
+            else dataclasses.replace(r, prompt=processor.process(r.prompt))
+            for r in requests
+        ]
 
     def _check_usable(self) -> None:
         if self.is_dead:
@@ -664,6 +668,10 @@ class _EngineView:
     @property
     def config(self) -> Any:
         return self.info.config
+
+    @property
+    def input_processor(self) -> Any:
+        return self.info.input_processor
 
     @property
     def kv(self) -> Any:

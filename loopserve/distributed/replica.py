@@ -91,6 +91,7 @@ class ReplicaInfo:
     block_size: int
     kv_positions_per_request_max: int
     config: Any  # the engine's resolved EngineConfig
+    input_processor: Any  # loopserve.text.input_processor.InputProcessor (pickled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ class EngineReplica:
             block_size=kv.block_size,
             kv_positions_per_request_max=kv.pool.num_blocks // kv.num_planes * kv.block_size,
             config=engine.config,
+            input_processor=engine.input_processor,
         )
 
     async def stats(self) -> ReplicaStats:

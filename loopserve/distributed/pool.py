@@ -27,6 +27,7 @@ The first replica to finish loading failing (for example a bad checkpoint) is a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -63,6 +64,7 @@ MAX_REROUTES = 2
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 60.0
 DEFAULT_MAX_RESTARTS = 4
+ABORT_GRACE_S = 2.0  # at shutdown, for aborted streams to end before the replicas stop
 
 
 class ReplicaFailedError(EngineNotReadyError):
@@ -332,6 +334,8 @@ class ReplicaPool:
             except asyncio.TimeoutError:
                 logger.warning("aborting %d requests still in flight", self._num_in_flight)
                 self._abort_all_streams()
+                with contextlib.suppress(asyncio.TimeoutError):  # their "abort" outputs
+                    await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
         self._closed = True
         for task in self._tasks:
             task.cancel()
@@ -633,7 +637,7 @@ class PoolStream:
         if self._closed:
             return
         self._closed = True
-        if self._unfinished:
+        if self._unfinished and self._generator is not None:  # opened: a replica runs them
             self.abort_unfinished()
             self.owner.metrics.finished.labels(finish_reason="abort").inc(len(self._unfinished))
         self._release_routing()

@@ -1,13 +1,15 @@
 """The step contracts between scheduler and runner (DESIGN §6).
 
-One step: the scheduler builds a `SchedulerOutput`; the runner executes it and returns a
-`RunnerOutput`; the scheduler applies it. Only ids, counts, depths, block ids and plain
-numbers cross this boundary — never tensors, never `Request` objects.
+One step: the scheduler builds a `SchedulerOutput`; an `Executor` (the model runner, or the
+simulator's priced stand-in) executes it and returns a `RunnerOutput`; the scheduler applies
+it. Only ids, counts, depths, block ids and plain numbers cross this boundary — never
+tensors, never `Request` objects. Torch-free.
 """
 
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -92,9 +94,10 @@ class SchedulerOutput:
     # request_id -> block ids of each plane (the KV manager's lists, read-only here).
     block_tables: dict[str, tuple[list[int], ...]]
     new_requests: tuple[NewRequestData, ...] = ()
-    # Requests gone since the last step: the runner drops their generators and handles.
+    # Requests that left RUNNING since the last `SchedulerOutput` (finished, aborted, failed):
+    # the executor drops their generators and in-flight handles before running `items`. This
+    # is the only way releases reach the executor.
     finished_request_ids: tuple[str, ...] = ()
-    released_handles: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -112,6 +115,8 @@ class ItemResult:
     # Hazards read this step: decode rows one per gated loop; first-token prompt items one
     # per depth of the last prompt position.
     hazards: tuple[float, ...] = ()
+    # The executor's exit decision (`loopserve.exit.loop_exits`, or the first token's
+    # `choose_exit_from_hazards`); the scheduler records it and never re-derives it.
     exited: bool = False
     loops_used: int | None = None
     sampled: SampledToken | None = None
@@ -125,3 +130,27 @@ class RunnerOutput:
     rows_per_core_call: tuple[int, ...] = field(default_factory=tuple)
     model_time_s: float = 0.0  # the whole `execute` (tensor building, finalize, sampling too)
     forward_time_s: float = 0.0  # inside the model's prelude / core / gate / coda calls only
+    num_early_exits: int = 0  # tokens sampled this step after fewer than D loops
+    num_finalize_copies: int = 0  # LAST_EXITED: decode tokens whose K/V was finalized
+
+
+class Executor(ABC):
+    """Runs one step's core calls: `ModelRunner` (tensors) and `SimExecutor` (a cost model).
+
+    Contract: `execute` first applies the bookkeeping of `scheduled` (drop the state of
+    `finished_request_ids`, register `new_requests`), then runs `items` and returns one
+    `ItemResult` per item, in item order. A `SchedulerOutput` without items is a bookkeeping
+    step and returns no results. If `execute` raises, the engine core fails the requests of
+    that step; their state is released with the next `SchedulerOutput`.
+    """
+
+    @abstractmethod
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
+
+    @property
+    @abstractmethod
+    def num_live_handles(self) -> int:
+        """In-flight handles (hidden state of work between steps) the executor holds."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Release executor resources; the engine core calls it once, at shutdown."""

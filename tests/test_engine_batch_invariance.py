@@ -33,6 +33,17 @@ def test_engine_matches_reference_with_staggered_arrivals_and_aborts(
             continue
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
         assert all(1 <= d <= (params.max_loops or 4) for d in out.exit_depths)
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    # The run exercised what it claims to: early exits, and (LAST_EXITED) finalize copies,
+    # counted by the executor and cross-checked against the exit depths of the outputs.
+    depths = [out.exit_depths for out in finished.values()]
+    num_early = sum(d < engine.num_loops for ds in depths for d in ds)
+    num_decode_early = sum(d < engine.num_loops for ds in depths for d in ds[1:])
+    stats = engine.stats
+    assert stats.num_early_exits == num_early > 0
+    if layout == "last_exited":
+        assert stats.num_finalize_copies == num_decode_early > 0
+    else:
+        assert stats.num_finalize_copies == 0  # SHARED has one plane: nothing to finalize
+    assert stats.kv_blocks_used == 0
     assert engine.runner.num_live_handles == 0
     assert engine.runner.samplers == {}

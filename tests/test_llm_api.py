@@ -82,7 +82,7 @@ def test_bad_prompt_batch_leaves_engine_clean(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate(["fine", [10**9]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_blocks
+    assert llm.engine.stats.kv_blocks_used == 0
 
 
 def test_cli_generate_prints_json_with_exit_depths(tiny_tok_dir, capsys):

@@ -24,15 +24,9 @@ BUDGET = dict(prefill_chunk_size=8, max_num_batched_tokens=24, max_num_seqs=4, b
 
 
 def record_schedules(engine):
+    """Every executed step's `SchedulerOutput`, through the engine core's observer hook."""
     steps = []
-    original = engine.scheduler.schedule
-
-    def schedule():
-        out = original()
-        steps.append(out)
-        return out
-
-    engine.scheduler.schedule = schedule
+    engine.core.add_observer(lambda scheduled, _output: steps.append(scheduled))
     return steps
 
 
@@ -80,7 +74,7 @@ def test_every_arm_matches_reference_with_arrivals_and_aborts(tiny_dir, arm, exi
     if arm != "atomic":  # prompt chunks were held between steps, so the bound was exercised
         assert max(rows_seen) > HELD_ROWS_BOUND["atomic"]
     assert engine.runner.num_live_handles == 0
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.stats.kv_blocks_used == 0
 
 
 def test_per_depth_runs_under_shared_layout_position_major(tiny_dir):
@@ -153,15 +147,18 @@ def test_mixed_selects_every_ready_decode_row(tiny_dir):
         assert decode_ids >= pre_decode.get(scheduled.step_id, set())
 
     pre_decode: dict[int, set[str]] = {}
-    original = engine.scheduler.schedule
+    in_decode: set[str] = set()
 
-    def schedule():
-        pre = {r.request_id for r in engine.scheduler.running if not r.in_prompt_phase}
-        out = original()
-        pre_decode[out.step_id] = pre
-        return out
+    def observe(scheduled, output) -> None:
+        # Requests in decode before this step: first tokens sampled by earlier steps, minus
+        # requests that finished (released in this step's output).
+        in_decode.difference_update(scheduled.finished_request_ids)
+        pre_decode[scheduled.step_id] = set(in_decode)
+        for item, result in zip(scheduled.items, output.results):
+            if item.first_token and result.sampled is not None:
+                in_decode.add(item.request_id)
 
-    engine.scheduler.schedule = schedule
+    engine.core.add_observer(observe)
     run_steps(engine, long_and_short_workload(), on_step=check)
 
 
@@ -237,10 +234,11 @@ def test_abort_mid_prompt_releases_every_handle(tiny_dir, arm):
         engine.step()
     assert engine.runner.num_live_handles >= 1
     engine.abort_request("a")
-    assert not any(h for h in engine.runner.handles_of.get("a", ()))
+    engine.step()  # the release travels with the next step's SchedulerOutput
+    assert not engine.runner.inflight.handles_of("a")
     run_steps(engine, [])
     assert engine.runner.num_live_handles == 0
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.stats.kv_blocks_used == 0
 
 
 def test_failed_step_releases_in_flight_prompt_state(tiny_dir, monkeypatch):
@@ -253,8 +251,11 @@ def test_failed_step_releases_in_flight_prompt_state(tiny_dir, monkeypatch):
     )
     outputs = engine.step()
     assert outputs[0].finish_reason == "abort" and "boom" in outputs[0].error
+    assert engine.runner.num_live_handles >= 1  # the failing executor could not release yet
+    monkeypatch.undo()
+    assert engine.step() == []  # an idle step carries the pending release
     assert engine.runner.num_live_handles == 0
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.stats.kv_blocks_used == 0
 
 
 def test_memory_plan_reserves_inflight_hidden_states(tiny_dir):
@@ -266,7 +267,7 @@ def test_memory_plan_reserves_inflight_hidden_states(tiny_dir):
     assert engine.inflight_hidden_bytes == rows * engine.model.config.hidden_size * 4
     per_block = engine.runner.kv_bytes_per_block(engine.model, 4, engine.model.lm_head.weight.dtype)
     expected = (DEFAULT_CPU_KV_BYTES - engine.inflight_hidden_bytes) // per_block
-    assert engine.kv.pool.num_blocks == expected
+    assert engine.stats.kv_blocks_total == expected
 
 
 def test_request_id_reuse_starts_from_clean_runner_state(tiny_dir):

@@ -187,19 +187,16 @@ def _parity_workload() -> list[SimRequest]:
 def _engine_schedule(tiny_dir, engine_args, workload) -> list[tuple]:
     engine = LLMEngine.from_engine_args(model=str(tiny_dir), dtype="float32", **engine_args)
     steps: list[tuple] = []
-    schedule = engine.scheduler.schedule
 
-    def recording_schedule():
-        out = schedule()
+    def record(scheduled, _output) -> None:
         steps.append(
             tuple(
                 (i.request_id, i.kind.value, i.token_start, i.token_count, i.depth, i.num_depths)
-                for i in out.items
+                for i in scheduled.items
             )
         )
-        return out
 
-    engine.scheduler.schedule = recording_schedule
+    engine.core.add_observer(record)
     rng = np.random.default_rng(1)
     for req in workload:
         prompt = rng.integers(3, 500, size=req.prompt_len).tolist()
@@ -249,7 +246,7 @@ def test_simulated_serving_finishes_everything_and_frees_all_kv(mode):
         r.output_len for r in workload
     )
     assert not sim.scheduler.has_unfinished_requests()
-    assert sim.kv.num_free_blocks == sim.kv.pool.num_blocks
+    assert sim.core.stats().kv_blocks_used == 0
     assert sim.executor.num_live_handles == 0
     assert 0.0 < result.gpu_busy_share <= 1.0 + 1e-9
     assert result.ttft.p50_s > 0 and result.tpot.p50_s > 0

@@ -8,9 +8,9 @@ interleaved (A, B, A, B, ...) on a fresh engine each run; every metric is the me
 `--repeats` rounds. Output: a table, a JSON file and a matplotlib figure.
 
 Shared with `bench interference` (`loopserve.bench.prompt_interference`): the arm table, the
-synthetic model, engine construction, and `CallRecorder`, which wraps
-`engine.scheduler.schedule` and counts rows by kind in every core call of a step (an atomic
-prompt item runs `num_depths` core calls inside one step).
+synthetic model, engine construction, and `CallRecorder`, an engine-core observer that
+counts rows by kind in every core call of a step (an atomic prompt item runs `num_depths`
+core calls inside one step).
 
 Defaults scale the GPU setting (4 x 8064-token prompts, budget 1024) down 4x for a 2-core CPU:
 4 x 2048 tokens, budget 256 = 4 prompts x D=4 depths x chunk 16, so wavefront at chunk 16 is
@@ -40,8 +40,9 @@ from loopserve.bench.common import (  # noqa: F401  (re-exported for bench inter
     random_prompts,
     write_outputs,
 )
-from loopserve.contracts import ItemKind, SchedulerOutput
-from loopserve.engine.llm_engine import EngineStats, LLMEngine
+from loopserve.contracts import ItemKind, RunnerOutput, SchedulerOutput
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError, LoopserveError
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
@@ -73,16 +74,15 @@ class CallSummary:
 
 
 class CallRecorder:
-    """Wraps `engine.scheduler.schedule`; records the rows of each core call by kind."""
+    """Observes every executed step of `engine.core`; records the rows of each core call by
+    kind."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.calls: list[CoreCall] = []
         self.num_steps = 0
-        self._schedule = engine.scheduler.schedule
-        engine.scheduler.schedule = self._record  # type: ignore[method-assign]
+        self.remove = engine.core.add_observer(self._record)
 
-    def _record(self) -> SchedulerOutput:
-        scheduled = self._schedule()
+    def _record(self, scheduled: SchedulerOutput, _output: RunnerOutput) -> None:
         items = scheduled.items
         if items:
             # Loop k of a step runs the items with more than k depths (atomic: all D).
@@ -94,7 +94,6 @@ class CallRecorder:
                 call = CoreCall(self.num_steps, rows[ItemKind.PROMPT], rows[ItemKind.DECODE])
                 self.calls.append(call)
             self.num_steps += 1
-        return scheduled
 
     def summary(self, first_step: int = 0, end_step: int | None = None) -> CallSummary:
         """Counts over the core calls of steps in [first_step, end_step)."""
@@ -146,7 +145,7 @@ class PromptRun:
 def run_prompts(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[PromptRun, list]:
     """All prompts at once, `max_tokens=1`; returns the run and the first tokens."""
     recorder = CallRecorder(engine)
-    engine.stats = EngineStats()
+    engine.reset_stats()
     params = SamplingParams(
         max_tokens=1, temperature=0.0, ignore_eos=True, exit_trace=(engine.num_loops,)
     )

@@ -41,7 +41,8 @@ from loopserve.bench.throughput_workload import (  # noqa: F401  (make_workload:
     make_workload,
     sampling_params,
 )
-from loopserve.engine.llm_engine import EngineStats, LLMEngine
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
@@ -62,8 +63,9 @@ REFILL = ARMS[-1]
 def _drive(
     engine: LLMEngine, requests: list[BenchRequest], params: list[SamplingParams], tag: str
 ) -> Iterator[EngineStats]:
-    """Submit the workload under fresh `EngineStats`; step until done, yielding after each."""
-    engine.stats = EngineStats()
+    """Submit the workload with the stats counters reset; step until done, yielding the
+    `EngineStats` snapshot after each step."""
+    engine.reset_stats()
     for i, (request, p) in enumerate(zip(requests, params)):
         engine.add_request(f"{tag}-{i}", request.prompt_token_ids, p)
     while engine.has_unfinished_requests():

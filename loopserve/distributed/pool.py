@@ -678,13 +678,9 @@ class _EngineView:
         return self.info.input_processor
 
     @property
-    def kv(self) -> Any:
-        """Shaped like `KVCacheManager` for `default_max_tokens`: one plane whose pool holds
-        the positions one request may use."""
+    def stats(self) -> Any:
+        """The engine-stats fields the serving layer reads that do not change while serving
+        (`kv_positions_per_request_max`, for chat's default `max_tokens`)."""
         from types import SimpleNamespace
 
-        return SimpleNamespace(
-            pool=SimpleNamespace(num_blocks=self.info.kv_positions_per_request_max),
-            num_planes=1,
-            block_size=1,
-        )
+        return SimpleNamespace(kv_positions_per_request_max=self.info.kv_positions_per_request_max)

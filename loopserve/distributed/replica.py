@@ -133,13 +133,12 @@ class EngineReplica:
 
     async def info(self) -> ReplicaInfo:
         engine = self.engine
-        kv = engine.kv
         return ReplicaInfo(
             tokenizer=engine.tokenizer,
             max_model_len=engine.max_model_len,
             num_loops=engine.num_loops,
-            block_size=kv.block_size,
-            kv_positions_per_request_max=kv.pool.num_blocks // kv.num_planes * kv.block_size,
+            block_size=engine.config.cache.block_size,
+            kv_positions_per_request_max=engine.stats.kv_positions_per_request_max,
             config=engine.config,
             input_processor=engine.input_processor,
         )

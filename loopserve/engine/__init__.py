@@ -1,1 +1,2 @@
-"""The engine: scheduler, KV bookkeeping, runner and the `LLMEngine` that wires them."""
+"""The engine: `EngineCore` (the one step loop over an `Executor`, observers, stats) and
+`LLMEngine` (model, tokenizer, memory plan and text around it)."""

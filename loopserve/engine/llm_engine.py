@@ -1,12 +1,14 @@
-"""`LLMEngine`: loads the model and wires config → KV manager → scheduler → runner.
+"""`LLMEngine`: loads the model and wires config → KV manager → scheduler → runner → core.
 
-`add_request` validates and queues; `step` runs schedule → execute → update once and returns
-one `RequestOutput` per request that produced a token or finished this step (cumulative
-fields plus the step's delta). Text stays at the edges: the `InputProcessor` checks and
-tokenizes prompts, the `OutputProcessor` detokenizes, matches stop strings and assembles
-outputs; a stop-string hit finishes the request through the scheduler
-(`_finish_on_stop_string`). A step whose execution raises fails only the requests it carried;
-the engine keeps serving the rest.
+The step loop is `EngineCore` (loopserve/engine/core.py, token ids only) over a `ModelRunner`.
+This class adds what sits around it: loading the model and tokenizer, the memory plan (KV
+blocks from the byte budget), and text at the edges: the `InputProcessor` checks and tokenizes
+prompts, the `OutputProcessor` detokenizes, matches stop strings and assembles outputs; a
+stop-string hit finishes the request through the core (`_finish_on_stop_string`). `step` runs
+one core step and returns one `RequestOutput` per request that produced a token or finished
+(cumulative fields plus the step's delta). A step whose execution raises fails only the
+requests it carried; the engine keeps serving the rest. Statistics: `stats` (a frozen
+`EngineStats` snapshot from the core).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from loopserve.config import EngineConfig, max_inflight_rows, resolve_dtype, resolve_num_blocks
+from loopserve.engine.core import EngineCore
+from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
 from loopserve.models import load_model
 from loopserve.outputs import RequestOutput
@@ -35,38 +37,6 @@ from loopserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_core_calls: int = 0
-    num_rows: int = 0
-    num_output_tokens: int = 0
-    num_loops: int = 0  # sum of loops used over output tokens
-    model_time_s: float = 0.0  # the runner's whole `execute`
-    forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
-    step_time_s: float = 0.0
-
-    @property
-    def mean_rows_per_core_call(self) -> float:
-        return self.num_rows / self.num_core_calls if self.num_core_calls else 0.0
-
-    @property
-    def mean_loops_per_token(self) -> float:
-        return self.num_loops / self.num_output_tokens if self.num_output_tokens else 0.0
-
-    @property
-    def host_overhead_share(self) -> float:
-        """Share of step time outside the model forward: scheduling, engine bookkeeping, and the
-        runner's tensor building, finalize copies and sampling."""
-        return 1.0 - self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
-
-    @property
-    def runner_host_share(self) -> float:
-        """The part of `host_overhead_share` spent inside the runner around the forward."""
-        runner_s = self.model_time_s - self.forward_time_s
-        return runner_s / self.step_time_s if self.step_time_s else 0.0
 
 
 class LLMEngine:
@@ -114,9 +84,18 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = EngineStats()
+        self.core = EngineCore(self.scheduler, self.runner)
         self._tracked: dict[str, Request] = {}
         self._arrivals = itertools.count()
+
+    @property
+    def stats(self) -> EngineStats:
+        """Read-only snapshot of KV usage, queues and step counters (see `EngineStats`)."""
+        return self.core.stats()
+
+    def reset_stats(self) -> None:
+        """Restart the step counters (benchmarks measure one run at a time)."""
+        self.core.reset_counters()
 
     @classmethod
     def from_engine_args(cls, **engine_args: object) -> LLMEngine:
@@ -153,61 +132,33 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_s=arrival_s,
         )
-        self.scheduler.add_request(request)
+        self.core.add_request(request)
         self.output_processor.add_request(request, processed.text)
         self._tracked[request_id] = request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self._tracked.get(request_id)
-        if request is None or self.scheduler.abort_request(request_id) is None:
+        if request is None or self.core.abort_request(request_id) is None:
             return None
-        self._release_gone()
         return self._output(request)
 
-    def _release_gone(self) -> None:
-        """Drop runner state (generators, hidden handles) of requests that left."""
-        for request_id in self.scheduler.drain_gone_request_ids():
-            self.runner.release_request(request_id)
-
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.num_waiting + self.scheduler.num_running
+        return self.core.num_unfinished_requests
 
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        start_s = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        try:
-            output = self.runner.execute(scheduled)
-        except Exception as err:  # a failed step fails its own requests, not the engine
-            logger.exception("step %d failed", scheduled.step_id)
-            return self._fail_step(scheduled, err)
-        touched = self.scheduler.update(scheduled, output)
-        self.stats.num_steps += 1
-        self.stats.num_core_calls += len(output.rows_per_core_call)
-        self.stats.num_rows += sum(output.rows_per_core_call)
-        self.stats.model_time_s += output.model_time_s
-        self.stats.forward_time_s += output.forward_time_s
-        outputs = [self._process(request) for request in touched]
-        self._release_gone()
-        self.stats.step_time_s += time.perf_counter() - start_s
-        return outputs
-
-    def _fail_step(self, scheduled, err: Exception) -> list[RequestOutput]:
-        ids = list(dict.fromkeys(item.request_id for item in scheduled.items))
-        outputs = []
-        failed = self.scheduler.fail_requests(ids)
-        self._release_gone()
-        for request in failed:
-            outputs.append(self._output(request, error=f"{type(err).__name__}: {err}"))
-        return outputs
+        result = self.core.step()
+        if result.error is not None:
+            logger.error("step %d failed", result.scheduled.step_id, exc_info=result.error)
+            error = f"{type(result.error).__name__}: {result.error}"
+            return [self._output(request, error=error) for request in result.failed]
+        return [self._process(request) for request in result.touched]
 
     def _process(self, request: Request) -> RequestOutput:
-        self.stats.num_output_tokens += 1
-        self.stats.num_loops += request.exit_depths[-1]
         stop = self.output_processor.detokenize(request)
         if stop is not None:
             self._finish_on_stop_string(request)
@@ -217,7 +168,7 @@ class LLMEngine:
         """The one place a stop string finishes a request: through the scheduler, reason STOP.
         A request the scheduler already finished on the same token keeps its reason."""
         if not request.is_finished:
-            self.scheduler.finish(request, FinishReason.STOP)
+            self.core.finish_request(request, FinishReason.STOP)
 
     def _output(self, request: Request, *, error: str | None = None) -> RequestOutput:
         if request.is_finished:

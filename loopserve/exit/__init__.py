@@ -8,6 +8,7 @@ from loopserve.exit.policies import (
     TokenExit,
     choose_exit_from_hazards,
     crosses,
+    loop_exits,
     next_gate_state,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "TokenExit",
     "choose_exit_from_hazards",
     "crosses",
+    "loop_exits",
     "next_gate_state",
 ]

@@ -12,8 +12,11 @@ of loop `d` is read as the hazard `λ_d`; `p_exit_d = λ_d · Π_{j<d}(1-λ_j)` 
   untrained lookahead head instead of the trained gate (the runner picks the head).
 - `trace`: loops replayed from a per-request list; no gate is computed.
 
-This module is the single source of exit decisions: the reference generator, the scheduler
-and the runner all call it, so the three can never disagree.
+This module is the single source of exit decisions. An exit is decided once, by whoever
+holds the hazard: the executor (`ModelRunner`, `SimExecutor`) calls `loop_exits` for a decode
+loop and `choose_exit_from_hazards` for a first token, and reports the result; the scheduler
+only records it (`TokenExit.record`: fold the hazard into the CDF, commit a delayed exit)
+without re-deriving it. The dense reference runs the same functions (`TokenExit.observe`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,21 @@ def crosses(rule: ExitRule, loops: int, cdf: float) -> bool:
     Threshold exactly 1.0 never exits early, even if a sigmoid rounds to 1.
     """
     return rule.threshold < 1.0 and loops >= rule.min_loops and cdf >= rule.threshold
+
+
+def loop_exits(
+    exit_now: bool | None, before: GateState, hazard: float | None, threshold: float
+) -> bool:
+    """The exit decision of one decode loop, given its plan (`LoopPlan` fields).
+
+    `exit_now` True/False is already decided (committed exit, or no exit possible at this
+    loop); None means the gate of this loop decides: exit iff the CDF folded with `hazard`
+    reaches `threshold` (the plan guarantees threshold < 1 and loops >= min_loops then).
+    """
+    if exit_now is not None:
+        return exit_now
+    assert hazard is not None, "a gate-decided loop needs its hazard"
+    return next_gate_state(before, hazard).cdf >= threshold
 
 
 class LoopPlan(NamedTuple):
@@ -135,23 +153,27 @@ class TokenExit:
             return LoopPlan(True, False, self.state, self.rule.threshold)
         return LoopPlan(True, None, self.state, self.rule.threshold)
 
-    def observe(self, hazard: float | None) -> bool:
-        """Record the loop just run (with its hazard when the plan asked for one)."""
+    def record(self, hazard: float | None, exited: bool) -> None:
+        """Record the loop just run: its hazard (when the plan asked for one) and the exit the
+        executor decided. Advances the CDF and commits a delayed exit; never re-decides."""
         assert not self.exited, "token already exited"
         plan = self.plan()
-        loops = self.depth + 1
-        exited = bool(plan.exit_now)
         if plan.needs_gate:
             assert hazard is not None, "plan needed a gate value"
             self.state = next_gate_state(self.state, hazard)
-            if crosses(self.rule, loops, self.state.cdf):
-                if self.mode.delayed:
-                    self.exit_after_depth = self.depth + 1
-                else:
-                    exited = True
+            # Delayed modes: a crossing at this loop commits the exit after the next one.
+            if self.mode.delayed and crosses(self.rule, self.depth + 1, self.state.cdf):
+                self.exit_after_depth = self.depth + 1
         self.depth += 1
         self.exited = exited
         self._plan = None
+
+    def observe(self, hazard: float | None) -> bool:
+        """Decide this loop's exit with `loop_exits` and record it (for callers that hold the
+        hazard themselves: the dense reference and `choose_exit_from_hazards`)."""
+        plan = self.plan()
+        exited = loop_exits(plan.exit_now, plan.state_before, hazard, plan.threshold)
+        self.record(hazard, exited)
         return exited
 
     @property

@@ -4,19 +4,21 @@ It owns every tensor: the model, the paged KV cache, per-request sampling genera
 the hidden states of work in flight (a decode token between loops, a prompt chunk between
 depths) behind the scheduler's opaque handles. Per core call it embeds only rows that need a
 prelude, computes hazards only for rows that need a signal, runs the coda and sampler only
-for exiting rows, and finalizes LAST_EXITED planes after early exits. It never sees a
-`Request`.
+for exiting rows, and finalizes LAST_EXITED planes after early exits. It decides each exit
+with the pure functions of `loopserve.exit` (`loop_exits`, `choose_exit_from_hazards`) and
+reports it; the scheduler records it. It never sees a `Request`. One of the two `Executor`s
+(the other is the simulator's `SimExecutor`).
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 from loopserve.contracts import (
+    Executor,
     ItemKind,
     ItemResult,
     RunnerOutput,
@@ -25,7 +27,7 @@ from loopserve.contracts import (
     SchedulerOutput,
     WorkItem,
 )
-from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
+from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.runner.attention.torch_paged import (
     PagedAttentionMetadata,
@@ -33,6 +35,7 @@ from loopserve.runner.attention.torch_paged import (
     TorchPagedAttention,
     Workspace,
 )
+from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 
 
@@ -46,7 +49,7 @@ class InFlight:
     last_rows: list[torch.Tensor] = field(default_factory=list)
 
 
-class ModelRunner:
+class ModelRunner(Executor):
     def __init__(
         self,
         model: OuroForLoopedLM,
@@ -81,9 +84,9 @@ class ModelRunner:
         lookahead = lookahead_seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD else None
         self.hazard_fn = make_hazard_fn(model, lookahead_seed=lookahead)
         self.samplers: dict[str, tuple[SampleSpec, torch.Generator | None]] = {}
-        self.inflight: dict[int, InFlight] = {}  # handle -> state between steps
-        self.handles_of: dict[str, set[int]] = defaultdict(set)
+        self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
+        self._num_finalized = 0  # this step's finalized decode tokens
         self.workspace = Workspace()  # attention gather scratch, reused by every core call
 
     @staticmethod
@@ -95,9 +98,8 @@ class ModelRunner:
 
     def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_request_ids:
-            self.release_request(request_id)
-        for handle in scheduled.released_handles:
-            self.inflight.pop(handle, None)
+            self.samplers.pop(request_id, None)
+            self.inflight.release(request_id)
         # Build every new request's sampler first and install them together, so a failure in
         # one request's setup leaves no half-installed samplers behind.
         samplers = {}
@@ -107,18 +109,13 @@ class ModelRunner:
             samplers[new.request_id] = (new.sample_spec, generator)
         self.samplers.update(samplers)
 
-    def release_request(self, request_id: str) -> None:
-        self.samplers.pop(request_id, None)
-        for handle in self.handles_of.pop(request_id, ()):
-            self.inflight.pop(handle, None)
-
     @property
     def num_live_handles(self) -> int:
         return len(self.inflight)
 
     @property
     def inflight_rows(self) -> int:
-        return sum(state.hidden.shape[0] for state in self.inflight.values())
+        return sum(state.hidden.shape[0] for state in self.inflight.states())
 
     # ---- execution ----------------------------------------------------------------------
 
@@ -133,6 +130,7 @@ class ModelRunner:
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
         states = self._initial_states(items, hazards, last_outputs)
         exited = [False] * len(items)
+        self._num_finalized = 0
         rows_per_call = []
         for k in range(max(item.num_depths for item in items)):
             active = [i for i, item in enumerate(items) if k < item.num_depths]
@@ -142,6 +140,9 @@ class ModelRunner:
                 scheduled.block_tables, items, active, states, hazards, last_outputs, exited
             )
         results = self._coda(items, states, hazards, last_outputs, exited)
+        num_early = sum(
+            1 for r in results if r.loops_used is not None and r.loops_used < self.num_loops
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return RunnerOutput(
@@ -150,6 +151,8 @@ class ModelRunner:
             tuple(rows_per_call),
             model_time_s=time.perf_counter() - start_s,
             forward_time_s=self._forward_s,
+            num_early_exits=num_early,
+            num_finalize_copies=self._num_finalized,
         )
 
     def _timed(self, fn, *args) -> torch.Tensor:
@@ -174,7 +177,7 @@ class ModelRunner:
                 states[i] = chunk
         for i, item in enumerate(items):
             if states[i] is None:
-                resumed = self.inflight.pop(item.handle)
+                resumed = self.inflight.resume(item.handle)
                 states[i] = resumed.hidden
                 if item.first_token:  # the last prompt row's earlier depths
                     hazards[i], last_outputs[i] = resumed.hazards, resumed.last_rows
@@ -213,15 +216,14 @@ class ModelRunner:
                 if item.first_token:
                     last_outputs[i].append(states[i][-1:])
                 continue
-            if item.exit_now is None:
-                before = GateState(item.cdf_before, item.survival_before)
-                exited[i] = next_gate_state(before, hazards[i][-1]).cdf >= item.threshold
-            else:
-                exited[i] = item.exit_now
+            before = GateState(item.cdf_before, item.survival_before)
+            hazard = hazards[i][-1] if item.needs_gate else None
+            exited[i] = loop_exits(item.exit_now, before, hazard, item.threshold)
             if exited[i] and not self.shared and item.depth < self.num_loops - 1:
                 finalize.append(item)
         if finalize:
             self._finalize(tables, finalize)
+            self._num_finalized += len(finalize)
 
     def _finalize(self, tables, items: list[WorkItem]) -> None:
         """Copy each exited token's K/V of its exit depth into every deeper plane."""
@@ -266,10 +268,10 @@ class ModelRunner:
                 item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1
             )
             if finished:
-                self.handles_of[item.request_id].discard(item.handle)
+                self.inflight.done(item.request_id, item.handle)
             else:
-                self.inflight[item.handle] = InFlight(states[i], hazards[i], last_outputs[i])
-                self.handles_of[item.request_id].add(item.handle)
+                state = InFlight(states[i], hazards[i], last_outputs[i])
+                self.inflight.keep(item.request_id, item.handle, state)
             results.append(
                 ItemResult(
                     request_id=item.request_id,

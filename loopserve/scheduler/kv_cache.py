@@ -28,6 +28,9 @@ class BlockPool:
         self._free_set.difference_update(blocks)
         return blocks
 
+    def is_free(self, block: int) -> bool:
+        return block in self._free_set
+
     def free(self, blocks: list[int]) -> None:
         for block in blocks:
             assert block not in self._free_set, f"double free of block {block}"
@@ -77,8 +80,13 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+    def num_blocks(self) -> int:
+        """Blocks in the pool, over all planes."""
+        return self.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free_blocks
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
@@ -91,5 +99,5 @@ class KVCacheManager:
                 for block in plane:
                     assert block not in owned, f"block {block} owned twice"
                     owned.add(block)
-        assert not owned & self.pool._free_set, "a block is both owned and free"
+        assert not any(self.pool.is_free(b) for b in owned), "a block is both owned and free"
         assert len(owned) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"

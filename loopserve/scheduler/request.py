@@ -44,7 +44,8 @@ class FinishReason(str, enum.Enum):
 
 ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
-    # RUNNING -> WAITING is preemption.
+    # RUNNING -> WAITING is preemption: unused until the scheduler preempts (memory
+    # management, issue 12); kept so that preemption needs no change to this table.
     RequestStatus.RUNNING: frozenset({RequestStatus.FINISHED, RequestStatus.WAITING}),
     RequestStatus.FINISHED: frozenset(),
 }

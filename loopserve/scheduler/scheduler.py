@@ -6,8 +6,11 @@ and wavefront items one loop) or a decode step (one core call over the decode po
 tokens, each at its own depth). When both kinds of work are ready, steps alternate
 (`max_prefill_batches_before_decode` prompt steps, then one decode call). With
 `mixed_prefill_decode` every step is one core call: decode rows first, then whole prompt
-items until `max_num_batched_tokens`. `update()` applies the runner's results: depth +1, exit decisions, first
-tokens, stop checks. Torch-free; never touches tensors.
+items until `max_num_batched_tokens`. `update()` applies the executor's results: depth +1,
+the exit each token's executor decided (recorded, never re-derived), first tokens, stop
+checks. Requests that leave RUNNING are announced to the executor in the next
+`SchedulerOutput.finished_request_ids`. Torch-free; never touches tensors. `EngineCore`
+(loopserve/engine/core.py) drives it.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ class Scheduler:
             needed = self.kv.blocks_needed(request.max_positions)
             raise CapacityError(
                 f"request needs {needed} KV blocks ({request.max_positions} positions x "
-                f"{self.kv.num_planes} planes) but the cache has {self.kv.pool.num_blocks} in total; "
+                f"{self.kv.num_planes} planes) but the cache has {self.kv.num_blocks} in total; "
                 "shorten the prompt or max_tokens, or raise num_blocks",
                 param="max_tokens",
             )
@@ -113,10 +116,28 @@ class Scheduler:
         self.decode_policy.on_request_gone(request.request_id)
         del self.requests[request.request_id]
 
-    def drain_gone_request_ids(self) -> list[str]:
-        """Requests that left RUNNING since the last call (for the runner to release now)."""
-        gone, self._gone_request_ids = self._gone_request_ids, []
-        return gone
+    def has_pending_releases(self) -> bool:
+        """True when requests left RUNNING since the last `SchedulerOutput` was built."""
+        return bool(self._gone_request_ids)
+
+    def return_releases(self, request_ids: Iterable[str]) -> None:
+        """Put back releases whose bookkeeping-only output the executor failed to apply; the
+        next `SchedulerOutput` carries them again."""
+        self._gone_request_ids[:0] = list(request_ids)
+
+    def schedule_releases(self) -> SchedulerOutput:
+        """A bookkeeping-only output (no items) carrying the pending releases."""
+        self._step_id += 1
+        out = SchedulerOutput(
+            step_id=self._step_id,
+            items=(),
+            block_tables={},
+            new_requests=tuple(self._new_requests),
+            finished_request_ids=tuple(self._gone_request_ids),
+        )
+        self._new_requests.clear()
+        self._gone_request_ids.clear()
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -269,7 +290,7 @@ class Scheduler:
                 raise RuntimeError(f"step {scheduled.step_id}: results out of item order")
             request = self.requests.get(result.request_id)
             if request is None:
-                continue  # aborted while the step ran; the runner already released its state
+                continue  # aborted while the step ran; released with the next output
             if item.kind is ItemKind.PROMPT:
                 if not self._advance_chunk(request, item) or not item.first_token:
                     continue
@@ -278,12 +299,9 @@ class Scheduler:
             else:
                 token_exit = request.token_exit
                 assert token_exit is not None
-                hazard = result.hazards[0] if result.hazards else None
-                exited = token_exit.observe(hazard)
-                assert exited == result.exited, (
-                    f"runner and scheduler disagree on {request.request_id}"
-                )
-                if not exited:
+                # The executor decided the exit; record it (CDF, delayed commitment).
+                token_exit.record(result.hazards[0] if result.hazards else None, result.exited)
+                if not result.exited:
                     continue
                 assert result.sampled is not None
                 self.decode_policy.on_token_exit(request)

@@ -239,10 +239,10 @@ class EngineThread:
     def _publish_snapshot(self, engine: LLMEngine) -> None:
         stats = engine.stats
         self.snapshot = EngineSnapshot(
-            num_running=engine.scheduler.num_running,
-            num_waiting=engine.scheduler.num_waiting,
-            num_free_blocks=engine.kv.num_free_blocks,
-            num_total_blocks=engine.kv.pool.num_blocks,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_free_blocks=stats.kv_blocks_free,
+            num_total_blocks=stats.kv_blocks_total,
             num_core_calls=stats.num_core_calls,
             num_output_tokens=stats.num_output_tokens,
             mean_rows_per_core_call=stats.mean_rows_per_core_call,

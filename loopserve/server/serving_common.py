@@ -195,8 +195,7 @@ def default_max_tokens(
     """Chat's `max_tokens` when the client gives none: what fits in the context and in the KV
     cache, capped at `cap` (`--default-max-tokens`) because admission reserves the worst case."""
     engine = async_llm.engine
-    kv = engine.kv
-    kv_positions = kv.pool.num_blocks // kv.num_planes * kv.block_size
+    kv_positions = engine.stats.kv_positions_per_request_max
     fits = min(engine.max_model_len - num_prompt_tokens, kv_positions + 1 - num_prompt_tokens)
     return max(1, min(fits, cap))
 

@@ -3,14 +3,15 @@
 It honours the runner contract (DESIGN §6, `loopserve.contracts`) item for item:
 - every item runs `num_depths` consecutive loops; loop k of the step is one core call over
   the items with `k < num_depths` (an atomic prompt step is D calls, a decode step one);
-- decode items exit when `exit_now` is True; when it is None the "gate" decides
-  (`next_gate_state(before, λ).cdf >= threshold`), and `needs_gate` rows report a hazard;
+- decode items exit as `loop_exits` (loopserve.exit) decides from the plan and the synthetic
+  hazard, the same function the runner calls; `needs_gate` rows report a hazard;
 - a prompt item with `first_token` that reaches depth D-1 picks its first token's loops with
   `choose_exit_from_hazards` (its trace loops, or the hazards of its last position);
 - exiting rows run the coda and the sampler and return a synthetic token (id 1 — requests in
   the simulator use `ignore_eos=True` and stop by length);
-- hidden state is not stored, but handles are tracked so that an item resuming from a handle
-  the runner never kept fails loudly, like the real runner would.
+- hidden state is not stored, but handles are kept in the runner's `HandleTable` (with no
+  state) so that an item resuming from a handle never kept fails loudly, like the runner;
+- releases arrive only in `SchedulerOutput.finished_request_ids`.
 
 Exits in the simulator normally come from `exit_mode="trace"` (each request carries an exit
 trace drawn from the workload's distribution), so no gate runs. For gated modes the executor
@@ -26,6 +27,7 @@ import random
 from dataclasses import dataclass
 
 from loopserve.contracts import (
+    Executor,
     ItemKind,
     ItemResult,
     RunnerOutput,
@@ -33,7 +35,8 @@ from loopserve.contracts import (
     SchedulerOutput,
     WorkItem,
 )
-from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, next_gate_state
+from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
+from loopserve.runner.handles import HandleTable
 from loopserve.sim.cost_model import CostModel
 from loopserve.sim.workload import ExitDistribution
 
@@ -60,6 +63,8 @@ class ExecutorStats:
     coda_time_s: float = 0.0
     sampling_time_s: float = 0.0
     coda_rows: int = 0
+    num_early_exits: int = 0
+    num_finalize_copies: int = 0
 
     @property
     def num_core_calls(self) -> int:
@@ -70,7 +75,7 @@ class ExecutorStats:
         return self.core_time_s + self.coda_time_s + self.sampling_time_s
 
 
-class SimExecutor:
+class SimExecutor(Executor):
     def __init__(
         self,
         cost_model: CostModel,
@@ -89,32 +94,25 @@ class SimExecutor:
         self.exit_dist = exit_dist
         self.seed = seed
         self.stats = ExecutorStats()
-        self._live_handles: set[int] = set()
-        self._handles_of: dict[str, set[int]] = {}
+        self._step_finalized = 0  # this step's finalized decode tokens
+        self._handles: HandleTable[None] = HandleTable()
         self._num_sampled: dict[str, int] = {}
         self._targets: dict[tuple[str, int], int] = {}
         self._continue_results: dict[tuple[str, int], ItemResult] = {}
 
-    # ---- bookkeeping (mirrors ModelRunner) ---------------------------------------------
+    # ---- bookkeeping ----------------------------------------------------------------------
 
     def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_request_ids:
-            self.release_request(request_id)
-        for handle in scheduled.released_handles:
-            self._live_handles.discard(handle)
+            for handle in self._handles.release(request_id):
+                self._continue_results.pop((request_id, handle), None)
+            self._targets.pop((request_id, self._num_sampled.pop(request_id, 0)), None)
         for new in scheduled.new_requests:
-            self._handles_of[new.request_id] = set()
             self._num_sampled[new.request_id] = 0
-
-    def release_request(self, request_id: str) -> None:
-        for handle in self._handles_of.pop(request_id, ()):
-            self._live_handles.discard(handle)
-            self._continue_results.pop((request_id, handle), None)
-        self._targets.pop((request_id, self._num_sampled.pop(request_id, 0)), None)
 
     @property
     def num_live_handles(self) -> int:
-        return len(self._live_handles)
+        return len(self._handles)
 
     # ---- synthetic gate -------------------------------------------------------------------
 
@@ -142,11 +140,14 @@ class SimExecutor:
         # its rows, context and KV traffic are the same at every depth (prelude only at 0).
         tallies = [_CallTally() for _ in range(num_calls + 1)]
         results = []
-        coda_rows = 0
+        coda_rows = num_early = 0
+        self._step_finalized = 0
         for item in items:
             result, sampled = self._run_item(item, tallies[item.num_depths])
             results.append(result)
-            coda_rows += sampled
+            if sampled:
+                coda_rows += 1
+                num_early += result.loops_used < self.num_loops  # type: ignore[operator]
         rows_per_call, core_s = self._price_calls(tallies)
         coda_s = self.cost.coda(coda_rows).time_s
         sampling_s = self.cost.sampling(coda_rows).time_s
@@ -156,12 +157,16 @@ class SimExecutor:
         stats.coda_time_s += coda_s
         stats.sampling_time_s += sampling_s
         stats.coda_rows += coda_rows
+        stats.num_early_exits += num_early
+        stats.num_finalize_copies += self._step_finalized
         return RunnerOutput(
             scheduled.step_id,
             tuple(results),
             rows_per_call,
             model_time_s=core_s + coda_s + sampling_s,
             forward_time_s=core_s + coda_s,
+            num_early_exits=num_early,
+            num_finalize_copies=self._step_finalized,
         )
 
     def _run_item(self, item: WorkItem, tally: _CallTally) -> tuple[ItemResult, int]:
@@ -170,7 +175,7 @@ class SimExecutor:
         if item.needs_prelude:
             tally.prelude_rows += item.token_count
         else:
-            assert handle in self._live_handles, (
+            assert handle in self._handles, (
                 f"{request_id}: resumes from handle {handle} the runner never kept"
             )
         count, start = item.token_count, item.token_start
@@ -182,17 +187,20 @@ class SimExecutor:
             result = self._decode_result(item)
             if result.exited and not self.shared and item.depth < self.num_loops - 1:
                 tally.finalize += self.num_loops - 1 - item.depth
+                self._step_finalized += 1
         else:
             tally.has_prompt = True
             tally.kv_read += start + count  # the chunk streams its context once
             tally.pairs += count * start + count * (count + 1) // 2
             result = self._prompt_result(item)
+        # No hidden state to carry: a handle stays kept (None) from its first loop until its
+        # work completes, instead of the runner's resume-then-keep each step.
         if result.exited or (item.kind is PROMPT and item.last_depth == self.num_loops - 1):
-            self._live_handles.discard(handle)
-            self._handles_of[request_id].discard(handle)
-        else:
-            self._live_handles.add(handle)
-            self._handles_of[request_id].add(handle)
+            if not item.needs_prelude:
+                self._handles.resume(handle)
+            self._handles.done(request_id, handle)
+        elif item.needs_prelude:
+            self._handles.keep(request_id, handle, None)
         if result.sampled is None:
             return result, 0
         self._targets.pop((request_id, self._num_sampled[request_id]), None)
@@ -213,9 +221,9 @@ class SimExecutor:
         if item.needs_gate or exit_now is None:
             index = self._num_sampled[item.request_id]
             hazards = (self._hazard(item.request_id, index, item.depth),)
-        if exit_now is None:
+        if exit_now is None:  # (a decided plan is returned as is by `loop_exits`: skip the call)
             before = GateState(item.cdf_before, item.survival_before)
-            exit_now = next_gate_state(before, hazards[0]).cdf >= item.threshold
+            exit_now = loop_exits(None, before, hazards[0], item.threshold)
         if not exit_now:
             return ItemResult(item.request_id, item.handle, hazards)
         return ItemResult(

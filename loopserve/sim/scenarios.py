@@ -127,13 +127,13 @@ def run_interference(
         "max_num_seqs": spec.num_decode + len(spec.prompt_lens),
     }
     sim = Simulator(model_config, device, engine_args, roofline=roofline)
-    scheduler, executor = sim.scheduler, sim.executor
+    core, executor = sim.core, sim.executor
     rng = np.random.default_rng(spec.seed)
     dist = exit_distribution(spec.exit_dist, num_loops)
     for i in range(spec.num_decode):
         trace = dist.sample(rng, spec.decode_max_tokens)
         request = SimRequest(f"d{i}", 0.0, spec.decode_prompt_len, spec.decode_max_tokens, trace)
-        scheduler.add_request(sim.make_request(request, i, 0.0))
+        core.add_request(sim.make_request(request, i, 0.0))
     times: dict[str, list[float]] = {f"d{i}": [] for i in range(spec.num_decode)}
     pending = sorted((at, j) for j, at in enumerate(spec.inject_at))
     arrivals: dict[str, float] = {}
@@ -145,19 +145,22 @@ def run_interference(
         while pending and pending[0][0] <= progress:
             _, j = pending.pop(0)
             request = SimRequest(f"p{j}", clock, spec.prompt_lens[j], 1, (num_loops,))
-            scheduler.add_request(sim.make_request(request, spec.num_decode + j, clock))
+            core.add_request(sim.make_request(request, spec.num_decode + j, clock))
             arrivals[request.request_id] = clock
-        scheduled = scheduler.schedule()
+        mixed_before = executor.stats.mixed_calls
+        result = core.step()
+        scheduled, output, touched = result.scheduled, result.output, result.touched
+        if output is None:  # the simulated executor raised: a bug, never load
+            assert result.error is not None
+            raise result.error
         if scheduled.is_empty:
             raise RuntimeError("the scheduler planned an empty step with work pending")
-        if scheduler.num_waiting and not arrivals:
+        stats = core.stats()
+        if stats.num_waiting and not arrivals:
             raise ConfigError(
-                f"the simulated KV cache ({sim.kv.pool.num_blocks} blocks) cannot hold the whole "
+                f"the simulated KV cache ({stats.kv_blocks_total} blocks) cannot hold the whole "
                 f"decode population; lower num_decode or decode_max_tokens"
             )
-        mixed_before = executor.stats.mixed_calls
-        output = executor.execute(scheduled)
-        touched = scheduler.update(scheduled, output)
         clock += output.model_time_s
         if arrivals:  # inside the window
             calls += len(output.rows_per_core_call)

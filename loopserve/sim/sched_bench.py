@@ -1,9 +1,11 @@
 """Microbenchmark: real CPU microseconds of scheduler bookkeeping per decode step.
 
-For each count of running requests it builds the real `Scheduler` + `KVCacheManager`, admits
-that many requests with short prompts and long outputs (none finishes during the run), steps
-until every request is decoding, then measures the process CPU time of `schedule()` and `update()` over many steps with
-the `SimExecutor` standing in for the GPU (timed separately). Exits follow a trace drawn from
+For each count of running requests it builds the simulator's `EngineCore` (the real
+`Scheduler` + `KVCacheManager`, `SimExecutor` standing in for the GPU), admits that many
+requests with short prompts and long outputs (none finishes during the run), steps until
+every request is decoding, then reads the process CPU time of many `EngineCore.step()`s from
+the core's stats: `schedule`, the executor (reported separately), and the rest of the step
+(`update`, observers, counters) as "update". Exits follow a trace drawn from
 an exit distribution, so tokens exit at mixed depths as in serving. Optionally profiles the
 timed steps with cProfile and returns the top functions by internal time.
 """
@@ -13,9 +15,9 @@ from __future__ import annotations
 import cProfile
 import io
 import pstats
-import time
 from dataclasses import dataclass
 
+from loopserve.engine.core import EngineCore
 from loopserve.models.config import OuroConfig
 from loopserve.sim.cost_model import OURO_1P4B
 from loopserve.sim.hardware import get_device_profile
@@ -67,40 +69,35 @@ def bench_scheduler(
         "num_blocks": num_running * model_config.num_loops * (-(-(16 + output_len) // 16)),
     }
     sim = Simulator(model_config, get_device_profile("h100"), engine_args)
-    scheduler, executor = sim.scheduler, sim.executor
+    core = sim.core  # its clock is the process CPU time: robust to other load on the host
     for i, request in enumerate(_requests(num_running, output_len, exit_dist, seed)):
-        scheduler.add_request(sim.make_request(request, i, 0.0))
-    while any(r.in_prompt_phase for r in scheduler.requests.values()) or scheduler.waiting:
-        scheduled = scheduler.schedule()
-        scheduler.update(scheduled, executor.execute(scheduled))
-    schedule_s = update_s = executor_s = 0.0
-    clock = time.process_time  # CPU time of this process: robust to other load on the host
+        core.add_request(sim.make_request(request, i, 0.0))
+    while core.stats().num_waiting or any(r.in_prompt_phase for r in sim.scheduler.running):
+        core.step()
+    core.reset_counters()
     for _ in range(num_steps):
-        t0 = clock()
-        scheduled = scheduler.schedule()
-        t1 = clock()
-        output = executor.execute(scheduled)
-        t2 = clock()
-        scheduler.update(scheduled, output)
-        t3 = clock()
-        schedule_s += t1 - t0
-        executor_s += t2 - t1
-        update_s += t3 - t2
-    text = _profile(scheduler, executor, num_steps) if profile else ""
-    assert scheduler.num_running == num_running, "a request finished during the benchmark"
+        core.step()
+    stats = core.stats()
+    text = _profile(core, num_steps) if profile else ""
+    assert stats.num_running == num_running, "a request finished during the benchmark"
     scale = 1e6 / num_steps
     return SchedBenchResult(
-        num_running, mode, num_steps, schedule_s * scale, update_s * scale, executor_s * scale, text
+        num_running,
+        mode,
+        num_steps,
+        stats.schedule_time_s * scale,
+        stats.update_time_s * scale,
+        stats.execute_time_s * scale,
+        text,
     )
 
 
-def _profile(scheduler, executor, num_steps: int) -> str:
-    """cProfile of further steps, without the per-phase timers (they distort profiles)."""
+def _profile(core: EngineCore, num_steps: int) -> str:
+    """cProfile of further steps."""
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(num_steps):
-        scheduled = scheduler.schedule()
-        scheduler.update(scheduled, executor.execute(scheduled))
+        core.step()
     profiler.disable()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)

@@ -1,7 +1,9 @@
-"""Run a workload through the real `Scheduler` + `KVCacheManager` on a virtual clock.
+"""Run a workload through the real `EngineCore` on a virtual clock.
 
 The scheduler and KV manager are built from an `EngineConfig` exactly as `LLMEngine` builds
-them; only the runner is replaced by `SimExecutor`. The KV pool is sized from the simulated
+them, and stepped by the same `EngineCore` (loopserve/engine/core.py); only the executor is
+`SimExecutor` instead of `ModelRunner`. This module has no step loop of its own: it owns the
+virtual clock and the arrivals and calls `EngineCore.step()`. The KV pool is sized from the simulated
 GPU: `num_blocks = ((HBM - weights) · gpu_memory_utilization - in-flight hidden states) /
 bytes per block` unless the engine args fix `num_blocks` or `kv_cache_bytes`.
 
@@ -9,7 +11,8 @@ Clock: requests are submitted when the virtual clock passes their arrival (at mo
 `max_concurrency` outstanding, like a benchmark client's semaphore; a held request's latency
 starts when it is released). Each step advances the clock by the simulated step time plus
 `host_time_s` (default 0); tokens produced in a step are stamped at its end. The real CPU time
-of `schedule()` + `update()` is measured and reported separately, never added to the clock.
+of the core's steps outside `execute` (schedule, update, core bookkeeping) is measured on the
+process CPU clock and reported separately, never added to the clock.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loopserve.config import EngineConfig, max_inflight_rows, resolve_num_blocks
-from loopserve.contracts import WorkItem
+from loopserve.contracts import RunnerOutput, SchedulerOutput, WorkItem
+from loopserve.engine.core import EngineCore
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
@@ -120,6 +124,8 @@ class Simulator:
             seed=seed,
         )
         self.host_time_s = host_time_s
+        # CPU seconds: the scheduler's share is robust to other load on the host.
+        self.core = EngineCore(self.scheduler, self.executor, clock=time.process_time)
 
     def make_request(self, sim: SimRequest, order: int, arrival_s: float) -> Request:
         trace_mode = self.config.exit.mode == "trace"
@@ -154,50 +160,56 @@ class Simulator:
         """Simulate until every request finishes. `on_step(scheduler)` runs after each step
         (tests call `check_invariants` there); `on_finish(n)` reports finished requests."""
         wall_start = time.perf_counter()
-        cpu_clock = time.process_time  # CPU seconds: robust to other load on the host
-        cpu_start = cpu_clock()
-        scheduler, executor = self.scheduler, self.executor
+        cpu_start = time.process_time()
+        core, scheduler = self.core, self.scheduler
         clients = _Clients(workload, max_concurrency)
-        sched_s = 0.0
         step_items: list[tuple] = []
-        num_steps = 0
-        while clients.pending or scheduler.has_unfinished_requests():
+        remove_observer = None
+        if record_items:
+
+            def record(scheduled: SchedulerOutput, _output: RunnerOutput) -> None:
+                step_items.append(tuple(_item_key(item) for item in scheduled.items))
+
+            remove_observer = core.add_observer(record)
+        before = core.stats()
+        while clients.pending or core.has_unfinished_requests():
             for sim, release_s in clients.release():
-                scheduler.add_request(self.make_request(sim, len(clients.records), release_s))
+                core.add_request(self.make_request(sim, len(clients.records), release_s))
                 clients.records[sim.request_id] = RequestRecord(
                     sim.request_id, sim.prompt_len, sim.output_len, release_s
                 )
-            if not scheduler.has_unfinished_requests():
+            if not core.has_unfinished_requests():
                 clients.idle_until_next_arrival()
                 continue
-            t0 = cpu_clock()
-            scheduled = scheduler.schedule()
-            t1 = cpu_clock()
-            output = executor.execute(scheduled)
-            t2 = cpu_clock()
-            touched = scheduler.update(scheduled, output)
-            sched_s += (t1 - t0) + (cpu_clock() - t2)
-            num_steps += 1
-            if scheduled.is_empty:
+            result = core.step()
+            if result.output is None:  # the simulated executor raised: a bug, never load
+                assert result.error is not None
+                raise result.error
+            if result.scheduled.is_empty:
                 raise RuntimeError("the scheduler planned an empty step with work pending")
-            if record_items:
-                step_items.append(tuple(_item_key(item) for item in scheduled.items))
-            clients.clock += output.model_time_s + self.host_time_s
-            finished = clients.record_tokens(touched)
+            clients.clock += result.output.model_time_s + self.host_time_s
+            finished = clients.record_tokens(result.touched)
             if finished and on_finish is not None:
                 on_finish(finished)
             if on_step is not None:
                 on_step(scheduler)
+        if remove_observer is not None:
+            remove_observer()
+        after = core.stats()
+        sched_s = (after.step_time_s - before.step_time_s) - (
+            after.execute_time_s - before.execute_time_s
+        )
+        num_steps = after.num_steps - before.num_steps
         return SimRun(
             records=list(clients.records.values()),
-            executor=executor.stats,
+            executor=self.executor.stats,
             clock_s=clients.clock,
             num_steps=num_steps,
             scheduler_cpu_s=sched_s,
             config=self.config,
             core_weight_bytes=self.shape.core_weight_bytes,
             wall_s=time.perf_counter() - wall_start,
-            cpu_s=cpu_clock() - cpu_start,
+            cpu_s=time.process_time() - cpu_start,
             step_items=step_items,
         )
 

@@ -1,0 +1,174 @@
+"""`EngineCore`: the one step loop, schedule -> execute -> update, over an `Executor`.
+
+Token ids only: it takes `Request`s, runs steps, and hands back the requests each step
+touched; text (tokenization, detokenization, stop strings) lives above it in `LLMEngine`.
+`LLMEngine` drives it with a `ModelRunner`, the simulator with a `SimExecutor` on a virtual
+clock; neither has a step loop of its own.
+
+- Observers: `add_observer(fn)` registers `fn(scheduled, output)`, called after every
+  executed step (after `update`), in registration order. Observers must not mutate either
+  argument; bookkeeping-only flushes and failed steps are not reported.
+- Failures: if `execute` raises, only the requests of that step fail (aborted, returned in
+  `StepResult.failed` with the error); the core keeps serving the rest.
+- Releases: requests that leave RUNNING (finished, aborted, failed) reach the executor only
+  through `SchedulerOutput.finished_request_ids`, with the next step. When the core goes idle
+  (no unfinished request) with releases pending, it flushes them at once with a
+  bookkeeping-only `SchedulerOutput` (no items), so an idle executor holds no request state.
+  If that flush raises too (a failing executor), the releases stay pending for the next
+  output.
+- Stats: `stats()` returns a frozen `EngineStats` snapshot (gauges now, counters since
+  construction or `reset_counters()`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loopserve.contracts import Executor, RunnerOutput, SchedulerOutput
+from loopserve.engine.stats import EngineStats, StepCounters
+from loopserve.scheduler.request import FinishReason, Request
+from loopserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+StepObserver = Callable[[SchedulerOutput, RunnerOutput], None]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One step: its plan, the executor's output (None when `execute` raised), the requests
+    that produced a token (some of them finished), and, when `execute` raised, the requests
+    that failed with it."""
+
+    scheduled: SchedulerOutput
+    output: RunnerOutput | None = None
+    touched: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+    error: Exception | None = None
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """`clock` times steps for `stats()` (the simulator passes `time.process_time`)."""
+        self.scheduler = scheduler
+        self.executor = executor
+        self._clock = clock
+        self._observers: list[StepObserver] = []
+        self._counters = StepCounters()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request with `abort`; None if it is unknown or already finished."""
+        request = self.scheduler.abort_request(request_id)
+        self._flush_if_idle()
+        return request
+
+    def finish_request(self, request: Request, reason: FinishReason) -> None:
+        """Finish an unfinished request from above the core (e.g. a stop string matched)."""
+        self.scheduler.finish(request, reason)
+        self._flush_if_idle()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    # ---- observers ----------------------------------------------------------------------------
+
+    def add_observer(self, observer: StepObserver) -> Callable[[], None]:
+        """Call `observer(scheduled, output)` after every executed step; returns a remover."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer)
+
+    # ---- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        clock, counters = self._clock, self._counters
+        start = clock()
+        scheduled = self.scheduler.schedule()
+        execute_start = clock()
+        try:
+            output = self.executor.execute(scheduled)
+        except Exception as err:  # a failed step fails its own requests, not the engine
+            ids = dict.fromkeys(item.request_id for item in scheduled.items)
+            failed = self.scheduler.fail_requests(ids)
+            counters.num_failed_steps += 1
+            self._flush_if_idle()
+            return StepResult(scheduled, failed=failed, error=err)
+        execute_end = clock()
+        touched = self.scheduler.update(scheduled, output)
+        for observer in self._observers:
+            observer(scheduled, output)
+        counters.num_steps += 1
+        rows = output.rows_per_core_call
+        counters.num_core_calls += len(rows)
+        counters.num_rows += sum(rows)
+        counters.num_output_tokens += len(touched)
+        counters.num_loops += sum(request.exit_depths[-1] for request in touched)
+        counters.num_early_exits += output.num_early_exits
+        counters.num_finalize_copies += output.num_finalize_copies
+        counters.model_time_s += output.model_time_s
+        counters.forward_time_s += output.forward_time_s
+        self._flush_if_idle()
+        end = clock()
+        counters.schedule_time_s += execute_start - start
+        counters.execute_time_s += execute_end - execute_start
+        counters.step_time_s += end - start
+        return StepResult(scheduled, output, touched)
+
+    def _flush_if_idle(self) -> None:
+        """Deliver pending releases now when no step would come to carry them."""
+        if self.scheduler.has_pending_releases() and not self.scheduler.has_unfinished_requests():
+            releases = self.scheduler.schedule_releases()
+            try:
+                self.executor.execute(releases)
+            except Exception:  # the executor is failing; the next output carries them again
+                logger.exception("releasing %s failed", list(releases.finished_request_ids))
+                self.scheduler.return_releases(releases.finished_request_ids)
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        scheduler, kv, counters = self.scheduler, self.scheduler.kv, self._counters
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            block_size=kv.block_size,
+            num_planes=kv.num_planes,
+            num_steps=counters.num_steps,
+            num_core_calls=counters.num_core_calls,
+            num_rows=counters.num_rows,
+            num_output_tokens=counters.num_output_tokens,
+            num_loops=counters.num_loops,
+            num_early_exits=counters.num_early_exits,
+            num_finalize_copies=counters.num_finalize_copies,
+            num_failed_steps=counters.num_failed_steps,
+            model_time_s=counters.model_time_s,
+            forward_time_s=counters.forward_time_s,
+            step_time_s=counters.step_time_s,
+            schedule_time_s=counters.schedule_time_s,
+            execute_time_s=counters.execute_time_s,
+        )
+
+    def reset_counters(self) -> None:
+        """Start the counters of `stats()` from zero (benchmarks time one run at a time)."""
+        self._counters = StepCounters()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,100 @@
+"""`EngineStats`: the engine core's public, read-only statistics snapshot.
+
+Everything outside the engine core (the server's `/metrics` and load snapshot, the
+benchmarks, tests) reads KV usage, queue lengths and step counters from this frozen snapshot
+(`EngineCore.stats()`), never from the KV pool or scheduler fields. Counters accumulate from
+construction or the last `EngineCore.reset_counters()`; gauges (KV blocks, running, waiting)
+are read when the snapshot is taken. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """The engine core's mutable accumulators (private to `EngineCore`)."""
+
+    num_steps: int = 0
+    num_core_calls: int = 0
+    num_rows: int = 0
+    num_output_tokens: int = 0
+    num_loops: int = 0
+    num_early_exits: int = 0
+    num_finalize_copies: int = 0
+    num_failed_steps: int = 0
+    model_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    schedule_time_s: float = 0.0
+    execute_time_s: float = 0.0
+    step_time_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    # Gauges at snapshot time.
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0  # over all planes
+    block_size: int = 0
+    num_planes: int = 0
+    # Counters.
+    num_steps: int = 0
+    num_core_calls: int = 0
+    num_rows: int = 0
+    num_output_tokens: int = 0
+    num_loops: int = 0  # sum of loops used over output tokens
+    num_early_exits: int = 0  # output tokens that exited before the last loop
+    num_finalize_copies: int = 0  # LAST_EXITED decode tokens copied into deeper planes
+    num_failed_steps: int = 0  # steps whose execution raised (their requests failed)
+    # Filled by memory management (prefix caching, preemption); 0 until it exists.
+    num_prefix_cache_queried_tokens: int = 0
+    num_prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+    model_time_s: float = 0.0  # the executor's whole `execute` (as it reports it)
+    forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
+    # Host time of whole core steps (schedule, execute, update, observers, releases) on the
+    # core's clock, and the parts of it spent in `schedule` and inside `execute`.
+    step_time_s: float = 0.0
+    schedule_time_s: float = 0.0
+    execute_time_s: float = 0.0
+
+    @property
+    def update_time_s(self) -> float:
+        """Step time outside `schedule` and `execute`: `update`, observers, counters."""
+        return self.step_time_s - self.schedule_time_s - self.execute_time_s
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_used
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def kv_positions_per_request_max(self) -> int:
+        """Positions one request could hold if it owned every block (all planes)."""
+        return self.kv_blocks_total // self.num_planes * self.block_size if self.num_planes else 0
+
+    @property
+    def mean_rows_per_core_call(self) -> float:
+        return self.num_rows / self.num_core_calls if self.num_core_calls else 0.0
+
+    @property
+    def mean_loops_per_token(self) -> float:
+        return self.num_loops / self.num_output_tokens if self.num_output_tokens else 0.0
+
+    @property
+    def host_overhead_share(self) -> float:
+        """Share of step time outside the model forward: scheduling, engine bookkeeping, and the
+        runner's tensor building, finalize copies and sampling."""
+        return 1.0 - self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
+
+    @property
+    def runner_host_share(self) -> float:
+        """The part of `host_overhead_share` spent inside the runner around the forward."""
+        runner_s = self.model_time_s - self.forward_time_s
+        return runner_s / self.step_time_s if self.step_time_s else 0.0

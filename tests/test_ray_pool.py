@@ -211,10 +211,11 @@ def test_offline_llm_with_two_replicas_returns_what_one_engine_returns(pool, tin
 
 
 def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     prompts = {f"kill-{i}": _prompt(40 + i, 6) for i in range(8)}
     outcomes: dict[str, object] = {}
     streams = {}
+    all_submitted = asyncio.Event()
     first_output = asyncio.Event()
     health_after_kill = {}
 
@@ -222,6 +223,8 @@ def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):
         try:
             stream = await pool.submit([GenerateRequest(request_id, prompts[request_id], params)])
             streams[request_id] = stream
+            if len(streams) == len(prompts):
+                all_submitted.set()
             with stream:
                 async for output in stream:
                     if stream.replica == 0 and output.new_token_ids:
@@ -233,6 +236,9 @@ def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):
 
     async def main():
         tasks = [asyncio.ensure_future(one(rid)) for rid in prompts]
+        # Kill once every request is on a replica (4 each; with max_num_seqs 2, two of replica
+        # 0's run and two wait) and replica 0 has streamed tokens.
+        await asyncio.wait_for(all_submitted.wait(), 60.0)
         await asyncio.wait_for(first_output.wait(), 60.0)
         ray.kill(pool.replicas[0].actor, no_restart=False)
         while pool.replicas[0].state is ReplicaState.SERVING:

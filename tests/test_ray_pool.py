@@ -24,7 +24,7 @@ from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from loopserve.server.api_server import build_app  # noqa: E402
 from loopserve.server.async_engine import GenerateRequest  # noqa: E402
-from tests.server_utils import prometheus_values  # noqa: E402
+from tests.server_utils import prometheus_values, sse_payloads  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ENGINE_ARGS = {"dtype": "float32", "num_blocks": 512, "block_size": 4, "max_num_seqs": 2}
@@ -218,6 +218,16 @@ def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):
     all_submitted = asyncio.Event()
     first_output = asyncio.Event()
     health_after_kill = {}
+    victim = {}  # the replica to kill: the one serving the HTTP stream
+    app = build_app(pool, "tiny")
+
+    async def http_stream() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://localhost", timeout=120.0
+        ) as client:
+            body = {"prompt": _prompt(39, 6), "max_tokens": 80, "ignore_eos": True, "stream": True}
+            return await client.post("/v1/completions", json=body)
 
     async def one(request_id: str) -> None:
         try:
@@ -227,7 +237,7 @@ def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):
                 all_submitted.set()
             with stream:
                 async for output in stream:
-                    if stream.replica == 0 and output.new_token_ids:
+                    if stream.replica == victim["index"] and output.new_token_ids:
                         first_output.set()
                     if output.finished:
                         outcomes[request_id] = output
@@ -235,25 +245,37 @@ def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):
             outcomes[request_id] = err
 
     async def main():
+        http_task = asyncio.ensure_future(http_stream())
+        while not any(s.delivered_any for s in pool.streams):  # the HTTP stream is streaming
+            await asyncio.sleep(0.01)
+        victim["index"] = pool.streams[0].replica
         tasks = [asyncio.ensure_future(one(rid)) for rid in prompts]
-        # Kill once every request is on a replica (4 each; with max_num_seqs 2, two of replica
-        # 0's run and two wait) and replica 0 has streamed tokens.
+        # Kill once every request is on a replica (4 or 5 each; with max_num_seqs 2, two of
+        # the victim's run and the others wait) and the victim has streamed tokens.
         await asyncio.wait_for(all_submitted.wait(), 60.0)
         await asyncio.wait_for(first_output.wait(), 60.0)
-        ray.kill(pool.replicas[0].actor, no_restart=False)
-        while pool.replicas[0].state is ReplicaState.SERVING:
+        ray.kill(pool.replicas[victim["index"]].actor, no_restart=False)
+        while pool.replicas[victim["index"]].state is ReplicaState.SERVING:
             await asyncio.sleep(0.01)
         health_after_kill.update(pool.health())
         await asyncio.gather(*tasks)
+        http_response = await http_task
         assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
         # Two at once: the first goes to replica 0 (a tie goes to the lowest index), the
         # second to the less loaded replica 1.
-        return await asyncio.gather(
+        after = await asyncio.gather(
             _run(pool, "after-0", _prompt(60, 6), params),
             _run(pool, "after-1", _prompt(61, 6), params),
         )
+        return after, http_response
 
-    after = loop.run_until_complete(main())
+    after, http_response = loop.run_until_complete(main())
+    events = sse_payloads(http_response.text.splitlines())
+    assert any(e["choices"][0]["exit_depths"] for e in events[:-2]), events[:3]  # it streamed
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]  # the stream ends with an error event
+    assert error["code"] == "engine_unavailable"
+    assert f"replica {victim['index']} failed" in error["message"]
     assert set(outcomes) == set(prompts)  # every request ended one way or the other
     failed = [rid for rid, o in outcomes.items() if isinstance(o, ReplicaFailedError)]
     assert failed, "the kill came mid-load, so some running request must fail"
@@ -263,7 +285,7 @@ def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):
             assert outcome.token_ids == expected[rid].token_ids, rid
     assert sum(s.num_reroutes for s in streams.values()) >= 1  # waiting ones moved
     assert health_after_kill["status"] == "degraded"
-    assert pool.replicas[0].num_restarts == 1
+    assert pool.replicas[victim["index"]].num_restarts == 1
     assert pool.health()["status"] == "ok"
     assert {stream.replica for _, stream in after} == {0, 1}  # the restarted replica serves
     assert all(final.finish_reason == "length" for final, _ in after)

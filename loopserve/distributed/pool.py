@@ -163,6 +163,11 @@ class ReplicaPool:
         return self._accepting
 
     @property
+    def streams(self) -> list[PoolStream]:
+        """The open streams (a copy)."""
+        return list(self._streams)
+
+    @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
@@ -522,7 +527,7 @@ class PoolStream:
         self._generator: Any = None  # ray.ObjectRefGenerator
         self.replica: int | None = None
         self._instance_id: str | None = None
-        self._delivered_any = False
+        self.delivered_any = False  # some output reached the consumer
         self.num_reroutes = 0
         self._closed = False
 
@@ -587,7 +592,7 @@ class PoolStream:
     def _deliver(self, output: RequestOutput) -> RequestOutput:
         router = self.owner.router
         router.progress(output.request_id, len(output.new_token_ids))
-        self._delivered_any = True
+        self.delivered_any = True
         if output.finished:
             router.finish(output.request_id)
             self.owner.metrics.observe_finished(output)
@@ -603,7 +608,7 @@ class PoolStream:
         failed = self.replica
         pool.replica_failed(failed, self._instance_id, why)
         self._release_routing()
-        if not self._delivered_any and self.num_reroutes < MAX_REROUTES and pool.is_accepting:
+        if not self.delivered_any and self.num_reroutes < MAX_REROUTES and pool.is_accepting:
             self.num_reroutes += 1
             logger.warning(
                 "re-routing %d requests away from replica %d", len(self._unfinished), failed

@@ -472,8 +472,10 @@ class ReplicaPool:
                     self.router.forget_replica(replica.index)
                     return
                 self.replica_failed(replica.index, replica.instance_id, err)
-            except ray.exceptions.RayError as err:
+            except ray.exceptions.RayActorError as err:
                 self.replica_failed(replica.index, replica.instance_id, err)
+            except ray.exceptions.RayError as err:  # the call failed, the replica did not
+                logger.error("probing replica %d failed: %r", replica.index, err)
             except asyncio.TimeoutError:  # alive but unresponsive: out of rotation until it answers
                 self.replica_failed(replica.index, replica.instance_id, "probe timed out")
                 replica.failed_instance_id = None
@@ -550,11 +552,15 @@ class PoolStream:
             generator = replica.actor.generate.remote(self.requests)
             try:
                 first = await (await generator.__anext__())
-            except ray.exceptions.RayError as err:
+            except ray.exceptions.RayActorError as err:  # the replica is down: try another
                 self._release_routing()
                 pool.replica_failed(decision.replica, self._instance_id, err)
                 excluded.add(decision.replica)
                 continue
+            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # a bug, not a death
+                self._release_routing()
+                logger.error("replica %d failed a submission: %r", decision.replica, err)
+                raise EngineDeadError(f"replica {decision.replica} failed: {err!r}") from None
             if isinstance(first, Rejected):
                 self._release_routing()
                 raise first.error()
@@ -582,10 +588,14 @@ class PoolStream:
             except asyncio.CancelledError:
                 self.close()
                 raise
-            except (ray.exceptions.RayError, StopAsyncIteration) as err:
-                item = EngineFailed(f"{type(err).__name__}: {err}")
-            if isinstance(item, EngineFailed):
-                await self._on_replica_failure(item.message)
+            except ray.exceptions.RayActorError as err:  # the replica process is gone
+                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=True)
+                continue
+            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # this stream only
+                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=False)
+                continue
+            if isinstance(item, EngineFailed):  # the replica's engine died
+                await self._on_replica_failure(item.message, replica_down=True)
                 continue
             return self._deliver(item)
 
@@ -601,12 +611,14 @@ class PoolStream:
                 self.close()
         return output
 
-    async def _on_replica_failure(self, why: str) -> None:
-        """Re-route if nothing was delivered yet; else fail the stream with a 503 error."""
+    async def _on_replica_failure(self, why: str, *, replica_down: bool) -> None:
+        """Re-route if nothing was delivered yet; else fail the stream with a 503 error.
+        `replica_down`: the replica itself failed (take it out of rotation)."""
         pool = self.owner
         assert self.replica is not None
         failed = self.replica
-        pool.replica_failed(failed, self._instance_id, why)
+        if replica_down:
+            pool.replica_failed(failed, self._instance_id, why)
         self._release_routing()
         if not self.delivered_any and self.num_reroutes < MAX_REROUTES and pool.is_accepting:
             self.num_reroutes += 1
@@ -623,9 +635,13 @@ class PoolStream:
         self._unfinished.clear()
         self.close()
         logger.error("replica %d failed requests %s: %s", failed, self.request_ids, why)
+        if replica_down:
+            raise ReplicaFailedError(
+                f"replica {failed} failed while serving this request; it is being restarted, "
+                "retry the request"
+            )
         raise ReplicaFailedError(
-            f"replica {failed} failed while serving this request; it is being restarted, "
-            "retry the request"
+            f"replica {failed} failed this request (details are in the server log); retry it"
         )
 
     def abort_unfinished(self, request_ids: list[str] | None = None) -> None:

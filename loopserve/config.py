@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from loopserve.engine_args import (  # noqa: F401  (the choice lists, re-exported)
     ENGINE_ARGS_BY_NAME,
     EXIT_MODES,
+    KV_RESERVATIONS,
     LAYOUTS,
     MODES,
+    PREEMPTION_MODES,
     PREFILL_MODES,
+    SCHEDULING_POLICIES,
     default,
 )
 from loopserve.errors import ConfigError
@@ -32,6 +35,10 @@ class CacheConfig:
     kv_cache_bytes: int | None = default("kv_cache_bytes")
     layout: str = default("layout")
     gpu_memory_utilization: float = default("gpu_memory_utilization")
+    kv_reservation: str = default("kv_reservation")
+    kv_watermark: float = default("kv_watermark")
+    swap_space: int = default("swap_space")
+    enable_prefix_caching: bool | None = default("enable_prefix_caching")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,8 @@ class SchedulerConfig:
     prefill_mode: str = default("prefill_mode")
     mixed_prefill_decode: bool = default("mixed_prefill_decode")
     max_prefill_batches_before_decode: int = default("max_prefill_batches_before_decode")
+    preemption_mode: str = default("preemption_mode")
+    scheduling_policy: str = default("scheduling_policy")
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,13 @@ def validate(config: EngineConfig) -> None:
             f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}"
         )
     _choice("layout", cache.layout, LAYOUTS)
+    _choice("kv_reservation", cache.kv_reservation, KV_RESERVATIONS)
+    if not 0.0 <= cache.kv_watermark < 1.0:
+        raise ConfigError(f"kv_watermark must be in [0, 1), got {cache.kv_watermark}")
+    if not isinstance(cache.swap_space, int) or cache.swap_space < 0:
+        raise ConfigError(f"swap_space must be a non-negative byte count, got {cache.swap_space!r}")
+    _choice("preemption_mode", sched.preemption_mode, PREEMPTION_MODES)
+    _choice("scheduling_policy", sched.scheduling_policy, SCHEDULING_POLICIES)
     for name in (
         "max_num_seqs",
         "max_num_batched_tokens",

@@ -35,6 +35,10 @@ class SampledToken:
 class ItemKind(str, enum.Enum):
     DECODE = "decode"
     PROMPT = "prompt"
+    # Recompute after preemption: one already-generated token re-run at its position through
+    # the loops it really used (`exit_now` True at its exit depth), finalize included, with
+    # no coda and no sampling (the token is known).
+    REPLAY = "replay"
 
 
 class WorkItem(NamedTuple):
@@ -87,6 +91,21 @@ class NewRequestData:
     seed: int | None
 
 
+class SwapKind(str, enum.Enum):
+    OUT = "out"  # device -> host; the request's in-flight hidden states go to the host too
+    IN = "in"  # host -> device; hidden states come back
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransfer:
+    """Swap one request: copy `block_moves` (src, dst) pairs of whole blocks (all planes) and
+    move its in-flight hidden states. Transfers run in order, before the step's core calls."""
+
+    kind: SwapKind
+    request_id: str
+    block_moves: tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     step_id: int
@@ -98,6 +117,10 @@ class SchedulerOutput:
     # the executor drops their generators and in-flight handles before running `items`. This
     # is the only way releases reach the executor.
     finished_request_ids: tuple[str, ...] = ()
+    # Preempted for recompute: the executor drops their in-flight hidden states but keeps
+    # their sampling generators (the request resumes later under the same id).
+    preempted_request_ids: tuple[str, ...] = ()
+    kv_transfers: tuple[KVTransfer, ...] = ()
 
     @property
     def num_rows(self) -> int:

@@ -17,6 +17,10 @@ MODES = ("refill", "no_refill")
 PREFILL_MODES = ("atomic", "per_depth", "wavefront")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_RESERVATIONS = ("incremental", "full")
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEFAULT_SWAP_SPACE_BYTES = 4 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,21 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "against exit_threshold), ouro_delayed, random_lookahead, or trace (replay "
               "SamplingParams.exit_trace)", choices=EXIT_MODES),
     EngineArg("lookahead_seed", "exit", "lookahead_seed", 0, "seed of random_lookahead exits", int),
+    EngineArg("kv_reservation", "cache", "kv_reservation", "incremental", "incremental: prompt "
+              "blocks at admission, grow as positions are written, preempt when short; full: "
+              "reserve prompt + max_tokens - 1 positions up front", choices=KV_RESERVATIONS),
+    EngineArg("kv_watermark", "cache", "kv_watermark", 0.01, "share of KV blocks admission "
+              "keeps free while requests run", float),
+    EngineArg("swap_space", "cache", "swap_space", DEFAULT_SWAP_SPACE_BYTES,
+              "host bytes for swapped KV blocks (preemption_mode=swap)", int),
+    EngineArg("enable_prefix_caching", "cache", "enable_prefix_caching", None, "share full "
+              "prompt pages between requests (None: on for last_exited, off for shared)", bool),
+    EngineArg("preemption_mode", "scheduler", "preemption_mode", "recompute", "recompute: "
+              "replay the prompt and generated tokens at their exit depths; swap: copy KV to "
+              "host memory and back", choices=PREEMPTION_MODES),
+    EngineArg("scheduling_policy", "scheduler", "scheduling_policy", "fcfs", "priority: a "
+              "waiting request with a strictly higher priority (lower value) preempts the "
+              "lowest-priority running one when seats or KV are full", choices=SCHEDULING_POLICIES),
 )  # fmt: skip
 
 ENGINE_ARGS_BY_NAME: dict[str, EngineArg] = {arg.name: arg for arg in ENGINE_ARGS}
@@ -103,7 +122,9 @@ def add_engine_args(
         value = overrides.get(name, arg.default)
         text = (helps or {}).get(name, arg.help)
         if arg.type is bool:
-            group.add_argument(arg.flag, action="store_true", default=value, help=text)
+            # A None default means "decided by other args": --flag / --no-flag both exist.
+            action = argparse.BooleanOptionalAction if value is None else "store_true"
+            group.add_argument(arg.flag, action=action, default=value, help=text)
             continue
         group.add_argument(arg.flag, type=arg.type, default=value, choices=arg.choices, help=text)
 

@@ -12,6 +12,8 @@ class RequestMetrics:
     first_token_s: float | None
     finished_s: float | None
     token_times_s: tuple[float, ...] = ()
+    num_cached_prompt_tokens: int = 0  # prompt positions served by the prefix cache
+    num_preemptions: int = 0
 
     @property
     def ttft_s(self) -> float | None:

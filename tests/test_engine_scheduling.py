@@ -253,7 +253,9 @@ def test_request_that_can_never_fit_is_rejected_without_disturbing_others(tiny_d
 
 def test_requests_wait_for_kv_and_run_when_blocks_free_up(tiny_dir):
     # 4 prompt + 8 output - 1 = 11 positions -> 3 blocks x 4 planes = 12 blocks each.
-    engine = make_engine(tiny_dir, num_blocks=20, block_size=4, max_num_seqs=4)
+    engine = make_engine(
+        tiny_dir, num_blocks=20, block_size=4, max_num_seqs=4, kv_reservation="full"
+    )
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     work = [(f"r{i}", [i + 1, 2, 3, 4], params, 0) for i in range(3)]
     max_running = []

@@ -212,6 +212,21 @@ def test_models_health_and_metrics(server, client):
     assert 1.0 <= values["loopserve_mean_loops_per_token"] <= 4.0
 
 
+def test_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, client):
+    prompt = "a system prompt long enough to fill two blocks of sixteen tokens, " * 2
+    hits_before = metrics(server.base_url)["loopserve_prefix_cache_hits_total"]
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 32
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole blocks of 16, never the last prompt position.
+    assert cached == (second.usage.prompt_tokens - 1) // 16 * 16
+    values = metrics(server.base_url)
+    assert values["loopserve_prefix_cache_hits_total"] - hits_before == cached
+    assert values['loopserve_preemptions_total{mode="recompute"}'] == 0
+
+
 # ---- load ----------------------------------------------------------------------------------
 
 

@@ -42,7 +42,6 @@ from loopserve.bench.common import (  # noqa: F401  (re-exported for bench inter
 )
 from loopserve.contracts import ItemKind, RunnerOutput, SchedulerOutput
 from loopserve.engine.llm_engine import LLMEngine
-from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError, LoopserveError
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams

@@ -63,6 +63,12 @@ COMMANDS: list[Command] = [
         "loopserve.bench.prompt_interference:main_from_args",
     ),
     Command(
+        ("bench", "memory"),
+        "a KV pool too small for full reservation: full vs incremental+recompute vs +swap",
+        "loopserve.bench.memory:add_cli_args",
+        "loopserve.bench.memory:main_from_args",
+    ),
+    Command(
         ("simulate",),
         "simulated GPU executor driving the real scheduler",
         "loopserve.sim.args:add_cli_args",

@@ -144,7 +144,14 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         scheduler, kv, counters = self.scheduler, self.scheduler.kv, self._counters
+        memory, prefix = scheduler.memory_stats, kv.prefix_cache
         return EngineStats(
+            num_prefix_cache_queried_tokens=prefix.stats.num_queried_tokens if prefix else 0,
+            num_prefix_cache_hit_tokens=prefix.stats.num_hit_tokens if prefix else 0,
+            num_preemptions_recompute=memory.num_preemptions_recompute,
+            num_preemptions_swap=memory.num_preemptions_swap,
+            num_swapped_bytes=(kv.num_swapped_out_blocks + kv.num_swapped_in_blocks)
+            * kv.bytes_per_block,
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             kv_blocks_used=kv.num_used_blocks,

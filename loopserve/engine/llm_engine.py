@@ -64,7 +64,9 @@ class LLMEngine:
         self.num_loops = self.model.num_loops
         self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
         num_planes = 1 if cache.layout == "shared" else self.num_loops
-        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, num_planes)
+        self.kv = KVCacheManager.from_config(
+            self.config, num_planes=num_planes, bytes_per_block=bytes_per_block
+        )
         self.scheduler = Scheduler(self.config, num_loops=self.num_loops, kv=self.kv)
         self.runner = ModelRunner(
             self.model,
@@ -73,6 +75,7 @@ class LLMEngine:
             layout=cache.layout,
             exit_mode=self.config.exit.mode,
             lookahead_seed=self.config.exit.lookahead_seed,
+            num_host_blocks=self.kv.host_pool.num_blocks,
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:

@@ -49,10 +49,13 @@ class EngineStats:
     num_early_exits: int = 0  # output tokens that exited before the last loop
     num_finalize_copies: int = 0  # LAST_EXITED decode tokens copied into deeper planes
     num_failed_steps: int = 0  # steps whose execution raised (their requests failed)
-    # Filled by memory management (prefix caching, preemption); 0 until it exists.
+    # Memory management, since construction: prompt tokens looked up in / served by the
+    # prefix cache at admission; preemptions by mode; KV bytes swapped (both directions).
     num_prefix_cache_queried_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
-    num_preemptions: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_swapped_bytes: int = 0
     model_time_s: float = 0.0  # the executor's whole `execute` (as it reports it)
     forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
     # Host time of whole core steps (schedule, execute, update, observers, releases) on the
@@ -65,6 +68,10 @@ class EngineStats:
     def update_time_s(self) -> float:
         """Step time outside `schedule` and `execute`: `update`, observers, counters."""
         return self.step_time_s - self.schedule_time_s - self.execute_time_s
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
 
     @property
     def kv_blocks_free(self) -> int:

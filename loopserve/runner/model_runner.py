@@ -21,10 +21,12 @@ from loopserve.contracts import (
     Executor,
     ItemKind,
     ItemResult,
+    KVTransfer,
     RunnerOutput,
     SampledToken,
     SampleSpec,
     SchedulerOutput,
+    SwapKind,
     WorkItem,
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
@@ -37,6 +39,7 @@ from loopserve.runner.attention.torch_paged import (
 )
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
+from loopserve.runner.swap import SwapSpace
 
 
 @dataclass
@@ -59,6 +62,7 @@ class ModelRunner(Executor):
         layout: str,
         exit_mode: str,
         lookahead_seed: int = 0,
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         config = model.config
@@ -88,6 +92,9 @@ class ModelRunner(Executor):
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
         self.workspace = Workspace()  # attention gather scratch, reused by every core call
+        self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
+        # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
+        self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -100,6 +107,7 @@ class ModelRunner(Executor):
         for request_id in scheduled.finished_request_ids:
             self.samplers.pop(request_id, None)
             self.inflight.release(request_id)
+            self.swapped_inflight.pop(request_id, None)
         # Build every new request's sampler first and install them together, so a failure in
         # one request's setup leaves no half-installed samplers behind.
         samplers = {}
@@ -108,6 +116,28 @@ class ModelRunner(Executor):
             generator = None if greedy else make_generator(new.seed, self.device)
             samplers[new.request_id] = (new.sample_spec, generator)
         self.samplers.update(samplers)
+        for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
+            self._swap(transfer)
+        for request_id in scheduled.preempted_request_ids:
+            self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
+
+    def _swap(self, transfer: KVTransfer) -> None:
+        """Copy the blocks, and move the request's paused work with them (same handles)."""
+        request_id = transfer.request_id
+        self.swap.copy(transfer)
+        if transfer.kind is SwapKind.OUT:
+            handles = self.inflight.handles_of(request_id)
+            states = {h: self.inflight.resume(h) for h in handles if h in self.inflight}
+            self.inflight.release(request_id)
+            self.swapped_inflight[request_id] = {
+                h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.last_rows])
+                for h, s in states.items()
+            }
+            return
+        for handle, state in self.swapped_inflight.pop(request_id).items():
+            hidden = state.hidden.to(self.device)
+            rows = [r.to(self.device) for r in state.last_rows]
+            self.inflight.keep(request_id, handle, InFlight(hidden, state.hazards, rows))
 
     @property
     def num_live_handles(self) -> int:
@@ -264,8 +294,10 @@ class ModelRunner(Executor):
                 sampled[i] = token
         results = []
         for i, item in enumerate(items):
-            finished = i in sampled or (
-                item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1
+            finished = (
+                i in sampled
+                or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
+                or (item.kind is ItemKind.REPLAY and exited[i])  # replay: no coda
             )
             if finished:
                 self.inflight.done(item.request_id, item.handle)

@@ -1,17 +1,37 @@
-"""Paged KV bookkeeping: a block pool and per-plane block tables. Torch-free.
+"""Paged KV bookkeeping: block pools, per-plane block tables, growth and swap. Torch-free.
 
 LAST_EXITED keeps one plane per depth, SHARED one plane. A request owns one block table per
-plane; all planes come from one pool. Admission reserves the worst case
-(`prompt + max_tokens - 1` positions × planes) so a running request never runs out of KV.
-The runner owns the tensors; this module only hands out block ids.
+plane; every plane of a request has the same number of blocks, because a position needs a
+slot in every plane (loop d writes plane d; the finalize copy of an early exit fills the
+deeper planes). All planes come from one device pool. The runner owns the tensors; this
+module only hands out block ids.
+
+- Allocation is incremental: `allocate` covers the positions a request writes first (its
+  prompt), `grow` extends every plane when a later position is about to be written.
+  `kv_reservation=full` is the same calls with the worst case up front.
+- Admission keeps a watermark of free blocks while other requests run (`can_admit`).
+- Swap: `swap_out` moves a request's blocks (every plane) to a host pool and returns the
+  (device, host) pairs for the runner to copy; `swap_in` the reverse. The copy lists are
+  recorded in the order the scheduler makes them, so executing them in that order is safe
+  even when a block freed by one move is reused by the next.
+- Prefix caching (`PrefixCache`) may hold published pages; their unreferenced blocks count as
+  free and are evicted (LRU) when the pool runs short.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING, NamedTuple
+
+from loopserve.scheduler.prefix_cache import CachedPage, PrefixCache
+
+if TYPE_CHECKING:
+    from loopserve.config import EngineConfig
 
 
 class BlockPool:
+    """A free list of block ids `[0, num_blocks)`."""
+
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -28,76 +48,293 @@ class BlockPool:
         self._free_set.difference_update(blocks)
         return blocks
 
-    def is_free(self, block: int) -> bool:
-        return block in self._free_set
-
     def free(self, blocks: list[int]) -> None:
         for block in blocks:
             assert block not in self._free_set, f"double free of block {block}"
             self._free_set.add(block)
             self._free.append(block)
 
+    def is_free(self, block: int) -> bool:
+        return block in self._free_set
+
     def check_invariants(self) -> None:
         assert len(self._free) == len(self._free_set), "free list has duplicates"
         assert all(0 <= b < self.num_blocks for b in self._free_set), "block id out of range"
 
 
-class KVCacheManager:
-    """Per-request, per-plane block tables over one `BlockPool`."""
+class BlockMove(NamedTuple):
+    """Copy block `src` to block `dst` (between the device and the host pool)."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_planes: int) -> None:
+    src: int
+    dst: int
+
+
+Table = tuple[list[int], ...]
+
+
+class KVCacheManager:
+    """Per-request, per-plane block tables over one device `BlockPool` (and a host pool)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_planes: int,
+        *,
+        num_host_blocks: int = 0,
+        watermark: float = 0.0,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks)
         self.block_size = block_size
         self.num_planes = num_planes
-        self.tables: dict[str, tuple[list[int], ...]] = {}
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.tables: dict[str, Table] = {}
+        self.host_tables: dict[str, Table] = {}  # swapped-out requests
+        self.prefix_cache = prefix_cache
+        # Prefix caching, per request: chained page keys of its prompt (computed once), and
+        # how many leading pages of its table are cache entries (hit or published by it).
+        self._page_keys: dict[str, list[tuple[int, int, tuple[int, ...]]]] = {}
+        self.num_shared_pages: dict[str, int] = {}
+        self.num_swapped_out_blocks = 0  # totals, for stats
+        self.num_swapped_in_blocks = 0
+        self.bytes_per_block = 0  # one block of one plane, when known (stats only)
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, *, num_planes: int, bytes_per_block: int
+    ) -> KVCacheManager:
+        """The engine's manager: `num_blocks` resolved; a host pool of `swap_space` bytes
+        when preemption swaps (`bytes_per_block`: one block of one plane)."""
+        cache = config.cache
+        assert cache.num_blocks is not None, "resolve num_blocks first"
+        swap = config.scheduler.preemption_mode == "swap"
+        caching = cache.enable_prefix_caching
+        if caching is None:
+            caching = cache.layout == "last_exited"
+        manager = cls(
+            cache.num_blocks,
+            cache.block_size,
+            num_planes,
+            num_host_blocks=cache.swap_space // bytes_per_block if swap else 0,
+            watermark=cache.kv_watermark,
+            prefix_cache=PrefixCache(cache.block_size, num_planes) if caching else None,
+        )
+        manager.bytes_per_block = bytes_per_block
+        return manager
+
+    # ---- sizes ----------------------------------------------------------------------------
+
+    def blocks_per_plane(self, num_positions: int) -> int:
+        return -(-num_positions // self.block_size)
 
     def blocks_needed(self, num_positions: int) -> int:
-        per_plane = -(-num_positions // self.block_size)
-        return per_plane * self.num_planes
+        return self.blocks_per_plane(num_positions) * self.num_planes
 
     def can_ever_fit(self, num_positions: int) -> bool:
         return self.blocks_needed(num_positions) <= self.pool.num_blocks
 
-    def can_allocate(self, num_positions: int) -> bool:
-        return self.blocks_needed(num_positions) <= self.pool.num_free_blocks
-
-    def allocate(self, request_id: str, num_positions: int) -> tuple[list[int], ...]:
-        assert request_id not in self.tables, f"{request_id} already holds KV"
-        per_plane = -(-num_positions // self.block_size)
-        blocks = self.pool.allocate(per_plane * self.num_planes)
-        table = tuple(blocks[i * per_plane : (i + 1) * per_plane] for i in range(self.num_planes))
-        self.tables[request_id] = table
-        return table
-
-    def free(self, request_id: str) -> None:
-        table = self.tables.pop(request_id, None)
-        if table is not None:
-            for plane_blocks in table:
-                self.pool.free(plane_blocks)
-
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        """Free blocks plus cached blocks no request references (evicted on demand)."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
+        return self.pool.num_free_blocks + evictable
 
     @property
     def num_blocks(self) -> int:
-        """Blocks in the pool, over all planes."""
+        """Blocks in the device pool, over all planes."""
         return self.pool.num_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free_blocks
+        return self.pool.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.pool.num_blocks
+
+    def can_allocate(self, num_positions: int) -> bool:
+        return self.blocks_needed(num_positions) <= self.num_free_blocks
+
+    def can_admit(self, num_new_blocks: int, *, idle: bool) -> bool:
+        """Admission test: an idle engine admits whatever fits; otherwise keep the watermark
+        free so running requests can still grow."""
+        if idle:
+            return num_new_blocks <= self.num_free_blocks
+        return num_new_blocks + self.watermark_blocks <= self.num_free_blocks
+
+    def _take(self, count: int) -> list[int]:
+        short = count - self.pool.num_free_blocks
+        if short > 0:
+            assert self.prefix_cache is not None, f"asked for {count} blocks, pool short"
+            self.pool.free(self.prefix_cache.evict(short))
+        return self.pool.allocate(count)
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    def allocate(
+        self, request_id: str, num_positions: int, prefix: list[CachedPage] | None = None
+    ) -> Table:
+        """A new table covering `num_positions`; the cached pages `prefix` (from
+        `match_prefix`) supply its first blocks of every plane and gain a reference."""
+        assert request_id not in self.tables, f"{request_id} already holds KV"
+        prefix = prefix or []
+        if prefix:
+            assert self.prefix_cache is not None
+            self.prefix_cache.acquire(prefix)  # before taking blocks: never evict our hits
+        step = self.blocks_per_plane(num_positions) - len(prefix)
+        fresh = self._take(step * self.num_planes)
+        table = tuple(
+            [page.blocks[p] for page in prefix] + fresh[p * step : (p + 1) * step]
+            for p in range(self.num_planes)
+        )
+        self.tables[request_id] = table
+        self.num_shared_pages[request_id] = len(prefix)
+        return table
+
+    # ---- prefix caching ---------------------------------------------------------------------
+
+    def match_prefix(self, request_id: str, prompt_token_ids: list[int]) -> list[CachedPage]:
+        """Cached pages that can serve the start of this prompt (not yet referenced); the
+        last prompt position is always left to compute."""
+        if self.prefix_cache is None:
+            return []
+        keys = self._page_keys.get(request_id)
+        if keys is None:
+            keys = self._page_keys[request_id] = self.prefix_cache.page_keys(prompt_token_ids)
+        max_pages = (len(prompt_token_ids) - 1) // self.block_size
+        return self.prefix_cache.match(keys, max_pages)
+
+    def admission_blocks(self, num_positions: int, hits: list[CachedPage]) -> int:
+        """Free blocks an admission consumes: its new blocks, plus its hits that are
+        unreferenced now (they count as free until acquired), so nothing is counted twice."""
+        new = (self.blocks_per_plane(num_positions) - len(hits)) * self.num_planes
+        idle_hits = sum(1 for page in hits if page.ref_count == 0)
+        return new + idle_hits * self.num_planes
+
+    def publish_prompt(self, request_id: str, num_complete_positions: int) -> None:
+        """Publish the request's full prompt pages that are complete at every plane."""
+        if self.prefix_cache is None:
+            return
+        keys = self._page_keys.get(request_id, [])
+        table = self.tables[request_id]
+        first = self.num_shared_pages[request_id]
+        last = min(len(keys), num_complete_positions // self.block_size)
+        for i in range(first, last):
+            blocks = tuple(plane[i] for plane in table)
+            if not self.prefix_cache.publish(*keys[i], blocks):
+                break  # same content cached from another request: this copy stays private
+            self.num_shared_pages[request_id] = i + 1
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: drop its page keys."""
+        self._page_keys.pop(request_id, None)
+
+    def blocks_to_grow(self, request_id: str, num_positions: int) -> int:
+        have = len(self.tables[request_id][0])
+        return max(0, self.blocks_per_plane(num_positions) - have) * self.num_planes
+
+    def grow(self, request_id: str, num_positions: int) -> bool:
+        """Extend every plane to cover `num_positions`; False (nothing changed) if short."""
+        needed = self.blocks_to_grow(request_id, num_positions)
+        if needed == 0:
+            return True
+        if needed > self.num_free_blocks:
+            return False
+        fresh = self._take(needed)
+        step = needed // self.num_planes
+        for p, plane in enumerate(self.tables[request_id]):
+            plane.extend(fresh[p * step : (p + 1) * step])
+        return True
+
+    def free(self, request_id: str) -> None:
+        table = self.tables.pop(request_id, None)
+        num_shared = self.num_shared_pages.pop(request_id, 0)
+        if table is None:
+            return
+        if num_shared:
+            assert self.prefix_cache is not None
+            for block in table[0][:num_shared]:
+                self.prefix_cache.release(block)
+        for plane_blocks in table:
+            self.pool.free(plane_blocks[num_shared:])
+
+    # ---- swap -------------------------------------------------------------------------------
+
+    def can_swap_out(self, request_id: str) -> bool:
+        table = self.tables[request_id]
+        return len(table[0]) * self.num_planes <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request_id: str) -> list[BlockMove]:
+        """Move every plane of the request to the host pool; device blocks are freed."""
+        table = self.tables[request_id]
+        host = self.host_pool.allocate(len(table[0]) * self.num_planes)
+        step = len(table[0])
+        host_table = tuple(host[p * step : (p + 1) * step] for p in range(self.num_planes))
+        moves = [
+            BlockMove(d, h)
+            for plane, hplane in zip(table, host_table)
+            for d, h in zip(plane, hplane)
+        ]
+        self.free(request_id)
+        self.host_tables[request_id] = host_table
+        self.num_swapped_out_blocks += len(moves)
+        return moves
+
+    def swap_in_blocks(self, request_id: str) -> int:
+        return len(self.host_tables[request_id][0]) * self.num_planes
+
+    def swap_in(self, request_id: str) -> list[BlockMove]:
+        """Bring a swapped-out request back into fresh device blocks; host blocks are freed."""
+        host_table = self.host_tables.pop(request_id)
+        table = self.allocate(request_id, len(host_table[0]) * self.block_size)
+        moves = [
+            BlockMove(h, d)
+            for hplane, plane in zip(host_table, table)
+            for h, d in zip(hplane, plane)
+        ]
+        for hplane in host_table:
+            self.host_pool.free(hplane)
+        self.num_swapped_in_blocks += len(moves)
+        return moves
+
+    def drop_swapped(self, request_id: str) -> None:
+        """A swapped-out request finished (aborted) while waiting."""
+        host_table = self.host_tables.pop(request_id, None)
+        for hplane in host_table or ():
+            self.host_pool.free(hplane)
+
+    # ---- checks -----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        owned: set[int] = set()
+        self.host_pool.check_invariants()
+        owners: dict[int, int] = {}
         for request_id, table in self.tables.items():
             assert len(table) == self.num_planes, f"{request_id} has {len(table)} planes"
             lengths = {len(plane) for plane in table}
             assert len(lengths) == 1, f"{request_id} planes differ in length"
             for plane in table:
                 for block in plane:
-                    assert block not in owned, f"block {block} owned twice"
-                    owned.add(block)
-        assert not any(self.pool.is_free(b) for b in owned), "a block is both owned and free"
-        assert len(owned) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"
+                    owners[block] = owners.get(block, 0) + 1
+        cached = self.prefix_cache.check_invariants(owners) if self.prefix_cache else set()
+        for request_id, table in self.tables.items():
+            num_shared = self.num_shared_pages[request_id]
+            assert all(b in cached for plane in table for b in plane[:num_shared])
+        assert set(self.num_shared_pages) == set(self.tables)
+        private = {b for b, n in owners.items() if b not in cached}
+        for block in private:
+            assert owners[block] == 1, f"private block {block} owned {owners[block]} times"
+        held = private | cached
+        assert not any(self.pool.is_free(b) for b in held), "a block is both held and free"
+        assert len(held) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"
+        host_owned: set[int] = set()
+        for request_id, table in self.host_tables.items():
+            assert request_id not in self.tables, f"{request_id} is on device and host"
+            for plane in table:
+                assert not host_owned & set(plane), "host block owned twice"
+                host_owned |= set(plane)
+        assert len(host_owned) + self.host_pool.num_free_blocks == self.host_pool.num_blocks, (
+            "host blocks leaked"
+        )

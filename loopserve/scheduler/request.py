@@ -9,10 +9,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loopserve.contracts import SampledToken
 from loopserve.exit import ExitRule, TokenExit
 from loopserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loopserve.scheduler.preemption import ReplayState
 
 
 @dataclass(slots=True)
@@ -100,6 +104,13 @@ class Request:
         # Decode progress: the token in flight and its runner handle.
         self.token_exit: TokenExit | None = None
         self.decode_handle: int | None = None
+        # Memory: preemptions so far; whether the runner knows the request (its sampler
+        # survives preemption); swapped-out state; the recompute replay in progress.
+        self.num_preemptions = 0
+        self.announced = False
+        self.swapped = False
+        self.replay: ReplayState | None = None
+        self.num_cached_prompt_tokens = 0  # prompt positions served by the prefix cache
         self.times = RequestTimes(arrival_s=time.monotonic() if arrival_s is None else arrival_s)
 
     def transition(self, new_status: RequestStatus) -> None:

@@ -18,14 +18,17 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from loopserve.config import EngineConfig
 from loopserve.contracts import (
     ItemKind,
+    KVTransfer,
     NewRequestData,
     RunnerOutput,
     SampleSpec,
     SchedulerOutput,
+    SwapKind,
     WorkItem,
 )
 from loopserve.errors import CapacityError, InvalidRequestError
@@ -39,7 +42,22 @@ from loopserve.scheduler.policies import (
     PromptWork,
     RefillPolicy,
 )
+from loopserve.scheduler.preemption import ReplayState, pick_victim, reset_for_recompute
 from loopserve.scheduler.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class MemoryStats:
+    """Preemption totals (the KV manager counts swapped blocks)."""
+
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_replayed_rows: int = 0  # REPLAY items scheduled (one row, one loop each)
+    num_recompute_prompt_rows: int = 0  # prompt rows x loops re-run after recompute preemption
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
 
 
 class Scheduler:
@@ -72,6 +90,15 @@ class Scheduler:
         self._prompt_steps_in_a_row = 0
         self._new_requests: list[NewRequestData] = []
         self._gone_request_ids: list[str] = []
+        # Memory management (see `preemption`): reservation, preemption mode, policy.
+        cache = config.cache
+        self.full_reservation = cache.kv_reservation == "full"
+        self.swap_preemption = sched.preemption_mode == "swap"
+        self.priority_preemption = sched.scheduling_policy == "priority"
+        self.shared = cache.layout == "shared"
+        self.memory_stats = MemoryStats()
+        self._preempted_ids: list[str] = []
+        self._transfers: list[KVTransfer] = []
 
     # ---- submission -------------------------------------------------------------------
 
@@ -106,10 +133,15 @@ class Scheduler:
     def finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+            if request.swapped:
+                self.kv.drop_swapped(request.request_id)
+            if request.announced:  # preempted earlier: the runner still holds its sampler
+                self._gone_request_ids.append(request.request_id)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.kv.free(request.request_id)
             self._gone_request_ids.append(request.request_id)
+        self.kv.forget(request.request_id)
         request.transition(RequestStatus.FINISHED)
         request.finish_reason = reason
         request.times.finished_s = time.monotonic()
@@ -153,24 +185,137 @@ class Scheduler:
     # ---- scheduling ---------------------------------------------------------------------
 
     def _admit(self) -> None:
-        if not self.waiting:
-            return
-        admitted = []
-        for request in self.waiting:
-            if len(self.running) >= self.max_num_seqs:
-                break
-            if not self.kv.can_allocate(request.max_positions):
-                break  # keep priority order: do not let later requests jump ahead
-            self.kv.allocate(request.request_id, request.max_positions)
-            request.transition(RequestStatus.RUNNING)
+        """Admit waiting requests in (priority, arrival) order while seats and KV allow; stop
+        at the first that does not fit, so later requests never jump ahead."""
+        victims: set[str] = set()
+        while self.waiting:
+            request = self.waiting[0]
+            if request.request_id in victims:
+                break  # preempted by this very pass
+            positions = self._admission_positions(request)
+            if request.swapped:
+                hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
+            else:
+                hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+                blocks = self.kv.admission_blocks(positions, hits)
+            if not self._has_room(blocks):
+                if not (self.priority_preemption and self._preempt_for(request, blocks, victims)):
+                    break
+                if not request.swapped:  # a victim's release may have made some hits idle
+                    blocks = self.kv.admission_blocks(positions, hits)
+                    if not self._has_room(blocks):
+                        break
+            del self.waiting[0]
+            self._start_running(request, positions, hits)
+
+    def _admission_positions(self, request: Request) -> int:
+        if self.full_reservation:
+            return request.max_positions
+        if (
+            request.output_token_ids
+        ):  # resumed after recompute preemption: up to the token in flight
+            return request.next_position + 1
+        return request.num_prompt_tokens
+
+    def _has_room(self, blocks: int) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        return self.kv.can_admit(blocks, idle=not self.running)
+
+    def _preempt_for(self, request: Request, blocks: int, victims: set[str]) -> bool:
+        """Priority policy: preempt strictly lower-priority running requests (lowest first)
+        until `request` fits; False when even all of them would not make room."""
+        outranked = [r for r in self.running if r.params.priority > request.params.priority]
+        seats = self.max_num_seqs - len(self.running) + len(outranked)
+        freeable = sum(len(self.kv.tables[r.request_id][0]) for r in outranked) * self.kv.num_planes
+        if seats < 1 or not self.kv.can_admit(
+            blocks - freeable, idle=len(outranked) == len(self.running)
+        ):
+            return False
+        while not self._has_room(blocks) and outranked:
+            victim = pick_victim(outranked)
+            outranked.remove(victim)
+            self._preempt(victim)
+            victims.add(victim.request_id)
+        return self._has_room(blocks)
+
+    def _start_running(self, request: Request, positions: int, hits: list) -> None:
+        request_id = request.request_id
+        if request.swapped:
+            moves = self.kv.swap_in(request_id)
+            self._transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
+            request.swapped = False
+        else:
+            self.kv.allocate(request_id, positions, prefix=hits)
+            if self.kv.prefix_cache is not None:
+                # Prompt positions served by cached pages are complete at every plane.
+                cached = len(hits) * self.kv.block_size
+                request.num_prefilled_tokens = request.next_chunk_start = cached
+                stats = self.kv.prefix_cache.stats
+                stats.num_queried_tokens += request.num_prompt_tokens
+                stats.num_hit_tokens += cached
+                if not request.announced:
+                    request.num_cached_prompt_tokens = cached
+        request.transition(RequestStatus.RUNNING)
+        if request.times.first_scheduled_s is None:
             request.times.first_scheduled_s = time.monotonic()
-            self.running.append(request)
-            admitted.append(request)
+        self.running.append(request)
+        if not request.announced:
+            request.announced = True
             params = request.params
             spec = SampleSpec(params.temperature, params.top_p, params.top_k, params.logprobs)
-            self._new_requests.append(NewRequestData(request.request_id, spec, params.seed))
-        for request in admitted:
-            self.waiting.remove(request)
+            self._new_requests.append(NewRequestData(request_id, spec, params.seed))
+
+    def _grow_running(self) -> None:
+        """Give every decode token about to be written a slot in every plane, oldest request
+        first; preempt (lowest priority, latest arrival) when the pool runs dry."""
+        if self.full_reservation:
+            return
+        tables, block_size = self.kv.tables, self.kv.block_size
+        # Hot path (every step, every running request): plain attribute arithmetic. A decode
+        # token sits at position prompt + outputs - 1; prompt positions exist from admission.
+        short = [
+            r
+            for r in self.running
+            if len(tables[r.request_id][0]) * block_size
+            < r.num_prompt_tokens + len(r.output_token_ids)
+            and r.num_prefilled_tokens == r.num_prompt_tokens
+        ]
+        for request in short:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted while an older request grew
+            needed = request.next_position + 1
+            while not self.kv.grow(request.request_id, needed):
+                victim = pick_victim(self.running)
+                self._preempt(victim)
+                if victim is request:
+                    break
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request now (tests and operators; the scheduler itself preempts
+        when KV runs out or, under the priority policy, for a higher-priority arrival)."""
+        request = self.requests[request_id]
+        assert request.status is RequestStatus.RUNNING, f"{request_id} is not running"
+        self._preempt(request)
+
+    def _preempt(self, victim: Request) -> None:
+        """Free (or swap out) the victim's KV and queue it again with its progress."""
+        request_id = victim.request_id
+        self.running.remove(victim)
+        self.decode_policy.on_request_gone(request_id)
+        if self.swap_preemption and self.kv.can_swap_out(request_id):
+            moves = self.kv.swap_out(request_id)
+            self._transfers.append(KVTransfer(SwapKind.OUT, request_id, tuple(moves)))
+            victim.swapped = True
+            self.memory_stats.num_preemptions_swap += 1
+        else:  # recompute (also the fallback when the host pool is full)
+            self.kv.free(request_id)
+            self._preempted_ids.append(request_id)
+            reset_for_recompute(victim)
+            self.memory_stats.num_preemptions_recompute += 1
+        victim.transition(RequestStatus.WAITING)
+        victim.num_preemptions += 1
+        bisect.insort(self.waiting, victim, key=_admission_key)
 
     def _handle(self) -> int:
         self._next_handle += 1
@@ -178,17 +323,21 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._admit()
+        self._grow_running()
         prompt_requests: list[Request] = []
         decode_requests: list[Request] = []
-        for request in self.running:  # one pass; both lists keep admission order
+        replay_requests: list[Request] = []
+        for request in self.running:  # one pass; the lists keep admission order
             if request.num_prefilled_tokens < request.num_prompt_tokens:
                 prompt_requests.append(request)
+            elif request.replay is not None:
+                replay_requests.append(request)
             else:
                 decode_requests.append(request)
         if self.mixed:
-            items = self._mixed_items(prompt_requests, decode_requests)
+            items = self._mixed_items(prompt_requests, decode_requests, replay_requests)
         else:
-            items = self._alternating_items(prompt_requests, decode_requests)
+            items = self._alternating_items(prompt_requests, decode_requests, replay_requests)
         self._step_id += 1
         tables = self.kv.tables
         out = SchedulerOutput(
@@ -197,31 +346,56 @@ class Scheduler:
             block_tables={item.request_id: tables[item.request_id] for item in items},
             new_requests=tuple(self._new_requests),
             finished_request_ids=tuple(self._gone_request_ids),
+            preempted_request_ids=tuple(self._preempted_ids),
+            kv_transfers=tuple(self._transfers),
         )
         self._new_requests.clear()
         self._gone_request_ids.clear()
+        self._preempted_ids.clear()
+        self._transfers.clear()
         return out
 
-    def _alternating_items(self, prompt_requests, decode_requests) -> list[WorkItem]:
-        """A prompt step or a decode step; alternate when both kinds of work are ready."""
+    def _alternating_items(self, prompt_requests, decode_requests, replay_requests):
+        """A prompt step or a decode step; alternate when both kinds of work are ready.
+        Replay rows (recompute after preemption) ride in decode steps."""
         limit = self.config.scheduler.max_prefill_batches_before_decode
-        if prompt_requests and (not decode_requests or self._prompt_steps_in_a_row < limit):
+        decode_ready = decode_requests or replay_requests
+        if prompt_requests and (not decode_ready or self._prompt_steps_in_a_row < limit):
             work = self.prompt_policy.select(prompt_requests, self.max_rows)
             if work:
                 self._prompt_steps_in_a_row += 1
                 return [self._prompt_item(w) for w in work]
         self._prompt_steps_in_a_row = 0
-        return self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
-
-    def _mixed_items(self, prompt_requests, decode_requests) -> list[WorkItem]:
-        """Every ready decode row first, then whole prompt items until the row budget."""
         items = self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
+        return items + self._replay_items(replay_requests, self.max_rows - len(items))
+
+    def _mixed_items(self, prompt_requests, decode_requests, replay_requests) -> list[WorkItem]:
+        """Every ready decode row first, then replay rows, then whole prompt items until the
+        row budget."""
+        items = self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
+        items += self._replay_items(replay_requests, self.max_rows - len(items))
         work = self.prompt_policy.select(prompt_requests, self.max_rows - len(items))
         return items + [self._prompt_item(w) for w in work]
 
+    def _replay_items(self, replay_requests: list[Request], rows: int) -> list[WorkItem]:
+        items: list[WorkItem] = []
+        for request in replay_requests:
+            if rows - len(items) <= 0:
+                break
+            assert request.replay is not None
+            items += request.replay.items(
+                request.request_id, rows - len(items), self.shared, self._handle
+            )
+        self.memory_stats.num_replayed_rows += len(items)
+        return items
+
     def _prompt_item(self, work: PromptWork) -> WorkItem:
         request, chunk = work.request, work.chunk
-        last = chunk.end == request.num_prompt_tokens
+        # The last prompt position samples the first token, unless this prompt is recomputed
+        # after a preemption (the first token is known).
+        last = chunk.end == request.num_prompt_tokens and not request.output_token_ids
+        if request.output_token_ids:
+            self.memory_stats.num_recompute_prompt_rows += chunk.count * work.num_depths
         return WorkItem(
             request_id=request.request_id,
             kind=ItemKind.PROMPT,
@@ -291,8 +465,16 @@ class Scheduler:
             request = self.requests.get(result.request_id)
             if request is None:
                 continue  # aborted while the step ran; released with the next output
+            if item.kind is ItemKind.REPLAY:
+                self._advance_replay(request, item)
+                continue
             if item.kind is ItemKind.PROMPT:
-                if not self._advance_chunk(request, item) or not item.first_token:
+                if not self._advance_chunk(request, item):
+                    continue
+                self.kv.publish_prompt(request.request_id, request.num_prefilled_tokens)
+                if not item.first_token:
+                    if request.output_token_ids and not request.in_prompt_phase:
+                        request.replay = ReplayState.for_request(request)  # recompute resumes
                     continue
                 assert result.sampled is not None and result.loops_used is not None
                 reason = request.append_token(result.sampled, result.loops_used, now)
@@ -328,6 +510,13 @@ class Scheduler:
         request.num_prefilled_tokens = chunk.end
         return True
 
+    def _advance_replay(self, request: Request, item: WorkItem) -> None:
+        replay = request.replay
+        assert replay is not None
+        replay.advance(item)
+        if replay.finished:
+            request.replay = None  # the token in flight starts at loop 0 next step
+
     def _start_decode_token(self, request: Request) -> None:
         trace_loops = request.trace_loops(len(request.output_token_ids))
         if request.token_exit is None:
@@ -350,13 +539,26 @@ class Scheduler:
         self.kv.check_invariants()
         running_ids = {r.request_id for r in self.running}
         assert running_ids == set(self.kv.tables), "running requests and KV owners differ"
+        swapped_ids = {r.request_id for r in self.waiting if r.swapped}
+        assert swapped_ids == set(self.kv.host_tables), "swapped requests and host KV differ"
         assert len(self.running) <= self.max_num_seqs
+        block_size = self.kv.block_size
         for request in self.running:
             assert request.status is RequestStatus.RUNNING
+            covered = len(self.kv.tables[request.request_id][0]) * block_size
+            assert covered >= request.num_prompt_tokens, f"{request.request_id} lacks prompt KV"
+            # Shared (cached) pages sit behind every position the request will still write.
+            shared_end = self.kv.num_shared_pages[request.request_id] * block_size
+            assert shared_end <= request.num_prefilled_tokens, "a shared page is still written"
+            assert all(chunk.start >= shared_end for chunk in request.prompt_chunks)
             if not request.in_prompt_phase:
                 assert request.token_exit is not None and not request.token_exit.exited
+            if request.replay is None and not request.in_prompt_phase:
+                # The token in flight has a slot in every plane before it is written.
+                assert covered >= request.next_position + (request.token_exit.depth > 0)
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING
+            assert request.request_id not in self.kv.tables
 
 
 def _admission_key(request: Request) -> tuple[int, int]:

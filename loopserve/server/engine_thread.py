@@ -63,6 +63,11 @@ class EngineSnapshot:
     num_output_tokens: int = 0
     mean_rows_per_core_call: float = 0.0
     mean_loops_per_token: float = 0.0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_swapped_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -247,6 +252,11 @@ class EngineThread:
             num_output_tokens=stats.num_output_tokens,
             mean_rows_per_core_call=stats.mean_rows_per_core_call,
             mean_loops_per_token=stats.mean_loops_per_token,
+            num_preemptions_recompute=stats.num_preemptions_recompute,
+            num_preemptions_swap=stats.num_preemptions_swap,
+            num_prefix_queried_tokens=stats.num_prefix_cache_queried_tokens,
+            num_prefix_hit_tokens=stats.num_prefix_cache_hit_tokens,
+            num_swapped_bytes=stats.num_swapped_bytes,
         )
 
     def _die(self, err: BaseException) -> None:

@@ -45,6 +45,11 @@ class EngineGauges(Protocol):
     num_core_calls: int
     mean_rows_per_core_call: float
     mean_loops_per_token: float
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    num_prefix_queried_tokens: int
+    num_prefix_hit_tokens: int
+    num_swapped_bytes: int
 
     @property
     def kv_usage(self) -> float: ...
@@ -73,6 +78,32 @@ class _EngineCollector:
             "Core calls (one forward of the shared layers over a batch of rows).",
             value=g.num_core_calls,
         )
+        preemptions = CounterMetricFamily(
+            "loopserve_preemptions",
+            "Requests preempted for KV or priority, by mode.",
+            labels=["mode"],
+        )
+        preemptions.add_metric(["recompute"], g.num_preemptions_recompute)
+        preemptions.add_metric(["swap"], g.num_preemptions_swap)
+        yield preemptions
+        for name, help_text, value in (
+            (
+                "loopserve_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                g.num_prefix_queried_tokens,
+            ),
+            (
+                "loopserve_prefix_cache_hits",
+                "Prompt tokens served by the prefix cache.",
+                g.num_prefix_hit_tokens,
+            ),
+            (
+                "loopserve_kv_swapped_bytes",
+                "KV bytes copied between device and host by swap preemption (both ways).",
+                g.num_swapped_bytes,
+            ),
+        ):
+            yield CounterMetricFamily(name, help_text, value=value)
         for name, help_text, value in (
             ("loopserve_ready", "1 when the engine is loaded and alive.", int(self.is_ready)),
             ("loopserve_num_requests_running", "Requests running.", g.num_running),

@@ -112,7 +112,11 @@ async def create_chat_completion(
             )
             for index, out in enumerate(outputs)
         ],
-        usage=usage(len(prompt_ids), sum(len(out.token_ids) for out in outputs)),
+        usage=usage(
+            len(prompt_ids),
+            sum(len(out.token_ids) for out in outputs),
+            outputs[0].metrics.num_cached_prompt_tokens if outputs else 0,
+        ),
     )
     return JSONResponse(response.model_dump())
 
@@ -197,7 +201,8 @@ async def _stream_events(
                 if body.include_usage:
                     completion_tokens = sum(len(out.token_ids) for out in finals.values())
                     prompt_tokens = len(finals[0].prompt_token_ids) if finals else 0
-                    yield chunk([], usage=usage(prompt_tokens, completion_tokens))
+                    cached = finals[0].metrics.num_cached_prompt_tokens if finals else 0
+                    yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
     except (EngineNotReadyError, EngineDeadError) as err:
         yield sse(engine_unavailable(err).body)
     yield SSE_DONE

@@ -44,6 +44,7 @@ from loopserve.server.protocol import (
     CompletionLogprobs,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
 )
@@ -318,11 +319,12 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 

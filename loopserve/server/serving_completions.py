@@ -160,7 +160,14 @@ def _choice(
 
 def _usage(choices: list[_Choice], outputs: list[RequestOutput]) -> UsageInfo:
     prompt_tokens = {c.prompt_index: len(out.prompt_token_ids) for c, out in zip(choices, outputs)}
-    return usage(sum(prompt_tokens.values()), sum(len(out.token_ids) for out in outputs))
+    cached = {}  # per prompt: its first choice's cache hits (the prompt is counted once)
+    for c, out in zip(choices, outputs):
+        cached.setdefault(c.prompt_index, out.metrics.num_cached_prompt_tokens)
+    return usage(
+        sum(prompt_tokens.values()),
+        sum(len(out.token_ids) for out in outputs),
+        sum(cached.values()),
+    )
 
 
 async def _stream_events(

@@ -22,6 +22,12 @@ SIM_ENGINE_ARGS = (
     "num_blocks",
     "gpu_memory_utilization",
     "layout",
+    "kv_reservation",
+    "kv_watermark",
+    "preemption_mode",
+    "swap_space",
+    "scheduling_policy",
+    "enable_prefix_caching",
 )
 
 
@@ -71,6 +77,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="ouro_1p4b_t0.5 | uniform | full | probs:p1,..,pD | trace:l1,l2,..",
     )
     add_engine_args(parser, names=SIM_ENGINE_ARGS, title="engine (simulated)")
+    parser.add_argument(
+        "--client-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens clients send (e.g. 2048); requests still stop at their sampled "
+        "length (None: clients send the exact output length)",
+    )
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="a system prompt of this many tokens before every prompt (prefix caching)",
+    )
     parser.add_argument(
         "--host-overhead-ms", type=float, default=0.0, help="host time added per step"
     )

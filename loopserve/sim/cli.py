@@ -23,7 +23,7 @@ from loopserve.sim.args import SIM_ENGINE_ARGS
 from loopserve.sim.args import add_cli_args as add_cli_args  # noqa: F401  (re-export)
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import get_device_profile
-from loopserve.sim.report import format_capacity, format_table, plot
+from loopserve.sim.report import format_capacity, format_memory_table, format_table, plot
 from loopserve.sim.scenarios import (
     InterferenceSpec,
     format_interference,
@@ -117,6 +117,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         input_len=args.input_len,
         output_len=args.output_len,
         range_ratio=args.range_ratio,
+        shared_prefix_len=args.shared_prefix_len,
     )
     lengths = sample_lengths(spec)
     rates = sorted(args.request_rate)
@@ -134,6 +135,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         host_time_s=args.host_overhead_ms / 1e3,
         roofline=args.roofline,
         on_finish=bar.update,
+        client_max_tokens=args.client_max_tokens,
     )
     slo_s = args.slo_ms / 1e3
     start = time.perf_counter()
@@ -159,6 +161,7 @@ def main_from_args(args: argparse.Namespace) -> int:
                 ok = [r for r in ok if _meets(points, arm.name, r, slo_s)]
                 capacity[arm.name] = max(ok, default=0.0)
     print(format_table(points))
+    print(format_memory_table(points))
     shape = ModelShape.from_config(model_config)
     cost = CostModel(shape, device, args.roofline)
     print(

@@ -41,7 +41,7 @@ from loopserve.sim.cost_model import CostModel
 from loopserve.sim.workload import ExitDistribution
 
 SYNTHETIC_TOKEN = SampledToken(1)
-DECODE, PROMPT = ItemKind.DECODE, ItemKind.PROMPT
+DECODE, PROMPT, REPLAY = ItemKind.DECODE, ItemKind.PROMPT, ItemKind.REPLAY
 
 
 @dataclass
@@ -65,6 +65,8 @@ class ExecutorStats:
     coda_rows: int = 0
     num_early_exits: int = 0
     num_finalize_copies: int = 0
+    swapped_blocks: int = 0  # blocks (of one plane) copied between device and host
+    swap_time_s: float = 0.0  # those copies over the host link (serial with the step)
 
     @property
     def num_core_calls(self) -> int:
@@ -72,7 +74,7 @@ class ExecutorStats:
 
     @property
     def model_time_s(self) -> float:
-        return self.core_time_s + self.coda_time_s + self.sampling_time_s
+        return self.core_time_s + self.coda_time_s + self.sampling_time_s + self.swap_time_s
 
 
 class SimExecutor(Executor):
@@ -84,7 +86,9 @@ class SimExecutor(Executor):
         exit_mode: str = "trace",
         exit_dist: ExitDistribution | None = None,
         seed: int = 0,
+        kv_block_bytes: int = 0,
     ) -> None:
+        """`kv_block_bytes`: one block of one plane, to price swap copies over the host link."""
         self.cost = cost_model
         self.num_loops = cost_model.shape.num_loops
         self.shared = layout == "shared"
@@ -93,6 +97,8 @@ class SimExecutor(Executor):
             raise ValueError(f"exit_mode {exit_mode!r} needs an exit_dist to draw hazards from")
         self.exit_dist = exit_dist
         self.seed = seed
+        self.kv_block_bytes = kv_block_bytes
+        self._swap_s = 0.0  # this step's swap copies
         self.stats = ExecutorStats()
         self._step_finalized = 0  # this step's finalized decode tokens
         self._handles: HandleTable[None] = HandleTable()
@@ -109,6 +115,16 @@ class SimExecutor(Executor):
             self._targets.pop((request_id, self._num_sampled.pop(request_id, 0)), None)
         for new in scheduled.new_requests:
             self._num_sampled[new.request_id] = 0
+        for request_id in scheduled.preempted_request_ids:  # recompute: hidden states dropped
+            for handle in self._handles.release(request_id):
+                self._continue_results.pop((request_id, handle), None)
+        # Swapped requests keep their handles: their hidden states wait on the host.
+        self._swap_s = 0.0
+        for transfer in scheduled.kv_transfers:
+            self.stats.swapped_blocks += len(transfer.block_moves)
+            num_bytes = len(transfer.block_moves) * self.kv_block_bytes
+            self._swap_s += num_bytes / self.cost.device.effective_host_link
+        self.stats.swap_time_s += self._swap_s
 
     @property
     def num_live_handles(self) -> int:
@@ -134,7 +150,7 @@ class SimExecutor(Executor):
         self._apply_bookkeeping(scheduled)
         items = scheduled.items
         if not items:
-            return RunnerOutput(scheduled.step_id, ())
+            return RunnerOutput(scheduled.step_id, (), model_time_s=self._swap_s)
         num_calls = max(item.num_depths for item in items)
         # Per-call totals by item depth count: an item with n depths runs in calls 0..n-1, and
         # its rows, context and KV traffic are the same at every depth (prelude only at 0).
@@ -163,7 +179,7 @@ class SimExecutor(Executor):
             scheduled.step_id,
             tuple(results),
             rows_per_call,
-            model_time_s=core_s + coda_s + sampling_s,
+            model_time_s=core_s + coda_s + sampling_s + self._swap_s,
             forward_time_s=core_s + coda_s,
             num_early_exits=num_early,
             num_finalize_copies=self._step_finalized,
@@ -180,7 +196,14 @@ class SimExecutor(Executor):
             )
         count, start = item.token_count, item.token_start
         tally.rows += count
-        if item.kind is DECODE:
+        if item.kind is REPLAY:  # recompute: a known token through its recorded loops
+            tally.has_decode = True
+            tally.kv_read += start + 1
+            tally.pairs += start + 1
+            result = ItemResult(request_id, handle, (), bool(item.exit_now))
+            if result.exited and not self.shared and item.depth < self.num_loops - 1:
+                tally.finalize += self.num_loops - 1 - item.depth
+        elif item.kind is DECODE:
             tally.has_decode = True
             tally.kv_read += start + 1
             tally.pairs += start + 1

@@ -16,6 +16,13 @@ Sources (datasheet figures; "dense" = without 2:4 sparsity, i.e. half the headli
 - B200 (HGX B200): NVIDIA HGX/DGX B200 datasheet — 180 GB HBM3e per GPU (1,440 GB per
   8-GPU system), 8 TB/s, BF16 4.5 PFLOP/s with sparsity -> ~2.25 PFLOP/s dense.
 
+Host link (swap preemption copies KV blocks over it, one direction at a time): H100 SXM5 and
+H200 SXM datasheets list "PCIe Gen5: 128 GB/s" (both directions together), i.e. 64 GB/s per
+direction; A100 SXM4 "PCIe Gen4: 64 GB/s" -> 32 GB/s per direction; for B200 we assume the
+same PCIe Gen5 x16 host link as Hopper (64 GB/s per direction). A GH200 would use NVLink-C2C,
+450 GB/s per direction (NVIDIA GH200 datasheet: 900 GB/s total). Swap copies are priced at
+`bandwidth_efficiency` of that figure.
+
 Efficiencies: streaming kernels (copy/triad) reach ~90% of HBM bandwidth on Hopper/Ampere,
 and large BF16 GEMMs reach ~70-80% of dense tensor-core peak (cuBLAS). We use 0.90 and 0.75.
 The per-call overhead models one CUDA-graph launch plus host work (~10 µs).
@@ -41,6 +48,7 @@ class DeviceProfile:
     compute_efficiency: float = 0.75
     call_overhead_s: float = 10e-6
     source: str = ""
+    host_link_bytes_per_s: float = 64 * 10**9  # one direction (see the module docstring)
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_efficiency", "compute_efficiency"):
@@ -61,6 +69,11 @@ class DeviceProfile:
         return self.peak_bf16_flops_per_s * self.compute_efficiency
 
     @property
+    def effective_host_link(self) -> float:
+        """Achievable device<->host bytes per second, one direction."""
+        return self.host_link_bytes_per_s * self.bandwidth_efficiency
+
+    @property
     def ridge_rows(self) -> float:
         """Rows per call above which a BF16 weight GEMM is compute-bound (2 FLOP per 2 bytes)."""
         return self.effective_flops / self.effective_bandwidth
@@ -70,7 +83,12 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile("h100", 80 * GB, 3.35 * TB, 989e12, source="NVIDIA H100 SXM5 datasheet"),
     "h200": DeviceProfile("h200", 141 * GB, 4.8 * TB, 989e12, source="NVIDIA H200 SXM datasheet"),
     "a100": DeviceProfile(
-        "a100", 80 * GB, 2.039 * TB, 312e12, source="NVIDIA A100 SXM4 80GB datasheet"
+        "a100",
+        80 * GB,
+        2.039 * TB,
+        312e12,
+        source="NVIDIA A100 SXM4 80GB datasheet",
+        host_link_bytes_per_s=32 * GB,
     ),
     "b200": DeviceProfile("b200", 180 * GB, 8.0 * TB, 2250e12, source="NVIDIA HGX B200 datasheet"),
 }

@@ -97,6 +97,14 @@ class SimResult:
     scheduler_us_per_step: float
     wall_s: float
     cpu_s: float  # process CPU seconds of the simulation (robust to other load on the host)
+    num_preemptions: int = 0
+    num_preemptions_swap: int = 0
+    # Row-loops re-run by recompute preemption (prompt replays + generated-token replays)
+    # over all row-loops of all core calls: the recompute share of the work.
+    recompute_row_share: float = 0.0
+    swap_time_share: float = 0.0  # of simulated GPU seconds: host-link copies
+    prefix_hit_tokens: int = 0
+    num_prompt_tokens: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,4 +155,13 @@ def summarize(run: SimRun) -> SimResult:
         scheduler_us_per_step=_ratio(run.scheduler_cpu_s * 1e6, run.num_steps),
         wall_s=run.wall_s,
         cpu_s=run.cpu_s,
+        num_preemptions=run.memory.num_preemptions,
+        num_preemptions_swap=run.memory.num_preemptions_swap,
+        recompute_row_share=_ratio(
+            run.memory.num_recompute_prompt_rows + run.memory.num_replayed_rows,
+            ex.decode_rows + ex.prompt_rows + ex.mixed_rows,
+        ),
+        swap_time_share=_ratio(ex.swap_time_s, ex.model_time_s),
+        prefix_hit_tokens=run.prefix_hit_tokens,
+        num_prompt_tokens=num_prompt,
     )

@@ -33,6 +33,28 @@ def format_table(points: list[PointResult]) -> str:
     return "\n".join(lines)
 
 
+def format_memory_table(points: list[PointResult]) -> str:
+    """Memory management per point: preemptions per 1000 requests, the recompute share of
+    row-loops, the swap share of GPU time, prefix-cache hits over prompt tokens."""
+    lines = [
+        f"{'policy':>11} {'rate':>7} {'preempt/1k':>10} {'swap':>5} {'recomp rows':>11} "
+        f"{'swap time':>9} {'prefix hit':>10} {'TTFT p50':>9}"
+    ]
+    for p in points:
+        r = p.result
+        if r is None:
+            continue
+        rate = "inf" if math.isinf(p.request_rate) else f"{p.request_rate:.2f}"
+        per_1k = 1000 * r.num_preemptions / max(r.num_requests, 1)
+        hit = r.prefix_hit_tokens / max(r.num_prompt_tokens, 1)
+        lines.append(
+            f"{p.arm:>11} {rate:>7} {per_1k:>10.1f} {r.num_preemptions_swap:>5} "
+            f"{r.recompute_row_share:>11.3f} {r.swap_time_share:>9.3f} {hit:>10.3f} "
+            f"{r.ttft.p50_s * 1e3:>9.1f}"
+        )
+    return "\n".join(lines)
+
+
 def plot(points: list[PointResult], slo_s: float, path: Path, title: str) -> None:
     import matplotlib
 

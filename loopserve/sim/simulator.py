@@ -30,8 +30,8 @@ from loopserve.engine.core import EngineCore
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
-from loopserve.scheduler.request import Request
-from loopserve.scheduler.scheduler import Scheduler
+from loopserve.scheduler.request import FinishReason, Request
+from loopserve.scheduler.scheduler import MemoryStats, Scheduler
 from loopserve.sim.cost_model import CostModel, ModelShape
 from loopserve.sim.executor import ExecutorStats, SimExecutor
 from loopserve.sim.hardware import DeviceProfile
@@ -55,6 +55,8 @@ class SimRun:
     wall_s: float = 0.0
     cpu_s: float = 0.0  # process CPU seconds of the whole run
     step_items: list[tuple] = field(default_factory=list)
+    memory: MemoryStats = field(default_factory=MemoryStats)
+    prefix_hit_tokens: int = 0
 
 
 def build_engine_config(engine_args: dict[str, object]) -> EngineConfig:
@@ -99,6 +101,7 @@ class Simulator:
         exit_threshold: float = 0.5,
         seed: int = 0,
         roofline: str = "call",
+        client_max_tokens: int | None = None,
     ) -> None:
         """`exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
         draws hazards from the distribution; requests get the threshold); trace mode replays
@@ -114,7 +117,11 @@ class Simulator:
         cache = self.config.cache
         num_planes = 1 if cache.layout == "shared" else self.num_loops
         assert cache.num_blocks is not None
-        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, num_planes)
+        self.kv = KVCacheManager.from_config(
+            self.config,
+            num_planes=num_planes,
+            bytes_per_block=kv_bytes_per_block(self.shape, cache.block_size),
+        )
         self.scheduler = Scheduler(self.config, num_loops=self.num_loops, kv=self.kv)
         self.executor = SimExecutor(
             self.cost_model,
@@ -122,15 +129,26 @@ class Simulator:
             exit_mode=self.config.exit.mode,
             exit_dist=exit_dist,
             seed=seed,
+            kv_block_bytes=kv_bytes_per_block(self.shape, cache.block_size),
         )
         self.host_time_s = host_time_s
+        # Clients that do not know the output length send this max_tokens (capped by the
+        # context); each request still stops at its sampled output length (a stop, as if
+        # the model emitted EOS), so the engine never learns the length in advance.
+        self.client_max_tokens = client_max_tokens
+        self._output_len: dict[str, int] = {}
         # CPU seconds: the scheduler's share is robust to other load on the host.
         self.core = EngineCore(self.scheduler, self.executor, clock=time.process_time)
 
     def make_request(self, sim: SimRequest, order: int, arrival_s: float) -> Request:
         trace_mode = self.config.exit.mode == "trace"
+        max_tokens = sim.output_len
+        if self.client_max_tokens is not None:
+            room = self.max_model_len - sim.prompt_len
+            max_tokens = max(sim.output_len, min(self.client_max_tokens, room))
+            self._output_len[sim.request_id] = sim.output_len
         params = SamplingParams(
-            max_tokens=sim.output_len,
+            max_tokens=max_tokens,
             temperature=0.0,
             ignore_eos=True,
             exit_trace=sim.exit_trace if trace_mode else None,
@@ -141,7 +159,9 @@ class Simulator:
             raise ValueError(f"{sim.request_id}: {total} tokens exceed {self.max_model_len}")
         return Request(
             sim.request_id,
-            [1] * sim.prompt_len,
+            # Token ids only matter to prefix caching: a shared prefix of 1s, then ids unique
+            # to the request (no accidental sharing between requests).
+            [1] * sim.shared_prefix_len + [order + 2] * (sim.prompt_len - sim.shared_prefix_len),
             params,
             arrival_order=order,
             eos_token_ids=frozenset(),
@@ -185,6 +205,11 @@ class Simulator:
             if result.output is None:  # the simulated executor raised: a bug, never load
                 assert result.error is not None
                 raise result.error
+            for request in result.touched:
+                if not request.is_finished and len(
+                    request.output_token_ids
+                ) >= self._output_len.get(request.request_id, 1 << 60):
+                    scheduler.finish(request, FinishReason.STOP)
             if result.scheduled.is_empty:
                 raise RuntimeError("the scheduler planned an empty step with work pending")
             clients.clock += result.output.model_time_s + self.host_time_s
@@ -211,6 +236,10 @@ class Simulator:
             wall_s=time.perf_counter() - wall_start,
             cpu_s=time.process_time() - cpu_start,
             step_items=step_items,
+            memory=scheduler.memory_stats,
+            prefix_hit_tokens=self.kv.prefix_cache.stats.num_hit_tokens
+            if self.kv.prefix_cache
+            else 0,
         )
 
 

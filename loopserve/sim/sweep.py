@@ -70,6 +70,7 @@ class SweepSetup:
     host_time_s: float = 0.0
     roofline: str = "call"
     on_finish: Callable[[int], None] | None = None
+    client_max_tokens: int | None = None  # see `Simulator`
 
 
 def check_arm(setup: SweepSetup, arm: Arm) -> str | None:
@@ -90,6 +91,7 @@ def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
         request_rate=request_rate,
         exit_dist=exit_dist,
         seed=spec.seed,
+        shared_prefix_len=spec.shared_prefix_len,
     )
     workload = build_workload(point_spec, setup.model_config.num_loops, lengths=setup.lengths)
     try:
@@ -99,6 +101,7 @@ def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
             {**setup.engine_args, **arm.engine_args},
             host_time_s=setup.host_time_s,
             roofline=setup.roofline,
+            client_max_tokens=setup.client_max_tokens,
         )
     except ConfigError as err:
         return PointResult(arm.name, request_rate, None, f"pending: {err}")

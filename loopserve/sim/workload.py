@@ -34,6 +34,9 @@ class SimRequest:
     prompt_len: int
     output_len: int
     exit_trace: tuple[int, ...]  # loops of output token i (the first token included)
+    # Leading prompt tokens shared with other requests (a system prompt), for prefix caching;
+    # the rest of the prompt is unique to the request.
+    shared_prefix_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class WorkloadSpec:
     range_ratio: float = 0.5  # synthetic only
     max_prompt_len: int = 1024  # ShareGPT filter (vLLM's rule)
     max_total_len: int = 2048  # ShareGPT filter (vLLM's rule)
+    # A system prompt of this many tokens, the same for every request, put before each
+    # sampled prompt (prefix-caching studies).
+    shared_prefix_len: int = 0
 
 
 def sample_lengths(
@@ -111,6 +117,13 @@ def build_workload(
     arrivals = poisson_arrivals(len(lengths), spec.request_rate, rng)
     exit_rng = np.random.default_rng([spec.seed, 1])  # independent of the arrival stream
     return [
-        SimRequest(f"sim-{i}", arrival, prompt_len, output_len, dist.sample(exit_rng, output_len))
+        SimRequest(
+            f"sim-{i}",
+            arrival,
+            spec.shared_prefix_len + prompt_len,
+            output_len,
+            dist.sample(exit_rng, output_len),
+            shared_prefix_len=spec.shared_prefix_len,
+        )
         for i, (arrival, (prompt_len, output_len)) in enumerate(zip(arrivals, lengths))
     ]

@@ -116,6 +116,8 @@ class OutputProcessor:
                 times.first_token_s,
                 times.finished_s,
                 tuple(times.token_times_s),
+                num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+                num_preemptions=request.num_preemptions,
             ),
             logprobs=logprobs,
             new_token_ids=list(new_ids),

@@ -1,0 +1,139 @@
+"""Prefix caching over depth planes: published prompt pages, shared by reference. Torch-free.
+
+A page is one block-sized run of prompt positions `[i * block_size, (i + 1) * block_size)`.
+Its KV lives in one block per plane (D under LAST_EXITED, 1 under SHARED); one cache entry
+covers all of them. Prompt positions always run every loop, so a page's KV at every plane
+depends only on the token ids up to its end: the key is a chained hash of the page's tokens
+and its parent's key (the root key names the number of planes). Entries store their tokens
+and parent, and a hit compares them, so a hash collision can never serve wrong KV.
+
+Rules:
+- a page is published only when all its positions are prompt positions complete at every
+  plane (wavefront and per-depth prompts finish depths at different times; the scheduler
+  publishes when its prompt frontier passes the page); pages written by decode (exits and
+  finalize copies) are never published;
+- a request reuses at most `(num_prompt - 1) // block_size` pages: its last prompt position
+  always runs through all D loops (the first token's exit needs that row's hazards);
+- reference counts: a page referenced by a running request is never written (its positions
+  are behind every writer's frontier) and never evicted; unreferenced pages stay cached and
+  are evicted least recently used first when the pool runs short.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class CachedPage:
+    key: int
+    parent: int
+    tokens: tuple[int, ...]
+    blocks: tuple[int, ...]  # one per plane
+    ref_count: int = 0
+
+
+@dataclass
+class PrefixCacheStats:
+    num_queried_tokens: int = 0  # prompt tokens looked up at admission
+    num_hit_tokens: int = 0  # of them served from the cache
+    num_published_pages: int = 0
+    num_evicted_pages: int = 0
+
+
+class PrefixCache:
+    def __init__(self, block_size: int, num_planes: int) -> None:
+        self.block_size = block_size
+        self.num_planes = num_planes
+        self.root = hash(("loopserve-prefix", num_planes, block_size))
+        self.pages: dict[int, CachedPage] = {}
+        self.page_of_block: dict[int, CachedPage] = {}  # plane-0 block -> page
+        self.evictable: OrderedDict[int, CachedPage] = OrderedDict()  # LRU first
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self.evictable) * self.num_planes
+
+    def page_keys(self, token_ids: list[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(key, parent, tokens) of every full page of `token_ids`, in order."""
+        keys = []
+        parent = self.root
+        size = self.block_size
+        for start in range(0, len(token_ids) - size + 1, size):
+            tokens = tuple(token_ids[start : start + size])
+            key = hash((parent, tokens))
+            keys.append((key, parent, tokens))
+            parent = key
+        return keys
+
+    def match(
+        self, keys: list[tuple[int, int, tuple[int, ...]]], max_pages: int
+    ) -> list[CachedPage]:
+        """The longest run of cached pages at the start of `keys` (not yet referenced)."""
+        hits = []
+        for key, parent, tokens in keys[:max_pages]:
+            page = self.pages.get(key)
+            if page is None or page.parent != parent or page.tokens != tokens:
+                break
+            hits.append(page)
+        return hits
+
+    def acquire(self, pages: list[CachedPage]) -> None:
+        for page in pages:
+            page.ref_count += 1
+            self.evictable.pop(page.key, None)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self.page_of_block
+
+    def release(self, block: int) -> None:
+        """Drop one reference to the page whose plane-0 block is `block`."""
+        page = self.page_of_block[block]
+        assert page.ref_count > 0, f"page {page.key} released more than acquired"
+        page.ref_count -= 1
+        if page.ref_count == 0:
+            self.evictable[page.key] = page  # most recently used last
+
+    def publish(
+        self, key: int, parent: int, tokens: tuple[int, ...], blocks: tuple[int, ...]
+    ) -> bool:
+        """Make a request's complete page shareable (it keeps one reference); False when the
+        same content is already cached (the request's copy stays private)."""
+        if key in self.pages:
+            return False
+        page = CachedPage(key, parent, tokens, blocks, ref_count=1)
+        self.pages[key] = page
+        self.page_of_block[blocks[0]] = page
+        self.stats.num_published_pages += 1
+        return True
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free at least `num_blocks` blocks from unreferenced pages, least recent first."""
+        freed: list[int] = []
+        while len(freed) < num_blocks:
+            assert self.evictable, "nothing left to evict"
+            _, page = self.evictable.popitem(last=False)
+            del self.pages[page.key]
+            del self.page_of_block[page.blocks[0]]
+            freed.extend(page.blocks)
+            self.stats.num_evicted_pages += 1
+        return freed
+
+    def check_invariants(self, owners: dict[int, int]) -> set[int]:
+        """`owners`: block -> number of request tables holding it. Returns cached blocks."""
+        cached: set[int] = set()
+        for key, page in self.pages.items():
+            assert page.key == key and len(page.blocks) == self.num_planes
+            assert self.page_of_block[page.blocks[0]] is page
+            for block in page.blocks:
+                assert owners.get(block, 0) == page.ref_count, (
+                    f"page {key}: {page.ref_count} references, block {block} held "
+                    f"{owners.get(block, 0)} times"
+                )
+                assert block not in cached, f"block {block} in two cached pages"
+                cached.add(block)
+            assert (page.ref_count == 0) == (key in self.evictable), "LRU list out of date"
+        assert len(self.page_of_block) == len(self.pages)
+        return cached

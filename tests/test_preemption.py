@@ -1,0 +1,311 @@
+"""Preemption must not change any output: recompute and swap against the dense reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loopserve.sampling_params import SamplingParams
+from tests.engine_utils import make_engine, reference_for, run_steps
+
+PROMPT_ARMS = {
+    "atomic": {"prefill_mode": "atomic"},
+    "per_depth": {"prefill_mode": "per_depth"},
+    "wavefront": {"prefill_mode": "wavefront"},
+    "mixed": {"prefill_mode": "per_depth", "mixed_prefill_decode": True},
+}
+
+# A covering subset of preemption mode x layout x decode mode x prompt arm x exit mode x
+# sampling: every value of every axis, every preemption mode with every other value.
+CASES = [
+    ("recompute", "last_exited", "refill", "atomic", "ouro", False),
+    ("swap", "last_exited", "no_refill", "per_depth", "ouro_delayed", True),
+    ("recompute", "last_exited", "no_refill", "wavefront", "random_lookahead", False),
+    ("swap", "last_exited", "refill", "mixed", "trace", False),
+    ("recompute", "last_exited", "refill", "mixed", "ouro_delayed", True),
+    ("swap", "last_exited", "refill", "wavefront", "ouro", True),
+    ("recompute", "shared", "no_refill", "atomic", "trace", True),
+    ("swap", "shared", "refill", "per_depth", "random_lookahead", True),
+    ("recompute", "shared", "refill", "per_depth", "ouro", False),
+    ("swap", "shared", "no_refill", "atomic", "ouro_delayed", False),
+    ("recompute", "last_exited", "no_refill", "per_depth", "trace", True),
+    ("swap", "last_exited", "refill", "atomic", "random_lookahead", False),
+]
+
+
+def priority_workload(seed: int, num_requests: int, vocab: int, *, sampled: bool):
+    rng = random.Random(seed)
+    work = []
+    for i in range(num_requests):
+        prompt = [rng.randrange(vocab) for _ in range(rng.choice([2, 5, 9, 14, 23]))]
+        params = SamplingParams(
+            max_tokens=rng.randrange(6, 16),
+            temperature=rng.choice([0.7, 1.0]) if sampled and i % 2 else 0.0,
+            top_k=rng.choice([-1, 30]),
+            seed=2000 + i,
+            exit_threshold=rng.choice([0.3, 0.6, 0.9]),
+            min_loops=rng.choice([1, 1, 2]),
+            exit_trace=tuple(rng.randrange(1, 5) for _ in range(rng.randrange(1, 6))),
+            priority=rng.choice([0, 0, 1, -1]),
+            ignore_eos=True,
+        )
+        work.append((f"r{i}", prompt, params, rng.randrange(0, 10)))
+    return work
+
+
+def assert_all_released(engine) -> None:
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.kv.host_pool.num_free_blocks == engine.kv.host_pool.num_blocks
+    assert engine.runner.num_live_handles == 0
+    assert engine.runner.samplers == {}
+    assert engine.runner.swapped_inflight == {}
+
+
+@pytest.mark.parametrize(
+    "preemption,layout,mode,prompt_arm,exit_mode,sampled",
+    CASES,
+    ids=["-".join(str(v) for v in case) for case in CASES],
+)
+def test_preempted_requests_match_reference(
+    tiny_dir, preemption, layout, mode, prompt_arm, exit_mode, sampled
+):
+    # The largest request writes 23 + 15 - 1 = 37 positions: 10 blocks per plane. The pool
+    # holds barely more than one such request, so four running requests preempt constantly.
+    num_planes = 1 if layout == "shared" else 4
+    case_index = CASES.index((preemption, layout, mode, prompt_arm, exit_mode, sampled))
+    engine = make_engine(
+        tiny_dir,
+        layout=layout,
+        mode=mode,
+        exit_mode=exit_mode,
+        preemption_mode=preemption,
+        # Half the cases also preempt for priority (the workload mixes priorities).
+        scheduling_policy="priority" if case_index % 2 else "fcfs",
+        num_blocks=11 * num_planes,
+        swap_space=2048 * 40,  # 40 host blocks of 2 KiB
+        **PROMPT_ARMS[prompt_arm],
+    )
+    seed = 17 + case_index
+    work = priority_workload(seed, 9, engine.model.config.vocab_size, sampled=sampled)
+    aborted = {"r3": 9, "r6": 25}
+    finished = run_steps(engine, work, abort_at=aborted)
+    stats = engine.scheduler.memory_stats
+    assert stats.num_preemptions > 0
+    if preemption == "swap":
+        assert stats.num_preemptions_swap > 0
+        assert engine.kv.num_swapped_in_blocks > 0
+    else:
+        assert stats.num_preemptions_swap == 0
+        assert stats.num_replayed_rows > 0
+    assert set(finished) == {w[0] for w in work}
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        if out.finish_reason == "abort":
+            assert request_id in aborted
+            assert out.token_ids == ref.token_ids[: len(out.token_ids)]
+            assert out.exit_depths == ref.exit_depths[: len(out.exit_depths)]
+            continue
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+    assert_all_released(engine)
+
+
+def _planes(engine, request_id: str, num_positions: int) -> torch.Tensor:
+    """[planes, layers, K/V, positions, kv_heads, head_dim] of one request, via its tables."""
+    block_size = engine.kv.block_size
+    cache = engine.runner.kv_cache
+    planes = []
+    for table in engine.kv.tables[request_id]:
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(num_positions)]
+        planes.append(cache[:, :, slots].clone())
+    return torch.stack(planes)
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_recompute_rebuilds_kv_planes(tiny_dir, layout):
+    """The replay rebuilds every plane of every written position.
+
+    SHARED replays one row per core call, like the original decode of a lone request, and
+    the planes match bit for bit. LAST_EXITED replays generated positions as a wavefront
+    (position t at depth d next to t+1 at depth d-1), so its core calls carry 2-4 rows where
+    the original carried 1: CPU float32 GEMM picks its kernel by the call's row count (one
+    row: a GEMV path; more: blocked micro-kernels with separate tail kernels), so a row's
+    bits depend on how many rows share the call. Prompt positions (same chunk, same rows)
+    match bit for bit; replayed positions match to float32 rounding (measured max |diff|
+    about 2e-6), while any semantic slip (wrong depth, missing finalize copy) is O(1).
+    """
+    # Prefix caching off: the prompt then re-runs as the same chunk (same rows per call).
+    engine = make_engine(tiny_dir, layout=layout, exit_mode="trace", enable_prefix_caching=False)
+    params = SamplingParams(
+        max_tokens=14, temperature=0, ignore_eos=True, exit_trace=(1, 3, 2, 4, 1, 2, 3)
+    )
+    prompt = [7, 3, 9, 11, 2, 5, 8, 1, 4, 6]
+    engine.add_request("a", prompt, params)
+    request = engine.scheduler.requests["a"]
+    while len(request.output_token_ids) < 9:
+        engine.step()
+    assert request.token_exit.depth == 0  # the next token has not run a loop yet
+    position = request.next_position  # the token in flight; positions before it are final
+    before = _planes(engine, "a", position)
+    early = [d for d in request.exit_depths[1:] if d < 4]
+    assert early, "some replayed positions exited early (finalize copies in the replay)"
+    engine.scheduler.preempt("a")
+    assert "a" not in engine.kv.tables
+    saw_replay = False
+    while request.in_prompt_phase or request.replay is not None or "a" not in engine.kv.tables:
+        engine.step()
+        engine.scheduler.check_invariants()
+        saw_replay |= request.replay is not None
+    assert saw_replay
+    after = _planes(engine, "a", position)
+    num_prompt = len(prompt)
+    assert torch.equal(before[:, :, :, :num_prompt], after[:, :, :, :num_prompt])
+    if layout == "shared":
+        assert torch.equal(before, after)
+    else:
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+    finished = run_steps(engine, [])
+    ref = reference_for(engine, prompt, params)
+    assert (finished["a"].token_ids, finished["a"].exit_depths) == (
+        ref.token_ids,
+        ref.exit_depths,
+    )
+    assert engine.scheduler.memory_stats.num_preemptions_recompute == 1
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preemption_mid_token_keeps_gate_state_and_sampler(tiny_dir, preemption):
+    # A seeded, gated request preempted while its token is between loops 2 and 3.
+    engine = make_engine(tiny_dir, preemption_mode=preemption, swap_space=2048 * 64)
+    params = SamplingParams(
+        max_tokens=10, temperature=0.8, seed=5, exit_threshold=0.7, min_loops=2, ignore_eos=True
+    )
+    engine.add_request("a", [4, 8, 15, 16, 23, 42], params)
+    request = engine.scheduler.requests["a"]
+    while not (len(request.output_token_ids) >= 4 and request.token_exit.depth == 2):
+        engine.step()
+    engine.scheduler.preempt("a")
+    assert request.swapped == (preemption == "swap")
+    finished = run_steps(engine, [])
+    ref = reference_for(engine, [4, 8, 15, 16, 23, 42], params)
+    assert (finished["a"].token_ids, finished["a"].exit_depths) == (
+        ref.token_ids,
+        ref.exit_depths,
+    )
+    assert_all_released(engine)
+
+
+def test_incremental_allocation_grows_block_by_block(tiny_dir):
+    engine = make_engine(tiny_dir, exit_mode="trace", block_size=4)
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, exit_trace=(2,))
+    engine.add_request("a", [1, 2, 3, 4, 5], params)  # 5 prompt positions: 2 blocks per plane
+    request = engine.scheduler.requests["a"]
+    engine.step()
+    sizes = [len(plane) for plane in engine.kv.tables["a"]]
+    assert sizes == [2, 2, 2, 2]  # prompt only, every plane, not the worst case (4 blocks)
+    seen = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        if "a" in engine.kv.tables and not request.is_finished:
+            seen[request.next_position] = len(engine.kv.tables["a"][0])
+    # Decode tokens are fed at positions 5..12; a block is added when one starts a block.
+    assert seen == {5: 2, 6: 2, 7: 2, 8: 3, 9: 3, 10: 3, 11: 3, 12: 4}
+
+
+def test_full_reservation_reserves_worst_case_up_front(tiny_dir):
+    engine = make_engine(tiny_dir, kv_reservation="full", block_size=4)
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=9, temperature=0))
+    engine.step()
+    # 5 + 9 - 1 = 13 positions -> 4 blocks per plane.
+    assert [len(plane) for plane in engine.kv.tables["a"]] == [4, 4, 4, 4]
+
+
+def test_watermark_holds_back_admission_while_others_run(tiny_dir):
+    # 40 blocks, watermark 0.25 -> 10 blocks kept free while a request runs.
+    engine = make_engine(tiny_dir, num_blocks=40, block_size=4, kv_watermark=0.25)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request("a", list(range(1, 21)), params)  # 5 blocks x 4 planes = 20
+    engine.add_request("b", list(range(1, 17)), params)  # 4 x 4 = 16: 20 + 16 > 40 - 10
+    engine.step()
+    assert engine.scheduler.num_running == 1 and engine.scheduler.num_waiting == 1
+    engine2 = make_engine(tiny_dir, num_blocks=40, block_size=4, kv_watermark=0.25)
+    engine2.add_request("b", list(range(1, 37)), params)  # 9 x 4 = 36 > 30 but alone: admitted
+    engine2.step()
+    assert engine2.scheduler.num_running == 1
+
+
+def _finish_order(engine) -> list[str]:
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+        engine.scheduler.check_invariants()
+    return order
+
+
+@pytest.mark.parametrize("full_on", ["seats", "kv"])
+def test_high_priority_arrival_preempts_lowest_priority_and_finishes_first(tiny_dir, full_on):
+    # Seats full: two seats, both taken. KV full: seats to spare, but the 2 running requests
+    # hold 2 x 3 blocks x 4 planes of 28 and the newcomer's prompt needs 3 x 4 more.
+    limits = {"max_num_seqs": 2} if full_on == "seats" else {"num_blocks": 28}
+    engine = make_engine(tiny_dir, scheduling_policy="priority", block_size=4, **limits)
+    low = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, priority=1)
+    high = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, priority=0)
+    engine.add_request("old", [1, 2, 3, 4, 5, 6, 7, 8, 9], low)
+    engine.add_request("young", [9, 8, 7, 6, 5, 4, 3, 2, 1], low)
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.num_running == 2
+    engine.add_request("vip", [5, 5, 6, 6, 7, 7, 8, 8, 9], high)
+    engine.step()
+    young = engine.scheduler.requests["young"]
+    assert young.num_preemptions == 1 and engine.scheduler.requests["old"].num_preemptions == 0
+    outputs = {}
+    order = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+                outputs[out.request_id] = out
+    assert order[0] == "vip"
+    for request_id, prompt, params in [
+        ("old", [1, 2, 3, 4, 5, 6, 7, 8, 9], low),
+        ("young", [9, 8, 7, 6, 5, 4, 3, 2, 1], low),
+        ("vip", [5, 5, 6, 6, 7, 7, 8, 8, 9], high),
+    ]:
+        assert outputs[request_id].token_ids == reference_for(engine, prompt, params).token_ids
+    assert_all_released(engine)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_no_preemption_for_equal_priority_or_under_fcfs(tiny_dir, policy):
+    engine = make_engine(tiny_dir, scheduling_policy=policy, max_num_seqs=2)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], params)
+    engine.add_request("b", [4, 5, 6], params)
+    engine.step()
+    # Equal priority under "priority"; a better one under "fcfs": neither preempts.
+    newcomer = params if policy == "priority" else SamplingParams(max_tokens=2, priority=-5)
+    engine.add_request("c", [7, 8, 9], newcomer)
+    assert _finish_order(engine)[-1] == "c"
+    assert engine.scheduler.memory_stats.num_preemptions == 0
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(tiny_dir):
+    # 2 host blocks of 2 KiB; the request holds at least 2 blocks x 4 planes.
+    engine = make_engine(tiny_dir, preemption_mode="swap", swap_space=2 * 2048)
+    assert engine.kv.host_pool.num_blocks == 2
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("a", [3, 1, 4, 1, 5, 9, 2], params)
+    request = engine.scheduler.requests["a"]
+    while len(request.output_token_ids) < 3:
+        engine.step()
+    engine.scheduler.preempt("a")
+    assert not request.swapped
+    stats = engine.scheduler.memory_stats
+    assert (stats.num_preemptions_swap, stats.num_preemptions_recompute) == (0, 1)
+    finished = run_steps(engine, [])
+    assert finished["a"].token_ids == reference_for(engine, [3, 1, 4, 1, 5, 9, 2], params).token_ids
+    assert finished["a"].metrics.num_preemptions == 1
+    assert_all_released(engine)

@@ -106,6 +106,7 @@ def test_two_replicas_return_what_one_engine_returns_per_request(pool, reference
 
 def test_prefix_routing_keeps_a_shared_prefix_on_one_replica(pool, loop):
     shared = _prompt(90, 12)  # three full blocks of 4
+    loop.run_until_complete(pool.refresh_stats())
     before = prometheus_values(pool.metrics.render(pool.snapshot, num_in_flight=0, is_ready=True))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -123,6 +124,8 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_replica(pool, loop):
     replicas = {stream.replica for _, stream in same}
     assert len(replicas) == 1, replicas
     (prefix_replica,) = replicas
+
+    loop.run_until_complete(pool.refresh_stats())  # fresh replica gauges, not 0.5 s old
     after = prometheus_values(pool.metrics.render(pool.snapshot, num_in_flight=0, is_ready=True))
 
     def delta(name: str, replica: int) -> float:
@@ -135,6 +138,12 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_replica(pool, loop):
     assert other_stream.replica == other_replica
     assert delta("loopserve_router_requests_total", other_replica) == 1
     assert all(final.finish_reason == "length" for final, _ in same)
+    # Routing made the prefix cache hit: with two seats, the last two same-prefix requests are
+    # admitted after the first two published the shared blocks.
+    assert delta("loopserve_generation_tokens_total", prefix_replica) == 4 * 16
+    assert delta("loopserve_generation_tokens_total", other_replica) == 16
+    assert delta("loopserve_prefix_cache_hits_total", prefix_replica) > 0
+    assert delta("loopserve_prefix_cache_hits_total", other_replica) == 0
 
 
 def test_http_metrics_label_replicas_and_health_is_ok(pool, loop):

@@ -3,7 +3,8 @@
 `PoolMetrics` keeps the server's per-request counters and histograms (`ServingMetrics`,
 observed in the server process as requests finish) and replaces the single engine's gauges by
 one sample per replica: the engine gauges of its latest snapshot (running, waiting, KV blocks,
-generated tokens, core calls, ...) plus the router's view (outstanding tokens, requests routed,
+generated tokens, core calls, preemptions by mode, prefix-cache queries and hits, swapped
+bytes, ...) plus the router's view (outstanding tokens, requests routed,
 prefix hits) and its health (state, restarts, failed requests). Pool-wide samples
 (`loopserve_ready`, `loopserve_num_requests_in_flight`, `loopserve_replicas_serving`) carry no
 label. Sum over `replica` for totals.
@@ -58,6 +59,13 @@ _PER_REPLICA = (
      "counter", lambda r: r.snapshot.num_output_tokens),
     ("loopserve_core_calls", "Core calls (since the replica started).", "counter",
      lambda r: r.snapshot.num_core_calls),
+    ("loopserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "counter", lambda r: r.snapshot.num_prefix_queried_tokens),
+    ("loopserve_prefix_cache_hits", "Prompt tokens served by the prefix cache.", "counter",
+     lambda r: r.snapshot.num_prefix_hit_tokens),
+    ("loopserve_kv_swapped_bytes",
+     "KV bytes copied between device and host by swap preemption (both ways).", "counter",
+     lambda r: r.snapshot.num_swapped_bytes),
     ("loopserve_replica_outstanding_tokens",
      "Router's outstanding work: prompt tokens not yet prefilled plus tokens still to generate.",
      "gauge", lambda r: r.outstanding_tokens),
@@ -103,6 +111,17 @@ class _PoolCollector:
             ("loopserve_replicas_serving", "Replicas taking requests.", num_serving),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
+        preemptions = CounterMetricFamily(
+            "loopserve_preemptions",
+            "Requests preempted for KV or priority, by mode.",
+            labels=["replica", "mode"],
+        )
+        for replica in pool.replicas:
+            preemptions.add_metric([str(replica.index), "recompute"],
+                                   replica.snapshot.num_preemptions_recompute)  # fmt: skip
+            preemptions.add_metric([str(replica.index), "swap"],
+                                   replica.snapshot.num_preemptions_swap)  # fmt: skip
+        yield preemptions
         for name, help_text, kind, value_of in _PER_REPLICA:
             family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             family = family_cls(name, help_text, labels=["replica"])

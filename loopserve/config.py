@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from loopserve.engine_args import (  # noqa: F401  (the choice lists, re-exported)
+    ATTENTION_BACKENDS,
     ENGINE_ARGS_BY_NAME,
     EXIT_MODES,
     KV_RESERVATIONS,
@@ -66,6 +67,7 @@ class EngineConfig:
     dtype: str = default("dtype")
     device: str = default("device")
     max_model_len: int | None = default("max_model_len")
+    attention_backend: str = default("attention_backend")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -142,6 +144,7 @@ def validate(config: EngineConfig) -> None:
     _choice("prefill_mode", sched.prefill_mode, PREFILL_MODES)
     _choice("exit_mode", exit_.mode, EXIT_MODES)
     _choice("device", config.device.split(":")[0], ("cpu", "cuda"))
+    _choice("attention_backend", config.attention_backend, ATTENTION_BACKENDS)
     if sched.prefill_chunk_size > sched.max_num_batched_tokens:
         raise ConfigError(
             f"prefill_chunk_size ({sched.prefill_chunk_size}) must be <= max_num_batched_tokens "

@@ -146,6 +146,15 @@ class ItemResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """A new request whose per-request setup raised in the executor. The executor kept none of
+    its state and ran none of its rows; the engine core aborts it with `error`."""
+
+    request_id: str
+    error: str  # "ExceptionType: message", for the log and the request's output
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerOutput:
     step_id: int
     results: tuple[ItemResult, ...]
@@ -155,6 +164,8 @@ class RunnerOutput:
     forward_time_s: float = 0.0  # inside the model's prelude / core / gate / coda calls only
     num_early_exits: int = 0  # tokens sampled this step after fewer than D loops
     num_finalize_copies: int = 0  # LAST_EXITED: decode tokens whose K/V was finalized
+    # New requests whose setup raised this step (their items got empty results).
+    failed_requests: tuple[RequestFailure, ...] = ()
 
 
 class Executor(ABC):
@@ -163,8 +174,15 @@ class Executor(ABC):
     Contract: `execute` first applies the bookkeeping of `scheduled` (drop the state of
     `finished_request_ids`, register `new_requests`), then runs `items` and returns one
     `ItemResult` per item, in item order. A `SchedulerOutput` without items is a bookkeeping
-    step and returns no results. If `execute` raises, the engine core fails the requests of
-    that step; their state is released with the next `SchedulerOutput`.
+    step and returns no results.
+
+    Failures: each new request is set up on its own. If one request's setup raises, the
+    executor keeps none of its state, runs none of its rows this step (its items get an
+    `ItemResult` with only `request_id` and `handle`), and reports it in
+    `RunnerOutput.failed_requests`; the engine core aborts exactly those requests and the rest
+    of the step counts as usual. If `execute` itself raises, the engine core fails every
+    request of that step (those with items and those announced in `new_requests`); their
+    state is released with the next `SchedulerOutput`.
     """
 
     @abstractmethod

@@ -20,6 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_RESERVATIONS = ("incremental", "full")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # resolved per device by the runner's registry
 DEFAULT_SWAP_SPACE_BYTES = 4 * 1024**3
 
 
@@ -48,6 +49,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("device", "top", "device", "cpu", "cpu or cuda[:N]"),
     EngineArg("max_model_len", "top", "max_model_len", None, "longest prompt + output in tokens "
               "(None: the model's max_position_embeddings)", int),
+    EngineArg("attention_backend", "top", "attention_backend", "auto", "paged attention "
+              "implementation; auto: triton on CUDA, torch elsewhere (triton on CPU needs "
+              "TRITON_INTERPRET=1)", choices=ATTENTION_BACKENDS),
     EngineArg("block_size", "cache", "block_size", 16, "tokens per KV block", int),
     EngineArg("num_blocks", "cache", "num_blocks", None, "KV blocks (None: from "
               "--kv-cache-bytes on CPU, free memory x --gpu-memory-utilization on CUDA)", int),

@@ -21,7 +21,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m loopserve.server.api_server` with the given flags, logging to a file."""
+    """`python -m loopserve.server.api_server` with the given flags, logging to a file
+    (`module` names another entry point with the same flags, e.g. `tests.fault_runner`)."""
 
     def __init__(
         self,
@@ -30,6 +31,7 @@ class ServerProcess:
         *,
         torch_threads: int = 1,
         env: dict[str, str] | None = None,
+        module: str = "loopserve.server.api_server",
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -37,7 +39,10 @@ class ServerProcess:
         env = dict(
             os.environ, OMP_NUM_THREADS=str(torch_threads), PYTHONUNBUFFERED="1", **(env or {})
         )
-        command = [sys.executable, "-m", "loopserve.server.api_server"]
+        if module.startswith("tests."):  # importable from the repository root
+            root = str(Path(__file__).resolve().parents[1])
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", module]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(

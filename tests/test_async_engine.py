@@ -229,6 +229,37 @@ def test_engine_failure_is_500_or_stream_error_event_and_server_stays_healthy(
     assert health.status_code == 200
 
 
+def test_non_streaming_request_aborted_while_serving_is_500_with_an_error_id(tiny_tok_dir):
+    """A queued request (`max_num_seqs=1`, a long request runs) that the engine aborts while
+    the server still accepts work produced nothing: 500 with an error id, not 200 with empty
+    text (503 is for shutdown)."""
+    engine = LLMEngine.from_engine_args(
+        model=str(tiny_tok_dir), dtype="float32", num_blocks=NUM_BLOCKS, max_num_seqs=1
+    )
+
+    async def main() -> httpx.Response:
+        async_llm = await started(engine)
+        transport = httpx.ASGITransport(app=build_app(async_llm, "tiny"))
+        hog = await async_llm.generate("hog", "hello", LONG)
+        try:
+            await hog.__anext__()  # "hog" runs and holds the only sequence
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                body = {"prompt": "hi", "max_tokens": 4}
+                post = asyncio.ensure_future(client.post("/v1/completions", json=body))
+                await wait_for(lambda: async_llm.snapshot.num_waiting == 1)
+                async_llm.abort(engine.scheduler.waiting[0].request_id)
+                return await post
+        finally:
+            await hog.aclose()
+            await async_llm.shutdown(1.0)
+
+    response = asyncio.run(main())
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "aborted")
+    assert "error id" in error["message"]
+
+
 def test_health_is_503_while_loading_and_after_the_engine_dies(make_engine):
     release = asyncio.Event()
 

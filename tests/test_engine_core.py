@@ -95,3 +95,32 @@ def test_failing_execute_fails_only_the_requests_of_that_step():
     assert finished == ["second"]
     stats = core.stats()
     assert stats.num_failed_steps == 1 and stats.num_output_tokens == 2
+
+
+def test_failing_execute_also_fails_requests_it_only_announced():
+    """Atomic prompts alternate with decode: "b" is admitted (announced in `new_requests`) in
+    a decode step that carries only "a"'s row. The executor may have raised before setting "b"
+    up, so "b" fails with the step instead of running later without its state."""
+    sim = make_sim()
+    core = sim.core
+    submit(sim, "a", 4, 3, (4,))
+    core.step()  # a's prompt and first token
+    submit(sim, "b", 4, 2, (4,))
+
+    def failing(scheduled):
+        raise RuntimeError("injected")
+
+    real_execute = sim.executor.execute
+    sim.executor.execute = failing  # type: ignore[method-assign]
+    result = core.step()
+    assert sim.scheduler.has_pending_releases()  # the failing executor could not take them
+    sim.executor.execute = real_execute  # type: ignore[method-assign]
+    assert [item.request_id for item in result.scheduled.items] == ["a"]
+    assert [new.request_id for new in result.scheduled.new_requests] == ["b"]
+    assert [r.request_id for r in result.failed] == ["a", "b"]
+    assert result.errors == {"a": "RuntimeError: injected", "b": "RuntimeError: injected"}
+    assert all(r.finish_reason is FinishReason.ABORT for r in result.failed)
+    assert core.stats().kv_blocks_used == 0
+    sim.scheduler.check_invariants()
+    assert core.step().scheduled.finished_request_ids == ("a", "b")
+    assert not sim.scheduler.has_pending_releases() and sim.executor.num_live_handles == 0

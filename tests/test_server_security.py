@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from loopserve.runner.sampler import make_generator
 from loopserve.server.async_engine import AsyncLLM
 from loopserve.server.metrics import ServingMetrics
-from tests.server_utils import ServerProcess, metrics
+from tests.fault_runner import FAIL_SEED, FAULT_TEXT
+from tests.server_utils import ServerProcess, metrics, sse_payloads, wait_all_blocks_free
 
 API_KEY = "sk-test-4c1d"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
@@ -345,6 +346,78 @@ def test_non_streaming_request_aborted_by_shutdown_gets_503(tiny_tok_dir, tmp_pa
     assert second.json()["error"]["code"] == "shutting_down"
 
 
+# ---- items 1 and 5: one request's setup fails in the runner ---------------------------------
+
+
+def test_setup_failure_is_500_for_that_request_and_a_running_stream_survives(
+    tiny_tok_dir, tmp_path
+):
+    """`tests.fault_runner` serves with a runner whose setup raises for requests seeded
+    FAIL_SEED (a valid seed). With --mixed-prefill-decode such a request joins the core call
+    of a running stream: it gets 500 with an error id (non-streaming) or an error event
+    (streaming), and the stream runs on to max_tokens with the same text and exit depths as
+    when it runs alone."""
+    import threading
+
+    flags = ["--dtype", "float32", "--num-blocks", "512", "--mixed-prefill-decode"]
+    proc = ServerProcess(
+        ["--model", str(tiny_tok_dir), *flags, "--log-level", "warning"],
+        tmp_path / "server.log",
+        module="tests.fault_runner",
+    )
+    body = {"prompt": "hello there", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    body["exit_threshold"] = 0.6  # varied exit depths
+    first_chunk, done = threading.Event(), threading.Event()
+    chunks: list[dict] = []
+
+    def stream() -> None:
+        url = proc.base_url + "/v1/completions"
+        with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line.removeprefix("data: ")))
+                    first_chunk.set()
+        done.set()
+
+    bad = {"prompt": "hi", "max_tokens": 4, "seed": FAIL_SEED}
+    try:
+        proc.wait_healthy()
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert first_chunk.wait(60), proc.log()
+        failed = httpx.post(proc.base_url + "/v1/completions", json=bad, timeout=60)
+        failed_stream = httpx.post(
+            proc.base_url + "/v1/completions", json=bad | {"stream": True}, timeout=60
+        )
+        overlapped = not done.is_set()  # the stream was still running meanwhile
+        thread.join(120)
+        alone = httpx.post(proc.base_url + "/v1/completions", json=body, timeout=120)
+        blocks = wait_all_blocks_free(proc.base_url)
+    finally:
+        proc.stop()
+    assert overlapped
+    assert failed.status_code == 500, failed.text
+    error = failed.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "engine_error")
+    error_id = error["message"].split("error id ")[1].split(";")[0]
+    assert FAULT_TEXT not in failed.text and FAULT_TEXT not in failed_stream.text
+    events = sse_payloads(failed_stream.text.splitlines())
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
+    log = proc.log()
+    assert error_id in log and FAULT_TEXT in log  # the details are in the server log only
+    # The stream ran to max_tokens, equal to the same request alone.
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    depths = [d for c in chunks for d in c["choices"][0]["exit_depths"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(depths) == 120 and len(set(depths)) > 1
+    assert alone.status_code == 200, alone.text
+    assert (text, depths) == (
+        alone.json()["choices"][0]["text"],
+        alone.json()["choices"][0]["exit_depths"],
+    )
+    assert blocks["loopserve_kv_blocks_free"] == blocks["loopserve_kv_blocks_total"]
+
+
 # ---- item 1 (runner part), item 11, item 16 --------------------------------------------------
 
 
@@ -433,10 +506,10 @@ def test_dead_engine_answers_503_without_the_exception_text(tiny_tok_dir):
         assert "secret-detail" not in response.text
 
 
-def test_runner_installs_no_sampler_when_one_new_request_setup_fails(tiny_model, monkeypatch):
-    """Item 1, runner part: setup of a step's new requests is all or nothing."""
-    from types import SimpleNamespace
-
+def test_runner_keeps_no_state_of_a_request_whose_setup_fails(tiny_model, monkeypatch):
+    """Item 1, runner part: each new request is set up on its own; the one whose setup raises
+    is reported with its error and keeps no sampler, the others are installed."""
+    from loopserve.contracts import NewRequestData, RequestFailure, SampleSpec, SchedulerOutput
     from loopserve.runner import model_runner
 
     runner = model_runner.ModelRunner(
@@ -449,10 +522,11 @@ def test_runner_installs_no_sampler_when_one_new_request_setup_fails(tiny_model,
         return make_generator(seed, device)
 
     monkeypatch.setattr(model_runner, "make_generator", flaky_generator)
-    spec = SimpleNamespace(temperature=1.0)
-    new = [SimpleNamespace(request_id=rid, seed=seed, sample_spec=spec)
-           for rid, seed in (("ok", 1), ("bad", 13))]  # fmt: skip
-    scheduled = SimpleNamespace(finished_request_ids=(), released_handles=(), new_requests=new)
-    with pytest.raises(RuntimeError, match="device lost"):
-        runner._apply_bookkeeping(scheduled)
-    assert runner.samplers == {}
+    spec = SampleSpec(temperature=1.0)
+    new = tuple(
+        NewRequestData(rid, spec, seed) for rid, seed in (("ok", 1), ("bad", 13), ("ok2", 2))
+    )
+    output = runner.execute(SchedulerOutput(1, (), {}, new_requests=new))
+    assert output.failed_requests == (RequestFailure("bad", "RuntimeError: device lost"),)
+    assert set(runner.samplers) == {"ok", "ok2"}
+    assert runner.samplers["ok2"][1].initial_seed() == 2

@@ -74,6 +74,12 @@ COMMANDS: list[Command] = [
         "loopserve.sim.args:add_cli_args",
         "loopserve.sim.cli:main_from_args",
     ),
+    Command(
+        ("eval",),
+        "quality (cross-entropy) versus loops across exit thresholds",
+        "loopserve.eval.cli:add_cli_args",
+        "loopserve.eval.cli:main_from_args",
+    ),
 ]
 
 GROUPS = {"bench": "benchmarks"}  # parent commands that only hold subcommands

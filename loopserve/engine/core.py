@@ -8,8 +8,12 @@ clock; neither has a step loop of its own.
 - Observers: `add_observer(fn)` registers `fn(scheduled, output)`, called after every
   executed step (after `update`), in registration order. Observers must not mutate either
   argument; bookkeeping-only flushes and failed steps are not reported.
-- Failures: if `execute` raises, only the requests of that step fail (aborted, returned in
-  `StepResult.failed` with the error); the core keeps serving the rest.
+- Failures: a new request whose setup raised in the executor (`RunnerOutput.failed_requests`)
+  is aborted alone, with its own error; the rest of the step is applied as usual. If `execute`
+  raises, only the requests of that step fail (those with items and those it announced in
+  `new_requests`). Either way the failed requests are aborted (KV freed, release sent with the
+  next output) and returned in `StepResult.failed`, each with its message in
+  `StepResult.errors`; the core keeps serving the rest.
 - Releases: requests that leave RUNNING (finished, aborted, failed) reach the executor only
   through `SchedulerOutput.finished_request_ids`, with the next step. When the core goes idle
   (no unfinished request) with releases pending, it flushes them at once with a
@@ -39,14 +43,15 @@ StepObserver = Callable[[SchedulerOutput, RunnerOutput], None]
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """One step: its plan, the executor's output (None when `execute` raised), the requests
-    that produced a token (some of them finished), and, when `execute` raised, the requests
-    that failed with it."""
+    that produced a token (some of them finished), and the requests that failed (aborted):
+    those whose setup raised, or every request of the step when `execute` raised (`error`)."""
 
     scheduled: SchedulerOutput
     output: RunnerOutput | None = None
     touched: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
     error: Exception | None = None
+    errors: dict[str, str] = field(default_factory=dict)  # failed request id -> message
 
 
 class EngineCore:
@@ -104,12 +109,22 @@ class EngineCore:
         try:
             output = self.executor.execute(scheduled)
         except Exception as err:  # a failed step fails its own requests, not the engine
-            ids = dict.fromkeys(item.request_id for item in scheduled.items)
+            # Announced requests too: the executor may not have set them up.
+            ids = dict.fromkeys(
+                [item.request_id for item in scheduled.items]
+                + [new.request_id for new in scheduled.new_requests]
+            )
             failed = self.scheduler.fail_requests(ids)
             counters.num_failed_steps += 1
             self._flush_if_idle()
-            return StepResult(scheduled, failed=failed, error=err)
+            message = f"{type(err).__name__}: {err}"
+            errors = {request.request_id: message for request in failed}
+            return StepResult(scheduled, failed=failed, error=err, errors=errors)
         execute_end = clock()
+        failed, errors = [], {}
+        if output.failed_requests:  # their items ran nothing; `update` skips finished requests
+            errors = {failure.request_id: failure.error for failure in output.failed_requests}
+            failed = self.scheduler.fail_requests(errors)
         touched = self.scheduler.update(scheduled, output)
         for observer in self._observers:
             observer(scheduled, output)
@@ -128,7 +143,7 @@ class EngineCore:
         counters.schedule_time_s += execute_start - start
         counters.execute_time_s += execute_end - execute_start
         counters.step_time_s += end - start
-        return StepResult(scheduled, output, touched)
+        return StepResult(scheduled, output, touched, failed, errors=errors)
 
     def _flush_if_idle(self) -> None:
         """Deliver pending releases now when no step would come to carry them."""

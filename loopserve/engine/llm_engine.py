@@ -6,8 +6,9 @@ blocks from the byte budget), and text at the edges: the `InputProcessor` checks
 prompts, the `OutputProcessor` detokenizes, matches stop strings and assembles outputs; a
 stop-string hit finishes the request through the core (`_finish_on_stop_string`). `step` runs
 one core step and returns one `RequestOutput` per request that produced a token or finished
-(cumulative fields plus the step's delta). A step whose execution raises fails only the
-requests it carried; the engine keeps serving the rest. Statistics: `stats` (a frozen
+(cumulative fields plus the step's delta). A request whose per-request setup fails in the
+runner, or every request of a step whose execution raises, finishes with `abort` and its
+`error` set; the engine keeps serving the rest. Statistics: `stats` (a frozen
 `EngineStats` snapshot from the core).
 """
 
@@ -76,6 +77,7 @@ class LLMEngine:
             exit_mode=self.config.exit.mode,
             lookahead_seed=self.config.exit.lookahead_seed,
             num_host_blocks=self.kv.host_pool.num_blocks,
+            attention_backend=self.config.attention_backend,
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:
@@ -157,9 +159,10 @@ class LLMEngine:
         result = self.core.step()
         if result.error is not None:
             logger.error("step %d failed", result.scheduled.step_id, exc_info=result.error)
-            error = f"{type(result.error).__name__}: {result.error}"
-            return [self._output(request, error=error) for request in result.failed]
-        return [self._process(request) for request in result.touched]
+        outputs = [self._process(request) for request in result.touched]
+        for request in result.failed:
+            outputs.append(self._output(request, error=result.errors[request.request_id]))
+        return outputs
 
     def _process(self, request: Request) -> RequestOutput:
         stop = self.output_processor.detokenize(request)

@@ -86,8 +86,12 @@ def make_tiny_checkpoint(
     return out
 
 
-def make_default_model(path: str | os.PathLike = DEFAULT_MODEL_DIR) -> Path:
-    """The embedded default model shipped as package data (random weights for now)."""
+def make_default_model(path: str | os.PathLike) -> Path:
+    """A random checkpoint of the old embedded default's shape (hidden 128, 4 layers, vocab 1024).
+
+    The shipped default (`DEFAULT_MODEL_DIR`) is a trained model written by
+    `tools/train_default_model.py`; this random stand-in no longer overwrites it.
+    """
     return make_tiny_checkpoint(
         path,
         hidden_size=128,
@@ -105,18 +109,20 @@ def make_default_model(path: str | os.PathLike = DEFAULT_MODEL_DIR) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Write a tiny random Ouro checkpoint.")
     parser.add_argument("path", nargs="?", default=None, help="output directory")
-    parser.add_argument("--default", action="store_true", help="regenerate the embedded model")
+    parser.add_argument(
+        "--default", action="store_true", help="a random model of the old default's shape"
+    )
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--with-tokenizer", action="store_true")
     args = parser.parse_args()
-    if args.default:
-        print(make_default_model(args.path or DEFAULT_MODEL_DIR))
-        return
     if args.path is None:
-        parser.error("path is required unless --default")
+        parser.error("path is required")
+    if args.default:
+        print(make_default_model(args.path))
+        return
     print(
         make_tiny_checkpoint(
             args.path,

@@ -8,10 +8,16 @@ for exiting rows, and finalizes LAST_EXITED planes after early exits. It decides
 with the pure functions of `loopserve.exit` (`loop_exits`, `choose_exit_from_hazards`) and
 reports it; the scheduler records it. It never sees a `Request`. One of the two `Executor`s
 (the other is the simulator's `SimExecutor`).
+
+Per-request setup is isolated: each new request's state is built by `setup_request` and
+installed only when that succeeds; a request whose setup raises is reported in
+`RunnerOutput.failed_requests`, keeps no state, and its items run no rows this step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +28,8 @@ from loopserve.contracts import (
     ItemKind,
     ItemResult,
     KVTransfer,
+    NewRequestData,
+    RequestFailure,
     RunnerOutput,
     SampledToken,
     SampleSpec,
@@ -31,15 +39,14 @@ from loopserve.contracts import (
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.runner.attention.torch_paged import (
-    PagedAttentionMetadata,
-    RowSegment,
-    TorchPagedAttention,
-    Workspace,
-)
+from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 from loopserve.runner.swap import SwapSpace
+
+logger = logging.getLogger(__name__)
+Sampler = tuple[SampleSpec, torch.Generator | None]
 
 
 @dataclass
@@ -63,6 +70,7 @@ class ModelRunner(Executor):
         exit_mode: str,
         lookahead_seed: int = 0,
         num_host_blocks: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         config = model.config
@@ -87,14 +95,16 @@ class ModelRunner(Executor):
         )
         lookahead = lookahead_seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD else None
         self.hazard_fn = make_hazard_fn(model, lookahead_seed=lookahead)
-        self.samplers: dict[str, tuple[SampleSpec, torch.Generator | None]] = {}
+        self.samplers: dict[str, Sampler] = {}
         self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
-        self.workspace = Workspace()  # attention gather scratch, reused by every core call
         self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
         self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
+        self.attention = make_attention_backend(
+            attention_backend, self.kv_cache, block_size=block_size, scale=self.scale
+        )
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -103,23 +113,36 @@ class ModelRunner(Executor):
 
     # ---- request bookkeeping ----------------------------------------------------------
 
-    def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> None:
+    def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> tuple[RequestFailure, ...]:
+        """Drop released requests' state, set up new requests one by one; returns the new
+        requests whose setup raised (none of their state is kept)."""
         for request_id in scheduled.finished_request_ids:
-            self.samplers.pop(request_id, None)
-            self.inflight.release(request_id)
-            self.swapped_inflight.pop(request_id, None)
-        # Build every new request's sampler first and install them together, so a failure in
-        # one request's setup leaves no half-installed samplers behind.
-        samplers = {}
+            self._drop_request(request_id)
+        failures = []
         for new in scheduled.new_requests:
-            greedy = new.sample_spec.temperature == 0.0
-            generator = None if greedy else make_generator(new.seed, self.device)
-            samplers[new.request_id] = (new.sample_spec, generator)
-        self.samplers.update(samplers)
+            try:
+                self.samplers[new.request_id] = self.setup_request(new)
+            except Exception as err:  # fails this request only; reported, not swallowed
+                logger.exception("setup of request %s failed", new.request_id)
+                self._drop_request(new.request_id)
+                failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
             self._swap(transfer)
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
+        return tuple(failures)
+
+    def setup_request(self, new: NewRequestData) -> Sampler:
+        """Build one new request's per-request state (its sampler); the caller installs it
+        only if this returns, so a setup that raises leaves nothing behind."""
+        greedy = new.sample_spec.temperature == 0.0
+        generator = None if greedy else make_generator(new.seed, self.device)
+        return new.sample_spec, generator
+
+    def _drop_request(self, request_id: str) -> None:
+        self.samplers.pop(request_id, None)
+        self.inflight.release(request_id)
+        self.swapped_inflight.pop(request_id, None)
 
     def _swap(self, transfer: KVTransfer) -> None:
         """Copy the blocks, and move the request's paused work with them (same handles)."""
@@ -151,7 +174,13 @@ class ModelRunner(Executor):
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        self._apply_bookkeeping(scheduled)
+        failures = self._apply_bookkeeping(scheduled)
+        if failures:
+            return self._run_without(scheduled, failures)
+        return self._run(scheduled)
+
+    def _run(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """Run the step's items (its bookkeeping is already applied)."""
         items = scheduled.items
         if not items:
             return RunnerOutput(scheduled.step_id, ())
@@ -184,6 +213,21 @@ class ModelRunner(Executor):
             num_early_exits=num_early,
             num_finalize_copies=self._num_finalized,
         )
+
+    def _run_without(
+        self, scheduled: SchedulerOutput, failures: tuple[RequestFailure, ...]
+    ) -> RunnerOutput:
+        """Run the step without the items of requests whose setup failed; those items get
+        empty results, so results stay one per item, in item order."""
+        failed_ids = {failure.request_id for failure in failures}
+        kept = tuple(item for item in scheduled.items if item.request_id not in failed_ids)
+        output = self._run(dataclasses.replace(scheduled, items=kept))
+        ran = iter(output.results)
+        results = tuple(
+            ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
+            for item in scheduled.items
+        )
+        return dataclasses.replace(output, results=results, failed_requests=failures)
 
     def _timed(self, fn, *args) -> torch.Tensor:
         """Call a model function, adding its duration to this step's forward time.
@@ -224,8 +268,7 @@ class ModelRunner(Executor):
             table = scheduled.block_tables[item.request_id][self._plane(item, k)]
             segments.append(RowSegment(table, item.token_start, item.token_count))
             positions.extend(range(item.token_start, item.token_start + item.token_count))
-        meta = PagedAttentionMetadata.build(segments, self.block_size, self.device)
-        attn = TorchPagedAttention(self.kv_cache, meta, self.scale, self.workspace)
+        attn = self.attention.prepare(segments)
         hidden = torch.cat([states[i] for i in active])
         position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
         out = self._timed(self.model.core, hidden, position_ids, attn)
@@ -265,9 +308,9 @@ class ModelRunner(Executor):
             for plane in range(item.depth + 1, self.num_loops):
                 src.append(source)
                 dst.append(table[plane][block] * self.block_size + offset)
-        src_t = torch.tensor(src, device=self.device)
-        dst_t = torch.tensor(dst, device=self.device)
-        self.kv_cache[:, :, dst_t] = self.kv_cache[:, :, src_t]
+        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        self.attention.finalize(src_t, dst_t)
 
     def _coda(self, items, states, hazards, last_outputs, exited) -> list[ItemResult]:
         coda_rows: list[torch.Tensor] = []

@@ -526,7 +526,8 @@ class Scheduler:
         request.decode_handle = None
 
     def fail_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Abort the requests of a step that raised; the engine reports them as failed."""
+        """Abort requests the executor failed (a step that raised, or a request whose setup
+        raised); the engine reports them as failed."""
         failed = []
         for request_id in request_ids:
             request = self.requests.get(request_id)

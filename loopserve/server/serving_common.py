@@ -279,9 +279,16 @@ async def collect_finals(stream: OutputStream) -> dict[str, RequestOutput]:
                 type="server_error",
                 code="shutting_down",
             )
+        error_id = uuid.uuid4().hex[:16]
+        logger.error(
+            "the engine aborted requests %s before they produced output (error id %s)",
+            sorted(finals),
+            error_id,
+        )
         raise ApiError(
             500,
-            "the engine aborted this request before it produced any output",
+            f"the engine aborted this request before it produced any output (error id "
+            f"{error_id}; details are in the server log)",
             type="server_error",
             code="aborted",
         )

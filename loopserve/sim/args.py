@@ -46,6 +46,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="simulated GPU",
     )
     parser.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="a calibration JSON written by the GPU check (loopserve.gpu_check): simulate its "
+        "device profile with the fitted efficiencies and per-call overhead (overrides "
+        "--device-profile); None: the datasheet profile",
+    )
+    parser.add_argument(
         "--model-config", default=None, help="an Ouro config.json (default: Ouro-1.4B)"
     )
     parser.add_argument(

@@ -21,6 +21,7 @@ from loopserve.engine_args import engine_args_from
 from loopserve.models.config import OuroConfig
 from loopserve.sim.args import SIM_ENGINE_ARGS
 from loopserve.sim.args import add_cli_args as add_cli_args  # noqa: F401  (re-export)
+from loopserve.sim.calibration import load_calibrated_profile
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import get_device_profile
 from loopserve.sim.report import format_capacity, format_memory_table, format_table, plot
@@ -105,7 +106,11 @@ def main_from_args(args: argparse.Namespace) -> int:
     model_config = (
         OURO_1P4B if args.model_config is None else OuroConfig.from_file(args.model_config)
     )
-    device = get_device_profile(args.device_profile)
+    device = (
+        get_device_profile(args.device_profile)
+        if args.calibration is None
+        else load_calibrated_profile(args.calibration)
+    )
     if args.scenario is not None:
         return _scenario(args, model_config, device)
     arms = [get_arm(name) for name in args.policies]

@@ -11,7 +11,9 @@ It honours the runner contract (DESIGN §6, `loopserve.contracts`) item for item
   the simulator use `ignore_eos=True` and stop by length);
 - hidden state is not stored, but handles are kept in the runner's `HandleTable` (with no
   state) so that an item resuming from a handle never kept fails loudly, like the runner;
-- releases arrive only in `SchedulerOutput.finished_request_ids`.
+- releases arrive only in `SchedulerOutput.finished_request_ids`;
+- per-request setup (a token counter) cannot fail, so `RunnerOutput.failed_requests` is
+  always empty.
 
 Exits in the simulator normally come from `exit_mode="trace"` (each request carries an exit
 trace drawn from the workload's distribution), so no gate runs. For gated modes the executor

@@ -24,14 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
+from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
 
-@dataclass(frozen=True, slots=True)
-class RowSegment:
-    """Consecutive rows of one item: positions [start, start+count) in one plane."""
-
-    block_table: list[int]
-    start: int
-    count: int
+__all__ = [
+    "PagedAttentionMetadata",
+    "RowSegment",
+    "TorchBackend",
+    "TorchPagedAttention",
+    "Workspace",
+]
 
 
 @dataclass
@@ -107,15 +108,11 @@ class PagedAttentionMetadata:
 
     @classmethod
     def build(cls, segments: list[RowSegment], block_size: int, device) -> PagedAttentionMetadata:
-        write_slots: list[int] = []
+        write_slots = write_slots_of(segments, block_size)
         single, multi, causal = [], [], {}
         row = 0
         for seg in segments:
             table, end = seg.block_table, seg.start + seg.count
-            write_slots.extend(
-                table[position // block_size] * block_size + position % block_size
-                for position in range(seg.start, end)
-            )
             if seg.count == 1:
                 single.append((row, seg))
             else:
@@ -238,3 +235,21 @@ class TorchPagedAttention:
             enable_gqa=num_kv_heads != num_heads,
         )
         return out.transpose(1, 2).reshape(n * q, num_heads, head_dim)
+
+
+class TorchBackend(PagedAttentionBackend):
+    """The reference backend: `TorchPagedAttention` per call, an indexed copy for finalize.
+    Runs on any device and dtype; one `Workspace` serves every call of the engine."""
+
+    name = "torch"
+
+    def __init__(self, kv_cache: torch.Tensor, *, block_size: int, scale: float) -> None:
+        super().__init__(kv_cache, block_size=block_size, scale=scale)
+        self.workspace = Workspace()
+
+    def prepare(self, segments) -> TorchPagedAttention:
+        meta = PagedAttentionMetadata.build(list(segments), self.block_size, self.kv_cache.device)
+        return TorchPagedAttention(self.kv_cache, meta, self.scale, self.workspace)
+
+    def finalize(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        self.kv_cache[:, :, dst_slots] = self.kv_cache[:, :, src_slots]

@@ -1,0 +1,1 @@
+"""Quality-versus-depth evaluation of looped models (`loopserve eval`)."""

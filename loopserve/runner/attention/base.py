@@ -1,0 +1,73 @@
+"""The contract every paged attention backend keeps with the model runner.
+
+A backend owns no K/V of its own: the runner allocates one cache tensor
+`[num_layers, 2, num_slots, num_kv_heads, head_dim]` (`slot = block_id * block_size +
+position % block_size`) and hands it to the backend at construction. Per core call the runner
+describes the call's rows as `RowSegment`s, in row order: one segment per item (a decode token
+is a one-row segment, a prompt chunk a multi-row one), each with the block table of the plane
+its rows read and write (the plane of the item's depth under LAST_EXITED, plane 0 under
+SHARED). Rows of one call may belong to different requests, planes and positions.
+
+`prepare(segments)` builds whatever the backend needs once per core call and returns the
+object the model calls per layer (`attend(layer_idx, query, key, value)`, see
+`loopserve.models.attention`): it writes every row's K/V to its slot first, then each row
+attends causally to positions `<= its own` of its plane. `finalize(src_slots, dst_slots)` is
+the LAST_EXITED copy after early exits: slot `src_slots[i]`'s K/V of every layer is copied to
+`dst_slots[i]`, for every exiting row at once.
+
+Backends are chosen by name through `loopserve.runner.attention.registry`; this module does
+no kernel work.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loopserve.models.attention import AttentionBackend
+
+
+@dataclass(frozen=True, slots=True)
+class RowSegment:
+    """Consecutive rows of one item: positions [start, start+count) in one plane."""
+
+    block_table: list[int]
+    start: int
+    count: int
+
+
+class PagedAttentionBackend(ABC):
+    """Paged attention over per-depth planes of one engine's KV cache tensor."""
+
+    name: str = "abstract"
+
+    def __init__(self, kv_cache: torch.Tensor, *, block_size: int, scale: float) -> None:
+        # [num_layers, 2, num_slots, num_kv_heads, head_dim]
+        assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, kv_cache.shape
+        assert kv_cache.shape[2] % block_size == 0
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.scale = scale
+
+    @abstractmethod
+    def prepare(self, segments: Sequence[RowSegment]) -> AttentionBackend:
+        """Per-call state for these rows; its `attend` writes the rows' K/V then attends."""
+
+    @abstractmethod
+    def finalize(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy K and V of every layer from `src_slots[i]` to `dst_slots[i]` (int64 [n])."""
+
+
+def write_slots_of(segments: Sequence[RowSegment], block_size: int) -> list[int]:
+    """The slot each row of the call writes, in row order."""
+    slots: list[int] = []
+    for seg in segments:
+        table = seg.block_table
+        slots.extend(
+            table[position // block_size] * block_size + position % block_size
+            for position in range(seg.start, seg.start + seg.count)
+        )
+    return slots

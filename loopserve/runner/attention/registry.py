@@ -1,0 +1,62 @@
+"""Attention backends by name, imported lazily: `torch` (reference) and `triton` (kernels).
+
+`resolve_attention_backend` turns `auto` into a concrete name for a device and rejects
+combinations that cannot run (Triton on CPU runs only under its interpreter,
+`TRITON_INTERPRET=1`, which must be set before triton is first imported).
+`make_attention_backend` is the one call the runner makes. Importing this module imports
+neither backend, so a CPU-only install without triton never touches it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from loopserve.engine_args import ATTENTION_BACKENDS
+from loopserve.errors import ConfigError
+from loopserve.runner.attention.base import PagedAttentionBackend
+
+_IMPLEMENTATIONS = {
+    "torch": ("loopserve.runner.attention.torch_paged", "TorchBackend"),
+    "triton": ("loopserve.runner.attention.triton_backend", "TritonBackend"),
+}
+
+
+def triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def resolve_attention_backend(name: str, device: str | torch.device) -> str:
+    """`auto` -> triton on CUDA, torch elsewhere; validates an explicit choice."""
+    device_type = torch.device(device).type
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}"
+        )
+    if name == "auto":
+        return "triton" if device_type == "cuda" else "torch"
+    if name == "triton" and device_type != "cuda" and not triton_interpreter_enabled():
+        raise ConfigError(
+            f"attention_backend='triton' on device {device_type!r} needs the Triton interpreter: "
+            "set TRITON_INTERPRET=1 before starting (slow; for tests), or use "
+            "attention_backend='torch' (or 'auto') on CPU"
+        )
+    return name
+
+
+def make_attention_backend(
+    name: str, kv_cache: torch.Tensor, *, block_size: int, scale: float
+) -> PagedAttentionBackend:
+    """The backend `name` (`auto` resolved for the cache's device) over `kv_cache`."""
+    resolved = resolve_attention_backend(name, kv_cache.device)
+    module_name, class_name = _IMPLEMENTATIONS[resolved]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(
+            f"attention_backend={resolved!r} needs a package that is not installed ({err}); "
+            "install the gpu extra (`pip install loopserve[gpu]`) or choose 'torch'"
+        ) from err
+    return getattr(module, class_name)(kv_cache, block_size=block_size, scale=scale)

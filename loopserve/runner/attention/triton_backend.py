@@ -1,0 +1,201 @@
+"""The `triton` attention backend: per-call metadata for the kernels in `triton_kernels`.
+
+`TritonBackend.prepare` turns a core call's `RowSegment`s into small int32 tensors once per
+call (every layer reuses them): the write slots; one block table per item (truncated to the
+blocks the item reads); the decode rows (one-row items) with their table and context length;
+and the prompt tiles (up to `block_m` consecutive rows of one multi-row item). Each layer then
+costs three launches: KV write, decode attention (plus its split-K reduce), prompt attention.
+`finalize` is one launch for every exiting row and every layer.
+
+Metadata is rebuilt on the host per call; CUDA graphs will need it in static buffers (not
+done here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loopserve.runner.attention import triton_kernels as kernels
+from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
+
+
+@dataclass(frozen=True)
+class TritonCallMetadata:
+    write_slots: torch.Tensor  # [rows] int64
+    tables: torch.Tensor  # [num_items, max_blocks] int32, padded with block 0
+    decode_rows: torch.Tensor  # [num_decode] int32: call row of each one-row item
+    decode_table: torch.Tensor  # [num_decode] int32: its row in `tables`
+    decode_seq_lens: torch.Tensor  # [num_decode] int32: position + 1
+    max_decode_seq_len: int
+    tile_table: torch.Tensor  # [num_tiles] int32
+    tile_row: torch.Tensor  # [num_tiles] int32: first call row of the tile
+    tile_pos: torch.Tensor  # [num_tiles] int32: its position
+    tile_count: torch.Tensor  # [num_tiles] int32: rows in the tile (<= block_m)
+
+    @classmethod
+    def build(
+        cls, segments: Sequence[RowSegment], block_size: int, block_m: int, device
+    ) -> TritonCallMetadata:
+        num_blocks = [-(-(seg.start + seg.count) // block_size) for seg in segments]
+        width = max(num_blocks)
+        tables: list[int] = []
+        decode: list[tuple[int, int, int]] = []  # (row, table, seq_len)
+        tiles: list[tuple[int, int, int, int]] = []  # (table, row, pos, count)
+        row = 0
+        for index, (seg, needed) in enumerate(zip(segments, num_blocks)):
+            tables.extend(seg.block_table[:needed])
+            tables.extend([0] * (width - needed))
+            if seg.count == 1:
+                decode.append((row, index, seg.start + 1))
+            else:
+                for offset in range(0, seg.count, block_m):
+                    count = min(block_m, seg.count - offset)
+                    tiles.append((index, row + offset, seg.start + offset, count))
+            row += seg.count
+
+        def int32(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        decode_cols = list(zip(*decode)) if decode else [(), (), ()]
+        tile_cols = list(zip(*tiles)) if tiles else [(), (), (), ()]
+        return cls(
+            write_slots=torch.tensor(
+                write_slots_of(segments, block_size), dtype=torch.int64, device=device
+            ),
+            tables=int32(tables).view(len(segments), width),
+            decode_rows=int32(decode_cols[0]),
+            decode_table=int32(decode_cols[1]),
+            decode_seq_lens=int32(decode_cols[2]),
+            max_decode_seq_len=max(decode_cols[2], default=0),
+            tile_table=int32(tile_cols[0]),
+            tile_row=int32(tile_cols[1]),
+            tile_pos=int32(tile_cols[2]),
+            tile_count=int32(tile_cols[3]),
+        )
+
+
+def auto_split_len(
+    num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *, min_split: int = 128
+) -> int:
+    """Positions per decode split so that (rows x KV heads x splits) programs fill about two
+    waves of `num_sms` multiprocessors, never splitting below `min_split` positions (below
+    that the reduce costs more than the parallelism gains). >= max_seq_len means one split."""
+    programs = max(1, num_rows * num_kv_heads)
+    wanted = -(-2 * num_sms // programs)
+    splits = max(1, min(wanted, max_seq_len // min_split))
+    return -(-max_seq_len // splits) if max_seq_len else min_split
+
+
+class TritonAttention:
+    """The per-call object the model's layers call (`AttentionBackend` protocol)."""
+
+    def __init__(self, backend: TritonBackend, meta: TritonCallMetadata) -> None:
+        self.backend = backend
+        self.meta = meta
+
+    def attend(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        backend, meta = self.backend, self.meta
+        key_cache = backend.kv_cache[layer_idx, 0]  # [slots, Hkv, Dh]
+        value_cache = backend.kv_cache[layer_idx, 1]
+        kernels.write_kv(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            meta.write_slots,
+            rows_per_program=backend.write_rows,
+        )
+        out = torch.empty_like(query)
+        kernels.decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            out,
+            tables=meta.tables,
+            table_idx=meta.decode_table,
+            rows=meta.decode_rows,
+            seq_lens=meta.decode_seq_lens,
+            max_seq_len=meta.max_decode_seq_len,
+            scale=backend.scale,
+            block_size=backend.block_size,
+            split_len=backend.decode_split_len(meta),
+            block_n=backend.decode_block_n,
+        )
+        kernels.prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            out,
+            tables=meta.tables,
+            tile_table=meta.tile_table,
+            tile_row=meta.tile_row,
+            tile_pos=meta.tile_pos,
+            tile_count=meta.tile_count,
+            scale=backend.scale,
+            block_size=backend.block_size,
+            block_m=backend.prefill_block_m,
+            block_n=backend.prefill_block_n,
+        )
+        return out
+
+
+class TritonBackend(PagedAttentionBackend):
+    """Paged attention with Triton kernels (CUDA, or CPU under `TRITON_INTERPRET=1`).
+
+    `split_len`: context positions per decode split; a decode call whose longest context
+    exceeds it runs flash-decoding with `ceil(max_len / split_len)` splits. None: chosen per
+    call by `auto_split_len` (few rows with long contexts split; full batches do not). Tile sizes are
+    kernel launch parameters (powers of two; `prefill_block_*` >= 16 for `tl.dot`)."""
+
+    name = "triton"
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        block_size: int,
+        scale: float,
+        split_len: int | None = None,
+        decode_block_n: int | None = None,
+        prefill_block_m: int | None = None,
+        prefill_block_n: int | None = None,
+    ) -> None:
+        super().__init__(kv_cache, block_size=block_size, scale=scale)
+        assert kv_cache.is_contiguous()
+        # The interpreter (CPU) pays per element of a tile: small tiles suit its short
+        # contexts; on CUDA 64-wide tiles keep the loads coalesced.
+        tile = 16 if kv_cache.device.type == "cpu" else 64
+        self.write_rows = 16 if kv_cache.device.type == "cpu" else 2  # rows per KV-write program
+        self.split_len = split_len  # None: `auto_split_len` per call
+        device = kv_cache.device
+        # multiprocessors to fill; on CPU (interpreter) a nominal count keeps the same logic
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 4
+        )
+        # decode holds a [group, block_n, head_dim] float32 product per step: 32 keeps it in
+        # registers at head_dim 128
+        self.decode_block_n = decode_block_n or min(tile, 32)
+        self.prefill_block_m = prefill_block_m or tile
+        self.prefill_block_n = prefill_block_n or tile
+
+    def decode_split_len(self, meta: TritonCallMetadata) -> int:
+        if self.split_len is not None:
+            return self.split_len
+        num_rows, max_len = meta.decode_rows.numel(), meta.max_decode_seq_len
+        return auto_split_len(num_rows, self.kv_cache.shape[3], max_len, self.num_sms)
+
+    def prepare(self, segments: Sequence[RowSegment]) -> TritonAttention:
+        meta = TritonCallMetadata.build(
+            segments, self.block_size, self.prefill_block_m, self.kv_cache.device
+        )
+        return TritonAttention(self, meta)
+
+    def finalize(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        kernels.copy_slots(self.kv_cache, src_slots, dst_slots)

@@ -1,0 +1,478 @@
+"""Triton kernels for paged attention over per-depth KV planes, and their launchers.
+
+Cache layout (one layer's K or V): `[num_slots, num_kv_heads, head_dim]`, `slot = block_id *
+block_size + position % block_size`; a position's block comes from the block table of the
+plane its row addresses, so every row (or prompt chunk) of one launch may read a different
+request and plane. Any `block_size` works (the slot is computed per position, not per tile).
+
+- `write_kv`: K/V of every row of a call into its slot, a few rows (all heads) per program.
+- `decode_attention`: one query row per item; one program per (row, KV head, split) serving
+  all query heads of the KV head's group (grouped-query attention without K/V copies); with
+  more than one split (flash-decoding) each split writes a partial output and its
+  log-sum-exp, and `_decode_reduce_kernel` merges them.
+- `prefill_attention`: tiles of up to `block_m` consecutive rows of one prompt chunk, one
+  program per (tile, query head); a tile attends to its plane's positions `<=` each row's own
+  (the request's cached context plus, causally, the chunk itself). Tiles of many chunks
+  (different requests, depths) share one launch.
+- `copy_slots`: the LAST_EXITED finalize copy, every (src, dst) pair and every layer's K and
+  V in one launch.
+
+Softmax and accumulation are float32 for every input dtype; fp32 dot products request IEEE
+precision (no TF32) so fp32 results match the torch reference. Written against triton >= 3.6
+(the interpreter, `TRITON_INTERPRET=1`, runs them on CPU tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slots_ptr,
+    num_rows,
+    stride_c_slot,
+    ROW_ELEMS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    # A row's K (and V) is ROW_ELEMS = Hkv * Dh contiguous elements both in the call's tensor
+    # and in its cache slot, so a program copies BLOCK_R rows x BLOCK_W elements at once.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    r_mask = r < num_rows
+    mask = r_mask[:, None] & (w[None, :] < ROW_ELEMS)
+    slot = tl.load(slots_ptr + r, mask=r_mask, other=0).to(tl.int64)
+    src = r.to(tl.int64)[:, None] * ROW_ELEMS + w[None, :]
+    dst = slot[:, None] * stride_c_slot + w[None, :]
+    tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
+    tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    rows_per_program: int = 8,
+) -> None:
+    """key/value [rows, Hkv, Dh] -> caches [slots, Hkv, Dh] at `slots` [rows]."""
+    rows = key.shape[0]
+    if rows == 0:
+        return
+    key, value = key.contiguous(), value.contiguous()
+    assert key_cache.stride(1) == key_cache.shape[2] and key_cache.stride(2) == 1
+    row_elems = key.shape[1] * key.shape[2]
+    block_w = min(2048, _pow2(row_elems))
+    grid = (triton.cdiv(rows, rows_per_program), triton.cdiv(row_elems, block_w))
+    _write_kv_kernel[grid](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slots,
+        rows,
+        key_cache.stride(0),
+        ROW_ELEMS=row_elems,
+        BLOCK_R=rows_per_program,
+        BLOCK_W=block_w,
+    )
+
+
+@triton.jit
+def _copy_slots_kernel(
+    cache_ptr,
+    src_ptr,
+    dst_ptr,
+    stride_part,
+    stride_slot,
+    SLOT_ELEMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    part = tl.program_id(1)  # layer * 2 + (0 for K, 1 for V)
+    src = tl.load(src_ptr + pair).to(tl.int64)
+    dst = tl.load(dst_ptr + pair).to(tl.int64)
+    base = cache_ptr + part.to(tl.int64) * stride_part
+    for start in range(0, SLOT_ELEMS, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < SLOT_ELEMS
+        x = tl.load(base + src * stride_slot + offs, mask=mask)
+        tl.store(base + dst * stride_slot + offs, x, mask=mask)
+
+
+def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """kv_cache [L, 2, slots, Hkv, Dh] (contiguous): slot src[i] -> dst[i], all layers, K and V.
+    No dst may be another pair's src (finalize copies one exiting token's slot to deeper planes
+    of the same token)."""
+    if src.numel() == 0:
+        return
+    assert kv_cache.is_contiguous()
+    num_layers, _, num_slots, num_kv_heads, head_dim = kv_cache.shape
+    slot_elems = num_kv_heads * head_dim
+    _copy_slots_kernel[(src.numel(), num_layers * 2)](
+        kv_cache,
+        src,
+        dst,
+        num_slots * slot_elems,
+        slot_elems,
+        SLOT_ELEMS=slot_elems,
+        BLOCK=min(1024, _pow2(slot_elems)),
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    tables_ptr,
+    table_idx_ptr,
+    rows_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    split_len,
+    stride_q_row,
+    stride_q_head,
+    stride_o_row,
+    stride_o_head,
+    stride_c_slot,
+    stride_c_head,
+    stride_table,
+    stride_po_row,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_row,
+    stride_pl_head,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + i)
+    table = tables_ptr + tl.load(table_idx_ptr + i).to(tl.int64) * stride_table
+    seq_len = tl.load(seq_lens_ptr + i)
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_offs = row * stride_q_row + heads[:, None] * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(tl.float32)  # [G, D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_offs = slot[:, None] * stride_c_slot + kv_head * stride_c_head + d[None, :]
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
+        s = tl.where(p_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    empty = l_i == 0.0  # a split past the end of this row's context
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    store_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:
+        po = i * stride_po_row + heads[:, None] * stride_po_head + split * stride_po_split
+        tl.store(part_out_ptr + po + d[None, :], out, mask=store_mask)
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        pl = i * stride_pl_row + heads * stride_pl_head + split
+        tl.store(part_lse_ptr + pl, lse, mask=g_mask)
+    else:
+        o_offs = row * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    rows_ptr,
+    out_ptr,
+    num_splits,
+    stride_po_row,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_row,
+    stride_pl_head,
+    stride_o_row,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(rows_ptr + i)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    d_mask = d < HEAD_DIM
+    lse = tl.load(
+        part_lse_ptr + i * stride_pl_row + head * stride_pl_head + s,
+        mask=s_mask,
+        other=float("-inf"),
+    )
+    weight = tl.exp(lse - tl.max(lse, axis=0))  # split 0 is never empty: the max is finite
+    po = i * stride_po_row + head * stride_po_head + s[:, None] * stride_po_split + d[None, :]
+    parts = tl.load(part_out_ptr + po, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
+    o_offs = row * stride_o_row + head * stride_o_head + d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    tables: torch.Tensor,
+    table_idx: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    block_size: int,
+    split_len: int,
+    block_n: int,
+) -> None:
+    """Rows `rows` [n] of query [rows, Hq, Dh] attend to positions [0, seq_lens[i]) of block
+    table `tables[table_idx[i]]`; results go to the same rows of `out`. `split_len` positions
+    per split (rounded up to a multiple of `block_n`); one split writes `out` directly."""
+    num_rows = rows.numel()
+    if num_rows == 0:
+        return
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    split_len = triton.cdiv(split_len, block_n) * block_n
+    num_splits = triton.cdiv(max_seq_len, split_len)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_lse = torch.empty(
+            (num_rows, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+    else:
+        part_out = part_lse = out  # unused
+    po_strides = part_out.stride()[:3] if split else (0, 0, 0)
+    pl_strides = part_lse.stride()[:2] if split else (0, 0)
+    block_d = _pow2(head_dim)
+    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        tables,
+        table_idx,
+        rows,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale,
+        split_len,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        tables.stride(0),
+        *po_strides,
+        *pl_strides,
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        BLOCK_G=_pow2(group, 2),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        SPLIT=split,
+    )
+    if split:
+        _decode_reduce_kernel[(num_rows, num_heads)](
+            part_out,
+            part_lse,
+            rows,
+            out,
+            num_splits,
+            *po_strides,
+            *pl_strides,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=_pow2(num_splits, 2),
+        )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    tables_ptr,
+    tile_table_ptr,
+    tile_row_ptr,
+    tile_pos_ptr,
+    tile_count_ptr,
+    out_ptr,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_o_row,
+    stride_o_head,
+    stride_c_slot,
+    stride_c_head,
+    stride_table,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    table = tables_ptr + tl.load(tile_table_ptr + tile).to(tl.int64) * stride_table
+    row0 = tl.load(tile_row_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+    count = tl.load(tile_count_ptr + tile)
+    end = pos0 + count  # keys [0, end): context plus the tile's rows
+
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_mask = m < count
+    d_mask = d < HEAD_DIM
+    q_pos = pos0 + m
+    q_offs = (row0 + m)[:, None] * stride_q_row + head * stride_q_head + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [M, D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_mask = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_offs = slot[:, None] * stride_c_slot + kv_head * stride_c_head + d[None, :]
+        kv_mask = p_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [N, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale  # [M, N], float32
+        allowed = (pos[None, :] <= q_pos[:, None]) & p_mask[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        # Key 0 is allowed for every row in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_offs = (row0 + m)[:, None] * stride_o_row + head * stride_o_head + d[None, :]
+    tl.store(
+        out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :]
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    tables: torch.Tensor,
+    tile_table: torch.Tensor,
+    tile_row: torch.Tensor,
+    tile_pos: torch.Tensor,
+    tile_count: torch.Tensor,
+    scale: float,
+    block_size: int,
+    block_m: int,
+    block_n: int,
+) -> None:
+    """Tile t: rows [tile_row[t], +tile_count[t]) at positions from tile_pos[t] attend
+    causally over block table `tables[tile_table[t]]`. `tile_count[t] <= block_m`."""
+    num_tiles = tile_row.numel()
+    if num_tiles == 0:
+        return
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_heads // key_cache.shape[1]
+    _prefill_kernel[(num_tiles, num_heads)](
+        query,
+        key_cache,
+        value_cache,
+        tables,
+        tile_table,
+        tile_row,
+        tile_pos,
+        tile_count,
+        out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        tables.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_pow2(head_dim, 16),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        IEEE=query.dtype == torch.float32,
+    )

@@ -1,0 +1,140 @@
+"""Quality-versus-depth evaluation: teacher-forced scores agree with the engine, the exit
+rule and the random-depth control are computed as stated, and `loopserve eval` writes its
+table, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from loopserve.eval import cli as eval_cli
+from loopserve.eval.quality import evaluate, exit_loops
+from loopserve.eval.scoring import SequenceScores, score_sequences
+from loopserve.exit import ExitRule
+from loopserve.llm import LLM
+from loopserve.models import load_model
+from loopserve.sampling_params import SamplingParams
+
+
+def _greedy_sequence(llm: LLM, prompt: list[int], threshold: float, num_new: int):
+    """Extend `prompt` one token at a time with the engine's FIRST output token.
+
+    Each extension is a fresh request whose prompt is the whole sequence so far, so every
+    position ran all loops (prompts run at full depth) and the token's exit depth was chosen
+    by the exit rule over those loops' hazards. That is exactly teacher forcing on the
+    resulting sequence, where each target is the token the engine produced.
+    """
+    sequence, logprobs, loops = list(prompt), [], []
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, logprobs=0, ignore_eos=True, exit_threshold=threshold
+    )
+    for _ in range(num_new):
+        (out,) = llm.generate([list(sequence)], params, use_tqdm=False)
+        sequence.append(out.token_ids[0])
+        logprobs.append(out.logprobs[0].logprob)
+        loops.append(out.exit_depths[0])
+    return sequence, logprobs, loops
+
+
+@pytest.mark.parametrize("threshold", [0.5, 1.0])
+def test_teacher_forced_scores_equal_engine_first_token_logprobs_and_exits(tiny_dir, threshold):
+    """The engine reports logprobs of output tokens only, and only an output token that comes
+    from a prompt has every loop computed at full depth (decode tokens read earlier tokens'
+    K/V at their exit depth). So each position is scored by the engine as the first output
+    token of a request whose prompt is the sequence up to it; the sequence is built from
+    those greedy tokens, and the eval scores the whole sequence in one teacher-forced pass.
+    Per position the engine's exit depth must equal the eval's exit rule, and the engine's
+    logprob must equal the eval's logprob at that loop."""
+    llm = LLM(str(tiny_dir), dtype="float32", num_blocks=128, block_size=8)
+    model = load_model(tiny_dir, dtype="float32")
+    prompt = torch.randint(3, 512, (5,), generator=torch.Generator().manual_seed(7)).tolist()
+    sequence, engine_logprobs, engine_loops = _greedy_sequence(llm, prompt, threshold, 10)
+
+    scores = score_sequences(model, torch.tensor([sequence]))
+    scored = slice(len(prompt) - 1, len(sequence) - 1)  # positions whose target is generated
+    rule = ExitRule(min_loops=1, max_loops=4, threshold=threshold)
+    eval_loops = exit_loops(scores.hazards[:, scored], rule)
+    assert eval_loops.tolist() == engine_loops
+    picked = scores.target_logprobs[:, scored].gather(0, (eval_loops - 1).unsqueeze(0))[0]
+    assert picked.tolist() == pytest.approx(engine_logprobs, abs=2e-4)
+    if threshold < 1.0:
+        assert min(engine_loops) < 4, "no early exit happened; the test proves nothing"
+    else:
+        assert set(engine_loops) == {4}
+
+    report = evaluate(
+        SequenceScores(scores.target_logprobs[:, scored], scores.hazards[:, scored]),
+        thresholds=[threshold], min_loops_list=[1], model="tiny", source="engine",
+        num_sequences=1,
+    )  # fmt: skip
+    expected_ce = -sum(engine_logprobs) / len(engine_logprobs)
+    assert report.settings[0].ce == pytest.approx(expected_ce, abs=2e-4)
+    assert report.settings[0].mean_loops == pytest.approx(sum(engine_loops) / len(engine_loops))
+
+
+def test_informative_gate_beats_the_random_depth_control_with_the_same_histogram():
+    # Two loops, 200 positions in pairs: an easy one (loop 1 almost right, gate says exit)
+    # and a hard one (loop 1 wrong, gate says continue). Threshold 0.5 exits where λ_0 >= 0.5.
+    num_pairs = 100
+    logprobs_loop1 = torch.tensor([-0.1, -3.0]).repeat(num_pairs)
+    logprobs_loop2 = torch.tensor([-0.5, -1.0]).repeat(num_pairs)
+    hazards = torch.stack([torch.tensor([0.9, 0.1]).repeat(num_pairs), torch.ones(2 * num_pairs)])
+    scores = SequenceScores(torch.stack([logprobs_loop1, logprobs_loop2]), hazards)
+    report = evaluate(scores, thresholds=[0.5, 1.0], min_loops_list=[1], model="m", source="s",
+                      num_sequences=1, seed=3)  # fmt: skip
+    gate, full = report.settings
+    assert report.ce_per_loop == pytest.approx([1.55, 0.75])
+    assert gate.loop_counts == [num_pairs, num_pairs]
+    assert gate.mean_loops == pytest.approx(1.5)
+    assert gate.ce == pytest.approx((0.1 + 1.0) / 2)  # easy at loop 1, hard at loop 2
+    # Random assignment of the same 100/100 histogram: expected CE (1.55 + 0.75) / 2 = 1.15.
+    assert gate.random_depth_ce == pytest.approx(1.15, abs=0.15)
+    assert full.mean_loops == 2.0 and full.ce == pytest.approx(0.75)
+    assert full.random_depth_ce == pytest.approx(0.75)
+
+
+def test_min_loops_holds_tokens_whose_cdf_crossed_early():
+    hazards = torch.tensor([[0.9, 0.2], [0.9, 0.9], [0.5, 0.5], [1.0, 1.0]])  # [D=4, N=2]
+    # position 0 crosses 0.5 at loop 1; position 1: cdf 0.2, 0.92 -> loop 2.
+    assert exit_loops(hazards, ExitRule(1, 4, 0.5)).tolist() == [1, 2]
+    assert exit_loops(hazards, ExitRule(3, 4, 0.5)).tolist() == [3, 3]
+    assert exit_loops(hazards, ExitRule(1, 4, 1.0)).tolist() == [4, 4]
+
+
+def test_eval_cli_writes_table_json_and_plot(tiny_tok_dir, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out_json = tmp_path / "eval.json"
+    argv = ["--model", str(tiny_tok_dir), "--text-file", str(text), "--thresholds", "0.5,1.0",
+            "--min-loops", "1,2", "--seq-len", "32", "--output-json", str(out_json)]  # fmt: skip
+    plot = tmp_path / "eval.png"
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(plot)]
+    except ImportError:
+        plot = None
+    assert eval_cli.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "threshold" in table and "random_CE" in table
+    report = json.loads(out_json.read_text())
+    assert [(s["threshold"], s["min_loops"]) for s in report["settings"]] == [
+        (0.5, 1), (1.0, 1), (0.5, 2), (1.0, 2)
+    ]  # fmt: skip
+    assert report["num_tokens"] == report["num_sequences"] * 32
+    full = report["settings"][1]
+    assert full["mean_loops"] == 4.0 and full["ce"] == pytest.approx(report["ce_per_loop"][-1])
+    assert sum(full["loop_counts"]) == report["num_tokens"]
+    assert report["settings"][2]["loop_counts"][0] == 0  # min_loops 2: nobody stops at 1
+    if plot is not None:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_cli_rejects_min_loops_deeper_than_the_model(tiny_tok_dir, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    argv = ["--model", str(tiny_tok_dir), "--text-file", str(text), "--min-loops", "5"]
+    assert eval_cli.main(argv) == 2
+    assert "--min-loops must be <= 4" in capsys.readouterr().err

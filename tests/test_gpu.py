@@ -1,0 +1,92 @@
+"""GPU tests (`pytest -m gpu tests/test_gpu.py`, run by scripts/gpu_check.sh): Triton kernels
+vs the torch backend on CUDA in float32 and bfloat16, and the engine's batch invariance in
+float32 on CUDA with the Triton backend. Skipped (saying why) without a CUDA device or triton.
+Run in a process without TRITON_INTERPRET (tests/test_triton_kernels.py sets it for CPU).
+
+Still to come with CUDA graphs and async scheduling: graphs vs eager identical in fp32, async
+vs sync identical (same structure: a parametrized engine run compared with the reference).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") == "1",
+        reason="TRITON_INTERPRET=1 in this process: run tests/test_gpu.py on its own",
+    ),
+]
+
+CASES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
+
+
+def _segments(tables, specs):
+    from loopserve.runner.attention.base import RowSegment
+
+    return [RowSegment(tables[i], start, count) for i, (start, count) in enumerate(specs)]
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", CASES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(16, 16), (8, 2)], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("split_len", [4096, 64], ids=["one_split", "split_k"])
+def test_triton_matches_torch_backend_on_cuda(
+    dtype, atol, rtol, num_heads, num_kv_heads, split_len
+):
+    pytest.importorskip("triton", reason="triton not installed")
+    from loopserve.runner.attention.torch_paged import TorchBackend
+    from loopserve.runner.attention.triton_backend import TritonBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    layers, head_dim, block_size, num_blocks = 2, 128, 16, 512
+    cache = torch.randn(layers, 2, num_blocks * block_size, num_kv_heads, head_dim,
+                        generator=generator, device="cuda").to(dtype)  # fmt: skip
+    order = torch.randperm(num_blocks, device="cpu", generator=torch.Generator().manual_seed(3))
+    tables = [order[i * 60 : (i + 1) * 60].tolist() for i in range(8)]
+    # decode rows of different planes and lengths, prompt chunks with and without context
+    segments = _segments(tables, [(700, 1), (0, 1), (130, 1), (0, 300), (517, 77), (9, 1),
+                                  (255, 1), (40, 129)])  # fmt: skip
+    rows = sum(s.count for s in segments)
+    reference = TorchBackend(cache.clone(), block_size=block_size, scale=head_dim**-0.5)
+    fast = TritonBackend(cache.clone(), block_size=block_size, scale=head_dim**-0.5,
+                         split_len=split_len)  # fmt: skip
+    for layer_idx in range(layers):
+        q = torch.randn(rows, num_heads, head_dim, generator=generator, device="cuda").to(dtype)
+        k = torch.randn(rows, num_kv_heads, head_dim, generator=generator, device="cuda")
+        v = torch.randn(rows, num_kv_heads, head_dim, generator=generator, device="cuda")
+        k, v = k.to(dtype), v.to(dtype)
+        expected = reference.prepare(segments).attend(layer_idx, q, k, v).float()
+        actual = fast.prepare(segments).attend(layer_idx, q, k, v).float()
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+    assert torch.equal(fast.kv_cache, reference.kv_cache)
+    src = torch.tensor([5, 17], device="cuda")
+    dst = torch.tensor([900, 4000], device="cuda")
+    reference.finalize(src, dst)
+    fast.finalize(src, dst)
+    assert torch.equal(fast.kv_cache, reference.kv_cache)
+
+
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_engine_batch_invariance_fp32_on_cuda(tiny_dir, mode):
+    pytest.importorskip("triton", reason="triton not installed")
+    from tests.engine_utils import make_engine, random_workload, reference_for, run_steps
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    engine = make_engine(tiny_dir, device="cuda", mode=mode, attention_backend="triton",
+                         prefill_mode="wavefront", mixed_prefill_decode=True)  # fmt: skip
+    work = random_workload(41, 9, engine.model.config.vocab_size, sampled=True)
+    finished = run_steps(engine, work)
+    depths = []
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+        depths += out.exit_depths
+    assert min(depths) < 4 and max(depths) == 4  # early exits (finalize copies) happened

@@ -1,0 +1,114 @@
+"""The GPU check's CPU dry run, the simulator calibration it writes, and bf16 on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loopserve.errors import ConfigError
+from loopserve.sim.calibration import (
+    TimingPoint,
+    calibration_record,
+    fit_profile,
+    load_calibrated_profile,
+)
+from loopserve.sim.hardware import get_device_profile
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_dry_run_goes_end_to_end_and_writes_a_loadable_calibration(tmp_path):
+    out = tmp_path / "calibration.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["dry_run"] is True and record["device_profile"] == "h200"
+    assert record["tests"]["ran"] and record["tests"]["returncode"] == 0  # all skipped on CPU
+    assert "skipped" in record["tests"]["summary"]
+    kinds = [(p["kind"], p["rows"]) for p in record["points"]]
+    assert kinds == [("decode_loop", 1), ("decode_loop", 8), ("prefill_call", 16),
+                     ("prefill_call", 48)]  # fmt: skip
+    assert all(p["measured_s"] > 0 and p["predicted_s"] > 0 for p in record["points"])
+    arms = [r["arm"] for r in record["throughput"]]
+    assert arms == ["full_depth", "no_refill", "refill", "single_stream_full_depth"]
+    assert all(r["measured_tok_s"] > 0 and r["predicted_tok_s"] > 0 for r in record["throughput"])
+    assert "refill / full_depth" in proc.stdout
+    profile = load_calibrated_profile(out)
+    assert profile.name == "h200" and profile.call_overhead_s == record["fitted"]["call_overhead_s"]
+
+
+def _point(kind, nbytes, flops, seconds):
+    return TimingPoint(kind, 1, 1, nbytes, flops, seconds, seconds)
+
+
+def test_fit_recovers_known_bandwidth_efficiency_overhead_and_compute_efficiency(tmp_path):
+    base = get_device_profile("h200")  # 4.8 TB/s, 989 TFLOP/s
+    # Hand-made timings: 30 us overhead, 60% of 4.8 TB/s, 40% of 989 TFLOP/s.
+    bandwidth, overhead, flops_rate = 0.6 * 4.8e12, 30e-6, 0.4 * 989e12
+    points = [_point("decode_loop", b, 0.0, overhead + b / bandwidth) for b in (3e9, 4e9, 6e9)]
+    points += [_point("prefill_call", 3e9, f, overhead + f / flops_rate) for f in (1e13, 4e13)]
+    fitted = fit_profile(base, points)
+    assert fitted.bandwidth_efficiency == pytest.approx(0.6, rel=1e-6)
+    assert fitted.call_overhead_s == pytest.approx(30e-6, rel=1e-6)
+    assert fitted.compute_efficiency == pytest.approx(0.4, rel=1e-6)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibration_record(base, fitted, points)))
+    loaded = load_calibrated_profile(path)
+    assert (loaded.bandwidth_efficiency, loaded.compute_efficiency) == pytest.approx((0.6, 0.4))
+    assert loaded.hbm_bandwidth_bytes_per_s == 4.8e12  # peaks stay the datasheet's
+
+
+def test_calibration_file_of_another_format_is_a_config_error(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ConfigError, match="not a loopserve-calibration/1 file"):
+        load_calibrated_profile(path)
+
+
+def test_torch_backend_runs_the_engine_in_bfloat16_on_cpu(tiny_dir):
+    import torch
+
+    from loopserve.llm import LLM
+    from loopserve.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_dir), dtype="bfloat16", num_blocks=64, block_size=4)
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert llm.engine.runner.attention.name == "torch"
+    params = SamplingParams(max_tokens=5, temperature=0.0, exit_threshold=0.5, ignore_eos=True)
+    outputs = llm.generate([[5, 6, 7], [9, 10, 11, 12, 13]], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [5, 5]
+    assert all(1 <= d <= 4 for o in outputs for d in o.exit_depths)
+
+
+def test_simulate_with_a_calibration_file_runs_slower_when_bandwidth_efficiency_is_lower(tmp_path):
+    """`simulate --calibration` uses the file's fitted efficiencies: at a third of the datasheet
+    profile's bandwidth efficiency, decode (HBM-bound) takes longer per token."""
+    from loopserve.cli.main import main
+
+    base = get_device_profile("h100")
+    fitted = dataclasses.replace(base, bandwidth_efficiency=base.bandwidth_efficiency / 3)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(calibration_record(base, fitted, [])))
+    tpot = {}
+    for name, extra in (("datasheet", []), ("calibrated", ["--calibration", str(path)])):
+        out_dir = tmp_path / name
+        argv = ["simulate", "--dataset", "synthetic", "--num-requests", "8", "--input-len", "32"]
+        argv += ["--output-len", "16", "--request-rate", "1", "--no-plot"]
+        argv += ["--output-dir", str(out_dir), *extra]
+        assert main(argv) == 0
+        point = json.loads((out_dir / "simulate.json").read_text())["points"][0]
+        tpot[name] = point["result"]["tpot"]["mean_s"]
+    assert tpot["calibrated"] > 1.5 * tpot["datasheet"]

@@ -1,0 +1,182 @@
+"""Triton kernels vs the torch reference backend, on CPU under the Triton interpreter.
+
+`TRITON_INTERPRET=1` must be set before triton is first imported, so it is set at the top of
+this module (a GPU run uses tests/test_gpu.py in its own process instead). Skipped, with the
+reason, only when triton is not installed (it is in the `dev` extra). Shapes are small: the
+interpreter runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton not installed (pip install -e '.[dev]')")
+
+from loopserve.errors import ConfigError  # noqa: E402
+from loopserve.runner.attention.base import RowSegment  # noqa: E402
+from loopserve.runner.attention.registry import (  # noqa: E402
+    make_attention_backend,
+    resolve_attention_backend,
+)
+from loopserve.runner.attention.torch_paged import TorchBackend  # noqa: E402
+from loopserve.runner.attention.triton_backend import TritonBackend  # noqa: E402
+from tests.engine_utils import make_engine, reference_for, run_steps  # noqa: E402
+
+NUM_LAYERS, HEAD_DIM = 2, 16
+
+
+def random_cache(seed: int, num_blocks: int, block_size: int, num_kv_heads: int):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (NUM_LAYERS, 2, num_blocks * block_size, num_kv_heads, HEAD_DIM)
+    return torch.randn(shape, generator=generator)
+
+
+def random_tables(seed: int, num_tables: int, num_blocks: int, width: int) -> list[list[int]]:
+    """Disjoint block tables (one per request plane) in a shuffled order."""
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [order[i * width : (i + 1) * width] for i in range(num_tables)]
+
+
+def run_both(segments, cache, block_size, num_heads, seed, **triton_kwargs):
+    """Outputs of both backends for every layer, and their caches afterwards."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = sum(seg.count for seg in segments)
+    num_kv_heads = cache.shape[3]
+    reference = TorchBackend(cache.clone(), block_size=block_size, scale=0.3)
+    fast = TritonBackend(cache.clone(), block_size=block_size, scale=0.3, **triton_kwargs)
+    outs = []
+    for layer_idx in range(NUM_LAYERS):
+        query = torch.randn(rows, num_heads, HEAD_DIM, generator=generator)
+        key = torch.randn(rows, num_kv_heads, HEAD_DIM, generator=generator)
+        value = torch.randn(rows, num_kv_heads, HEAD_DIM, generator=generator)
+        expected = reference.prepare(segments).attend(layer_idx, query, key, value)
+        actual = fast.prepare(segments).attend(layer_idx, query, key, value)
+        outs.append((expected, actual))
+    return outs, reference.kv_cache, fast.kv_cache
+
+
+@pytest.mark.parametrize("split_len", [1024, 8], ids=["one_split", "split_k"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
+def test_decode_rows_of_different_planes_and_lengths_match_torch(
+    num_heads, num_kv_heads, split_len
+):
+    block_size = 5  # odd: positions of one tile span several blocks
+    tables = random_tables(11, 4, 40, 10)
+    # Rows of one call: different planes (tables) and positions, one of them at position 0.
+    segments = [RowSegment(tables[0], 37, 1), RowSegment(tables[1], 0, 1)]
+    segments += [RowSegment(tables[2], 12, 1), RowSegment(tables[3], 23, 1)]
+    cache = random_cache(3, 40, block_size, num_kv_heads)
+    outs, ref_cache, fast_cache = run_both(
+        segments, cache, block_size, num_heads, seed=5, split_len=split_len, decode_block_n=4
+    )
+    num_splits = -(-38 // split_len)
+    assert num_splits == (1 if split_len == 1024 else 5)  # split-K really runs when asked
+    for expected, actual in outs:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fast_cache, ref_cache)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
+def test_prompt_chunks_of_several_requests_and_depths_share_one_launch(num_heads, num_kv_heads):
+    block_size = 3
+    tables = random_tables(21, 5, 80, 16)
+    segments = [
+        RowSegment(tables[0], 7, 1),  # a decode row rides along
+        RowSegment(tables[1], 0, 19),  # first chunk of a prompt: two tiles of 16, causal only
+        RowSegment(tables[2], 11, 5),  # later chunk: cached context + causal within the chunk
+        RowSegment(tables[3], 30, 17),  # another request at another plane, 2 tiles
+        RowSegment(tables[4], 2, 1),
+    ]
+    cache = random_cache(4, 80, block_size, num_kv_heads)
+    outs, ref_cache, fast_cache = run_both(
+        segments, cache, block_size, num_heads, seed=6, prefill_block_m=16, prefill_block_n=16
+    )
+    for expected, actual in outs:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fast_cache, ref_cache)
+
+
+def test_kv_write_puts_each_row_at_its_plane_slot():
+    block_size = 3
+    cache = torch.zeros(NUM_LAYERS, 2, 12 * block_size, 2, HEAD_DIM)
+    backend = TritonBackend(cache, block_size=block_size, scale=1.0)
+    segments = [RowSegment([4, 9], 4, 1), RowSegment([7, 2, 11], 2, 3)]
+    key = torch.arange(4 * 2 * HEAD_DIM, dtype=torch.float32).view(4, 2, HEAD_DIM)
+    backend.prepare(segments).attend(1, torch.zeros(4, 2, HEAD_DIM), key, -key)
+    # position 4 in table [4, 9] -> block 9 offset 1; positions 2,3,4 in [7, 2, 11] ->
+    # block 7 offset 2, then block 2 offsets 0 and 1 (across a block boundary).
+    expected_slots = [9 * 3 + 1, 7 * 3 + 2, 2 * 3 + 0, 2 * 3 + 1]
+    torch.testing.assert_close(cache[1, 0, expected_slots], key, atol=0, rtol=0)
+    torch.testing.assert_close(cache[1, 1, expected_slots], -key, atol=0, rtol=0)
+    written = torch.zeros(cache.shape[2], dtype=torch.bool)
+    written[expected_slots] = True
+    assert not cache[1, :, ~written].any() and not cache[0].any()  # nothing else touched
+
+
+def test_finalize_copies_every_layer_of_every_exiting_row_in_one_launch():
+    cache = random_cache(8, 10, 4, 2)
+    before = cache.clone()
+    backend = TritonBackend(cache, block_size=4, scale=1.0)
+    src, dst = torch.tensor([3, 3, 17]), torch.tensor([21, 30, 38])
+    backend.finalize(src, dst)
+    for s, d in zip(src.tolist(), dst.tolist()):
+        assert torch.equal(cache[:, :, d], before[:, :, s])  # all layers, K and V
+    untouched = [i for i in range(40) if i not in (21, 30, 38)]
+    assert torch.equal(cache[:, :, untouched], before[:, :, untouched])
+
+
+def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu(monkeypatch):
+    assert resolve_attention_backend("auto", "cuda:0") == "triton"
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        make_attention_backend("triton", torch.zeros(1, 2, 4, 1, 1), block_size=4, scale=1.0)
+    with pytest.raises(ConfigError, match="attention_backend must be one of"):
+        resolve_attention_backend("flash", "cpu")
+
+
+def test_engine_with_triton_backend_matches_dense_reference(tiny_dir):
+    from loopserve.sampling_params import SamplingParams
+
+    engine = make_engine(
+        tiny_dir, attention_backend="triton", prefill_mode="wavefront", mixed_prefill_decode=True
+    )
+    assert engine.runner.attention.name == "triton"
+    finalized = []
+    original = engine.runner.attention.finalize
+
+    def counting_finalize(src, dst):
+        finalized.append(src.numel())
+        original(src, dst)
+
+    engine.runner.attention.finalize = counting_finalize
+    prompts = {"a": [5, 9, 2, 7, 1, 3, 8, 4, 6, 11, 13, 17, 19, 23, 29], "b": [40, 41, 42]}
+    work = [
+        ("a", prompts["a"], SamplingParams(max_tokens=4, exit_threshold=0.5, temperature=0.0), 0),
+        ("b", prompts["b"], SamplingParams(max_tokens=4, exit_threshold=0.7, seed=3), 0),
+        ("c", [100 + i for i in range(9)], SamplingParams(max_tokens=3, temperature=0.0), 2),
+    ]
+    finished = run_steps(engine, work)
+    depths = []
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+        depths += out.exit_depths
+    assert min(depths) < 4 and max(depths) == 4  # early exits and full-depth tokens both ran
+    assert sum(finalized) > 0  # finalize copies went through the triton kernel
+
+
+def test_auto_split_fills_the_device_only_when_rows_are_few():
+    from loopserve.runner.attention.triton_backend import auto_split_len
+
+    # 1 row x 16 KV heads on 132 SMs wants 17 splits; 4096 positions allow up to 32 of 128.
+    assert auto_split_len(1, 16, 4096, 132) == 241  # ceil(4096 / 17)
+    assert auto_split_len(1, 16, 300, 132) == 150  # at most 300 // 128 = 2 splits
+    assert auto_split_len(64, 16, 4096, 132) == 4096  # 1024 programs already: one split
+    assert auto_split_len(1, 16, 100, 132) == 100  # too short to split

@@ -18,12 +18,27 @@ class LLM:
     """`LLM(model, **engine_args).generate(prompts, params)`; engine args are the flat config
     names (`dtype`, `device`, `block_size`, `layout`, `max_num_seqs`, `mode`, `exit_mode`, ...)."""
 
-    def __init__(self, model: str | None = None, **engine_args: object) -> None:
-        self.engine = LLMEngine.from_engine_args(model=model, **engine_args)
+    def __init__(
+        self, model: str | None = None, *, data_parallel_size: int = 1, **engine_args: object
+    ) -> None:
+        """`data_parallel_size` > 1 runs that many engine replicas as Ray actors (one GPU each
+        on CUDA) and splits each `generate` batch across them; `engine` is then None."""
         self._counter = 0
+        self._replicas = None
+        if data_parallel_size > 1:
+            from loopserve.distributed.offline import DataParallelEngines
+
+            self.engine = None
+            self._replicas = DataParallelEngines(
+                {"model": model, **engine_args}, data_parallel_size
+            )
+        else:
+            self.engine = LLMEngine.from_engine_args(model=model, **engine_args)
 
     @property
     def tokenizer(self):
+        if self._replicas is not None:
+            return self._replicas.info.tokenizer
         return self.engine.tokenizer
 
     def generate(
@@ -42,6 +57,10 @@ class LLM:
                 raise InvalidRequestError(
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
+        if self._replicas is not None:
+            ids = [f"llm-{self._counter + i}" for i in range(len(prompt_list))]
+            self._counter += len(ids)
+            return self._replicas.generate(ids, prompt_list, params_list)
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):

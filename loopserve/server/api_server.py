@@ -42,6 +42,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from loopserve.distributed.args import build_pool, uses_ray
+from loopserve.distributed.pool import ReplicaPool
 from loopserve.engine_args import engine_args_from
 from loopserve.server.args import (
     API_KEY_ENV,
@@ -272,7 +274,7 @@ class BodySizeLimitMiddleware:
 
 
 def build_app(
-    async_llm: AsyncLLM,
+    async_llm: AsyncLLM | ReplicaPool,
     served_model_name: str,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -285,7 +287,8 @@ def build_app(
     allow_client_priority: bool = False,
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
 ) -> FastAPI:
-    """The FastAPI app serving `async_llm` as `served_model_name`.
+    """The FastAPI app serving `async_llm` (one engine, or a `ReplicaPool` of replicas with
+    the same interface) as `served_model_name`.
 
     Its lifespan starts the engine thread, logs one line once the model is ready and, at
     shutdown, drains the engine within `shutdown_timeout_s`. `allowed_hosts=None` accepts any
@@ -366,6 +369,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if isinstance(async_llm, ReplicaPool):  # "degraded" while some replicas restart
+            details = async_llm.health()
+            return JSONResponse(details, status_code=200 if async_llm.is_ready else 503)
         if async_llm.is_ready:
             return JSONResponse({"status": "ok"})
         status = "dead" if async_llm.is_dead else "loading"
@@ -485,11 +491,15 @@ def main_from_args(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    async_llm = AsyncLLM(
-        lambda: LLMEngine.from_engine_args(**engine_args),
-        max_pending_requests=args.max_pending_requests,
-        on_load_error=stop_server,
-    )
+    async_llm: AsyncLLM | ReplicaPool
+    if uses_ray(args):
+        async_llm = build_pool(args, engine_args, on_load_error=stop_server)
+    else:
+        async_llm = AsyncLLM(
+            lambda: LLMEngine.from_engine_args(**engine_args),
+            max_pending_requests=args.max_pending_requests,
+            on_load_error=stop_server,
+        )
     app = build_app(
         async_llm,
         served_model_name,
@@ -520,6 +530,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         async_llm.stop_accepting(abort_after_s=args.shutdown_timeout_s)
 
     server = GracefulServer(config, on_exit_signal=on_exit_signal)
+    if isinstance(async_llm, ReplicaPool):
+        async_llm.init_ray()  # in the main thread, before uvicorn takes the signals
     server.run()
     if async_llm.load_error is not None:
         logger.error("the model failed to load: %s", async_llm.load_error)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from loopserve.distributed.args import add_distributed_args
 from loopserve.engine_args import add_engine_args
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
@@ -19,6 +20,7 @@ API_KEY_ENV = "LOOPSERVE_API_KEY"
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `loopserve serve`: every engine flag plus the server's own."""
     add_engine_args(parser)
+    add_distributed_args(parser)
     group = parser.add_argument_group("server")
     group.add_argument(
         "--host",

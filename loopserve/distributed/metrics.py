@@ -1,0 +1,145 @@
+"""`/metrics` for a replica pool: per-replica gauges with a `replica` label.
+
+`PoolMetrics` keeps the server's per-request counters and histograms (`ServingMetrics`,
+observed in the server process as requests finish) and replaces the single engine's gauges by
+one sample per replica: the engine gauges of its latest snapshot (running, waiting, KV blocks,
+generated tokens, core calls, preemptions by mode, prefix-cache queries and hits, swapped
+bytes, ...) plus the router's view (outstanding tokens, requests routed,
+prefix hits) and its health (state, restarts, failed requests). Pool-wide samples
+(`loopserve_ready`, `loopserve_num_requests_in_flight`, `loopserve_replicas_serving`) carry no
+label. Sum over `replica` for totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from loopserve.server.engine_thread import EngineSnapshot
+from loopserve.server.metrics import ServingMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGauges:
+    index: int
+    state: str  # starting | serving | restarting | dead
+    snapshot: EngineSnapshot
+    outstanding_tokens: int
+    num_routed: int
+    num_prefix_hits: int
+    num_restarts: int
+    num_failed_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    num_replicas: int
+    replicas: tuple[ReplicaGauges, ...] = ()
+
+
+# (name, help, kind, value of one replica)
+_PER_REPLICA = (
+    ("loopserve_num_requests_running", "Requests running.", "gauge",
+     lambda r: r.snapshot.num_running),
+    ("loopserve_num_requests_waiting", "Requests waiting.", "gauge",
+     lambda r: r.snapshot.num_waiting),
+    ("loopserve_kv_blocks_free", "Free KV blocks.", "gauge", lambda r: r.snapshot.num_free_blocks),
+    ("loopserve_kv_blocks_total", "KV blocks in the pool.", "gauge",
+     lambda r: r.snapshot.num_total_blocks),
+    ("loopserve_kv_cache_usage_ratio", "Share of KV blocks in use.", "gauge",
+     lambda r: r.snapshot.kv_usage),
+    ("loopserve_mean_loops_per_token", "Mean loops of the shared core per output token.",
+     "gauge", lambda r: r.snapshot.mean_loops_per_token),
+    ("loopserve_mean_rows_per_core_call", "Mean rows (tokens) per core call.", "gauge",
+     lambda r: r.snapshot.mean_rows_per_core_call),
+    ("loopserve_generation_tokens", "Output tokens generated (since the replica started).",
+     "counter", lambda r: r.snapshot.num_output_tokens),
+    ("loopserve_core_calls", "Core calls (since the replica started).", "counter",
+     lambda r: r.snapshot.num_core_calls),
+    ("loopserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "counter", lambda r: r.snapshot.num_prefix_queried_tokens),
+    ("loopserve_prefix_cache_hits", "Prompt tokens served by the prefix cache.", "counter",
+     lambda r: r.snapshot.num_prefix_hit_tokens),
+    ("loopserve_kv_swapped_bytes",
+     "KV bytes copied between device and host by swap preemption (both ways).", "counter",
+     lambda r: r.snapshot.num_swapped_bytes),
+    ("loopserve_replica_outstanding_tokens",
+     "Router's outstanding work: prompt tokens not yet prefilled plus tokens still to generate.",
+     "gauge", lambda r: r.outstanding_tokens),
+    ("loopserve_replica_serving", "1 while the replica takes requests.", "gauge",
+     lambda r: int(r.state == "serving")),
+    ("loopserve_router_requests", "Requests routed to the replica.", "counter",
+     lambda r: r.num_routed),
+    ("loopserve_router_prefix_hits",
+     "Submissions routed to the replica because it served their prompt prefix.", "counter",
+     lambda r: r.num_prefix_hits),
+    ("loopserve_replica_restarts", "Times the replica was restarted.", "counter",
+     lambda r: r.num_restarts),
+    ("loopserve_replica_failed_requests",
+     "Requests failed with a 503 because the replica died while serving them.", "counter",
+     lambda r: r.num_failed_requests),
+)  # fmt: skip
+
+
+class _PoolCollector:
+    """Turns the pool snapshot current at scrape time into metric families."""
+
+    def __init__(self) -> None:
+        self.snapshot: PoolSnapshot | None = None
+        self.num_in_flight = 0
+        self.is_ready = False
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self.snapshot
+        if pool is None:
+            return
+        num_serving = sum(r.state == "serving" for r in pool.replicas)
+        for name, help_text, value in (
+            ("loopserve_ready", "1 when at least one replica serves.", int(self.is_ready)),
+            (
+                "loopserve_num_requests_in_flight",
+                "Requests accepted, not done.",
+                self.num_in_flight,
+            ),
+            ("loopserve_replicas", "Configured data-parallel replicas.", pool.num_replicas),
+            ("loopserve_replicas_serving", "Replicas taking requests.", num_serving),
+        ):
+            yield GaugeMetricFamily(name, help_text, value=value)
+        preemptions = CounterMetricFamily(
+            "loopserve_preemptions",
+            "Requests preempted for KV or priority, by mode.",
+            labels=["replica", "mode"],
+        )
+        for replica in pool.replicas:
+            preemptions.add_metric([str(replica.index), "recompute"],
+                                   replica.snapshot.num_preemptions_recompute)  # fmt: skip
+            preemptions.add_metric([str(replica.index), "swap"],
+                                   replica.snapshot.num_preemptions_swap)  # fmt: skip
+        yield preemptions
+        for name, help_text, kind, value_of in _PER_REPLICA:
+            family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = family_cls(name, help_text, labels=["replica"])
+            for replica in pool.replicas:
+                family.add_metric([str(replica.index)], value_of(replica))
+            yield family
+
+
+class PoolMetrics(ServingMetrics):
+    """`ServingMetrics` whose engine gauges are per replica; `render` takes a `PoolSnapshot`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pool = _PoolCollector()
+        self._scrape_registry.register(self._pool)
+
+    def render(self, gauges: PoolSnapshot, *, num_in_flight: int, is_ready: bool) -> str:  # type: ignore[override]
+        self._pool.snapshot = gauges
+        self._pool.num_in_flight = num_in_flight
+        self._pool.is_ready = is_ready
+        return prometheus_client.generate_latest(self._scrape_registry).decode()

@@ -1,0 +1,104 @@
+"""Offline data parallelism for `LLM(..., data_parallel_size=N)`: N engine replicas as Ray
+actors, one batch of prompts split across them, outputs returned in input order.
+
+The split is decided up front by the router's least-load rule over each request's prompt plus
+`max_tokens` (a greedy balance of estimated tokens), then every replica runs its share to
+completion with the plain offline loop (`EngineReplica.generate_batch`). Outputs do not depend
+on the split: each request's tokens are the same whichever batch it shares (batch invariance,
+per-request seeded generators). No streaming, no failure recovery: a replica that dies fails
+`generate`. The Ray cluster is the one already initialized, else an embedded local one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from loopserve.distributed.replica import EngineReplica, Rejected
+from loopserve.distributed.router import RoutedRequest, Router
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
+
+
+class DataParallelEngines:
+    """N replicas for the offline API; see the module docstring."""
+
+    def __init__(
+        self,
+        engine_args: dict[str, object],
+        num_replicas: int,
+        *,
+        torch_threads: int | None = None,
+    ) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ImportError(
+                "data_parallel_size > 1 needs Ray: pip install 'loopserve[ray]'"
+            ) from None
+        if not ray.is_initialized():
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, num_replicas),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+            )
+        on_cuda = str(engine_args.get("device") or "cpu").startswith("cuda")
+        args = dict(engine_args)
+        if on_cuda:
+            args["device"] = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
+        elif torch_threads is None:
+            torch_threads = max(1, (os.cpu_count() or 1) // num_replicas)
+        actor_cls = ray.remote(EngineReplica).options(
+            num_cpus=0 if on_cuda else 1, num_gpus=1 if on_cuda else 0
+        )
+        self.num_replicas = num_replicas
+        self.replicas = [
+            actor_cls.remote(engine_args=args, torch_threads=torch_threads)
+            for _ in range(num_replicas)
+        ]
+        self.info = ray.get(self.replicas[0].info.remote())
+        self.last_split: list[int] = []  # requests per replica in the last `generate`
+
+    def generate(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+    ) -> list[RequestOutput]:
+        """Run every request on one replica; outputs in the order of `request_ids`."""
+        import ray
+
+        processor = self.info.input_processor
+        prompts = [processor.process(prompt) for prompt in prompts]  # tokenized once, checked
+        router = Router(self.num_replicas)
+        shares: list[list[int]] = [[] for _ in range(self.num_replicas)]
+        for index, (request_id, prompt, sp) in enumerate(zip(request_ids, prompts, params)):
+            replica = router.choose(range(self.num_replicas), None).replica
+            router.assign(
+                replica, [RoutedRequest(request_id, len(prompt.token_ids), sp.max_tokens)]
+            )
+            shares[replica].append(index)
+        self.last_split = [len(share) for share in shares]
+        refs = [
+            replica.generate_batch.remote(
+                [request_ids[i] for i in share],
+                [prompts[i] for i in share],
+                [params[i] for i in share],
+            )
+            for replica, share in zip(self.replicas, shares)
+        ]
+        outputs: list[RequestOutput | None] = [None] * len(request_ids)
+        for share, result in zip(shares, ray.get(refs)):
+            if isinstance(result, Rejected):
+                raise result.error()
+            for index, output in zip(share, result):
+                outputs[index] = output
+        assert all(output is not None for output in outputs)
+        return outputs  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for replica in self.replicas:
+            ray.kill(replica, no_restart=True)
+        self.replicas = []

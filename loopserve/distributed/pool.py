@@ -1,0 +1,714 @@
+"""`ReplicaPool`: N engine replicas on Ray behind the interface of one `AsyncLLM`.
+
+The HTTP server uses a pool in place of its single `AsyncLLM` when `--data-parallel-size` is
+above 1: the same `start` / `wait_ready` / `submit` (returning a stream of `RequestOutput`s) /
+`abort` / `stop_accepting` / `shutdown`, the same errors, the same `metrics.render`. Each
+replica is an `EngineReplica` Ray actor (one GPU each on CUDA, one CPU and a fixed number of
+torch threads on CPU). Outputs flow back through Ray streaming generators; closing a stream
+early (client disconnect) aborts its unfinished requests on their replica.
+
+Routing is the `Router`'s (least outstanding tokens, or prompt prefix). Failure semantics:
+
+- a replica whose actor dies (or whose engine dies) is marked restarting at once; no new
+  submission goes to it;
+- a submission none of whose outputs reached the consumer yet is re-submitted to another
+  serving replica (at most `MAX_REROUTES` times), so requests that had not started are not lost;
+- a submission that already delivered outputs ends with `ReplicaFailedError` (HTTP 503; a
+  stream ends with an error event);
+- Ray restarts the actor (`max_restarts`); a probe per replica notices the new instance once its
+  engine is loaded and puts it back into rotation (its prefix table entries are dropped);
+- `health()` is "ok" with every replica serving, "degraded" with some, and the pool is not
+  ready with none. A replica whose restarts are exhausted stays "dead".
+
+The first replica to finish loading failing (for example a bad checkpoint) is a load error
+(`load_error`, `on_load_error`), as with `AsyncLLM`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loopserve.distributed.metrics import PoolMetrics, PoolSnapshot, ReplicaGauges
+from loopserve.distributed.replica import (
+    Accepted,
+    EngineFailed,
+    EngineReplica,
+    Rejected,
+    ReplicaInfo,
+    ReplicaStats,
+)
+from loopserve.distributed.router import RoutedRequest, Router
+from loopserve.errors import InvalidRequestError, LoopserveError
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
+from loopserve.server.async_engine import (
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineSnapshot,
+    GenerateRequest,
+    QueueFullError,
+)
+from loopserve.text.input_processor import ProcessedPrompt
+
+logger = logging.getLogger(__name__)
+MAX_REROUTES = 2
+PROBE_INTERVAL_S = 0.5
+PROBE_TIMEOUT_S = 60.0
+DEFAULT_MAX_RESTARTS = 4
+ABORT_GRACE_S = 2.0  # at shutdown, for aborted streams to end before the replicas stop
+
+
+class ReplicaFailedError(EngineNotReadyError):
+    """The replica serving a request failed after the request had produced output; the
+    replica is restarting and the client may retry (HTTP 503)."""
+
+
+class ReplicaState(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    RESTARTING = "restarting"
+    DEAD = "dead"  # restarts exhausted
+
+
+@dataclass
+class _Replica:
+    index: int
+    actor: Any  # ray.actor.ActorHandle
+    state: ReplicaState = ReplicaState.STARTING
+    instance_id: str | None = None
+    snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
+    num_restarts: int = 0
+    num_routed: int = 0
+    num_prefix_hits: int = 0
+    num_failed_requests: int = 0
+    failed_instance_id: str | None = None  # the instance that failed; its late replies are stale
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How the pool starts Ray and its replicas; see `ReplicaPool`."""
+
+    num_replicas: int
+    routing: str = "least_load"
+    ray_address: str | None = None
+    max_pending_requests: int = 1024
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    torch_threads: int | None = None  # per replica on CPU; None: cores // replicas (>= 1)
+    num_cpus: int | None = None  # embedded cluster's CPUs; None: max(cores, replicas)
+    object_store_bytes: int | None = None  # embedded cluster; None: Ray's default
+
+
+class ReplicaPool:
+    """N `EngineReplica` actors behind the `AsyncLLM` interface; see the module docstring."""
+
+    def __init__(
+        self,
+        engine_args: dict[str, object],
+        config: PoolConfig,
+        *,
+        on_load_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        if config.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {config.num_replicas}")
+        self.engine_args = dict(engine_args)
+        self.config = config
+        self.max_pending_requests = config.max_pending_requests
+        self._on_load_error = on_load_error
+        block_size = int(engine_args.get("block_size") or 16)  # type: ignore[arg-type]
+        self.router = Router(config.num_replicas, config.routing, block_size=block_size)
+        self.metrics = PoolMetrics()
+        self.replicas: list[_Replica] = []
+        self.info: ReplicaInfo | None = None
+        self.load_error: BaseException | None = None
+        self._started_ray = False
+        self._accepting = True
+        self._stop_accepting_s: float | None = None
+        self._num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._streams: set[PoolStream] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    # ---- state --------------------------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return self.config.num_replicas
+
+    def serving_replicas(self) -> list[int]:
+        return [r.index for r in self.replicas if r.state is ReplicaState.SERVING]
+
+    @property
+    def is_ready(self) -> bool:
+        return self.info is not None and bool(self.serving_replicas()) and not self._closed
+
+    @property
+    def is_dead(self) -> bool:
+        if self.load_error is not None:
+            return True
+        return bool(self.replicas) and all(r.state is ReplicaState.DEAD for r in self.replicas)
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def streams(self) -> list[PoolStream]:
+        """The open streams (a copy)."""
+        return list(self._streams)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    @property
+    def snapshot(self) -> PoolSnapshot:
+        return PoolSnapshot(
+            num_replicas=self.num_replicas,
+            replicas=tuple(
+                ReplicaGauges(
+                    index=r.index,
+                    state=r.state.value,
+                    snapshot=r.snapshot,
+                    outstanding_tokens=self.router.load(r.index),
+                    num_routed=r.num_routed,
+                    num_prefix_hits=r.num_prefix_hits,
+                    num_restarts=r.num_restarts,
+                    num_failed_requests=r.num_failed_requests,
+                )
+                for r in self.replicas
+            ),
+        )
+
+    def health(self) -> dict[str, object]:
+        """`{"status": "ok" | "degraded" | ..., "replicas": N, "replicas_serving": k, ...}`."""
+        serving = len(self.serving_replicas())
+        if self.is_dead:
+            status = "dead"
+        elif not self.is_ready:
+            status = "loading" if self.info is None else "unavailable"
+        else:
+            status = "ok" if serving == self.num_replicas else "degraded"
+        return {
+            "status": status,
+            "replicas": self.num_replicas,
+            "replicas_serving": serving,
+            "replica_states": [r.state.value for r in self.replicas],
+        }
+
+    @property
+    def engine(self) -> _EngineView:
+        """What the serving layer reads from an engine (tokenizer, limits), from replica 0."""
+        self._check_usable()
+        assert self.info is not None
+        return _EngineView(self.info)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start Ray (or join `ray_address`) and the replicas in the background; idempotent."""
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._idle.set()
+        self._tasks.append(asyncio.ensure_future(self._start_replicas()))
+
+    async def _start_replicas(self) -> None:
+        try:
+            await asyncio.to_thread(self.init_ray)  # a no-op when done before
+            actor_cls = self._actor_class()
+            for index in range(self.num_replicas):
+                self.replicas.append(_Replica(index, actor_cls.remote(**self._replica_kwargs())))
+            # The first replica to load decides: its info serves all (they share the engine
+            # arguments); if it failed, the model cannot load. The others join through their
+            # probes whenever they are up (a replica waiting for a free GPU does not block).
+            first_loaded = next(
+                asyncio.as_completed([r.actor.info.remote() for r in self.replicas])
+            )
+            info = await first_loaded
+        except Exception as err:
+            logger.exception("starting the replicas failed")
+            self.load_error = err
+            if self._on_load_error is not None:
+                self._on_load_error(err)
+            return
+        self.info = info
+        self.router.block_size = info.block_size
+        for replica in self.replicas:
+            self._tasks.append(asyncio.ensure_future(self._probe(replica)))
+
+    def init_ray(self) -> None:
+        """Start the embedded Ray cluster (or join `ray_address`) unless Ray is already
+        initialized; call it from the main thread (Ray installs signal handlers there)."""
+        import ray
+
+        if ray.is_initialized():
+            return
+        if self.config.ray_address is not None:
+            ray.init(address=self.config.ray_address, log_to_driver=True)
+        else:
+            ray.init(
+                num_cpus=self.config.num_cpus or max(os.cpu_count() or 1, self.num_replicas),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                object_store_memory=self.config.object_store_bytes,
+            )
+        self._started_ray = True
+
+    def _actor_class(self) -> Any:
+        import ray
+
+        on_cuda = str(self.engine_args.get("device") or "cpu").startswith("cuda")
+        return ray.remote(EngineReplica).options(
+            num_cpus=0 if on_cuda else 1,
+            num_gpus=1 if on_cuda else 0,
+            max_restarts=self.config.max_restarts,
+            max_task_retries=0,
+        )
+
+    def _replica_kwargs(self) -> dict[str, object]:
+        engine_args = dict(self.engine_args)
+        on_cuda = str(engine_args.get("device") or "cpu").startswith("cuda")
+        if on_cuda:
+            engine_args["device"] = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
+        threads = self.config.torch_threads
+        if threads is None and not on_cuda:
+            threads = max(1, (os.cpu_count() or 1) // self.num_replicas)
+        return {
+            "engine_args": engine_args,
+            "torch_threads": threads,
+            "max_pending_requests": self.max_pending_requests,
+        }
+
+    async def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until at least one replica serves; False if loading failed or timed out."""
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.is_ready and not self.is_dead:
+            if deadline_s is not None and time.monotonic() > deadline_s:
+                return False
+            await asyncio.sleep(0.02)
+        return self.is_ready
+
+    async def wait_serving(self, num_replicas: int, timeout_s: float) -> bool:
+        """Wait until `num_replicas` replicas serve; False on timeout."""
+        deadline_s = time.monotonic() + timeout_s
+        while len(self.serving_replicas()) < num_replicas:
+            if time.monotonic() > deadline_s:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def stop_accepting(self, *, abort_after_s: float | None = None) -> None:
+        """As `AsyncLLM.stop_accepting`: refuse new submissions; optionally abort the rest
+        `abort_after_s` from now."""
+        self._accepting = False
+        if self._stop_accepting_s is None:
+            self._stop_accepting_s = time.monotonic()
+        if abort_after_s is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(
+                self._loop.call_later, abort_after_s, self._abort_all_streams
+            )
+
+    def _abort_all_streams(self) -> None:
+        for stream in list(self._streams):
+            stream.abort_unfinished()
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, let in-flight requests finish until `timeout_s` after the first
+        `stop_accepting`, abort the rest, stop the replicas and (if we started it) Ray."""
+        self.stop_accepting()
+        assert self._stop_accepting_s is not None
+        remaining_s = max(0.0, timeout_s - (time.monotonic() - self._stop_accepting_s))
+        if not self._idle.is_set():
+            try:
+                await asyncio.wait_for(self._idle.wait(), remaining_s)
+            except asyncio.TimeoutError:
+                logger.warning("aborting %d requests still in flight", self._num_in_flight)
+                self._abort_all_streams()
+                with contextlib.suppress(asyncio.TimeoutError):  # their "abort" outputs
+                    await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        if self.replicas:
+            import ray
+
+            for replica in self.replicas:
+                ray.kill(replica.actor, no_restart=True)
+            if self._started_ray:
+                await asyncio.to_thread(ray.shutdown)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    async def submit(self, requests: Sequence[GenerateRequest]) -> PoolStream:
+        """Route `requests` (all to one replica) and return their output stream; errors as
+        `AsyncLLM.submit`, raised before any output."""
+        self._check_usable()
+        if not self._accepting:
+            raise EngineNotReadyError("the server is shutting down")
+        if len(requests) > self.max_pending_requests:
+            raise InvalidRequestError(
+                f"this request needs {len(requests)} sequences (prompts x n), more than the "
+                f"server's limit of {self.max_pending_requests} requests in flight "
+                "(--max-pending-requests)",
+                param="n",
+            )
+        if self._num_in_flight + len(requests) > self.max_pending_requests:
+            raise QueueFullError(
+                f"{self._num_in_flight} requests in flight, the limit is "
+                f"{self.max_pending_requests}; retry later"
+            )
+        # Prompts are tokenized here (the server already did; in a worker thread otherwise),
+        # once: routing needs the token ids and the replicas take the processed prompts as is.
+        if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
+            requests = await asyncio.to_thread(self._processed, requests)
+            self._check_usable()
+        prompts = [r.prompt for r in requests]
+        prompt_ids = prompts[0].token_ids if prompts else None
+        routed = [
+            RoutedRequest(r.request_id, len(p.token_ids), r.params.max_tokens)
+            for r, p in zip(requests, prompts)
+        ]
+        stream = PoolStream(self, list(requests), routed, prompt_ids)
+        self._num_in_flight += len(requests)
+        self._idle.clear()
+        self._streams.add(stream)
+        try:
+            await stream.open(excluded=set())
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request (raising its validation errors now) and return its outputs."""
+        stream = await self.submit([GenerateRequest(request_id, prompt, params)])
+
+        async def outputs() -> AsyncIterator[RequestOutput]:
+            with stream:
+                async for output in stream:
+                    yield output
+
+        return outputs()
+
+    def abort(self, request_id: str) -> None:
+        for stream in list(self._streams):
+            if request_id in stream.request_ids:
+                stream.abort_unfinished([request_id])
+
+    def _processed(self, requests: Sequence[GenerateRequest]) -> list[GenerateRequest]:
+        assert self.info is not None
+        processor = self.info.input_processor
+        return [
+            r
+            if isinstance(r.prompt, ProcessedPrompt)
+            else dataclasses.replace(r, prompt=processor.process(r.prompt))
+            for r in requests
+        ]
+
+    def _check_usable(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(
+                f"every replica is dead: {self.load_error!r}"
+                if self.load_error is not None
+                else "every replica is dead (restarts exhausted)"
+            )
+        if self.info is None:
+            raise EngineNotReadyError("the model is still loading")
+        if not self.serving_replicas():
+            raise EngineNotReadyError(
+                f"no replica is serving right now (0 of {self.num_replicas}; restarting)"
+            )
+
+    def _on_stream_closed(self, stream: PoolStream) -> None:
+        self._streams.discard(stream)
+        self._num_in_flight -= len(stream.request_ids)
+        if self._num_in_flight == 0:
+            self._idle.set()
+
+    # ---- failures and restarts ----------------------------------------------------------
+
+    def replica_failed(self, index: int, instance_id: str | None, why: object) -> None:
+        """A call to replica `index` (instance `instance_id`) failed: stop routing to it
+        until the probe sees it serve again. Stale reports about an older instance are
+        ignored."""
+        replica = self.replicas[index]
+        if replica.state is not ReplicaState.SERVING or replica.instance_id != instance_id:
+            return
+        logger.warning("replica %d failed (%s); waiting for its restart", index, why)
+        replica.state = ReplicaState.RESTARTING
+        replica.failed_instance_id = instance_id
+        self.router.forget_replica(index)
+
+    async def _probe(self, replica: _Replica) -> None:
+        """Poll one replica's stats: gauges, readiness, engine death and restarts."""
+        import ray
+
+        while not self._closed:
+            try:
+                stats: ReplicaStats = await asyncio.wait_for(
+                    replica.actor.stats.remote(), PROBE_TIMEOUT_S
+                )
+            except ray.exceptions.ActorDiedError as err:
+                if self._restarts_exhausted(replica):
+                    logger.error("replica %d is dead for good: %s", replica.index, err)
+                    replica.state = ReplicaState.DEAD
+                    self.router.forget_replica(replica.index)
+                    return
+                self.replica_failed(replica.index, replica.instance_id, err)
+            except ray.exceptions.RayActorError as err:
+                self.replica_failed(replica.index, replica.instance_id, err)
+            except ray.exceptions.RayError as err:  # the call failed, the replica did not
+                logger.error("probing replica %d failed: %r", replica.index, err)
+            except asyncio.TimeoutError:  # alive but unresponsive: out of rotation until it answers
+                self.replica_failed(replica.index, replica.instance_id, "probe timed out")
+                replica.failed_instance_id = None
+            else:
+                self._apply_stats(replica, stats)
+            await asyncio.sleep(PROBE_INTERVAL_S)
+
+    async def refresh_stats(self) -> None:
+        """Fetch every serving replica's gauges now (the probes do it every 0.5 s)."""
+        serving = [self.replicas[i] for i in self.serving_replicas()]
+        stats = await asyncio.gather(*(r.actor.stats.remote() for r in serving))
+        for replica, replica_stats in zip(serving, stats):
+            self._apply_stats(replica, replica_stats)
+
+    def _restarts_exhausted(self, replica: _Replica) -> bool:
+        limit = self.config.max_restarts
+        return limit != -1 and replica.num_restarts >= limit
+
+    def _apply_stats(self, replica: _Replica, stats: ReplicaStats) -> None:
+        if stats.instance_id == replica.failed_instance_id:
+            return  # a reply the failed instance sent before it died: stale
+        if replica.instance_id is not None and stats.instance_id != replica.instance_id:
+            replica.num_restarts += 1
+            logger.warning("replica %d restarted (restart %d)", replica.index, replica.num_restarts)
+            self.router.forget_replica(replica.index)
+        replica.instance_id = stats.instance_id
+        replica.snapshot = stats.snapshot
+        if stats.is_dead:  # its engine thread died; the actor lives on: restart it
+            import ray
+
+            self.replica_failed(replica.index, replica.instance_id, "engine died")
+            ray.kill(replica.actor, no_restart=False)
+        elif stats.is_ready and replica.state is not ReplicaState.SERVING:
+            replica.state = ReplicaState.SERVING
+            logger.info("replica %d serving", replica.index)
+
+
+class PoolStream:
+    """The outputs of one submission on one replica; the interface of `OutputStream`.
+
+    A replica failure before any output reached the consumer re-submits the requests to
+    another replica; after that it raises `ReplicaFailedError`.
+    """
+
+    def __init__(
+        self,
+        owner: ReplicaPool,
+        requests: list[GenerateRequest],
+        routed: list[RoutedRequest],
+        prompt_token_ids: list[int] | None,
+    ) -> None:
+        self.owner = owner
+        self.requests = requests
+        self.request_ids = [r.request_id for r in requests]
+        self._routed = routed
+        self._prompt_token_ids = prompt_token_ids
+        self._unfinished = set(self.request_ids)
+        self._generator: Any = None  # ray.ObjectRefGenerator
+        self.replica: int | None = None
+        self._instance_id: str | None = None
+        self.delivered_any = False  # some output reached the consumer
+        self.num_reroutes = 0
+        self._closed = False
+
+    async def open(self, excluded: set[int]) -> None:
+        """Route and submit; retry on another replica if the chosen one fails first."""
+        import ray
+
+        pool = self.owner
+        while True:
+            candidates = [r for r in pool.serving_replicas() if r not in excluded]
+            if not candidates:
+                raise EngineNotReadyError(
+                    f"no replica can take this request right now "
+                    f"({len(pool.serving_replicas())} of {pool.num_replicas} serving)"
+                )
+            decision = pool.router.choose(candidates, self._prompt_token_ids)
+            replica = pool.replicas[decision.replica]
+            pool.router.assign(decision.replica, self._routed, self._prompt_token_ids)
+            self.replica, self._instance_id = decision.replica, replica.instance_id
+            generator = replica.actor.generate.remote(self.requests)
+            try:
+                first = await (await generator.__anext__())
+            except ray.exceptions.RayActorError as err:  # the replica is down: try another
+                self._release_routing()
+                pool.replica_failed(decision.replica, self._instance_id, err)
+                excluded.add(decision.replica)
+                continue
+            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # a bug, not a death
+                self._release_routing()
+                logger.error("replica %d failed a submission: %r", decision.replica, err)
+                raise EngineDeadError(f"replica {decision.replica} failed: {err!r}") from None
+            if isinstance(first, Rejected):
+                self._release_routing()
+                raise first.error()
+            assert isinstance(first, Accepted), first
+            replica.num_routed += len(self.requests)
+            replica.num_prefix_hits += int(decision.prefix_hit)
+            self._generator = generator
+            return
+
+    def _release_routing(self) -> None:
+        for request_id in self.request_ids:
+            self.owner.router.finish(request_id)
+
+    def __aiter__(self) -> PoolStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        import ray
+
+        while True:
+            if self._closed or not self._unfinished:
+                raise StopAsyncIteration
+            try:
+                item = await (await self._generator.__anext__())
+            except asyncio.CancelledError:
+                self.close()
+                raise
+            except ray.exceptions.RayActorError as err:  # the replica process is gone
+                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=True)
+                continue
+            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # this stream only
+                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=False)
+                continue
+            if isinstance(item, EngineFailed):  # the replica's engine died
+                await self._on_replica_failure(item.message, replica_down=True)
+                continue
+            return self._deliver(item)
+
+    def _deliver(self, output: RequestOutput) -> RequestOutput:
+        router = self.owner.router
+        router.progress(output.request_id, len(output.new_token_ids))
+        self.delivered_any = True
+        if output.finished:
+            router.finish(output.request_id)
+            self.owner.metrics.observe_finished(output)
+            self._unfinished.discard(output.request_id)
+            if not self._unfinished:
+                self.close()
+        return output
+
+    async def _on_replica_failure(self, why: str, *, replica_down: bool) -> None:
+        """Re-route if nothing was delivered yet; else fail the stream with a 503 error.
+        `replica_down`: the replica itself failed (take it out of rotation)."""
+        pool = self.owner
+        assert self.replica is not None
+        failed = self.replica
+        if replica_down:
+            pool.replica_failed(failed, self._instance_id, why)
+        self._release_routing()
+        if not self.delivered_any and self.num_reroutes < MAX_REROUTES and pool.is_accepting:
+            self.num_reroutes += 1
+            logger.warning(
+                "re-routing %d requests away from replica %d", len(self._unfinished), failed
+            )
+            try:
+                await self.open(excluded={failed})
+                return
+            except LoopserveError as err:
+                why = f"{why}; re-routing failed: {err}"
+        pool.replicas[failed].num_failed_requests += len(self._unfinished)
+        self.owner.metrics.finished.labels(finish_reason="error").inc(len(self._unfinished))
+        self._unfinished.clear()
+        self.close()
+        logger.error("replica %d failed requests %s: %s", failed, self.request_ids, why)
+        if replica_down:
+            raise ReplicaFailedError(
+                f"replica {failed} failed while serving this request; it is being restarted, "
+                "retry the request"
+            )
+        raise ReplicaFailedError(
+            f"replica {failed} failed this request (details are in the server log); retry it"
+        )
+
+    def abort_unfinished(self, request_ids: list[str] | None = None) -> None:
+        """Ask the replica to abort (some of) this stream's unfinished requests; their final
+        outputs (finish reason "abort") still arrive through the stream."""
+        ids = sorted(
+            self._unfinished if request_ids is None else self._unfinished & set(request_ids)
+        )
+        if ids and self.replica is not None:
+            self.owner.replicas[self.replica].actor.abort.remote(ids)
+
+    def close(self) -> None:
+        """Abort what has not finished and release the in-flight slots; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._unfinished and self._generator is not None:  # opened: a replica runs them
+            self.abort_unfinished()
+            self.owner.metrics.finished.labels(finish_reason="abort").inc(len(self._unfinished))
+        self._release_routing()
+        self._generator = None
+        self.owner._on_stream_closed(self)
+
+    def __enter__(self) -> PoolStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class _EngineView:
+    """The read-only engine attributes the serving layer uses (`AsyncLLM.engine`)."""
+
+    info: ReplicaInfo
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.info.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def num_loops(self) -> int:
+        return self.info.num_loops
+
+    @property
+    def config(self) -> Any:
+        return self.info.config
+
+    @property
+    def input_processor(self) -> Any:
+        return self.info.input_processor
+
+    @property
+    def stats(self) -> Any:
+        """The engine-stats fields the serving layer reads that do not change while serving
+        (`kv_positions_per_request_max`, for chat's default `max_tokens`)."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(kv_positions_per_request_max=self.info.kv_positions_per_request_max)

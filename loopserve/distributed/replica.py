@@ -1,0 +1,205 @@
+"""`EngineReplica`: one engine replica, run as a Ray actor by `ReplicaPool`.
+
+The class is plain Python (no Ray import), so this module loads without Ray; the pool wraps it
+with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an `AsyncLLM`
+(the same engine thread the single-engine server uses) and exposes async methods:
+
+- `generate(requests)`: an async generator, consumed by the pool as a Ray streaming generator.
+  It first yields `Accepted`, or one `Rejected` carrying the submission's error (invalid,
+  capacity, queue full, not ready), then each `RequestOutput` as the engine produces it, and
+  ends when every request finished. If the engine dies underneath it yields `EngineFailed`.
+- `abort(request_ids)`: abort requests (client disconnects, shutdown).
+- `generate_batch(...)`: the offline loop over a share of `LLM.generate`'s batch (a replica
+  used offline never starts its `AsyncLLM`).
+- `info()`: what the serving layer reads from an engine (tokenizer, context length, KV size).
+- `stats()`: gauges for routing metrics and health, plus this actor instance's id, so the pool
+  notices a restart.
+
+The engine is built in `__init__`, so a model that fails to load fails the actor's creation.
+This module does not route, retry or restart; the pool does.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loopserve.errors import CapacityError, InvalidRequestError, LoopserveError
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
+from loopserve.server.async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineSnapshot,
+    GenerateRequest,
+    QueueFullError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The replica added every request of the submission."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The replica refused the submission before doing any work; `error()` rebuilds it."""
+
+    kind: str
+    message: str
+    param: str | None = None
+    retry_after_s: int = 1
+
+    @classmethod
+    def of(cls, err: LoopserveError) -> Rejected:
+        return cls(
+            type(err).__name__,
+            getattr(err, "message", str(err)),
+            getattr(err, "param", None),
+            getattr(err, "retry_after_s", 1),
+        )
+
+    def error(self) -> LoopserveError:
+        if self.kind == "CapacityError":
+            return CapacityError(self.message, self.param)
+        if self.kind == "InvalidRequestError":
+            return InvalidRequestError(self.message, self.param)
+        if self.kind == "QueueFullError":
+            return QueueFullError(self.message, self.retry_after_s)
+        if self.kind == "EngineDeadError":
+            return EngineDeadError(self.message)
+        return EngineNotReadyError(self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailed:
+    """The replica's engine died while the submission ran; the replica must be restarted."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """What the serving layer reads from an engine, fetched once per replica."""
+
+    tokenizer: Any  # loopserve.text.tokenizer.Tokenizer | None (pickled)
+    max_model_len: int
+    num_loops: int
+    block_size: int
+    kv_positions_per_request_max: int
+    config: Any  # the engine's resolved EngineConfig
+    input_processor: Any  # loopserve.text.input_processor.InputProcessor (pickled)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    instance_id: str  # new for every actor (re)start
+    is_ready: bool
+    is_dead: bool
+    num_in_flight: int
+    snapshot: EngineSnapshot
+
+
+class EngineReplica:
+    """See the module docstring. `torch_threads` sets torch's intra-op threads (CPU)."""
+
+    def __init__(
+        self,
+        engine_args: dict[str, object],
+        *,
+        torch_threads: int | None = None,
+        max_pending_requests: int = 1024,
+    ) -> None:
+        import torch
+
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        from loopserve.engine.llm_engine import LLMEngine
+
+        self.instance_id = uuid.uuid4().hex
+        self.engine = LLMEngine.from_engine_args(**engine_args)
+        self._max_pending_requests = max_pending_requests
+        self._llm: AsyncLLM | None = None
+
+    def _started(self) -> AsyncLLM:
+        """The `AsyncLLM`, started on first use (it needs the actor's running event loop)."""
+        if self._llm is None:
+            self._llm = AsyncLLM(self.engine, max_pending_requests=self._max_pending_requests)
+            self._llm.start()
+        return self._llm
+
+    async def info(self) -> ReplicaInfo:
+        engine = self.engine
+        return ReplicaInfo(
+            tokenizer=engine.tokenizer,
+            max_model_len=engine.max_model_len,
+            num_loops=engine.num_loops,
+            block_size=engine.config.cache.block_size,
+            kv_positions_per_request_max=engine.stats.kv_positions_per_request_max,
+            config=engine.config,
+            input_processor=engine.input_processor,
+        )
+
+    async def stats(self) -> ReplicaStats:
+        llm = self._started()
+        await llm.wait_ready(timeout_s=0.0)
+        return ReplicaStats(
+            self.instance_id, llm.is_ready, llm.is_dead, llm.num_in_flight, llm.snapshot
+        )
+
+    async def generate(
+        self, requests: Sequence[GenerateRequest]
+    ) -> AsyncIterator[Accepted | Rejected | EngineFailed | RequestOutput]:
+        llm = self._started()
+        await llm.wait_ready()
+        try:
+            stream = await llm.submit(requests)
+        except LoopserveError as err:
+            yield Rejected.of(err)
+            return
+        yield Accepted()
+        with stream:
+            try:
+                async for output in stream:
+                    yield output
+            except EngineDeadError as err:
+                yield EngineFailed(str(err))
+            except EngineNotReadyError as err:  # the replica is shutting down
+                yield EngineFailed(str(err))
+
+    def generate_batch(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+    ) -> list[RequestOutput] | Rejected:
+        """The offline loop (`LLM.generate`) over this replica's share of a batch: final outputs
+        in the given order, or the first request's rejection (then nothing ran)."""
+        engine = self.engine
+        added: list[str] = []
+        try:
+            for request_id, prompt, sp in zip(request_ids, prompts, params):
+                engine.add_request(request_id, prompt, sp)
+                added.append(request_id)
+        except LoopserveError as err:
+            for request_id in added:
+                engine.abort_request(request_id)
+            return Rejected.of(err)
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(added):
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in added]
+
+    async def abort(self, request_ids: list[str]) -> None:
+        llm = self._started()
+        for request_id in request_ids:
+            llm.abort(request_id)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        if self._llm is not None:
+            await self._llm.shutdown(timeout_s)

@@ -11,6 +11,7 @@ loudly in both. Handles are grouped by request, so a release (a request id in
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import KeysView
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -34,6 +35,12 @@ class HandleTable(Generic[T]):
         """The work under `handle` completed this step (exited, or its last depth ran)."""
         self._handles_of[request_id].discard(handle)
 
+    def drop(self, request_id: str, handle: int) -> None:
+        """`resume` (if kept) and `done` in one call, discarding the state: for an executor
+        that keeps no state worth taking back."""
+        self._state.pop(handle, None)
+        self._handles_of[request_id].discard(handle)
+
     def release(self, request_id: str) -> list[int]:
         """Drop every handle of a request that left; returns the handles dropped."""
         handles = list(self._handles_of.pop(request_id, ()))
@@ -46,6 +53,11 @@ class HandleTable(Generic[T]):
 
     def __contains__(self, handle: int) -> bool:
         return handle in self._state
+
+    def kept(self) -> KeysView[int]:
+        """A live read-only view of the kept handles (`handle in view` costs no Python call:
+        executors check it once per item)."""
+        return self._state.keys()
 
     def __len__(self) -> int:
         return len(self._state)

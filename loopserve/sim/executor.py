@@ -104,6 +104,7 @@ class SimExecutor(Executor):
         self.stats = ExecutorStats()
         self._step_finalized = 0  # this step's finalized decode tokens
         self._handles: HandleTable[None] = HandleTable()
+        self._kept = self._handles.kept()  # live view, for the per-item membership check
         self._num_sampled: dict[str, int] = {}
         self._targets: dict[tuple[str, int], int] = {}
         self._continue_results: dict[tuple[str, int], ItemResult] = {}
@@ -193,7 +194,7 @@ class SimExecutor(Executor):
         if item.needs_prelude:
             tally.prelude_rows += item.token_count
         else:
-            assert handle in self._handles, (
+            assert handle in self._kept, (
                 f"{request_id}: resumes from handle {handle} the runner never kept"
             )
         count, start = item.token_count, item.token_start
@@ -221,9 +222,7 @@ class SimExecutor(Executor):
         # No hidden state to carry: a handle stays kept (None) from its first loop until its
         # work completes, instead of the runner's resume-then-keep each step.
         if result.exited or (item.kind is PROMPT and item.last_depth == self.num_loops - 1):
-            if not item.needs_prelude:
-                self._handles.resume(handle)
-            self._handles.done(request_id, handle)
+            self._handles.drop(request_id, handle)  # (kept unless it started this step)
         elif item.needs_prelude:
             self._handles.keep(request_id, handle, None)
         if result.sampled is None:

@@ -27,8 +27,11 @@ else:
     raise SystemExit("the blocker let torch import")
 import loopserve.config, loopserve.contracts, loopserve.errors, loopserve.exit
 import loopserve.sampling_params, loopserve.engine.stats
-import loopserve.scheduler.kv_cache, loopserve.scheduler.policies
-import loopserve.scheduler.request, loopserve.scheduler.scheduler
+import pkgutil
+import loopserve.scheduler
+for module in pkgutil.iter_modules(loopserve.scheduler.__path__):  # every scheduler room
+    __import__(f"loopserve.scheduler.{module.name}")
+assert "loopserve.scheduler.admission" in sys.modules
 import loopserve.runner.handles
 assert "torch" not in sys.modules
 print("ok")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from loopserve.config import EngineConfig
 from loopserve.contracts import (
@@ -26,41 +25,27 @@ from loopserve.contracts import (
     KVTransfer,
     NewRequestData,
     RunnerOutput,
-    SampleSpec,
     SchedulerOutput,
-    SwapKind,
     WorkItem,
 )
 from loopserve.errors import CapacityError, InvalidRequestError
 from loopserve.exit import ExitMode, TokenExit
+from loopserve.scheduler.admission import AdmissionMixin, MemoryStats, admission_key
+from loopserve.scheduler.ahead import PlanAheadMixin
+from loopserve.scheduler.items import ItemsMixin
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.policies import (
     PROMPT_POLICIES,
     DecodePolicy,
     NoRefillPolicy,
     PromptPolicy,
-    PromptWork,
     RefillPolicy,
 )
-from loopserve.scheduler.preemption import ReplayState, pick_victim, reset_for_recompute
+from loopserve.scheduler.preemption import ReplayState
 from loopserve.scheduler.request import FinishReason, Request, RequestStatus
 
 
-@dataclass
-class MemoryStats:
-    """Preemption totals (the KV manager counts swapped blocks)."""
-
-    num_preemptions_recompute: int = 0
-    num_preemptions_swap: int = 0
-    num_replayed_rows: int = 0  # REPLAY items scheduled (one row, one loop each)
-    num_recompute_prompt_rows: int = 0  # prompt rows x loops re-run after recompute preemption
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.num_preemptions_recompute + self.num_preemptions_swap
-
-
-class Scheduler:
+class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
     def __init__(self, config: EngineConfig, *, num_loops: int, kv: KVCacheManager) -> None:
         self.config = config
         self.num_loops = num_loops
@@ -121,7 +106,7 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         # Kept sorted on insertion: admission order is (priority, arrival).
-        bisect.insort(self.waiting, request, key=_admission_key)
+        bisect.insort(self.waiting, request, key=admission_key)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -201,139 +186,6 @@ class Scheduler:
 
     # ---- scheduling ---------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """Admit waiting requests in (priority, arrival) order while seats and KV allow; stop
-        at the first that does not fit, so later requests never jump ahead."""
-        victims: set[str] = set()
-        while self.waiting:
-            request = self.waiting[0]
-            if request.request_id in victims:
-                break  # preempted by this very pass
-            positions = self._admission_positions(request)
-            if request.swapped:
-                hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
-            else:
-                hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
-                blocks = self.kv.admission_blocks(positions, hits)
-            if not self._has_room(blocks):
-                if not (self.priority_preemption and self._preempt_for(request, blocks, victims)):
-                    break
-                if not request.swapped:  # a victim's release may have made some hits idle
-                    blocks = self.kv.admission_blocks(positions, hits)
-                    if not self._has_room(blocks):
-                        break
-            del self.waiting[0]
-            self._start_running(request, positions, hits)
-
-    def _admission_positions(self, request: Request) -> int:
-        if self.full_reservation:
-            return request.max_positions
-        if (
-            request.output_token_ids
-        ):  # resumed after recompute preemption: up to the token in flight
-            return request.next_position + 1
-        return request.num_prompt_tokens
-
-    def _has_room(self, blocks: int) -> bool:
-        if len(self.running) >= self.max_num_seqs:
-            return False
-        return self.kv.can_admit(blocks, idle=not self.running)
-
-    def _preempt_for(self, request: Request, blocks: int, victims: set[str]) -> bool:
-        """Priority policy: preempt strictly lower-priority running requests (lowest first)
-        until `request` fits; False when even all of them would not make room."""
-        outranked = [r for r in self.running if r.params.priority > request.params.priority]
-        seats = self.max_num_seqs - len(self.running) + len(outranked)
-        freeable = sum(len(self.kv.tables[r.request_id][0]) for r in outranked) * self.kv.num_planes
-        if seats < 1 or not self.kv.can_admit(
-            blocks - freeable, idle=len(outranked) == len(self.running)
-        ):
-            return False
-        while not self._has_room(blocks) and outranked:
-            victim = pick_victim(outranked)
-            outranked.remove(victim)
-            self._preempt(victim)
-            victims.add(victim.request_id)
-        return self._has_room(blocks)
-
-    def _start_running(self, request: Request, positions: int, hits: list) -> None:
-        request_id = request.request_id
-        if request.swapped:
-            moves = self.kv.swap_in(request_id)
-            self._transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
-            request.swapped = False
-        else:
-            self.kv.allocate(request_id, positions, prefix=hits)
-            if self.kv.prefix_cache is not None:
-                # Prompt positions served by cached pages are complete at every plane.
-                cached = len(hits) * self.kv.block_size
-                request.num_prefilled_tokens = request.next_chunk_start = cached
-                stats = self.kv.prefix_cache.stats
-                stats.num_queried_tokens += request.num_prompt_tokens
-                stats.num_hit_tokens += cached
-                if not request.announced:
-                    request.num_cached_prompt_tokens = cached
-        request.transition(RequestStatus.RUNNING)
-        if request.times.first_scheduled_s is None:
-            request.times.first_scheduled_s = time.monotonic()
-        self.running.append(request)
-        if not request.announced:
-            request.announced = True
-            params = request.params
-            spec = SampleSpec(params.temperature, params.top_p, params.top_k, params.logprobs)
-            self._new_requests.append(NewRequestData(request_id, spec, params.seed))
-
-    def _grow_running(self) -> None:
-        """Give every decode token about to be written a slot in every plane, oldest request
-        first; preempt (lowest priority, latest arrival) when the pool runs dry."""
-        if self.full_reservation:
-            return
-        tables, block_size = self.kv.tables, self.kv.block_size
-        # Hot path (every step, every running request): plain attribute arithmetic. A decode
-        # token sits at position prompt + outputs - 1; prompt positions exist from admission.
-        short = [
-            r
-            for r in self.running
-            if len(tables[r.request_id][0]) * block_size
-            < r.num_prompt_tokens + len(r.output_token_ids)
-            and r.num_prefilled_tokens == r.num_prompt_tokens
-        ]
-        for request in short:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted while an older request grew
-            needed = request.next_position + 1
-            while not self.kv.grow(request.request_id, needed):
-                victim = pick_victim(self.running)
-                self._preempt(victim)
-                if victim is request:
-                    break
-
-    def preempt(self, request_id: str) -> None:
-        """Preempt a running request now (tests and operators; the scheduler itself preempts
-        when KV runs out or, under the priority policy, for a higher-priority arrival)."""
-        request = self.requests[request_id]
-        assert request.status is RequestStatus.RUNNING, f"{request_id} is not running"
-        self._preempt(request)
-
-    def _preempt(self, victim: Request) -> None:
-        """Free (or swap out) the victim's KV and queue it again with its progress."""
-        request_id = victim.request_id
-        self.running.remove(victim)
-        self.decode_policy.on_request_gone(request_id)
-        if self.swap_preemption and self.kv.can_swap_out(request_id):
-            moves = self.kv.swap_out(request_id)
-            self._transfers.append(KVTransfer(SwapKind.OUT, request_id, tuple(moves)))
-            victim.swapped = True
-            self.memory_stats.num_preemptions_swap += 1
-        else:  # recompute (also the fallback when the host pool is full)
-            self.kv.free(request_id)
-            self._preempted_ids.append(request_id)
-            reset_for_recompute(victim)
-            self.memory_stats.num_preemptions_recompute += 1
-        victim.transition(RequestStatus.WAITING)
-        victim.num_preemptions += 1
-        bisect.insort(self.waiting, victim, key=_admission_key)
-
     def _handle(self) -> int:
         self._next_handle += 1
         return self._next_handle
@@ -356,168 +208,6 @@ class Scheduler:
         else:
             items = self._alternating_items(prompt_requests, decode_requests, replay_requests)
         return self._output(items)
-
-    def _alternating_items(self, prompt_requests, decode_requests, replay_requests):
-        """A prompt step or a decode step; alternate when both kinds of work are ready.
-        Replay rows (recompute after preemption) ride in decode steps."""
-        limit = self.config.scheduler.max_prefill_batches_before_decode
-        decode_ready = decode_requests or replay_requests
-        if prompt_requests and (not decode_ready or self._prompt_steps_in_a_row < limit):
-            work = self.prompt_policy.select(prompt_requests, self.max_rows)
-            if work:
-                self._prompt_steps_in_a_row += 1
-                return [self._prompt_item(w) for w in work]
-        self._prompt_steps_in_a_row = 0
-        items = self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
-        return items + self._replay_items(replay_requests, self.max_rows - len(items))
-
-    def _mixed_items(self, prompt_requests, decode_requests, replay_requests) -> list[WorkItem]:
-        """Every ready decode row first, then replay rows, then whole prompt items until the
-        row budget."""
-        items = self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
-        items += self._replay_items(replay_requests, self.max_rows - len(items))
-        work = self.prompt_policy.select(prompt_requests, self.max_rows - len(items))
-        return items + [self._prompt_item(w) for w in work]
-
-    def _replay_items(self, replay_requests: list[Request], rows: int) -> list[WorkItem]:
-        items: list[WorkItem] = []
-        for request in replay_requests:
-            if rows - len(items) <= 0:
-                break
-            assert request.replay is not None
-            items += request.replay.items(
-                request.request_id, rows - len(items), self.shared, self._handle
-            )
-        self.memory_stats.num_replayed_rows += len(items)
-        return items
-
-    def _prompt_item(self, work: PromptWork) -> WorkItem:
-        request, chunk = work.request, work.chunk
-        # The last prompt position samples the first token, unless this prompt is recomputed
-        # after a preemption (the first token is known).
-        last = chunk.end == request.num_prompt_tokens and not request.output_token_ids
-        if request.output_token_ids:
-            self.memory_stats.num_recompute_prompt_rows += chunk.count * work.num_depths
-        return WorkItem(
-            request_id=request.request_id,
-            kind=ItemKind.PROMPT,
-            token_start=chunk.start,
-            token_count=chunk.count,
-            depth=work.depth,
-            num_depths=work.num_depths,
-            handle=chunk.handle,
-            needs_prelude=work.depth == 0,
-            token_ids=tuple(request.prompt_token_ids[chunk.start : chunk.end])
-            if work.depth == 0
-            else (),
-            needs_gate=last and self.exit_mode.uses_gate,
-            first_token=last,
-            exit_rule=request.exit_rule if last else None,
-            trace_loops=request.trace_loops(0) if last else None,
-        )
-
-    def _decode_items(self, requests: list[Request]) -> list[WorkItem]:
-        """One loop of each request's in-flight decode token.
-
-        The hot path of every decode step (one item per running request per loop), so it
-        builds the NamedTuple positionally, in field order."""
-        items = []
-        for request in requests:
-            token_exit = request.token_exit
-            assert token_exit is not None
-            plan = token_exit.plan()
-            depth = token_exit.depth
-            if depth == 0:
-                request.decode_handle = self._handle()
-            state = plan.state_before
-            items.append(
-                WorkItem(
-                    request.request_id,
-                    ItemKind.DECODE,
-                    request.num_prompt_tokens + len(request.output_token_ids) - 1,  # position
-                    1,  # token_count
-                    depth,
-                    1,  # num_depths
-                    request.decode_handle,
-                    depth == 0,  # needs_prelude
-                    (request.output_token_ids[-1],) if depth == 0 else (),
-                    plan.needs_gate,
-                    plan.exit_now,
-                    state.cdf,
-                    state.survival,
-                    plan.threshold,
-                )
-            )
-        return items
-
-    # ---- async scheduling (rows of step n+1 chosen before update(n)) ------------------------
-
-    def select_ahead(self, inflight: SchedulerOutput) -> list[str] | None:
-        """Choose the next step's decode rows while `inflight` still executes, or None when the
-        next step needs `inflight`'s results first (then `schedule()` runs after update).
-
-        Only the exit modes that know a loop's exit before its gate is read allow this (the
-        config rejects async scheduling with `ouro`): every decode item of `inflight` carries
-        `exit_now` True or False. So the requests of the next step are known now: tokens of
-        `inflight` that do not exit advance one depth; tokens not in `inflight` keep their
-        depth; for tokens exiting in `inflight` the decode policy decides (refill: the
-        request's next token keeps the row, dropped at completion if the request finished;
-        no_refill: the request leaves the cohort). Prompt work and admissions are never
-        planned ahead: with a request in its prompt phase, or a waiting request that could be
-        admitted, this returns None. Outputs do not depend on which step a row runs in (batch
-        invariance), so they equal synchronous scheduling. The items themselves are built by
-        `complete_ahead` after update, from the exit state it records.
-        """
-        if not self.exit_mode.delayed and self.exit_mode is not ExitMode.TRACE:
-            return None
-        if self.waiting and self._head_may_be_admitted():
-            return None
-        leaving = set()
-        for item in inflight.items:
-            if item.kind is not ItemKind.DECODE:
-                return None
-            assert item.exit_now is not None, "async scheduling needs exits known a loop ahead"
-            if item.exit_now:
-                leaving.add(item.request_id)
-        decode_requests = []
-        for request in self.running:
-            if request.num_prefilled_tokens < request.num_prompt_tokens or request.replay:
-                return None  # prompt and replay rows are planned by `schedule()` only
-            decode_requests.append(request)
-        chosen = self.decode_policy.select_ahead(decode_requests, leaving, self.max_rows)
-        return [r.request_id for r in chosen] or None
-
-    def _head_may_be_admitted(self) -> bool:
-        """Whether `schedule()` could admit the first waiting request now (the same test as
-        `_admit`, without side effects); True whenever the priority policy might preempt."""
-        request = self.waiting[0]
-        if self.priority_preemption:
-            return True
-        if request.swapped:
-            blocks = self.kv.swap_in_blocks(request.request_id)
-        else:
-            hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
-            blocks = self.kv.admission_blocks(self._admission_positions(request), hits)
-        return self._has_room(blocks)
-
-    def complete_ahead(self, request_ids: list[str]) -> SchedulerOutput | None:
-        """The `SchedulerOutput` of rows chosen by `select_ahead`, built after the previous
-        step's update from the recorded exit state. Requests finished or aborted since are
-        dropped (None if none is left); the output carries the releases and announcements
-        pending now."""
-        # Decode tokens entering a new block need it in every plane first (incremental KV);
-        # growth may preempt, and a preempted request leaves RUNNING.
-        self._grow_running()
-        requests = [self.requests.get(request_id) for request_id in request_ids]
-        running = [
-            r
-            for r in requests
-            if r is not None and r.status is RequestStatus.RUNNING and r.replay is None
-        ]
-        if not running:
-            return None  # pending preemptions and releases travel with the next output
-        self._prompt_steps_in_a_row = 0
-        return self._output(self._decode_items(running))
 
     # ---- applying results -----------------------------------------------------------------
 
@@ -631,7 +321,3 @@ class Scheduler:
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING
             assert request.request_id not in self.kv.tables
-
-
-def _admission_key(request: Request) -> tuple[int, int]:
-    return (request.params.priority, request.arrival_order)

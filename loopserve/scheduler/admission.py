@@ -1,0 +1,189 @@
+"""Admission and KV memory: which waiting requests start, how running requests grow, and
+preemption (recompute or swap) when KV runs out or a higher-priority request arrives.
+
+A mixin of `Scheduler` (loopserve/scheduler/scheduler.py), kept in its own room: it reads
+and changes the scheduler's queues (`waiting`, `running`), its KV manager and its pending
+announcements. Admission goes by (priority, arrival) and never lets a later request jump
+ahead; incremental allocation gives a request its prompt's blocks at admission and one more
+block per plane when a decode token enters a new block; the victim of a preemption is the
+lowest priority, then the latest arrival. Torch-free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from loopserve.contracts import KVTransfer, NewRequestData, SampleSpec, SwapKind
+from loopserve.scheduler.preemption import pick_victim, reset_for_recompute
+from loopserve.scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class MemoryStats:
+    """Preemption totals (the KV manager counts swapped blocks)."""
+
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_replayed_rows: int = 0  # REPLAY items scheduled (one row, one loop each)
+    num_recompute_prompt_rows: int = 0  # prompt rows x loops re-run after recompute preemption
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+
+def admission_key(request: Request) -> tuple[int, int]:
+    """Waiting-queue order: priority (lower first), then arrival."""
+    return (request.params.priority, request.arrival_order)
+
+
+class AdmissionMixin:
+    """Admission, growth and preemption of `Scheduler` (see the module docstring)."""
+
+    def _admit(self) -> None:
+        """Admit waiting requests in (priority, arrival) order while seats and KV allow; stop
+        at the first that does not fit, so later requests never jump ahead."""
+        victims: set[str] = set()
+        while self.waiting:
+            request = self.waiting[0]
+            if request.request_id in victims:
+                break  # preempted by this very pass
+            positions = self._admission_positions(request)
+            if request.swapped:
+                hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
+            else:
+                hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+                blocks = self.kv.admission_blocks(positions, hits)
+            if not self._has_room(blocks):
+                if not (self.priority_preemption and self._preempt_for(request, blocks, victims)):
+                    break
+                if not request.swapped:  # a victim's release may have made some hits idle
+                    blocks = self.kv.admission_blocks(positions, hits)
+                    if not self._has_room(blocks):
+                        break
+            del self.waiting[0]
+            self._start_running(request, positions, hits)
+
+    def _admission_positions(self, request: Request) -> int:
+        if self.full_reservation:
+            return request.max_positions
+        if (
+            request.output_token_ids
+        ):  # resumed after recompute preemption: up to the token in flight
+            return request.next_position + 1
+        return request.num_prompt_tokens
+
+    def _has_room(self, blocks: int) -> bool:
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        return self.kv.can_admit(blocks, idle=not self.running)
+
+    def _preempt_for(self, request: Request, blocks: int, victims: set[str]) -> bool:
+        """Priority policy: preempt strictly lower-priority running requests (lowest first)
+        until `request` fits; False when even all of them would not make room."""
+        outranked = [r for r in self.running if r.params.priority > request.params.priority]
+        seats = self.max_num_seqs - len(self.running) + len(outranked)
+        freeable = sum(len(self.kv.tables[r.request_id][0]) for r in outranked) * self.kv.num_planes
+        if seats < 1 or not self.kv.can_admit(
+            blocks - freeable, idle=len(outranked) == len(self.running)
+        ):
+            return False
+        while not self._has_room(blocks) and outranked:
+            victim = pick_victim(outranked)
+            outranked.remove(victim)
+            self._preempt(victim)
+            victims.add(victim.request_id)
+        return self._has_room(blocks)
+
+    def _start_running(self, request: Request, positions: int, hits: list) -> None:
+        request_id = request.request_id
+        if request.swapped:
+            moves = self.kv.swap_in(request_id)
+            self._transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
+            request.swapped = False
+        else:
+            self.kv.allocate(request_id, positions, prefix=hits)
+            if self.kv.prefix_cache is not None:
+                # Prompt positions served by cached pages are complete at every plane.
+                cached = len(hits) * self.kv.block_size
+                request.num_prefilled_tokens = request.next_chunk_start = cached
+                stats = self.kv.prefix_cache.stats
+                stats.num_queried_tokens += request.num_prompt_tokens
+                stats.num_hit_tokens += cached
+                if not request.announced:
+                    request.num_cached_prompt_tokens = cached
+        request.transition(RequestStatus.RUNNING)
+        if request.times.first_scheduled_s is None:
+            request.times.first_scheduled_s = time.monotonic()
+        self.running.append(request)
+        if not request.announced:
+            request.announced = True
+            params = request.params
+            spec = SampleSpec(params.temperature, params.top_p, params.top_k, params.logprobs)
+            self._new_requests.append(NewRequestData(request_id, spec, params.seed))
+
+    def _grow_running(self) -> None:
+        """Give every decode token about to be written a slot in every plane, oldest request
+        first; preempt (lowest priority, latest arrival) when the pool runs dry."""
+        if self.full_reservation:
+            return
+        tables, block_size = self.kv.tables, self.kv.block_size
+        # Hot path (every step, every running request): plain attribute arithmetic. A decode
+        # token sits at position prompt + outputs - 1; prompt positions exist from admission.
+        short = [
+            r
+            for r in self.running
+            if len(tables[r.request_id][0]) * block_size
+            < r.num_prompt_tokens + len(r.output_token_ids)
+            and r.num_prefilled_tokens == r.num_prompt_tokens
+        ]
+        for request in short:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted while an older request grew
+            needed = request.next_position + 1
+            while not self.kv.grow(request.request_id, needed):
+                victim = pick_victim(self.running)
+                self._preempt(victim)
+                if victim is request:
+                    break
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request now (tests and operators; the scheduler itself preempts
+        when KV runs out or, under the priority policy, for a higher-priority arrival)."""
+        request = self.requests[request_id]
+        assert request.status is RequestStatus.RUNNING, f"{request_id} is not running"
+        self._preempt(request)
+
+    def _preempt(self, victim: Request) -> None:
+        """Free (or swap out) the victim's KV and queue it again with its progress."""
+        request_id = victim.request_id
+        self.running.remove(victim)
+        self.decode_policy.on_request_gone(request_id)
+        if self.swap_preemption and self.kv.can_swap_out(request_id):
+            moves = self.kv.swap_out(request_id)
+            self._transfers.append(KVTransfer(SwapKind.OUT, request_id, tuple(moves)))
+            victim.swapped = True
+            self.memory_stats.num_preemptions_swap += 1
+        else:  # recompute (also the fallback when the host pool is full)
+            self.kv.free(request_id)
+            self._preempted_ids.append(request_id)
+            reset_for_recompute(victim)
+            self.memory_stats.num_preemptions_recompute += 1
+        victim.transition(RequestStatus.WAITING)
+        victim.num_preemptions += 1
+        bisect.insort(self.waiting, victim, key=admission_key)
+
+    def _head_may_be_admitted(self) -> bool:
+        """Whether `schedule()` could admit the first waiting request now (the same test as
+        `_admit`, without side effects); True whenever the priority policy might preempt."""
+        request = self.waiting[0]
+        if self.priority_preemption:
+            return True
+        if request.swapped:
+            blocks = self.kv.swap_in_blocks(request.request_id)
+        else:
+            hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+            blocks = self.kv.admission_blocks(self._admission_positions(request), hits)
+        return self._has_room(blocks)

@@ -1,0 +1,71 @@
+"""Async scheduling: the rows of step n+1 chosen while step n still executes.
+
+A mixin of `Scheduler` (loopserve/scheduler/scheduler.py) used by `AsyncEngineCore`
+(loopserve/engine/async_core.py): `select_ahead` picks the next decode rows before the
+previous step's results are applied (only exit modes that know a loop's exit a loop ahead
+allow it), `complete_ahead` builds their `SchedulerOutput` after the update. Torch-free.
+"""
+
+from __future__ import annotations
+
+from loopserve.contracts import ItemKind, SchedulerOutput
+from loopserve.exit import ExitMode
+from loopserve.scheduler.request import RequestStatus
+
+
+class PlanAheadMixin:
+    """Planning one step ahead for `Scheduler` (see the module docstring)."""
+
+    def select_ahead(self, inflight: SchedulerOutput) -> list[str] | None:
+        """Choose the next step's decode rows while `inflight` still executes, or None when the
+        next step needs `inflight`'s results first (then `schedule()` runs after update).
+
+        Only the exit modes that know a loop's exit before its gate is read allow this (the
+        config rejects async scheduling with `ouro`): every decode item of `inflight` carries
+        `exit_now` True or False. So the requests of the next step are known now: tokens of
+        `inflight` that do not exit advance one depth; tokens not in `inflight` keep their
+        depth; for tokens exiting in `inflight` the decode policy decides (refill: the
+        request's next token keeps the row, dropped at completion if the request finished;
+        no_refill: the request leaves the cohort). Prompt work and admissions are never
+        planned ahead: with a request in its prompt phase, or a waiting request that could be
+        admitted, this returns None. Outputs do not depend on which step a row runs in (batch
+        invariance), so they equal synchronous scheduling. The items themselves are built by
+        `complete_ahead` after update, from the exit state it records.
+        """
+        if not self.exit_mode.delayed and self.exit_mode is not ExitMode.TRACE:
+            return None
+        if self.waiting and self._head_may_be_admitted():
+            return None
+        leaving = set()
+        for item in inflight.items:
+            if item.kind is not ItemKind.DECODE:
+                return None
+            assert item.exit_now is not None, "async scheduling needs exits known a loop ahead"
+            if item.exit_now:
+                leaving.add(item.request_id)
+        decode_requests = []
+        for request in self.running:
+            if request.num_prefilled_tokens < request.num_prompt_tokens or request.replay:
+                return None  # prompt and replay rows are planned by `schedule()` only
+            decode_requests.append(request)
+        chosen = self.decode_policy.select_ahead(decode_requests, leaving, self.max_rows)
+        return [r.request_id for r in chosen] or None
+
+    def complete_ahead(self, request_ids: list[str]) -> SchedulerOutput | None:
+        """The `SchedulerOutput` of rows chosen by `select_ahead`, built after the previous
+        step's update from the recorded exit state. Requests finished or aborted since are
+        dropped (None if none is left); the output carries the releases and announcements
+        pending now."""
+        # Decode tokens entering a new block need it in every plane first (incremental KV);
+        # growth may preempt, and a preempted request leaves RUNNING.
+        self._grow_running()
+        requests = [self.requests.get(request_id) for request_id in request_ids]
+        running = [
+            r
+            for r in requests
+            if r is not None and r.status is RequestStatus.RUNNING and r.replay is None
+        ]
+        if not running:
+            return None  # pending preemptions and releases travel with the next output
+        self._prompt_steps_in_a_row = 0
+        return self._output(self._decode_items(running))

@@ -1,0 +1,238 @@
+"""HTTP middleware of the server: security checks, connection limits and body limits.
+
+`SecurityMiddleware`: a Host-header allow-list against DNS rebinding (400), an API key with
+the `Authorization: Bearer` scheme on `/v1/*` (and `/metrics` unless public; 401), and 415 for
+a POST whose Content-Type is not JSON (so a web page cannot post without a CORS preflight).
+`HeaderTimeoutH11Protocol`: uvicorn's h11 protocol that closes connections which do not finish
+a request's headers in time and caps open connections. `BodySizeLimitMiddleware`: 413 for
+bodies over the limit (by `Content-Length` or by bytes received) and 408 when a body stops
+arriving. `api_server` installs them; every error keeps OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+
+import h11
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from loopserve.server.args import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+)
+from loopserve.server.serving_common import ApiError
+
+logger = logging.getLogger(__name__)
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+JSON_MEDIA_TYPES = ("application/json",)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def default_allowed_hosts(bind_host: str) -> tuple[str, ...] | None:
+    """Host names accepted by default: localhost names when bound to loopback, else any (None)."""
+    return LOOPBACK_HOSTS if _is_loopback(bind_host) else None
+
+
+def _host_name(header: str) -> str:
+    """The Host header without its port: `[::1]:8000` -> `::1`, `a.b:80` -> `a.b`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class SecurityMiddleware:
+    """Host allow-list (400), API key (401) and JSON-only POST bodies (415).
+
+    Order: the Host check first (a rebound DNS name never reaches anything), then the key, then
+    the Content-Type. `/health` needs no key; `/metrics` needs it unless `metrics_public`.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        allowed_hosts: tuple[str, ...] | None,
+        metrics_public: bool,
+    ) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.allowed_hosts = (
+            None if allowed_hosts is None else {h.lower().strip("[]") for h in allowed_hosts}
+        )
+        self.metrics_public = metrics_public
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._check(scope)
+        if error is not None:
+            await JSONResponse(error.body, status_code=error.status_code, headers=error.headers)(
+                scope, receive, send
+            )
+            return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope["headers"])
+        if self.allowed_hosts is not None:
+            host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.allowed_hosts:
+                return ApiError(
+                    400,
+                    f"host '{host}' is not allowed (see --allowed-hosts)",
+                    code="host_not_allowed",
+                )
+        path: str = scope["path"]
+        needs_key = path.startswith("/v1/") or path == "/v1"
+        needs_key |= path == "/metrics" and not self.metrics_public
+        if self.api_key is not None and needs_key and scope["method"] != "OPTIONS":
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode("latin-1"), self.api_key
+            ):
+                return ApiError(
+                    401,
+                    "invalid or missing API key: send `Authorization: Bearer <key>`",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if scope["method"] == "POST":
+            content_type = headers.get(b"content-type", b"").decode("latin-1")
+            media_type = content_type.split(";", 1)[0].strip().lower()
+            if media_type not in JSON_MEDIA_TYPES:
+                return ApiError(
+                    415,
+                    f"Content-Type must be application/json, got '{content_type}'",
+                    code="unsupported_media_type",
+                )
+        return None
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, plus: a connection must finish each request's headers within
+    `header_timeout_s` of connecting (or of its previous response ending), and connections
+    beyond `max_connections` are closed at once. uvicorn only times out idle keep-alive
+    connections, so without this a client sending partial headers holds a descriptor forever.
+    """
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    @classmethod
+    def configured(cls, header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+        return type(
+            "ConfiguredH11Protocol",
+            (cls,),
+            {"header_timeout_s": header_timeout_s, "max_connections": max_connections},
+        )
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            logger.warning("over %d connections; closing a new one", self.max_connections)
+            transport.close()
+            return
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        waiting_for_headers = self.conn.their_state is h11.IDLE and (
+            self.cycle is None or self.cycle.response_complete
+        )
+        if waiting_for_headers and not self.transport.is_closing():
+            self.transport.close()
+
+
+class BodySizeLimitMiddleware:
+    """Answers 413 to bodies over `max_body_bytes`, by Content-Length and by bytes received,
+    and 408 when the next part of a body does not arrive within `body_timeout_s`.
+
+    The body is read here (bounded) and replayed to the app; later `receive` calls go to the
+    server, so handlers can still observe a client disconnect.
+    """
+
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await self._too_large(scope, receive, send, declared)
+            return
+        chunks: list[bytes] = []
+        num_bytes = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                error = ApiError(
+                    408,
+                    f"request body not received within {self.body_timeout_s} s",
+                    code="body_timeout",
+                )
+                await JSONResponse(error.body, status_code=408, headers={"Connection": "close"})(
+                    scope, receive, send
+                )
+                return
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            num_bytes += len(chunks[-1])
+            if num_bytes > self.max_body_bytes:
+                await self._too_large(scope, receive, send, None)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(
+        self, scope: Scope, receive: Receive, send: Send, declared: bytes | None
+    ) -> None:
+        if declared is not None and not declared.isdigit():
+            error = ApiError(400, "invalid Content-Length header")
+        else:
+            error = ApiError(
+                413,
+                f"request body exceeds {self.max_body_bytes} bytes",
+                code="request_too_large",
+            )
+        await JSONResponse(error.body, status_code=error.status_code)(scope, receive, send)

@@ -123,6 +123,17 @@ class Scheduler:
         # Kept sorted on insertion: admission order is (priority, arrival).
         bisect.insort(self.waiting, request, key=_admission_key)
 
+    def add_imported(self, request: Request) -> None:
+        """Queue a request handed off by another engine (prefill/decode disaggregation): its
+        prompt is complete and its outputs so far are recorded; its K/V is staged in the
+        executor. Admission allocates blocks for the written positions plus the token in flight
+        and sends a `KVTransfer(IMPORT)`; then it decodes its next token from loop 0."""
+        assert request.output_token_ids, "only requests with a sampled token are handed off"
+        request.num_prefilled_tokens = request.next_chunk_start = request.num_prompt_tokens
+        request.pending_import = True
+        self._start_decode_token(request)
+        self.add_request(request)
+
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
@@ -142,7 +153,9 @@ class Scheduler:
             self.waiting.remove(request)
             if request.swapped:
                 self.kv.drop_swapped(request.request_id)
-            if request.announced:  # preempted earlier: the runner still holds its sampler
+            # Preempted earlier: the runner still holds its sampler; or imported: the runner
+            # holds its staged K/V and generator state.
+            if request.announced or request.pending_import:
                 self._gone_request_ids.append(request.request_id)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -212,13 +225,17 @@ class Scheduler:
             positions = self._admission_positions(request)
             if request.swapped:
                 hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
+            elif request.pending_import:
+                hits, blocks = [], self.kv.admission_blocks(positions, [])
             else:
                 hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
                 blocks = self.kv.admission_blocks(positions, hits)
             if not self._has_room(blocks):
                 if not (self.priority_preemption and self._preempt_for(request, blocks, victims)):
                     break
-                if not request.swapped:  # a victim's release may have made some hits idle
+                if not (
+                    request.swapped or request.pending_import
+                ):  # a victim's release may have made some hits idle
                     blocks = self.kv.admission_blocks(positions, hits)
                     if not self._has_room(blocks):
                         break
@@ -262,6 +279,14 @@ class Scheduler:
             moves = self.kv.swap_in(request_id)
             self._transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
             request.swapped = False
+        elif request.pending_import:
+            table = self.kv.allocate(request_id, positions)
+            blocks = self.kv.blocks_per_plane(request.next_position)  # written positions
+            moves = tuple(
+                (p * blocks + i, plane[i]) for p, plane in enumerate(table) for i in range(blocks)
+            )
+            self._transfers.append(KVTransfer(SwapKind.IMPORT, request_id, moves))
+            request.pending_import = False
         else:
             self.kv.allocate(request_id, positions, prefix=hits)
             if self.kv.prefix_cache is not None:
@@ -495,6 +520,8 @@ class Scheduler:
             return True
         if request.swapped:
             blocks = self.kv.swap_in_blocks(request.request_id)
+        elif request.pending_import:
+            blocks = self.kv.admission_blocks(self._admission_positions(request), [])
         else:
             hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
             blocks = self.kv.admission_blocks(self._admission_positions(request), hits)

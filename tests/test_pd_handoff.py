@@ -140,3 +140,20 @@ def test_abort_during_handoff_leaves_nothing(tiny_dir, layout):
     assert "c" in decode.kv.tables and "c" in decode.runner.samplers
     assert decode.abort_request("c").finish_reason == "abort"
     assert_clean(decode)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_imported_requests_survive_preemption(tiny_dir, preemption):
+    """A decode engine short of KV preempts imported requests; outputs stay exact."""
+    prefill = make_engine(tiny_dir)
+    decode = make_engine(tiny_dir, num_blocks=48, preemption_mode=preemption, swap_space=2048 * 64)
+    work = handoff_workload(23, 6, prefill.model.config.vocab_size)
+    finished, exported, _ = run_disaggregated(prefill, decode, work)
+    assert len(exported) == len(work)
+    assert decode.scheduler.memory_stats.num_preemptions > 0
+    for request_id, prompt, params, _ in work:
+        expected = reference_for(prefill, prompt, params)
+        assert finished[request_id].token_ids == expected.token_ids, request_id
+        assert finished[request_id].exit_depths == expected.exit_depths, request_id
+    assert_clean(prefill)
+    assert_clean(decode)

@@ -29,6 +29,7 @@ def handoff_workload(seed: int, num_requests: int, vocab: int):
             min_loops=rng.choice([1, 1, 2]),
             exit_trace=tuple(rng.randrange(1, 5) for _ in range(rng.randrange(1, 6))),
             ignore_eos=True,
+            logprobs=rng.choice([None, 2]),
         )
         work.append((f"r{i}", prompt, params, rng.choice([1, 1, 3])))
     return work
@@ -91,6 +92,9 @@ def test_handoff_equals_reference(tiny_dir, layout, exit_mode):
         # The client sees every token exactly once across the two engines.
         assert streamed[request_id] == expected.token_ids, request_id
         assert len(output.token_ids) > export_after  # decode really ran on the importer
+        if params.logprobs is not None:  # the exporter's logprobs travel with the request
+            assert [lp.token_id for lp in output.logprobs] == expected.token_ids
+            assert all(len(lp.top_logprobs) == 2 for lp in output.logprobs)
     assert_clean(prefill)
     assert_clean(decode)
 
@@ -157,3 +161,25 @@ def test_imported_requests_survive_preemption(tiny_dir, preemption):
         assert finished[request_id].exit_depths == expected.exit_depths, request_id
     assert_clean(prefill)
     assert_clean(decode)
+
+
+def test_async_scheduling_importer_is_exact(tiny_dir):
+    """An importer with async scheduling (steps planned ahead) decodes handed-off requests
+    exactly; exporting is refused there (a planned step may hold the request)."""
+    prefill = make_engine(tiny_dir, exit_mode="trace")
+    decode = make_engine(tiny_dir, exit_mode="trace", async_scheduling=True)
+    work = handoff_workload(5, 6, prefill.model.config.vocab_size)
+    finished, exported, _ = run_disaggregated(prefill, decode, work)
+    assert len(exported) == len(work)
+    assert decode.stats.num_steps_scheduled_ahead > 0
+    for request_id, prompt, params, _ in work:
+        expected = reference_for(prefill, prompt, params)
+        assert finished[request_id].token_ids == expected.token_ids, request_id
+        assert finished[request_id].exit_depths == expected.exit_depths, request_id
+    assert_clean(prefill)
+    assert_clean(decode)
+    decode.add_request("x", [5, 6, 7], SamplingParams(max_tokens=4, exit_trace=(2,)))
+    while not decode.scheduler.requests["x"].output_token_ids:
+        decode.step()
+    assert not decode.can_export("x")
+    decode.abort_request("x")

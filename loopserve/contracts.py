@@ -94,6 +94,9 @@ class NewRequestData:
 class SwapKind(str, enum.Enum):
     OUT = "out"  # device -> host; the request's in-flight hidden states go to the host too
     IN = "in"  # host -> device; hidden states come back
+    # A handed-off request (prefill/decode disaggregation): pairs (index in the K/V the
+    # runner staged for it, device block); no hidden states move.
+    IMPORT = "import"
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,3 +102,100 @@ class DataParallelEngines:
         for replica in self.replicas:
             ray.kill(replica, no_restart=True)
         self.replicas = []
+
+
+class DisaggregatedEngines:
+    """Offline prefill/decode disaggregation on Ray: `num_prefill` replicas run prompts and
+    first tokens and export the requests (`EngineReplica.prefill_export`); each prefill
+    replica's `HandoffState`s go, as one Ray object ref (the object store; the driver never
+    fetches them), to decode replica `i % num_decode`, which imports and finishes them
+    (`decode_import`). Requests are split over prefill replicas by the router's least-load
+    rule. No streaming, no failure recovery (a replica that dies fails `generate`); the
+    serving side (`--pd` in `ReplicaPool`) is not built."""
+
+    def __init__(
+        self,
+        engine_args: dict[str, object],
+        num_prefill: int,
+        num_decode: int,
+        *,
+        torch_threads: int | None = 1,
+    ) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, num_prefill + num_decode),
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+            )
+        on_cuda = str(engine_args.get("device") or "cpu").startswith("cuda")
+        args = dict(engine_args)
+        if on_cuda:
+            args["device"] = "cuda"
+        actor_cls = ray.remote(EngineReplica).options(
+            num_cpus=0 if on_cuda else 1, num_gpus=1 if on_cuda else 0
+        )
+        self.prefill = [
+            actor_cls.remote(engine_args=args, torch_threads=torch_threads)
+            for _ in range(num_prefill)
+        ]
+        self.decode = [
+            actor_cls.remote(engine_args=args, torch_threads=torch_threads)
+            for _ in range(num_decode)
+        ]
+        self.info = ray.get(self.prefill[0].info.remote())
+        self.last_num_handed_off = 0  # requests exported in the last `generate`
+
+    def generate(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+    ) -> list[RequestOutput]:
+        """Final outputs in the order of `request_ids`."""
+        import ray
+
+        processor = self.info.input_processor
+        prompts = [processor.process(prompt) for prompt in prompts]
+        router = Router(len(self.prefill))
+        shares: list[list[int]] = [[] for _ in self.prefill]
+        for index, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
+            replica = router.choose(range(len(self.prefill)), None).replica
+            router.assign(replica, [RoutedRequest(request_id, len(prompt.token_ids), 1)])
+            shares[replica].append(index)
+        summaries, exported = [], []
+        for replica, share in zip(self.prefill, shares):
+            summary, states = replica.prefill_export.options(num_returns=2).remote(
+                [request_ids[i] for i in share],
+                [prompts[i] for i in share],
+                [params[i] for i in share],
+            )
+            summaries.append(summary)
+            exported.append(states)
+        self.last_num_handed_off = 0
+        for result in ray.get(summaries):  # counts or rejections; the states stay in the store
+            if isinstance(result, Rejected):
+                raise result.error()
+            self.last_num_handed_off += result
+        groups: list[list[int]] = [[] for _ in self.decode]
+        for i in range(len(self.prefill)):
+            groups[i % len(self.decode)].append(i)
+        decoded = [
+            replica.decode_import.remote(*[exported[i] for i in group])
+            for replica, group in zip(self.decode, groups)
+        ]
+        outputs: list[RequestOutput | None] = [None] * len(request_ids)
+        for group, result in zip(groups, ray.get(decoded)):
+            order = [index for i in group for index in shares[i]]
+            for index, output in zip(order, result):
+                outputs[index] = output
+        assert all(output is not None for output in outputs)
+        return outputs  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for replica in self.prefill + self.decode:
+            ray.kill(replica, no_restart=True)
+        self.prefill, self.decode = [], []

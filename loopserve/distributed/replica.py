@@ -11,6 +11,9 @@ with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an 
 - `abort(request_ids)`: abort requests (client disconnects, shutdown).
 - `generate_batch(...)`: the offline loop over a share of `LLM.generate`'s batch (a replica
   used offline never starts its `AsyncLLM`).
+- `prefill_export(...)` / `decode_import(*batches)`: the offline prefill/decode
+  disaggregation roles (`DisaggregatedEngines`): prompt and first token on one replica, the
+  exported `HandoffState`s through Ray's object store, decode on another.
 - `info()`: what the serving layer reads from an engine (tokenizer, context length, KV size).
 - `stats()`: gauges for routing metrics and health, plus this actor instance's id, so the pool
   notices a restart.
@@ -26,6 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loopserve.distributed.handoff import HandoffState
 from loopserve.errors import CapacityError, InvalidRequestError, LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -194,6 +198,58 @@ class EngineReplica:
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[request_id] for request_id in added]
+
+    def prefill_export(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+    ) -> tuple[int | Rejected, list[HandoffState | RequestOutput]]:
+        """The offline prefill role: run each request's prompt and first token, then export
+        it (`LLMEngine.export_request`). A request that finished with its first token (a stop
+        token, or `max_tokens=1`) returns its final `RequestOutput` instead. Returns (number
+        of requests handed off, the states and outputs in the given order), or (the first
+        request's rejection, []) when one is rejected (then nothing ran). Two values so that
+        Ray can return them as two objects (`num_returns=2`): the caller reads the small one
+        and passes the other on by reference."""
+        engine = self.engine
+        added: list[str] = []
+        try:
+            for request_id, prompt, sp in zip(request_ids, prompts, params):
+                engine.add_request(request_id, prompt, sp)
+                added.append(request_id)
+        except LoopserveError as err:
+            for request_id in added:
+                engine.abort_request(request_id)
+            return Rejected.of(err), []
+        done: dict[str, HandoffState | RequestOutput] = {}
+        while len(done) < len(added):
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+            for request_id in added:
+                if request_id not in done and engine.can_export(request_id):
+                    done[request_id] = engine.export_request(request_id)
+        items = [done[request_id] for request_id in added]
+        return sum(isinstance(item, HandoffState) for item in items), items
+
+    def decode_import(self, *batches: list[HandoffState | RequestOutput]) -> list[RequestOutput]:
+        """The offline decode role: import every `HandoffState` of `batches` (outputs of
+        `prefill_export`, passed as Ray object refs) and decode them to completion; final
+        outputs (finished ones from the prefill side pass through) in the given order."""
+        engine = self.engine
+        items = [item for batch in batches for item in batch]
+        finished: dict[str, RequestOutput] = {}
+        for item in items:
+            if isinstance(item, RequestOutput):
+                finished[item.request_id] = item
+            else:
+                engine.import_request(item)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[item.request_id] for item in items]
 
     async def abort(self, request_ids: list[str]) -> None:
         llm = self._started()

@@ -84,6 +84,10 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def add_imported(self, request: Request) -> None:
+        """Queue a request handed off by another engine (its K/V staged in the executor)."""
+        self.scheduler.add_imported(request)
+
     def abort_request(self, request_id: str) -> Request | None:
         """Finish a request with `abort`; None if it is unknown or already finished."""
         request = self.scheduler.abort_request(request_id)

@@ -27,6 +27,7 @@ from loopserve.config import (
     resolve_dtype,
     resolve_num_blocks,
 )
+from loopserve.distributed.handoff import HandoffState
 from loopserve.engine.async_core import AsyncEngineCore
 from loopserve.engine.core import EngineCore
 from loopserve.engine.stats import EngineStats
@@ -37,7 +38,7 @@ from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
-from loopserve.scheduler.request import FinishReason, Request
+from loopserve.scheduler.request import FinishReason, Request, RequestStatus
 from loopserve.scheduler.scheduler import Scheduler
 from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
 from loopserve.text.output_processor import OutputProcessor
@@ -174,6 +175,100 @@ class LLMEngine:
         if request is None or self.core.abort_request(request_id) is None:
             return None
         return self._output(request)
+
+    # ---- hand-off (prefill/decode disaggregation) ---------------------------------------
+
+    def can_export(self, request_id: str) -> bool:
+        """Whether the request can be handed off now: running, prompt complete at every depth,
+        at least one token sampled, and no loop of its next token run yet. Not with async
+        scheduling (a step planned ahead may already hold the request's next loop)."""
+        request = self.scheduler.requests.get(request_id)
+        return (
+            not self.config.async_scheduling
+            and request is not None
+            and request.status is RequestStatus.RUNNING
+            and not request.in_prompt_phase
+            and request.replay is None
+            and bool(request.output_token_ids)
+            and request.token_exit is not None
+            and request.token_exit.depth == 0
+            and not self.runner.inflight.handles_of(request_id)
+        )
+
+    def export_request(self, request_id: str) -> HandoffState:
+        """Hand the request off: copy its state (K/V of every plane, sampler state, outputs,
+        times) and finish it here without an output (its blocks and sampler are released;
+        the client's stream continues on the importing engine)."""
+        if not self.can_export(request_id):
+            raise InvalidRequestError(f"request {request_id!r} cannot be handed off now")
+        request = self.scheduler.requests[request_id]
+        num_positions = request.next_position  # every position written so far
+        kv, generator_state = self.runner.export_request(
+            request_id, self.kv.tables[request_id], num_positions
+        )
+        times = request.times
+        state = HandoffState(
+            request_id=request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            exit_depths=list(request.exit_depths),
+            logprobs=list(request.logprobs),
+            params=request.params,
+            num_planes=self.kv.num_planes,
+            block_size=self.kv.block_size,
+            num_kv_positions=num_positions,
+            kv=kv,
+            generator_state=generator_state,
+            arrival_s=times.arrival_s,
+            first_scheduled_s=times.first_scheduled_s,
+            first_token_s=times.first_token_s,
+            token_times_s=list(times.token_times_s),
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+        )
+        # Finished internally as an abort, never reported: the request lives on elsewhere.
+        self._tracked.pop(request_id, None)
+        self.output_processor.forget(request_id)
+        self.core.finish_request(request, FinishReason.ABORT)
+        return state
+
+    def import_request(self, state: HandoffState, *, prompt_text: str | None = None) -> None:
+        """Admit a request exported by another engine straight into decode. Its outputs so far
+        are counted as already reported (the exporter streamed them)."""
+        if (state.num_planes, state.block_size) != (self.kv.num_planes, self.kv.block_size):
+            raise InvalidRequestError(
+                f"hand-off of {state.request_id!r} has {state.num_planes} planes of block size "
+                f"{state.block_size}; this engine has {self.kv.num_planes} of "
+                f"{self.kv.block_size}"
+            )
+        if state.request_id in self._tracked:
+            raise InvalidRequestError(
+                f"request id {state.request_id!r} is already in use", "request_id"
+            )
+        request = Request(
+            state.request_id,
+            list(state.prompt_token_ids),
+            state.params,
+            arrival_order=next(self._arrivals),
+            eos_token_ids=self.eos_token_ids,
+            arrival_s=state.arrival_s,
+        )
+        request.output_token_ids = list(state.output_token_ids)
+        request.exit_depths = list(state.exit_depths)
+        request.logprobs = list(state.logprobs)
+        request.num_cached_prompt_tokens = state.num_cached_prompt_tokens
+        times = request.times
+        times.first_scheduled_s, times.first_token_s = state.first_scheduled_s, state.first_token_s
+        times.token_times_s = list(state.token_times_s)
+        assert state.num_kv_positions == request.next_position, "hand-off K/V does not match"
+        self.runner.stage_import(state.request_id, state.kv, state.generator_state)  # type: ignore[arg-type]
+        try:
+            self.core.add_imported(request)
+        except Exception:
+            self.runner.staged_imports.pop(state.request_id, None)
+            raise
+        self.output_processor.add_request(request, prompt_text)
+        self.output_processor.mark_reported(request)
+        self._tracked[state.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -108,6 +108,8 @@ class ModelRunner(Executor):
         self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
         self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
+        # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state).
+        self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None]] = {}
         self.attention = make_attention_backend(
             attention_backend, self.kv_cache, block_size=block_size, scale=self.scale
         )
@@ -164,16 +166,61 @@ class ModelRunner(Executor):
         only if this returns, so a setup that raises leaves nothing behind."""
         greedy = new.sample_spec.temperature == 0.0
         generator = None if greedy else make_generator(new.seed, self.device)
+        staged = self.staged_imports.get(new.request_id)
+        if generator is not None and staged is not None and staged[1] is not None:
+            # A handed-off request continues its exporter's random stream.
+            generator.set_state(torch.frombuffer(bytearray(staged[1]), dtype=torch.uint8))
         return new.sample_spec, generator
+
+    # ---- hand-off (prefill/decode disaggregation) -------------------------------------------
+
+    def export_request(
+        self, request_id: str, table: tuple[list[int], ...], num_positions: int
+    ) -> tuple[torch.Tensor, bytes | None]:
+        """A CPU copy of the K/V of positions [0, num_positions) of every plane of `table`
+        (whole blocks, plane-major) and the request's generator state (None when greedy).
+        The request must have no work in flight (it is between decode tokens)."""
+        assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
+        blocks = -(-num_positions // self.block_size)
+        ids = [plane[i] for plane in table for i in range(blocks)]
+        index = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        kv = self.swap._blocks(self.kv_cache)[:, :, index].to("cpu", copy=True)
+        generator = self.samplers[request_id][1]
+        state = None if generator is None else generator.get_state().numpy().tobytes()
+        return kv, state
+
+    def stage_import(
+        self, request_id: str, kv: torch.Tensor, generator_state: bytes | None
+    ) -> None:
+        """Hold a handed-off request's K/V and generator state until the scheduler admits it
+        (`KVTransfer(IMPORT)` and its `NewRequestData`), or releases it (aborted first)."""
+        expected = (*self.kv_cache.shape[:2], self.block_size, *self.kv_cache.shape[3:])
+        shape = (*kv.shape[:2], *kv.shape[3:])
+        if shape != expected or kv.dtype != self.kv_cache.dtype:
+            raise ValueError(f"hand-off K/V {tuple(kv.shape)} {kv.dtype} does not fit this cache")
+        self.staged_imports[request_id] = (kv, generator_state)
+
+    def _import(self, transfer: KVTransfer) -> None:
+        kv, _ = self.staged_imports.pop(transfer.request_id)
+        if not transfer.block_moves:
+            return
+        src_ids, dst_ids = zip(*transfer.block_moves)
+        src = kv[:, :, torch.tensor(src_ids, dtype=torch.int64)].to(self.device)
+        dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=self.device)
+        self.swap._blocks(self.kv_cache)[:, :, dst_index] = src
 
     def _drop_request(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
         self.swapped_inflight.pop(request_id, None)
+        self.staged_imports.pop(request_id, None)
 
     def _swap(self, transfer: KVTransfer) -> None:
         """Copy the blocks, and move the request's paused work with them (same handles)."""
         request_id = transfer.request_id
+        if transfer.kind is SwapKind.IMPORT:
+            self._import(transfer)
+            return
         self.swap.copy(transfer)
         if transfer.kind is SwapKind.OUT:
             handles = self.inflight.handles_of(request_id)

@@ -53,13 +53,16 @@ class AdmissionMixin:
             positions = self._admission_positions(request)
             if request.swapped:
                 hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
+            elif request.pending_import:
+                hits, blocks = [], self.kv.admission_blocks(positions, [])
             else:
                 hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
                 blocks = self.kv.admission_blocks(positions, hits)
             if not self._has_room(blocks):
                 if not (self.priority_preemption and self._preempt_for(request, blocks, victims)):
                     break
-                if not request.swapped:  # a victim's release may have made some hits idle
+                # A victim's release may have made some hits idle.
+                if not (request.swapped or request.pending_import):
                     blocks = self.kv.admission_blocks(positions, hits)
                     if not self._has_room(blocks):
                         break
@@ -103,6 +106,14 @@ class AdmissionMixin:
             moves = self.kv.swap_in(request_id)
             self._transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
             request.swapped = False
+        elif request.pending_import:
+            table = self.kv.allocate(request_id, positions)
+            blocks = self.kv.blocks_per_plane(request.next_position)  # written positions
+            moves = tuple(
+                (p * blocks + i, plane[i]) for p, plane in enumerate(table) for i in range(blocks)
+            )
+            self._transfers.append(KVTransfer(SwapKind.IMPORT, request_id, moves))
+            request.pending_import = False
         else:
             self.kv.allocate(request_id, positions, prefix=hits)
             if self.kv.prefix_cache is not None:
@@ -183,6 +194,8 @@ class AdmissionMixin:
             return True
         if request.swapped:
             blocks = self.kv.swap_in_blocks(request.request_id)
+        elif request.pending_import:
+            blocks = self.kv.admission_blocks(self._admission_positions(request), [])
         else:
             hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
             blocks = self.kv.admission_blocks(self._admission_positions(request), hits)

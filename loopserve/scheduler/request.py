@@ -109,6 +109,8 @@ class Request:
         self.num_preemptions = 0
         self.announced = False
         self.swapped = False
+        # Imported from another engine (hand-off), its K/V staged in the runner until admitted.
+        self.pending_import = False
         self.replay: ReplayState | None = None
         self.num_cached_prompt_tokens = 0  # prompt positions served by the prefix cache
         self.times = RequestTimes(arrival_s=time.monotonic() if arrival_s is None else arrival_s)

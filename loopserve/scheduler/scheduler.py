@@ -108,6 +108,17 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         # Kept sorted on insertion: admission order is (priority, arrival).
         bisect.insort(self.waiting, request, key=admission_key)
 
+    def add_imported(self, request: Request) -> None:
+        """Queue a request handed off by another engine (prefill/decode disaggregation): its
+        prompt is complete and its outputs so far are recorded; its K/V is staged in the
+        executor. Admission allocates blocks for the written positions plus the token in flight
+        and sends a `KVTransfer(IMPORT)`; then it decodes its next token from loop 0."""
+        assert request.output_token_ids, "only requests with a sampled token are handed off"
+        request.num_prefilled_tokens = request.next_chunk_start = request.num_prompt_tokens
+        request.pending_import = True
+        self._start_decode_token(request)
+        self.add_request(request)
+
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
@@ -127,7 +138,9 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
             self.waiting.remove(request)
             if request.swapped:
                 self.kv.drop_swapped(request.request_id)
-            if request.announced:  # preempted earlier: the runner still holds its sampler
+            # Preempted earlier: the runner still holds its sampler; or imported: the runner
+            # holds its staged K/V and generator state.
+            if request.announced or request.pending_import:
                 self._gone_request_ids.append(request.request_id)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)

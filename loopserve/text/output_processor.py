@@ -63,6 +63,18 @@ class OutputProcessor:
             )
         self._states[request.request_id] = _RequestText(prompt_text, detokenizer)
 
+    def forget(self, request_id: str) -> None:
+        """Stop tracking a request that left this engine without a final output (hand-off)."""
+        self._states.pop(request_id, None)
+
+    def mark_reported(self, request: Request) -> None:
+        """Count the request's output tokens so far as already reported (an imported request:
+        its exporter streamed them); their text still feeds the detokenizer."""
+        self.detokenize(request)
+        state = self._states[request.request_id]
+        state.num_reported = len(request.output_token_ids)
+        state.pending_text = ""
+
     def detokenize(self, request: Request) -> str | None:
         """Read the request's output tokens not read yet; return the stop string they
         completed (first time only), or None. The caller decides what a hit finishes."""

@@ -1,0 +1,46 @@
+"""Prefill/decode hand-off: the state one engine exports and another imports. Torch-free.
+
+A request whose prompt is complete at every depth and whose last output token is sampled
+(between decode tokens: no loop of the next token has run) can leave its engine: the
+prefill engine EXPORTS a `HandoffState` and finishes the request locally without an output;
+the decode engine IMPORTS it, allocates KV blocks for the written positions in every plane,
+writes them, restores the sampler's generator state and admits the request straight into
+decode. The tensors (`kv`) are opaque here: the runner builds and reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loopserve.contracts import SampledToken
+from loopserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class HandoffState:
+    """Everything a request needs to continue decoding on another engine.
+
+    - `kv`: the K/V of positions `[0, num_kv_positions)` of every plane, as one CPU tensor
+      `[layers, K/V, planes * blocks, block_size, kv_heads, head_dim]`: plane p's blocks are
+      `[p * blocks, (p + 1) * blocks)`; positions past `num_kv_positions` in the last block are
+      unused. `num_kv_positions` = prompt + outputs - 1 (the last output token is not fed yet).
+    - `generator_state`: the request's `torch.Generator.get_state()` bytes; None when greedy.
+    - The importing engine must have the same model, layout, number of planes and block size.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    exit_depths: list[int]
+    logprobs: list[SampledToken]
+    params: SamplingParams  # resolved against the model depth
+    num_planes: int
+    block_size: int
+    num_kv_positions: int
+    kv: object
+    generator_state: bytes | None
+    arrival_s: float
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0

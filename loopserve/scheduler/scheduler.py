@@ -123,6 +123,24 @@ class Scheduler:
         # Kept sorted on insertion: admission order is (priority, arrival).
         bisect.insort(self.waiting, request, key=_admission_key)
 
+    def add_prefilled_request(self, request: Request) -> None:
+        """Queue a request whose prompt ran on another engine (prefill/decode disaggregation).
+
+        `request` carries exactly one output token (the first, sampled by the prefill engine);
+        its prompt KV is complete at every plane. It waits for a seat and KV like any request;
+        admission allocates prompt + 1 positions without consulting the prefix cache, and the
+        request decodes from its second token. The executor must already hold the imported
+        pages (the simulator prices the transfer outside the scheduler)."""
+        if len(request.output_token_ids) != 1 or request.status is not RequestStatus.WAITING:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: a prefilled request carries exactly its first "
+                "token and has not started here",
+                "request_id",
+            )
+        request.num_prefilled_tokens = request.next_chunk_start = request.num_prompt_tokens
+        self.add_request(request)
+        self._start_decode_token(request)
+
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
@@ -212,6 +230,8 @@ class Scheduler:
             positions = self._admission_positions(request)
             if request.swapped:
                 hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
+            elif not request.in_prompt_phase:  # prompt KV imported (add_prefilled_request)
+                hits, blocks = [], self.kv.admission_blocks(positions, [])
             else:
                 hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
                 blocks = self.kv.admission_blocks(positions, hits)
@@ -264,7 +284,7 @@ class Scheduler:
             request.swapped = False
         else:
             self.kv.allocate(request_id, positions, prefix=hits)
-            if self.kv.prefix_cache is not None:
+            if self.kv.prefix_cache is not None and request.in_prompt_phase:
                 # Prompt positions served by cached pages are complete at every plane.
                 cached = len(hits) * self.kv.block_size
                 request.num_prefilled_tokens = request.next_chunk_start = cached

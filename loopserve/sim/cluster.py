@@ -289,3 +289,83 @@ def format_cluster(rows: list[ClusterStats]) -> str:
             f"{s.ttft.p99_s * 1e3:>9.1f} {s.mean_transfer_ms:>7.2f}"
         )
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PdSpec:
+    """`loopserve simulate --scenario pd`: N colocated vs P prefill + Q decode replicas on
+    the same requests (ShareGPT or synthetic lengths with a long-prompt mix) at each rate."""
+
+    num_requests: int = 400
+    request_rates: tuple[float, ...] = (20.0,)
+    num_colocated: int = 4
+    num_prefill: int = 2
+    num_decode: int = 2
+    link: str = "nvlink"
+    long_share: float = 0.15
+    long_min: int = 4096
+    long_max: int = 8192
+    dataset: str = "sharegpt"
+    exit_dist: str = "ouro_1p4b_t0.5"
+    seed: int = 0
+
+
+def run_pd(
+    model_config: OuroConfig,
+    device: DeviceProfile,
+    engine_args: dict[str, object],
+    spec: PdSpec,
+) -> list[tuple[float, ClusterStats, ClusterStats]]:
+    """(rate, colocated stats, PD stats) per rate."""
+    from loopserve.sim.workload import WorkloadSpec, build_workload, sample_lengths
+
+    base = WorkloadSpec(
+        spec.num_requests, dataset=spec.dataset, exit_dist=spec.exit_dist, seed=spec.seed
+    )
+    lengths = sample_lengths(base)
+    out = []
+    for rate in spec.request_rates:
+        work = build_workload(
+            dataclasses.replace(base, request_rate=rate), model_config.num_loops, lengths=lengths
+        )
+        work = long_prompt_mix(
+            work,
+            share=spec.long_share,
+            min_len=spec.long_min,
+            max_len=spec.long_max,
+            seed=spec.seed + 1,
+        )
+        colocated = Cluster(
+            model_config, device, engine_args, num_colocated=spec.num_colocated, seed=spec.seed
+        )
+        pd = Cluster(
+            model_config,
+            device,
+            engine_args,
+            num_prefill=spec.num_prefill,
+            num_decode=spec.num_decode,
+            link_bytes_per_s=LINKS[spec.link],
+            seed=spec.seed,
+        )
+        out.append(
+            (
+                rate,
+                cluster_stats(f"{spec.num_colocated} colocated", colocated.run(work)),
+                cluster_stats(f"{spec.num_prefill}P{spec.num_decode}D {spec.link}", pd.run(work)),
+            )
+        )
+    return out
+
+
+def format_pd(rows: list[tuple[float, ClusterStats, ClusterStats]]) -> str:
+    lines = []
+    for rate, colocated, pd in rows:
+        lines.append(f"request rate {rate:g}/s")
+        lines.append(format_cluster([colocated, pd]))
+        itl = pd.itl.p99_s / colocated.itl.p99_s if colocated.itl.p99_s else math.nan
+        tput = pd.output_throughput / colocated.output_throughput
+        lines.append(
+            f"PD/colocated: ITL p99 {itl:.2f}x (target <= 0.60), throughput {tput:.3f}x "
+            f"(target >= 0.95): {'met' if itl <= 0.6 and tput >= 0.95 else 'missed'}"
+        )
+    return "\n".join(lines)

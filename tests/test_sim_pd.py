@@ -50,9 +50,14 @@ def _prefilled(request_id: str, prompt_len: int, max_tokens: int) -> Request:
     return request
 
 
-def test_prefilled_request_decodes_from_its_second_token_without_prompt_work():
-    config = EngineConfig.from_engine_args(exit_mode="trace", block_size=4)
-    scheduler = Scheduler(config, num_loops=4, kv=KVCacheManager(64, 4, 4))
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_prefilled_request_decodes_from_its_second_token_without_prompt_work(prefix_caching):
+    config = EngineConfig.from_engine_args(
+        exit_mode="trace", block_size=4, num_blocks=64, enable_prefix_caching=prefix_caching
+    )
+    kv = KVCacheManager.from_config(config, num_planes=4, bytes_per_block=1)
+    assert (kv.prefix_cache is not None) is prefix_caching
+    scheduler = Scheduler(config, num_loops=4, kv=kv)
     request = _prefilled("a", prompt_len=10, max_tokens=3)
     scheduler.add_prefilled_request(request)
     scheduled = scheduler.schedule()
@@ -66,6 +71,7 @@ def test_prefilled_request_decodes_from_its_second_token_without_prompt_work():
         (9,),
     )
     assert [len(t) for t in scheduler.kv.tables["a"]] == [3, 3, 3, 3]
+    assert request.num_prefilled_tokens == 10  # admission kept the imported prompt
     scheduler.check_invariants()
 
 
@@ -152,3 +158,21 @@ def test_colocated_routing_spreads_load_and_finishes_everything():
     stats = cluster_stats("4", run)
     assert stats.num_requests == 12
     assert stats.itl.p99_s == stats.decode_itl.p99_s
+
+
+def test_simulate_cli_runs_the_pd_scenario(tmp_path, capsys):
+    import json
+
+    from loopserve.cli.main import main
+
+    argv = ["simulate", "--scenario", "pd", "--dataset", "synthetic", "--input-len", "64"]
+    argv += ["--output-len", "8", "--num-requests", "10", "--request-rate", "50"]
+    argv += ["--device-profile", "h200", "--pd", "1,1", "--colocated", "2", "--link", "ib"]
+    argv += ["--long-share", "0.3", "--long-lens", "1000,2000", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    (row,) = json.loads((tmp_path / "scenario_pd.json").read_text())["results"]
+    assert row["request_rate"] == 50
+    assert row["colocated"]["name"] == "2 colocated" and row["pd"]["name"] == "1P1D ib"
+    assert row["colocated"]["num_requests"] == row["pd"]["num_requests"] == 10
+    assert row["pd"]["mean_transfer_ms"] > 0 and row["colocated"]["mean_transfer_ms"] == 0
+    assert "PD/colocated: ITL p99" in capsys.readouterr().out

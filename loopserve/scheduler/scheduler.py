@@ -112,8 +112,15 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         """Queue a request handed off by another engine (prefill/decode disaggregation): its
         prompt is complete and its outputs so far are recorded; its K/V is staged in the
         executor. Admission allocates blocks for the written positions plus the token in flight
-        and sends a `KVTransfer(IMPORT)`; then it decodes its next token from loop 0."""
-        assert request.output_token_ids, "only requests with a sampled token are handed off"
+        and sends a `KVTransfer(IMPORT)`; then it decodes its next token from loop 0. The
+        simulated cluster (loopserve/sim/cluster.py) hands requests to decode replicas the same
+        way and prices the transfer itself."""
+        if not request.output_token_ids or request.status is not RequestStatus.WAITING:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: a handed-off request carries its sampled "
+                "tokens and has not started here",
+                "request_id",
+            )
         request.num_prefilled_tokens = request.next_chunk_start = request.num_prompt_tokens
         request.pending_import = True
         self._start_decode_token(request)

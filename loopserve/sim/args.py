@@ -127,11 +127,31 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     scenario.add_argument(
         "--scenario",
-        choices=["wcpb", "interference"],
+        choices=["wcpb", "interference", "pd"],
         default=None,
-        help="instead of a rate sweep: wcpb (long prompts only) or interference (decode "
-        "population + injected long prompts); uses --device-profile, --max-num-batched-tokens, "
-        "--prefill-chunk-size (interference) and --exit-dist (interference)",
+        help="instead of a rate sweep: wcpb (long prompts only), interference (decode "
+        "population + injected long prompts) or pd (--colocated replicas vs --pd prefill,decode "
+        "replicas on --dataset lengths with a long-prompt mix, at each --request-rate); uses "
+        "--device-profile, --max-num-batched-tokens, --prefill-chunk-size and --exit-dist",
+    )
+    scenario.add_argument(
+        "--pd", type=int_list, default=[2, 2], help="pd: prefill,decode replica counts"
+    )
+    scenario.add_argument("--colocated", type=int, default=4, help="pd: colocated replicas")
+    scenario.add_argument(
+        "--link",
+        choices=["nvlink", "ib"],
+        default="nvlink",
+        help="pd: KV hand-off link (nvlink: 450 GB/s per direction; ib: NDR 50 GB/s)",
+    )
+    scenario.add_argument(
+        "--long-share", type=float, default=0.15, help="pd: share of requests with a long prompt"
+    )
+    scenario.add_argument(
+        "--long-lens",
+        type=int_list,
+        default=[4096, 8192],
+        help="pd: long prompt length range (min,max)",
     )
     scenario.add_argument(
         "--arms",

@@ -55,7 +55,30 @@ def _sched_bench(args: argparse.Namespace) -> int:
 def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.scenario == "wcpb":
+    if args.scenario == "pd":
+        from loopserve.sim.cluster import PdSpec, format_pd, run_pd
+
+        pd_spec = PdSpec(
+            num_requests=args.num_requests,
+            request_rates=tuple(args.request_rate),
+            num_colocated=args.colocated,
+            num_prefill=args.pd[0],
+            num_decode=args.pd[1],
+            link=args.link,
+            long_share=args.long_share,
+            long_min=args.long_lens[0],
+            long_max=args.long_lens[1],
+            dataset=args.dataset,
+            exit_dist=args.exit_dist,
+            seed=args.seed,
+        )
+        pd_rows = run_pd(model_config, device, _engine_args(args), pd_spec)
+        print(format_pd(pd_rows))
+        rows = [
+            {"request_rate": rate, "colocated": c.to_dict(), "pd": p.to_dict()}
+            for rate, c, p in pd_rows
+        ]
+    elif args.scenario == "wcpb":
         arms = args.arms or ["atomic", "wavefront"]
         points = run_wcpb(
             model_config,

@@ -1,0 +1,371 @@
+"""Several simulated replicas on one virtual clock: colocated data parallelism and
+prefill/decode (PD) disaggregation.
+
+Each replica is a `Simulator` (its own `EngineCore`, scheduler and KV pool on its own simulated
+GPU). The cluster owns the shared clock: each replica has the time it is next free, and the loop
+always advances the earliest event: an arrival or a KV hand-off landing (delivered first on a
+tie) or the step of the busy replica that is free earliest. A replica idle when work reaches it
+starts at the event's time. With one colocated replica this is exactly `Simulator.run`.
+
+- Colocated: requests are routed at arrival to the replica with the least outstanding work
+  (prompt tokens not yet prefilled + output tokens not yet produced, lowest index on ties).
+- PD: prompts are routed (same rule) to prefill replicas, which run them with `max_tokens=1`
+  (prompt at full depth and the first token). When the first token is out, the request's KV
+  (prompt positions x planes x KV bytes per token per depth) is sent to the decode replica with
+  the least outstanding work and lands `bytes / link_bandwidth` seconds later; transfers do
+  not contend (one link per pair). The decode replica queues it with
+  `Scheduler.add_imported` and decodes from the second token.
+
+Client view: the first token is streamed when the prefill replica produces it, so a PD
+request's gap between tokens 1 and 2 includes the transfer and the decode queue; `itl` counts
+every gap, `decode_itl` leaves the hand-off gap out (the gaps a decode replica controls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from loopserve.models.config import OuroConfig
+from loopserve.sim.hardware import DeviceProfile
+from loopserve.sim.metrics import LatencyStats, RequestRecord
+from loopserve.sim.simulator import Simulator
+from loopserve.sim.workload import SimRequest
+
+GB = 1e9
+# Link bandwidths per direction, from datasheets.
+# NVIDIA H200 SXM datasheet: NVLink 900 GB/s per GPU (both directions together) -> 450 GB/s.
+NVLINK4_BYTES_PER_S = 450 * GB
+# NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand: 400 Gb/s per port -> 50 GB/s.
+IB_NDR_BYTES_PER_S = 50 * GB
+LINKS = {"nvlink": NVLINK4_BYTES_PER_S, "ib": IB_NDR_BYTES_PER_S}
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One KV hand-off: prefill replica -> decode replica."""
+
+    request_id: str
+    src: int
+    dst: int
+    num_bytes: int
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class ClusterRun:
+    records: list[RequestRecord]
+    transfers: list[Transfer]
+    clock_s: float  # makespan: t=0 to the last token
+    handoff_index: dict[str, int] = field(default_factory=dict)  # PD: gap index of the hand-off
+    # request id -> [(replica kind, replica index, tokens produced there)]
+    produced: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    name: str
+    num_requests: int
+    duration_s: float
+    output_throughput: float  # output tokens / makespan
+    ttft: LatencyStats
+    tpot: LatencyStats
+    itl: LatencyStats  # every gap between consecutive tokens of a request
+    decode_itl: LatencyStats  # without PD hand-off gaps (same as itl when colocated)
+    mean_transfer_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Replica:
+    def __init__(self, kind: str, index: int, sim: Simulator) -> None:
+        self.kind, self.index, self.sim = kind, index, sim
+        self.free_s = 0.0  # when its next step may start
+
+    @property
+    def busy(self) -> bool:
+        return self.sim.core.has_unfinished_requests()
+
+    def outstanding_work(self) -> int:
+        return sum(
+            r.num_prompt_tokens
+            - r.num_prefilled_tokens
+            + r.params.max_tokens
+            - len(r.output_token_ids)
+            for r in self.sim.scheduler.requests.values()
+            if not r.is_finished
+        )
+
+
+def _least_loaded(replicas: list[_Replica]) -> _Replica:
+    return min(replicas, key=lambda r: (r.outstanding_work(), r.index))
+
+
+class Cluster:
+    """`num_prefill == 0`: `num_decode` colocated replicas; otherwise PD disaggregation."""
+
+    def __init__(
+        self,
+        model_config: OuroConfig,
+        device: DeviceProfile,
+        engine_args: dict[str, object] | None = None,
+        *,
+        num_colocated: int = 0,
+        num_prefill: int = 0,
+        num_decode: int = 0,
+        link_bytes_per_s: float = NVLINK4_BYTES_PER_S,
+        seed: int = 0,
+    ) -> None:
+        if num_prefill and not num_decode or not (num_colocated or num_prefill):
+            raise ValueError("need colocated replicas, or prefill and decode replicas")
+        if num_colocated and (num_prefill or num_decode):
+            raise ValueError("colocated and PD replicas do not mix")
+
+        def make(kind: str, i: int) -> _Replica:
+            return _Replica(kind, i, Simulator(model_config, device, engine_args, seed=seed + i))
+
+        self.colocated = [make("colocated", i) for i in range(num_colocated)]
+        self.prefill = [make("prefill", i) for i in range(num_prefill)]
+        self.decode = [make("decode", i) for i in range(num_decode)]
+        self.replicas = self.colocated + self.prefill + self.decode
+        self.link_bytes_per_s = link_bytes_per_s
+
+    def transfer_bytes(self, prompt_len: int) -> int:
+        """KV of the prompt at every plane of the decode replica's layout."""
+        sim = self.decode[0].sim
+        return prompt_len * sim.kv.num_planes * sim.shape.kv_bytes_per_token_per_depth
+
+    def run(self, workload: list[SimRequest]) -> ClusterRun:
+        arrivals = sorted(enumerate(workload), key=lambda x: (x[1].arrival_s, x[0]))
+        arrivals.reverse()  # pop() from the end
+        by_id = {sim.request_id: (order, sim) for order, sim in enumerate(workload)}
+        records = {
+            s.request_id: RequestRecord(s.request_id, s.prompt_len, s.output_len, s.arrival_s)
+            for s in workload
+        }
+        produced: dict[str, list[tuple[str, int, int]]] = {s.request_id: [] for s in workload}
+        landing: list[tuple[float, int, str, int]] = []  # (end_s, seq, request_id, dst)
+        transfers: list[Transfer] = []
+        handoff: dict[str, int] = {}
+        first_token: dict[str, tuple[int, int]] = {}  # request id -> (token id, loops)
+        clock = 0.0
+        entry = self.colocated or self.prefill
+        while True:
+            busy = [r for r in self.replicas if r.busy]
+            next_step = min((r.free_s for r in busy), default=math.inf)
+            next_arrival = arrivals[-1][1].arrival_s if arrivals else math.inf
+            next_landing = landing[0][0] if landing else math.inf
+            if min(next_step, next_arrival, next_landing) == math.inf:
+                break
+            if next_arrival <= next_step and next_arrival <= next_landing:
+                order, sim = arrivals.pop()
+                replica = _least_loaded(entry)
+                if self.prefill:
+                    sim = dataclasses.replace(sim, output_len=1, exit_trace=sim.exit_trace[:1])
+                request = replica.sim.make_request(sim, order, sim.arrival_s)
+                self._deliver(replica, sim.arrival_s)
+                replica.sim.core.add_request(request)
+                continue
+            if next_landing <= next_step:
+                end_s, _, request_id, dst = heapq.heappop(landing)
+                order, sim = by_id[request_id]
+                replica = self.decode[dst]
+                request = replica.sim.make_request(sim, order, sim.arrival_s)
+                token_id, loops = first_token[request_id]
+                request.output_token_ids.append(token_id)
+                request.exit_depths.append(loops)
+                self._deliver(replica, end_s)
+                replica.sim.scheduler.add_imported(request)
+                continue
+            replica = min(busy, key=lambda r: (r.free_s, self.replicas.index(r)))
+            result = replica.sim.core.step()
+            if result.output is None:
+                assert result.error is not None
+                raise result.error
+            if result.scheduled.is_empty:
+                raise RuntimeError("the scheduler planned an empty step with work pending")
+            replica.free_s += result.output.model_time_s + replica.sim.host_time_s
+            now = replica.free_s
+            clock = max(clock, now)
+            for request in result.touched:
+                rid = request.request_id
+                record = records[rid]
+                record.token_times_s.append(now)
+                runs = produced[rid]
+                if runs and runs[-1][:2] == (replica.kind, replica.index):
+                    runs[-1] = (replica.kind, replica.index, runs[-1][2] + 1)
+                else:
+                    runs.append((replica.kind, replica.index, 1))
+                if not request.is_finished:
+                    continue
+                if replica.kind == "prefill" and record.output_len > 1:
+                    first_token[rid] = (request.output_token_ids[0], request.exit_depths[0])
+                    dst = _least_loaded_after(self.decode, landing)
+                    num_bytes = self.transfer_bytes(request.num_prompt_tokens)
+                    end_s = now + num_bytes / self.link_bytes_per_s
+                    transfers.append(Transfer(rid, replica.index, dst, num_bytes, now, end_s))
+                    heapq.heappush(landing, (end_s, len(transfers), rid, dst))
+                    handoff[rid] = 0  # the gap between tokens 1 and 2
+                else:
+                    record.finished_s = now
+                    record.exit_depths = list(request.exit_depths)
+        return ClusterRun(list(records.values()), transfers, clock, handoff, produced)
+
+    @staticmethod
+    def _deliver(replica: _Replica, at_s: float) -> None:
+        if not replica.busy:
+            replica.free_s = max(replica.free_s, at_s)
+
+
+def _least_loaded_after(decode: list[_Replica], landing: list) -> int:
+    """Decode replica with the least outstanding work, counting hand-offs still in flight."""
+    inflight = [0] * len(decode)
+    for _, _, _, dst in landing:
+        inflight[dst] += 1
+    return min(range(len(decode)), key=lambda i: (decode[i].outstanding_work(), inflight[i], i))
+
+
+def cluster_stats(name: str, run: ClusterRun) -> ClusterStats:
+    records = [r for r in run.records if r.finished_s is not None]
+    itls: list[float] = []
+    decode_itls: list[float] = []
+    for r in records:
+        gaps = np.diff(r.token_times_s).tolist()
+        itls += gaps
+        skip = run.handoff_index.get(r.request_id)
+        decode_itls += [g for i, g in enumerate(gaps) if i != skip]
+    num_output = sum(len(r.token_times_s) for r in records)
+    tpots = [t for r in records if (t := r.tpot_s) is not None]
+    transfer_ms = [(t.end_s - t.start_s) * 1e3 for t in run.transfers]
+    return ClusterStats(
+        name,
+        len(records),
+        run.clock_s,
+        num_output / run.clock_s if run.clock_s else 0.0,
+        LatencyStats.of([r.ttft_s for r in records]),
+        LatencyStats.of(tpots),
+        LatencyStats.of(itls),
+        LatencyStats.of(decode_itls),
+        float(np.mean(transfer_ms)) if transfer_ms else 0.0,
+    )
+
+
+def long_prompt_mix(
+    workload: list[SimRequest],
+    *,
+    share: float,
+    min_len: int,
+    max_len: int,
+    seed: int,
+) -> list[SimRequest]:
+    """Replace the prompt of a seeded `share` of the requests with a uniform length in
+    [min_len, max_len] (arrivals, outputs and exit traces unchanged)."""
+    rng = np.random.default_rng(seed)
+    picked = rng.random(len(workload)) < share
+    lengths = rng.integers(min_len, max_len + 1, size=len(workload))
+    return [
+        dataclasses.replace(s, prompt_len=int(n)) if p else s
+        for s, p, n in zip(workload, picked, lengths)
+    ]
+
+
+def format_cluster(rows: list[ClusterStats]) -> str:
+    head = (
+        f"{'setup':<22} {'out tok/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'dITL p99':>8} "
+        f"{'TPOT p50':>8} {'TPOT p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'xfer ms':>7}"
+    )
+    lines = [head + "   (ms)"]
+    for s in rows:
+        lines.append(
+            f"{s.name:<22} {s.output_throughput:>9.0f} {s.itl.p50_s * 1e3:>8.2f} "
+            f"{s.itl.p99_s * 1e3:>8.2f} {s.decode_itl.p99_s * 1e3:>8.2f} "
+            f"{s.tpot.p50_s * 1e3:>8.2f} {s.tpot.p99_s * 1e3:>8.2f} {s.ttft.p50_s * 1e3:>9.1f} "
+            f"{s.ttft.p99_s * 1e3:>9.1f} {s.mean_transfer_ms:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PdSpec:
+    """`loopserve simulate --scenario pd`: N colocated vs P prefill + Q decode replicas on
+    the same requests (ShareGPT or synthetic lengths with a long-prompt mix) at each rate."""
+
+    num_requests: int = 400
+    request_rates: tuple[float, ...] = (20.0,)
+    num_colocated: int = 4
+    num_prefill: int = 2
+    num_decode: int = 2
+    link: str = "nvlink"
+    long_share: float = 0.15
+    long_min: int = 4096
+    long_max: int = 8192
+    dataset: str = "sharegpt"
+    exit_dist: str = "ouro_1p4b_t0.5"
+    seed: int = 0
+
+
+def run_pd(
+    model_config: OuroConfig,
+    device: DeviceProfile,
+    engine_args: dict[str, object],
+    spec: PdSpec,
+) -> list[tuple[float, ClusterStats, ClusterStats]]:
+    """(rate, colocated stats, PD stats) per rate."""
+    from loopserve.sim.workload import WorkloadSpec, build_workload, sample_lengths
+
+    base = WorkloadSpec(
+        spec.num_requests, dataset=spec.dataset, exit_dist=spec.exit_dist, seed=spec.seed
+    )
+    lengths = sample_lengths(base)
+    out = []
+    for rate in spec.request_rates:
+        work = build_workload(
+            dataclasses.replace(base, request_rate=rate), model_config.num_loops, lengths=lengths
+        )
+        work = long_prompt_mix(
+            work,
+            share=spec.long_share,
+            min_len=spec.long_min,
+            max_len=spec.long_max,
+            seed=spec.seed + 1,
+        )
+        colocated = Cluster(
+            model_config, device, engine_args, num_colocated=spec.num_colocated, seed=spec.seed
+        )
+        pd = Cluster(
+            model_config,
+            device,
+            engine_args,
+            num_prefill=spec.num_prefill,
+            num_decode=spec.num_decode,
+            link_bytes_per_s=LINKS[spec.link],
+            seed=spec.seed,
+        )
+        out.append(
+            (
+                rate,
+                cluster_stats(f"{spec.num_colocated} colocated", colocated.run(work)),
+                cluster_stats(f"{spec.num_prefill}P{spec.num_decode}D {spec.link}", pd.run(work)),
+            )
+        )
+    return out
+
+
+def format_pd(rows: list[tuple[float, ClusterStats, ClusterStats]]) -> str:
+    lines = []
+    for rate, colocated, pd in rows:
+        lines.append(f"request rate {rate:g}/s")
+        lines.append(format_cluster([colocated, pd]))
+        itl = pd.itl.p99_s / colocated.itl.p99_s if colocated.itl.p99_s else math.nan
+        tput = pd.output_throughput / colocated.output_throughput
+        lines.append(
+            f"PD/colocated: ITL p99 {itl:.2f}x (target <= 0.60), throughput {tput:.3f}x "
+            f"(target >= 0.95): {'met' if itl <= 0.6 and tput >= 0.95 else 'missed'}"
+        )
+    return "\n".join(lines)

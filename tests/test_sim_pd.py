@@ -1,0 +1,178 @@
+"""Simulated clusters: colocated replicas and prefill/decode (PD) disaggregation on one
+virtual clock, and the scheduler entry point a decode replica admits hand-offs with.
+
+Expected values are derived by hand: Ouro-1.4B holds 2 x 24 layers x 16 KV heads x 128 x 2
+bytes = 196,608 KV bytes per token per depth in BF16, and keeps 4 planes (one per loop)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopserve.config import EngineConfig
+from loopserve.contracts import ItemKind, SampledToken
+from loopserve.errors import InvalidRequestError
+from loopserve.sampling_params import SamplingParams
+from loopserve.scheduler.kv_cache import KVCacheManager
+from loopserve.scheduler.request import Request
+from loopserve.scheduler.scheduler import Scheduler
+from loopserve.sim.cluster import IB_NDR_BYTES_PER_S, Cluster, cluster_stats
+from loopserve.sim.cost_model import OURO_1P4B
+from loopserve.sim.hardware import get_device_profile
+from loopserve.sim.simulator import Simulator
+from loopserve.sim.workload import SimRequest
+
+H200 = get_device_profile("h200")
+ENGINE_ARGS = {"max_num_seqs": 16}
+
+
+def _workload() -> list[SimRequest]:
+    """Twelve requests 5 ms apart; prompts 40..480 tokens (two of 3000), outputs 3..14."""
+    work = []
+    for i in range(12):
+        prompt = 3000 if i in (3, 8) else 40 * (i + 1)
+        output = 3 + i
+        trace = tuple(1 + (i + j) % 4 for j in range(output))
+        work.append(SimRequest(f"r{i}", 0.005 * i, prompt, output, trace))
+    return work
+
+
+# ---- scheduler entry point -------------------------------------------------------------
+
+
+def _prefilled(request_id: str, prompt_len: int, max_tokens: int) -> Request:
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, exit_trace=(2,)
+    ).resolve_loops(4)
+    request = Request(
+        request_id, [5] * prompt_len, params, arrival_order=0, eos_token_ids=frozenset()
+    )
+    request.append_token(SampledToken(9), 4, 0.0)
+    return request
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_prefilled_request_decodes_from_its_second_token_without_prompt_work(prefix_caching):
+    config = EngineConfig.from_engine_args(
+        exit_mode="trace", block_size=4, num_blocks=64, enable_prefix_caching=prefix_caching
+    )
+    kv = KVCacheManager.from_config(config, num_planes=4, bytes_per_block=1)
+    assert (kv.prefix_cache is not None) is prefix_caching
+    scheduler = Scheduler(config, num_loops=4, kv=kv)
+    request = _prefilled("a", prompt_len=10, max_tokens=3)
+    scheduler.add_imported(request)
+    scheduled = scheduler.schedule()
+    # Admitted straight into decode: the token in flight sits at position 10 (after the
+    # prompt), fed with the imported first token; prompt + 1 = 11 positions -> 3 blocks/plane.
+    (item,) = scheduled.items
+    assert (item.kind, item.token_start, item.depth, item.token_ids) == (
+        ItemKind.DECODE,
+        10,
+        0,
+        (9,),
+    )
+    assert [len(t) for t in scheduler.kv.tables["a"]] == [3, 3, 3, 3]
+    assert request.num_prefilled_tokens == 10  # admission kept the imported prompt
+    scheduler.check_invariants()
+
+
+def test_handed_off_request_must_carry_a_sampled_token():
+    config = EngineConfig.from_engine_args(exit_mode="trace", block_size=4)
+    scheduler = Scheduler(config, num_loops=4, kv=KVCacheManager(64, 4, 4))
+    request = _prefilled("a", prompt_len=10, max_tokens=3)
+    request.output_token_ids.clear()
+    with pytest.raises(InvalidRequestError):
+        scheduler.add_imported(request)
+
+
+# ---- the cluster -------------------------------------------------------------------------
+
+
+def test_pd_handoff_conserves_requests_and_tokens():
+    work = _workload()
+    cluster = Cluster(OURO_1P4B, H200, ENGINE_ARGS, num_prefill=2, num_decode=2)
+    run = cluster.run(work)
+    by_id = {r.request_id: r for r in run.records}
+    for sim in work:
+        record = by_id[sim.request_id]
+        assert record.finished_s is not None
+        assert len(record.token_times_s) == sim.output_len
+        assert record.exit_depths[1:] == list(sim.exit_trace[1:])
+        (prefill, decode) = run.produced[sim.request_id]
+        # One first token on a prefill replica, every other token on one decode replica.
+        assert prefill[0] == "prefill" and prefill[2] == 1
+        assert decode[0] == "decode" and decode[2] == sim.output_len - 1
+    # Decode replicas never ran prompt work; prefill replicas never decoded.
+    for replica in cluster.decode:
+        stats = replica.sim.executor.stats
+        assert stats.prompt_calls == 0 and stats.mixed_calls == 0 and stats.decode_calls > 0
+        assert replica.sim.kv.num_free_blocks == replica.sim.kv.num_blocks
+    for replica in cluster.prefill:
+        assert replica.sim.executor.stats.decode_calls == 0
+    assert {t.dst for t in run.transfers} == {0, 1}
+    assert len(run.transfers) == len(work)
+
+
+def test_transfer_delay_is_bytes_over_link_bandwidth():
+    work = _workload()
+    cluster = Cluster(
+        OURO_1P4B,
+        H200,
+        ENGINE_ARGS,
+        num_prefill=1,
+        num_decode=1,
+        link_bytes_per_s=IB_NDR_BYTES_PER_S,
+    )
+    run = cluster.run(work)
+    prompts = {s.request_id: s.prompt_len for s in work}
+    by_id = {r.request_id: r for r in run.records}
+    for t in run.transfers:
+        expected_bytes = prompts[t.request_id] * 4 * 196_608
+        assert t.num_bytes == expected_bytes
+        assert t.end_s - t.start_s == pytest.approx(expected_bytes / 50e9, rel=1e-12)
+        # The first token is out when the transfer starts; the second cannot precede arrival.
+        times = by_id[t.request_id].token_times_s
+        assert times[0] == t.start_s and times[1] > t.end_s
+    long = next(t for t in run.transfers if t.request_id == "r3")
+    assert long.end_s - long.start_s == pytest.approx(3000 * 4 * 196_608 / 50e9)  # 47.2 ms
+
+
+def test_one_colocated_replica_equals_the_single_simulator():
+    work = _workload()
+    single = Simulator(OURO_1P4B, H200, ENGINE_ARGS).run(work)
+    clustered = Cluster(OURO_1P4B, H200, ENGINE_ARGS, num_colocated=1).run(work)
+    expected = {
+        r.request_id: (r.token_times_s, r.finished_s, r.exit_depths) for r in single.records
+    }
+    got = {r.request_id: (r.token_times_s, r.finished_s, r.exit_depths) for r in clustered.records}
+    assert got == expected
+    assert clustered.clock_s == single.clock_s
+
+
+def test_colocated_routing_spreads_load_and_finishes_everything():
+    work = _workload()
+    cluster = Cluster(OURO_1P4B, H200, ENGINE_ARGS, num_colocated=4)
+    run = cluster.run(work)
+    used = {runs[0][1] for runs in run.produced.values()}
+    assert used == {0, 1, 2, 3}
+    assert all(len(runs) == 1 for runs in run.produced.values())  # no request moves
+    stats = cluster_stats("4", run)
+    assert stats.num_requests == 12
+    assert stats.itl.p99_s == stats.decode_itl.p99_s
+
+
+def test_simulate_cli_runs_the_pd_scenario(tmp_path, capsys):
+    import json
+
+    from loopserve.cli.main import main
+
+    argv = ["simulate", "--scenario", "pd", "--dataset", "synthetic", "--input-len", "64"]
+    argv += ["--output-len", "8", "--num-requests", "10", "--request-rate", "50"]
+    argv += ["--device-profile", "h200", "--pd", "1,1", "--colocated", "2", "--link", "ib"]
+    argv += ["--long-share", "0.3", "--long-lens", "1000,2000", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    (row,) = json.loads((tmp_path / "scenario_pd.json").read_text())["results"]
+    assert row["request_rate"] == 50
+    assert row["colocated"]["name"] == "2 colocated" and row["pd"]["name"] == "1P1D ib"
+    assert row["colocated"]["num_requests"] == row["pd"]["num_requests"] == 10
+    assert row["pd"]["mean_transfer_ms"] > 0 and row["colocated"]["mean_transfer_ms"] == 0
+    assert "PD/colocated: ITL p99" in capsys.readouterr().out

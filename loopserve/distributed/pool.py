@@ -33,7 +33,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,13 +49,13 @@ from loopserve.distributed.replica import (
 from loopserve.distributed.router import RoutedRequest, Router
 from loopserve.errors import InvalidRequestError, LoopserveError
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import SamplingParams
 from loopserve.server.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
     EngineSnapshot,
     GenerateRequest,
     QueueFullError,
+    SubmitGenerate,
 )
 from loopserve.text.input_processor import ProcessedPrompt
 
@@ -107,7 +107,7 @@ class PoolConfig:
     object_store_bytes: int | None = None  # embedded cluster; None: Ray's default
 
 
-class ReplicaPool:
+class ReplicaPool(SubmitGenerate):
     """N `EngineReplica` actors behind the `AsyncLLM` interface; see the module docstring."""
 
     def __init__(
@@ -393,19 +393,6 @@ class ReplicaPool:
             stream.close()
             raise
         return stream
-
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit one request (raising its validation errors now) and return its outputs."""
-        stream = await self.submit([GenerateRequest(request_id, prompt, params)])
-
-        async def outputs() -> AsyncIterator[RequestOutput]:
-            with stream:
-                async for output in stream:
-                    yield output
-
-        return outputs()
 
     def abort(self, request_id: str) -> None:
         for stream in list(self._streams):

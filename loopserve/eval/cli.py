@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loopserve.errors import LoopserveError
+from loopserve.workloads.args import int_list
 
 if TYPE_CHECKING:
     import torch
@@ -32,18 +33,6 @@ def _floats(text: str) -> list[float]:
     return values
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"min loops must be >= 1, got {text!r}")
-    return values
-
-
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
     parser.add_argument("--text-file", default=None, help="plain text to score (default: "
@@ -53,7 +42,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="share of conversations held out, as in training")  # fmt: skip
     parser.add_argument("--thresholds", type=_floats, default=[0.3, 0.5, 0.7, 0.9, 1.0],
                         help="comma-separated exit thresholds to sweep (1.0: never exit early)")  # fmt: skip
-    parser.add_argument("--min-loops", type=_ints, default=[1],
+    parser.add_argument("--min-loops", type=int_list, default=[1],
                         help="comma-separated min_loops values to sweep")  # fmt: skip
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per scored window")
     parser.add_argument("--max-tokens", type=int, default=32768, help="scored tokens at most")

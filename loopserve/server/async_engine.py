@@ -116,7 +116,25 @@ class OutputStream:
         self.close()
 
 
-class AsyncLLM:
+class SubmitGenerate:
+    """`generate` for any front end with `submit(requests) -> stream` (`AsyncLLM`, and the
+    Ray replica pool that stands in for it)."""
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request (raising its validation errors now) and return its outputs."""
+        stream = await self.submit([GenerateRequest(request_id, prompt, params)])
+
+        async def outputs() -> AsyncIterator[RequestOutput]:
+            with stream:
+                async for output in stream:
+                    yield output
+
+        return outputs()
+
+
+class AsyncLLM(SubmitGenerate):
     """Owns one `LLMEngine` and runs it in a background thread; see the module docstring.
 
     `engine` is either a built engine or a zero-argument factory called on the engine thread.
@@ -277,19 +295,6 @@ class AsyncLLM:
             stream.close()  # also covers cancellation after the engine thread added them
             raise
         return stream
-
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit one request (raising its validation errors now) and return its outputs."""
-        stream = await self.submit([GenerateRequest(request_id, prompt, params)])
-
-        async def outputs() -> AsyncIterator[RequestOutput]:
-            with stream:
-                async for output in stream:
-                    yield output
-
-        return outputs()
 
     def abort(self, request_id: str) -> None:
         """Abort one request; thread-safe, applied by the engine thread between steps."""

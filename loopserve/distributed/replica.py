@@ -183,21 +183,34 @@ class EngineReplica:
         """The offline loop (`LLM.generate`) over this replica's share of a batch: final outputs
         in the given order, or the first request's rejection (then nothing ran)."""
         engine = self.engine
-        added: list[str] = []
-        try:
-            for request_id, prompt, sp in zip(request_ids, prompts, params):
-                engine.add_request(request_id, prompt, sp)
-                added.append(request_id)
-        except LoopserveError as err:
-            for request_id in added:
-                engine.abort_request(request_id)
-            return Rejected.of(err)
+        added = self._add_all(request_ids, prompts, params)
+        if isinstance(added, Rejected):
+            return added
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(added):
             for output in engine.step():
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[request_id] for request_id in added]
+
+    def _add_all(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+    ) -> list[str] | Rejected:
+        """Add a batch all or nothing: the ids added, or the first rejection (the requests
+        added before it are aborted again)."""
+        added: list[str] = []
+        try:
+            for request_id, prompt, sp in zip(request_ids, prompts, params):
+                self.engine.add_request(request_id, prompt, sp)
+                added.append(request_id)
+        except LoopserveError as err:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            return Rejected.of(err)
+        return added
 
     def prefill_export(
         self,
@@ -213,15 +226,9 @@ class EngineReplica:
         Ray can return them as two objects (`num_returns=2`): the caller reads the small one
         and passes the other on by reference."""
         engine = self.engine
-        added: list[str] = []
-        try:
-            for request_id, prompt, sp in zip(request_ids, prompts, params):
-                engine.add_request(request_id, prompt, sp)
-                added.append(request_id)
-        except LoopserveError as err:
-            for request_id in added:
-                engine.abort_request(request_id)
-            return Rejected.of(err), []
+        added = self._add_all(request_ids, prompts, params)
+        if isinstance(added, Rejected):
+            return added, []
         done: dict[str, HandoffState | RequestOutput] = {}
         while len(done) < len(added):
             for output in engine.step():

@@ -15,7 +15,8 @@ the same objective with the rest of the model frozen.
 
 With a wall-clock budget the learning-rate schedule follows max(step / max_steps, elapsed /
 budget); for a bit-exact rerun pass the logged step count as --max-steps with a generous
-budget. Example (the shipped model's command is in docs/model.md):
+budget. --init-from with a different --vocab-size trains a new BPE on the same text and
+copies the layers, the gate and the embedding/lm_head rows of the tokens both share. Example (the shipped model's command is in docs/model.md):
 
     python tools/train_default_model.py --out loopserve/models/default --budget-minutes 30
 """
@@ -67,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--entropy-beta", type=float, default=0.03)
     p.add_argument("--last-loop-weight", type=float, default=0.5)
     p.add_argument("--gate-steps", type=int, default=0, help="gate-only steps at the end")
-    p.add_argument("--init-from", default=None, help="start from this checkpoint and tokenizer")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint (and its "
+                   "tokenizer; with another --vocab-size: a new BPE, shared-token rows copied)")  # fmt: skip
     p.add_argument("--gate-entropy-beta", type=float, default=None, help="default: same β")
     p.add_argument("--max-steps", type=int, default=1_000_000)
     p.add_argument("--budget-minutes", type=float, default=30.0)

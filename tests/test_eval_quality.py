@@ -138,3 +138,35 @@ def test_eval_cli_rejects_min_loops_deeper_than_the_model(tiny_tok_dir, tmp_path
     argv = ["--model", str(tiny_tok_dir), "--text-file", str(text), "--min-loops", "5"]
     assert eval_cli.main(argv) == 2
     assert "--min-loops must be <= 4" in capsys.readouterr().err
+
+
+def test_eval_cli_reports_cross_entropy_per_character_of_the_scored_text(
+    tiny_tok_dir, tmp_path, capsys
+):
+    # The toy BPE spells " the" as one 4-character token, so 400 repeats are 400 tokens:
+    # 12 windows of 33 tokens, 12 * 32 = 384 scored targets spelling 4 * 384 = 1536 characters.
+    text = tmp_path / "the.txt"
+    text.write_text(" the" * 400)
+    out_json = tmp_path / "eval.json"
+    argv = ["--model", str(tiny_tok_dir), "--text-file", str(text), "--thresholds", "0.5,1.0",
+            "--seq-len", "32", "--output-json", str(out_json)]  # fmt: skip
+    assert eval_cli.main(argv) == 0
+    table = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["num_tokens"] == 384 and report["num_chars"] == 1536
+    assert report["full_depth_ce_per_char"] == pytest.approx(report["ce_per_loop"][-1] / 4)
+    gate = report["settings"][0]
+    assert gate["ce_per_char"] == pytest.approx(gate["ce"] / 4)
+    assert "1536 chars scored (4.000 chars/token)" in table
+    assert f"{report['ce_per_loop'][-1] / 4:.4f} nats/char" in table
+
+
+def test_per_character_cross_entropy_is_unknown_without_a_character_count():
+    scores = SequenceScores(torch.tensor([[-1.0, -3.0]]), torch.ones(1, 2))
+    with_chars = evaluate(scores, thresholds=[1.0], min_loops_list=[1], model="m", source="s",
+                          num_sequences=1, num_chars=8)  # fmt: skip
+    assert with_chars.per_char(with_chars.full_depth_ce) == pytest.approx(2.0 * 2 / 8)
+    without = evaluate(scores, thresholds=[1.0], min_loops_list=[1], model="m", source="s",
+                       num_sequences=1)  # fmt: skip
+    assert without.per_char(without.full_depth_ce) is None
+    assert without.to_dict()["settings"][0]["ce_per_char"] is None

@@ -104,6 +104,28 @@ def test_training_script_tiny_run_writes_a_checkpoint_the_engine_loads(tmp_path)
     assert changed == {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}
     assert json.loads((gated / "training.json").read_text())["steps"] == 0
 
+    # A smaller vocabulary from that checkpoint: the looped layers and gate are copied, and
+    # each token of the new BPE takes the embedding and lm_head rows of the same string.
+    small = tmp_path / "small"
+    small_args = ["--out", str(small), "--init-from", str(out), "--max-steps", "0",
+                  "--vocab-size", "280"]  # fmt: skip
+    shared_rest = shared[: shared.index("--vocab-size")] + shared[shared.index("--hidden-size") :]
+    assert _load_script().main(small_args + shared_rest) == 0
+    moved = load_model(small, dtype="float32").state_dict()
+    assert moved["model.embed_tokens.weight"].shape == (280, 32)
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.early_exit_gate.weight"):
+        assert torch.equal(moved[name], before[name])
+    old_vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    new_vocab = json.loads((small / "tokenizer.json").read_text())["model"]["vocab"]
+    shared_tokens = [t for t in new_vocab if t in old_vocab]
+    assert len(shared_tokens) > 250  # the smaller BPE mostly repeats the larger one's merges
+    for token in shared_tokens:
+        new_id, old_id = new_vocab[token], old_vocab[token]
+        assert torch.equal(moved["lm_head.weight"][new_id], before["lm_head.weight"][old_id])
+        assert torch.equal(
+            moved["model.embed_tokens.weight"][new_id], before["model.embed_tokens.weight"][old_id]
+        )
+
 
 def test_ouro_loss_matches_a_hand_computed_two_loop_case():
     module = _load_script()

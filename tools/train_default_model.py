@@ -15,7 +15,8 @@ the same objective with the rest of the model frozen.
 
 With a wall-clock budget the learning-rate schedule follows max(step / max_steps, elapsed /
 budget); for a bit-exact rerun pass the logged step count as --max-steps with a generous
-budget. Example (the shipped model's command is in docs/model.md):
+budget. --init-from with a different --vocab-size trains a new BPE on the same text and
+copies the layers, the gate and the embedding/lm_head rows of the tokens both share. Example (the shipped model's command is in docs/model.md):
 
     python tools/train_default_model.py --out loopserve/models/default --budget-minutes 30
 """
@@ -67,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--entropy-beta", type=float, default=0.03)
     p.add_argument("--last-loop-weight", type=float, default=0.5)
     p.add_argument("--gate-steps", type=int, default=0, help="gate-only steps at the end")
-    p.add_argument("--init-from", default=None, help="start from this checkpoint and tokenizer")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint (and its "
+                   "tokenizer; with another --vocab-size: a new BPE, shared-token rows copied)")  # fmt: skip
     p.add_argument("--gate-entropy-beta", type=float, default=None, help="default: same β")
     p.add_argument("--max-steps", type=int, default=1_000_000)
     p.add_argument("--budget-minutes", type=float, default=30.0)
@@ -160,6 +162,40 @@ def copy_tokenizer(source: Path, out: Path) -> Tokenizer:
     tokenizer = Tokenizer.from_dir(out)
     assert tokenizer is not None
     return tokenizer
+
+
+def _vocab_size(checkpoint: Path) -> int:
+    return int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+
+
+def transfer_weights(model: OuroForLoopedLM, source: Path, out: Path) -> int:
+    """Copy a checkpoint into a model with another vocabulary; returns token rows copied.
+
+    Every tensor of the same shape is copied (the looped layers, norms, exit gate); the rows of
+    `embed_tokens` and `lm_head` are copied for the tokens whose strings both byte-level BPE
+    vocabularies share (a smaller BPE trained on the same text is mostly a prefix of the larger
+    one's merges); the other rows keep their fresh initialisation.
+    """
+    import tokenizers
+
+    old = load_model(str(source), dtype="float32")
+    old_vocab = tokenizers.Tokenizer.from_file(str(source / "tokenizer.json")).get_vocab()
+    new_vocab = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab()
+    pairs = [(i, old_vocab[t]) for t, i in new_vocab.items() if t in old_vocab]
+    new_ids = torch.tensor([p[0] for p in pairs])
+    old_ids = torch.tensor([p[1] for p in pairs])
+    old_params = dict(old.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            source_param = old_params[name]
+            if source_param.shape == param.shape:
+                param.copy_(source_param)
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                param[new_ids] = source_param[old_ids]
+            else:
+                raise SystemExit(f"cannot transfer {name}: {tuple(source_param.shape)} -> "
+                                 f"{tuple(param.shape)}")  # fmt: skip
+    return len(pairs)
 
 
 def token_stream(tokenizer: Tokenizer, conversations: list) -> torch.Tensor:
@@ -311,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             chars += len(message["content"])
         if chars >= args.tokenizer_chars:
             break
-    if args.init_from:
+    same_vocab = args.init_from and _vocab_size(Path(args.init_from)) == args.vocab_size
+    if same_vocab:
         tokenizer = copy_tokenizer(Path(args.init_from), out)
     else:
         tokenizer = train_tokenizer(texts, args.vocab_size, out)
@@ -326,10 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     if num_val == 0 or len(train_ids) <= window:
         raise SystemExit("not enough tokens for one window of --seq-len")
 
-    if args.init_from:
+    if same_vocab:
         model = load_model(args.init_from, dtype="float32").requires_grad_(True)
     else:
         model = make_model(args, args.seed)
+        if args.init_from:
+            copied = transfer_weights(model, Path(args.init_from), out)
+            log(f"init from {args.init_from} with a new vocabulary: {copied} token rows copied")
     num_params = sum(p.numel() for p in model.parameters())
     log(f"model: {num_params / 1e6:.2f}M parameters, {args.num_loops} loops")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]

@@ -83,6 +83,19 @@ def load_token_windows(args: argparse.Namespace, tokenizer) -> tuple[torch.Tenso
     return windows, source
 
 
+def scored_chars(tokenizer, windows: torch.Tensor) -> int:
+    """Characters of the text the scored targets spell (every window's tokens after its first).
+
+    Measured as the decoded length of the window minus that of its first token, so a model's
+    total nats divided by this is its cross-entropy per character of the same text.
+    """
+    total = 0
+    for row in windows.tolist():
+        whole = tokenizer.decode(row, skip_special_tokens=False)
+        total += len(whole) - len(tokenizer.decode(row[:1], skip_special_tokens=False))
+    return total
+
+
 def main_from_args(args: argparse.Namespace) -> int:
     import torch
 
@@ -111,6 +124,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     report = evaluate(
         scores, thresholds=args.thresholds, min_loops_list=args.min_loops, model=model_dir,
         source=source, num_sequences=len(windows), seed=args.seed,
+        num_chars=scored_chars(tokenizer, windows),
     )  # fmt: skip
     print(format_table(report))
     if args.output_json:

@@ -47,14 +47,24 @@ class QualityReport:
     ce_per_loop: list[float]  # every position at fixed loops 1..D
     settings: list[SettingResult] = field(default_factory=list)
     seed: int = 0
+    # Characters of the scored text (the targets' decoded text); 0 when unknown. Per-token CE
+    # depends on the vocabulary; nats per character compares models with different tokenizers.
+    num_chars: int = 0
 
     @property
     def full_depth_ce(self) -> float:
         return self.ce_per_loop[-1]
 
+    def per_char(self, ce: float) -> float | None:
+        """Nats per character of the scored text for a per-token CE (None without chars)."""
+        return ce * self.num_tokens / self.num_chars if self.num_chars else None
+
     def to_dict(self) -> dict:
         raw = asdict(self)
         raw["full_depth_ce"] = self.full_depth_ce
+        raw["full_depth_ce_per_char"] = self.per_char(self.full_depth_ce)
+        for row, setting in zip(raw["settings"], self.settings, strict=True):
+            row["ce_per_char"] = self.per_char(setting.ce)
         return raw
 
 
@@ -101,6 +111,7 @@ def evaluate(
     source: str,
     num_sequences: int,
     seed: int = 0,
+    num_chars: int = 0,
 ) -> QualityReport:
     num_loops, num_tokens = scores.target_logprobs.shape
     ce_per_loop = [float(-scores.target_logprobs[d].double().mean()) for d in range(num_loops)]
@@ -112,6 +123,7 @@ def evaluate(
     return QualityReport(
         model=model, source=source, num_sequences=num_sequences, num_tokens=num_tokens,
         num_loops=num_loops, ce_per_loop=ce_per_loop, settings=settings, seed=seed,
+        num_chars=num_chars,
     )  # fmt: skip
 
 
@@ -124,6 +136,14 @@ def format_table(report: QualityReport) -> str:
         f"{'threshold':>9} {'min_loops':>9} {'mean_loops':>10} {'CE':>8} {'ppl':>8} "
         f"{'dCE_full':>8} {'random_CE':>9}  loops 1..{report.num_loops}",
     ]
+    full_per_char = report.per_char(report.full_depth_ce)
+    if full_per_char is not None:
+        lines.insert(
+            2,
+            f"per character: {report.num_chars} chars scored "
+            f"({report.num_chars / report.num_tokens:.3f} chars/token), full depth "
+            f"{full_per_char:.4f} nats/char",
+        )
     for s in report.settings:
         delta = s.ce - report.full_depth_ce
         lines.append(

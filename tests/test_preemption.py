@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -325,3 +326,50 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(tiny_dir):
     assert finished["a"].token_ids == reference_for(engine, [3, 1, 4, 1, 5, 9, 2], params).token_ids
     assert finished["a"].metrics.num_preemptions == 1
     assert_all_released(engine)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_preempted_logprobs_and_text_match_an_uninterrupted_run(tiny_dir, layout, preemption):
+    """Logprobs (top-2 included) and text, not just tokens, equal an uninterrupted run's.
+
+    Tokens, top-k ids, finish reasons and text must be equal; logprob values to float32
+    rounding (the replay's core calls carry other row counts than the original decode calls;
+    the batch-invariant mode makes them bit-identical)."""
+    num_planes = 1 if layout == "shared" else 4
+    work = priority_workload(101, 6, 90, sampled=True)
+    work = [
+        (rid, prompt, dataclasses.replace(params, logprobs=2), arrival)
+        for rid, prompt, params, arrival in work
+    ]
+
+    def run(num_blocks: int):
+        engine = make_engine(
+            tiny_dir,
+            layout=layout,
+            preemption_mode=preemption,
+            num_blocks=num_blocks * num_planes,
+            swap_space=2048 * 40,
+        )
+        return engine, run_steps(engine, work)
+
+    tight, preempted = run(11)
+    _, uninterrupted = run(512)
+    assert tight.scheduler.memory_stats.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in preempted.values()) > 0
+    assert all(o.text for o in uninterrupted.values())  # the tiny checkpoint detokenizes
+    for request_id, out in uninterrupted.items():
+        got = preempted[request_id]
+        assert out.metrics.num_preemptions == 0
+        assert (got.token_ids, got.exit_depths, got.text, got.finish_reason) == (
+            out.token_ids,
+            out.exit_depths,
+            out.text,
+            out.finish_reason,
+        )
+        assert len(got.logprobs) == len(out.logprobs) == len(out.token_ids)
+        for a, b in zip(got.logprobs, out.logprobs):
+            assert a.token_id == b.token_id
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    assert_all_released(tight)

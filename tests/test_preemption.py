@@ -330,27 +330,29 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(tiny_dir):
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_preempted_logprobs_and_text_match_an_uninterrupted_run(tiny_dir, layout, preemption):
+def test_preempted_logprobs_and_text_match_an_uninterrupted_run(tiny_tok_dir, layout, preemption):
     """Logprobs (top-2 included) and text, not just tokens, equal an uninterrupted run's.
 
     Tokens, top-k ids, finish reasons and text must be equal; logprob values to float32
-    rounding (the replay's core calls carry other row counts than the original decode calls;
-    the batch-invariant mode makes them bit-identical)."""
+    rounding (relative 1e-5): the two runs share their core calls with different rows (the
+    tight pool runs fewer requests at once, and replays), and CPU float32 GEMM gives a row
+    different bits depending on how many rows share the call (measured |diff| ~1e-5 on a
+    logprob of -5)."""
     num_planes = 1 if layout == "shared" else 4
-    work = priority_workload(101, 6, 90, sampled=True)
-    work = [
-        (rid, prompt, dataclasses.replace(params, logprobs=2), arrival)
-        for rid, prompt, params, arrival in work
-    ]
 
     def run(num_blocks: int):
         engine = make_engine(
-            tiny_dir,
+            tiny_tok_dir,
             layout=layout,
             preemption_mode=preemption,
             num_blocks=num_blocks * num_planes,
             swap_space=2048 * 40,
         )
+        work = priority_workload(101, 6, engine.model.config.vocab_size, sampled=True)
+        work = [
+            (rid, prompt, dataclasses.replace(params, logprobs=2), arrival)
+            for rid, prompt, params, arrival in work
+        ]
         return engine, run_steps(engine, work)
 
     tight, preempted = run(11)
@@ -371,5 +373,5 @@ def test_preempted_logprobs_and_text_match_an_uninterrupted_run(tiny_dir, layout
         for a, b in zip(got.logprobs, out.logprobs):
             assert a.token_id == b.token_id
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-6)
     assert_all_released(tight)

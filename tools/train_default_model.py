@@ -40,7 +40,8 @@ from loopserve.eval.scoring import CausalBatchAttention, loop_outputs
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import load_model, save_model
 from loopserve.models.ouro import OuroForLoopedLM
-from loopserve.text.tokenizer import CHATML_TEMPLATE, SPECIAL_TOKENS, Tokenizer, _write_json
+from loopserve.text.tokenizer import SPECIAL_TOKENS, Tokenizer
+from loopserve.text.toy_tokenizer import train_byte_level_bpe
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,58 +99,10 @@ class Log:
 
 def train_tokenizer(texts: list[str], vocab_size: int, out: Path) -> Tokenizer:
     """Byte-level BPE with the special tokens at ids 0..2, saved with a ChatML config."""
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    backend = tokenizers.Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        show_progress=False,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(texts, trainer)
-    if backend.get_vocab_size() != vocab_size:
-        raise SystemExit(f"the BPE reached {backend.get_vocab_size()} tokens, not {vocab_size}: "
-                         "use more text or a smaller --vocab-size")  # fmt: skip
-    ids = [backend.token_to_id(t) for t in SPECIAL_TOKENS]
-    assert ids == list(range(len(SPECIAL_TOKENS))), ids
-    out.mkdir(parents=True, exist_ok=True)
-    backend.save(str(out / "tokenizer.json"), pretty=True)
-    eos_token, pad_token = "<|im_end|>", "<|endoftext|>"
-    special = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
-        for i, t in enumerate(SPECIAL_TOKENS)
-    }  # fmt: skip
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "add_bos_token": False,
-            "add_prefix_space": False,
-            "added_tokens_decoder": special,
-            "additional_special_tokens": [
-                t for t in SPECIAL_TOKENS if t not in (eos_token, pad_token)
-            ],
-            "bos_token": None,
-            "chat_template": CHATML_TEMPLATE,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": eos_token,
-            "model_max_length": 32768,
-            "pad_token": pad_token,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "unk_token": None,
-        },
-    )
-    _write_json(
-        out / "generation_config.json",
-        {
-            "eos_token_id": [SPECIAL_TOKENS.index(eos_token), SPECIAL_TOKENS.index(pad_token)],
-            "bos_token_id": None,
-        },
-    )
+    try:
+        train_byte_level_bpe(texts, vocab_size, out)
+    except ValueError as err:
+        raise SystemExit(f"{err}: use more text or a smaller --vocab-size") from None
     tokenizer = Tokenizer.from_dir(out)
     assert tokenizer is not None
     return tokenizer

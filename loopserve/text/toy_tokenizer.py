@@ -7,6 +7,7 @@ writes one (plus `tokenizer_config.json` with a ChatML template and `generation_
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import tokenizers
@@ -74,6 +75,17 @@ def write_byte_level_bpe_tokenizer(path: str | os.PathLike[str], *, vocab_size: 
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
+    train_byte_level_bpe(_CORPUS.splitlines(keepends=True), vocab_size, path)
+
+
+def train_byte_level_bpe(
+    texts: Iterable[str], vocab_size: int, path: str | os.PathLike[str]
+) -> None:
+    """Train a byte-level BPE on `texts` and save it with a ChatML config into `path`.
+
+    The special tokens take ids 0..2; EOS is `<|im_end|>` (and `<|endoftext|>`). Raises
+    `ValueError` when `texts` cannot reach `vocab_size` tokens. Deterministic.
+    """
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -83,10 +95,10 @@ def write_byte_level_bpe_tokenizer(path: str | os.PathLike[str], *, vocab_size: 
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    backend.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
+    backend.train_from_iterator(texts, trainer)
     if backend.get_vocab_size() != vocab_size:
         raise ValueError(
-            f"the embedded corpus supports at most {backend.get_vocab_size()} tokens, "
+            f"the training text supports at most {backend.get_vocab_size()} tokens, "
             f"got vocab_size={vocab_size}"
         )
     special_ids = {token: backend.token_to_id(token) for token in SPECIAL_TOKENS}

@@ -9,6 +9,10 @@ with the pure functions of `loopserve.exit` (`loop_exits`, `choose_exit_from_haz
 reports it; the scheduler records it. It never sees a `Request`. One of the two `Executor`s
 (the other is the simulator's `SimExecutor`).
 
+With `batch_invariant` the runner converts its model to the row-invariant forms of
+`loopserve.runner.batch_invariant` (and uses that module's attention backend), so every row's
+bits depend only on its own inputs.
+
 Per-request setup is isolated: each new request's state is built by `setup_request` and
 installed only when that succeeds; a request whose setup raises is reported in
 `RunnerOutput.failed_requests`, keeps no state, and its items run no rows this step.

@@ -17,9 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loopserve.config import EngineConfig, effective_graph_mode
+from loopserve.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.models.attention import attention_reference
 from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.attention.torch_paged import TorchBackend
 from loopserve.runner.batch_invariant import (
     RowInvariantTorchBackend,
@@ -105,11 +108,17 @@ def test_row_invariant_attention_row_alone_equals_row_in_call():
             torch.testing.assert_close(together[r : r + 1], ref)
 
 
-def test_batch_invariant_rejects_triton_and_graph_buckets(tiny_dir):
+def test_batch_invariant_rejects_triton_and_graph_buckets_and_avoids_them_on_auto(tiny_dir):
     with pytest.raises(ConfigError, match="torch attention path"):
         make_engine(tiny_dir, batch_invariant=True, attention_backend="triton")
     with pytest.raises(ConfigError, match="graph_mode='emulate'"):
         make_engine(tiny_dir, batch_invariant=True, graph_mode="emulate")
+    # On CUDA, 'auto' picks torch attention and eager execution in this mode.
+    assert resolve_attention_backend("auto", "cuda:0", batch_invariant=True) == "torch"
+    assert resolve_attention_backend("auto", "cuda:0") == "triton"
+    config = EngineConfig.from_engine_args(device="cuda", batch_invariant=True)
+    assert effective_graph_mode(config) == "off"
+    assert effective_graph_mode(EngineConfig.from_engine_args(device="cuda")) == "capture"
 
 
 def _planes(engine, request_id: str, num_positions: int) -> torch.Tensor:
@@ -158,6 +167,7 @@ class TargetWatch:
         self.snapshots: dict[int, torch.Tensor] = {}
         self.hazards: dict[tuple[int, int], float] = {}  # (position, depth) -> hazard
         self.shared_steps = 0
+        self.replay_shared_steps = 0
         self.mixed_depth_steps = 0
         engine.core.add_observer(self._on_step)
 
@@ -173,6 +183,7 @@ class TargetWatch:
         others = [item for item in scheduled.items if item.request_id != self.target]
         if mine and others:
             self.shared_steps += 1
+            self.replay_shared_steps += any(item.kind is ItemKind.REPLAY for item in mine)
             depths = {item.depth for item in mine}
             self.mixed_depth_steps += any(item.depth not in depths for item in others)
 
@@ -237,6 +248,7 @@ def test_request_alone_and_in_busy_engine_get_identical_bits(tiny_dir, arm):
     _, alone, alone_watch, _ = _run(tiny_dir, args, busy=False)
     engine, busy, busy_watch, replay = _run(tiny_dir, args, busy=True, preempt_after=6)
     assert busy_watch.shared_steps > 5 and busy_watch.mixed_depth_steps > 0
+    assert busy_watch.replay_shared_steps > 0  # the replay ran beside other requests' rows
     assert engine.scheduler.memory_stats.num_preemptions_recompute == 1
     assert busy.metrics.num_preemptions == 1
     assert any(d < 4 for d in alone.exit_depths[1:]), (

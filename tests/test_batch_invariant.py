@@ -297,3 +297,27 @@ def test_bench_batch_invariant_times_both_modes_on_one_workload(tiny_dir, tmp_pa
     ratio = rates["batch_invariant"] / rates["default"]
     assert result["batch_invariant_over_default"] == pytest.approx(ratio)
     assert isinstance(result["same_outputs"], bool)
+
+
+def test_prefix_cache_hit_changes_no_bits(tiny_dir):
+    """A target whose first two pages come from the prefix cache (written by another request,
+    so its prompt re-runs from a later start, in other chunks) gets the bits of a run without
+    caching: planes, hazards and logprobs. (Measured: in the default mode the logprobs of this
+    same pair of runs differ.)"""
+    base = dict(layout="last_exited", prefill_mode="wavefront", batch_invariant=True)
+    engine = make_engine(tiny_dir, **base, enable_prefix_caching=False)
+    alone_watch = TargetWatch(engine)
+    target = [("t", TARGET_PROMPT, TARGET_PARAMS, 0)]
+    alone = run_steps(engine, target, on_step=alone_watch.snapshot)["t"]
+    engine = make_engine(tiny_dir, **base, enable_prefix_caching=True)
+    cached_watch = TargetWatch(engine)
+    writer = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    run_steps(engine, [("w", TARGET_PROMPT[:9] + [400, 401, 402], writer, 0)])
+    cached = run_steps(engine, target, on_step=cached_watch.snapshot)["t"]
+    assert cached.metrics.num_cached_prompt_tokens == 8  # two pages of 4 positions
+    assert (cached.token_ids, cached.exit_depths) == (alone.token_ids, alone.exit_depths)
+    assert cached.logprobs == alone.logprobs
+    assert cached_watch.snapshots.keys() == alone_watch.snapshots.keys()
+    for position, planes in alone_watch.snapshots.items():
+        assert torch.equal(cached_watch.snapshots[position], planes), position
+    assert len(alone_watch.hazards) > 12 and cached_watch.hazards == alone_watch.hazards

@@ -72,6 +72,7 @@ class EngineConfig:
     graph_mode: str = default("graph_mode")
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
+    batch_invariant: bool = default("batch_invariant")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -157,6 +158,8 @@ def validate(config: EngineConfig) -> None:
             "depend on step n's results; use exit_mode='ouro_delayed' (same CDF, exit one loop "
             "later), 'random_lookahead' or 'trace', or turn async_scheduling off"
         )
+    if config.batch_invariant:
+        _check_batch_invariant(config)
     if sched.prefill_chunk_size > sched.max_num_batched_tokens:
         raise ConfigError(
             f"prefill_chunk_size ({sched.prefill_chunk_size}) must be <= max_num_batched_tokens "
@@ -184,9 +187,28 @@ def validate(config: EngineConfig) -> None:
             )
 
 
+def _check_batch_invariant(config: EngineConfig) -> None:
+    """Batch-invariant mode runs only where every row's reduction is its own: the torch
+    attention path, without the padded static buffers of graphs."""
+    if config.attention_backend == "triton":
+        raise ConfigError(
+            "batch_invariant=True needs the torch attention path (each row attends alone over "
+            "exactly its own context); the Triton kernels are not row-invariant by design or "
+            "test; use attention_backend='torch' (or 'auto', which picks torch in this mode) "
+            "or turn batch_invariant off"
+        )
+    if config.graph_mode == "emulate":
+        raise ConfigError(
+            "batch_invariant=True cannot run graph_mode='emulate': graph buckets pad each row's "
+            "context to the bucket's bound, which changes the row's reduction; use "
+            "graph_mode='auto' (eager in this mode) or 'off'"
+        )
+
+
 def effective_graph_mode(config: EngineConfig) -> str:
-    """'capture' (CUDA graphs), 'emulate' (static padded buffers, run eagerly) or 'off'."""
-    if config.enforce_eager or config.graph_mode == "off":
+    """'capture' (CUDA graphs), 'emulate' (static padded buffers, run eagerly) or 'off'.
+    Batch-invariant mode always runs eagerly (its validation rejects an explicit 'emulate')."""
+    if config.enforce_eager or config.graph_mode == "off" or config.batch_invariant:
         return "off"
     if config.graph_mode == "emulate":
         return "emulate"

@@ -106,6 +106,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("async_scheduling", "top", "async_scheduling", False, "choose step n+1's rows "
               "while step n executes (needs exit_mode ouro_delayed, random_lookahead or trace)",
               bool),
+    EngineArg("batch_invariant", "top", "batch_invariant", False, "every row of a core call "
+              "gets bits that depend only on its own inputs, never on the other rows of the call "
+              "(per-row linears and attention; slower; torch attention, no CUDA graphs)", bool),
 )  # fmt: skip
 
 ENGINE_ARGS_BY_NAME: dict[str, EngineArg] = {arg.name: arg for arg in ENGINE_ARGS}

@@ -140,21 +140,30 @@ def _planes(engine, request_id: str, num_positions: int) -> torch.Tensor:
     return torch.stack(planes)
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_recompute_rebuilds_kv_planes(tiny_dir, layout):
+def test_recompute_rebuilds_kv_planes(tiny_dir, layout, batch_invariant):
     """The replay rebuilds every plane of every written position.
 
-    SHARED replays one row per core call, like the original decode of a lone request, and
-    the planes match bit for bit. LAST_EXITED replays generated positions as a wavefront
-    (position t at depth d next to t+1 at depth d-1), so its core calls carry 2-4 rows where
-    the original carried 1: CPU float32 GEMM picks its kernel by the call's row count (one
-    row: a GEMV path; more: blocked micro-kernels with separate tail kernels), so a row's
-    bits depend on how many rows share the call. Prompt positions (same chunk, same rows)
-    match bit for bit; replayed positions match to float32 rounding (measured max |diff|
-    about 2e-6), while any semantic slip (wrong depth, missing finalize copy) is O(1).
+    In batch-invariant mode every row's bits depend only on its own inputs, so every plane
+    matches bit for bit in both layouts. In the default mode SHARED replays one row per core
+    call, like the original decode of a lone request, and matches bit for bit too; LAST_EXITED
+    replays generated positions as a wavefront (position t at depth d next to t+1 at depth
+    d-1), so its core calls carry 2-4 rows where the original carried 1: CPU float32 GEMM
+    picks its kernel by the call's row count (one row: a GEMV path; more: blocked
+    micro-kernels with separate tail kernels), so a row's bits depend on how many rows share
+    the call. Prompt positions (same chunk, same rows) match bit for bit; replayed positions
+    match to float32 rounding (measured max |diff| about 2e-6), while any semantic slip
+    (wrong depth, missing finalize copy) is O(1).
     """
     # Prefix caching off: the prompt then re-runs as the same chunk (same rows per call).
-    engine = make_engine(tiny_dir, layout=layout, exit_mode="trace", enable_prefix_caching=False)
+    engine = make_engine(
+        tiny_dir,
+        layout=layout,
+        exit_mode="trace",
+        enable_prefix_caching=False,
+        batch_invariant=batch_invariant,
+    )
     params = SamplingParams(
         max_tokens=14, temperature=0, ignore_eos=True, exit_trace=(1, 3, 2, 4, 1, 2, 3)
     )
@@ -179,7 +188,7 @@ def test_recompute_rebuilds_kv_planes(tiny_dir, layout):
     after = _planes(engine, "a", position)
     num_prompt = len(prompt)
     assert torch.equal(before[:, :, :, :num_prompt], after[:, :, :, :num_prompt])
-    if layout == "shared":
+    if layout == "shared" or batch_invariant:
         assert torch.equal(before, after)
     else:
         torch.testing.assert_close(after, before, rtol=0, atol=1e-5)

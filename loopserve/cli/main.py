@@ -69,6 +69,12 @@ COMMANDS: list[Command] = [
         "loopserve.bench.memory:main_from_args",
     ),
     Command(
+        ("bench", "batch-invariant"),
+        "the cost of batch-invariant mode: default vs --batch-invariant on one workload",
+        "loopserve.bench.batch_invariant:add_cli_args",
+        "loopserve.bench.batch_invariant:main_from_args",
+    ),
+    Command(
         ("simulate",),
         "simulated GPU executor driving the real scheduler",
         "loopserve.sim.args:add_cli_args",

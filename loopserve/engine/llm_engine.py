@@ -106,6 +106,7 @@ class LLMEngine:
             graph_mode=effective_graph_mode(self.config),
             max_model_len=self.max_model_len,
             max_num_seqs=self.config.scheduler.max_num_seqs,
+            batch_invariant=self.config.batch_invariant,
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:

@@ -95,9 +95,10 @@ class OuroMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act_fn = nn.SiLU()  # a module (no weights), so an execution mode may swap it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        return self.down_proj(self.act_fn(self.gate_proj(hidden)) * self.up_proj(hidden))
 
 
 class OuroDecoderLayer(nn.Module):

@@ -9,6 +9,10 @@ with the pure functions of `loopserve.exit` (`loop_exits`, `choose_exit_from_haz
 reports it; the scheduler records it. It never sees a `Request`. One of the two `Executor`s
 (the other is the simulator's `SimExecutor`).
 
+With `batch_invariant` the runner converts its model to the row-invariant forms of
+`loopserve.runner.batch_invariant` (and uses that module's attention backend), so every row's
+bits depend only on its own inputs.
+
 Per-request setup is isolated: each new request's state is built by `setup_request` and
 installed only when that succeeds; a request whose setup raises is reported in
 `RunnerOutput.failed_requests`, keeps no state, and its items run no rows this step.
@@ -41,6 +45,7 @@ from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_e
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.attention.registry import make_attention_backend
+from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
 from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
@@ -75,9 +80,15 @@ class ModelRunner(Executor):
         graph_mode: str = "off",
         max_model_len: int | None = None,
         max_num_seqs: int = 1,
+        batch_invariant: bool = False,
     ) -> None:
         """`graph_mode`: 'off' (eager), 'emulate' or 'capture' (`loopserve.runner.graphs`);
-        with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows."""
+        with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows.
+        `batch_invariant`: run the model it is given row by row, in place
+        (`loopserve.runner.batch_invariant`); needs graph_mode 'off'."""
+        assert not (batch_invariant and graph_mode != "off"), "graphs pad rows"
+        if batch_invariant:
+            make_batch_invariant(model)
         self.model = model
         config = model.config
         self.num_loops = model.num_loops
@@ -101,6 +112,8 @@ class ModelRunner(Executor):
         )
         lookahead = lookahead_seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD else None
         self.hazard_fn = make_hazard_fn(model, lookahead_seed=lookahead)
+        if batch_invariant:
+            self.hazard_fn = row_by_row(self.hazard_fn)
         self.samplers: dict[str, Sampler] = {}
         self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
@@ -111,7 +124,11 @@ class ModelRunner(Executor):
         # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state).
         self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None]] = {}
         self.attention = make_attention_backend(
-            attention_backend, self.kv_cache, block_size=block_size, scale=self.scale
+            attention_backend,
+            self.kv_cache,
+            block_size=block_size,
+            scale=self.scale,
+            batch_invariant=batch_invariant,
         )
         self.graphs: DecodeGraphs | None = None
         self.graph_capture_error: str | None = None

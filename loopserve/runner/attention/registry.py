@@ -2,9 +2,11 @@
 
 `resolve_attention_backend` turns `auto` into a concrete name for a device and rejects
 combinations that cannot run (Triton on CPU runs only under its interpreter,
-`TRITON_INTERPRET=1`, which must be set before triton is first imported).
-`make_attention_backend` is the one call the runner makes. Importing this module imports
-neither backend, so a CPU-only install without triton never touches it.
+`TRITON_INTERPRET=1`, which must be set before triton is first imported; batch-invariant mode
+runs only on the torch path, whose row-invariant variant lives in
+`loopserve.runner.batch_invariant`). `make_attention_backend` is the one call the runner makes.
+Importing this module imports neither backend, so a CPU-only install without triton never
+touches it.
 """
 
 from __future__ import annotations
@@ -22,21 +24,30 @@ _IMPLEMENTATIONS = {
     "torch": ("loopserve.runner.attention.torch_paged", "TorchBackend"),
     "triton": ("loopserve.runner.attention.triton_backend", "TritonBackend"),
 }
+_ROW_INVARIANT = ("loopserve.runner.batch_invariant", "RowInvariantTorchBackend")
 
 
 def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def resolve_attention_backend(name: str, device: str | torch.device) -> str:
-    """`auto` -> triton on CUDA, torch elsewhere; validates an explicit choice."""
+def resolve_attention_backend(
+    name: str, device: str | torch.device, *, batch_invariant: bool = False
+) -> str:
+    """`auto` -> triton on CUDA, torch elsewhere (always torch in batch-invariant mode);
+    validates an explicit choice."""
     device_type = torch.device(device).type
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(
             f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}"
         )
+    if batch_invariant and name == "triton":
+        raise ConfigError(
+            "batch_invariant=True runs only on the torch attention path; use "
+            "attention_backend='torch' or 'auto'"
+        )
     if name == "auto":
-        return "triton" if device_type == "cuda" else "torch"
+        return "triton" if device_type == "cuda" and not batch_invariant else "torch"
     if name == "triton" and device_type != "cuda" and not triton_interpreter_enabled():
         raise ConfigError(
             f"attention_backend='triton' on device {device_type!r} needs the Triton interpreter: "
@@ -47,11 +58,17 @@ def resolve_attention_backend(name: str, device: str | torch.device) -> str:
 
 
 def make_attention_backend(
-    name: str, kv_cache: torch.Tensor, *, block_size: int, scale: float
+    name: str,
+    kv_cache: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float,
+    batch_invariant: bool = False,
 ) -> PagedAttentionBackend:
-    """The backend `name` (`auto` resolved for the cache's device) over `kv_cache`."""
-    resolved = resolve_attention_backend(name, kv_cache.device)
-    module_name, class_name = _IMPLEMENTATIONS[resolved]
+    """The backend `name` (`auto` resolved for the cache's device) over `kv_cache`; with
+    `batch_invariant`, the torch path's row-invariant variant."""
+    resolved = resolve_attention_backend(name, kv_cache.device, batch_invariant=batch_invariant)
+    module_name, class_name = _ROW_INVARIANT if batch_invariant else _IMPLEMENTATIONS[resolved]
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

@@ -339,14 +339,17 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full(tiny_dir):
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_preempted_logprobs_and_text_match_an_uninterrupted_run(tiny_tok_dir, layout, preemption):
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
+def test_preempted_logprobs_and_text_match_an_uninterrupted_run(
+    tiny_tok_dir, layout, preemption, batch_invariant
+):
     """Logprobs (top-2 included) and text, not just tokens, equal an uninterrupted run's.
 
     Tokens, top-k ids, finish reasons and text must be equal; logprob values to float32
     rounding (relative 1e-5): the two runs share their core calls with different rows (the
     tight pool runs fewer requests at once, and replays), and CPU float32 GEMM gives a row
     different bits depending on how many rows share the call (measured |diff| ~1e-5 on a
-    logprob of -5)."""
+    logprob of -5). In batch-invariant mode they are bit-identical."""
     num_planes = 1 if layout == "shared" else 4
 
     def run(num_blocks: int):
@@ -356,6 +359,7 @@ def test_preempted_logprobs_and_text_match_an_uninterrupted_run(tiny_tok_dir, la
             preemption_mode=preemption,
             num_blocks=num_blocks * num_planes,
             swap_space=2048 * 40,
+            batch_invariant=batch_invariant,
         )
         work = priority_workload(101, 6, engine.model.config.vocab_size, sampled=True)
         work = [
@@ -382,5 +386,8 @@ def test_preempted_logprobs_and_text_match_an_uninterrupted_run(tiny_tok_dir, la
         for a, b in zip(got.logprobs, out.logprobs):
             assert a.token_id == b.token_id
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
-            assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-6)
+            if batch_invariant:
+                assert (a.logprob, a.top_logprobs) == (b.logprob, b.top_logprobs)
+            else:
+                assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-6)
     assert_all_released(tight)

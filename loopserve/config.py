@@ -72,6 +72,7 @@ class EngineConfig:
     graph_mode: str = default("graph_mode")
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
+    cascade_attention: bool | None = default("cascade_attention")  # None: see cascade_enabled
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -191,6 +192,21 @@ def effective_graph_mode(config: EngineConfig) -> str:
     if config.graph_mode == "emulate":
         return "emulate"
     return "capture" if config.device.startswith("cuda") else "off"
+
+
+def prefix_caching_enabled(cache: CacheConfig) -> bool:
+    """`enable_prefix_caching`, with None resolved: on for LAST_EXITED, off for SHARED."""
+    if cache.enable_prefix_caching is None:
+        return cache.layout == "last_exited"
+    return cache.enable_prefix_caching
+
+
+def cascade_enabled(config: EngineConfig) -> bool:
+    """`cascade_attention`, with None resolved: on exactly when prefix caching is on (only
+    prefix-cache hits make rows of different requests share KV blocks)."""
+    if config.cascade_attention is None:
+        return prefix_caching_enabled(config.cache)
+    return config.cascade_attention
 
 
 def resolve_dtype(config: EngineConfig) -> EngineConfig:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from loopserve.config import (
     EngineConfig,
+    cascade_enabled,
     cuda_kv_budget,
     effective_graph_mode,
     max_inflight_rows,
@@ -106,6 +107,7 @@ class LLMEngine:
             graph_mode=effective_graph_mode(self.config),
             max_model_len=self.max_model_len,
             max_num_seqs=self.config.scheduler.max_num_seqs,
+            cascade_attention=cascade_enabled(self.config),
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:

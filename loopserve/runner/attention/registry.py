@@ -47,9 +47,10 @@ def resolve_attention_backend(name: str, device: str | torch.device) -> str:
 
 
 def make_attention_backend(
-    name: str, kv_cache: torch.Tensor, *, block_size: int, scale: float
+    name: str, kv_cache: torch.Tensor, *, block_size: int, scale: float, cascade: bool = False
 ) -> PagedAttentionBackend:
-    """The backend `name` (`auto` resolved for the cache's device) over `kv_cache`."""
+    """The backend `name` (`auto` resolved for the cache's device) over `kv_cache`; `cascade`
+    asks for cascade attention (honoured where the backend `supports_cascade`)."""
     resolved = resolve_attention_backend(name, kv_cache.device)
     module_name, class_name = _IMPLEMENTATIONS[resolved]
     try:
@@ -59,4 +60,5 @@ def make_attention_backend(
             f"attention_backend={resolved!r} needs a package that is not installed ({err}); "
             "install the gpu extra (`pip install loopserve[gpu]`) or choose 'torch'"
         ) from err
-    return getattr(module, class_name)(kv_cache, block_size=block_size, scale=scale)
+    backend_class = getattr(module, class_name)
+    return backend_class(kv_cache, block_size=block_size, scale=scale, cascade=cascade)

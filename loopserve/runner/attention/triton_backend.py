@@ -164,8 +164,11 @@ class TritonBackend(PagedAttentionBackend):
         decode_block_n: int | None = None,
         prefill_block_m: int | None = None,
         prefill_block_n: int | None = None,
+        cascade: bool = False,
     ) -> None:
-        super().__init__(kv_cache, block_size=block_size, scale=scale)
+        # No cascade attention here (`supports_cascade` False): `cascade=True` is accepted and
+        # every row attends over its whole context (see docs/gpu.md).
+        super().__init__(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
         assert kv_cache.is_contiguous()
         # The interpreter (CPU) pays per element of a tile: small tiles suit its short
         # contexts; on CUDA 64-wide tiles keep the loads coalesced.

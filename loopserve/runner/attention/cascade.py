@@ -1,0 +1,149 @@
+"""Cascade (shared-prefix) attention for the torch backend: a group's prefix read once.
+
+`plan_prefix_groups` (torch-free, `prefix_groups.py`) says which one-row items of a call share
+leading blocks of one plane. For each group this module gathers the shared prefix K/V once and
+attends all the group's queries to it in one matmul (`[Hkv, group * rows, prefix_len]` per
+group); each row then attends to its own suffix (positions `prefix_len .. position`, through
+its table shifted by the prefix blocks), and the two partial results are merged exactly with
+their log-sum-exps:
+
+    out = (e^{lse1} o1 + e^{lse2} o2) / (e^{lse1} + e^{lse2})
+
+Scores, log-sum-exps and the merge are float32 whatever the cache dtype, as in a fused
+softmax. The result equals attention over the whole context up to rounding (the parity test
+holds it to float32 tolerance against plain paged attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.attention.prefix_groups import PrefixGroup
+
+if TYPE_CHECKING:
+    from loopserve.runner.attention.torch_paged import PaddedGroup
+
+
+@dataclass
+class CascadeStats:
+    """Totals since the backend was built (per core call, not per layer)."""
+
+    num_calls: int = 0  # core calls with at least one group
+    num_groups: int = 0
+    num_grouped_rows: int = 0
+    num_shared_positions: int = 0  # Σ over groups of (rows - 1) · prefix positions: reads saved
+
+
+@dataclass
+class CascadePlan:
+    """Tensors of one call's groups. Prefix side: `num_groups` groups padded to `max_rows`
+    queries (`prefix_query_index` [G * max_rows], padding repeats a group's last row) over
+    `prefix_blocks` [G * max_blocks] (padded with block 0; `prefix_mask` [G, 1, 1, C] hides
+    the padding). Suffix side, one entry per grouped row: `suffix` (a one-query-per-item
+    padded group over the shifted tables) and `prefix_pick` [R], the row's index in the padded
+    prefix queries."""
+
+    num_groups: int
+    max_rows: int
+    prefix_query_index: torch.Tensor
+    prefix_blocks: torch.Tensor
+    prefix_mask: torch.Tensor
+    prefix_pick: torch.Tensor
+    suffix: PaddedGroup  # one query per grouped row, in `suffix_segments` order
+
+    @classmethod
+    def build(
+        cls,
+        groups: list[PrefixGroup],
+        singles: list[tuple[int, RowSegment]],
+        block_size: int,
+        device,
+        suffix: PaddedGroup,
+    ) -> CascadePlan:
+        """`singles`: (call row, segment) of every one-row item, indexed by the groups' rows;
+        `suffix`: the padded group built from `suffix_segments(groups, singles, block_size)`."""
+        max_rows = max(len(group.rows) for group in groups)
+        max_blocks = max(group.num_blocks for group in groups)
+        query_index, blocks, lengths, pick = [], [], [], []
+        for g, group in enumerate(groups):
+            table = singles[group.rows[0]][1].block_table
+            blocks.extend(table[: group.num_blocks])
+            blocks.extend([0] * (max_blocks - group.num_blocks))
+            lengths.append(group.num_blocks * block_size)
+            for q in range(max_rows):
+                query_index.append(singles[group.rows[min(q, len(group.rows) - 1)]][0])
+            pick.extend(range(g * max_rows, g * max_rows + len(group.rows)))
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        span = torch.arange(max_blocks * block_size, device=device)
+        mask = span < as_tensor(lengths).view(-1, 1, 1, 1)  # [G, 1, 1, C]
+        return cls(
+            num_groups=len(groups),
+            max_rows=max_rows,
+            prefix_query_index=as_tensor(query_index),
+            prefix_blocks=as_tensor(blocks),
+            prefix_mask=mask,
+            prefix_pick=as_tensor(pick),
+            suffix=suffix,
+        )
+
+
+def suffix_segments(
+    groups: list[PrefixGroup], singles: list[tuple[int, RowSegment]], block_size: int
+) -> list[tuple[int, RowSegment]]:
+    """(call row, segment past the prefix) of every grouped row, group by group: the row's
+    table without the shared blocks, its position shifted down by the prefix length."""
+    shifted = []
+    for group in groups:
+        prefix_len = group.num_blocks * block_size
+        for index in group.rows:
+            row, seg = singles[index]
+            rest = RowSegment(seg.block_table[group.num_blocks :], seg.start - prefix_len, 1)
+            shifted.append((row, rest))
+    return shifted
+
+
+def attend_with_lse(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention returning the output and its log-sum-exp.
+
+    query [n, Q, Hq, Dh], keys/values [n, C, Hkv, Dh], mask [n, 1, Q or 1, C] (True: may
+    attend; every query must see at least one key) -> (out [n, Q, Hq, Dh] float32,
+    lse [n, Q, Hq] float32)."""
+    n, num_queries, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[2]
+    group = num_heads // num_kv_heads
+    # Query heads of one KV head side by side: [n, Hkv, group * Q, Dh].
+    q = query.view(n, num_queries, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(n, num_kv_heads, group * num_queries, head_dim)
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float().mul_(scale)  # [n, Hkv, gQ, C]
+    scores = scores.view(n, num_kv_heads, group, num_queries, -1)
+    scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [n, Hkv, group, Q]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).to(values.dtype)
+    out = torch.matmul(
+        probs.view(n, num_kv_heads, group * num_queries, -1), values.transpose(1, 2)
+    )  # [n, Hkv, group * Q, Dh]
+    out = out.view(n, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)
+    lse = lse.permute(0, 3, 1, 2).reshape(n, num_queries, num_heads)
+    return out.reshape(n, num_queries, num_heads, head_dim).float(), lse
+
+
+def merge_partial(
+    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Exact merge of two attentions over disjoint key sets: out [R, Hq, Dh], lse [R, Hq]."""
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
+    return (out1 * w1.unsqueeze(-1) + out2 * w2.unsqueeze(-1)) / (w1 + w2).unsqueeze(-1)

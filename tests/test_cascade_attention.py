@@ -64,7 +64,7 @@ def test_cascade_equals_plain_paged_attention_for_groups_at_two_planes(num_kv_he
     value = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
     cascade_meta = PagedAttentionMetadata.build(segments, block_size, "cpu", cascade=True)
     plan = cascade_meta.cascade
-    assert plan is not None and plan.num_groups == 2 and plan.suffix.num_items == 5
+    assert plan is not None and plan.num_groups == 2 and len(plan.suffixes) == 5
     assert plan.prefix_mask.sum().item() == (2 + 2) * block_size  # plane 0: 2 blocks, 1: 2
     plain_meta = PagedAttentionMetadata.build(segments, block_size, "cpu")
     assert plain_meta.cascade is None
@@ -104,10 +104,10 @@ def test_cascade_defaults_to_prefix_caching():
 SYSTEM = [11, 22, 33, 44, 55, 66, 77, 88, 99, 12, 13, 14, 15, 16, 17, 18, 19]  # 4 full pages
 
 
-def _work():
+def _work(num_followers: int = 5):
     # r0 publishes the system prompt; the rest hit it and decode side by side.
     work = [("r0", SYSTEM + [1, 2], _params(0), 0)]
-    work += [(f"r{i}", SYSTEM + [i, i + 3], _params(i), 22) for i in range(1, 6)]
+    work += [(f"r{i}", SYSTEM + [i, i + 3], _params(i), 22) for i in range(1, num_followers + 1)]
     return work
 
 

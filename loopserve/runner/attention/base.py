@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.models.attention import AttentionBackend
+from loopserve.runner.attention.prefix_groups import CascadeStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,7 @@ class PagedAttentionBackend(ABC):
         self.block_size = block_size
         self.scale = scale
         self.cascade = cascade and self.supports_cascade
+        self.cascade_stats = CascadeStats()  # groups formed, counted once per core call
 
     @abstractmethod
     def prepare(self, segments: Sequence[RowSegment]) -> AttentionBackend:

@@ -17,35 +17,21 @@ holds it to float32 tolerance against plain paged attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.attention.prefix_groups import PrefixGroup
 
-if TYPE_CHECKING:
-    from loopserve.runner.attention.torch_paged import PaddedGroup
-
-
-@dataclass
-class CascadeStats:
-    """Totals since the backend was built (per core call, not per layer)."""
-
-    num_calls: int = 0  # core calls with at least one group
-    num_groups: int = 0
-    num_grouped_rows: int = 0
-    num_shared_positions: int = 0  # Σ over groups of (rows - 1) · prefix positions: reads saved
-
 
 @dataclass
 class CascadePlan:
-    """Tensors of one call's groups. Prefix side: `num_groups` groups padded to `max_rows`
-    queries (`prefix_query_index` [G * max_rows], padding repeats a group's last row) over
-    `prefix_blocks` [G * max_blocks] (padded with block 0; `prefix_mask` [G, 1, 1, C] hides
-    the padding). Suffix side, one entry per grouped row: `suffix` (a one-query-per-item
-    padded group over the shifted tables) and `prefix_pick` [R], the row's index in the padded
-    prefix queries."""
+    """The prefix side of one call's groups, for any backend. `num_groups` groups padded to
+    `max_rows` queries (`prefix_query_index` [G * max_rows] call rows; padding repeats a
+    group's last row) over `prefix_blocks` [G * max_blocks] (padded with block 0;
+    `prefix_mask` [G, 1, 1, C] hides the padding). Grouped rows in group order: `rows` [R]
+    (their call rows), `prefix_pick` [R] (their index among the padded prefix queries) and
+    `suffixes` (call row, segment past the prefix) for the backend's suffix attention."""
 
     num_groups: int
     max_rows: int
@@ -53,7 +39,9 @@ class CascadePlan:
     prefix_blocks: torch.Tensor
     prefix_mask: torch.Tensor
     prefix_pick: torch.Tensor
-    suffix: PaddedGroup  # one query per grouped row, in `suffix_segments` order
+    rows: torch.Tensor
+    suffixes: list[tuple[int, RowSegment]]
+    groups: list[PrefixGroup]
 
     @classmethod
     def build(
@@ -62,51 +50,57 @@ class CascadePlan:
         singles: list[tuple[int, RowSegment]],
         block_size: int,
         device,
-        suffix: PaddedGroup,
     ) -> CascadePlan:
-        """`singles`: (call row, segment) of every one-row item, indexed by the groups' rows;
-        `suffix`: the padded group built from `suffix_segments(groups, singles, block_size)`."""
+        """`singles`: (call row, segment) of every one-row item, indexed by the groups' rows."""
         max_rows = max(len(group.rows) for group in groups)
         max_blocks = max(group.num_blocks for group in groups)
-        query_index, blocks, lengths, pick = [], [], [], []
+        query_index, blocks, lengths, pick, suffixes = [], [], [], [], []
         for g, group in enumerate(groups):
             table = singles[group.rows[0]][1].block_table
             blocks.extend(table[: group.num_blocks])
             blocks.extend([0] * (max_blocks - group.num_blocks))
-            lengths.append(group.num_blocks * block_size)
+            prefix_len = group.num_blocks * block_size
+            lengths.append(prefix_len)
             for q in range(max_rows):
                 query_index.append(singles[group.rows[min(q, len(group.rows) - 1)]][0])
             pick.extend(range(g * max_rows, g * max_rows + len(group.rows)))
+            for index in group.rows:
+                # The row's table without the shared blocks, its position shifted down.
+                row, seg = singles[index]
+                rest = RowSegment(seg.block_table[group.num_blocks :], seg.start - prefix_len, 1)
+                suffixes.append((row, rest))
 
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         span = torch.arange(max_blocks * block_size, device=device)
-        mask = span < as_tensor(lengths).view(-1, 1, 1, 1)  # [G, 1, 1, C]
         return cls(
             num_groups=len(groups),
             max_rows=max_rows,
             prefix_query_index=as_tensor(query_index),
             prefix_blocks=as_tensor(blocks),
-            prefix_mask=mask,
+            prefix_mask=span < as_tensor(lengths).view(-1, 1, 1, 1),  # [G, 1, 1, C]
             prefix_pick=as_tensor(pick),
-            suffix=suffix,
+            rows=as_tensor([row for row, _ in suffixes]),
+            suffixes=suffixes,
+            groups=groups,
         )
 
-
-def suffix_segments(
-    groups: list[PrefixGroup], singles: list[tuple[int, RowSegment]], block_size: int
-) -> list[tuple[int, RowSegment]]:
-    """(call row, segment past the prefix) of every grouped row, group by group: the row's
-    table without the shared blocks, its position shifted down by the prefix length."""
-    shifted = []
-    for group in groups:
-        prefix_len = group.num_blocks * block_size
-        for index in group.rows:
-            row, seg = singles[index]
-            rest = RowSegment(seg.block_table[group.num_blocks :], seg.start - prefix_len, 1)
-            shifted.append((row, rest))
-    return shifted
+    def attend_prefix(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every group's queries over its prefix, gathered once per group: `keys`/`values`
+        [G * max_blocks, block_size, Hkv, Dh] are `prefix_blocks` of one layer. Returns
+        (out [R, Hq, Dh], lse [R, Hq]) float32, one entry per grouped row in group order."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        n, rows = self.num_groups, self.max_rows
+        context = (n, -1, keys.shape[2], head_dim)  # [G, prefix, Hkv, Dh]
+        queries = query.index_select(0, self.prefix_query_index).view(n, rows, num_heads, -1)
+        out, lse = attend_with_lse(
+            queries, keys.view(context), values.view(context), self.prefix_mask, scale
+        )
+        pick = self.prefix_pick
+        return out.reshape(n * rows, num_heads, head_dim)[pick], lse.reshape(n * rows, -1)[pick]
 
 
 def attend_with_lse(

@@ -21,6 +21,7 @@ Torch-free; no kernel work.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 MIN_GROUP_ROWS = 2  # below this a group saves no KV read
@@ -65,3 +66,21 @@ def plan_prefix_groups(
         if num_blocks >= MIN_PREFIX_BLOCKS:
             groups.append(PrefixGroup(tuple(members), num_blocks))
     return groups
+
+
+@dataclass
+class CascadeStats:
+    """Totals since the backend was built (per core call, not per layer)."""
+
+    num_calls: int = 0  # core calls with at least one group
+    num_groups: int = 0
+    num_grouped_rows: int = 0
+    num_shared_positions: int = 0  # Σ over groups of (rows - 1) · prefix positions: reads saved
+
+    def count(self, groups: list[PrefixGroup], block_size: int) -> None:
+        self.num_calls += 1
+        self.num_groups += len(groups)
+        self.num_grouped_rows += sum(len(group.rows) for group in groups)
+        self.num_shared_positions += sum(
+            (len(group.rows) - 1) * group.num_blocks * block_size for group in groups
+        )

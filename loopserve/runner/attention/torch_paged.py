@@ -30,10 +30,8 @@ import torch
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
 from loopserve.runner.attention.cascade import (
     CascadePlan,
-    CascadeStats,
     attend_with_lse,
     merge_partial,
-    suffix_segments,
 )
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 
@@ -117,6 +115,7 @@ class PagedAttentionMetadata:
     multi: list[ChunkSpan]  # multi-row items (prompt chunks)
     causal: dict[int, torch.Tensor]  # count -> [count, count] bool "may not attend" mask
     cascade: CascadePlan | None = None  # one-row items grouped by a shared prefix
+    cascade_suffix: PaddedGroup | None = None  # their suffixes, one query per grouped row
 
     @classmethod
     def build(
@@ -136,14 +135,13 @@ class PagedAttentionMetadata:
                     ones = torch.ones(seg.count, seg.count, dtype=torch.bool, device=device)
                     causal[seg.count] = ones.triu(1)
             row += seg.count
-        plan = None
+        plan = suffix = None
         if cascade and len(single) > 1:
             tables = [seg.block_table for _, seg in single]
             groups = plan_prefix_groups(tables, [seg.start for _, seg in single], block_size)
             if groups:
-                shifted = suffix_segments(groups, single, block_size)
-                suffix = PaddedGroup.build(shifted, block_size, device)
-                plan = CascadePlan.build(groups, single, block_size, device, suffix)
+                plan = CascadePlan.build(groups, single, block_size, device)
+                suffix = PaddedGroup.build(plan.suffixes, block_size, device)
                 grouped = {index for group in groups for index in group.rows}
                 single = [entry for index, entry in enumerate(single) if index not in grouped]
         return cls(
@@ -153,6 +151,7 @@ class PagedAttentionMetadata:
             multi=multi,
             causal=causal,
             cascade=plan,
+            cascade_suffix=suffix,
         )
 
 
@@ -216,7 +215,7 @@ class TorchPagedAttention:
         out = torch.empty_like(query)
         if self.meta.cascade is not None:
             plan = self.meta.cascade
-            out[plan.suffix.out_rows] = self._attend_cascade(plan, query, key_cache, value_cache)
+            out[plan.rows] = self._attend_cascade(plan, query, key_cache, value_cache)
         if single is not None:
             padded = self._attend_single(single, query, key_cache, value_cache)
             out[single.out_rows] = padded[single.out_index]
@@ -247,19 +246,15 @@ class TorchPagedAttention:
         )
 
     def _attend_cascade(self, plan: CascadePlan, query, key_cache, value_cache) -> torch.Tensor:
-        """[grouped rows, Hq, Dh] in `plan.suffix.out_rows` order: each group's prefix K/V
-        gathered once for all its queries, each row's suffix on its own, merged exactly."""
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        num_kv_heads = key_cache.shape[1]
-        n, rows = plan.num_groups, plan.max_rows
+        """[grouped rows, Hq, Dh] in `plan.rows` order: each group's prefix K/V gathered once
+        for all its queries, each row's suffix on its own, merged exactly."""
+        num_heads = query.shape[1]
+        num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
         keys = self._gather("prefix_k", key_cache, plan.prefix_blocks)
         values = self._gather("prefix_v", value_cache, plan.prefix_blocks)
-        context = (n, -1, num_kv_heads, head_dim)  # [G, prefix, Hkv, Dh]
-        queries = query.index_select(0, plan.prefix_query_index).view(n, rows, num_heads, -1)
-        prefix_out, prefix_lse = attend_with_lse(
-            queries, keys.view(context), values.view(context), plan.prefix_mask, self.scale
-        )
-        suffix = plan.suffix
+        prefix_out, prefix_lse = plan.attend_prefix(query, keys, values, self.scale)
+        suffix = self.meta.cascade_suffix
+        assert suffix is not None
         keys = self._gather("suffix_k", key_cache, suffix.blocks)
         values = self._gather("suffix_v", value_cache, suffix.blocks)
         context = (suffix.num_items, -1, num_kv_heads, head_dim)  # [R, suffix, Hkv, Dh]
@@ -267,10 +262,9 @@ class TorchPagedAttention:
         suffix_out, suffix_lse = attend_with_lse(
             queries, keys.view(context), values.view(context), suffix.mask, self.scale
         )
-        pick = plan.prefix_pick
         merged = merge_partial(
-            prefix_out.reshape(n * rows, num_heads, head_dim)[pick],
-            prefix_lse.reshape(n * rows, num_heads)[pick],
+            prefix_out,
+            prefix_lse,
             suffix_out.reshape(-1, num_heads, head_dim),
             suffix_lse.reshape(-1, num_heads),
         )
@@ -308,26 +302,14 @@ class TorchBackend(PagedAttentionBackend):
     ) -> None:
         super().__init__(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
         self.workspace = Workspace()
-        self.cascade_stats = CascadeStats()
 
     def prepare(self, segments) -> TorchPagedAttention:
         meta = PagedAttentionMetadata.build(
             list(segments), self.block_size, self.kv_cache.device, cascade=self.cascade
         )
         if meta.cascade is not None:
-            self._count(meta.cascade)
+            self.cascade_stats.count(meta.cascade.groups, self.block_size)
         return TorchPagedAttention(self.kv_cache, meta, self.scale, self.workspace)
-
-    def _count(self, plan: CascadePlan) -> None:
-        stats = self.cascade_stats
-        stats.num_calls += 1
-        stats.num_groups += plan.num_groups
-        stats.num_grouped_rows += plan.suffix.num_items
-        lengths = plan.prefix_mask.view(plan.num_groups, -1).sum(dim=1).tolist()
-        sizes = torch.bincount(plan.prefix_pick // plan.max_rows, minlength=plan.num_groups)
-        stats.num_shared_positions += sum(
-            (size - 1) * length for size, length in zip(sizes.tolist(), lengths)
-        )
 
     def finalize(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         self.kv_cache[:, :, dst_slots] = self.kv_cache[:, :, src_slots]

@@ -157,3 +157,28 @@ def test_cascade_on_and_off_give_the_reference_outputs(tiny_dir, layout, mode, e
         assert hits == 5 * 16  # r1..r5 each reuse the 4 full system pages
         assert stats.num_groups > 0 and stats.num_grouped_rows >= 2 * stats.num_groups
         assert stats.num_shared_positions == 16 * (stats.num_grouped_rows - stats.num_groups)
+
+
+def test_replay_rows_after_preemption_group_with_decode_rows(tiny_dir):
+    # 12 blocks per plane: the 4 shared system pages plus a few requests' own blocks, so
+    # recompute preemption happens and replayed rows re-hit the cached system pages.
+    engine = make_engine(tiny_dir, num_blocks=48, max_num_seqs=6, preemption_mode="recompute")
+    stats = engine.runner.attention.cascade_stats
+    grouped_replays = []
+
+    def observe(scheduled, _output):
+        singles = [i for i in scheduled.items if i.token_count == 1]
+        tables = [scheduled.block_tables[i.request_id][i.depth] for i in singles]
+        groups = plan_prefix_groups(tables, [i.token_start for i in singles], 4)
+        grouped = [singles[r] for group in groups for r in group.rows]
+        grouped_replays.extend(i for i in grouped if i.kind.value == "replay")
+
+    engine.core.add_observer(observe)
+    finished = run_steps(engine, _work())
+    assert engine.scheduler.memory_stats.num_preemptions_recompute > 0
+    assert grouped_replays, "no replay row shared a prefix group"
+    assert stats.num_groups > 0
+    for request_id, prompt, params, _ in _work():
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id

@@ -7,6 +7,7 @@ import torch
 
 from loopserve.config import EngineConfig, cascade_enabled
 from loopserve.models.attention import attention_reference
+from loopserve.runner.attention import cascade as cascade_module
 from loopserve.runner.attention.prefix_groups import PrefixGroup, plan_prefix_groups
 from loopserve.runner.attention.torch_paged import (
     PagedAttentionMetadata,
@@ -41,11 +42,19 @@ def _context_slots(seg: RowSegment, block_size: int) -> list[int]:
     return [seg.block_table[p // block_size] * block_size + p % block_size for p in range(end)]
 
 
+@pytest.mark.parametrize("kernel", ["fused", "matmul"])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
-def test_cascade_equals_plain_paged_attention_for_groups_at_two_planes(num_kv_heads):
+def test_cascade_equals_plain_paged_attention_for_groups_at_two_planes(
+    num_kv_heads, kernel, monkeypatch
+):
     """Decode rows sharing a prefix at two planes (partial last blocks, a row that diverges
     early, an ungrouped row and a prompt chunk in the same call) give the attention of the
-    dense reference and of plain paged attention, to float32 tolerance."""
+    dense reference and of plain paged attention, to float32 tolerance. `matmul`: the plain
+    matmul path other devices take instead of the fused CPU kernel."""
+    if kernel == "matmul":
+        monkeypatch.setattr(cascade_module, "_CPU_FLASH_WITH_LSE", None)
+    else:
+        assert cascade_module._CPU_FLASH_WITH_LSE is not None  # this torch has the fused kernel
     gen = torch.Generator().manual_seed(7)
     block_size, heads, head_dim = 4, 4, 8
     cache = torch.randn(1, 2, 40 * block_size, num_kv_heads, head_dim, generator=gen)

@@ -1,17 +1,18 @@
-"""Cascade (shared-prefix) attention for the torch backend: a group's prefix read once.
+"""Cascade (shared-prefix) attention: a group's prefix K/V read once, merged exactly.
 
 `plan_prefix_groups` (torch-free, `prefix_groups.py`) says which one-row items of a call share
-leading blocks of one plane. For each group this module gathers the shared prefix K/V once and
-attends all the group's queries to it in one matmul (`[Hkv, group * rows, prefix_len]` per
-group); each row then attends to its own suffix (positions `prefix_len .. position`, through
-its table shifted by the prefix blocks), and the two partial results are merged exactly with
-their log-sum-exps:
+leading blocks of one plane. `CascadePlan` holds one call's groups; `attend_prefix` gathers
+nothing itself (the backend passes the prefix blocks it gathered once per group) and attends
+all the group's queries to that prefix at once, returning each row's output and
+log-sum-exp. Each backend attends each row to its own suffix (positions `prefix_len ..
+position`, through its table shifted by the prefix blocks) with its log-sum-exp (torch:
+`attend_with_lse`; triton: its decode kernel), and `merge_partial` combines the halves:
 
     out = (e^{lse1} o1 + e^{lse2} o2) / (e^{lse1} + e^{lse2})
 
-Scores, log-sum-exps and the merge are float32 whatever the cache dtype, as in a fused
-softmax. The result equals attention over the whole context up to rounding (the parity test
-holds it to float32 tolerance against plain paged attention).
+Log-sum-exps and the merge are float32 whatever the cache dtype. The result equals attention
+over the whole context up to rounding (parity tests hold it to float32 tolerance against
+plain paged attention and the dense reference).
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ class CascadePlan:
         return out.reshape(n * rows, num_heads, head_dim)[pick], lse.reshape(n * rows, -1)[pick]
 
 
+# The fused CPU attention kernel behind `scaled_dot_product_attention`, which also returns
+# the log-sum-exp (float32, [n, Hq, Q]); None where this torch build lacks it.
+_CPU_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def attend_with_lse(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -114,7 +120,33 @@ def attend_with_lse(
 
     query [n, Q, Hq, Dh], keys/values [n, C, Hkv, Dh], mask [n, 1, Q or 1, C] (True: may
     attend; every query must see at least one key) -> (out [n, Q, Hq, Dh] float32,
-    lse [n, Q, Hq] float32)."""
+    lse [n, Q, Hq] float32). On CPU this is the fused kernel of
+    `scaled_dot_product_attention` on strided views (no copies of the gathered K/V);
+    elsewhere plain matmuls (`attend_with_lse_matmul`)."""
+    if query.device.type != "cpu" or _CPU_FLASH_WITH_LSE is None:
+        return attend_with_lse_matmul(query, keys, values, mask, scale)
+    bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
+    bias.masked_fill_(~mask, float("-inf"))
+    out, lse = _CPU_FLASH_WITH_LSE(
+        query.transpose(1, 2),  # [n, Hq, Q, Dh]
+        keys.transpose(1, 2),  # [n, Hkv, C, Dh]
+        values.transpose(1, 2),
+        0.0,
+        False,
+        attn_mask=bias,
+        scale=scale,
+    )
+    return out.transpose(1, 2).float(), lse.transpose(1, 2).float()
+
+
+def attend_with_lse_matmul(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_with_lse` in plain matmuls (any device; float32 scores and softmax)."""
     n, num_queries, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[2]
     group = num_heads // num_kv_heads

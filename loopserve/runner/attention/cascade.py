@@ -43,6 +43,7 @@ class CascadePlan:
     rows: torch.Tensor
     suffixes: list[tuple[int, RowSegment]]
     groups: list[PrefixGroup]
+    block_size: int
 
     @classmethod
     def build(
@@ -85,6 +86,7 @@ class CascadePlan:
             rows=as_tensor([row for row, _ in suffixes]),
             suffixes=suffixes,
             groups=groups,
+            block_size=block_size,
         )
 
     def attend_prefix(
@@ -96,12 +98,42 @@ class CascadePlan:
         num_heads, head_dim = query.shape[1], query.shape[2]
         n, rows = self.num_groups, self.max_rows
         context = (n, -1, keys.shape[2], head_dim)  # [G, prefix, Hkv, Dh]
+        keys, values = keys.view(context), values.view(context)
         queries = query.index_select(0, self.prefix_query_index).view(n, rows, num_heads, -1)
-        out, lse = attend_with_lse(
-            queries, keys.view(context), values.view(context), self.prefix_mask, scale
-        )
+        if query.device.type != "cpu" or _CPU_FLASH_WITH_LSE is None:
+            # One group at a time over strided 3-D views (no copies of the prefix K/V).
+            parts = []
+            for g, group in enumerate(self.groups):
+                length = group.num_blocks * self.block_size
+                parts.append(
+                    _attend_all_with_lse(
+                        queries[g, : len(group.rows)], keys[g, :length], values[g, :length], scale
+                    )
+                )
+            return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+        out, lse = attend_with_lse(queries, keys, values, self.prefix_mask, scale)
         pick = self.prefix_pick
         return out.reshape(n * rows, num_heads, head_dim)[pick], lse.reshape(n * rows, -1)[pick]
+
+
+def _attend_all_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [Q, Hq, Dh] over every position of keys/values [C, Hkv, Dh] (no mask) ->
+    (out [Q, Hq, Dh], lse [Q, Hq]) float32, through 3-D matmuls on strided views."""
+    num_queries, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    # Query heads of one KV head side by side: [Hkv, group * Q, Dh].
+    q = query.view(num_queries, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    q = q.reshape(num_kv_heads, group * num_queries, head_dim)
+    scores = torch.matmul(q, keys.permute(1, 2, 0)).float().mul_(scale)  # [Hkv, gQ, C]
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, gQ]
+    probs = torch.exp(scores - lse.unsqueeze(-1)).to(values.dtype)
+    out = torch.matmul(probs, values.transpose(0, 1))  # [Hkv, gQ, Dh]
+    out = out.view(num_kv_heads, group, num_queries, head_dim).permute(2, 0, 1, 3)
+    lse = lse.view(num_kv_heads, group, num_queries).permute(2, 0, 1)
+    return out.reshape(num_queries, num_heads, head_dim).float(), lse.reshape(num_queries, -1)
 
 
 # The fused CPU attention kernel behind `scaled_dot_product_attention`, which also returns

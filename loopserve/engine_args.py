@@ -109,7 +109,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("cascade_attention", "top", "cascade_attention", None, "decode rows of a core "
               "call that share leading KV blocks of one plane (prefix-cache hits) attend over "
               "that prefix once as a group, merged with their own suffix by log-sum-exp (None: "
-              "on when prefix caching is on; torch attention backend only)", bool),
+              "on when prefix caching is on)", bool),
 )  # fmt: skip
 
 ENGINE_ARGS_BY_NAME: dict[str, EngineArg] = {arg.name: arg for arg in ENGINE_ARGS}

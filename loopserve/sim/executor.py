@@ -23,7 +23,7 @@ it on (one loop earlier for the delayed modes), so the exit rule lands on the ta
 `model_time_s` of the `RunnerOutput` is simulated GPU seconds from the `CostModel`.
 
 Cascade attention (`cascade=True`, the engine's `cascade_attention` resolved): the runner's
-torch backend groups the one-row items of a core call whose block tables (of the plane they
+attention backend groups the one-row items of a core call whose block tables (of the plane they
 read) start with the same blocks and reads that shared prefix once per group. The executor
 applies the same rule (`plan_prefix_groups` over the step's block tables) to each core call
 and prices a group's KV read as the prefix once plus each row's own suffix; attention FLOPs

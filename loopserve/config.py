@@ -73,6 +73,7 @@ class EngineConfig:
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
     batch_invariant: bool = default("batch_invariant")
+    cascade_attention: bool | None = default("cascade_attention")  # None: see cascade_enabled
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -197,6 +198,12 @@ def _check_batch_invariant(config: EngineConfig) -> None:
             "test; use attention_backend='torch' (or 'auto', which picks torch in this mode) "
             "or turn batch_invariant off"
         )
+    if config.cascade_attention:
+        raise ConfigError(
+            "batch_invariant=True cannot run cascade_attention=True: a group's shared-prefix "
+            "pass ties each row's bits to the other rows of its group; leave cascade_attention "
+            "unset (off in this mode) or turn batch_invariant off"
+        )
     if config.graph_mode == "emulate":
         raise ConfigError(
             "batch_invariant=True cannot run graph_mode='emulate': graph buckets pad each row's "
@@ -213,6 +220,23 @@ def effective_graph_mode(config: EngineConfig) -> str:
     if config.graph_mode == "emulate":
         return "emulate"
     return "capture" if config.device.startswith("cuda") else "off"
+
+
+def prefix_caching_enabled(cache: CacheConfig) -> bool:
+    """`enable_prefix_caching`, with None resolved: on for LAST_EXITED, off for SHARED."""
+    if cache.enable_prefix_caching is None:
+        return cache.layout == "last_exited"
+    return cache.enable_prefix_caching
+
+
+def cascade_enabled(config: EngineConfig) -> bool:
+    """`cascade_attention`, with None resolved: on exactly when prefix caching is on (only
+    prefix-cache hits make rows of different requests share KV blocks)."""
+    if config.batch_invariant:
+        return False  # a group's shared-prefix pass would tie each row's bits to the others
+    if config.cascade_attention is None:
+        return prefix_caching_enabled(config.cache)
+    return config.cascade_attention
 
 
 def resolve_dtype(config: EngineConfig) -> EngineConfig:

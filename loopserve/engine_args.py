@@ -109,6 +109,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("batch_invariant", "top", "batch_invariant", False, "every row of a core call "
               "gets bits that depend only on its own inputs, never on the other rows of the call "
               "(per-row linears and attention; slower; torch attention, no CUDA graphs)", bool),
+    EngineArg("cascade_attention", "top", "cascade_attention", None, "decode rows of a core "
+              "call that share leading KV blocks of one plane (prefix-cache hits) attend over "
+              "that prefix once as a group, merged with their own suffix by log-sum-exp (None: "
+              "on when prefix caching is on)", bool),
 )  # fmt: skip
 
 ENGINE_ARGS_BY_NAME: dict[str, EngineArg] = {arg.name: arg for arg in ENGINE_ARGS}

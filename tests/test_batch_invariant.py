@@ -121,6 +121,17 @@ def test_batch_invariant_rejects_triton_and_graph_buckets_and_avoids_them_on_aut
     assert effective_graph_mode(EngineConfig.from_engine_args(device="cuda")) == "capture"
 
 
+def test_batch_invariant_turns_cascade_attention_off(tiny_dir):
+    # Cascade groups rows over a shared prefix: unset, it is off in this mode; asked for, an
+    # error at start-up.
+    with pytest.raises(ConfigError, match="cascade_attention=True"):
+        make_engine(tiny_dir, batch_invariant=True, cascade_attention=True)
+    engine = make_engine(tiny_dir, batch_invariant=True, enable_prefix_caching=True)
+    assert isinstance(engine.runner.attention, RowInvariantTorchBackend)
+    assert not engine.runner.attention.cascade
+    assert make_engine(tiny_dir, enable_prefix_caching=True).runner.attention.cascade
+
+
 def _planes(engine, request_id: str, num_positions: int) -> torch.Tensor:
     """[planes, layers, K/V, positions, kv_heads, head_dim] of one request, via its tables."""
     block_size = engine.kv.block_size

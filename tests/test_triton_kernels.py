@@ -180,3 +180,59 @@ def test_auto_split_fills_the_device_only_when_rows_are_few():
     assert auto_split_len(1, 16, 300, 132) == 150  # at most 300 // 128 = 2 splits
     assert auto_split_len(64, 16, 4096, 132) == 4096  # 1024 programs already: one split
     assert auto_split_len(1, 16, 100, 132) == 100  # too short to split
+
+
+@pytest.mark.parametrize("split_len", [1024, 8], ids=["one_split", "split_k"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
+def test_cascade_groups_match_plain_torch_attention(num_heads, num_kv_heads, split_len):
+    """Decode rows sharing leading blocks at two planes (partial suffix blocks, a row that
+    cuts its group's prefix, an ungrouped row, a prompt chunk) under the Triton cascade path:
+    the prefix once per group, the suffix through the decode kernel with its log-sum-exp."""
+    block_size = 4
+    segments = [
+        RowSegment([1, 2, 3, 10], 13, 1),  # plane-0 group
+        RowSegment([30, 31, 32], 9, 1),  # plane-1 group
+        RowSegment([1, 2, 3, 11, 12], 18, 1),  # plane-0 group, suffix over two blocks
+        RowSegment([20, 21, 22], 5, 4),  # a prompt chunk
+        RowSegment([30, 31, 33], 10, 1),  # plane-1 group
+        RowSegment([1, 2, 13], 8, 1),  # plane-0 group: only 2 shared blocks
+        RowSegment([25, 26], 6, 1),  # alone
+    ]
+    cache = random_cache(8, 40, block_size, num_kv_heads)
+    reference = TorchBackend(cache.clone(), block_size=block_size, scale=0.3)
+    fast = TritonBackend(
+        cache.clone(),
+        block_size=block_size,
+        scale=0.3,
+        split_len=split_len,
+        decode_block_n=4,
+        cascade=True,
+    )
+    generator = torch.Generator().manual_seed(9)
+    rows = sum(seg.count for seg in segments)
+    for layer_idx in range(NUM_LAYERS):
+        query = torch.randn(rows, num_heads, HEAD_DIM, generator=generator)
+        key = torch.randn(rows, num_kv_heads, HEAD_DIM, generator=generator)
+        value = torch.randn(rows, num_kv_heads, HEAD_DIM, generator=generator)
+        expected = reference.prepare(segments).attend(layer_idx, query, key, value)
+        actual = fast.prepare(segments).attend(layer_idx, query, key, value)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fast.kv_cache, reference.kv_cache)
+    # Two groups per call (plane 0: rows 0, 2, 5 over 2 blocks; plane 1: rows 1, 4 over 2).
+    stats = fast.cascade_stats
+    assert (stats.num_calls, stats.num_groups, stats.num_grouped_rows) == (2, 4, 10)
+    assert stats.num_shared_positions == 2 * (2 * 8 + 1 * 8)
+    assert reference.cascade_stats.num_groups == 0
+
+
+def test_engine_with_triton_cascade_matches_dense_reference(tiny_dir):
+    from tests.test_cascade_attention import _work
+
+    engine = make_engine(tiny_dir, attention_backend="triton", max_num_seqs=6)
+    assert engine.runner.attention.cascade  # on by default: prefix caching is on
+    finished = run_steps(engine, _work(num_followers=2))
+    for request_id, prompt, params, _ in _work(num_followers=2):
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+    assert engine.runner.attention.cascade_stats.num_groups > 0

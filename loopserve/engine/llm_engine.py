@@ -21,6 +21,7 @@ from pathlib import Path
 
 from loopserve.config import (
     EngineConfig,
+    cascade_enabled,
     cuda_kv_budget,
     effective_graph_mode,
     max_inflight_rows,
@@ -107,6 +108,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_num_seqs=self.config.scheduler.max_num_seqs,
             batch_invariant=self.config.batch_invariant,
+            cascade_attention=cascade_enabled(self.config),
         )
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:

@@ -44,6 +44,7 @@ from loopserve.contracts import (
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
 from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
@@ -81,6 +82,7 @@ class ModelRunner(Executor):
         max_model_len: int | None = None,
         max_num_seqs: int = 1,
         batch_invariant: bool = False,
+        cascade_attention: bool = False,
     ) -> None:
         """`graph_mode`: 'off' (eager), 'emulate' or 'capture' (`loopserve.runner.graphs`);
         with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows.
@@ -129,6 +131,7 @@ class ModelRunner(Executor):
             block_size=block_size,
             scale=self.scale,
             batch_invariant=batch_invariant,
+            cascade=cascade_attention,
         )
         self.graphs: DecodeGraphs | None = None
         self.graph_capture_error: str | None = None
@@ -370,11 +373,12 @@ class ModelRunner(Executor):
                 for i in active
             ]
             positions = [items[i].token_start for i in active]
-            hidden = torch.cat([states[i] for i in active])
-            out = self._timed(graphs.run, hidden, positions, tables)
-            for i, row in zip(active, out.split(1)):
-                states[i] = row
-            return
+            # Rows that share a prefix run eagerly instead: that call reads it once per group.
+            if not (
+                self.attention.cascade and plan_prefix_groups(tables, positions, self.block_size)
+            ):
+                self._graph_call(graphs, active, states, positions, tables)
+                return
         segments = []
         positions: list[int] = []
         for i in active:
@@ -388,6 +392,12 @@ class ModelRunner(Executor):
         out = self._timed(self.model.core, hidden, position_ids, attn)
         for i, chunk in zip(active, out.split([items[i].token_count for i in active])):
             states[i] = chunk
+
+    def _graph_call(self, graphs, active, states, positions, tables) -> None:
+        hidden = torch.cat([states[i] for i in active])
+        out = self._timed(graphs.run, hidden, positions, tables)
+        for i, row in zip(active, out.split(1)):
+            states[i] = row
 
     def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
         """Hazards for rows that need them, exit decisions, finalize copies."""

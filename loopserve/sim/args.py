@@ -28,6 +28,7 @@ SIM_ENGINE_ARGS = (
     "swap_space",
     "scheduling_policy",
     "enable_prefix_caching",
+    "cascade_attention",
 )
 
 

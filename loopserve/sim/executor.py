@@ -21,12 +21,19 @@ draws a target loop count per token from `exit_dist` and emits hazards 0 before 
 it on (one loop earlier for the delayed modes), so the exit rule lands on the target.
 
 `model_time_s` of the `RunnerOutput` is simulated GPU seconds from the `CostModel`.
+
+Cascade attention (`cascade=True`, the engine's `cascade_attention` resolved): the runner's
+attention backend groups the one-row items of a core call whose block tables (of the plane they
+read) start with the same blocks and reads that shared prefix once per group. The executor
+applies the same rule (`plan_prefix_groups` over the step's block tables) to each core call
+and prices a group's KV read as the prefix once plus each row's own suffix; attention FLOPs
+are unchanged (every query still scores every position).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loopserve.contracts import (
     Executor,
@@ -38,6 +45,7 @@ from loopserve.contracts import (
     WorkItem,
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
+from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.handles import HandleTable
 from loopserve.sim.cost_model import CostModel
 from loopserve.sim.workload import ExitDistribution
@@ -69,6 +77,9 @@ class ExecutorStats:
     num_finalize_copies: int = 0
     swapped_blocks: int = 0  # blocks (of one plane) copied between device and host
     swap_time_s: float = 0.0  # those copies over the host link (serial with the step)
+    cascade_groups: int = 0  # cascade attention: groups over all core calls
+    cascade_rows: int = 0  # rows in those groups
+    cascade_saved_positions: int = 0  # KV positions not read thanks to the groups
 
     @property
     def num_core_calls(self) -> int:
@@ -89,9 +100,14 @@ class SimExecutor(Executor):
         exit_dist: ExitDistribution | None = None,
         seed: int = 0,
         kv_block_bytes: int = 0,
+        cascade: bool = False,
+        block_size: int = 16,
     ) -> None:
-        """`kv_block_bytes`: one block of one plane, to price swap copies over the host link."""
+        """`kv_block_bytes`: one block of one plane, to price swap copies over the host link;
+        `cascade`: price cascade attention (groups over `block_size`-position blocks)."""
         self.cost = cost_model
+        self.cascade = cascade
+        self.block_size = block_size
         self.num_loops = cost_model.shape.num_loops
         self.shared = layout == "shared"
         self.exit_mode = ExitMode(exit_mode)
@@ -167,7 +183,7 @@ class SimExecutor(Executor):
             if sampled:
                 coda_rows += 1
                 num_early += result.loops_used < self.num_loops  # type: ignore[operator]
-        rows_per_call, core_s = self._price_calls(tallies)
+        rows_per_call, core_s = self._price_calls(tallies, scheduled.block_tables)
         coda_s = self.cost.coda(coda_rows).time_s
         sampling_s = self.cost.sampling(coda_rows).time_s
         stats = self.stats
@@ -199,6 +215,8 @@ class SimExecutor(Executor):
             )
         count, start = item.token_count, item.token_start
         tally.rows += count
+        if count == 1 and self.cascade:
+            tally.singles.append(item)
         if item.kind is REPLAY:  # recompute: a known token through its recorded loops
             tally.has_decode = True
             tally.kv_read += start + 1
@@ -269,7 +287,26 @@ class SimExecutor(Executor):
         )
         return ItemResult(item.request_id, item.handle, hazards, True, loops, SYNTHETIC_TOKEN)
 
-    def _price_calls(self, tallies: list[_CallTally]) -> tuple[tuple[int, ...], float]:
+    def _cascade_saved(self, singles: list[WorkItem], call_index: int, block_tables) -> int:
+        """KV positions cascade attention does not read in one core call: per group of
+        one-row items sharing `n` leading blocks of a plane, `(rows - 1) * n * block_size`."""
+        tables = [
+            block_tables[item.request_id][0 if self.shared else item.depth + call_index]
+            for item in singles
+        ]
+        positions = [item.token_start for item in singles]
+        saved = 0
+        stats = self.stats
+        for group in plan_prefix_groups(tables, positions, self.block_size):
+            saved += (len(group.rows) - 1) * group.num_blocks * self.block_size
+            stats.cascade_groups += 1
+            stats.cascade_rows += len(group.rows)
+        stats.cascade_saved_positions += saved
+        return saved
+
+    def _price_calls(
+        self, tallies: list[_CallTally], block_tables
+    ) -> tuple[tuple[int, ...], float]:
         """Rows and simulated seconds of each core call of the step (call k: items with more
         than k depths)."""
         stats = self.stats
@@ -279,10 +316,13 @@ class SimExecutor(Executor):
         for k in range(len(tallies) - 1, 0, -1):
             call.add(tallies[k])  # now: every item with >= k depths, i.e. call k - 1
             prelude = call.prelude_rows if k == 1 else 0
+            kv_read = call.kv_read
+            if len(call.singles) > 1:
+                kv_read -= self._cascade_saved(call.singles, k - 1, block_tables)
             cost = self.cost.core_call(
                 rows=call.rows,
                 prelude_rows=prelude,
-                kv_read_positions=call.kv_read,
+                kv_read_positions=kv_read,
                 attention_pairs=call.pairs,
                 finalize_copies=call.finalize,
             )
@@ -314,8 +354,10 @@ class _CallTally:
     finalize: int = 0
     has_prompt: bool = False
     has_decode: bool = False
+    singles: list[WorkItem] = field(default_factory=list)  # one-row items (cascade only)
 
     def add(self, other: _CallTally) -> None:
+        self.singles += other.singles
         self.rows += other.rows
         self.prelude_rows += other.prelude_rows
         self.kv_read += other.kv_read

@@ -24,7 +24,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loopserve.config import EngineConfig, max_inflight_rows, resolve_num_blocks
+from loopserve.config import (
+    EngineConfig,
+    cascade_enabled,
+    max_inflight_rows,
+    resolve_num_blocks,
+)
 from loopserve.contracts import RunnerOutput, SchedulerOutput, WorkItem
 from loopserve.engine.core import EngineCore
 from loopserve.models.config import OuroConfig
@@ -130,6 +135,8 @@ class Simulator:
             exit_dist=exit_dist,
             seed=seed,
             kv_block_bytes=kv_bytes_per_block(self.shape, cache.block_size),
+            cascade=cascade_enabled(self.config),
+            block_size=cache.block_size,
         )
         self.host_time_s = host_time_s
         # Clients that do not know the output length send this max_tokens (capped by the

@@ -15,6 +15,10 @@ attends causally to positions `<= its own` of its plane. `finalize(src_slots, ds
 the LAST_EXITED copy after early exits: slot `src_slots[i]`'s K/V of every layer is copied to
 `dst_slots[i]`, for every exiting row at once.
 
+Cascade attention (`cascade=True`, backends with `supports_cascade`): one-row items whose
+tables start with the same blocks (prefix-cache hits; `prefix_groups.plan_prefix_groups`)
+read that shared prefix once per group; the result is the same attention, merged exactly.
+
 Backends are chosen by name through `loopserve.runner.attention.registry`; this module does
 no kernel work.
 """
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.models.attention import AttentionBackend
+from loopserve.runner.attention.prefix_groups import CascadeStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +48,21 @@ class PagedAttentionBackend(ABC):
     """Paged attention over per-depth planes of one engine's KV cache tensor."""
 
     name: str = "abstract"
+    # Whether `prepare` runs cascade attention for rows sharing leading blocks when asked
+    # (`cascade=True`); a backend without it attends every row over its whole context.
+    supports_cascade: bool = False
 
-    def __init__(self, kv_cache: torch.Tensor, *, block_size: int, scale: float) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, *, block_size: int, scale: float, cascade: bool = False
+    ) -> None:
         # [num_layers, 2, num_slots, num_kv_heads, head_dim]
         assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, kv_cache.shape
         assert kv_cache.shape[2] % block_size == 0
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.scale = scale
+        self.cascade = cascade and self.supports_cascade
+        self.cascade_stats = CascadeStats()  # groups formed, counted once per core call
 
     @abstractmethod
     def prepare(self, segments: Sequence[RowSegment]) -> AttentionBackend:

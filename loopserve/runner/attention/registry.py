@@ -64,11 +64,15 @@ def make_attention_backend(
     block_size: int,
     scale: float,
     batch_invariant: bool = False,
+    cascade: bool = False,
 ) -> PagedAttentionBackend:
     """The backend `name` (`auto` resolved for the cache's device) over `kv_cache`; with
-    `batch_invariant`, the torch path's row-invariant variant."""
+    `batch_invariant`, the torch path's row-invariant variant (never cascade: grouping rows
+    would make a row's bits depend on the others); `cascade` asks for cascade attention
+    (honoured where the backend `supports_cascade`)."""
     resolved = resolve_attention_backend(name, kv_cache.device, batch_invariant=batch_invariant)
     module_name, class_name = _ROW_INVARIANT if batch_invariant else _IMPLEMENTATIONS[resolved]
+    cascade = cascade and not batch_invariant
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -76,4 +80,5 @@ def make_attention_backend(
             f"attention_backend={resolved!r} needs a package that is not installed ({err}); "
             "install the gpu extra (`pip install loopserve[gpu]`) or choose 'torch'"
         ) from err
-    return getattr(module, class_name)(kv_cache, block_size=block_size, scale=scale)
+    backend_class = getattr(module, class_name)
+    return backend_class(kv_cache, block_size=block_size, scale=scale, cascade=cascade)

@@ -14,7 +14,10 @@ Reads gather whole blocks (`index_select` of `[block_size, Hkv, Dh]` pieces) and
   cache while its scores are computed, which measured faster on CPU than one padded SDPA over
   all chunks (whose gather of every chunk's context at once is memory-bound); the prefix is
   fully visible, so only the chunk's own `[count, count]` block gets a causal mask, and
-  grouped-query heads share their K/V without copies.
+  grouped-query heads share their K/V without copies;
+- with cascade attention on (`cascade=True`), one-row items that share leading blocks of one
+  plane (prefix-cache hits, see `prefix_groups`) attend over that prefix once per group and
+  over their own suffix per row, merged by log-sum-exp (`cascade.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
+from loopserve.runner.attention.cascade import (
+    CascadePlan,
+    attend_with_lse,
+    merge_partial,
+)
+from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 
 __all__ = [
     "PagedAttentionMetadata",
@@ -102,12 +111,16 @@ class ChunkSpan:
 class PagedAttentionMetadata:
     write_slots: torch.Tensor  # [rows] the slot each row's K/V is written to
     block_size: int
-    single: PaddedGroup | None  # one-row items (decode)
+    single: PaddedGroup | None  # one-row items (decode) outside cascade groups
     multi: list[ChunkSpan]  # multi-row items (prompt chunks)
     causal: dict[int, torch.Tensor]  # count -> [count, count] bool "may not attend" mask
+    cascade: CascadePlan | None = None  # one-row items grouped by a shared prefix
+    cascade_suffix: PaddedGroup | None = None  # their suffixes, one query per grouped row
 
     @classmethod
-    def build(cls, segments: list[RowSegment], block_size: int, device) -> PagedAttentionMetadata:
+    def build(
+        cls, segments: list[RowSegment], block_size: int, device, *, cascade: bool = False
+    ) -> PagedAttentionMetadata:
         write_slots = write_slots_of(segments, block_size)
         single, multi, causal = [], [], {}
         row = 0
@@ -122,12 +135,23 @@ class PagedAttentionMetadata:
                     ones = torch.ones(seg.count, seg.count, dtype=torch.bool, device=device)
                     causal[seg.count] = ones.triu(1)
             row += seg.count
+        plan = suffix = None
+        if cascade and len(single) > 1:
+            tables = [seg.block_table for _, seg in single]
+            groups = plan_prefix_groups(tables, [seg.start for _, seg in single], block_size)
+            if groups:
+                plan = CascadePlan.build(groups, single, block_size, device)
+                suffix = PaddedGroup.build(plan.suffixes, block_size, device)
+                grouped = {index for group in groups for index in group.rows}
+                single = [entry for index, entry in enumerate(single) if index not in grouped]
         return cls(
             write_slots=torch.tensor(write_slots, dtype=torch.int64, device=device),
             block_size=block_size,
             single=PaddedGroup.build(single, block_size, device) if single else None,
             multi=multi,
             causal=causal,
+            cascade=plan,
+            cascade_suffix=suffix,
         )
 
 
@@ -184,10 +208,14 @@ class TorchPagedAttention:
         key_cache[self.meta.write_slots] = key
         value_cache[self.meta.write_slots] = value
         single = self.meta.single
-        if not self.meta.multi:  # decode-only call: every row is a one-row item, in row order
+        if not self.meta.multi and self.meta.cascade is None:
+            # decode-only call without groups: every row is a one-row item, in row order
             assert single is not None
             return self._attend_single(single, query, key_cache, value_cache)
         out = torch.empty_like(query)
+        if self.meta.cascade is not None:
+            plan = self.meta.cascade
+            out[plan.rows] = self._attend_cascade(plan, query, key_cache, value_cache)
         if single is not None:
             padded = self._attend_single(single, query, key_cache, value_cache)
             out[single.out_rows] = padded[single.out_index]
@@ -217,6 +245,31 @@ class TorchPagedAttention:
             .reshape(count, num_heads, head_dim)
         )
 
+    def _attend_cascade(self, plan: CascadePlan, query, key_cache, value_cache) -> torch.Tensor:
+        """[grouped rows, Hq, Dh] in `plan.rows` order: each group's prefix K/V gathered once
+        for all its queries, each row's suffix on its own, merged exactly."""
+        num_heads = query.shape[1]
+        num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
+        keys = self._gather("prefix_k", key_cache, plan.prefix_blocks)
+        values = self._gather("prefix_v", value_cache, plan.prefix_blocks)
+        prefix_out, prefix_lse = plan.attend_prefix(query, keys, values, self.scale)
+        suffix = self.meta.cascade_suffix
+        assert suffix is not None
+        keys = self._gather("suffix_k", key_cache, suffix.blocks)
+        values = self._gather("suffix_v", value_cache, suffix.blocks)
+        context = (suffix.num_items, -1, num_kv_heads, head_dim)  # [R, suffix, Hkv, Dh]
+        queries = query.index_select(0, suffix.query_index).view(suffix.num_items, 1, num_heads, -1)
+        suffix_out, suffix_lse = attend_with_lse(
+            queries, keys.view(context), values.view(context), suffix.mask, self.scale
+        )
+        merged = merge_partial(
+            prefix_out,
+            prefix_lse,
+            suffix_out.reshape(-1, num_heads, head_dim),
+            suffix_lse.reshape(-1, num_heads),
+        )
+        return merged.to(query.dtype)
+
     def _attend_single(self, group: PaddedGroup, query, key_cache, value_cache) -> torch.Tensor:
         """[num_items * max_queries, Hq, Dh]: gather whole blocks, then one fused SDPA."""
         num_heads, head_dim = query.shape[1], query.shape[2]
@@ -242,13 +295,20 @@ class TorchBackend(PagedAttentionBackend):
     Runs on any device and dtype; one `Workspace` serves every call of the engine."""
 
     name = "torch"
+    supports_cascade = True
 
-    def __init__(self, kv_cache: torch.Tensor, *, block_size: int, scale: float) -> None:
-        super().__init__(kv_cache, block_size=block_size, scale=scale)
+    def __init__(
+        self, kv_cache: torch.Tensor, *, block_size: int, scale: float, cascade: bool = False
+    ) -> None:
+        super().__init__(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
         self.workspace = Workspace()
 
     def prepare(self, segments) -> TorchPagedAttention:
-        meta = PagedAttentionMetadata.build(list(segments), self.block_size, self.kv_cache.device)
+        meta = PagedAttentionMetadata.build(
+            list(segments), self.block_size, self.kv_cache.device, cascade=self.cascade
+        )
+        if meta.cascade is not None:
+            self.cascade_stats.count(meta.cascade.groups, self.block_size)
         return TorchPagedAttention(self.kv_cache, meta, self.scale, self.workspace)
 
     def finalize(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

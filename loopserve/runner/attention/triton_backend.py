@@ -7,6 +7,13 @@ and the prompt tiles (up to `block_m` consecutive rows of one multi-row item). E
 costs three launches: KV write, decode attention (plus its split-K reduce), prompt attention.
 `finalize` is one launch for every exiting row and every layer.
 
+Cascade attention (`cascade=True`): one-row items that share leading blocks of a plane
+(`prefix_groups.plan_prefix_groups`) leave the plain decode launch. Their shared prefix is
+gathered once per group and attended by all the group's queries in torch matmuls
+(`CascadePlan.attend_prefix`); their suffixes run through the same decode kernel over the
+tables shifted past the prefix, which also returns each row's log-sum-exp (its split-and-reduce
+path); the two halves are merged by log-sum-exp in float32.
+
 Metadata is rebuilt on the host per call; CUDA graphs will need it in static buffers (not
 done here).
 """
@@ -20,6 +27,8 @@ import torch
 
 from loopserve.runner.attention import triton_kernels as kernels
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
+from loopserve.runner.attention.cascade import CascadePlan, merge_partial
+from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 
 
 @dataclass(frozen=True)
@@ -34,10 +43,18 @@ class TritonCallMetadata:
     tile_row: torch.Tensor  # [num_tiles] int32: first call row of the tile
     tile_pos: torch.Tensor  # [num_tiles] int32: its position
     tile_count: torch.Tensor  # [num_tiles] int32: rows in the tile (<= block_m)
+    cascade: CascadePlan | None = None  # one-row items grouped by a shared prefix
+    suffix: SuffixRows | None = None  # their suffixes, for the decode kernel
 
     @classmethod
     def build(
-        cls, segments: Sequence[RowSegment], block_size: int, block_m: int, device
+        cls,
+        segments: Sequence[RowSegment],
+        block_size: int,
+        block_m: int,
+        device,
+        *,
+        cascade: bool = False,
     ) -> TritonCallMetadata:
         num_blocks = [-(-(seg.start + seg.count) // block_size) for seg in segments]
         width = max(num_blocks)
@@ -59,6 +76,17 @@ class TritonCallMetadata:
         def int32(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
+        plan = suffix = None
+        if cascade and len(decode) > 1:
+            singles = [(row, segments[index]) for row, index, _ in decode]
+            tables_of = [seg.block_table for _, seg in singles]
+            groups = plan_prefix_groups(tables_of, [seg.start for _, seg in singles], block_size)
+            if groups:
+                plan = CascadePlan.build(groups, singles, block_size, device)
+                suffix = SuffixRows.build(plan.suffixes, block_size, device)
+                grouped = {index for group in groups for index in group.rows}
+                decode = [entry for index, entry in enumerate(decode) if index not in grouped]
+
         decode_cols = list(zip(*decode)) if decode else [(), (), ()]
         tile_cols = list(zip(*tiles)) if tiles else [(), (), (), ()]
         return cls(
@@ -74,6 +102,41 @@ class TritonCallMetadata:
             tile_row=int32(tile_cols[1]),
             tile_pos=int32(tile_cols[2]),
             tile_count=int32(tile_cols[3]),
+            cascade=plan,
+            suffix=suffix,
+        )
+
+
+@dataclass(frozen=True)
+class SuffixRows:
+    """Grouped rows past their shared prefix, as decode-kernel inputs: row i reads positions
+    [0, seq_lens[i]) of `tables[i]` (its table without the prefix blocks)."""
+
+    rows: torch.Tensor  # [R] int32: call rows
+    tables: torch.Tensor  # [R, max_blocks] int32, padded with block 0
+    table_idx: torch.Tensor  # [R] int32: 0..R-1
+    seq_lens: torch.Tensor  # [R] int32: suffix length (position - prefix_len + 1)
+    max_seq_len: int
+
+    @classmethod
+    def build(cls, suffixes: list[tuple[int, RowSegment]], block_size: int, device) -> SuffixRows:
+        seq_lens = [seg.start + 1 for _, seg in suffixes]
+        width = -(-max(seq_lens) // block_size)
+        tables: list[int] = []
+        for (_, seg), length in zip(suffixes, seq_lens):
+            needed = -(-length // block_size)
+            tables.extend(seg.block_table[:needed])
+            tables.extend([0] * (width - needed))
+
+        def int32(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        return cls(
+            rows=int32([row for row, _ in suffixes]),
+            tables=int32(tables).view(len(suffixes), width),
+            table_idx=int32(range(len(suffixes))),
+            seq_lens=int32(seq_lens),
+            max_seq_len=max(seq_lens),
         )
 
 
@@ -141,7 +204,41 @@ class TritonAttention:
             block_m=backend.prefill_block_m,
             block_n=backend.prefill_block_n,
         )
+        if meta.cascade is not None:
+            out[meta.cascade.rows] = self._attend_cascade(query, key_cache, value_cache)
         return out
+
+    def _attend_cascade(self, query, key_cache, value_cache) -> torch.Tensor:
+        """[grouped rows, Hq, Dh] in `cascade.rows` order: prefix once per group (torch),
+        suffix through the decode kernel with its log-sum-exp, merged in float32."""
+        backend, plan, suffix = self.backend, self.meta.cascade, self.meta.suffix
+        assert plan is not None and suffix is not None
+        pieces = (-1, backend.block_size, key_cache.shape[1], key_cache.shape[2])
+        keys = key_cache.view(pieces).index_select(0, plan.prefix_blocks)
+        values = value_cache.view(pieces).index_select(0, plan.prefix_blocks)
+        prefix_out, prefix_lse = plan.attend_prefix(query, keys, values, backend.scale)
+        suffix_out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+        suffix_lse = torch.empty(
+            (suffix.rows.numel(), query.shape[1]), dtype=torch.float32, device=query.device
+        )
+        kernels.decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            suffix_out,
+            tables=suffix.tables,
+            table_idx=suffix.table_idx,
+            rows=suffix.rows,
+            seq_lens=suffix.seq_lens,
+            max_seq_len=suffix.max_seq_len,
+            scale=backend.scale,
+            block_size=backend.block_size,
+            split_len=backend.split_len_for(suffix.rows.numel(), suffix.max_seq_len),
+            block_n=backend.decode_block_n,
+            lse_out=suffix_lse,
+        )
+        merged = merge_partial(prefix_out, prefix_lse, suffix_out[plan.rows], suffix_lse)
+        return merged.to(query.dtype)
 
 
 class TritonBackend(PagedAttentionBackend):
@@ -153,6 +250,7 @@ class TritonBackend(PagedAttentionBackend):
     kernel launch parameters (powers of two; `prefill_block_*` >= 16 for `tl.dot`)."""
 
     name = "triton"
+    supports_cascade = True
 
     def __init__(
         self,
@@ -164,8 +262,9 @@ class TritonBackend(PagedAttentionBackend):
         decode_block_n: int | None = None,
         prefill_block_m: int | None = None,
         prefill_block_n: int | None = None,
+        cascade: bool = False,
     ) -> None:
-        super().__init__(kv_cache, block_size=block_size, scale=scale)
+        super().__init__(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
         assert kv_cache.is_contiguous()
         # The interpreter (CPU) pays per element of a tile: small tiles suit its short
         # contexts; on CUDA 64-wide tiles keep the loads coalesced.
@@ -186,15 +285,23 @@ class TritonBackend(PagedAttentionBackend):
         self.prefill_block_n = prefill_block_n or tile
 
     def decode_split_len(self, meta: TritonCallMetadata) -> int:
+        return self.split_len_for(meta.decode_rows.numel(), meta.max_decode_seq_len)
+
+    def split_len_for(self, num_rows: int, max_len: int) -> int:
         if self.split_len is not None:
             return self.split_len
-        num_rows, max_len = meta.decode_rows.numel(), meta.max_decode_seq_len
         return auto_split_len(num_rows, self.kv_cache.shape[3], max_len, self.num_sms)
 
     def prepare(self, segments: Sequence[RowSegment]) -> TritonAttention:
         meta = TritonCallMetadata.build(
-            segments, self.block_size, self.prefill_block_m, self.kv_cache.device
+            segments,
+            self.block_size,
+            self.prefill_block_m,
+            self.kv_cache.device,
+            cascade=self.cascade,
         )
+        if meta.cascade is not None:
+            self.cascade_stats.count(meta.cascade.groups, self.block_size)
         return TritonAttention(self, meta)
 
     def finalize(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

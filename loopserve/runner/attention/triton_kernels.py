@@ -226,6 +226,7 @@ def _decode_reduce_kernel(
     part_lse_ptr,
     rows_ptr,
     out_ptr,
+    lse_ptr,
     num_splits,
     stride_po_row,
     stride_po_head,
@@ -234,9 +235,11 @@ def _decode_reduce_kernel(
     stride_pl_head,
     stride_o_row,
     stride_o_head,
+    stride_lse_row,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -250,12 +253,16 @@ def _decode_reduce_kernel(
         mask=s_mask,
         other=float("-inf"),
     )
-    weight = tl.exp(lse - tl.max(lse, axis=0))  # split 0 is never empty: the max is finite
+    top = tl.max(lse, axis=0)  # split 0 is never empty: the max is finite
+    weight = tl.exp(lse - top)
     po = i * stride_po_row + head * stride_po_head + s[:, None] * stride_po_split + d[None, :]
     parts = tl.load(part_out_ptr + po, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / total
     o_offs = row * stride_o_row + head * stride_o_head + d
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    if WRITE_LSE:  # the row's log-sum-exp over all splits (cascade attention merges with it)
+        tl.store(lse_ptr + i * stride_lse_row + head, top + tl.log(total))
 
 
 def decode_attention(
@@ -273,10 +280,13 @@ def decode_attention(
     block_size: int,
     split_len: int,
     block_n: int,
+    lse_out: torch.Tensor | None = None,
 ) -> None:
     """Rows `rows` [n] of query [rows, Hq, Dh] attend to positions [0, seq_lens[i]) of block
     table `tables[table_idx[i]]`; results go to the same rows of `out`. `split_len` positions
-    per split (rounded up to a multiple of `block_n`); one split writes `out` directly."""
+    per split (rounded up to a multiple of `block_n`); one split writes `out` directly.
+    `lse_out` (float32 [n, Hq]): also write each row's log-sum-exp (always through the
+    split-and-reduce path, which has it)."""
     num_rows = rows.numel()
     if num_rows == 0:
         return
@@ -285,7 +295,7 @@ def decode_attention(
     group = num_heads // num_kv_heads
     split_len = triton.cdiv(split_len, block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_len)
-    split = num_splits > 1
+    split = num_splits > 1 or lse_out is not None
     if split:
         part_out = torch.empty(
             (num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
@@ -334,14 +344,17 @@ def decode_attention(
             part_lse,
             rows,
             out,
+            lse_out if lse_out is not None else part_lse,
             num_splits,
             *po_strides,
             *pl_strides,
             out.stride(0),
             out.stride(1),
+            lse_out.stride(0) if lse_out is not None else 0,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=_pow2(num_splits, 2),
+            WRITE_LSE=lse_out is not None,
         )
 
 

@@ -40,7 +40,7 @@ PARAMS = [
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray.init(
-        num_cpus=2,
+        num_cpus=3,  # logical: up to three one-CPU replicas on the 2-core machine
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         object_store_memory=80 * 1024**2,
@@ -113,6 +113,28 @@ def test_torch_transport_one_prefill_one_decode_equals_colocated(
     assert (decode_stats.num_received, decode_stats.bytes_received) == (3, expected)
     assert prefill_stats.num_pending_sends == 0
     assert prefill_stats.failure is None and decode_stats.failure is None
+
+
+def test_torch_transport_two_prefill_one_decode_equals_colocated(tiny_dir, ray_cluster):
+    args = {**BASE_ARGS, "layout": "last_exited", "exit_mode": "ouro_delayed"}
+    colocated = LLM(str(tiny_dir), **args).generate(PROMPTS, PARAMS, use_tqdm=False)
+    engines = DisaggregatedEngines({"model": str(tiny_dir), **args}, 2, 1, kv_transport="torch")
+    try:
+        outputs = engines.generate([f"r{i}" for i in range(len(PROMPTS))], PROMPTS, PARAMS)
+        stats = engines.transport.stats()
+    finally:
+        engines.shutdown()
+    for output, expected in zip(outputs, colocated):
+        assert (output.token_ids, output.exit_depths) == (expected.token_ids, expected.exit_depths)
+        assert output.finish_reason == expected.finish_reason
+    assert any(depth < 4 for o in outputs for depth in o.exit_depths)
+    # Both prefill ranks sent to rank 2, which received each source's hand-offs in order.
+    first, second, decode = stats
+    assert first.num_sent >= 1 and second.num_sent >= 1
+    assert first.num_sent + second.num_sent == decode.num_received == 3
+    handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
+    expected = sum(expected_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off)
+    assert first.bytes_sent + second.bytes_sent == decode.bytes_received == expected
 
 
 def test_torch_transport_pairs_in_order_discards_aborts_and_bounds_unreceived(

@@ -271,22 +271,28 @@ class TorchDistTransport(KVTransport):
         threading.Thread(target=self._wait_sends, name="kv-send-waiter", daemon=True).start()
 
     def _wait_sends(self) -> None:
-        """The waiter thread: completes pending sends in the order posted. Gloo reports a
-        send complete only once someone waits on it (a wait that times out poisons the whole
-        group, so no polling with short timeouts): wait() here, bounded by the group's
-        timeout. NCCL's wait() would only order a CUDA stream: poll the work instead."""
+        """The waiter thread: completes pending sends in the order posted, so that `reap`
+        can count them without blocking."""
         while (pending := self._waits.get()) is not None:
             try:
-                if self.backend == "gloo":
-                    pending.work.wait()
-                else:
-                    while not pending.work.is_completed():
-                        if time.monotonic() > pending.deadline_s:
-                            raise TimeoutError(f"not received in {self.timeout_s} s")
-                        time.sleep(0.001)
+                self._complete(pending.work, pending.deadline_s)
             except (RuntimeError, TimeoutError) as err:
                 pending.error = str(err)
             pending.done.set()
+
+    def _complete(self, work: Any, deadline_s: float) -> None:
+        """Block the calling thread until `work` is done; raises RuntimeError or TimeoutError.
+        Gloo reports an operation complete only once someone waits on it, and a wait that
+        times out poisons the whole group, so no polling with short timeouts: one wait(),
+        bounded by the group's timeout. NCCL's wait() would only make the current CUDA stream
+        wait: poll the work's event instead, up to `deadline_s`."""
+        if self.backend == "gloo":
+            work.wait()
+            return
+        while not work.is_completed():
+            if time.monotonic() > deadline_s:
+                raise TimeoutError(f"not done within {self.timeout_s} s")
+            time.sleep(0.0005)
 
     def _warm_up(self, senders: Sequence[int], receivers: Sequence[int]) -> None:
         """One tiny blocking message over every sender -> receiver pair, pairs in one global
@@ -372,8 +378,8 @@ class TorchDistTransport(KVTransport):
         states = []
         for item, buffer, work in posted:
             try:
-                work.wait(self._timeout)
-            except RuntimeError as err:
+                self._complete(work, time.monotonic() + self.timeout_s)
+            except (RuntimeError, TimeoutError) as err:
                 raise self._fail(
                     f"receiving hand-off {item.request_id!r} (number {item.seq} from rank "
                     f"{item.src_rank}) failed: {err}"

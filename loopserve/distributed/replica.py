@@ -241,7 +241,10 @@ class EngineReplica:
         handed off, what `kv_transport.send` returned and the outputs, in the given order),
         or (the first request's rejection, []) when one is rejected (then nothing ran). Two
         values so that Ray can return them as two objects (`num_returns=2`): the caller reads
-        the small one and passes the other on by reference."""
+        the small one and passes the other on by reference. A transport that fails raises
+        (`KVTransportError`): before any work when it failed earlier, else mid-batch, when the
+        requests already exported are gone from this replica (the offline `generate` fails
+        as a whole)."""
         engine = self.engine
         transport = self.kv_transport
         transport.check_usable()  # a broken transport fails the call before any work

@@ -61,9 +61,10 @@ def expected_kv_bytes(tiny_dir, layout: str, num_positions: int) -> int:
 
 
 def test_unknown_kv_transport_is_a_clear_error(tiny_dir):
+    ray_was_up = ray.is_initialized()
     with pytest.raises(ConfigError, match="unknown kv_transport 'nixl': choose one of ray"):
         DisaggregatedEngines({"model": str(tiny_dir)}, 1, 1, kv_transport="nixl")
-    assert not ray.is_initialized()  # rejected before any cluster or replica started
+    assert ray.is_initialized() == ray_was_up  # rejected before starting a cluster
     assert resolve_kv_transport("auto", "cpu") == "ray"
     assert resolve_kv_transport("auto", "cuda") == "torch"
     assert resolve_kv_transport("torch", "cpu") == "torch"

@@ -189,3 +189,32 @@ def test_torch_transport_pairs_in_order_discards_aborts_and_bounds_unreceived(
             ray.get(prefill.prefill_export.remote(["e"], [PROMPTS[1]], [PARAMS[0]], destination=1))
     finally:
         engines.shutdown()  # closes the group despite the pending send
+
+
+def _num_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    _num_cuda_devices() < 2, reason="needs two CUDA devices (NCCL needs one GPU per rank)"
+)
+def test_nccl_transport_one_prefill_one_decode_equals_colocated_on_cuda(tiny_dir, ray_cluster):
+    """Never run here (no GPU): `auto` picks torch/NCCL on CUDA, the K/V goes device to
+    device, and the outputs equal a colocated CUDA engine's in float32."""
+    args = {**BASE_ARGS, "device": "cuda", "layout": "last_exited", "exit_mode": "ouro"}
+    colocated = LLM(str(tiny_dir), **args).generate(PROMPTS, PARAMS, use_tqdm=False)
+    engines = DisaggregatedEngines({"model": str(tiny_dir), **args}, 1, 1, kv_transport="auto")
+    try:
+        outputs = engines.generate([f"r{i}" for i in range(len(PROMPTS))], PROMPTS, PARAMS)
+        prefill_stats, decode_stats = engines.transport.stats()
+    finally:
+        engines.shutdown()
+    for output, expected in zip(outputs, colocated):
+        assert (output.token_ids, output.exit_depths) == (expected.token_ids, expected.exit_depths)
+    handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
+    expected = sum(expected_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off)
+    assert prefill_stats.kind == "torch"
+    assert prefill_stats.bytes_sent == decode_stats.bytes_received == expected

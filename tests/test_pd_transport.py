@@ -122,19 +122,25 @@ def test_torch_transport_two_prefill_one_decode_equals_colocated(tiny_dir, ray_c
     engines = DisaggregatedEngines({"model": str(tiny_dir), **args}, 2, 1, kv_transport="torch")
     try:
         outputs = engines.generate([f"r{i}" for i in range(len(PROMPTS))], PROMPTS, PARAMS)
+        # A second batch continues each pair's numbering where the first ended.
+        again = engines.generate([f"s{i}" for i in range(len(PROMPTS))], PROMPTS, PARAMS)
         stats = engines.transport.stats()
     finally:
         engines.shutdown()
-    for output, expected in zip(outputs, colocated):
-        assert (output.token_ids, output.exit_depths) == (expected.token_ids, expected.exit_depths)
-        assert output.finish_reason == expected.finish_reason
+    for batch in (outputs, again):
+        for output, expected in zip(batch, colocated):
+            assert (output.token_ids, output.exit_depths) == (
+                expected.token_ids,
+                expected.exit_depths,
+            )
+            assert output.finish_reason == expected.finish_reason
     assert any(depth < 4 for o in outputs for depth in o.exit_depths)
     # Both prefill ranks sent to rank 2, which received each source's hand-offs in order.
     first, second, decode = stats
-    assert first.num_sent >= 1 and second.num_sent >= 1
-    assert first.num_sent + second.num_sent == decode.num_received == 3
+    assert first.num_sent >= 2 and second.num_sent >= 2
+    assert first.num_sent + second.num_sent == decode.num_received == 6
     handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
-    expected = sum(expected_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off)
+    expected = 2 * sum(expected_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off)
     assert first.bytes_sent + second.bytes_sent == decode.bytes_received == expected
 
 

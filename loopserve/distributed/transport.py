@@ -9,9 +9,10 @@ drops (an aborted request): a dropped hand-off must still be discarded so the by
 
 - `RayObjectStoreTransport` ("ray", the default): the K/V tensor stays in the state and rides
   in Ray's object store with the metadata. `send` and `receive` only count bytes.
-- `TorchDistTransport` ("torch", in `torch_transport`): every replica of the hand-off joins one `torch.distributed`
-  process group (one rank per replica; TCP rendezvous on rank 0's node, at a port free there;
-  `nccl` when the replicas run on CUDA, `gloo` on CPU: the same code). `send` posts a
+- `TorchDistTransport` ("torch", in `torch_transport`): every replica of the hand-off joins
+  one `torch.distributed` process group (one rank per replica; TCP rendezvous on rank 0's
+  node, at a port free there; `nccl` when the replicas run on CUDA, `gloo` on CPU: the same
+  code; NCCL needs each rank on its own GPU). `send` posts a
   point-to-point `isend` of the K/V tensor (on CUDA straight from device memory: the replica
   exports with `to_host=False`) and returns a `KVDescriptor` (the state with `kv=None`, the
   shape, dtype, ranks and a sequence number); the descriptor goes through Ray, and the decode
@@ -29,7 +30,8 @@ and the group must be rebuilt (close on every replica, connect again). `close` w
 `timeout_s` for pending sends, then destroys the group (aborts it on NCCL when sends are still
 pending), so nothing waits forever. A decode replica that dies closes its sockets: under gloo
 the prefill side's pending sends and receives fail at once; under NCCL the watchdog aborts
-them after the group's timeout.
+them after the group's timeout. Under gloo a wait that times out also fails every other
+pending operation of the group (gloo signals the timeout to all its connections).
 
 `connect_kv_transport` is the driver's side: it sets up one endpoint per replica actor (rank =
 position in the list) and returns a `KVTransportGroup` to look up ranks, read stats and close.

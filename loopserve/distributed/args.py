@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from loopserve.distributed.router import ROUTING_POLICIES
+from loopserve.distributed.transport import KV_TRANSPORTS
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,14 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         help="times Ray restarts a replica that died (-1: without limit)",
+    )
+    group.add_argument(
+        "--kv-transport",
+        default="ray",
+        choices=KV_TRANSPORTS,
+        help="how prefill/decode hand-offs move their K/V: ray (the object store, host "
+        "memory), torch (point to point over torch.distributed: NCCL on CUDA, gloo on CPU), "
+        "auto (torch on CUDA, else ray)",
     )
 
 

@@ -24,6 +24,8 @@ class HandoffState:
       `[layers, K/V, planes * blocks, block_size, kv_heads, head_dim]`: plane p's blocks are
       `[p * blocks, (p + 1) * blocks)`; positions past `num_kv_positions` in the last block are
       unused. `num_kv_positions` = prompt + outputs - 1 (the last output token is not fed yet).
+      A device tensor when exported with `to_host=False`; None inside a transport's
+      descriptor while the bytes travel separately (`loopserve.distributed.transport`).
     - `generator_state`: the request's `torch.Generator.get_state()` bytes; None when greedy.
     - The importing engine must have the same model, layout, number of planes and block size.
     """

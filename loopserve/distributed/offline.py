@@ -16,6 +16,12 @@ from collections.abc import Sequence
 
 from loopserve.distributed.replica import EngineReplica, Rejected
 from loopserve.distributed.router import RoutedRequest, Router
+from loopserve.distributed.transport import (
+    DEFAULT_TIMEOUT_S,
+    KVTransportError,
+    connect_kv_transport,
+    resolve_kv_transport,
+)
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 
@@ -107,11 +113,17 @@ class DataParallelEngines:
 class DisaggregatedEngines:
     """Offline prefill/decode disaggregation on Ray: `num_prefill` replicas run prompts and
     first tokens and export the requests (`EngineReplica.prefill_export`); each prefill
-    replica's `HandoffState`s go, as one Ray object ref (the object store; the driver never
-    fetches them), to decode replica `i % num_decode`, which imports and finishes them
-    (`decode_import`). Requests are split over prefill replicas by the router's least-load
-    rule. No streaming, no failure recovery (a replica that dies fails `generate`); the
-    serving side (`--pd` in `ReplicaPool`) is not built."""
+    replica's hand-offs go, as one Ray object ref (the object store; the driver never
+    fetches them), to decode replica `i % num_decode`, which receives, imports and finishes
+    them (`decode_import`). Requests are split over prefill replicas by the router's
+    least-load rule. No streaming, no failure recovery (a replica that dies fails
+    `generate`); the serving side (`--pd` in `ReplicaPool`) is not built.
+
+    `kv_transport` moves the K/V (`loopserve.distributed.transport`): "ray" (default) keeps
+    it in the states, in the object store; "torch" sends it point to point over one
+    torch.distributed group of all replicas (gloo on CPU, NCCL on CUDA) while the states
+    travel without it; "auto" is torch on CUDA, else ray. `kv_transfer_timeout_s` bounds
+    every transport wait."""
 
     def __init__(
         self,
@@ -120,16 +132,20 @@ class DisaggregatedEngines:
         num_decode: int,
         *,
         torch_threads: int | None = 1,
+        kv_transport: str = "ray",
+        kv_transfer_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         import ray
 
+        device = str(engine_args.get("device") or "cpu")
+        transport_kind = resolve_kv_transport(kv_transport, device)
         if not ray.is_initialized():
             ray.init(
                 num_cpus=max(os.cpu_count() or 1, num_prefill + num_decode),
                 include_dashboard=False,
                 _node_ip_address="127.0.0.1",
             )
-        on_cuda = str(engine_args.get("device") or "cpu").startswith("cuda")
+        on_cuda = device.startswith("cuda")
         args = dict(engine_args)
         if on_cuda:
             args["device"] = "cuda"
@@ -146,6 +162,15 @@ class DisaggregatedEngines:
         ]
         self.info = ray.get(self.prefill[0].info.remote())
         self.last_num_handed_off = 0  # requests exported in the last `generate`
+        # Ranks: prefill replicas 0..P-1, decode replicas P..P+Q-1.
+        self.transport = connect_kv_transport(
+            transport_kind,
+            self.prefill + self.decode,
+            senders=range(num_prefill),
+            receivers=range(num_prefill, num_prefill + num_decode),
+            on_cuda=on_cuda,
+            timeout_s=kv_transfer_timeout_s,
+        )
 
     def generate(
         self,
@@ -165,11 +190,13 @@ class DisaggregatedEngines:
             router.assign(replica, [RoutedRequest(request_id, len(prompt.token_ids), 1)])
             shares[replica].append(index)
         summaries, exported = [], []
-        for replica, share in zip(self.prefill, shares):
+        num_prefill = len(self.prefill)
+        for source, (replica, share) in enumerate(zip(self.prefill, shares)):
             summary, states = replica.prefill_export.options(num_returns=2).remote(
                 [request_ids[i] for i in share],
                 [prompts[i] for i in share],
                 [params[i] for i in share],
+                destination=self.transport.rank_of(num_prefill + source % len(self.decode)),
             )
             summaries.append(summary)
             exported.append(states)
@@ -190,12 +217,18 @@ class DisaggregatedEngines:
             order = [index for i in group for index in shares[i]]
             for index, output in zip(order, result):
                 outputs[index] = output
+        for stats in self.transport.flush(range(num_prefill)):  # every send was received
+            if stats.failure is not None:
+                raise KVTransportError(stats.failure)
         assert all(output is not None for output in outputs)
         return outputs  # type: ignore[return-value]
 
     def shutdown(self) -> None:
         import ray
 
-        for replica in self.prefill + self.decode:
-            ray.kill(replica, no_restart=True)
-        self.prefill, self.decode = [], []
+        try:
+            self.transport.close()
+        finally:
+            for replica in self.prefill + self.decode:
+                ray.kill(replica, no_restart=True)
+            self.prefill, self.decode = [], []

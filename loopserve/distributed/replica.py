@@ -13,7 +13,11 @@ with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an 
   used offline never starts its `AsyncLLM`).
 - `prefill_export(...)` / `decode_import(*batches)`: the offline prefill/decode
   disaggregation roles (`DisaggregatedEngines`): prompt and first token on one replica, the
-  exported `HandoffState`s through Ray's object store, decode on another.
+  exported `HandoffState`s through the replica's KV transport (`kv_transport`: Ray's object
+  store by default, or torch.distributed point to point), decode on another.
+- `setup_kv_transport` / `kv_transport_stats` / `flush_kv_transport` / `close_kv_transport`
+  / `discard_handoffs`: the replica's end of `loopserve.distributed.transport` (the driver
+  calls them through `connect_kv_transport` and `KVTransportGroup`).
 - `info()`: what the serving layer reads from an engine (tokenizer, context length, KV size).
 - `stats()`: gauges for routing metrics and health, plus this actor instance's id, so the pool
   notices a restart.
@@ -30,6 +34,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopserve.distributed.handoff import HandoffState
+from loopserve.distributed.transport import (
+    KVDescriptor,
+    KVTransport,
+    RayObjectStoreTransport,
+    TorchDistSpec,
+    TransportStats,
+    free_rendezvous_address,
+    make_kv_transport,
+)
 from loopserve.errors import CapacityError, InvalidRequestError, LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -127,6 +140,7 @@ class EngineReplica:
         self.engine = LLMEngine.from_engine_args(**engine_args)
         self._max_pending_requests = max_pending_requests
         self._llm: AsyncLLM | None = None
+        self.kv_transport: KVTransport = RayObjectStoreTransport(rank=0)
 
     def _started(self) -> AsyncLLM:
         """The `AsyncLLM`, started on first use (it needs the actor's running event loop)."""
@@ -217,46 +231,89 @@ class EngineReplica:
         request_ids: Sequence[str],
         prompts: Sequence[str | list[int]],
         params: Sequence[SamplingParams],
-    ) -> tuple[int | Rejected, list[HandoffState | RequestOutput]]:
+        *,
+        destination: int = 0,
+    ) -> tuple[int | Rejected, list[HandoffState | KVDescriptor | RequestOutput]]:
         """The offline prefill role: run each request's prompt and first token, then export
-        it (`LLMEngine.export_request`). A request that finished with its first token (a stop
-        token, or `max_tokens=1`) returns its final `RequestOutput` instead. Returns (number
-        of requests handed off, the states and outputs in the given order), or (the first
-        request's rejection, []) when one is rejected (then nothing ran). Two values so that
-        Ray can return them as two objects (`num_returns=2`): the caller reads the small one
-        and passes the other on by reference."""
+        it (`LLMEngine.export_request`) and send it with the KV transport to the replica of
+        rank `destination`. A request that finished with its first token (a stop token, or
+        `max_tokens=1`) returns its final `RequestOutput` instead. Returns (number of requests
+        handed off, what `kv_transport.send` returned and the outputs, in the given order),
+        or (the first request's rejection, []) when one is rejected (then nothing ran). Two
+        values so that Ray can return them as two objects (`num_returns=2`): the caller reads
+        the small one and passes the other on by reference. A transport that fails raises
+        (`KVTransportError`): before any work when it failed earlier, else mid-batch, when the
+        requests already exported are gone from this replica (the offline `generate` fails
+        as a whole)."""
         engine = self.engine
+        transport = self.kv_transport
+        transport.check_usable()  # a broken transport fails the call before any work
         added = self._add_all(request_ids, prompts, params)
         if isinstance(added, Rejected):
             return added, []
-        done: dict[str, HandoffState | RequestOutput] = {}
+        done: dict[str, HandoffState | KVDescriptor | RequestOutput] = {}
         while len(done) < len(added):
             for output in engine.step():
                 if output.finished:
                     done[output.request_id] = output
             for request_id in added:
                 if request_id not in done and engine.can_export(request_id):
-                    done[request_id] = engine.export_request(request_id)
+                    state = engine.export_request(request_id, to_host=not transport.wants_device_kv)
+                    done[request_id] = transport.send(state, destination)
         items = [done[request_id] for request_id in added]
-        return sum(isinstance(item, HandoffState) for item in items), items
+        return sum(not isinstance(item, RequestOutput) for item in items), items
 
-    def decode_import(self, *batches: list[HandoffState | RequestOutput]) -> list[RequestOutput]:
-        """The offline decode role: import every `HandoffState` of `batches` (outputs of
-        `prefill_export`, passed as Ray object refs) and decode them to completion; final
-        outputs (finished ones from the prefill side pass through) in the given order."""
+    def decode_import(
+        self, *batches: list[HandoffState | KVDescriptor | RequestOutput]
+    ) -> list[RequestOutput]:
+        """The offline decode role: receive every hand-off of `batches` (outputs of
+        `prefill_export`, passed as Ray object refs) with the KV transport, import them and
+        decode them to completion; final outputs (finished ones from the prefill side pass
+        through) in the given order."""
         engine = self.engine
         items = [item for batch in batches for item in batch]
         finished: dict[str, RequestOutput] = {}
+        handoffs = [item for item in items if not isinstance(item, RequestOutput)]
         for item in items:
             if isinstance(item, RequestOutput):
                 finished[item.request_id] = item
-            else:
-                engine.import_request(item)
+        for state in self.kv_transport.receive_many(handoffs):
+            engine.import_request(state)
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:
                     finished[output.request_id] = output
         return [finished[item.request_id] for item in items]
+
+    # ---- KV transport (loopserve.distributed.transport) ---------------------------------
+
+    def kv_transport_address(self) -> str:
+        """A rendezvous address on this replica's node (called on rank 0)."""
+        return free_rendezvous_address()
+
+    def setup_kv_transport(self, kind: str, rank: int, spec: TorchDistSpec | None) -> None:
+        """Replace this replica's endpoint (the previous one is closed); blocks until every
+        rank of a torch group joined."""
+        self.kv_transport.close()
+        self.kv_transport = make_kv_transport(kind, rank, spec)
+
+    def kv_transport_stats(self) -> TransportStats:
+        return self.kv_transport.stats()
+
+    def flush_kv_transport(self, timeout_s: float) -> TransportStats:
+        return self.kv_transport.flush(timeout_s)
+
+    def close_kv_transport(self) -> None:
+        """Close the endpoint; hand-offs go through the object store again."""
+        self.kv_transport.close()
+        self.kv_transport = RayObjectStoreTransport(rank=0)
+
+    def discard_handoffs(self, *batches: list[HandoffState | KVDescriptor]) -> int:
+        """Receive and drop hand-offs that will not be imported (aborted before import), so
+        that later ones from the same sender pair up; returns how many."""
+        items = [item for batch in batches for item in batch]
+        self.kv_transport.discard_many(items)
+        return len(items)
 
     async def abort(self, request_ids: list[str]) -> None:
         llm = self._started()

@@ -198,16 +198,17 @@ class LLMEngine:
             and not self.runner.inflight.handles_of(request_id)
         )
 
-    def export_request(self, request_id: str) -> HandoffState:
+    def export_request(self, request_id: str, *, to_host: bool = True) -> HandoffState:
         """Hand the request off: copy its state (K/V of every plane, sampler state, outputs,
         times) and finish it here without an output (its blocks and sampler are released;
-        the client's stream continues on the importing engine)."""
+        the client's stream continues on the importing engine). `to_host=False` leaves the
+        K/V copy on the engine's device (for a transport that sends device memory)."""
         if not self.can_export(request_id):
             raise InvalidRequestError(f"request {request_id!r} cannot be handed off now")
         request = self.scheduler.requests[request_id]
         num_positions = request.next_position  # every position written so far
         kv, generator_state = self.runner.export_request(
-            request_id, self.kv.tables[request_id], num_positions
+            request_id, self.kv.tables[request_id], num_positions, to_host=to_host
         )
         times = request.times
         state = HandoffState(

@@ -195,16 +195,25 @@ class ModelRunner(Executor):
     # ---- hand-off (prefill/decode disaggregation) -------------------------------------------
 
     def export_request(
-        self, request_id: str, table: tuple[list[int], ...], num_positions: int
+        self,
+        request_id: str,
+        table: tuple[list[int], ...],
+        num_positions: int,
+        *,
+        to_host: bool = True,
     ) -> tuple[torch.Tensor, bytes | None]:
-        """A CPU copy of the K/V of positions [0, num_positions) of every plane of `table`
-        (whole blocks, plane-major) and the request's generator state (None when greedy).
-        The request must have no work in flight (it is between decode tokens)."""
+        """A copy of the K/V of positions [0, num_positions) of every plane of `table` (whole
+        blocks, plane-major) and the request's generator state (None when greedy). The copy
+        is on the CPU, or with `to_host=False` on the cache's device (a gathered tensor of its
+        own, for a transport that sends device memory). The request must have no work in
+        flight (it is between decode tokens)."""
         assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
         blocks = -(-num_positions // self.block_size)
         ids = [plane[i] for plane in table for i in range(blocks)]
         index = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        kv = self.swap._blocks(self.kv_cache)[:, :, index].to("cpu", copy=True)
+        kv = self.swap._blocks(self.kv_cache)[:, :, index]  # advanced indexing: a new tensor
+        if to_host:
+            kv = kv.to("cpu", copy=True)
         generator = self.samplers[request_id][1]
         state = None if generator is None else generator.get_state().numpy().tobytes()
         return kv, state

@@ -29,6 +29,7 @@ and every call with prompt rows or a longer context run eagerly (the caller chec
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -41,6 +42,9 @@ from loopserve.runner.attention.torch_paged import (
 )
 
 GRAPH_MAX_CONTEXT = 2048  # positions a graphed decode row may attend to (see the docstring)
+
+
+logger = logging.getLogger(__name__)
 
 
 def graph_buckets(max_rows: int) -> tuple[int, ...]:
@@ -228,3 +232,21 @@ class DecodeGraphs:
             self.graphs[bucket] = graph
         torch.cuda.synchronize()
         self.num_calls = self.num_padded_rows = 0
+
+
+def build_decode_graphs(
+    graph_mode: str, core, kv_cache: torch.Tensor, **kwargs
+) -> tuple[DecodeGraphs | None, str | None]:
+    """The runner's decode graphs for `graph_mode` ('off': none; 'emulate': static buffers,
+    run eagerly; 'capture': CUDA graphs) and the capture error, if capturing failed (decode
+    then runs eagerly: the failure is logged once, loudly, and reported, not raised)."""
+    if graph_mode == "off":
+        return None, None
+    graphs = DecodeGraphs(core, kv_cache, capture=False, **kwargs)
+    if graph_mode == "capture":
+        try:
+            graphs.capture()
+        except Exception as err:  # keep serving eagerly; say why, once, loudly
+            logger.exception("CUDA graph capture failed; decode runs eagerly")
+            return None, f"{type(err).__name__}: {err}"
+    return graphs, None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -31,39 +30,27 @@ from loopserve.contracts import (
     Executor,
     ItemKind,
     ItemResult,
-    KVTransfer,
     NewRequestData,
     RequestFailure,
     RunnerOutput,
     SampledToken,
     SampleSpec,
     SchedulerOutput,
-    SwapKind,
     WorkItem,
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.attention.base import RowSegment, finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
-from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, DecodeGraphs
+from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, build_decode_graphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
-from loopserve.runner.swap import SwapSpace
+from loopserve.runner.swap import InFlight, KVMoves
 
 logger = logging.getLogger(__name__)
 Sampler = tuple[SampleSpec, torch.Generator | None]
-
-
-@dataclass
-class InFlight:
-    """Work paused between steps: hidden [rows, hidden] of its last loop, plus, for the chunk
-    holding the last prompt position, that row's hazards and outputs of every depth so far."""
-
-    hidden: torch.Tensor
-    hazards: list[float] = field(default_factory=list)
-    last_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class ModelRunner(Executor):
@@ -120,11 +107,12 @@ class ModelRunner(Executor):
         self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
-        self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
+        self.moves = KVMoves(self.kv_cache, num_host_blocks, block_size, self.inflight)
+        self.swap = self.moves.swap
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
-        self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
+        self.swapped_inflight = self.moves.swapped_inflight
         # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state).
-        self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None]] = {}
+        self.staged_imports = self.moves.staged_imports
         self.attention = make_attention_backend(
             attention_backend,
             self.kv_cache,
@@ -133,27 +121,17 @@ class ModelRunner(Executor):
             batch_invariant=batch_invariant,
             cascade=cascade_attention,
         )
-        self.graphs: DecodeGraphs | None = None
-        self.graph_capture_error: str | None = None
-        if graph_mode != "off":
-            self.graphs = DecodeGraphs(
-                model.core,
-                self.kv_cache,
-                hidden_size=config.hidden_size,
-                block_size=block_size,
-                max_context=min(max_model_len or config.max_position_embeddings, GRAPH_MAX_CONTEXT),
-                max_rows=max_num_seqs,
-                dummy_block=num_blocks,
-                scale=self.scale,
-                capture=False,
-            )
-            if graph_mode == "capture":
-                try:
-                    self.graphs.capture()
-                except Exception as err:  # keep serving eagerly; say why, once, loudly
-                    logger.exception("CUDA graph capture failed; decode runs eagerly")
-                    self.graph_capture_error = f"{type(err).__name__}: {err}"
-                    self.graphs = None
+        self.graphs, self.graph_capture_error = build_decode_graphs(
+            graph_mode,
+            model.core,
+            self.kv_cache,
+            hidden_size=config.hidden_size,
+            block_size=block_size,
+            max_context=min(max_model_len or config.max_position_embeddings, GRAPH_MAX_CONTEXT),
+            max_rows=max_num_seqs,
+            dummy_block=num_blocks,
+            scale=self.scale,
+        )
 
     @staticmethod
     def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
@@ -176,7 +154,7 @@ class ModelRunner(Executor):
                 self._drop_request(new.request_id)
                 failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
-            self._swap(transfer)
+            self.moves.apply(transfer)
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
         return tuple(failures)
@@ -202,18 +180,11 @@ class ModelRunner(Executor):
         *,
         to_host: bool = True,
     ) -> tuple[torch.Tensor, bytes | None]:
-        """A copy of the K/V of positions [0, num_positions) of every plane of `table` (whole
-        blocks, plane-major) and the request's generator state (None when greedy). The copy
-        is on the CPU, or with `to_host=False` on the cache's device (a gathered tensor of its
-        own, for a transport that sends device memory). The request must have no work in
-        flight (it is between decode tokens)."""
+        """A copy of the K/V of positions [0, num_positions) of every plane of `table` (see
+        `KVMoves.export`) and the request's generator state (None when greedy). The request
+        must have no work in flight (it is between decode tokens)."""
         assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
-        blocks = -(-num_positions // self.block_size)
-        ids = [plane[i] for plane in table for i in range(blocks)]
-        index = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        kv = self.swap._blocks(self.kv_cache)[:, :, index]  # advanced indexing: a new tensor
-        if to_host:
-            kv = kv.to("cpu", copy=True)
+        kv = self.moves.export(table, num_positions, to_host=to_host)
         generator = self.samplers[request_id][1]
         state = None if generator is None else generator.get_state().numpy().tobytes()
         return kv, state
@@ -223,47 +194,12 @@ class ModelRunner(Executor):
     ) -> None:
         """Hold a handed-off request's K/V and generator state until the scheduler admits it
         (`KVTransfer(IMPORT)` and its `NewRequestData`), or releases it (aborted first)."""
-        expected = (*self.kv_cache.shape[:2], self.block_size, *self.kv_cache.shape[3:])
-        shape = (*kv.shape[:2], *kv.shape[3:])
-        if shape != expected or kv.dtype != self.kv_cache.dtype:
-            raise ValueError(f"hand-off K/V {tuple(kv.shape)} {kv.dtype} does not fit this cache")
-        self.staged_imports[request_id] = (kv, generator_state)
-
-    def _import(self, transfer: KVTransfer) -> None:
-        kv, _ = self.staged_imports.pop(transfer.request_id)
-        if not transfer.block_moves:
-            return
-        src_ids, dst_ids = zip(*transfer.block_moves)
-        src = kv[:, :, torch.tensor(src_ids, dtype=torch.int64)].to(self.device)
-        dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=self.device)
-        self.swap._blocks(self.kv_cache)[:, :, dst_index] = src
+        self.moves.stage_import(request_id, kv, generator_state)
 
     def _drop_request(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
-        self.swapped_inflight.pop(request_id, None)
-        self.staged_imports.pop(request_id, None)
-
-    def _swap(self, transfer: KVTransfer) -> None:
-        """Copy the blocks, and move the request's paused work with them (same handles)."""
-        request_id = transfer.request_id
-        if transfer.kind is SwapKind.IMPORT:
-            self._import(transfer)
-            return
-        self.swap.copy(transfer)
-        if transfer.kind is SwapKind.OUT:
-            handles = self.inflight.handles_of(request_id)
-            states = {h: self.inflight.resume(h) for h in handles if h in self.inflight}
-            self.inflight.release(request_id)
-            self.swapped_inflight[request_id] = {
-                h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.last_rows])
-                for h, s in states.items()
-            }
-            return
-        for handle, state in self.swapped_inflight.pop(request_id).items():
-            hidden = state.hidden.to(self.device)
-            rows = [r.to(self.device) for r in state.last_rows]
-            self.inflight.keep(request_id, handle, InFlight(hidden, state.hazards, rows))
+        self.moves.drop(request_id)
 
     @property
     def num_live_handles(self) -> int:
@@ -433,14 +369,8 @@ class ModelRunner(Executor):
 
     def _finalize(self, tables, items: list[WorkItem]) -> None:
         """Copy each exited token's K/V of its exit depth into every deeper plane."""
-        src, dst = [], []
-        for item in items:
-            table = tables[item.request_id]
-            block, offset = divmod(item.token_start, self.block_size)
-            source = table[item.depth][block] * self.block_size + offset
-            for plane in range(item.depth + 1, self.num_loops):
-                src.append(source)
-                dst.append(table[plane][block] * self.block_size + offset)
+        exits = [(tables[item.request_id], item.token_start, item.depth) for item in items]
+        src, dst = finalize_slots(exits, self.block_size, self.num_loops)
         src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
         self.attention.finalize(src_t, dst_t)

@@ -1,4 +1,4 @@
-"""Host swap space: whole KV blocks and in-flight hidden states of preempted requests.
+"""KV moves: host swap space for preempted requests, and hand-off export/import copies.
 
 The scheduler decides what moves (`KVTransfer`: block id pairs, all planes of a request);
 this room only copies. Host blocks live in one tensor shaped like the device cache
@@ -8,13 +8,30 @@ between loops, prompt chunks between depths) move with it, under the same handle
 request resumes exactly where it stopped. Transfers run in the order given, before the
 step's core calls: a device block freed by a swap-out may be reused by a later transfer or
 by this step's rows.
+
+`KVMoves` also holds what prefill/decode hand-offs move: `export` gathers a request's blocks
+of every plane into one tensor; a handed-off request's K/V waits in `staged_imports` until
+the scheduler admits it with a `KVTransfer(IMPORT)` (its block ids in this cache).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from loopserve.contracts import KVTransfer, SwapKind
+from loopserve.runner.handles import HandleTable
+
+
+@dataclass
+class InFlight:
+    """Work paused between steps: hidden [rows, hidden] of its last loop, plus, for the chunk
+    holding the last prompt position, that row's hazards and outputs of every depth so far."""
+
+    hidden: torch.Tensor
+    hazards: list[float] = field(default_factory=list)
+    last_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class SwapSpace:
@@ -57,3 +74,79 @@ class SwapSpace:
             self.num_bytes_out += moved.numel() * moved.element_size()
         else:
             self.num_bytes_in += moved.numel() * moved.element_size()
+
+
+class KVMoves:
+    """Every copy of a request's K/V (and paused work) out of or into the device cache."""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_host_blocks: int,
+        block_size: int,
+        inflight: HandleTable[InFlight],
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.inflight = inflight
+        self.swap = SwapSpace(kv_cache, num_host_blocks, block_size)
+        # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
+        self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
+        # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state).
+        self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None]] = {}
+
+    def export(
+        self, table: tuple[list[int], ...], num_positions: int, *, to_host: bool = True
+    ) -> torch.Tensor:
+        """A copy of the K/V of positions [0, num_positions) of every plane of `table`
+        (whole blocks, plane-major), on the CPU or, with `to_host=False`, on the cache's
+        device (a gathered tensor of its own, for a transport that sends device memory)."""
+        blocks = -(-num_positions // self.block_size)
+        ids = [plane[i] for plane in table for i in range(blocks)]
+        index = torch.tensor(ids, dtype=torch.int64, device=self.kv_cache.device)
+        kv = self.swap._blocks(self.kv_cache)[:, :, index]  # advanced indexing: a new tensor
+        return kv.to("cpu", copy=True) if to_host else kv
+
+    def stage_import(
+        self, request_id: str, kv: torch.Tensor, generator_state: bytes | None
+    ) -> None:
+        expected = (*self.kv_cache.shape[:2], self.block_size, *self.kv_cache.shape[3:])
+        shape = (*kv.shape[:2], *kv.shape[3:])
+        if shape != expected or kv.dtype != self.kv_cache.dtype:
+            raise ValueError(f"hand-off K/V {tuple(kv.shape)} {kv.dtype} does not fit this cache")
+        self.staged_imports[request_id] = (kv, generator_state)
+
+    def drop(self, request_id: str) -> None:
+        self.swapped_inflight.pop(request_id, None)
+        self.staged_imports.pop(request_id, None)
+
+    def apply(self, transfer: KVTransfer) -> None:
+        """Copy the blocks, and move the request's paused work with them (same handles)."""
+        request_id = transfer.request_id
+        if transfer.kind is SwapKind.IMPORT:
+            self._import(transfer)
+            return
+        self.swap.copy(transfer)
+        if transfer.kind is SwapKind.OUT:
+            handles = self.inflight.handles_of(request_id)
+            states = {h: self.inflight.resume(h) for h in handles if h in self.inflight}
+            self.inflight.release(request_id)
+            self.swapped_inflight[request_id] = {
+                h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.last_rows])
+                for h, s in states.items()
+            }
+            return
+        device = self.kv_cache.device
+        for handle, state in self.swapped_inflight.pop(request_id).items():
+            hidden = state.hidden.to(device)
+            rows = [r.to(device) for r in state.last_rows]
+            self.inflight.keep(request_id, handle, InFlight(hidden, state.hazards, rows))
+
+    def _import(self, transfer: KVTransfer) -> None:
+        kv, _ = self.staged_imports.pop(transfer.request_id)
+        if not transfer.block_moves:
+            return
+        src_ids, dst_ids = zip(*transfer.block_moves)
+        src = kv[:, :, torch.tensor(src_ids, dtype=torch.int64)].to(self.kv_cache.device)
+        dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=self.kv_cache.device)
+        self.swap._blocks(self.kv_cache)[:, :, dst_index] = src

@@ -83,3 +83,20 @@ def write_slots_of(segments: Sequence[RowSegment], block_size: int) -> list[int]
             for position in range(seg.start, seg.start + seg.count)
         )
     return slots
+
+
+def finalize_slots(
+    exits: Sequence[tuple[tuple[list[int], ...], int, int]], block_size: int, num_planes: int
+) -> tuple[list[int], list[int]]:
+    """Source and destination slots of LAST_EXITED finalize copies: for each exit
+    `(block tables of every plane, position, exit depth)`, the slot of the position in the
+    exit depth's plane, copied into every deeper plane."""
+    src: list[int] = []
+    dst: list[int] = []
+    for table, position, depth in exits:
+        block, offset = divmod(position, block_size)
+        source = table[depth][block] * block_size + offset
+        for plane in range(depth + 1, num_planes):
+            src.append(source)
+            dst.append(table[plane][block] * block_size + offset)
+    return src, dst

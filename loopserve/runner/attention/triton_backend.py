@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.runner.attention import triton_kernels as kernels
+from loopserve.runner.attention import triton_prefill
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
 from loopserve.runner.attention.cascade import CascadePlan, merge_partial
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
@@ -189,7 +190,7 @@ class TritonAttention:
             split_len=backend.decode_split_len(meta),
             block_n=backend.decode_block_n,
         )
-        kernels.prefill_attention(
+        triton_prefill.prefill_attention(
             query,
             key_cache,
             value_cache,

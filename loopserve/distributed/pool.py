@@ -91,6 +91,8 @@ class _Replica:
     num_prefix_hits: int = 0
     num_failed_requests: int = 0
     failed_instance_id: str | None = None  # the instance that failed; its late replies are stale
+    role: str | None = None  # prefill | decode in a prefill/decode pool (`PDReplicaPool`)
+    num_handoffs: int = 0  # requests it exported (prefill) or imported (decode)
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,8 @@ class ReplicaPool(SubmitGenerate):
                     num_prefix_hits=r.num_prefix_hits,
                     num_restarts=r.num_restarts,
                     num_failed_requests=r.num_failed_requests,
+                    role=r.role,
+                    num_handoffs=r.num_handoffs,
                 )
                 for r in self.replicas
             ),
@@ -232,7 +236,8 @@ class ReplicaPool(SubmitGenerate):
             await asyncio.to_thread(self.init_ray)  # a no-op when done before
             actor_cls = self._actor_class()
             for index in range(self.num_replicas):
-                self.replicas.append(_Replica(index, actor_cls.remote(**self._replica_kwargs())))
+                actor = actor_cls.remote(**self._replica_kwargs())
+                self.replicas.append(_Replica(index, actor, role=self.role_of(index)))
             # The first replica to load decides: its info serves all (they share the engine
             # arguments); if it failed, the model cannot load. The others join through their
             # probes whenever they are up (a replica waiting for a free GPU does not block).
@@ -250,6 +255,10 @@ class ReplicaPool(SubmitGenerate):
         self.router.block_size = info.block_size
         for replica in self.replicas:
             self._tasks.append(asyncio.ensure_future(self._probe(replica)))
+
+    def role_of(self, index: int) -> str | None:
+        """The role of replica `index`: None here (every replica does everything)."""
+        return None
 
     def init_ray(self) -> None:
         """Start the embedded Ray cluster (or join `ray_address`) unless Ray is already
@@ -383,7 +392,7 @@ class ReplicaPool(SubmitGenerate):
             RoutedRequest(r.request_id, len(p.token_ids), r.params.max_tokens)
             for r, p in zip(requests, prompts)
         ]
-        stream = PoolStream(self, list(requests), routed, prompt_ids)
+        stream = self._new_stream(list(requests), routed, prompt_ids)
         self._num_in_flight += len(requests)
         self._idle.clear()
         self._streams.add(stream)
@@ -393,6 +402,14 @@ class ReplicaPool(SubmitGenerate):
             stream.close()
             raise
         return stream
+
+    def _new_stream(
+        self,
+        requests: list[GenerateRequest],
+        routed: list[RoutedRequest],
+        prompt_token_ids: list[int] | None,
+    ) -> PoolStream:
+        return PoolStream(self, requests, routed, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         for stream in list(self._streams):

@@ -60,6 +60,13 @@ def test_pd_and_data_parallel_size_exclude_each_other(capsys):
     assert "--pd prefill=1,decode=1 and --data-parallel-size 2 exclude each other" in err
 
 
+def test_pd_refuses_async_scheduling(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--pd", "prefill=1,decode=1", "--async-scheduling", "--exit-mode", "trace"])
+    assert exit_info.value.code == 2
+    assert "--pd needs --async-scheduling off" in capsys.readouterr().err
+
+
 def test_pd_alone_serves_on_ray():
     parse = argparse.Namespace
     assert uses_ray(parse(data_parallel_size=1, ray_address=None, pd=PDSpec(1, 1)))

@@ -109,6 +109,12 @@ def check_distributed_args(args: argparse.Namespace) -> None:
             "other: --pd sets the replicas itself (prefill + decode); drop "
             "--data-parallel-size, or give more replicas per role in --pd"
         )
+    if args.pd is not None and getattr(args, "async_scheduling", False):
+        raise UsageError(
+            "--pd needs --async-scheduling off: a request is handed off between two tokens, "
+            "and asynchronous scheduling plans the next token's loops before the hand-off "
+            "could happen"
+        )
 
 
 def build_pool(

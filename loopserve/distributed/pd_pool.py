@@ -40,12 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopserve.distributed.args import PDSpec
-from loopserve.distributed.pool import (
-    MAX_REROUTES,
-    PoolConfig,
-    ReplicaFailedError,
-    ReplicaPool,
-)
+from loopserve.distributed.pool import PoolConfig, ReplicaPool
+from loopserve.distributed.pool_stream import MAX_REROUTES, ReplicaFailedError
 from loopserve.distributed.replica import Accepted, EngineFailed, Exported, Rejected
 from loopserve.distributed.router import RoutedRequest
 from loopserve.errors import LoopserveError

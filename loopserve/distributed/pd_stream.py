@@ -185,6 +185,7 @@ class PDStream:
                 return
             if isinstance(item, Exported):
                 self._on_exported(item, state_ref, leg)
+                del state_ref  # the hand-off holds it now; it must not outlive that
             else:
                 self._received_any = True
                 self._put(item)
@@ -255,6 +256,7 @@ class PDStream:
                 pool.router.finish(request_id)
                 pool.replica_failed(index, leg.instance_id, err)
                 why = f"decode replica {index} failed: {type(err).__name__}"
+                await asyncio.sleep(HANDOFF_RETRY_S)  # the state is kept for the next try
                 continue
             except ray.exceptions.RayError as err:
                 pool.router.finish(request_id)

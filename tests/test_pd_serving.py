@@ -166,6 +166,38 @@ def test_first_token_streams_from_prefill_and_the_rest_from_decode(pools, tiny_t
     assert after[PREFILL].num_imported == 0 and after[DECODE].num_exported == 0
 
 
+def test_a_submission_of_several_requests_hands_each_off(pools, tiny_tok_dir, loop):
+    """One submission (as `n` > 1 or a batch of prompts makes): one prefill stream, one
+    hand-off and decode stream per request, merged into one stream."""
+    pool = pools.get()
+    prompt = _prompt(11, 8)
+    params = [
+        SamplingParams(max_tokens=6 + i, temperature=0.8, seed=70 + i, ignore_eos=True)
+        for i in range(3)
+    ]
+    requests = [GenerateRequest(f"n-{i}", prompt, sp) for i, sp in enumerate(params)]
+
+    async def main():
+        stream = await pool.submit(requests)
+        outputs: dict[str, list] = {r.request_id: [] for r in requests}
+        with stream:
+            async for output in stream:
+                outputs[output.request_id].append(output)
+        return outputs, stream
+
+    outputs, stream = loop.run_until_complete(main())
+    expected = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro")).generate(
+        [prompt] * 3, params
+    )
+    for request, want in zip(requests, expected):
+        got = outputs[request.request_id]
+        assert got[-1].token_ids == want.token_ids and got[-1].exit_depths == want.exit_depths
+        assert got[0].new_token_ids == want.token_ids[:1]
+        assert sum((o.new_token_ids for o in got), []) == want.token_ids
+    assert sorted(stream.decode_replicas) == ["n-0", "n-1", "n-2"]
+    assert pool.num_in_flight == 0
+
+
 def test_aborts_around_the_hand_off_free_both_replicas(pools, loop):
     pool = pools.get()
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)

@@ -71,3 +71,11 @@ def test_pd_alone_serves_on_ray():
     parse = argparse.Namespace
     assert uses_ray(parse(data_parallel_size=1, ray_address=None, pd=PDSpec(1, 1)))
     assert not uses_ray(parse(data_parallel_size=1, ray_address=None, pd=None))
+
+
+def test_pd_pool_refuses_async_scheduling():
+    from loopserve.distributed.pd_pool import PDReplicaPool
+    from loopserve.distributed.pool import PoolConfig
+
+    with pytest.raises(ValueError, match="needs async_scheduling off"):
+        PDReplicaPool({"async_scheduling": True}, PoolConfig(num_replicas=2), PDSpec(1, 1))

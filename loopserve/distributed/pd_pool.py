@@ -42,6 +42,8 @@ class PDReplicaPool(ReplicaPool):
     ) -> None:
         if spec.num_prefill < 1 or spec.num_decode < 1:
             raise ValueError(f"--pd needs >= 1 replica per role, got {spec}")
+        if engine_args.get("async_scheduling"):  # no request could ever be handed off
+            raise ValueError("prefill/decode disaggregation needs async_scheduling off")
         config = dataclasses.replace(config, num_replicas=spec.num_prefill + spec.num_decode)
         super().__init__(engine_args, config, on_load_error=on_load_error)
         self.spec = spec

@@ -35,8 +35,14 @@ NUM_LOOPS = 4  # the tiny checkpoint's loops per token
 PREFILL, DECODE = 0, 1  # replica indices in a 1P1D pool
 
 
-def _engine_args(model_dir, layout: str, exit_mode: str) -> dict[str, object]:
-    return {"model": str(model_dir), **ENGINE_ARGS, "layout": layout, "exit_mode": exit_mode}
+def _engine_args(model_dir, layout: str, exit_mode: str, num_blocks: int = 512) -> dict:
+    return {
+        "model": str(model_dir),
+        **ENGINE_ARGS,
+        "layout": layout,
+        "exit_mode": exit_mode,
+        "num_blocks": num_blocks,
+    }
 
 
 class _Pools:
@@ -45,24 +51,28 @@ class _Pools:
     def __init__(self, model_dir, loop: asyncio.AbstractEventLoop) -> None:
         self.model_dir = model_dir
         self.loop = loop
-        self.key: tuple[str, str] | None = None
+        self.key: tuple[str, str, int] | None = None
         self.pool: PDReplicaPool | None = None
 
-    def get(self, layout: str = "last_exited", exit_mode: str = "ouro") -> PDReplicaPool:
-        if self.key == (layout, exit_mode):
+    def get(
+        self, layout: str = "last_exited", exit_mode: str = "ouro", num_blocks: int = 512
+    ) -> PDReplicaPool:
+        if self.key == (layout, exit_mode, num_blocks):
             assert self.pool is not None
             assert self.loop.run_until_complete(self.pool.wait_serving(2, 120.0))
             return self.pool
         self.close()
         config = PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2)
-        pool = PDReplicaPool(_engine_args(self.model_dir, layout, exit_mode), config, PDSpec(1, 1))
+        pool = PDReplicaPool(
+            _engine_args(self.model_dir, layout, exit_mode, num_blocks), config, PDSpec(1, 1)
+        )
 
         async def start() -> None:
             pool.start()
             assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
 
         self.loop.run_until_complete(start())
-        self.key, self.pool = (layout, exit_mode), pool
+        self.key, self.pool = (layout, exit_mode, num_blocks), pool
         return pool
 
     def close(self) -> None:
@@ -390,3 +400,30 @@ def test_serving_one_prefill_one_decode_equals_colocated(
     assert after[DECODE].num_imported - before[DECODE].num_imported == 4  # all but max_tokens=1
     decoded = [d for (outputs, _) in results for d in outputs[-1].exit_depths[1:]]
     assert min(decoded) < NUM_LOOPS  # decode tokens exited early on the decode replica
+
+
+def test_a_full_decode_replica_makes_hand_offs_wait_not_fail(pools, tiny_tok_dir, loop):
+    """96 KV blocks: a request here grows to 12 blocks in each of the 4 planes (8 prompt + 40
+    output positions), so the decode replica holds two at their peak; the other hand-offs
+    wait in its queue or are preempted, and every request still completes exactly."""
+    pool = pools.get(num_blocks=96)
+    prompts = [_prompt(50 + k, 8) for k in range(5)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in prompts]
+    before = _gather(loop, _stats(pool))[0]
+    results = _gather(
+        loop,
+        *(_collect(pool, f"full-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))),
+    )
+    after = _gather(loop, _stats(pool))[0]
+    expected = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro", 96)).generate(
+        prompts, params
+    )
+    for (outputs, _), want in zip(results, expected):
+        assert outputs[-1].token_ids == want.token_ids and outputs[-1].finish_reason == "length"
+    snap_before, snap_after = before[DECODE].snapshot, after[DECODE].snapshot
+    preempted = (snap_after.num_preemptions_recompute + snap_after.num_preemptions_swap) - (
+        snap_before.num_preemptions_recompute + snap_before.num_preemptions_swap
+    )
+    assert preempted > 0  # the decode replica really ran out of KV blocks
+    assert after[DECODE].num_imported - before[DECODE].num_imported == 5
+    assert snap_after.num_free_blocks == snap_after.num_total_blocks == 96

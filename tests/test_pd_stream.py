@@ -171,7 +171,7 @@ def test_prefill_replica_dying_before_any_output_reroutes_to_the_other():
     assert stream.num_reroutes == 1 and stream.replica == 1
     assert pool.replicas[0].state is ReplicaState.RESTARTING  # out of rotation until it is back
     assert pool.replicas[0].num_failed_requests == 0  # nothing was lost
-    assert d2.called("import_handoff") == [(state, None)]  # the reference, passed on as is
+    assert d2.called("import_handoff") == [(state, None, None)]  # the reference, as is
     assert not state.awaited  # the server never fetched the state (its K/V)
     assert d2.called("decode_stream") == [("r", False)]
     assert pool.num_in_flight == 0
@@ -249,3 +249,43 @@ def test_closing_before_the_export_aborts_on_prefill_and_drops_the_state():
     assert p0.called("abort") == [(["r"],)]
     assert not d1.calls  # never imported
     assert pool.num_in_flight == 0
+
+
+def _state(**times: object):
+    from loopserve.distributed.handoff import HandoffState
+
+    return HandoffState(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        output_token_ids=[3],
+        exit_depths=[4],
+        logprobs=[],
+        params=SamplingParams(),
+        num_planes=4,
+        block_size=4,
+        num_kv_positions=2,
+        kv=None,
+        generator_state=None,
+        **times,  # type: ignore[arg-type]
+    )
+
+
+def test_times_of_a_hand_off_from_another_machine_are_rebased():
+    import time
+
+    from loopserve.distributed.replica import rebase_times
+
+    state = _state(arrival_s=10.0, first_scheduled_s=10.5, first_token_s=11.0, token_times_s=[11.0])
+    here_offset_s = time.time() - time.monotonic()
+    assert rebase_times(state, None) is state
+    assert rebase_times(state, here_offset_s) is state  # the same machine: one clock
+    # The exporter's monotonic clock reads 250 s less than ours at the same wall time.
+    moved = rebase_times(state, here_offset_s + 250.0)
+    assert moved.arrival_s == pytest.approx(260.0, abs=1e-3)
+    assert moved.first_scheduled_s == pytest.approx(260.5, abs=1e-3)
+    assert moved.first_token_s == pytest.approx(261.0, abs=1e-3)
+    assert moved.token_times_s == pytest.approx([261.0], abs=1e-3)
+    assert moved.kv is state.kv and moved.output_token_ids == [3]
+    unscheduled = rebase_times(_state(arrival_s=1.0), here_offset_s - 5.0)
+    assert unscheduled.arrival_s == pytest.approx(-4.0, abs=1e-3)
+    assert unscheduled.first_token_s is None

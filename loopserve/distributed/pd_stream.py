@@ -56,11 +56,11 @@ HANDOFF_WAIT_S = 30.0  # how long an exported request may wait for a decode repl
 HANDOFF_RETRY_S = 0.05
 
 
-def hand_off(decode_actor: Any, state_ref: Any, prompt_text: str | None) -> Any:
+def hand_off(decode_actor: Any, exported: Exported, state_ref: Any, prompt_text: str | None) -> Any:
     """Move one exported request to a decode replica; returns the reference of its answer
     (`Accepted` or `Rejected`). The transport is Ray's object store: the decode replica's
     worker fetches the state (K/V included) from the store, never through this process."""
-    return decode_actor.import_handoff.remote(state_ref, prompt_text)
+    return decode_actor.import_handoff.remote(state_ref, prompt_text, exported.clock_offset_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,14 +224,15 @@ class PDStream:
             return  # aborted meanwhile: dropping the reference frees the state
         self._in_flight.add(request_id)
         remaining = max(0, self._max_tokens[request_id] - exported.num_output_tokens)
-        pool.spawn(self._guarded(self._hand_off(request_id, state_ref, remaining)))
+        pool.spawn(self._guarded(self._hand_off(exported, state_ref, remaining)))
 
-    async def _hand_off(self, request_id: str, state_ref: Any, remaining_tokens: int) -> None:
+    async def _hand_off(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> None:
         """Get the exported request taken by a decode replica (retrying as the module
         docstring says), then stream its outputs."""
         import ray
 
         pool = self.owner
+        request_id = exported.request_id
         deadline_s = time.monotonic() + HANDOFF_WAIT_S
         why = "no decode replica is serving"
         while True:
@@ -251,7 +252,8 @@ class PDStream:
             leg = _Leg(DECODE, index, replica.instance_id)
             pool.router.assign(index, [RoutedRequest(request_id, 0, remaining_tokens)])
             try:
-                answer = await hand_off(replica.actor, state_ref, self._prompt_texts[request_id])
+                prompt_text = self._prompt_texts[request_id]
+                answer = await hand_off(replica.actor, exported, state_ref, prompt_text)
             except ray.exceptions.RayActorError as err:  # died before taking it: retry
                 pool.router.finish(request_id)
                 pool.replica_failed(index, leg.instance_id, err)

@@ -32,6 +32,8 @@ This module does not route, retry or restart; the pool does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -100,6 +102,9 @@ class Exported:
 
     request_id: str
     num_output_tokens: int  # output tokens it carries (streamed already)
+    # The exporter's `time.time() - time.monotonic()`: lets an importer on another node
+    # rebase the request's times (monotonic clocks are per machine).
+    clock_offset_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,17 +221,20 @@ class EngineReplica:
             async for item in items:
                 if isinstance(item, HandoffState):
                     self._num_exported += 1
-                    yield Exported(item.request_id, len(item.output_token_ids))
+                    offset_s = time.time() - time.monotonic()
+                    yield Exported(item.request_id, len(item.output_token_ids), offset_s)
                 yield item
 
     async def import_handoff(
-        self, state: HandoffState, prompt_text: str | None
+        self, state: HandoffState, prompt_text: str | None, clock_offset_s: float | None = None
     ) -> Accepted | Rejected:
         """Import a request a prefill replica exported (`decode_stream` then streams it): it
         waits here, K/V staged, until this engine's KV cache has room. A plain call, not a
-        stream, so Ray releases the state's object once it is imported."""
+        stream, so Ray releases the state's object once it is imported. `clock_offset_s`: the
+        exporter's (`Exported.clock_offset_s`), to rebase the request's times here."""
         llm = self._started()
         await llm.wait_ready()
+        state = rebase_times(state, clock_offset_s)
         try:
             stream = await llm.submit_import(state, prompt_text)
         except LoopserveError as err:
@@ -347,6 +355,32 @@ class EngineReplica:
     async def shutdown(self, timeout_s: float) -> None:
         if self._llm is not None:
             await self._llm.shutdown(timeout_s)
+
+
+MAX_SAME_CLOCK_SKEW_S = 1e-3  # two readings of one machine's clocks differ by less
+
+
+def rebase_times(state: HandoffState, exporter_offset_s: float | None) -> HandoffState:
+    """`state` with its times moved onto this process's monotonic clock, when the exporter's
+    clock differs (another machine): through wall-clock time, so as exact as the two machines'
+    wall clocks agree. On the same machine (offsets within `MAX_SAME_CLOCK_SKEW_S`) or without
+    an offset, `state` as is."""
+    if exporter_offset_s is None:
+        return state
+    shift_s = exporter_offset_s - (time.time() - time.monotonic())
+    if abs(shift_s) < MAX_SAME_CLOCK_SKEW_S:
+        return state
+
+    def moved(t: float | None) -> float | None:
+        return None if t is None else t + shift_s
+
+    return dataclasses.replace(
+        state,
+        arrival_s=state.arrival_s + shift_s,
+        first_scheduled_s=moved(state.first_scheduled_s),
+        first_token_s=moved(state.first_token_s),
+        token_times_s=[t + shift_s for t in state.token_times_s],
+    )
 
 
 async def _relay(

@@ -6,7 +6,8 @@ Each fake replica answers the calls the pool makes (`prefill`, `import_handoff`,
 dead actor raises `RayActorError`. The tests script what each replica does and when, so the
 paths a real cluster hits only by timing (a replica dying before any output, a decode replica
 refusing or dying before it takes a request, a client leaving while the request is in flight)
-run every time. Real replicas are in tests/test_pd_serving.py. Needs Ray only for its
+run every time; so does prefix routing among prefill replicas, and the rebasing of a hand-off's
+times from another machine's clock. Real replicas are in tests/test_pd_serving.py. Needs Ray only for its
 exception types (the optional `ray` extra).
 """
 
@@ -122,8 +123,8 @@ def _output(request_id: str, token_ids: list[int], *, finished: bool, new: int) 
     )
 
 
-def _pool(spec: PDSpec) -> tuple[PDReplicaPool, list[FakeReplica]]:
-    pool = PDReplicaPool({}, PoolConfig(num_replicas=1), spec)
+def _pool(spec: PDSpec, routing: str = "least_load") -> tuple[PDReplicaPool, list[FakeReplica]]:
+    pool = PDReplicaPool({"block_size": 4}, PoolConfig(num_replicas=1, routing=routing), spec)
     fakes = [FakeReplica() for _ in range(pool.num_replicas)]
     pool.replicas = [
         _Replica(i, fake, ReplicaState.SERVING, instance_id=f"i{i}", role=pool.role_of(i))
@@ -133,9 +134,11 @@ def _pool(spec: PDSpec) -> tuple[PDReplicaPool, list[FakeReplica]]:
     return pool, fakes
 
 
-def _submit(pool: PDReplicaPool, request_id: str = "r", max_tokens: int = 3):
+def _submit(
+    pool: PDReplicaPool, request_id: str = "r", max_tokens: int = 3, prompt: list[int] | None = None
+):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    request = GenerateRequest(request_id, ProcessedPrompt(None, [1, 2, 3]), params)
+    request = GenerateRequest(request_id, ProcessedPrompt(None, prompt or [1, 2, 3]), params)
     return pool.submit([request])
 
 
@@ -249,6 +252,31 @@ def test_closing_before_the_export_aborts_on_prefill_and_drops_the_state():
     assert p0.called("abort") == [(["r"],)]
     assert not d1.calls  # never imported
     assert pool.num_in_flight == 0
+
+
+def test_prefix_routing_keeps_a_shared_prefix_on_one_prefill_replica():
+    shared = list(range(10, 22))  # three full blocks of 4
+
+    async def submitted(pool, fakes, request_id, prompt):
+        before = [len(f.streams) for f in fakes]
+        submitting = asyncio.ensure_future(_submit(pool, request_id, 50, prompt))
+        await _until(lambda: [len(f.streams) for f in fakes] != before)
+        (index,) = [i for i, f in enumerate(fakes) if len(f.streams) != before[i]]
+        fakes[index].streams[-1].push(Accepted())
+        return await submitting, index
+
+    async def main():
+        pool, fakes = _pool(PDSpec(2, 1), routing="prefix")
+        # Three same-prefix requests in flight at once: by load they would alternate.
+        same = [await submitted(pool, fakes, f"s{i}", shared + [90 + i]) for i in range(3)]
+        other = await submitted(pool, fakes, "o", list(range(50, 62)))
+        return pool, same, other
+
+    pool, same, (_, other_index) = asyncio.run(main())
+    indices = {index for _, index in same}
+    assert len(indices) == 1 and indices <= {0, 1}, indices  # a prefill replica
+    assert other_index == 1 - indices.pop()  # the other prompt went by load
+    assert pool.replicas[0].num_prefix_hits + pool.replicas[1].num_prefix_hits == 2
 
 
 def _state(**times: object):

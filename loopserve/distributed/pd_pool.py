@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from loopserve.distributed.args import PDSpec
@@ -38,7 +39,7 @@ class PDReplicaPool(ReplicaPool):
         config: PoolConfig,
         spec: PDSpec,
         *,
-        on_load_error: Any = None,
+        on_load_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         if spec.num_prefill < 1 or spec.num_decode < 1:
             raise ValueError(f"--pd needs >= 1 replica per role, got {spec}")

@@ -22,6 +22,10 @@ Routing is the `Router`'s (least outstanding tokens, or prompt prefix). Failure 
 
 The first replica to finish loading failing (for example a bad checkpoint) is a load error
 (`load_error`, `on_load_error`), as with `AsyncLLM`.
+
+One submission's stream is a `PoolStream` (pool_stream.py, re-routing and the 503 live there).
+`PDReplicaPool` (pd_pool.py, `--pd`) subclasses this pool with prefill and decode roles
+(`role_of`, `_new_stream`).
 """
 
 from __future__ import annotations

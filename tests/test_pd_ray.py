@@ -1,9 +1,14 @@
 """Offline prefill/decode disaggregation on a local Ray cluster (1P1D): hand-offs travel
 through Ray's object store and the outputs equal one colocated engine's.
 
+Two configurations, one per KV layout (LAST_EXITED with `ouro_delayed`, SHARED with `trace`):
+each starts its own two replica actors, so the full layout x exit-mode matrix is left to
+tests/test_pd_serving.py (serving) and tests/test_pd_handoff.py (in-process).
 Skipped when Ray is not installed (it is the optional `ray` extra)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -14,25 +19,11 @@ from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-ENGINE_ARGS = {
-    "dtype": "float32",
-    "num_blocks": 256,
-    "block_size": 4,
-    "max_num_seqs": 4,
-    "layout": "last_exited",
-    "exit_mode": "ouro_delayed",
-}
+ENGINE_ARGS = {"dtype": "float32", "num_blocks": 256, "block_size": 4, "max_num_seqs": 4}
 
 
-def test_one_prefill_one_decode_equals_colocated(tiny_dir):
-    prompts = [[(7 * k + 3 * i) % 90 + 3 for i in range(n)] for k, n in enumerate([1, 6, 13, 22])]
-    params = [
-        SamplingParams(max_tokens=9, temperature=0.0, exit_threshold=0.6, ignore_eos=True),
-        SamplingParams(max_tokens=7, temperature=1.0, seed=41, ignore_eos=True),
-        SamplingParams(max_tokens=1, temperature=0.8, seed=42, ignore_eos=True),  # no hand-off
-        SamplingParams(max_tokens=11, temperature=0.7, top_k=30, seed=43, min_loops=2),
-    ]
-    colocated = LLM(str(tiny_dir), **ENGINE_ARGS).generate(prompts, params)
+@pytest.fixture(scope="module")
+def ray_cluster():
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -40,15 +31,35 @@ def test_one_prefill_one_decode_equals_colocated(tiny_dir):
         object_store_memory=80 * 1024**2,
         log_to_driver=False,
     )
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("layout", "exit_mode"), [("last_exited", "ouro_delayed"), ("shared", "trace")]
+)
+def test_one_prefill_one_decode_equals_colocated(tiny_dir, ray_cluster, layout, exit_mode):
+    engine_args = {**ENGINE_ARGS, "layout": layout, "exit_mode": exit_mode}
+    prompts = [[(7 * k + 3 * i) % 90 + 3 for i in range(n)] for k, n in enumerate([1, 6, 13, 22])]
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.0, exit_threshold=0.6, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=1.0, seed=41, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.8, seed=42, ignore_eos=True),  # no hand-off
+        SamplingParams(max_tokens=11, temperature=0.7, top_k=30, seed=43, min_loops=2),
+    ]
+    if exit_mode == "trace":  # replayed exit depths, one list per request
+        traces = [(1, 3, 2), (4, 1), (2,), (2, 1, 3)]
+        params = [dataclasses.replace(sp, exit_trace=t) for sp, t in zip(params, traces)]
+    colocated = LLM(str(tiny_dir), **engine_args).generate(prompts, params)
+    engines = DisaggregatedEngines({"model": str(tiny_dir), **engine_args}, 1, 1)
     try:
-        engines = DisaggregatedEngines({"model": str(tiny_dir), **ENGINE_ARGS}, 1, 1)
         outputs = engines.generate([f"r{i}" for i in range(len(prompts))], prompts, params)
         assert engines.last_num_handed_off == 3  # all but the max_tokens=1 request
-        engines.shutdown()
     finally:
-        ray.shutdown()
+        engines.shutdown()
     for output, expected in zip(outputs, colocated):
         assert output.token_ids == expected.token_ids
         assert output.exit_depths == expected.exit_depths
         assert output.finish_reason == expected.finish_reason
     assert [len(o.token_ids) for o in outputs][:3] == [9, 7, 1]
+    assert min(d for o in outputs for d in o.exit_depths[1:]) < 4  # decode tokens exited early

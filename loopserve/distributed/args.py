@@ -1,12 +1,57 @@
-"""The `loopserve serve` flags for data-parallel replicas on Ray, and the pool they build."""
+"""The `loopserve serve` flags for engine replicas on Ray (data parallel, or prefill/decode
+disaggregation with `--pd`), and the pool they build."""
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from loopserve.distributed.router import ROUTING_POLICIES
 from loopserve.distributed.transport import KV_TRANSPORTS
+
+
+@dataclass(frozen=True, slots=True)
+class PDSpec:
+    """`--pd prefill=P,decode=Q`: P prefill replicas and Q decode replicas."""
+
+    num_prefill: int
+    num_decode: int
+
+    def __str__(self) -> str:
+        return f"prefill={self.num_prefill},decode={self.num_decode}"
+
+
+_PD_SPEC = re.compile(r"^\s*(\w+)\s*=\s*([^,]*?)\s*$")
+
+
+def parse_pd_spec(text: str) -> PDSpec:
+    """`prefill=P,decode=Q` (either order, both required, each >= 1) as a `PDSpec`; raises
+    `argparse.ArgumentTypeError` naming what is wrong."""
+    usage = "expected prefill=P,decode=Q with P, Q >= 1 replicas (e.g. prefill=1,decode=1)"
+    counts: dict[str, int] = {}
+    for part in text.split(","):
+        match = _PD_SPEC.match(part)
+        if match is None:
+            raise argparse.ArgumentTypeError(f"{text!r}: {part!r} is not role=count; {usage}")
+        role, value = match.group(1), match.group(2)
+        if role not in ("prefill", "decode"):
+            raise argparse.ArgumentTypeError(f"{text!r}: unknown role {role!r}; {usage}")
+        if role in counts:
+            raise argparse.ArgumentTypeError(f"{text!r}: {role} is given twice; {usage}")
+        try:
+            counts[role] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {role}={value!r} is not a whole number; {usage}"
+            ) from None
+        if counts[role] < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: {role} must be >= 1; {usage}")
+    missing = [role for role in ("prefill", "decode") if role not in counts]
+    if missing:
+        raise argparse.ArgumentTypeError(f"{text!r}: {' and '.join(missing)} missing; {usage}")
+    return PDSpec(counts["prefill"], counts["decode"])
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +77,16 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "blocks) to the same replica unless it is much busier",
     )
     group.add_argument(
+        "--pd",
+        type=parse_pd_spec,
+        default=None,
+        metavar="prefill=P,decode=Q",
+        help="prefill/decode disaggregation: P replicas run prompts and first tokens, then hand "
+        "each request (its KV of every plane, through Ray's object store) to one of Q decode "
+        "replicas; P + Q replicas in all, so it excludes --data-parallel-size above 1. "
+        "--routing applies among the prefill replicas; decode replicas go by load",
+    )
+    group.add_argument(
         "--replica-max-restarts",
         type=int,
         default=4,
@@ -48,7 +103,27 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 
 def uses_ray(args: argparse.Namespace) -> bool:
-    return args.data_parallel_size > 1 or args.ray_address is not None
+    return args.data_parallel_size > 1 or args.ray_address is not None or args.pd is not None
+
+
+def check_distributed_args(args: argparse.Namespace) -> None:
+    """Raise `UsageError` for a bad combination of the flags above."""
+    from loopserve.cli.main import UsageError
+
+    if args.data_parallel_size < 1:
+        raise UsageError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.pd is not None and args.data_parallel_size > 1:
+        raise UsageError(
+            f"--pd {args.pd} and --data-parallel-size {args.data_parallel_size} exclude each "
+            "other: --pd sets the replicas itself (prefill + decode); drop "
+            "--data-parallel-size, or give more replicas per role in --pd"
+        )
+    if args.pd is not None and getattr(args, "async_scheduling", False):
+        raise UsageError(
+            "--pd needs --async-scheduling off: a request is handed off between two tokens, "
+            "and asynchronous scheduling plans the next token's loops before the hand-off "
+            "could happen"
+        )
 
 
 def build_pool(
@@ -56,23 +131,29 @@ def build_pool(
     engine_args: dict[str, object],
     on_load_error: Callable[[BaseException], None],
 ):  # -> ReplicaPool
-    """The `ReplicaPool` the flags describe; raises SystemExit with a hint without Ray."""
+    """The `ReplicaPool` (or, with `--pd`, `PDReplicaPool`) the flags describe; raises
+    `UsageError` for bad flags and SystemExit with a hint without Ray."""
+    check_distributed_args(args)
     try:
         import ray  # noqa: F401
     except ImportError:
         raise SystemExit(
-            "--data-parallel-size > 1 and --ray-address need Ray: pip install 'loopserve[ray]'"
+            "--data-parallel-size > 1, --pd and --ray-address need Ray: "
+            "pip install 'loopserve[ray]'"
         ) from None
     from loopserve.distributed.pool import PoolConfig, ReplicaPool
 
-    if args.data_parallel_size < 1:
-        raise SystemExit(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    pd: PDSpec | None = args.pd
     config = PoolConfig(
-        num_replicas=args.data_parallel_size,
+        num_replicas=args.data_parallel_size if pd is None else pd.num_prefill + pd.num_decode,
         routing=args.routing,
         ray_address=args.ray_address,
         max_pending_requests=args.max_pending_requests,
         max_restarts=args.replica_max_restarts,
         torch_threads=args.torch_threads,
     )
+    if pd is not None:
+        from loopserve.distributed.pd_pool import PDReplicaPool
+
+        return PDReplicaPool(engine_args, config, pd, on_load_error=on_load_error)
     return ReplicaPool(engine_args, config, on_load_error=on_load_error)

@@ -8,6 +8,10 @@ bytes, ...) plus the router's view (outstanding tokens, requests routed,
 prefix hits) and its health (state, restarts, failed requests). Pool-wide samples
 (`loopserve_ready`, `loopserve_num_requests_in_flight`, `loopserve_replicas_serving`) carry no
 label. Sum over `replica` for totals.
+
+A prefill/decode pool (`--pd`) labels every per-replica sample with the replica's `role`
+(`prefill` or `decode`) as well, and adds `loopserve_pd_handoffs_total`: requests a prefill
+replica exported, or a decode replica imported.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class ReplicaGauges:
     num_prefix_hits: int
     num_restarts: int
     num_failed_requests: int
+    role: str | None = None  # prefill | decode in a prefill/decode pool
+    num_handoffs: int = 0  # requests exported (prefill role) or imported (decode role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,13 @@ _PER_REPLICA = (
 )  # fmt: skip
 
 
+_HANDOFFS = (
+    ("loopserve_pd_handoffs",
+     "Requests handed off: exported by a prefill replica, or imported by a decode replica.",
+     "counter", lambda r: r.num_handoffs),
+)  # fmt: skip
+
+
 class _PoolCollector:
     """Turns the pool snapshot current at scrape time into metric families."""
 
@@ -111,22 +124,30 @@ class _PoolCollector:
             ("loopserve_replicas_serving", "Replicas taking requests.", num_serving),
         ):
             yield GaugeMetricFamily(name, help_text, value=value)
+        with_role = any(r.role is not None for r in pool.replicas)
+        labels = ["replica", "role"] if with_role else ["replica"]
+
+        def label_values(replica: ReplicaGauges) -> list[str]:
+            values = [str(replica.index)]
+            return values + [replica.role or ""] if with_role else values
+
         preemptions = CounterMetricFamily(
             "loopserve_preemptions",
             "Requests preempted for KV or priority, by mode.",
-            labels=["replica", "mode"],
+            labels=[*labels, "mode"],
         )
         for replica in pool.replicas:
-            preemptions.add_metric([str(replica.index), "recompute"],
+            preemptions.add_metric([*label_values(replica), "recompute"],
                                    replica.snapshot.num_preemptions_recompute)  # fmt: skip
-            preemptions.add_metric([str(replica.index), "swap"],
+            preemptions.add_metric([*label_values(replica), "swap"],
                                    replica.snapshot.num_preemptions_swap)  # fmt: skip
         yield preemptions
-        for name, help_text, kind, value_of in _PER_REPLICA:
+        per_replica = _PER_REPLICA + (_HANDOFFS if with_role else ())
+        for name, help_text, kind, value_of in per_replica:
             family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = family_cls(name, help_text, labels=["replica"])
+            family = family_cls(name, help_text, labels=labels)
             for replica in pool.replicas:
-                family.add_metric([str(replica.index)], value_of(replica))
+                family.add_metric(label_values(replica), value_of(replica))
             yield family
 
 

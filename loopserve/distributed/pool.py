@@ -22,6 +22,10 @@ Routing is the `Router`'s (least outstanding tokens, or prompt prefix). Failure 
 
 The first replica to finish loading failing (for example a bad checkpoint) is a load error
 (`load_error`, `on_load_error`), as with `AsyncLLM`.
+
+One submission's stream is a `PoolStream` (pool_stream.py, re-routing and the 503 live there).
+`PDReplicaPool` (pd_pool.py, `--pd`) subclasses this pool with prefill and decode roles
+(`role_of`, `_new_stream`).
 """
 
 from __future__ import annotations
@@ -38,17 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopserve.distributed.metrics import PoolMetrics, PoolSnapshot, ReplicaGauges
-from loopserve.distributed.replica import (
-    Accepted,
-    EngineFailed,
-    EngineReplica,
-    Rejected,
-    ReplicaInfo,
-    ReplicaStats,
-)
+from loopserve.distributed.pool_stream import MAX_REROUTES, PoolStream, ReplicaFailedError
+from loopserve.distributed.replica import EngineReplica, ReplicaInfo, ReplicaStats
 from loopserve.distributed.router import RoutedRequest, Router
-from loopserve.errors import InvalidRequestError, LoopserveError
-from loopserve.outputs import RequestOutput
+from loopserve.errors import InvalidRequestError
 from loopserve.server.async_engine import (
     EngineDeadError,
     EngineNotReadyError,
@@ -59,17 +56,19 @@ from loopserve.server.async_engine import (
 )
 from loopserve.text.input_processor import ProcessedPrompt
 
+__all__ = [
+    "MAX_REROUTES",
+    "PoolConfig",
+    "PoolStream",
+    "ReplicaFailedError",
+    "ReplicaPool",
+    "ReplicaState",
+]
 logger = logging.getLogger(__name__)
-MAX_REROUTES = 2
 PROBE_INTERVAL_S = 0.5
 PROBE_TIMEOUT_S = 60.0
 DEFAULT_MAX_RESTARTS = 4
 ABORT_GRACE_S = 2.0  # at shutdown, for aborted streams to end before the replicas stop
-
-
-class ReplicaFailedError(EngineNotReadyError):
-    """The replica serving a request failed after the request had produced output; the
-    replica is restarting and the client may retry (HTTP 503)."""
 
 
 class ReplicaState(enum.Enum):
@@ -91,6 +90,8 @@ class _Replica:
     num_prefix_hits: int = 0
     num_failed_requests: int = 0
     failed_instance_id: str | None = None  # the instance that failed; its late replies are stale
+    role: str | None = None  # prefill | decode in a prefill/decode pool (`PDReplicaPool`)
+    num_handoffs: int = 0  # requests it exported (prefill) or imported (decode)
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,8 @@ class ReplicaPool(SubmitGenerate):
                     num_prefix_hits=r.num_prefix_hits,
                     num_restarts=r.num_restarts,
                     num_failed_requests=r.num_failed_requests,
+                    role=r.role,
+                    num_handoffs=r.num_handoffs,
                 )
                 for r in self.replicas
             ),
@@ -232,7 +235,8 @@ class ReplicaPool(SubmitGenerate):
             await asyncio.to_thread(self.init_ray)  # a no-op when done before
             actor_cls = self._actor_class()
             for index in range(self.num_replicas):
-                self.replicas.append(_Replica(index, actor_cls.remote(**self._replica_kwargs())))
+                actor = actor_cls.remote(**self._replica_kwargs())
+                self.replicas.append(_Replica(index, actor, role=self.role_of(index)))
             # The first replica to load decides: its info serves all (they share the engine
             # arguments); if it failed, the model cannot load. The others join through their
             # probes whenever they are up (a replica waiting for a free GPU does not block).
@@ -250,6 +254,10 @@ class ReplicaPool(SubmitGenerate):
         self.router.block_size = info.block_size
         for replica in self.replicas:
             self._tasks.append(asyncio.ensure_future(self._probe(replica)))
+
+    def role_of(self, index: int) -> str | None:
+        """The role of replica `index`: None here (every replica does everything)."""
+        return None
 
     def init_ray(self) -> None:
         """Start the embedded Ray cluster (or join `ray_address`) unless Ray is already
@@ -383,7 +391,7 @@ class ReplicaPool(SubmitGenerate):
             RoutedRequest(r.request_id, len(p.token_ids), r.params.max_tokens)
             for r, p in zip(requests, prompts)
         ]
-        stream = PoolStream(self, list(requests), routed, prompt_ids)
+        stream = self._new_stream(list(requests), routed, prompt_ids)
         self._num_in_flight += len(requests)
         self._idle.clear()
         self._streams.add(stream)
@@ -393,6 +401,14 @@ class ReplicaPool(SubmitGenerate):
             stream.close()
             raise
         return stream
+
+    def _new_stream(
+        self,
+        requests: list[GenerateRequest],
+        routed: list[RoutedRequest],
+        prompt_token_ids: list[int] | None,
+    ) -> PoolStream:
+        return PoolStream(self, requests, routed, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         for stream in list(self._streams):
@@ -498,172 +514,6 @@ class ReplicaPool(SubmitGenerate):
         elif stats.is_ready and replica.state is not ReplicaState.SERVING:
             replica.state = ReplicaState.SERVING
             logger.info("replica %d serving", replica.index)
-
-
-class PoolStream:
-    """The outputs of one submission on one replica; the interface of `OutputStream`.
-
-    A replica failure before any output reached the consumer re-submits the requests to
-    another replica; after that it raises `ReplicaFailedError`.
-    """
-
-    def __init__(
-        self,
-        owner: ReplicaPool,
-        requests: list[GenerateRequest],
-        routed: list[RoutedRequest],
-        prompt_token_ids: list[int] | None,
-    ) -> None:
-        self.owner = owner
-        self.requests = requests
-        self.request_ids = [r.request_id for r in requests]
-        self._routed = routed
-        self._prompt_token_ids = prompt_token_ids
-        self._unfinished = set(self.request_ids)
-        self._generator: Any = None  # ray.ObjectRefGenerator
-        self.replica: int | None = None
-        self._instance_id: str | None = None
-        self.delivered_any = False  # some output reached the consumer
-        self.num_reroutes = 0
-        self._closed = False
-
-    async def open(self, excluded: set[int]) -> None:
-        """Route and submit; retry on another replica if the chosen one fails first."""
-        import ray
-
-        pool = self.owner
-        while True:
-            candidates = [r for r in pool.serving_replicas() if r not in excluded]
-            if not candidates:
-                raise EngineNotReadyError(
-                    f"no replica can take this request right now "
-                    f"({len(pool.serving_replicas())} of {pool.num_replicas} serving)"
-                )
-            decision = pool.router.choose(candidates, self._prompt_token_ids)
-            replica = pool.replicas[decision.replica]
-            pool.router.assign(decision.replica, self._routed, self._prompt_token_ids)
-            self.replica, self._instance_id = decision.replica, replica.instance_id
-            generator = replica.actor.generate.remote(self.requests)
-            try:
-                first = await (await generator.__anext__())
-            except ray.exceptions.RayActorError as err:  # the replica is down: try another
-                self._release_routing()
-                pool.replica_failed(decision.replica, self._instance_id, err)
-                excluded.add(decision.replica)
-                continue
-            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # a bug, not a death
-                self._release_routing()
-                logger.error("replica %d failed a submission: %r", decision.replica, err)
-                raise EngineDeadError(f"replica {decision.replica} failed: {err!r}") from None
-            if isinstance(first, Rejected):
-                self._release_routing()
-                raise first.error()
-            assert isinstance(first, Accepted), first
-            replica.num_routed += len(self.requests)
-            replica.num_prefix_hits += int(decision.prefix_hit)
-            self._generator = generator
-            return
-
-    def _release_routing(self) -> None:
-        for request_id in self.request_ids:
-            self.owner.router.finish(request_id)
-
-    def __aiter__(self) -> PoolStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        import ray
-
-        while True:
-            if self._closed or not self._unfinished:
-                raise StopAsyncIteration
-            try:
-                item = await (await self._generator.__anext__())
-            except asyncio.CancelledError:
-                self.close()
-                raise
-            except ray.exceptions.RayActorError as err:  # the replica process is gone
-                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=True)
-                continue
-            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # this stream only
-                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=False)
-                continue
-            if isinstance(item, EngineFailed):  # the replica's engine died
-                await self._on_replica_failure(item.message, replica_down=True)
-                continue
-            return self._deliver(item)
-
-    def _deliver(self, output: RequestOutput) -> RequestOutput:
-        router = self.owner.router
-        router.progress(output.request_id, len(output.new_token_ids))
-        self.delivered_any = True
-        if output.finished:
-            router.finish(output.request_id)
-            self.owner.metrics.observe_finished(output)
-            self._unfinished.discard(output.request_id)
-            if not self._unfinished:
-                self.close()
-        return output
-
-    async def _on_replica_failure(self, why: str, *, replica_down: bool) -> None:
-        """Re-route if nothing was delivered yet; else fail the stream with a 503 error.
-        `replica_down`: the replica itself failed (take it out of rotation)."""
-        pool = self.owner
-        assert self.replica is not None
-        failed = self.replica
-        if replica_down:
-            pool.replica_failed(failed, self._instance_id, why)
-        self._release_routing()
-        if not self.delivered_any and self.num_reroutes < MAX_REROUTES and pool.is_accepting:
-            self.num_reroutes += 1
-            logger.warning(
-                "re-routing %d requests away from replica %d", len(self._unfinished), failed
-            )
-            try:
-                await self.open(excluded={failed})
-                return
-            except LoopserveError as err:
-                why = f"{why}; re-routing failed: {err}"
-        pool.replicas[failed].num_failed_requests += len(self._unfinished)
-        self.owner.metrics.finished.labels(finish_reason="error").inc(len(self._unfinished))
-        self._unfinished.clear()
-        self.close()
-        logger.error("replica %d failed requests %s: %s", failed, self.request_ids, why)
-        if replica_down:
-            raise ReplicaFailedError(
-                f"replica {failed} failed while serving this request; it is being restarted, "
-                "retry the request"
-            )
-        raise ReplicaFailedError(
-            f"replica {failed} failed this request (details are in the server log); retry it"
-        )
-
-    def abort_unfinished(self, request_ids: list[str] | None = None) -> None:
-        """Ask the replica to abort (some of) this stream's unfinished requests; their final
-        outputs (finish reason "abort") still arrive through the stream."""
-        ids = sorted(
-            self._unfinished if request_ids is None else self._unfinished & set(request_ids)
-        )
-        if ids and self.replica is not None:
-            self.owner.replicas[self.replica].actor.abort.remote(ids)
-
-    def close(self) -> None:
-        """Abort what has not finished and release the in-flight slots; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._unfinished and self._generator is not None:  # opened: a replica runs them
-            self.abort_unfinished()
-            self.owner.metrics.finished.labels(finish_reason="abort").inc(len(self._unfinished))
-        self._release_routing()
-        self._generator = None
-        self.owner._on_stream_closed(self)
-
-    def __enter__(self) -> PoolStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 @dataclass(frozen=True)

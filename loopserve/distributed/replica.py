@@ -11,6 +11,13 @@ with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an 
 - `abort(request_ids)`: abort requests (client disconnects, shutdown).
 - `generate_batch(...)`: the offline loop over a share of `LLM.generate`'s batch (a replica
   used offline never starts its `AsyncLLM`).
+- `prefill(requests)`, `import_handoff(state, prompt_text)`, `decode_stream(request_id)`: the
+  serving prefill/decode roles (`PDReplicaPool`). `prefill` streams like `generate`, but each
+  request's part ends once it is handed off (normally after its first token): `Exported`, then,
+  as the next item, its `HandoffState` (a separate object, so the pool passes its reference on
+  without fetching the K/V); a request that finishes first never hands off.
+  `import_handoff` takes one `HandoffState` (`Accepted` or `Rejected`); `decode_stream` then
+  streams that request's further outputs.
 - `prefill_export(...)` / `decode_import(*batches)`: the offline prefill/decode
   disaggregation roles (`DisaggregatedEngines`): prompt and first token on one replica, the
   exported `HandoffState`s through the replica's KV transport (`kv_transport`: Ray's object
@@ -28,6 +35,9 @@ This module does not route, retry or restart; the pool does.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +62,7 @@ from loopserve.server.async_engine import (
     EngineNotReadyError,
     EngineSnapshot,
     GenerateRequest,
+    OutputStream,
     QueueFullError,
 )
 
@@ -99,6 +110,17 @@ class EngineFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class Exported:
+    """`prefill`: the request left this replica; the stream's next item is its `HandoffState`."""
+
+    request_id: str
+    num_output_tokens: int  # output tokens it carries (streamed already)
+    # The exporter's `time.time() - time.monotonic()`: lets an importer on another node
+    # rebase the request's times (monotonic clocks are per machine).
+    clock_offset_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaInfo:
     """What the serving layer reads from an engine, fetched once per replica."""
 
@@ -118,6 +140,8 @@ class ReplicaStats:
     is_dead: bool
     num_in_flight: int
     snapshot: EngineSnapshot
+    num_exported: int = 0  # requests handed off to a decode replica (prefill role)
+    num_imported: int = 0  # requests taken over from a prefill replica (decode role)
 
 
 class EngineReplica:
@@ -141,6 +165,9 @@ class EngineReplica:
         self._max_pending_requests = max_pending_requests
         self._llm: AsyncLLM | None = None
         self.kv_transport: KVTransport = RayObjectStoreTransport(rank=0)
+        self._num_exported = 0
+        self._num_imported = 0
+        self._imported: dict[str, OutputStream] = {}  # imported, `decode_stream` not called yet
 
     def _started(self) -> AsyncLLM:
         """The `AsyncLLM`, started on first use (it needs the actor's running event loop)."""
@@ -165,7 +192,13 @@ class EngineReplica:
         llm = self._started()
         await llm.wait_ready(timeout_s=0.0)
         return ReplicaStats(
-            self.instance_id, llm.is_ready, llm.is_dead, llm.num_in_flight, llm.snapshot
+            self.instance_id,
+            llm.is_ready,
+            llm.is_dead,
+            llm.num_in_flight,
+            llm.snapshot,
+            num_exported=self._num_exported,
+            num_imported=self._num_imported,
         )
 
     async def generate(
@@ -179,14 +212,66 @@ class EngineReplica:
             yield Rejected.of(err)
             return
         yield Accepted()
-        with stream:
-            try:
-                async for output in stream:
-                    yield output
-            except EngineDeadError as err:
-                yield EngineFailed(str(err))
-            except EngineNotReadyError as err:  # the replica is shutting down
-                yield EngineFailed(str(err))
+        async with contextlib.aclosing(_relay(stream)) as items:
+            async for item in items:
+                yield item
+
+    async def prefill(
+        self, requests: Sequence[GenerateRequest]
+    ) -> AsyncIterator[
+        Accepted | Rejected | EngineFailed | RequestOutput | Exported | HandoffState
+    ]:
+        """As `generate`, but each request is handed off once it can be (see the module
+        docstring): `Exported`, then its `HandoffState`, end its part of the stream."""
+        llm = self._started()
+        await llm.wait_ready()
+        try:
+            stream = await llm.submit(requests, export=True)
+        except LoopserveError as err:
+            yield Rejected.of(err)
+            return
+        yield Accepted()
+        async with contextlib.aclosing(_relay(stream)) as items:
+            async for item in items:
+                if isinstance(item, HandoffState):
+                    self._num_exported += 1
+                    offset_s = time.time() - time.monotonic()
+                    yield Exported(item.request_id, len(item.output_token_ids), offset_s)
+                yield item
+
+    async def import_handoff(
+        self, state: HandoffState, prompt_text: str | None, clock_offset_s: float | None = None
+    ) -> Accepted | Rejected:
+        """Import a request a prefill replica exported (`decode_stream` then streams it): it
+        waits here, K/V staged, until this engine's KV cache has room. A plain call, not a
+        stream, so Ray releases the state's object once it is imported. `clock_offset_s`: the
+        exporter's (`Exported.clock_offset_s`), to rebase the request's times here."""
+        llm = self._started()
+        await llm.wait_ready()
+        state = rebase_times(state, clock_offset_s)
+        try:
+            stream = await llm.submit_import(state, prompt_text)
+        except LoopserveError as err:
+            return Rejected.of(err)
+        self._imported[state.request_id] = stream
+        self._num_imported += 1
+        return Accepted()
+
+    async def decode_stream(
+        self, request_id: str, abort: bool = False
+    ) -> AsyncIterator[EngineFailed | RequestOutput]:
+        """The outputs of a request `import_handoff` took, as `generate` streams them;
+        `EngineFailed` if this replica does not hold it (restarted since the import). `abort`:
+        abort it now (its final output, reason "abort", still comes)."""
+        stream = self._imported.pop(request_id, None)
+        if stream is None:
+            yield EngineFailed(f"request {request_id!r} is not on this replica (restarted?)")
+            return
+        if abort:
+            self._started().abort(request_id)
+        async with contextlib.aclosing(_relay(stream)) as items:
+            async for item in items:
+                yield item
 
     def generate_batch(
         self,
@@ -318,8 +403,53 @@ class EngineReplica:
     async def abort(self, request_ids: list[str]) -> None:
         llm = self._started()
         for request_id in request_ids:
-            llm.abort(request_id)
+            imported = self._imported.pop(request_id, None)
+            if imported is not None:  # nobody streams it yet: closing the stream aborts it
+                imported.close()
+            else:
+                llm.abort(request_id)
 
     async def shutdown(self, timeout_s: float) -> None:
         if self._llm is not None:
             await self._llm.shutdown(timeout_s)
+
+
+MAX_SAME_CLOCK_SKEW_S = 1e-3  # two readings of one machine's clocks differ by less
+
+
+def rebase_times(state: HandoffState, exporter_offset_s: float | None) -> HandoffState:
+    """`state` with its times moved onto this process's monotonic clock, when the exporter's
+    clock differs (another machine): through wall-clock time, so as exact as the two machines'
+    wall clocks agree. On the same machine (offsets within `MAX_SAME_CLOCK_SKEW_S`) or without
+    an offset, `state` as is."""
+    if exporter_offset_s is None:
+        return state
+    shift_s = exporter_offset_s - (time.time() - time.monotonic())
+    if abs(shift_s) < MAX_SAME_CLOCK_SKEW_S:
+        return state
+
+    def moved(t: float | None) -> float | None:
+        return None if t is None else t + shift_s
+
+    return dataclasses.replace(
+        state,
+        arrival_s=state.arrival_s + shift_s,
+        first_scheduled_s=moved(state.first_scheduled_s),
+        first_token_s=moved(state.first_token_s),
+        token_times_s=[t + shift_s for t in state.token_times_s],
+    )
+
+
+async def _relay(
+    stream: OutputStream,
+) -> AsyncIterator[RequestOutput | HandoffState | EngineFailed]:
+    """The stream's items; `EngineFailed` last if the engine dies or shuts down under it.
+    Leaving early (the consumer went away) aborts what has not finished."""
+    with stream:
+        try:
+            async for item in stream:
+                yield item
+        except EngineDeadError as err:
+            yield EngineFailed(str(err))
+        except EngineNotReadyError as err:  # the replica is shutting down
+            yield EngineFailed(str(err))

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from loopserve.distributed.args import build_pool, uses_ray
+from loopserve.distributed.args import build_pool, check_distributed_args, uses_ray
 from loopserve.distributed.pool import ReplicaPool
 from loopserve.engine_args import engine_args_from
 from loopserve.server.args import (
@@ -266,6 +266,7 @@ def _set_torch_threads(args: argparse.Namespace) -> None:
 def main_from_args(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if the model failed to load,
     2 (with a one-line error) if the model directory does not exist."""
+    check_distributed_args(args)  # flag combinations first: a usage error costs nothing
     if args.model is not None and not Path(args.model).exists():
         print(f"loopserve serve: error: model directory not found: {args.model}", file=sys.stderr)
         return 2

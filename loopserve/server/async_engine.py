@@ -11,6 +11,11 @@ raised before any output is read — and returns an `OutputStream`. Closing a st
 the pool. If the engine thread dies, the engine is marked dead and every open stream raises
 `EngineDeadError`. `shutdown` drains within a timeout, then aborts the rest.
 
+For prefill/decode disaggregation (a Ray replica in the prefill or decode role),
+`submit(..., export=True)` hands each request off once it can be exported (after its first
+token): its stream then yields the request's `HandoffState` as its last item instead of further
+outputs; `submit_import(state)` continues such a request here and streams its outputs.
+
 This module does not speak HTTP; the serving modules map its errors to status codes.
 """
 
@@ -24,6 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
+from loopserve.distributed.handoff import HandoffState
 from loopserve.errors import InvalidRequestError, LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -35,6 +41,7 @@ from loopserve.server.engine_thread import (
     EngineSnapshot,
     EngineThread,
     GenerateRequest,
+    ImportCommand,
     StopCommand,
 )
 from loopserve.server.metrics import ServingMetrics
@@ -69,6 +76,7 @@ class OutputStream:
 
     Iterate with `async for`; use `with stream:` (or call `close()`) so that leaving early aborts
     the unfinished requests. Cancelling a consumer blocked on the next output also closes it.
+    A submission with `export=True` may yield a `HandoffState`: that request left this engine.
     """
 
     def __init__(self, owner: AsyncLLM, request_ids: list[str]) -> None:
@@ -76,17 +84,17 @@ class OutputStream:
         self.owner = owner
         self.request_ids = list(request_ids)
         self._unfinished = set(request_ids)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | HandoffState | BaseException] = asyncio.Queue()
         self._closed = False
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | HandoffState | BaseException) -> None:
         """Called on the event loop thread, on behalf of the engine thread."""
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> OutputStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput:  # or a HandoffState, see the class docstring
         if self._closed or not self._unfinished:
             raise StopAsyncIteration
         try:
@@ -97,7 +105,7 @@ class OutputStream:
         if isinstance(item, BaseException):
             self.close()
             raise item
-        if item.finished:
+        if isinstance(item, HandoffState) or item.finished:
             self._unfinished.discard(item.request_id)
             if not self._unfinished:
                 self.close()
@@ -257,43 +265,66 @@ class AsyncLLM(SubmitGenerate):
 
     # ---- requests -----------------------------------------------------------------------
 
-    async def submit(self, requests: Sequence[GenerateRequest]) -> OutputStream:
+    async def submit(
+        self, requests: Sequence[GenerateRequest], *, export: bool = False
+    ) -> OutputStream:
         """Add `requests` atomically and return their output stream.
 
         Raises `InvalidRequestError`/`CapacityError` from the engine, `QueueFullError`,
         `EngineNotReadyError` or `EngineDeadError`, always before any output is produced.
         Prompts not yet processed (strings, token ids) go through the engine's input processor
         in a worker thread first, so neither this event loop nor the engine thread tokenizes.
+        `export`: hand each request off once it can be exported (see the module docstring).
         """
         self._check_usable()
         if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
             requests = await asyncio.to_thread(_processed, self.engine.input_processor, requests)
             self._check_usable()
-        assert self._thread is not None
-        if not self._accepting:
-            raise EngineNotReadyError("the server is shutting down")
-        if len(requests) > self.max_pending_requests:  # never admissible: retrying is futile
-            raise InvalidRequestError(
-                f"this request needs {len(requests)} sequences (prompts x n), more than the "
-                f"server's limit of {self.max_pending_requests} requests in flight "
-                "(--max-pending-requests)",
-                param="n",
-            )
-        if self._num_in_flight + len(requests) > self.max_pending_requests:
-            raise QueueFullError(
-                f"{self._num_in_flight} requests in flight, the limit is "
-                f"{self.max_pending_requests}; retry later"
-            )
-        stream = OutputStream(self, [r.request_id for r in requests])
-        self._num_in_flight += len(requests)
-        self._idle.clear()
+        stream = self._open_stream([r.request_id for r in requests])
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread.send(AddCommand(list(requests), stream, time.monotonic(), done))
+        assert self._thread is not None
+        self._thread.send(AddCommand(list(requests), stream, time.monotonic(), done, export))
         try:
             await asyncio.wrap_future(done)
         except BaseException:
             stream.close()  # also covers cancellation after the engine thread added them
             raise
+        return stream
+
+    async def submit_import(self, state: HandoffState, prompt_text: str | None) -> OutputStream:
+        """Continue a request another engine exported; errors as `submit`, before any output."""
+        self._check_usable()
+        stream = self._open_stream([state.request_id])
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        assert self._thread is not None
+        self._thread.send(ImportCommand(state, prompt_text, stream, done))
+        try:
+            await asyncio.wrap_future(done)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    def _open_stream(self, request_ids: list[str]) -> OutputStream:
+        """A stream for `request_ids`, counted in flight; raises when they may not be added."""
+        assert self._thread is not None
+        if not self._accepting:
+            raise EngineNotReadyError("the server is shutting down")
+        if len(request_ids) > self.max_pending_requests:  # never admissible: retrying is futile
+            raise InvalidRequestError(
+                f"this request needs {len(request_ids)} sequences (prompts x n), more than the "
+                f"server's limit of {self.max_pending_requests} requests in flight "
+                "(--max-pending-requests)",
+                param="n",
+            )
+        if self._num_in_flight + len(request_ids) > self.max_pending_requests:
+            raise QueueFullError(
+                f"{self._num_in_flight} requests in flight, the limit is "
+                f"{self.max_pending_requests}; retry later"
+            )
+        stream = OutputStream(self, request_ids)
+        self._num_in_flight += len(request_ids)
+        self._idle.clear()
         return stream
 
     def abort(self, request_id: str) -> None:

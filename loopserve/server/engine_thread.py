@@ -9,6 +9,12 @@ Nothing else ever touches the engine, so the engine stays single-threaded.
 If a command or a step raises out of the engine (the engine already contains failures of a
 single step), the thread dies: pending submissions and every open stream get `EngineDeadError`.
 This module knows nothing about HTTP or about how streams are consumed.
+
+Prefill/decode disaggregation uses two more commands: an add with `export=True` hands each of
+its requests off as soon as the engine can export it (after the step that sampled its first
+token, normally): the thread exports it between steps and delivers the `HandoffState` to the
+request's sink in place of further outputs. An `ImportCommand` admits a `HandoffState` exported
+by another engine; its outputs then flow like any request's.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from loopserve.distributed.handoff import HandoffState
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -77,9 +84,10 @@ class EngineSnapshot:
 
 
 class OutputSink(Protocol):
-    """Where a submission's outputs go; `put` is called on the event loop thread."""
+    """Where a submission's outputs go; `put` is called on the event loop thread. A
+    `HandoffState` arrives only for requests added with `export=True`, as their last item."""
 
-    def put(self, item: RequestOutput | BaseException) -> None: ...
+    def put(self, item: RequestOutput | HandoffState | BaseException) -> None: ...
 
 
 @dataclass(slots=True)
@@ -89,6 +97,17 @@ class AddCommand:
     requests: Sequence[GenerateRequest]
     sink: OutputSink
     arrival_s: float
+    done: concurrent.futures.Future[None]
+    export: bool = False  # hand each request off once it can be exported (prefill role)
+
+
+@dataclass(slots=True)
+class ImportCommand:
+    """Admit a request exported by another engine (decode role); `done` as for `AddCommand`."""
+
+    state: HandoffState
+    prompt_text: str | None
+    sink: OutputSink
     done: concurrent.futures.Future[None]
 
 
@@ -102,7 +121,7 @@ class StopCommand:
     """Abort everything in flight and end the thread."""
 
 
-Command = AddCommand | AbortCommand | StopCommand
+Command = AddCommand | ImportCommand | AbortCommand | StopCommand
 
 
 class EngineThread:
@@ -130,6 +149,8 @@ class EngineThread:
         self._in_hand: deque[Command] = deque()  # taken from `_commands`, not yet applied
         self._wakeup = threading.Condition()
         self._routes: dict[str, OutputSink] = {}  # this thread only
+        # Requests to hand off once exportable (a dict: insertion order); this thread only.
+        self._exports: dict[str, None] = {}
         self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -147,7 +168,7 @@ class EngineThread:
             if closed_error is None:
                 self._commands.append(command)
                 self._wakeup.notify()
-        if closed_error is not None and isinstance(command, AddCommand):
+        if closed_error is not None and isinstance(command, AddCommand | ImportCommand):
             command.done.set_exception(closed_error)
 
     def call_on_loop(self, callback: Callable[..., object], *args: object) -> None:
@@ -189,10 +210,13 @@ class EngineThread:
                     return
                 if isinstance(command, AddCommand):
                     self._add(engine, command)
+                elif isinstance(command, ImportCommand):
+                    self._import(engine, command)
                 else:
                     self._abort(engine, command.request_ids)
             if engine.has_unfinished_requests():
                 self._dispatch(engine, engine.step())
+                self._export_ready(engine)
             self._publish_snapshot(engine)
 
     def _take_commands(self, *, block: bool) -> list[Command]:
@@ -218,7 +242,32 @@ class EngineThread:
             return
         for request_id in added:
             self._routes[request_id] = command.sink
+        if command.export:
+            self._exports.update(dict.fromkeys(added))
         command.done.set_result(None)
+
+    def _import(self, engine: LLMEngine, command: ImportCommand) -> None:
+        try:
+            engine.import_request(command.state, prompt_text=command.prompt_text)
+        except Exception as err:  # a rejection (or a bug) fails the import
+            command.done.set_exception(err)
+            return
+        self._routes[command.state.request_id] = command.sink
+        command.done.set_result(None)
+
+    def _export_ready(self, engine: LLMEngine) -> None:
+        """Export every request marked for hand-off that can leave now; each one's sink gets
+        its `HandoffState` after the outputs already dispatched (the first token's)."""
+        batch: list[tuple[OutputSink, RequestOutput | HandoffState | BaseException]] = []
+        for request_id in [r for r in self._exports if engine.can_export(r)]:
+            state = engine.export_request(request_id)
+            del self._exports[request_id]
+            sink = self._routes.pop(request_id, None)
+            if sink is not None:
+                batch.append((sink, state))
+        if batch:
+            self._publish_snapshot(engine)  # the exported requests' blocks are free again
+            self.call_on_loop(_deliver, batch)
 
     def _abort(self, engine: LLMEngine, request_ids: list[str] | None) -> None:
         if request_ids is None:
@@ -230,11 +279,12 @@ class EngineThread:
         """Deliver outputs to their sinks, after publishing the state that produced them
         (so a consumer never sees an output newer than the snapshot)."""
         self._publish_snapshot(engine)
-        batch: list[tuple[OutputSink, RequestOutput | BaseException]] = []
+        batch: list[tuple[OutputSink, RequestOutput | HandoffState | BaseException]] = []
         for output in outputs:
             sink = self._routes.get(output.request_id)
             if output.finished:
                 self._routes.pop(output.request_id, None)
+                self._exports.pop(output.request_id, None)
                 self._metrics.observe_finished(output)
             if sink is not None:
                 batch.append((sink, output))
@@ -270,8 +320,9 @@ class EngineThread:
             pending = [*self._in_hand, *self._commands]
             self._in_hand.clear()
             self._commands.clear()
+        self._exports.clear()
         for command in pending:
-            if isinstance(command, AddCommand) and not command.done.done():
+            if isinstance(command, AddCommand | ImportCommand) and not command.done.done():
                 command.done.set_exception(error)
         sinks = list(dict.fromkeys(self._routes.values()))
         self._routes.clear()
@@ -279,6 +330,6 @@ class EngineThread:
             self.call_on_loop(_deliver, [(sink, error) for sink in sinks])
 
 
-def _deliver(batch: list[tuple[OutputSink, RequestOutput | BaseException]]) -> None:
+def _deliver(batch: list[tuple[OutputSink, RequestOutput | HandoffState | BaseException]]) -> None:
     for sink, item in batch:
         sink.put(item)

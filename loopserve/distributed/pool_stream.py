@@ -1,0 +1,203 @@
+"""`PoolStream`: the outputs of one submission on one data-parallel replica (`ReplicaPool`).
+
+It has the interface of `AsyncLLM`'s `OutputStream` (async iteration, `close`, `with`), reading
+a Ray streaming generator from `EngineReplica.generate`. Closing it early aborts its unfinished
+requests on their replica. A replica failure before any output reached the consumer re-submits
+the requests to another replica (at most `MAX_REROUTES` times); after that the stream raises
+`ReplicaFailedError` (HTTP 503). Routing bookkeeping (outstanding tokens) is updated as outputs
+arrive. The pool decides where a stream goes and owns replica states; this room only follows
+one submission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from loopserve.distributed.replica import Accepted, EngineFailed, Rejected
+from loopserve.distributed.router import RoutedRequest
+from loopserve.errors import LoopserveError
+from loopserve.outputs import RequestOutput
+from loopserve.server.async_engine import (
+    EngineDeadError,
+    EngineNotReadyError,
+    GenerateRequest,
+)
+
+if TYPE_CHECKING:
+    from loopserve.distributed.pool import ReplicaPool
+
+logger = logging.getLogger(__name__)
+MAX_REROUTES = 2
+
+
+class ReplicaFailedError(EngineNotReadyError):
+    """The replica serving a request failed after the request had produced output; the
+    replica is restarting and the client may retry (HTTP 503)."""
+
+
+class PoolStream:
+    """The outputs of one submission on one replica; the interface of `OutputStream`.
+
+    A replica failure before any output reached the consumer re-submits the requests to
+    another replica; after that it raises `ReplicaFailedError`.
+    """
+
+    def __init__(
+        self,
+        owner: ReplicaPool,
+        requests: list[GenerateRequest],
+        routed: list[RoutedRequest],
+        prompt_token_ids: list[int] | None,
+    ) -> None:
+        self.owner = owner
+        self.requests = requests
+        self.request_ids = [r.request_id for r in requests]
+        self._routed = routed
+        self._prompt_token_ids = prompt_token_ids
+        self._unfinished = set(self.request_ids)
+        self._generator: Any = None  # ray.ObjectRefGenerator
+        self.replica: int | None = None
+        self._instance_id: str | None = None
+        self.delivered_any = False  # some output reached the consumer
+        self.num_reroutes = 0
+        self._closed = False
+
+    async def open(self, excluded: set[int]) -> None:
+        """Route and submit; retry on another replica if the chosen one fails first."""
+        import ray
+
+        pool = self.owner
+        while True:
+            candidates = [r for r in pool.serving_replicas() if r not in excluded]
+            if not candidates:
+                raise EngineNotReadyError(
+                    f"no replica can take this request right now "
+                    f"({len(pool.serving_replicas())} of {pool.num_replicas} serving)"
+                )
+            decision = pool.router.choose(candidates, self._prompt_token_ids)
+            replica = pool.replicas[decision.replica]
+            pool.router.assign(decision.replica, self._routed, self._prompt_token_ids)
+            self.replica, self._instance_id = decision.replica, replica.instance_id
+            generator = replica.actor.generate.remote(self.requests)
+            try:
+                first = await (await generator.__anext__())
+            except ray.exceptions.RayActorError as err:  # the replica is down: try another
+                self._release_routing()
+                pool.replica_failed(decision.replica, self._instance_id, err)
+                excluded.add(decision.replica)
+                continue
+            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # a bug, not a death
+                self._release_routing()
+                logger.error("replica %d failed a submission: %r", decision.replica, err)
+                raise EngineDeadError(f"replica {decision.replica} failed: {err!r}") from None
+            if isinstance(first, Rejected):
+                self._release_routing()
+                raise first.error()
+            assert isinstance(first, Accepted), first
+            replica.num_routed += len(self.requests)
+            replica.num_prefix_hits += int(decision.prefix_hit)
+            self._generator = generator
+            return
+
+    def _release_routing(self) -> None:
+        for request_id in self.request_ids:
+            self.owner.router.finish(request_id)
+
+    def __aiter__(self) -> PoolStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        import ray
+
+        while True:
+            if self._closed or not self._unfinished:
+                raise StopAsyncIteration
+            try:
+                item = await (await self._generator.__anext__())
+            except asyncio.CancelledError:
+                self.close()
+                raise
+            except ray.exceptions.RayActorError as err:  # the replica process is gone
+                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=True)
+                continue
+            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # this stream only
+                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=False)
+                continue
+            if isinstance(item, EngineFailed):  # the replica's engine died
+                await self._on_replica_failure(item.message, replica_down=True)
+                continue
+            return self._deliver(item)
+
+    def _deliver(self, output: RequestOutput) -> RequestOutput:
+        router = self.owner.router
+        router.progress(output.request_id, len(output.new_token_ids))
+        self.delivered_any = True
+        if output.finished:
+            router.finish(output.request_id)
+            self.owner.metrics.observe_finished(output)
+            self._unfinished.discard(output.request_id)
+            if not self._unfinished:
+                self.close()
+        return output
+
+    async def _on_replica_failure(self, why: str, *, replica_down: bool) -> None:
+        """Re-route if nothing was delivered yet; else fail the stream with a 503 error.
+        `replica_down`: the replica itself failed (take it out of rotation)."""
+        pool = self.owner
+        assert self.replica is not None
+        failed = self.replica
+        if replica_down:
+            pool.replica_failed(failed, self._instance_id, why)
+        self._release_routing()
+        if not self.delivered_any and self.num_reroutes < MAX_REROUTES and pool.is_accepting:
+            self.num_reroutes += 1
+            logger.warning(
+                "re-routing %d requests away from replica %d", len(self._unfinished), failed
+            )
+            try:
+                await self.open(excluded={failed})
+                return
+            except LoopserveError as err:
+                why = f"{why}; re-routing failed: {err}"
+        pool.replicas[failed].num_failed_requests += len(self._unfinished)
+        self.owner.metrics.finished.labels(finish_reason="error").inc(len(self._unfinished))
+        self._unfinished.clear()
+        self.close()
+        logger.error("replica %d failed requests %s: %s", failed, self.request_ids, why)
+        if replica_down:
+            raise ReplicaFailedError(
+                f"replica {failed} failed while serving this request; it is being restarted, "
+                "retry the request"
+            )
+        raise ReplicaFailedError(
+            f"replica {failed} failed this request (details are in the server log); retry it"
+        )
+
+    def abort_unfinished(self, request_ids: list[str] | None = None) -> None:
+        """Ask the replica to abort (some of) this stream's unfinished requests; their final
+        outputs (finish reason "abort") still arrive through the stream."""
+        ids = sorted(
+            self._unfinished if request_ids is None else self._unfinished & set(request_ids)
+        )
+        if ids and self.replica is not None:
+            self.owner.replicas[self.replica].actor.abort.remote(ids)
+
+    def close(self) -> None:
+        """Abort what has not finished and release the in-flight slots; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._unfinished and self._generator is not None:  # opened: a replica runs them
+            self.abort_unfinished()
+            self.owner.metrics.finished.labels(finish_reason="abort").inc(len(self._unfinished))
+        self._release_routing()
+        self._generator = None
+        self.owner._on_stream_closed(self)
+
+    def __enter__(self) -> PoolStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,81 @@
+"""`loopserve serve --pd prefill=P,decode=Q`: the spec parser and its CLI errors (no Ray)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from loopserve.cli.main import main
+from loopserve.distributed.args import PDSpec, parse_pd_spec, uses_ray
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("prefill=1,decode=1", PDSpec(1, 1)),
+        ("decode=3,prefill=2", PDSpec(2, 3)),
+        (" prefill = 2 , decode=1 ", PDSpec(2, 1)),
+    ],
+)
+def test_pd_spec_parses_both_roles_in_any_order(text, spec):
+    assert parse_pd_spec(text) == spec
+    assert str(spec) == f"prefill={spec.num_prefill},decode={spec.num_decode}"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("prefill=1", "decode missing"),
+        ("decode=2", "prefill missing"),
+        ("prefill=0,decode=1", "prefill must be >= 1"),
+        ("prefill=1,decode=-2", "decode must be >= 1"),
+        ("prefill=1,decode=two", "decode='two' is not a whole number"),
+        ("prefill=1,decode=1,prefill=2", "prefill is given twice"),
+        ("prefill=1,encode=1", "unknown role 'encode'"),
+        ("1P1D", "'1P1D' is not role=count"),
+        ("", "'' is not role=count"),
+    ],
+)
+def test_bad_pd_spec_says_what_is_wrong(text, says):
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        parse_pd_spec(text)
+    assert says in str(err.value)
+    assert "expected prefill=P,decode=Q" in str(err.value)
+
+
+def test_serve_with_a_bad_pd_spec_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--pd", "prefill=0,decode=1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --pd" in err and "prefill must be >= 1" in err
+
+
+def test_pd_and_data_parallel_size_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--pd", "prefill=1,decode=1", "--data-parallel-size", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--pd prefill=1,decode=1 and --data-parallel-size 2 exclude each other" in err
+
+
+def test_pd_refuses_async_scheduling(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--pd", "prefill=1,decode=1", "--async-scheduling", "--exit-mode", "trace"])
+    assert exit_info.value.code == 2
+    assert "--pd needs --async-scheduling off" in capsys.readouterr().err
+
+
+def test_pd_alone_serves_on_ray():
+    parse = argparse.Namespace
+    assert uses_ray(parse(data_parallel_size=1, ray_address=None, pd=PDSpec(1, 1)))
+    assert not uses_ray(parse(data_parallel_size=1, ray_address=None, pd=None))
+
+
+def test_pd_pool_refuses_async_scheduling():
+    from loopserve.distributed.pd_pool import PDReplicaPool
+    from loopserve.distributed.pool import PoolConfig
+
+    with pytest.raises(ValueError, match="needs async_scheduling off"):
+        PDReplicaPool({"async_scheduling": True}, PoolConfig(num_replicas=2), PDSpec(1, 1))

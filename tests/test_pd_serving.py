@@ -1,0 +1,429 @@
+"""Prefill/decode disaggregation in serving (`PDReplicaPool`, `--pd prefill=1,decode=1`) on a
+local Ray cluster: one ordinary stream per request whose first token comes from the prefill
+replica and the rest from the decode replica, outputs equal to one colocated engine for both
+layouts and every exit mode, aborts around the hand-off that free both replicas, the role label
+in /metrics and /health, and a decode replica dying mid-stream.
+
+One Ray cluster serves the module; one 1P1D pool runs at a time (one per layout and exit mode,
+started when a test first needs it). The tiny checkpoint has a tokenizer, so text deltas are
+checked too. Skipped when Ray is not installed (it is the optional `ray` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
+
+from loopserve.distributed.args import PDSpec  # noqa: E402
+from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
+from loopserve.distributed.pool import PoolConfig  # noqa: E402
+from loopserve.llm import LLM  # noqa: E402
+from loopserve.sampling_params import SamplingParams  # noqa: E402
+from loopserve.server.api_server import build_app  # noqa: E402
+from loopserve.server.async_engine import GenerateRequest  # noqa: E402
+from tests.server_utils import prometheus_values, sse_payloads  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+ENGINE_ARGS = {"dtype": "float32", "num_blocks": 512, "block_size": 4, "max_num_seqs": 4}
+LAYOUTS = ["last_exited", "shared"]
+EXIT_MODES = ["ouro", "ouro_delayed", "random_lookahead", "trace"]
+NUM_LOOPS = 4  # the tiny checkpoint's loops per token
+PREFILL, DECODE = 0, 1  # replica indices in a 1P1D pool
+
+
+def _engine_args(model_dir, layout: str, exit_mode: str, num_blocks: int = 512) -> dict:
+    return {
+        "model": str(model_dir),
+        **ENGINE_ARGS,
+        "layout": layout,
+        "exit_mode": exit_mode,
+        "num_blocks": num_blocks,
+    }
+
+
+class _Pools:
+    """Starts a 1P1D pool per (layout, exit mode) on demand; one alive at a time."""
+
+    def __init__(self, model_dir, loop: asyncio.AbstractEventLoop) -> None:
+        self.model_dir = model_dir
+        self.loop = loop
+        self.key: tuple[str, str, int] | None = None
+        self.pool: PDReplicaPool | None = None
+
+    def get(
+        self, layout: str = "last_exited", exit_mode: str = "ouro", num_blocks: int = 512
+    ) -> PDReplicaPool:
+        if self.key == (layout, exit_mode, num_blocks):
+            assert self.pool is not None
+            assert self.loop.run_until_complete(self.pool.wait_serving(2, 120.0))
+            return self.pool
+        self.close()
+        config = PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2)
+        pool = PDReplicaPool(
+            _engine_args(self.model_dir, layout, exit_mode, num_blocks), config, PDSpec(1, 1)
+        )
+
+        async def start() -> None:
+            pool.start()
+            assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
+
+        self.loop.run_until_complete(start())
+        self.key, self.pool = (layout, exit_mode, num_blocks), pool
+        return pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.loop.run_until_complete(self.pool.shutdown(5.0))
+        self.key = self.pool = None
+
+
+@pytest.fixture(scope="module")
+def loop():
+    event_loop = asyncio.new_event_loop()
+    yield event_loop
+    event_loop.close()
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_tok_dir, loop):
+    ray.init(
+        num_cpus=4,  # logical: a pool's two replicas, and room while a killed one restarts
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=80 * 1024**2,
+        log_to_driver=False,
+    )
+    holder = _Pools(tiny_tok_dir, loop)
+    yield holder
+    holder.close()
+    ray.shutdown()
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 37 + i * 11) % 400 + 3 for i in range(length)]
+
+
+async def _collect(pool: PDReplicaPool, request_id: str, prompt: list[int], params):
+    stream = await pool.submit([GenerateRequest(request_id, prompt, params)])
+    outputs = []
+    with stream:
+        async for output in stream:
+            outputs.append(output)
+    return outputs, stream
+
+
+async def _stats(pool: PDReplicaPool):
+    return await asyncio.gather(*(r.actor.stats.remote() for r in pool.replicas))
+
+
+def _gather(loop, *coroutines):
+    async def main():
+        return await asyncio.gather(*coroutines)
+
+    return loop.run_until_complete(main())
+
+
+def test_first_token_streams_from_prefill_and_the_rest_from_decode(pools, tiny_tok_dir, loop):
+    pool = pools.get()
+    reference = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro"))
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    first_token = reference.generate([_prompt(9, 7)], greedy)[0].token_ids[0]
+    cases = {  # request id -> (prompt, params, hands off)
+        "long": (_prompt(1, 9), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), True),
+        "seeded": (_prompt(2, 4), SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True), True),
+        "one": (_prompt(3, 6), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), False),
+        "stop_at_first": (_prompt(9, 7), SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[first_token]), False),
+    }  # fmt: skip
+    before = _gather(loop, _stats(pool))[0]
+    results = _gather(loop, *(_collect(pool, rid, p, sp) for rid, (p, sp, _) in cases.items()))
+    after = _gather(loop, _stats(pool))[0]
+    expected = reference.generate(
+        [p for p, _, _ in cases.values()], [sp for _, sp, _ in cases.values()]
+    )
+
+    num_handed_off = sum(hands_off for _, _, hands_off in cases.values())
+    for (rid, (_, _, hands_off)), (outputs, stream), want in zip(cases.items(), results, expected):
+        final = outputs[-1]
+        assert final.token_ids == want.token_ids and final.exit_depths == want.exit_depths, rid
+        assert final.finish_reason == want.finish_reason and final.text == want.text, rid
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        # The first token arrives alone, before any decode step; deltas add up to the result.
+        assert outputs[0].new_token_ids == want.token_ids[:1], rid
+        assert sum((o.new_token_ids for o in outputs), []) == final.token_ids
+        assert sum((o.new_exit_depths for o in outputs), []) == final.exit_depths
+        assert "".join(o.new_text for o in outputs) == final.text
+        assert (rid in stream.decode_replicas) == hands_off, rid
+        # TTFT comes from the prefill replica's first token; every token has a time.
+        assert {o.metrics.first_token_s for o in outputs} == {outputs[0].metrics.first_token_s}
+        assert final.metrics.ttft_s is not None and final.metrics.ttft_s >= 0
+        assert len(final.metrics.token_times_s) == len(final.token_ids)
+    assert results[3][0][-1].finish_reason == "stop" and len(results[3][0][-1].token_ids) == 1
+    # The prefill replica sampled exactly one token per request; the decode replica the rest.
+    prefill_tokens = (
+        after[PREFILL].snapshot.num_output_tokens - before[PREFILL].snapshot.num_output_tokens
+    )
+    decode_tokens = (
+        after[DECODE].snapshot.num_output_tokens - before[DECODE].snapshot.num_output_tokens
+    )
+    assert prefill_tokens == len(cases)
+    assert decode_tokens == sum(len(w.token_ids) - 1 for w in expected)
+    assert after[PREFILL].num_exported - before[PREFILL].num_exported == num_handed_off
+    assert after[DECODE].num_imported - before[DECODE].num_imported == num_handed_off
+    assert after[PREFILL].num_imported == 0 and after[DECODE].num_exported == 0
+
+
+def test_a_submission_of_several_requests_hands_each_off(pools, tiny_tok_dir, loop):
+    """One submission (as `n` > 1 or a batch of prompts makes): one prefill stream, one
+    hand-off and decode stream per request, merged into one stream."""
+    pool = pools.get()
+    prompt = _prompt(11, 8)
+    params = [
+        SamplingParams(max_tokens=6 + i, temperature=0.8, seed=70 + i, ignore_eos=True)
+        for i in range(3)
+    ]
+    requests = [GenerateRequest(f"n-{i}", prompt, sp) for i, sp in enumerate(params)]
+
+    async def main():
+        stream = await pool.submit(requests)
+        outputs: dict[str, list] = {r.request_id: [] for r in requests}
+        with stream:
+            async for output in stream:
+                outputs[output.request_id].append(output)
+        return outputs, stream
+
+    outputs, stream = loop.run_until_complete(main())
+    expected = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro")).generate(
+        [prompt] * 3, params
+    )
+    for request, want in zip(requests, expected):
+        got = outputs[request.request_id]
+        assert got[-1].token_ids == want.token_ids and got[-1].exit_depths == want.exit_depths
+        assert got[0].new_token_ids == want.token_ids[:1]
+        assert sum((o.new_token_ids for o in got), []) == want.token_ids
+    assert sorted(stream.decode_replicas) == ["n-0", "n-1", "n-2"]
+    assert pool.num_in_flight == 0
+
+
+def test_aborts_around_the_hand_off_free_both_replicas(pools, loop):
+    pool = pools.get()
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    before = _gather(loop, _stats(pool))[0]
+    aborts_before = _finished(pool, "abort")
+
+    async def close_after(request_id: str, num_outputs: int) -> list:
+        stream = await pool.submit(
+            [GenerateRequest(request_id, _prompt(20 + len(request_id), 11), params)]
+        )
+        seen = []
+        if num_outputs:
+            async for output in stream:
+                seen.append(output)
+                if len(seen) == num_outputs:
+                    break
+        stream.close()  # what a client disconnect does
+        return seen
+
+    # Closed before any output (on the prefill replica), right at the first token (while the
+    # request is exported and in flight), and after three tokens (on the decode replica).
+    closes = {"a-before": 0, "a-first": 1, "a-first-2": 1, "a-third": 3, "a-third-2": 3}
+    seen = _gather(loop, *(close_after(rid, n) for rid, n in closes.items()))
+
+    async def settle():
+        while True:
+            stats = await _stats(pool)
+            if all(
+                s.snapshot.num_running == s.snapshot.num_waiting == s.num_in_flight == 0
+                for s in stats
+            ):
+                return stats
+            await asyncio.sleep(0.05)
+
+    after = loop.run_until_complete(asyncio.wait_for(settle(), 60.0))
+    for rid, outputs in zip(closes, seen):
+        assert len(outputs) == closes[rid] and not any(o.finished for o in outputs), rid
+    for stats in after:  # every KV block came back, on both sides
+        assert stats.snapshot.num_free_blocks == stats.snapshot.num_total_blocks
+    decode_tokens = (
+        after[DECODE].snapshot.num_output_tokens - before[DECODE].snapshot.num_output_tokens
+    )
+    assert decode_tokens < 5 * 100  # they stopped long before max_tokens
+    # The two closed after three tokens were on the decode replica.
+    assert after[DECODE].num_imported - before[DECODE].num_imported >= 2
+    assert _finished(pool, "abort") == aborts_before + len(closes)
+    assert pool.num_in_flight == 0 and not pool.streams
+
+
+def _finished(pool: PDReplicaPool, reason: str) -> float:
+    text = pool.metrics.render(pool.snapshot, num_in_flight=0, is_ready=True)
+    key = f'loopserve_requests_finished_total{{finish_reason="{reason}"}}'
+    return prometheus_values(text).get(key, 0.0)
+
+
+def test_http_stream_health_and_metrics_carry_roles(pools, loop):
+    pool = pools.get()
+    app = build_app(pool, "tiny")
+    body = {"prompt": _prompt(4, 8), "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    handoffs_before = prometheus_values(
+        pool.metrics.render(pool.snapshot, num_in_flight=0, is_ready=True)
+    )
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            streamed = await client.post("/v1/completions", json={**body, "stream": True})
+            whole = await client.post("/v1/completions", json=body)
+            await pool.refresh_stats()
+            return streamed, whole, await client.get("/health"), await client.get("/metrics")
+
+    streamed, whole, health, metrics = loop.run_until_complete(main())
+    events = sse_payloads(streamed.text.splitlines())
+    assert events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    choice = whole.json()["choices"][0]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert sum((c["exit_depths"] for c in chunks), []) == choice["exit_depths"]
+    assert len(choice["exit_depths"]) == 6 and choice["finish_reason"] == "length"
+    assert chunks[-1]["finish_reason"] == "length"
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+    assert (health.json()["prefill_serving"], health.json()["decode_serving"]) == (1, 1)
+    values = prometheus_values(metrics.text)
+    assert values['loopserve_replica_serving{replica="0",role="prefill"}'] == 1
+    assert values['loopserve_replica_serving{replica="1",role="decode"}'] == 1
+    for replica, role in ((0, "prefill"), (1, "decode")):  # both requests were handed off
+        key = f'loopserve_pd_handoffs_total{{replica="{replica}",role="{role}"}}'
+        assert values[key] - handoffs_before[key] == 2, key
+
+
+def test_decode_replica_dying_mid_stream_ends_it_with_503(pools, loop):
+    pool = pools.get()
+    app = build_app(pool, "tiny")
+
+    async def http_stream() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://localhost", timeout=120.0
+        ) as client:
+            body = {"prompt": _prompt(5, 6), "max_tokens": 400, "ignore_eos": True, "stream": True}
+            return await client.post("/v1/completions", json=body)
+
+    async def main():
+        task = asyncio.ensure_future(http_stream())
+        # Kill the decode replica once it has taken the request (its first token was streamed).
+        while not any(s.decode_replicas for s in pool.streams):
+            await asyncio.sleep(0.005)
+        ray.kill(pool.replicas[DECODE].actor, no_restart=False)
+        response = await task
+        health = pool.health()
+        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
+        return response, health
+
+    response, health_after_kill = loop.run_until_complete(main())
+    streamed = sse_payloads(response.text.splitlines())
+    assert streamed[-1] == "[DONE]"
+    assert streamed[0]["choices"][0]["exit_depths"]  # it streamed the first token
+    error = streamed[-2]["error"]
+    assert error["code"] == "engine_unavailable"
+    assert "replica 1 failed" in error["message"] and "decode" in error["message"]
+    assert health_after_kill["decode_serving"] == 0 and health_after_kill["status"] != "ok"
+    assert (
+        pool.replicas[DECODE].num_restarts == 1 and pool.replicas[DECODE].num_failed_requests == 1
+    )
+    # The restarted decode replica takes hand-offs again.
+    outputs, stream = loop.run_until_complete(
+        _collect(
+            pool, "after-restart", _prompt(6, 5), SamplingParams(max_tokens=5, ignore_eos=True)
+        )
+    )
+    assert outputs[-1].finish_reason == "length" and stream.decode_replicas == {
+        "after-restart": DECODE
+    }
+
+
+def _params_for(exit_mode: str) -> list[SamplingParams]:
+    """Greedy and seeded requests with different loop settings, one that ends at its first
+    token; trace mode replays per-request exit depths."""
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.0, exit_threshold=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=1.0, seed=41, exit_threshold=0.7, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=1, temperature=0.8, seed=42, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0.7, top_k=30, seed=43, min_loops=2, exit_threshold=0.4, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.0, max_loops=2, ignore_eos=True),
+    ]  # fmt: skip
+    if exit_mode == "trace":
+        traces = [(1, 2, 3), (4, 1), (2,), (3, 3, 1, 4), (2, 1)]
+        params = [
+            SamplingParams(**{**_fields(sp), "exit_trace": trace})
+            for sp, trace in zip(params, traces)
+        ]
+    return params
+
+
+def _fields(params: SamplingParams) -> dict[str, object]:
+    names = ("max_tokens", "temperature", "top_k", "seed", "min_loops", "max_loops",
+             "exit_threshold", "ignore_eos", "logprobs")  # fmt: skip
+    return {name: getattr(params, name) for name in names}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("exit_mode", EXIT_MODES)
+def test_serving_one_prefill_one_decode_equals_colocated(
+    pools, tiny_tok_dir, loop, layout, exit_mode
+):
+    pool = pools.get(layout, exit_mode)
+    prompts = [_prompt(30 + k, n) for k, n in enumerate([1, 6, 13, 22, 5])]
+    params = _params_for(exit_mode)
+    before = _gather(loop, _stats(pool))[0]
+    results = _gather(
+        loop, *(_collect(pool, f"eq-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params)))
+    )
+    after = _gather(loop, _stats(pool))[0]
+    expected = LLM(**_engine_args(tiny_tok_dir, layout, exit_mode)).generate(prompts, params)
+    for (outputs, _), want in zip(results, expected):
+        final = outputs[-1]
+        assert final.token_ids == want.token_ids
+        assert final.exit_depths == want.exit_depths
+        assert final.finish_reason == want.finish_reason
+        # Log-probabilities agree up to float32 rounding (other batch shapes on each side).
+        assert [t.token_id for t in final.logprobs or []] == [
+            t.token_id for t in want.logprobs or []
+        ]
+        assert [t.logprob for t in final.logprobs or []] == pytest.approx(
+            [t.logprob for t in want.logprobs or []], abs=1e-4
+        )
+    assert expected[1].logprobs is not None and len(results[1][0][-1].logprobs) == 7
+    assert [len(w.token_ids) for w in expected] == [9, 7, 1, 11, 6]
+    assert after[DECODE].num_imported - before[DECODE].num_imported == 4  # all but max_tokens=1
+    decoded = [d for (outputs, _) in results for d in outputs[-1].exit_depths[1:]]
+    assert min(decoded) < NUM_LOOPS  # decode tokens exited early on the decode replica
+
+
+def test_a_full_decode_replica_makes_hand_offs_wait_not_fail(pools, tiny_tok_dir, loop):
+    """96 KV blocks: a request here grows to 12 blocks in each of the 4 planes (8 prompt + 40
+    output positions), so the decode replica holds two at their peak; the other hand-offs
+    wait in its queue or are preempted, and every request still completes exactly."""
+    pool = pools.get(num_blocks=96)
+    prompts = [_prompt(50 + k, 8) for k in range(5)]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in prompts]
+    before = _gather(loop, _stats(pool))[0]
+    results = _gather(
+        loop,
+        *(_collect(pool, f"full-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))),
+    )
+    after = _gather(loop, _stats(pool))[0]
+    expected = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro", 96)).generate(
+        prompts, params
+    )
+    for (outputs, _), want in zip(results, expected):
+        assert outputs[-1].token_ids == want.token_ids and outputs[-1].finish_reason == "length"
+    snap_before, snap_after = before[DECODE].snapshot, after[DECODE].snapshot
+    preempted = (snap_after.num_preemptions_recompute + snap_after.num_preemptions_swap) - (
+        snap_before.num_preemptions_recompute + snap_before.num_preemptions_swap
+    )
+    assert preempted > 0  # the decode replica really ran out of KV blocks
+    assert after[DECODE].num_imported - before[DECODE].num_imported == 5
+    assert snap_after.num_free_blocks == snap_after.num_total_blocks == 96

@@ -1,0 +1,319 @@
+"""`PDStream` failure and abort paths, driven by scripted replicas (no Ray cluster, no model).
+
+Each fake replica answers the calls the pool makes (`prefill`, `import_handoff`,
+`decode_stream`, `abort`) the way Ray does: a streaming call returns a generator whose
+`__anext__` gives an awaitable reference, a plain call returns an awaitable reference, and a
+dead actor raises `RayActorError`. The tests script what each replica does and when, so the
+paths a real cluster hits only by timing (a replica dying before any output, a decode replica
+refusing or dying before it takes a request, a client leaving while the request is in flight)
+run every time; so does prefix routing among prefill replicas, and the rebasing of a hand-off's
+times from another machine's clock. Real replicas are in tests/test_pd_serving.py. Needs Ray only for its
+exception types (the optional `ray` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
+
+from loopserve.distributed.args import PDSpec  # noqa: E402
+from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
+from loopserve.distributed.pool import PoolConfig, ReplicaState, _Replica  # noqa: E402
+from loopserve.distributed.replica import Accepted, Exported, Rejected  # noqa: E402
+from loopserve.outputs import RequestMetrics, RequestOutput  # noqa: E402
+from loopserve.sampling_params import SamplingParams  # noqa: E402
+from loopserve.server.async_engine import GenerateRequest, QueueFullError  # noqa: E402
+from loopserve.text.input_processor import ProcessedPrompt  # noqa: E402
+
+END = object()  # ends a scripted stream
+
+
+class Ref:
+    """A Ray object reference stand-in: awaiting it gives the value or raises the error."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+        self.awaited = False
+
+    def __await__(self):
+        return self._get().__await__()
+
+    async def _get(self) -> object:
+        self.awaited = True
+        if isinstance(self.value, asyncio.Event):  # an answer held back by the test
+            await self.value.wait()
+            return self.answer
+        if isinstance(self.value, BaseException):
+            raise self.value
+        return self.value
+
+
+class Stream:
+    """A streaming call's generator; the test pushes items (an exception: the call fails)."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue[object] = asyncio.Queue()
+
+    def push(self, *items: object) -> None:
+        for item in items:
+            self.items.put_nowait(item)
+
+    async def __anext__(self) -> object:
+        item = await self.items.get()
+        if item is END:
+            raise StopAsyncIteration
+        if isinstance(item, Ref):  # a reference pushed as is (the hand-off state)
+            return item
+        return Ref(item)
+
+
+class Method:
+    def __init__(self, call: Callable[..., object]) -> None:
+        self.call = call
+
+    def remote(self, *args: object) -> object:
+        return self.call(*args)
+
+
+class FakeReplica:
+    """Records every call; `prefill` and `decode_stream` return the next scripted stream,
+    `import_handoff` the next scripted answer."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        self.streams: list[Stream] = []
+        self.answers: list[Ref] = []
+        for name in ("prefill", "import_handoff", "decode_stream", "abort"):
+            setattr(self, name, Method(self._recorder(name)))
+
+    def _recorder(self, name: str) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            self.calls.append((name, args))
+            if name in ("prefill", "decode_stream"):
+                stream = Stream()
+                self.streams.append(stream)
+                return stream
+            if name == "import_handoff":
+                return self.answers.pop(0)
+            return Ref(None)
+
+        return call
+
+    def called(self, name: str) -> list[tuple]:
+        return [args for call, args in self.calls if call == name]
+
+
+def _output(request_id: str, token_ids: list[int], *, finished: bool, new: int) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[1, 2, 3],
+        token_ids=token_ids,
+        text="",
+        exit_depths=[4] * len(token_ids),
+        finish_reason="length" if finished else None,
+        metrics=RequestMetrics(0.0, 0.0, 0.1, 1.0 if finished else None),
+        new_token_ids=token_ids[-new:],
+        new_exit_depths=[4] * new,
+    )
+
+
+def _pool(spec: PDSpec, routing: str = "least_load") -> tuple[PDReplicaPool, list[FakeReplica]]:
+    pool = PDReplicaPool({"block_size": 4}, PoolConfig(num_replicas=1, routing=routing), spec)
+    fakes = [FakeReplica() for _ in range(pool.num_replicas)]
+    pool.replicas = [
+        _Replica(i, fake, ReplicaState.SERVING, instance_id=f"i{i}", role=pool.role_of(i))
+        for i, fake in enumerate(fakes)
+    ]
+    pool.info = object()  # type: ignore[assignment]  # loaded (the prompts come processed)
+    return pool, fakes
+
+
+def _submit(
+    pool: PDReplicaPool, request_id: str = "r", max_tokens: int = 3, prompt: list[int] | None = None
+):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    request = GenerateRequest(request_id, ProcessedPrompt(None, prompt or [1, 2, 3]), params)
+    return pool.submit([request])
+
+
+async def _until(condition: Callable[[], Any]) -> None:
+    """Let the legs run until `condition` holds (a hand-off retry waits 50 ms)."""
+    for _ in range(5000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition never held")
+
+
+def test_prefill_replica_dying_before_any_output_reroutes_to_the_other():
+    async def main():
+        pool, (p0, p1, d2) = _pool(PDSpec(2, 1))
+        submitting = asyncio.ensure_future(_submit(pool))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), ray.exceptions.RayActorError())  # dies, no output
+        await _until(lambda: p1.streams)  # re-submitted to prefill replica 1
+        stream = await submitting
+        state = Ref("the exported state")
+        d2.answers.append(Ref(Accepted()))
+        p1.streams[0].push(Accepted(), _output("r", [7], finished=False, new=1))
+        p1.streams[0].push(Exported("r", 1), state, END)
+        await _until(lambda: d2.streams)
+        d2.streams[0].push(_output("r", [7, 8, 9], finished=True, new=2), END)
+        outputs = [output async for output in stream]
+        return pool, stream, outputs, state, (p0, p1, d2)
+
+    pool, stream, outputs, state, (p0, p1, d2) = asyncio.run(main())
+    assert [o.new_token_ids for o in outputs] == [[7], [8, 9]]
+    assert outputs[-1].token_ids == [7, 8, 9] and outputs[-1].finished
+    assert stream.num_reroutes == 1 and stream.replica == 1
+    assert pool.replicas[0].state is ReplicaState.RESTARTING  # out of rotation until it is back
+    assert pool.replicas[0].num_failed_requests == 0  # nothing was lost
+    assert d2.called("import_handoff") == [(state, None, None)]  # the reference, as is
+    assert not state.awaited  # the server never fetched the state (its K/V)
+    assert d2.called("decode_stream") == [("r", False)]
+    assert pool.num_in_flight == 0
+
+
+def test_hand_off_retries_a_refusing_or_dead_decode_replica():
+    async def main():
+        pool, (p0, d1, d2) = _pool(PDSpec(1, 2))
+        d1.answers.append(Ref(ray.exceptions.RayActorError()))  # dies before taking it
+        refused = Rejected.of(QueueFullError("100 requests in flight, the limit is 100"))
+        d2.answers.extend([Ref(refused), Ref(Accepted())])  # full, then takes it
+        submitting = asyncio.ensure_future(_submit(pool))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), _output("r", [5], finished=False, new=1))
+        stream = await submitting
+        p0.streams[0].push(Exported("r", 1), Ref("state"), END)
+        first = await stream.__anext__()
+        await _until(lambda: d2.streams)
+        d2.streams[0].push(_output("r", [5, 6, 7], finished=True, new=2), END)
+        rest = [output async for output in stream]
+        return pool, [first, *rest], (p0, d1, d2)
+
+    pool, outputs, (p0, d1, d2) = asyncio.run(main())
+    assert outputs[-1].token_ids == [5, 6, 7] and outputs[-1].finished
+    assert len(d1.called("import_handoff")) == 1 and not d1.called("decode_stream")
+    assert len(d2.called("import_handoff")) == 2  # refused once, then taken
+    assert pool.replicas[1].state is ReplicaState.RESTARTING
+    assert pool.replicas[2].num_handoffs == 1 and pool.replicas[0].num_handoffs == 1
+    assert pool.router.load(0) == pool.router.load(2) == 0  # nothing left outstanding
+
+
+def test_closing_while_the_request_is_in_flight_aborts_it_once_taken():
+    async def main():
+        pool, (p0, d1) = _pool(PDSpec(1, 1))
+        held = Ref(asyncio.Event())  # the decode replica's answer, held back
+        d1.answers.append(held)
+        submitting = asyncio.ensure_future(_submit(pool, max_tokens=50))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), _output("r", [5], finished=False, new=1))
+        stream = await submitting
+        first = await stream.__anext__()
+        p0.streams[0].push(Exported("r", 1), Ref("state"), END)
+        await _until(lambda: d1.called("import_handoff"))
+        stream.close()  # the client leaves while the decode replica is taking the request
+        held.answer = Accepted()
+        held.value.set()
+        await _until(lambda: d1.called("abort"))
+        return pool, first, (p0, d1)
+
+    pool, first, (p0, d1) = asyncio.run(main())
+    assert first.new_token_ids == [5]
+    assert d1.called("abort") == [(["r"],)]  # aborted where it landed
+    assert not d1.called("decode_stream")  # nobody listens any more
+    assert not p0.called("abort")  # it had left the prefill replica
+    assert pool.num_in_flight == 0 and not pool.streams
+
+
+def test_closing_before_the_export_aborts_on_prefill_and_drops_the_state():
+    async def main():
+        pool, (p0, d1) = _pool(PDSpec(1, 1))
+        submitting = asyncio.ensure_future(_submit(pool, max_tokens=50))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), _output("r", [5], finished=False, new=1))
+        stream = await submitting
+        await stream.__anext__()
+        stream.close()  # before the replica's export reached the pool
+        await _until(lambda: p0.called("abort"))
+        # The replica had exported it already: its state arrives and must go nowhere.
+        p0.streams[0].push(Exported("r", 1), Ref("state"), END)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return pool, (p0, d1)
+
+    pool, (p0, d1) = asyncio.run(main())
+    assert p0.called("abort") == [(["r"],)]
+    assert not d1.calls  # never imported
+    assert pool.num_in_flight == 0
+
+
+def test_prefix_routing_keeps_a_shared_prefix_on_one_prefill_replica():
+    shared = list(range(10, 22))  # three full blocks of 4
+
+    async def submitted(pool, fakes, request_id, prompt):
+        before = [len(f.streams) for f in fakes]
+        submitting = asyncio.ensure_future(_submit(pool, request_id, 50, prompt))
+        await _until(lambda: [len(f.streams) for f in fakes] != before)
+        (index,) = [i for i, f in enumerate(fakes) if len(f.streams) != before[i]]
+        fakes[index].streams[-1].push(Accepted())
+        return await submitting, index
+
+    async def main():
+        pool, fakes = _pool(PDSpec(2, 1), routing="prefix")
+        # Three same-prefix requests in flight at once: by load they would alternate.
+        same = [await submitted(pool, fakes, f"s{i}", shared + [90 + i]) for i in range(3)]
+        other = await submitted(pool, fakes, "o", list(range(50, 62)))
+        return pool, same, other
+
+    pool, same, (_, other_index) = asyncio.run(main())
+    indices = {index for _, index in same}
+    assert len(indices) == 1 and indices <= {0, 1}, indices  # a prefill replica
+    assert other_index == 1 - indices.pop()  # the other prompt went by load
+    assert pool.replicas[0].num_prefix_hits + pool.replicas[1].num_prefix_hits == 2
+
+
+def _state(**times: object):
+    from loopserve.distributed.handoff import HandoffState
+
+    return HandoffState(
+        request_id="r",
+        prompt_token_ids=[1, 2],
+        output_token_ids=[3],
+        exit_depths=[4],
+        logprobs=[],
+        params=SamplingParams(),
+        num_planes=4,
+        block_size=4,
+        num_kv_positions=2,
+        kv=None,
+        generator_state=None,
+        **times,  # type: ignore[arg-type]
+    )
+
+
+def test_times_of_a_hand_off_from_another_machine_are_rebased():
+    import time
+
+    from loopserve.distributed.replica import rebase_times
+
+    state = _state(arrival_s=10.0, first_scheduled_s=10.5, first_token_s=11.0, token_times_s=[11.0])
+    here_offset_s = time.time() - time.monotonic()
+    assert rebase_times(state, None) is state
+    assert rebase_times(state, here_offset_s) is state  # the same machine: one clock
+    # The exporter's monotonic clock reads 250 s less than ours at the same wall time.
+    moved = rebase_times(state, here_offset_s + 250.0)
+    assert moved.arrival_s == pytest.approx(260.0, abs=1e-3)
+    assert moved.first_scheduled_s == pytest.approx(260.5, abs=1e-3)
+    assert moved.first_token_s == pytest.approx(261.0, abs=1e-3)
+    assert moved.token_times_s == pytest.approx([261.0], abs=1e-3)
+    assert moved.kv is state.kv and moved.output_token_ids == [3]
+    unscheduled = rebase_times(_state(arrival_s=1.0), here_offset_s - 5.0)
+    assert unscheduled.arrival_s == pytest.approx(-4.0, abs=1e-3)
+    assert unscheduled.first_token_s is None

@@ -2,7 +2,9 @@
 hand-offs), with scripted descriptors and a recording fake transport: whatever order the
 descriptors arrive in, the transport receives or discards one source's hand-offs in send
 order; a discard in the middle keeps the order; sources are independent; duplicates are
-refused; a descriptor whose predecessor never comes times out and is discarded in its turn."""
+refused; a descriptor whose predecessor never comes times out and is discarded in its turn.
+`HandoffInbox` keeps a received state for a retried import and drops it without a second
+receive."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import asyncio
 import pytest
 
 from loopserve.distributed.handoff import HandoffState
-from loopserve.distributed.handoff_order import HandoffReceiver
+from loopserve.distributed.handoff_order import HandoffInbox, HandoffReceiver
 from loopserve.distributed.transport import KVDescriptor, KVTransportError
 
 
@@ -152,3 +154,46 @@ def test_a_transport_error_reaches_its_caller_and_the_order_moves_on():
 
     second, receiver = asyncio.run(main())
     assert second == "state of r1" and receiver.next_seq(0) == 2
+
+
+class _Endpoint:
+    """A torch endpoint stand-in with the blocking calls `HandoffInbox` runs in a thread."""
+
+    kind = "torch"
+    timeout_s = 5.0
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.discarded: list[int] = []
+
+    def receive(self, item: KVDescriptor) -> str:
+        self.received.append(item.seq)
+        return f"state of {item.request_id}"
+
+    def discard_many(self, items: list[KVDescriptor]) -> None:
+        self.discarded.extend(item.seq for item in items)
+
+
+def test_inbox_keeps_a_received_state_for_the_retry_and_drops_without_receiving_twice():
+    async def main():
+        endpoint = _Endpoint()
+        inbox = HandoffInbox(endpoint)  # type: ignore[arg-type]
+        first = await inbox.take(_descriptor("a", 0, 0))
+        retried = await inbox.take(_descriptor("a", 0, 0))  # the engine refused it once
+        inbox.imported("a")
+        await inbox.take(_descriptor("b", 0, 1))
+        await inbox.drop(_descriptor("b", 0, 1))  # refused, then given up: already received
+        await inbox.drop(_descriptor("c", 0, 2))  # never received: discarded in its turn
+        return endpoint, first, retried
+
+    endpoint, first, retried = asyncio.run(main())
+    assert first == retried == "state of a"
+    assert endpoint.received == [0, 1] and endpoint.discarded == [2]
+
+
+def test_inbox_refuses_a_replica_without_a_torch_endpoint():
+    class _Ray:
+        kind = "ray"
+
+    with pytest.raises(KVTransportError, match="without a torch KV transport"):
+        HandoffInbox(_Ray())  # type: ignore[arg-type]

@@ -125,10 +125,16 @@ def _run_all(pool, loop, cases: dict[str, tuple[list[int], SamplingParams]]):
     return loop.run_until_complete(main())
 
 
-def _transport_stats(pool: PDReplicaPool):
-    """Both endpoints' counters, after the prefill side's completed sends are counted."""
-    ray.get(pool.replicas[PREFILL].actor.flush_kv_transport.remote(30.0))
-    return ray.get([r.actor.kv_transport_stats.remote() for r in pool.replicas])
+def _transport_stats(pool: PDReplicaPool, loop: asyncio.AbstractEventLoop):
+    """Both endpoints' counters, after the prefill side's pending sends completed (bounded).
+    It runs the pool's event loop meanwhile: the server's hand-off tasks (imports, drops)
+    must go on for the sends to complete."""
+
+    async def main():
+        await pool.replicas[PREFILL].actor.flush_kv_transport.remote(30.0)
+        return await asyncio.gather(*(r.actor.kv_transport_stats.remote() for r in pool.replicas))
+
+    return loop.run_until_complete(main())
 
 
 CASES = {  # request id -> (prompt, params): greedy, seeded, loop settings, one ends at once
@@ -148,9 +154,9 @@ def test_torch_transport_serving_equals_colocated_and_moves_the_kv_point_to_poin
 ):
     pool = pools.get(layout, exit_mode)
     assert pool.uses_torch_transport and pool.health()["kv_transport"] == "torch"
-    before = _transport_stats(pool)
+    before = _transport_stats(pool, loop)
     results = _run_all(pool, loop, CASES)  # five streams at once: their hand-offs race
-    after = _transport_stats(pool)
+    after = _transport_stats(pool, loop)
     expected = LLM(**_engine_args(tiny_tok_dir, layout, exit_mode)).generate(
         [p for p, _ in CASES.values()], [sp for _, sp in CASES.values()]
     )
@@ -196,9 +202,9 @@ def test_many_concurrent_streams_all_hand_off_exactly(pools, tiny_tok_dir, loop)
         )
         for i in range(8)
     }
-    before = _transport_stats(pool)
+    before = _transport_stats(pool, loop)
     results = _run_all(pool, loop, cases)
-    after = _transport_stats(pool)
+    after = _transport_stats(pool, loop)
     expected = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro_delayed")).generate(
         [p for p, _ in cases.values()], [sp for _, sp in cases.values()]
     )
@@ -215,7 +221,7 @@ def test_abort_at_the_first_token_drops_the_kv_and_keeps_the_pair_in_order(
 ):
     pool = pools.get("last_exited", "ouro_delayed")
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    before = _transport_stats(pool)
+    before = _transport_stats(pool, loop)
 
     async def close_at_first_token(request_id: str, seed: int) -> list:
         stream = await pool.submit([GenerateRequest(request_id, _prompt(seed, 10), params)])
@@ -242,14 +248,14 @@ def test_abort_at_the_first_token_drops_the_kv_and_keeps_the_pair_in_order(
     assert all(len(outputs) == 1 and not outputs[0].finished for outputs in seen)
     for stats in idle:  # every KV block came back, on both sides
         assert stats.snapshot.num_free_blocks == stats.snapshot.num_total_blocks
-    mid = _transport_stats(pool)
+    mid = _transport_stats(pool, loop)
     num_sent = mid[PREFILL].num_sent - before[PREFILL].num_sent
     num_received = mid[DECODE].num_received - before[DECODE].num_received
     num_discarded = mid[DECODE].num_discarded - before[DECODE].num_discarded
     # Whether each was exported (and sent) before its abort reached the prefill replica is
     # timing; every one that was sent left the wire, imported (then aborted) or dropped.
     assert num_received + num_discarded == num_sent
-    assert mid[PREFILL].num_pending_sends == 0
+    assert mid[PREFILL].num_pending_sends == 0 and mid[PREFILL].failure is None
     # A later request still pairs up.
     later = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs, stream = loop.run_until_complete(_collect(pool, "after", _prompt(90, 7), later))
@@ -257,7 +263,7 @@ def test_abort_at_the_first_token_drops_the_kv_and_keeps_the_pair_in_order(
         [_prompt(90, 7)], [later]
     )[0]
     assert outputs[-1].token_ids == want.token_ids and stream.decode_replicas == {"after": DECODE}
-    final = _transport_stats(pool)
+    final = _transport_stats(pool, loop)
     assert final[DECODE].num_received == mid[DECODE].num_received + 1
     assert final[DECODE].failure is None and pool.kv_transport_fallback is None
 
@@ -270,7 +276,7 @@ def test_a_later_hand_off_waits_for_an_earlier_one_to_be_dropped(pools, tiny_tok
     assert pool.info is not None
     prompt = pool.info.input_processor.process(_prompt(70, 5))
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
-    before = _transport_stats(pool)
+    before = _transport_stats(pool, loop)
 
     async def export_one() -> list:
         generator = pool.replicas[PREFILL].actor.prefill.remote(
@@ -297,7 +303,7 @@ def test_a_later_hand_off_waits_for_an_earlier_one_to_be_dropped(pools, tiny_tok
         [_prompt(71, 8)], [params]
     )[0]
     assert outputs[-1].token_ids == want.token_ids and outputs[-1].exit_depths == want.exit_depths
-    after = _transport_stats(pool)
+    after = _transport_stats(pool, loop)
     assert after[DECODE].num_discarded == before[DECODE].num_discarded + 1
     assert after[DECODE].num_received == before[DECODE].num_received + 1
     assert after[DECODE].failure is None and after[PREFILL].num_pending_sends == 0

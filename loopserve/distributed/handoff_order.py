@@ -1,4 +1,5 @@
-"""`HandoffReceiver`: a decode replica's receiving end of point-to-point hand-offs in serving.
+"""`HandoffReceiver` / `HandoffInbox`: a decode replica's receiving end of point-to-point
+hand-offs in serving.
 
 With the torch KV transport a prefill replica sends a request's K/V with `isend` and the
 driver passes the descriptor (`KVDescriptor`: source rank, sequence number) to the decode
@@ -13,7 +14,12 @@ the replica runs them in a worker thread so the event loop keeps streaming).
 A caller waits at most `timeout_s` for its turn; a descriptor whose predecessors never arrive
 is then turned into a discard (its K/V is still taken off the wire when its turn comes) and
 the caller gets `KVTransportError`. A duplicate or already-passed sequence number is refused
-with `KVTransportError`. This module imports neither torch nor Ray.
+with `KVTransportError`.
+
+`HandoffInbox` puts a `HandoffReceiver` over one replica's KV transport endpoint (its receives
+run in a worker thread) and keeps a received state until it is imported: an import the engine
+refuses for now (queue full) is retried with the same descriptor, whose K/V cannot be received
+twice. This module imports neither torch nor Ray.
 """
 
 from __future__ import annotations
@@ -23,7 +29,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loopserve.distributed.transport import KVDescriptor, KVTransportError
+from loopserve.distributed.handoff import HandoffState
+from loopserve.distributed.transport import (
+    DEFAULT_TIMEOUT_S,
+    KVDescriptor,
+    KVTransport,
+    KVTransportError,
+)
 
 ReceiveFn = Callable[[KVDescriptor], Awaitable[Any]]  # -> the HandoffState with its K/V
 DiscardFn = Callable[[KVDescriptor], Awaitable[None]]
@@ -124,3 +136,43 @@ class HandoffReceiver:
 def _retrieve(done: asyncio.Future[Any]) -> None:
     if not done.cancelled():
         done.exception()  # marks a late error as seen (asyncio logs unseen ones)
+
+
+class HandoffInbox:
+    """One replica's received point-to-point hand-offs; see the module docstring."""
+
+    def __init__(self, transport: KVTransport) -> None:
+        if transport.kind != "torch":
+            raise KVTransportError(
+                "a point-to-point hand-off reached a replica without a torch KV transport "
+                "(restarted since it was sent?)"
+            )
+
+        async def receive(item: KVDescriptor) -> HandoffState:
+            return await asyncio.to_thread(transport.receive, item)
+
+        async def discard(item: KVDescriptor) -> None:
+            await asyncio.to_thread(transport.discard_many, [item])
+
+        self.receiver = HandoffReceiver(
+            receive, discard, getattr(transport, "timeout_s", DEFAULT_TIMEOUT_S)
+        )
+        self._received: dict[str, HandoffState] = {}  # received, not yet imported
+
+    async def take(self, item: KVDescriptor) -> HandoffState:
+        """The state of `item` with its K/V: kept from an earlier attempt, or received in its
+        turn; kept until `imported` or `drop`."""
+        kept = self._received.get(item.request_id)
+        if kept is not None:
+            return kept
+        state = await self.receiver.take(item)
+        self._received[item.request_id] = state
+        return state
+
+    def imported(self, request_id: str) -> None:
+        self._received.pop(request_id, None)
+
+    async def drop(self, item: KVDescriptor) -> None:
+        """Forget a received state, or receive and discard the K/V of `item` in its turn."""
+        if self._received.pop(item.request_id, None) is None:
+            await self.receiver.drop(item)

@@ -21,7 +21,7 @@ with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an 
   next item is the `KVDescriptor` instead (`Exported.destination` says so); if the transport
   refuses, the full state as before. `import_handoff` takes one `HandoffState` or
   `KVDescriptor` (`Accepted` or `Rejected`; a descriptor is received in send order per source
-  through `HandoffReceiver`, and its received state is kept for a retried import after a
+  through `HandoffInbox`, which keeps a received state for a retried import after a
   rejection); `decode_stream` then streams that request's further outputs; `drop_handoff`
   receives and drops the K/V of a descriptor that will not be imported (an aborted request),
   so later hand-offs from that source still pair up.
@@ -42,7 +42,6 @@ This module does not route, retry or restart; the pool does.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -53,9 +52,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopserve.distributed.handoff import HandoffState
-from loopserve.distributed.handoff_order import HandoffReceiver
+from loopserve.distributed.handoff_order import HandoffInbox
 from loopserve.distributed.transport import (
-    DEFAULT_TIMEOUT_S,
     KVDescriptor,
     KVTransport,
     KVTransportError,
@@ -187,10 +185,7 @@ class EngineReplica:
         self._num_exported = 0
         self._num_imported = 0
         self._imported: dict[str, OutputStream] = {}  # imported, `decode_stream` not called yet
-        self._receiver: HandoffReceiver | None = None  # torch transport, decode role
-        # Received over the torch transport but refused for now by the engine (queue full):
-        # a retried `import_handoff` of the same descriptor takes the state from here.
-        self._received: dict[str, HandoffState] = {}
+        self._inbox: HandoffInbox | None = None  # point-to-point hand-offs (decode role)
 
     def _started(self) -> AsyncLLM:
         """The `AsyncLLM`, started on first use (it needs the actor's running event loop)."""
@@ -297,29 +292,23 @@ class EngineReplica:
         `Rejected` of kind "KVTransportError" (the K/V is lost)."""
         llm = self._started()
         await llm.wait_ready()
+        inbox = None
         if isinstance(state, KVDescriptor):
             try:
-                state = await self._take(state)
+                inbox = self._handoff_inbox()
+                state = await inbox.take(state)
             except KVTransportError as err:
                 return Rejected.of(err)
         state = rebase_times(state, clock_offset_s)
         try:
             stream = await llm.submit_import(state, prompt_text)
-        except LoopserveError as err:  # a received state stays in `_received` for the retry
+        except LoopserveError as err:  # a received state stays in the inbox for the retry
             return Rejected.of(err)
-        self._received.pop(state.request_id, None)
+        if inbox is not None:
+            inbox.imported(state.request_id)
         self._imported[state.request_id] = stream
         self._num_imported += 1
         return Accepted()
-
-    async def _take(self, item: KVDescriptor) -> HandoffState:
-        """The state of a descriptor with its K/V: from an earlier attempt, or received."""
-        kept = self._received.get(item.request_id)
-        if kept is not None:
-            return kept
-        state = await self._handoff_receiver().take(item)
-        self._received[item.request_id] = state  # until imported or dropped
-        return state
 
     async def drop_handoff(self, item: HandoffState | KVDescriptor) -> None:
         """A hand-off that will not be imported (its request was aborted in flight): a
@@ -327,30 +316,14 @@ class EngineReplica:
         source still pair up; a state with its K/V needs nothing."""
         if not isinstance(item, KVDescriptor):
             return
-        if self._received.pop(item.request_id, None) is not None:
-            return  # received already (an import attempt was refused)
         if self.kv_transport.kind != "torch":
             return  # restarted since: the group is gone, nothing pairs up any more
-        await self._handoff_receiver().drop(item)
+        await self._handoff_inbox().drop(item)
 
-    def _handoff_receiver(self) -> HandoffReceiver:
-        if self._receiver is None:
-            transport = self.kv_transport
-            if transport.kind != "torch":
-                raise KVTransportError(
-                    "a point-to-point hand-off reached a replica without a torch KV transport "
-                    "(restarted since it was sent?)"
-                )
-
-            async def receive(item: KVDescriptor) -> HandoffState:
-                return await asyncio.to_thread(transport.receive, item)
-
-            async def discard(item: KVDescriptor) -> None:
-                await asyncio.to_thread(transport.discard_many, [item])
-
-            timeout_s = getattr(transport, "timeout_s", DEFAULT_TIMEOUT_S)
-            self._receiver = HandoffReceiver(receive, discard, timeout_s)
-        return self._receiver
+    def _handoff_inbox(self) -> HandoffInbox:
+        if self._inbox is None:
+            self._inbox = HandoffInbox(self.kv_transport)
+        return self._inbox
 
     async def decode_stream(
         self, request_id: str, abort: bool = False
@@ -475,7 +448,7 @@ class EngineReplica:
         """Replace this replica's endpoint (the previous one is closed); blocks until every
         rank of a torch group joined."""
         self.kv_transport.close()
-        self._receiver = None
+        self._inbox = None
         self.kv_transport = make_kv_transport(kind, rank, spec)
 
     def kv_transport_stats(self) -> TransportStats:
@@ -487,7 +460,7 @@ class EngineReplica:
     def close_kv_transport(self) -> None:
         """Close the endpoint; hand-offs go through the object store again."""
         self.kv_transport.close()
-        self._receiver = None
+        self._inbox = None
         self.kv_transport = RayObjectStoreTransport(rank=0)
 
     def discard_handoffs(self, *batches: list[HandoffState | KVDescriptor]) -> int:

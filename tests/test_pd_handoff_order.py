@@ -138,6 +138,22 @@ def test_a_missing_predecessor_times_out_and_the_waiter_is_discarded_in_its_turn
     assert receiver.next_seq(0) == 2 and receiver.num_held() == 0
 
 
+def test_dropping_a_timed_out_or_passed_hand_off_again_is_a_no_op():
+    async def main():
+        receiver, transport = _receiver(timeout_s=0.05)
+        with pytest.raises(KVTransportError, match="waited"):
+            await receiver.take(_descriptor("r1", 0, 1))
+        await receiver.drop(_descriptor("r1", 0, 1))  # the server gives up on it too
+        await receiver.take(_descriptor("r0", 0, 0))
+        await asyncio.sleep(0.01)
+        await receiver.drop(_descriptor("r0", 0, 0))  # already imported: nothing to do
+        return transport, receiver
+
+    transport, receiver = asyncio.run(main())
+    assert transport.log == [("receive", 0, 0), ("discard", 0, 1)]
+    assert receiver.next_seq(0) == 2 and receiver.num_held() == 0
+
+
 def test_a_transport_error_reaches_its_caller_and_the_order_moves_on():
     async def main():
         transport = _Transport()

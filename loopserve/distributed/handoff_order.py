@@ -13,8 +13,8 @@ the replica runs them in a worker thread so the event loop keeps streaming).
 
 A caller waits at most `timeout_s` for its turn; a descriptor whose predecessors never arrive
 is then turned into a discard (its K/V is still taken off the wire when its turn comes) and
-the caller gets `KVTransportError`. A duplicate or already-passed sequence number is refused
-with `KVTransportError`.
+the caller gets `KVTransportError`. A second `take` of a queued or already-passed sequence
+number is refused with `KVTransportError`; `drop` of one is a no-op.
 
 `HandoffInbox` puts a `HandoffReceiver` over one replica's KV transport endpoint (its receives
 run in a worker thread) and keeps a received state until it is imported: an import the engine
@@ -74,7 +74,12 @@ class HandoffReceiver:
 
     async def drop(self, item: KVDescriptor) -> None:
         """Receive and drop the hand-off's K/V in its turn (an aborted request); returns
-        once done."""
+        once done. Idempotent: a hand-off already off the wire, or one whose `take` timed out
+        (it is dropped in its turn anyway), needs nothing more."""
+        source, seq = item.src_rank, item.seq
+        entry = self._held.get(source, {}).get(seq)
+        if seq < self.next_seq(source) or (entry is not None and entry.discard):
+            return
         await self._enqueue(item, discard=True)
 
     async def _enqueue(self, item: KVDescriptor, *, discard: bool) -> Any:

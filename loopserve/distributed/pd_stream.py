@@ -252,7 +252,21 @@ class PDStream:
         if exported.destination is None:
             return
         actor = self.owner.replicas[exported.destination].actor
-        actor.drop_handoff.remote(state_ref)  # fire and forget: a dead replica drops nothing
+        self.owner.spawn(self._dropped(exported, actor.drop_handoff.remote(state_ref)))
+
+    async def _dropped(self, exported: Exported, answer_ref: Any) -> None:
+        """Wait for a drop's answer: a transport failure there makes the pool fall back; a
+        replica that died meanwhile drops nothing (its group is gone: the pool falls back
+        when it notices the death)."""
+        import ray
+
+        try:
+            error = await answer_ref
+        except ray.exceptions.RayError as err:
+            logger.warning("dropping hand-off %r failed: %r", exported.request_id, err)
+            return
+        if error is not None:
+            self.owner.fall_back(f"decode replica {exported.destination}: {error}")
 
     async def _hand_off(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> None:
         """Get the exported request taken by a decode replica (retrying as the module

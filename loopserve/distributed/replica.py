@@ -310,15 +310,21 @@ class EngineReplica:
         self._num_imported += 1
         return Accepted()
 
-    async def drop_handoff(self, item: HandoffState | KVDescriptor) -> None:
+    async def drop_handoff(self, item: HandoffState | KVDescriptor) -> str | None:
         """A hand-off that will not be imported (its request was aborted in flight): a
         descriptor's K/V is received and dropped in its turn, so later hand-offs from the same
-        source still pair up; a state with its K/V needs nothing."""
+        source still pair up; a state with its K/V needs nothing. Returns the transport's
+        error message if that failed (then the pool falls back), else None."""
         if not isinstance(item, KVDescriptor):
-            return
+            return None
         if self.kv_transport.kind != "torch":
-            return  # restarted since: the group is gone, nothing pairs up any more
-        await self._handoff_inbox().drop(item)
+            return None  # restarted since: the group is gone, nothing pairs up any more
+        try:
+            await self._handoff_inbox().drop(item)
+        except KVTransportError as err:
+            logger.error("dropping hand-off %r failed: %s", item.request_id, err)
+            return str(err)
+        return None
 
     def _handoff_inbox(self) -> HandoffInbox:
         if self._inbox is None:

@@ -19,8 +19,8 @@ with the least outstanding work), the prefill replica sends each request's K/V t
 (`isend`) and yields a descriptor that only that replica can import (in send order per
 source: `HandoffReceiver`); a request aborted while its descriptor is in flight is dropped on
 its destination (`drop_handoff`), never just forgotten, so the pair's order holds. A torch
-group cannot take a restarted replica: when any replica fails (or the transport refuses a
-send, or the group cannot be set up) the pool falls back for good: later hand-offs go through
+group cannot take a restarted replica: when any replica fails or restarts (or a receive, a
+drop or a send fails, or the group cannot be set up) the pool falls back for good: later hand-offs go through
 the object store as with "ray" (`kv_transport_fallback`, logged, the metric
 `loopserve_kv_transport_fallback`).
 

@@ -6,8 +6,9 @@ Each fake replica answers the calls the pool makes (`prefill`, `import_handoff`,
 dead actor raises `RayActorError`. The tests script what each replica does and when, so the
 paths a real cluster hits only by timing (a replica dying before any output, a decode replica
 refusing or dying before it takes a request, a client leaving while the request is in flight)
-run every time; so does prefix routing among prefill replicas, and the rebasing of a hand-off's
-times from another machine's clock. Real replicas are in tests/test_pd_serving.py. Needs Ray only for its
+run every time; so does prefix routing among prefill replicas, the rebasing of a hand-off's
+times from another machine's clock, and the torch KV transport's rules (a descriptor goes to
+the decode replica chosen at submission, and is dropped there if it is not imported). Real replicas are in tests/test_pd_serving.py. Needs Ray only for its
 exception types (the optional `ray` extra).
 """
 
@@ -24,7 +25,9 @@ ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip ins
 from loopserve.distributed.args import PDSpec  # noqa: E402
 from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
 from loopserve.distributed.pool import PoolConfig, ReplicaState, _Replica  # noqa: E402
+from loopserve.distributed.pool_stream import ReplicaFailedError  # noqa: E402
 from loopserve.distributed.replica import Accepted, Exported, Rejected  # noqa: E402
+from loopserve.distributed.router import RoutedRequest  # noqa: E402
 from loopserve.outputs import RequestMetrics, RequestOutput  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from loopserve.server.async_engine import GenerateRequest, QueueFullError  # noqa: E402
@@ -88,7 +91,7 @@ class FakeReplica:
         self.calls: list[tuple[str, tuple]] = []
         self.streams: list[Stream] = []
         self.answers: list[Ref] = []
-        for name in ("prefill", "import_handoff", "decode_stream", "abort"):
+        for name in ("prefill", "import_handoff", "decode_stream", "abort", "drop_handoff"):
             setattr(self, name, Method(self._recorder(name)))
 
     def _recorder(self, name: str) -> Callable[..., object]:
@@ -317,3 +320,112 @@ def test_times_of_a_hand_off_from_another_machine_are_rebased():
     unscheduled = rebase_times(_state(arrival_s=1.0), here_offset_s - 5.0)
     assert unscheduled.arrival_s == pytest.approx(-4.0, abs=1e-3)
     assert unscheduled.first_token_s is None
+
+
+def _torch_pool(spec: PDSpec) -> tuple[PDReplicaPool, list[FakeReplica]]:
+    """A pool whose hand-offs go point to point (as after `connect_kv_transport`)."""
+    pool, fakes = _pool(spec)
+    pool.kv_transport = "torch"
+    pool.kv_group = object()  # type: ignore[assignment]  # connected (never called here)
+    return pool, fakes
+
+
+def test_torch_transport_sends_to_the_decode_replica_chosen_at_submission():
+    async def main():
+        pool, (p0, d1, d2) = _torch_pool(PDSpec(1, 2))
+        pool.router.assign(1, [RoutedRequest("busy", 0, 500)])  # replica 1 has work
+        d2.answers.append(Ref(Accepted()))
+        submitting = asyncio.ensure_future(_submit(pool))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), _output("r", [5], finished=False, new=1))
+        stream = await submitting
+        p0.streams[0].push(Exported("r", 1, None, 2), Ref("descriptor"), END)
+        await _until(lambda: d2.streams)
+        d2.streams[0].push(_output("r", [5, 6], finished=True, new=1), END)
+        return [o async for o in stream], (p0, d1, d2)
+
+    outputs, (p0, d1, d2) = asyncio.run(main())
+    assert outputs[-1].token_ids == [5, 6]
+    ((requests, destinations),) = p0.called("prefill")
+    assert destinations == {"r": 2}  # the least-loaded decode replica (rank = index)
+    assert len(d2.called("import_handoff")) == 1 and not d1.calls
+
+
+def test_closing_while_a_descriptor_is_in_flight_drops_it_on_its_destination():
+    async def main():
+        pool, (p0, d1) = _torch_pool(PDSpec(1, 1))
+        submitting = asyncio.ensure_future(_submit(pool, max_tokens=50))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), _output("r", [5], finished=False, new=1))
+        stream = await submitting
+        await stream.__anext__()
+        stream.close()  # before the export reached the pool
+        descriptor = Ref("descriptor")
+        p0.streams[0].push(Exported("r", 1, None, 1), descriptor, END)
+        await _until(lambda: d1.called("drop_handoff"))
+        return pool, d1, descriptor
+
+    pool, d1, descriptor = asyncio.run(main())
+    assert d1.called("drop_handoff") == [(descriptor,)]  # the reference, for its turn
+    assert not d1.called("import_handoff") and not descriptor.awaited
+    assert pool.num_in_flight == 0
+
+
+def test_a_refused_descriptor_is_retried_on_its_destination_only_then_dropped_on_timeout(
+    monkeypatch,
+):
+    import loopserve.distributed.pd_stream as pd_stream
+
+    monkeypatch.setattr(pd_stream, "HANDOFF_WAIT_S", 0.2)
+
+    async def main():
+        pool, (p0, d1, d2) = _torch_pool(PDSpec(1, 2))
+        full = Rejected.of(QueueFullError("4 requests in flight, the limit is 4"))
+        d1.answers.extend(Ref(full) for _ in range(100))
+        submitting = asyncio.ensure_future(_submit(pool))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), _output("r", [5], finished=False, new=1))
+        stream = await submitting
+        p0.streams[0].push(Exported("r", 1, None, 1), Ref("descriptor"), END)
+        outputs = []
+        with pytest.raises(ReplicaFailedError, match="no decode replica could take"):
+            async for output in stream:
+                outputs.append(output)
+        await _until(lambda: d1.called("drop_handoff"))
+        return outputs, (p0, d1, d2)
+
+    outputs, (p0, d1, d2) = asyncio.run(main())
+    assert [o.new_token_ids for o in outputs] == [[5]]
+    assert len(d1.called("import_handoff")) >= 2 and not d2.calls  # never another replica
+    assert len(d1.called("drop_handoff")) == 1
+
+
+def test_a_transport_failure_fails_the_request_and_later_hand_offs_use_the_object_store():
+    async def main():
+        pool, (p0, d1) = _torch_pool(PDSpec(1, 1))
+        broken = Rejected("KVTransportError", "receiving hand-off 'r' failed: timed out")
+        d1.answers.append(Ref(broken))
+        submitting = asyncio.ensure_future(_submit(pool))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), _output("r", [5], finished=False, new=1))
+        stream = await submitting
+        p0.streams[0].push(Exported("r", 1, None, 1), Ref("descriptor"), END)
+        with pytest.raises(ReplicaFailedError, match="replica 1 failed this request"):
+            async for _ in stream:
+                pass
+        d1.answers.append(Ref(Accepted()))
+        later = asyncio.ensure_future(_submit(pool, "later"))
+        await _until(lambda: len(p0.streams) == 2)
+        p0.streams[1].push(Accepted(), _output("later", [7], finished=False, new=1))
+        stream = await later
+        p0.streams[1].push(Exported("later", 1), Ref("state"), END)
+        await _until(lambda: d1.streams)
+        d1.streams[0].push(_output("later", [7, 8], finished=True, new=1), END)
+        return pool, [o async for o in stream], p0
+
+    pool, outputs, p0 = asyncio.run(main())
+    assert outputs[-1].token_ids == [7, 8]
+    assert "KVTransportError" not in (pool.kv_transport_fallback or "")
+    assert "receiving hand-off 'r' failed" in (pool.kv_transport_fallback or "")
+    assert not pool.uses_torch_transport
+    assert [args[1] for args in p0.called("prefill")] == [{"r": 1}, None]  # object store now

@@ -82,7 +82,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="prefill=P,decode=Q",
         help="prefill/decode disaggregation: P replicas run prompts and first tokens, then hand "
-        "each request (its KV of every plane, through Ray's object store) to one of Q decode "
+        "each request (its KV of every plane, by --kv-transport) to one of Q decode "
         "replicas; P + Q replicas in all, so it excludes --data-parallel-size above 1. "
         "--routing applies among the prefill replicas; decode replicas go by load",
     )
@@ -155,5 +155,11 @@ def build_pool(
     if pd is not None:
         from loopserve.distributed.pd_pool import PDReplicaPool
 
-        return PDReplicaPool(engine_args, config, pd, on_load_error=on_load_error)
+        return PDReplicaPool(
+            engine_args,
+            config,
+            pd,
+            on_load_error=on_load_error,
+            kv_transport=getattr(args, "kv_transport", "ray"),
+        )
     return ReplicaPool(engine_args, config, on_load_error=on_load_error)

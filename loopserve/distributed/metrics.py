@@ -11,12 +11,15 @@ label. Sum over `replica` for totals.
 
 A prefill/decode pool (`--pd`) labels every per-replica sample with the replica's `role`
 (`prefill` or `decode`) as well, and adds `loopserve_pd_handoffs_total`: requests a prefill
-replica exported, or a decode replica imported.
+replica exported, or a decode replica imported; `loopserve_kv_transport_bytes_total{replica,
+role,direction}`: K/V bytes the replica's torch KV transport sent or received (0 on the
+object-store path); and `loopserve_kv_transport_fallback`: 1 once hand-offs fell back from
+the torch transport to the object store.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import prometheus_client
@@ -38,6 +41,8 @@ class ReplicaGauges:
     num_failed_requests: int
     role: str | None = None  # prefill | decode in a prefill/decode pool
     num_handoffs: int = 0  # requests exported (prefill role) or imported (decode role)
+    kv_bytes_sent: int = 0  # by the replica's KV transport (torch), since it started
+    kv_bytes_received: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,7 @@ class _PoolCollector:
         self.snapshot: PoolSnapshot | None = None
         self.num_in_flight = 0
         self.is_ready = False
+        self.kv_transport_fallback = 0
 
     def describe(self) -> list[Metric]:
         return []
@@ -149,6 +155,26 @@ class _PoolCollector:
             for replica in pool.replicas:
                 family.add_metric(label_values(replica), value_of(replica))
             yield family
+        if with_role:
+            yield from self._kv_transport(pool, label_values)
+
+    def _kv_transport(
+        self, pool: PoolSnapshot, label_values: Callable[[ReplicaGauges], list[str]]
+    ) -> Iterator[Metric]:
+        kv_bytes = CounterMetricFamily(
+            "loopserve_kv_transport_bytes",
+            "K/V bytes of hand-offs moved by the replica's torch KV transport, by direction.",
+            labels=["replica", "role", "direction"],
+        )
+        for replica in pool.replicas:
+            kv_bytes.add_metric([*label_values(replica), "sent"], replica.kv_bytes_sent)
+            kv_bytes.add_metric([*label_values(replica), "received"], replica.kv_bytes_received)
+        yield kv_bytes
+        yield GaugeMetricFamily(
+            "loopserve_kv_transport_fallback",
+            "1 once hand-offs fell back from the torch KV transport to Ray's object store.",
+            value=self.kv_transport_fallback,
+        )
 
 
 class PoolMetrics(ServingMetrics):
@@ -158,6 +184,9 @@ class PoolMetrics(ServingMetrics):
         super().__init__()
         self._pool = _PoolCollector()
         self._scrape_registry.register(self._pool)
+
+    def set_kv_transport_fallback(self) -> None:
+        self._pool.kv_transport_fallback = 1
 
     def render(self, gauges: PoolSnapshot, *, num_in_flight: int, is_ready: bool) -> str:  # type: ignore[override]
         self._pool.snapshot = gauges

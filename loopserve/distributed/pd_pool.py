@@ -11,6 +11,19 @@ object's reference, unfetched, to the least-loaded serving decode replica
 streams the remaining outputs. `PDStream` (pd_stream.py) follows one submission through these
 steps, with the failure and abort semantics it documents.
 
+KV transport (`kv_transport`, `--kv-transport`): "ray" moves every state with its K/V through
+the object store. "torch" ("auto" on CUDA): once every replica has loaded, the pool joins them
+into one `torch.distributed` group (`connect_kv_transport`; rank = replica index) and is not
+ready before. A submission then gets its decode replica at once (the serving decode replica
+with the least outstanding work), the prefill replica sends each request's K/V there itself
+(`isend`) and yields a descriptor that only that replica can import (in send order per
+source: `HandoffReceiver`); a request aborted while its descriptor is in flight is dropped on
+its destination (`drop_handoff`), never just forgotten, so the pair's order holds. A torch
+group cannot take a restarted replica: when any replica fails or restarts (or a receive, a
+drop or a send fails, or the group cannot be set up) the pool falls back for good: later hand-offs go through
+the object store as with "ray" (`kv_transport_fallback`, logged, the metric
+`loopserve_kv_transport_fallback`).
+
 This class adds the roles to the pool: routing candidates per role, readiness (at least one
 serving replica of each role), `/health` fields per role, and the background tasks of the
 streams (cancelled at shutdown). Probes, restarts and metrics are the `ReplicaPool`'s.
@@ -20,14 +33,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from loopserve.distributed.args import PDSpec
 from loopserve.distributed.pd_stream import DECODE, PREFILL, PDStream
-from loopserve.distributed.pool import PoolConfig, ReplicaPool
+from loopserve.distributed.pool import PoolConfig, ReplicaPool, _Replica
+from loopserve.distributed.replica import ReplicaStats
 from loopserve.distributed.router import RoutedRequest
+from loopserve.distributed.transport import (
+    DEFAULT_TIMEOUT_S,
+    KVTransportGroup,
+    connect_kv_transport,
+    resolve_kv_transport,
+)
 from loopserve.server.async_engine import EngineNotReadyError, GenerateRequest
+
+logger = logging.getLogger(__name__)
 
 
 class PDReplicaPool(ReplicaPool):
@@ -40,6 +63,8 @@ class PDReplicaPool(ReplicaPool):
         spec: PDSpec,
         *,
         on_load_error: Callable[[BaseException], None] | None = None,
+        kv_transport: str = "ray",
+        kv_transfer_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if spec.num_prefill < 1 or spec.num_decode < 1:
             raise ValueError(f"--pd needs >= 1 replica per role, got {spec}")
@@ -49,6 +74,79 @@ class PDReplicaPool(ReplicaPool):
         super().__init__(engine_args, config, on_load_error=on_load_error)
         self.spec = spec
         self._leg_tasks: set[asyncio.Task[None]] = set()
+        device = str(engine_args.get("device") or "cpu")
+        self.kv_transport = resolve_kv_transport(kv_transport, device)  # "ray" | "torch"
+        self.kv_transfer_timeout_s = kv_transfer_timeout_s
+        self.kv_group: KVTransportGroup | None = None
+        self.kv_transport_fallback: str | None = None  # why hand-offs left the torch transport
+        self._kv_connecting = self.kv_transport == "torch"
+
+    # ---- the KV transport ----------------------------------------------------------------
+
+    async def _start_replicas(self) -> None:
+        await super()._start_replicas()
+        if self.kv_transport != "torch" or self.load_error is not None or self._closed:
+            return
+        try:
+            # Every rank must join the group: wait for every replica's engine.
+            await asyncio.gather(*(r.actor.info.remote() for r in self.replicas))
+            ranks = range(self.num_replicas)
+            self.kv_group = await asyncio.to_thread(
+                connect_kv_transport,
+                "torch",
+                [r.actor for r in self.replicas],
+                senders=[i for i in ranks if self.role_of(i) == PREFILL],
+                receivers=[i for i in ranks if self.role_of(i) == DECODE],
+                on_cuda=str(self.engine_args.get("device") or "cpu").startswith("cuda"),
+                timeout_s=self.kv_transfer_timeout_s,
+            )
+            logger.info("kv transport: torch.distributed group of %d replicas", len(ranks))
+        except Exception as err:  # serve anyway, through the object store
+            logger.exception("setting up the torch kv transport failed")
+            self.fall_back(f"setting up the torch.distributed group failed: {err!r}")
+        finally:
+            self._kv_connecting = False
+
+    @property
+    def uses_torch_transport(self) -> bool:
+        """Whether new hand-offs go point to point (torch, connected, not fallen back)."""
+        return self.kv_group is not None and self.kv_transport_fallback is None
+
+    def fall_back(self, why: str) -> None:
+        """Move every later hand-off to the object store, for good (see the module
+        docstring); idempotent."""
+        if self.kv_transport != "torch" or self.kv_transport_fallback is not None:
+            return
+        self.kv_transport_fallback = why
+        self.metrics.set_kv_transport_fallback()
+        logger.warning(
+            "kv transport: later hand-offs go through Ray's object store (%s); restart the "
+            "server to use torch.distributed again",
+            why,
+        )
+
+    def kv_destinations(self, request_ids: list[str]) -> dict[str, int] | None:
+        """Decode replicas (ranks) for the torch transport to send these requests' K/V to,
+        chosen now (least outstanding work); None when hand-offs go by the object store."""
+        candidates = self.serving_of(DECODE)
+        if not self.uses_torch_transport or not candidates:
+            return None
+        index = self.router.choose(candidates, None).replica
+        return dict.fromkeys(request_ids, index)
+
+    def replica_failed(self, index: int, instance_id: str | None, why: object) -> None:
+        if self.replicas[index].instance_id == instance_id:
+            self.fall_back(f"replica {index} failed ({why})")
+        super().replica_failed(index, instance_id, why)
+
+    def _apply_stats(self, replica: _Replica, stats: ReplicaStats) -> None:
+        restarted = replica.instance_id is not None and stats.instance_id not in (
+            replica.instance_id,
+            replica.failed_instance_id,
+        )
+        if restarted:  # its new instance holds no rank in the group
+            self.fall_back(f"replica {replica.index} restarted")
+        super()._apply_stats(replica, stats)
 
     def role_of(self, index: int) -> str:
         return PREFILL if index < self.spec.num_prefill else DECODE
@@ -61,6 +159,7 @@ class PDReplicaPool(ReplicaPool):
         return (
             self.info is not None
             and not self._closed
+            and not self._kv_connecting
             and bool(self.serving_of(PREFILL))
             and bool(self.serving_of(DECODE))
         )
@@ -70,10 +169,15 @@ class PDReplicaPool(ReplicaPool):
         health["prefill_serving"] = len(self.serving_of(PREFILL))
         health["decode_serving"] = len(self.serving_of(DECODE))
         health["pd"] = str(self.spec)
+        health["kv_transport"] = self.kv_transport
+        if self.kv_transport_fallback is not None:
+            health["kv_transport_fallback"] = self.kv_transport_fallback
         return health
 
     def _check_usable(self) -> None:
         super()._check_usable()
+        if self._kv_connecting:
+            raise EngineNotReadyError("the replicas are still joining the kv transport group")
         for role, count in ((PREFILL, self.spec.num_prefill), (DECODE, self.spec.num_decode)):
             if not self.serving_of(role):
                 raise EngineNotReadyError(

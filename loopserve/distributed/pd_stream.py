@@ -21,10 +21,21 @@ Failure semantics, per request, wherever it is:
   fails;
 - on a decode replica: its death ends the stream with `ReplicaFailedError` (503).
 
+With the torch KV transport (`PDReplicaPool.kv_destinations`), the prefill replica sends the
+K/V to the decode replica the pool chose at submission and the hand-off carries a descriptor
+(`Exported.destination` is set): only that replica can import it, so there is no retrying on
+another one. Invariant: every such descriptor reaches its destination as an import or a drop
+(`EngineReplica.drop_handoff`, which takes the K/V off the wire in the pair's order); a
+hand-off that does not end accepted drops it (aborted, refused, timed out, or a bug), else
+the next hand-off from that prefill replica would wait forever for its turn. Its
+destination dying, or the transport failing (`Rejected` of kind "KVTransportError"), loses
+the K/V: the request fails with `ReplicaFailedError` and the pool falls back to the object
+store for later hand-offs.
+
 Closing the stream (client disconnect) aborts each unfinished request where it is: on its
 prefill replica, on its decode replica (also when the import is still being answered: the abort
-follows the acceptance), or, in flight, by dropping its state before any import. Every replica's
-KV blocks come back.
+follows the acceptance), or, in flight, by dropping its state before any import (a descriptor:
+on its destination, as above). Every replica's KV blocks come back.
 """
 
 from __future__ import annotations
@@ -58,8 +69,9 @@ HANDOFF_RETRY_S = 0.05
 
 def hand_off(decode_actor: Any, exported: Exported, state_ref: Any, prompt_text: str | None) -> Any:
     """Move one exported request to a decode replica; returns the reference of its answer
-    (`Accepted` or `Rejected`). The transport is Ray's object store: the decode replica's
-    worker fetches the state (K/V included) from the store, never through this process."""
+    (`Accepted` or `Rejected`). The decode replica's worker fetches the state from Ray's
+    object store, never through this process: with its K/V inside, or (torch transport,
+    `exported.destination` set) a descriptor whose K/V the replica receives point to point."""
     return decode_actor.import_handoff.remote(state_ref, prompt_text, exported.clock_offset_s)
 
 
@@ -99,6 +111,7 @@ class PDStream:
         self._aborting: set[str] = set()  # in flight when aborted: abort once taken
         self._ended: set[str] = set()  # final output queued
         self._received_any = False  # some output arrived from a replica (no re-routing then)
+        self._destinations: dict[str, int] = {}  # torch transport: request id -> decode rank
         self.replica: int | None = None  # the prefill replica
         self.decode_replicas: dict[str, int] = {}  # request id -> its decode replica
         self.delivered_any = False  # some output reached the consumer
@@ -125,7 +138,9 @@ class PDStream:
             pool.router.assign(decision.replica, self._prefill_routed, self._prompt_token_ids)
             leg = _Leg(PREFILL, decision.replica, replica.instance_id)
             self.replica = decision.replica
-            generator = replica.actor.prefill.remote(self.requests)
+            destinations = pool.kv_destinations(self.request_ids)
+            self._destinations = destinations or {}
+            generator = replica.actor.prefill.remote(self.requests, destinations)
             try:
                 first = await (await generator.__anext__())
             except ray.exceptions.RayActorError as err:  # the replica is down: try another
@@ -220,15 +235,56 @@ class PDStream:
         pool.replicas[leg.replica].num_handoffs += 1
         pool.router.finish(request_id)
         self._legs.pop(request_id, None)
+        if exported.destination is None and request_id in self._destinations:
+            pool.fall_back(f"prefill replica {leg.replica} could not send {request_id!r}")
         if self._closed or request_id not in self._unfinished:
-            return  # aborted meanwhile: dropping the reference frees the state
+            # Aborted meanwhile: dropping the reference frees the state (a descriptor is
+            # dropped on its destination).
+            self._drop(exported, state_ref)
+            return
         self._in_flight.add(request_id)
         remaining = max(0, self._max_tokens[request_id] - exported.num_output_tokens)
         pool.spawn(self._guarded(self._hand_off(exported, state_ref, remaining)))
 
+    def _drop(self, exported: Exported, state_ref: Any) -> None:
+        """A hand-off that will not be imported: a descriptor is dropped on its destination
+        (keeping the pair's order); a state with its K/V is freed with its reference."""
+        if exported.destination is None:
+            return
+        actor = self.owner.replicas[exported.destination].actor
+        self.owner.spawn(self._dropped(exported, actor.drop_handoff.remote(state_ref)))
+
+    async def _dropped(self, exported: Exported, answer_ref: Any) -> None:
+        """Wait for a drop's answer: a transport failure there makes the pool fall back; a
+        replica that died meanwhile drops nothing (its group is gone: the pool falls back
+        when it notices the death)."""
+        import ray
+
+        try:
+            error = await answer_ref
+        except ray.exceptions.RayError as err:
+            logger.warning("dropping hand-off %r failed: %r", exported.request_id, err)
+            return
+        if error is not None:
+            self.owner.fall_back(f"decode replica {exported.destination}: {error}")
+
     async def _hand_off(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> None:
         """Get the exported request taken by a decode replica (retrying as the module
-        docstring says), then stream its outputs."""
+        docstring says), then stream its outputs. A descriptor that does not end accepted
+        is dropped on its destination, whatever ended the attempt."""
+        accepted = False
+        try:
+            accepted = await self._take_over(exported, state_ref, remaining_tokens)
+        finally:
+            if not accepted:
+                self._drop(exported, state_ref)
+        del state_ref  # taken: the decode replica holds the request (and Ray frees the state)
+        if accepted:
+            await self._stream_taken(exported.request_id)
+
+    async def _take_over(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> bool:
+        """Get the exported request taken by a decode replica; True once one accepted it
+        (then `_stream_taken` follows), False when the request ended otherwise."""
         import ray
 
         pool = self.owner
@@ -238,12 +294,16 @@ class PDStream:
         while True:
             if self._closed:
                 self._in_flight.discard(request_id)
-                return
+                return False
             if time.monotonic() > deadline_s:
                 self._in_flight.discard(request_id)
                 self._fail([request_id], None, f"hand-off failed: {why}", replica_down=True)
-                return
+                return False
             candidates = pool.serving_of(DECODE)
+            if exported.destination is not None:  # its K/V went there: no other replica
+                if exported.destination not in candidates:
+                    return self._lost(exported, "its decode replica stopped serving")
+                candidates = [exported.destination]
             if not candidates:
                 await asyncio.sleep(HANDOFF_RETRY_S)
                 continue
@@ -258,13 +318,20 @@ class PDStream:
                 pool.router.finish(request_id)
                 pool.replica_failed(index, leg.instance_id, err)
                 why = f"decode replica {index} failed: {type(err).__name__}"
+                if exported.destination is not None:
+                    return self._lost(exported, why)
                 await asyncio.sleep(HANDOFF_RETRY_S)  # the state is kept for the next try
                 continue
             except ray.exceptions.RayError as err:
                 pool.router.finish(request_id)
                 self._in_flight.discard(request_id)
                 self._fail([request_id], leg, f"{type(err).__name__}: {err}", replica_down=False)
-                return
+                return False
+            if isinstance(answer, Rejected) and answer.kind == "KVTransportError":
+                pool.router.finish(request_id)
+                pool.fall_back(f"decode replica {index}: {answer.message}")
+                why = f"receiving its K/V failed: {answer.message}"
+                return self._lost(exported, why, replica_down=False)
             if isinstance(answer, Rejected):
                 pool.router.finish(request_id)
                 error = answer.error()
@@ -274,14 +341,31 @@ class PDStream:
                     continue
                 self._in_flight.discard(request_id)
                 self._queue.put_nowait(error)
-                return
+                return False
             assert isinstance(answer, Accepted), answer
-            break
-        del state_ref  # taken: the decode replica holds the request (and Ray frees the state)
-        replica.num_handoffs += 1
+            replica.num_handoffs += 1
+            self._in_flight.discard(request_id)
+            self._legs[request_id] = leg
+            self.decode_replicas[request_id] = index
+            return True
+
+    def _lost(self, exported: Exported, why: str, *, replica_down: bool = True) -> bool:
+        """A descriptor's K/V cannot reach a decode replica any more: fail the request."""
+        request_id = exported.request_id
         self._in_flight.discard(request_id)
-        self._legs[request_id] = leg
-        self.decode_replicas[request_id] = index
+        self._aborting.discard(request_id)
+        if not self._closed and request_id in self._unfinished:
+            leg = _Leg(DECODE, exported.destination, None)  # type: ignore[arg-type]
+            self._fail([request_id], leg, f"hand-off lost: {why}", replica_down=replica_down)
+        return False
+
+    async def _stream_taken(self, request_id: str) -> None:
+        """Stream the outputs of a request a decode replica accepted (abort it there if the
+        stream was closed or the request aborted while it was in flight)."""
+        leg = self._legs.get(request_id)
+        if leg is None:  # failed meanwhile (the stream already ended with an error)
+            return
+        replica = self.owner.replicas[leg.replica]
         if self._closed:
             replica.actor.abort.remote([request_id])
             return

@@ -92,6 +92,8 @@ class _Replica:
     failed_instance_id: str | None = None  # the instance that failed; its late replies are stale
     role: str | None = None  # prefill | decode in a prefill/decode pool (`PDReplicaPool`)
     num_handoffs: int = 0  # requests it exported (prefill) or imported (decode)
+    kv_bytes_sent: int = 0  # by its KV transport, since its instance started
+    kv_bytes_received: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,8 @@ class ReplicaPool(SubmitGenerate):
                     num_failed_requests=r.num_failed_requests,
                     role=r.role,
                     num_handoffs=r.num_handoffs,
+                    kv_bytes_sent=r.kv_bytes_sent,
+                    kv_bytes_received=r.kv_bytes_received,
                 )
                 for r in self.replicas
             ),
@@ -506,6 +510,8 @@ class ReplicaPool(SubmitGenerate):
             self.router.forget_replica(replica.index)
         replica.instance_id = stats.instance_id
         replica.snapshot = stats.snapshot
+        replica.kv_bytes_sent = stats.kv_bytes_sent
+        replica.kv_bytes_received = stats.kv_bytes_received
         if stats.is_dead:  # its engine thread died; the actor lives on: restart it
             import ray
 

@@ -11,13 +11,20 @@ with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an 
 - `abort(request_ids)`: abort requests (client disconnects, shutdown).
 - `generate_batch(...)`: the offline loop over a share of `LLM.generate`'s batch (a replica
   used offline never starts its `AsyncLLM`).
-- `prefill(requests)`, `import_handoff(state, prompt_text)`, `decode_stream(request_id)`: the
-  serving prefill/decode roles (`PDReplicaPool`). `prefill` streams like `generate`, but each
-  request's part ends once it is handed off (normally after its first token): `Exported`, then,
-  as the next item, its `HandoffState` (a separate object, so the pool passes its reference on
-  without fetching the K/V); a request that finishes first never hands off.
-  `import_handoff` takes one `HandoffState` (`Accepted` or `Rejected`); `decode_stream` then
-  streams that request's further outputs.
+- `prefill(requests, destinations)`, `import_handoff(state, prompt_text)`,
+  `decode_stream(request_id)`, `drop_handoff(item)`: the serving prefill/decode roles
+  (`PDReplicaPool`). `prefill` streams like `generate`, but each request's part ends once it
+  is handed off (normally after its first token): `Exported`, then, as the next item, its
+  `HandoffState` (a separate object, so the pool passes its reference on without fetching the
+  K/V); a request that finishes first never hands off. With a torch KV transport and a
+  destination rank for the request (`destinations`), the K/V goes out with `send` and the
+  next item is the `KVDescriptor` instead (`Exported.destination` says so); if the transport
+  refuses, the full state as before. `import_handoff` takes one `HandoffState` or
+  `KVDescriptor` (`Accepted` or `Rejected`; a descriptor is received in send order per source
+  through `HandoffInbox`, which keeps a received state for a retried import after a
+  rejection); `decode_stream` then streams that request's further outputs; `drop_handoff`
+  receives and drops the K/V of a descriptor that will not be imported (an aborted request),
+  so later hand-offs from that source still pair up.
 - `prefill_export(...)` / `decode_import(*batches)`: the offline prefill/decode
   disaggregation roles (`DisaggregatedEngines`): prompt and first token on one replica, the
   exported `HandoffState`s through the replica's KV transport (`kv_transport`: Ray's object
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -44,9 +52,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopserve.distributed.handoff import HandoffState
+from loopserve.distributed.handoff_order import HandoffInbox
 from loopserve.distributed.transport import (
     KVDescriptor,
     KVTransport,
+    KVTransportError,
     RayObjectStoreTransport,
     TorchDistSpec,
     TransportStats,
@@ -65,6 +75,8 @@ from loopserve.server.async_engine import (
     OutputStream,
     QueueFullError,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +130,9 @@ class Exported:
     # The exporter's `time.time() - time.monotonic()`: lets an importer on another node
     # rebase the request's times (monotonic clocks are per machine).
     clock_offset_s: float | None = None
+    # The rank the K/V was sent to by the torch transport (the next item is a
+    # `KVDescriptor` only that replica can import); None: the state carries its K/V.
+    destination: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +157,8 @@ class ReplicaStats:
     snapshot: EngineSnapshot
     num_exported: int = 0  # requests handed off to a decode replica (prefill role)
     num_imported: int = 0  # requests taken over from a prefill replica (decode role)
+    kv_bytes_sent: int = 0  # K/V bytes the replica's KV transport sent (completed sends)
+    kv_bytes_received: int = 0  # ... and received (imported or discarded)
 
 
 class EngineReplica:
@@ -168,6 +185,7 @@ class EngineReplica:
         self._num_exported = 0
         self._num_imported = 0
         self._imported: dict[str, OutputStream] = {}  # imported, `decode_stream` not called yet
+        self._inbox: HandoffInbox | None = None  # point-to-point hand-offs (decode role)
 
     def _started(self) -> AsyncLLM:
         """The `AsyncLLM`, started on first use (it needs the actor's running event loop)."""
@@ -191,6 +209,7 @@ class EngineReplica:
     async def stats(self) -> ReplicaStats:
         llm = self._started()
         await llm.wait_ready(timeout_s=0.0)
+        transport = self.kv_transport.stats()
         return ReplicaStats(
             self.instance_id,
             llm.is_ready,
@@ -199,6 +218,8 @@ class EngineReplica:
             llm.snapshot,
             num_exported=self._num_exported,
             num_imported=self._num_imported,
+            kv_bytes_sent=transport.bytes_sent,
+            kv_bytes_received=transport.bytes_received,
         )
 
     async def generate(
@@ -217,12 +238,13 @@ class EngineReplica:
                 yield item
 
     async def prefill(
-        self, requests: Sequence[GenerateRequest]
+        self, requests: Sequence[GenerateRequest], destinations: dict[str, int] | None = None
     ) -> AsyncIterator[
-        Accepted | Rejected | EngineFailed | RequestOutput | Exported | HandoffState
+        Accepted | Rejected | EngineFailed | RequestOutput | Exported | HandoffState | KVDescriptor
     ]:
         """As `generate`, but each request is handed off once it can be (see the module
-        docstring): `Exported`, then its `HandoffState`, end its part of the stream."""
+        docstring): `Exported`, then its `HandoffState` (or, sent to `destinations[id]` by the
+        torch transport, its `KVDescriptor`), end its part of the stream."""
         llm = self._started()
         await llm.wait_ready()
         try:
@@ -236,26 +258,78 @@ class EngineReplica:
                 if isinstance(item, HandoffState):
                     self._num_exported += 1
                     offset_s = time.time() - time.monotonic()
-                    yield Exported(item.request_id, len(item.output_token_ids), offset_s)
-                yield item
+                    sent = self._send(item, (destinations or {}).get(item.request_id))
+                    destination = sent.dst_rank if isinstance(sent, KVDescriptor) else None
+                    num_tokens = len(item.output_token_ids)
+                    yield Exported(item.request_id, num_tokens, offset_s, destination)
+                    yield sent
+                else:
+                    yield item
+
+    def _send(self, state: HandoffState, destination: int | None) -> HandoffState | KVDescriptor:
+        """The torch transport's descriptor of `state` sent to `destination`, or `state` as
+        is (its K/V through the object store) without a destination, without a torch
+        transport, or when the transport refuses (it failed: the pool falls back)."""
+        if destination is None or self.kv_transport.kind != "torch":
+            return state
+        try:
+            return self.kv_transport.send(state, destination)
+        except KVTransportError as err:
+            logger.error("hand-off %r goes by the object store: %s", state.request_id, err)
+            return state
 
     async def import_handoff(
-        self, state: HandoffState, prompt_text: str | None, clock_offset_s: float | None = None
+        self,
+        state: HandoffState | KVDescriptor,
+        prompt_text: str | None,
+        clock_offset_s: float | None = None,
     ) -> Accepted | Rejected:
         """Import a request a prefill replica exported (`decode_stream` then streams it): it
         waits here, K/V staged, until this engine's KV cache has room. A plain call, not a
         stream, so Ray releases the state's object once it is imported. `clock_offset_s`: the
-        exporter's (`Exported.clock_offset_s`), to rebase the request's times here."""
+        exporter's (`Exported.clock_offset_s`), to rebase the request's times here. A
+        `KVDescriptor` is received first (in send order per source); a transport failure is
+        `Rejected` of kind "KVTransportError" (the K/V is lost)."""
         llm = self._started()
         await llm.wait_ready()
+        inbox = None
+        if isinstance(state, KVDescriptor):
+            try:
+                inbox = self._handoff_inbox()
+                state = await inbox.take(state)
+            except KVTransportError as err:
+                return Rejected.of(err)
         state = rebase_times(state, clock_offset_s)
         try:
             stream = await llm.submit_import(state, prompt_text)
-        except LoopserveError as err:
+        except LoopserveError as err:  # a received state stays in the inbox for the retry
             return Rejected.of(err)
+        if inbox is not None:
+            inbox.imported(state.request_id)
         self._imported[state.request_id] = stream
         self._num_imported += 1
         return Accepted()
+
+    async def drop_handoff(self, item: HandoffState | KVDescriptor) -> str | None:
+        """A hand-off that will not be imported (its request was aborted in flight): a
+        descriptor's K/V is received and dropped in its turn, so later hand-offs from the same
+        source still pair up; a state with its K/V needs nothing. Returns the transport's
+        error message if that failed (then the pool falls back), else None."""
+        if not isinstance(item, KVDescriptor):
+            return None
+        if self.kv_transport.kind != "torch":
+            return None  # restarted since: the group is gone, nothing pairs up any more
+        try:
+            await self._handoff_inbox().drop(item)
+        except KVTransportError as err:
+            logger.error("dropping hand-off %r failed: %s", item.request_id, err)
+            return str(err)
+        return None
+
+    def _handoff_inbox(self) -> HandoffInbox:
+        if self._inbox is None:
+            self._inbox = HandoffInbox(self.kv_transport)
+        return self._inbox
 
     async def decode_stream(
         self, request_id: str, abort: bool = False
@@ -380,6 +454,7 @@ class EngineReplica:
         """Replace this replica's endpoint (the previous one is closed); blocks until every
         rank of a torch group joined."""
         self.kv_transport.close()
+        self._inbox = None
         self.kv_transport = make_kv_transport(kind, rank, spec)
 
     def kv_transport_stats(self) -> TransportStats:
@@ -391,6 +466,7 @@ class EngineReplica:
     def close_kv_transport(self) -> None:
         """Close the endpoint; hand-offs go through the object store again."""
         self.kv_transport.close()
+        self._inbox = None
         self.kv_transport = RayObjectStoreTransport(rank=0)
 
     def discard_handoffs(self, *batches: list[HandoffState | KVDescriptor]) -> int:

@@ -90,3 +90,43 @@ def test_engine_batch_invariance_fp32_on_cuda(tiny_dir, mode):
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
         depths += out.exit_depths
     assert min(depths) < 4 and max(depths) == 4  # early exits (finalize copies) happened
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cascade_attention_on_cuda_matches_reference(tiny_dir, backend):
+    """Cascade attention on CUDA (torch: matmul prefix path; triton: prefix in torch, suffix
+    through the decode kernel's log-sum-exp output): outputs equal the dense reference and
+    groups formed. Same workload as tests/test_cascade_attention.py on CPU."""
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton not installed")
+    from tests.engine_utils import make_engine, reference_for, run_steps
+    from tests.test_cascade_attention import _work
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    engine = make_engine(tiny_dir, device="cuda", attention_backend=backend, max_num_seqs=6,
+                         cascade_attention=True, graph_mode="off")  # fmt: skip
+    finished = run_steps(engine, _work())
+    for request_id, prompt, params, _ in _work():
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+    stats = engine.runner.attention.cascade_stats
+    assert stats.num_groups > 0 and stats.num_grouped_rows >= 2 * stats.num_groups
+
+
+def test_batch_invariant_mode_on_cuda_alone_equals_busy(tiny_dir):
+    """Batch-invariant mode on CUDA (never verified before a device run): a request alone and
+    among others, with a recompute preemption, gets bit-identical tokens, exit depths and
+    logprobs. The CPU test (tests/test_batch_invariant.py) also compares every KV plane."""
+    from tests.test_batch_invariant import ARMS, _run
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    args = dict(ARMS["last_exited-mixed"], batch_invariant=True, enable_prefix_caching=False,
+                device="cuda")  # fmt: skip
+    _, alone, _, _ = _run(tiny_dir, args, busy=False)
+    engine, busy, _, _ = _run(tiny_dir, args, busy=True, preempt_after=6)
+    assert engine.scheduler.memory_stats.num_preemptions_recompute == 1
+    assert (busy.token_ids, busy.exit_depths) == (alone.token_ids, alone.exit_depths)
+    assert busy.logprobs == alone.logprobs

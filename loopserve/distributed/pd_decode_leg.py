@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -75,16 +75,10 @@ class DecodeLegs:
     decode_replicas: dict[str, int]
     _closed: bool
 
-    async def _guarded(self, leg_work: Coroutine[Any, Any, None]) -> None:
-        raise NotImplementedError  # PDStream's
-
-    def _put(self, output: RequestOutput) -> None:
-        raise NotImplementedError  # PDStream's
-
-    def _fail(
-        self, request_ids: list[str], leg: Leg | None, why: str, *, replica_down: bool
-    ) -> None:
-        raise NotImplementedError  # PDStream's
+    # PDStream's helpers, used by both legs.
+    _guarded: Callable[[Coroutine[Any, Any, None]], Coroutine[Any, Any, None]]
+    _put: Callable[[RequestOutput], None]
+    _fail: Callable[..., None]  # (request_ids, leg, why, *, replica_down)
 
     def _on_exported(self, exported: Exported, state_ref: Any, leg: Leg) -> None:
         pool = self.owner

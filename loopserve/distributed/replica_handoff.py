@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from loopserve.distributed.handoff import HandoffState
@@ -57,7 +57,11 @@ logger = logging.getLogger(__name__)
 class HandoffRoles:
     """The prefill/decode methods of `EngineReplica`; see the module docstring."""
 
-    engine: Any  # the replica's LLMEngine
+    # EngineReplica's: its LLMEngine, its AsyncLLM (started on first use) and its
+    # all-or-nothing batch add.
+    engine: Any
+    _started: Callable[[], AsyncLLM]
+    _add_all: Callable[..., list[str] | Rejected]
 
     def _init_handoff_roles(self) -> None:
         self.kv_transport: KVTransport = RayObjectStoreTransport(rank=0)
@@ -65,17 +69,6 @@ class HandoffRoles:
         self._num_imported = 0
         self._imported: dict[str, OutputStream] = {}  # imported, `decode_stream` not called yet
         self._inbox: HandoffInbox | None = None  # point-to-point hand-offs (decode role)
-
-    def _started(self) -> AsyncLLM:
-        raise NotImplementedError  # EngineReplica's
-
-    def _add_all(
-        self,
-        request_ids: Sequence[str],
-        prompts: Sequence[str | list[int]],
-        params: Sequence[SamplingParams],
-    ) -> list[str] | Rejected:
-        raise NotImplementedError  # EngineReplica's
 
     # ---- serving: prefill, hand-off, decode ---------------------------------------------
 

@@ -374,9 +374,9 @@ def test_closing_while_a_descriptor_is_in_flight_drops_it_on_its_destination():
 def test_a_refused_descriptor_is_retried_on_its_destination_only_then_dropped_on_timeout(
     monkeypatch,
 ):
-    import loopserve.distributed.pd_stream as pd_stream
+    import loopserve.distributed.pd_decode_leg as pd_decode_leg
 
-    monkeypatch.setattr(pd_stream, "HANDOFF_WAIT_S", 0.2)
+    monkeypatch.setattr(pd_decode_leg, "HANDOFF_WAIT_S", 0.2)
 
     async def main():
         pool, (p0, d1, d2) = _torch_pool(PDSpec(1, 2))

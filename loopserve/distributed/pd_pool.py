@@ -7,7 +7,7 @@ at full depth and the first output token of each request, and streams those firs
 at once. Then it exports each request (`EngineReplica.prefill`: `Exported`, then the
 `HandoffState` with the K/V of every plane as a separate Ray object). The pool passes that
 object's reference, unfetched, to the least-loaded serving decode replica
-(`pd_stream.hand_off`, the one place a transport choice would slot in), which imports it and
+(`pd_decode_leg.hand_off`, the one place a transport choice would slot in), which imports it and
 streams the remaining outputs. `PDStream` (pd_stream.py) follows one submission through these
 steps, with the failure and abort semantics it documents.
 
@@ -39,8 +39,9 @@ from typing import Any
 
 from loopserve.distributed.args import PDSpec
 from loopserve.distributed.pd_stream import DECODE, PREFILL, PDStream
-from loopserve.distributed.pool import PoolConfig, ReplicaPool, _Replica
-from loopserve.distributed.replica import ReplicaStats
+from loopserve.distributed.pool import ReplicaPool
+from loopserve.distributed.pool_replicas import PoolConfig, _Replica
+from loopserve.distributed.replica_messages import ReplicaStats
 from loopserve.distributed.router import RoutedRequest
 from loopserve.distributed.transport import (
     DEFAULT_TIMEOUT_S,

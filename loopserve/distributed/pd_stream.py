@@ -36,55 +36,52 @@ Closing the stream (client disconnect) aborts each unfinished request where it i
 prefill replica, on its decode replica (also when the import is still being answered: the abort
 follows the acceptance), or, in flight, by dropping its state before any import (a descriptor:
 on its destination, as above). Every replica's KV blocks come back.
+
+Rooms: this module is the stream itself (its state, the prefill leg and the consumer side);
+the hand-off and decode leg is `DecodeLegs` (pd_decode_leg.py, mixed in); the open step on a
+prefill replica is `place_submission` (placement.py), shared with `PoolStream`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from loopserve.distributed.pd_decode_leg import (
+    DECODE,
+    HANDOFF_RETRY_S,
+    HANDOFF_WAIT_S,
+    PREFILL,
+    DecodeLegs,
+    Leg,
+    hand_off,
+)
+from loopserve.distributed.placement import place_submission
 from loopserve.distributed.pool_stream import MAX_REROUTES, ReplicaFailedError
-from loopserve.distributed.replica import Accepted, EngineFailed, Exported, Rejected
+from loopserve.distributed.replica_messages import EngineFailed, Exported
 from loopserve.distributed.router import RoutedRequest
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
-from loopserve.server.async_engine import (
-    EngineDeadError,
-    EngineNotReadyError,
-    GenerateRequest,
-    QueueFullError,
-)
+from loopserve.server.async_engine import EngineDeadError, GenerateRequest
 
 if TYPE_CHECKING:
     from loopserve.distributed.pd_pool import PDReplicaPool
+    from loopserve.distributed.pool_replicas import _Replica
 
+__all__ = [
+    "DECODE",
+    "HANDOFF_RETRY_S",
+    "HANDOFF_WAIT_S",
+    "PREFILL",
+    "Leg",
+    "PDStream",
+    "hand_off",
+]
 logger = logging.getLogger(__name__)
-PREFILL, DECODE = "prefill", "decode"
-HANDOFF_WAIT_S = 30.0  # how long an exported request may wait for a decode replica to take it
-HANDOFF_RETRY_S = 0.05
 
 
-def hand_off(decode_actor: Any, exported: Exported, state_ref: Any, prompt_text: str | None) -> Any:
-    """Move one exported request to a decode replica; returns the reference of its answer
-    (`Accepted` or `Rejected`). The decode replica's worker fetches the state from Ray's
-    object store, never through this process: with its K/V inside, or (torch transport,
-    `exported.destination` set) a descriptor whose K/V the replica receives point to point."""
-    return decode_actor.import_handoff.remote(state_ref, prompt_text, exported.clock_offset_s)
-
-
-@dataclass(frozen=True, slots=True)
-class _Leg:
-    """Where a request runs: a replica (by role and index) and that replica's instance."""
-
-    role: str
-    replica: int
-    instance_id: str | None
-
-
-class PDStream:
+class PDStream(DecodeLegs):
     """The outputs of one submission across its prefill and decode replicas; the interface of
     `OutputStream`. Background legs (the prefill stream, one hand-off and decode stream per
     exported request) feed one queue that the consumer reads."""
@@ -106,7 +103,7 @@ class PDStream:
         self._prompt_token_ids = prompt_token_ids
         self._unfinished = set(self.request_ids)
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._legs: dict[str, _Leg] = {}  # requests on a replica (absent: not opened, in flight)
+        self._legs: dict[str, Leg] = {}  # requests on a replica (absent: not opened, in flight)
         self._in_flight: set[str] = set()  # exported, not yet taken by a decode replica
         self._aborting: set[str] = set()  # in flight when aborted: abort once taken
         self._ended: set[str] = set()  # final output queued
@@ -122,49 +119,31 @@ class PDStream:
 
     async def open(self, excluded: set[int]) -> None:
         """Route to a prefill replica and submit; retry on another if the chosen one fails
-        first. Errors as `AsyncLLM.submit`, raised before any output."""
-        import ray
-
+        first (`place_submission`). Errors as `AsyncLLM.submit`, raised before any output."""
         pool = self.owner
-        while True:
-            candidates = [r for r in pool.serving_of(PREFILL) if r not in excluded]
-            if not candidates:
-                raise EngineNotReadyError(
-                    f"no prefill replica can take this request right now "
-                    f"({len(pool.serving_of(PREFILL))} of {pool.spec.num_prefill} serving)"
-                )
-            decision = pool.router.choose(candidates, self._prompt_token_ids)
-            replica = pool.replicas[decision.replica]
-            pool.router.assign(decision.replica, self._prefill_routed, self._prompt_token_ids)
-            leg = _Leg(PREFILL, decision.replica, replica.instance_id)
-            self.replica = decision.replica
+
+        def start(index: int, replica: _Replica) -> Any:
+            self.replica = index
             destinations = pool.kv_destinations(self.request_ids)
             self._destinations = destinations or {}
-            generator = replica.actor.prefill.remote(self.requests, destinations)
-            try:
-                first = await (await generator.__anext__())
-            except ray.exceptions.RayActorError as err:  # the replica is down: try another
-                self._release_routing()
-                pool.replica_failed(decision.replica, leg.instance_id, err)
-                excluded.add(decision.replica)
-                continue
-            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # a bug, not a death
-                self._release_routing()
-                logger.error("replica %d failed a submission: %r", decision.replica, err)
-                raise EngineDeadError(f"replica {decision.replica} failed: {err!r}") from None
-            except asyncio.CancelledError:  # the replica adds them anyway: take them back
-                replica.actor.abort.remote(self.request_ids)
-                raise
-            if isinstance(first, Rejected):
-                self._release_routing()
-                raise first.error()
-            assert isinstance(first, Accepted), first
-            replica.num_routed += len(self.requests)
-            replica.num_prefix_hits += int(decision.prefix_hit)
-            for request_id in self._unfinished:
-                self._legs[request_id] = leg
-            pool.spawn(self._guarded(self._pump_prefill(generator, leg)))
-            return
+            return replica.actor.prefill.remote(self.requests, destinations)
+
+        placed = await place_submission(
+            pool,
+            serving=lambda: pool.serving_of(PREFILL),
+            total=pool.spec.num_prefill,
+            what="prefill replica",
+            request_ids=self.request_ids,
+            routed=self._prefill_routed,
+            prompt_token_ids=self._prompt_token_ids,
+            excluded=excluded,
+            start=start,
+            abort_if_cancelled=True,
+        )
+        leg = Leg(PREFILL, placed.replica, placed.instance_id)
+        for request_id in self._unfinished:
+            self._legs[request_id] = leg
+        pool.spawn(self._guarded(self._pump_prefill(placed.generator, leg)))
 
     async def _guarded(self, leg_work: Any) -> None:
         """Run a leg; a bug in it ends the stream with an error instead of leaving the consumer
@@ -177,7 +156,7 @@ class PDStream:
             logger.exception("a leg of requests %s failed", self.request_ids)
             self._queue.put_nowait(EngineDeadError(f"internal error: {err!r}"))
 
-    async def _pump_prefill(self, generator: Any, leg: _Leg) -> None:
+    async def _pump_prefill(self, generator: Any, leg: Leg) -> None:
         import ray
 
         while True:
@@ -205,7 +184,7 @@ class PDStream:
                 self._received_any = True
                 self._put(item)
 
-    async def _prefill_failed(self, leg: _Leg, why: str, *, replica_down: bool) -> None:
+    async def _prefill_failed(self, leg: Leg, why: str, *, replica_down: bool) -> None:
         """Re-route if no output arrived yet, else fail the requests still on the replica."""
         pool = self.owner
         stranded = sorted(r for r in self._unfinished - self._ended if self._legs.get(r) == leg)
@@ -227,174 +206,6 @@ class PDStream:
                 why = f"{why}; re-routing failed: {err}"
         self._fail(stranded, leg, why, replica_down=replica_down)
 
-    # ---- the hand-off and the decode leg ------------------------------------------------
-
-    def _on_exported(self, exported: Exported, state_ref: Any, leg: _Leg) -> None:
-        pool = self.owner
-        request_id = exported.request_id
-        pool.replicas[leg.replica].num_handoffs += 1
-        pool.router.finish(request_id)
-        self._legs.pop(request_id, None)
-        if exported.destination is None and request_id in self._destinations:
-            pool.fall_back(f"prefill replica {leg.replica} could not send {request_id!r}")
-        if self._closed or request_id not in self._unfinished:
-            # Aborted meanwhile: dropping the reference frees the state (a descriptor is
-            # dropped on its destination).
-            self._drop(exported, state_ref)
-            return
-        self._in_flight.add(request_id)
-        remaining = max(0, self._max_tokens[request_id] - exported.num_output_tokens)
-        pool.spawn(self._guarded(self._hand_off(exported, state_ref, remaining)))
-
-    def _drop(self, exported: Exported, state_ref: Any) -> None:
-        """A hand-off that will not be imported: a descriptor is dropped on its destination
-        (keeping the pair's order); a state with its K/V is freed with its reference."""
-        if exported.destination is None:
-            return
-        actor = self.owner.replicas[exported.destination].actor
-        self.owner.spawn(self._dropped(exported, actor.drop_handoff.remote(state_ref)))
-
-    async def _dropped(self, exported: Exported, answer_ref: Any) -> None:
-        """Wait for a drop's answer: a transport failure there makes the pool fall back; a
-        replica that died meanwhile drops nothing (its group is gone: the pool falls back
-        when it notices the death)."""
-        import ray
-
-        try:
-            error = await answer_ref
-        except ray.exceptions.RayError as err:
-            logger.warning("dropping hand-off %r failed: %r", exported.request_id, err)
-            return
-        if error is not None:
-            self.owner.fall_back(f"decode replica {exported.destination}: {error}")
-
-    async def _hand_off(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> None:
-        """Get the exported request taken by a decode replica (retrying as the module
-        docstring says), then stream its outputs. A descriptor that does not end accepted
-        is dropped on its destination, whatever ended the attempt."""
-        accepted = False
-        try:
-            accepted = await self._take_over(exported, state_ref, remaining_tokens)
-        finally:
-            if not accepted:
-                self._drop(exported, state_ref)
-        del state_ref  # taken: the decode replica holds the request (and Ray frees the state)
-        if accepted:
-            await self._stream_taken(exported.request_id)
-
-    async def _take_over(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> bool:
-        """Get the exported request taken by a decode replica; True once one accepted it
-        (then `_stream_taken` follows), False when the request ended otherwise."""
-        import ray
-
-        pool = self.owner
-        request_id = exported.request_id
-        deadline_s = time.monotonic() + HANDOFF_WAIT_S
-        why = "no decode replica is serving"
-        while True:
-            if self._closed:
-                self._in_flight.discard(request_id)
-                return False
-            if time.monotonic() > deadline_s:
-                self._in_flight.discard(request_id)
-                self._fail([request_id], None, f"hand-off failed: {why}", replica_down=True)
-                return False
-            candidates = pool.serving_of(DECODE)
-            if exported.destination is not None:  # its K/V went there: no other replica
-                if exported.destination not in candidates:
-                    return self._lost(exported, "its decode replica stopped serving")
-                candidates = [exported.destination]
-            if not candidates:
-                await asyncio.sleep(HANDOFF_RETRY_S)
-                continue
-            index = pool.router.choose(candidates, None).replica
-            replica = pool.replicas[index]
-            leg = _Leg(DECODE, index, replica.instance_id)
-            pool.router.assign(index, [RoutedRequest(request_id, 0, remaining_tokens)])
-            try:
-                prompt_text = self._prompt_texts[request_id]
-                answer = await hand_off(replica.actor, exported, state_ref, prompt_text)
-            except ray.exceptions.RayActorError as err:  # died before taking it: retry
-                pool.router.finish(request_id)
-                pool.replica_failed(index, leg.instance_id, err)
-                why = f"decode replica {index} failed: {type(err).__name__}"
-                if exported.destination is not None:
-                    return self._lost(exported, why)
-                await asyncio.sleep(HANDOFF_RETRY_S)  # the state is kept for the next try
-                continue
-            except ray.exceptions.RayError as err:
-                pool.router.finish(request_id)
-                self._in_flight.discard(request_id)
-                self._fail([request_id], leg, f"{type(err).__name__}: {err}", replica_down=False)
-                return False
-            if isinstance(answer, Rejected) and answer.kind == "KVTransportError":
-                pool.router.finish(request_id)
-                pool.fall_back(f"decode replica {index}: {answer.message}")
-                why = f"receiving its K/V failed: {answer.message}"
-                return self._lost(exported, why, replica_down=False)
-            if isinstance(answer, Rejected):
-                pool.router.finish(request_id)
-                error = answer.error()
-                if isinstance(error, QueueFullError | EngineNotReadyError | EngineDeadError):
-                    why = f"decode replica {index}: {error}"
-                    await asyncio.sleep(HANDOFF_RETRY_S)
-                    continue
-                self._in_flight.discard(request_id)
-                self._queue.put_nowait(error)
-                return False
-            assert isinstance(answer, Accepted), answer
-            replica.num_handoffs += 1
-            self._in_flight.discard(request_id)
-            self._legs[request_id] = leg
-            self.decode_replicas[request_id] = index
-            return True
-
-    def _lost(self, exported: Exported, why: str, *, replica_down: bool = True) -> bool:
-        """A descriptor's K/V cannot reach a decode replica any more: fail the request."""
-        request_id = exported.request_id
-        self._in_flight.discard(request_id)
-        self._aborting.discard(request_id)
-        if not self._closed and request_id in self._unfinished:
-            leg = _Leg(DECODE, exported.destination, None)  # type: ignore[arg-type]
-            self._fail([request_id], leg, f"hand-off lost: {why}", replica_down=replica_down)
-        return False
-
-    async def _stream_taken(self, request_id: str) -> None:
-        """Stream the outputs of a request a decode replica accepted (abort it there if the
-        stream was closed or the request aborted while it was in flight)."""
-        leg = self._legs.get(request_id)
-        if leg is None:  # failed meanwhile (the stream already ended with an error)
-            return
-        replica = self.owner.replicas[leg.replica]
-        if self._closed:
-            replica.actor.abort.remote([request_id])
-            return
-        abort = request_id in self._aborting  # aborted in flight: its final output comes next
-        self._aborting.discard(request_id)
-        generator = replica.actor.decode_stream.remote(request_id, abort)
-        await self._pump_decode(generator, leg, request_id)
-
-    async def _pump_decode(self, generator: Any, leg: _Leg, request_id: str) -> None:
-        import ray
-
-        while True:
-            try:
-                item = await (await generator.__anext__())
-            except StopAsyncIteration:
-                if request_id not in self._ended:  # a bug: never leave the consumer waiting
-                    self._decode_failed(leg, request_id, "stream ended early", False)
-                return
-            except ray.exceptions.RayActorError as err:
-                self._decode_failed(leg, request_id, f"{type(err).__name__}: {err}", True)
-                return
-            except ray.exceptions.RayError as err:
-                self._decode_failed(leg, request_id, f"{type(err).__name__}: {err}", False)
-                return
-            if isinstance(item, EngineFailed):
-                self._decode_failed(leg, request_id, item.message, True)
-                return
-            self._put(item)
-
     def _put(self, output: RequestOutput) -> None:
         # Outstanding work is counted as outputs arrive (not as they are consumed), so it
         # is charged to the replica that produced them, before a hand-off moves the request.
@@ -403,18 +214,8 @@ class PDStream:
             self._ended.add(output.request_id)
         self._queue.put_nowait(output)
 
-    def _decode_failed(self, leg: _Leg, request_id: str, why: str, replica_down: bool) -> None:
-        # After the consumer left, a failure may be the abort racing the stream; the probe
-        # notices real deaths.
-        if self._closed or request_id not in self._unfinished:
-            return
-        if replica_down:
-            self.owner.replica_failed(leg.replica, leg.instance_id, why)
-        self._legs.pop(request_id, None)
-        self._fail([request_id], leg, why, replica_down=replica_down)
-
     def _fail(
-        self, request_ids: list[str], leg: _Leg | None, why: str, *, replica_down: bool
+        self, request_ids: list[str], leg: Leg | None, why: str, *, replica_down: bool
     ) -> None:
         """End the stream with `ReplicaFailedError` (the consumer raises it)."""
         for request_id in request_ids:

@@ -23,7 +23,10 @@ Routing is the `Router`'s (least outstanding tokens, or prompt prefix). Failure 
 The first replica to finish loading failing (for example a bad checkpoint) is a load error
 (`load_error`, `on_load_error`), as with `AsyncLLM`.
 
-One submission's stream is a `PoolStream` (pool_stream.py, re-routing and the 503 live there).
+Rooms: this module is the submission side (admission limits, tokenizing, streams, in-flight
+count, draining at shutdown, the engine view); starting, probing, restarts and health are
+`ReplicaSet` (pool_replicas.py), its base class. One submission's stream is a `PoolStream`
+(pool_stream.py, re-routing and the 503 live there; its open step is placement.py's).
 `PDReplicaPool` (pd_pool.py, `--pd`) subclasses this pool with prefill and decode roles
 (`role_of`, `_new_stream`).
 """
@@ -33,23 +36,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from loopserve.distributed.metrics import PoolMetrics, PoolSnapshot, ReplicaGauges
+from loopserve.distributed.pool_replicas import (
+    DEFAULT_MAX_RESTARTS,
+    PROBE_INTERVAL_S,
+    PROBE_TIMEOUT_S,
+    PoolConfig,
+    ReplicaSet,
+    ReplicaState,
+    _Replica,
+)
 from loopserve.distributed.pool_stream import MAX_REROUTES, PoolStream, ReplicaFailedError
-from loopserve.distributed.replica import EngineReplica, ReplicaInfo, ReplicaStats
-from loopserve.distributed.router import RoutedRequest, Router
+from loopserve.distributed.replica import ReplicaInfo
+from loopserve.distributed.router import RoutedRequest
 from loopserve.errors import InvalidRequestError
 from loopserve.server.async_engine import (
-    EngineDeadError,
     EngineNotReadyError,
-    EngineSnapshot,
     GenerateRequest,
     QueueFullError,
     SubmitGenerate,
@@ -57,60 +64,23 @@ from loopserve.server.async_engine import (
 from loopserve.text.input_processor import ProcessedPrompt
 
 __all__ = [
+    "DEFAULT_MAX_RESTARTS",
     "MAX_REROUTES",
+    "PROBE_INTERVAL_S",
+    "PROBE_TIMEOUT_S",
     "PoolConfig",
     "PoolStream",
     "ReplicaFailedError",
     "ReplicaPool",
+    "ReplicaSet",
     "ReplicaState",
+    "_Replica",
 ]
 logger = logging.getLogger(__name__)
-PROBE_INTERVAL_S = 0.5
-PROBE_TIMEOUT_S = 60.0
-DEFAULT_MAX_RESTARTS = 4
 ABORT_GRACE_S = 2.0  # at shutdown, for aborted streams to end before the replicas stop
 
 
-class ReplicaState(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    RESTARTING = "restarting"
-    DEAD = "dead"  # restarts exhausted
-
-
-@dataclass
-class _Replica:
-    index: int
-    actor: Any  # ray.actor.ActorHandle
-    state: ReplicaState = ReplicaState.STARTING
-    instance_id: str | None = None
-    snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
-    num_restarts: int = 0
-    num_routed: int = 0
-    num_prefix_hits: int = 0
-    num_failed_requests: int = 0
-    failed_instance_id: str | None = None  # the instance that failed; its late replies are stale
-    role: str | None = None  # prefill | decode in a prefill/decode pool (`PDReplicaPool`)
-    num_handoffs: int = 0  # requests it exported (prefill) or imported (decode)
-    kv_bytes_sent: int = 0  # by its KV transport, since its instance started
-    kv_bytes_received: int = 0
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """How the pool starts Ray and its replicas; see `ReplicaPool`."""
-
-    num_replicas: int
-    routing: str = "least_load"
-    ray_address: str | None = None
-    max_pending_requests: int = 1024
-    max_restarts: int = DEFAULT_MAX_RESTARTS
-    torch_threads: int | None = None  # per replica on CPU; None: cores // replicas (>= 1)
-    num_cpus: int | None = None  # embedded cluster's CPUs; None: max(cores, replicas)
-    object_store_bytes: int | None = None  # embedded cluster; None: Ray's default
-
-
-class ReplicaPool(SubmitGenerate):
+class ReplicaPool(ReplicaSet, SubmitGenerate):
     """N `EngineReplica` actors behind the `AsyncLLM` interface; see the module docstring."""
 
     def __init__(
@@ -120,46 +90,15 @@ class ReplicaPool(SubmitGenerate):
         *,
         on_load_error: Callable[[BaseException], None] | None = None,
     ) -> None:
-        if config.num_replicas < 1:
-            raise ValueError(f"num_replicas must be >= 1, got {config.num_replicas}")
-        self.engine_args = dict(engine_args)
-        self.config = config
-        self.max_pending_requests = config.max_pending_requests
-        self._on_load_error = on_load_error
-        block_size = int(engine_args.get("block_size") or 16)  # type: ignore[arg-type]
-        self.router = Router(config.num_replicas, config.routing, block_size=block_size)
-        self.metrics = PoolMetrics()
-        self.replicas: list[_Replica] = []
-        self.info: ReplicaInfo | None = None
-        self.load_error: BaseException | None = None
-        self._started_ray = False
+        super().__init__(engine_args, config, on_load_error=on_load_error)
         self._accepting = True
         self._stop_accepting_s: float | None = None
         self._num_in_flight = 0
         self._idle = asyncio.Event()
         self._streams: set[PoolStream] = set()
-        self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
 
     # ---- state --------------------------------------------------------------------------
-
-    @property
-    def num_replicas(self) -> int:
-        return self.config.num_replicas
-
-    def serving_replicas(self) -> list[int]:
-        return [r.index for r in self.replicas if r.state is ReplicaState.SERVING]
-
-    @property
-    def is_ready(self) -> bool:
-        return self.info is not None and bool(self.serving_replicas()) and not self._closed
-
-    @property
-    def is_dead(self) -> bool:
-        if self.load_error is not None:
-            return True
-        return bool(self.replicas) and all(r.state is ReplicaState.DEAD for r in self.replicas)
 
     @property
     def is_accepting(self) -> bool:
@@ -173,45 +112,6 @@ class ReplicaPool(SubmitGenerate):
     @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
-
-    @property
-    def snapshot(self) -> PoolSnapshot:
-        return PoolSnapshot(
-            num_replicas=self.num_replicas,
-            replicas=tuple(
-                ReplicaGauges(
-                    index=r.index,
-                    state=r.state.value,
-                    snapshot=r.snapshot,
-                    outstanding_tokens=self.router.load(r.index),
-                    num_routed=r.num_routed,
-                    num_prefix_hits=r.num_prefix_hits,
-                    num_restarts=r.num_restarts,
-                    num_failed_requests=r.num_failed_requests,
-                    role=r.role,
-                    num_handoffs=r.num_handoffs,
-                    kv_bytes_sent=r.kv_bytes_sent,
-                    kv_bytes_received=r.kv_bytes_received,
-                )
-                for r in self.replicas
-            ),
-        )
-
-    def health(self) -> dict[str, object]:
-        """`{"status": "ok" | "degraded" | ..., "replicas": N, "replicas_serving": k, ...}`."""
-        serving = len(self.serving_replicas())
-        if self.is_dead:
-            status = "dead"
-        elif not self.is_ready:
-            status = "loading" if self.info is None else "unavailable"
-        else:
-            status = "ok" if serving == self.num_replicas else "degraded"
-        return {
-            "status": status,
-            "replicas": self.num_replicas,
-            "replicas_serving": serving,
-            "replica_states": [r.state.value for r in self.replicas],
-        }
 
     @property
     def engine(self) -> _EngineView:
@@ -233,96 +133,6 @@ class ReplicaPool(SubmitGenerate):
         self._loop = asyncio.get_running_loop()
         self._idle.set()
         self._tasks.append(asyncio.ensure_future(self._start_replicas()))
-
-    async def _start_replicas(self) -> None:
-        try:
-            await asyncio.to_thread(self.init_ray)  # a no-op when done before
-            actor_cls = self._actor_class()
-            for index in range(self.num_replicas):
-                actor = actor_cls.remote(**self._replica_kwargs())
-                self.replicas.append(_Replica(index, actor, role=self.role_of(index)))
-            # The first replica to load decides: its info serves all (they share the engine
-            # arguments); if it failed, the model cannot load. The others join through their
-            # probes whenever they are up (a replica waiting for a free GPU does not block).
-            first_loaded = next(
-                asyncio.as_completed([r.actor.info.remote() for r in self.replicas])
-            )
-            info = await first_loaded
-        except Exception as err:
-            logger.exception("starting the replicas failed")
-            self.load_error = err
-            if self._on_load_error is not None:
-                self._on_load_error(err)
-            return
-        self.info = info
-        self.router.block_size = info.block_size
-        for replica in self.replicas:
-            self._tasks.append(asyncio.ensure_future(self._probe(replica)))
-
-    def role_of(self, index: int) -> str | None:
-        """The role of replica `index`: None here (every replica does everything)."""
-        return None
-
-    def init_ray(self) -> None:
-        """Start the embedded Ray cluster (or join `ray_address`) unless Ray is already
-        initialized; call it from the main thread (Ray installs signal handlers there)."""
-        import ray
-
-        if ray.is_initialized():
-            return
-        if self.config.ray_address is not None:
-            ray.init(address=self.config.ray_address, log_to_driver=True)
-        else:
-            ray.init(
-                num_cpus=self.config.num_cpus or max(os.cpu_count() or 1, self.num_replicas),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                object_store_memory=self.config.object_store_bytes,
-            )
-        self._started_ray = True
-
-    def _actor_class(self) -> Any:
-        import ray
-
-        on_cuda = str(self.engine_args.get("device") or "cpu").startswith("cuda")
-        return ray.remote(EngineReplica).options(
-            num_cpus=0 if on_cuda else 1,
-            num_gpus=1 if on_cuda else 0,
-            max_restarts=self.config.max_restarts,
-            max_task_retries=0,
-        )
-
-    def _replica_kwargs(self) -> dict[str, object]:
-        engine_args = dict(self.engine_args)
-        on_cuda = str(engine_args.get("device") or "cpu").startswith("cuda")
-        if on_cuda:
-            engine_args["device"] = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
-        threads = self.config.torch_threads
-        if threads is None and not on_cuda:
-            threads = max(1, (os.cpu_count() or 1) // self.num_replicas)
-        return {
-            "engine_args": engine_args,
-            "torch_threads": threads,
-            "max_pending_requests": self.max_pending_requests,
-        }
-
-    async def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Wait until at least one replica serves; False if loading failed or timed out."""
-        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.is_ready and not self.is_dead:
-            if deadline_s is not None and time.monotonic() > deadline_s:
-                return False
-            await asyncio.sleep(0.02)
-        return self.is_ready
-
-    async def wait_serving(self, num_replicas: int, timeout_s: float) -> bool:
-        """Wait until `num_replicas` replicas serve; False on timeout."""
-        deadline_s = time.monotonic() + timeout_s
-        while len(self.serving_replicas()) < num_replicas:
-            if time.monotonic() > deadline_s:
-                return False
-            await asyncio.sleep(0.05)
-        return True
 
     def stop_accepting(self, *, abort_after_s: float | None = None) -> None:
         """As `AsyncLLM.stop_accepting`: refuse new submissions; optionally abort the rest
@@ -353,16 +163,7 @@ class ReplicaPool(SubmitGenerate):
                 self._abort_all_streams()
                 with contextlib.suppress(asyncio.TimeoutError):  # their "abort" outputs
                     await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
-        self._closed = True
-        for task in self._tasks:
-            task.cancel()
-        if self.replicas:
-            import ray
-
-            for replica in self.replicas:
-                ray.kill(replica.actor, no_restart=True)
-            if self._started_ray:
-                await asyncio.to_thread(ray.shutdown)
+        await self._stop_replicas()
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -429,97 +230,11 @@ class ReplicaPool(SubmitGenerate):
             for r in requests
         ]
 
-    def _check_usable(self) -> None:
-        if self.is_dead:
-            raise EngineDeadError(
-                f"every replica is dead: {self.load_error!r}"
-                if self.load_error is not None
-                else "every replica is dead (restarts exhausted)"
-            )
-        if self.info is None:
-            raise EngineNotReadyError("the model is still loading")
-        if not self.serving_replicas():
-            raise EngineNotReadyError(
-                f"no replica is serving right now (0 of {self.num_replicas}; restarting)"
-            )
-
     def _on_stream_closed(self, stream: PoolStream) -> None:
         self._streams.discard(stream)
         self._num_in_flight -= len(stream.request_ids)
         if self._num_in_flight == 0:
             self._idle.set()
-
-    # ---- failures and restarts ----------------------------------------------------------
-
-    def replica_failed(self, index: int, instance_id: str | None, why: object) -> None:
-        """A call to replica `index` (instance `instance_id`) failed: stop routing to it
-        until the probe sees it serve again. Stale reports about an older instance are
-        ignored."""
-        replica = self.replicas[index]
-        if replica.state is not ReplicaState.SERVING or replica.instance_id != instance_id:
-            return
-        logger.warning("replica %d failed (%s); waiting for its restart", index, why)
-        replica.state = ReplicaState.RESTARTING
-        replica.failed_instance_id = instance_id
-        self.router.forget_replica(index)
-
-    async def _probe(self, replica: _Replica) -> None:
-        """Poll one replica's stats: gauges, readiness, engine death and restarts."""
-        import ray
-
-        while not self._closed:
-            try:
-                stats: ReplicaStats = await asyncio.wait_for(
-                    replica.actor.stats.remote(), PROBE_TIMEOUT_S
-                )
-            except ray.exceptions.ActorDiedError as err:
-                if self._restarts_exhausted(replica):
-                    logger.error("replica %d is dead for good: %s", replica.index, err)
-                    replica.state = ReplicaState.DEAD
-                    self.router.forget_replica(replica.index)
-                    return
-                self.replica_failed(replica.index, replica.instance_id, err)
-            except ray.exceptions.RayActorError as err:
-                self.replica_failed(replica.index, replica.instance_id, err)
-            except ray.exceptions.RayError as err:  # the call failed, the replica did not
-                logger.error("probing replica %d failed: %r", replica.index, err)
-            except asyncio.TimeoutError:  # alive but unresponsive: out of rotation until it answers
-                self.replica_failed(replica.index, replica.instance_id, "probe timed out")
-                replica.failed_instance_id = None
-            else:
-                self._apply_stats(replica, stats)
-            await asyncio.sleep(PROBE_INTERVAL_S)
-
-    async def refresh_stats(self) -> None:
-        """Fetch every serving replica's gauges now (the probes do it every 0.5 s)."""
-        serving = [self.replicas[i] for i in self.serving_replicas()]
-        stats = await asyncio.gather(*(r.actor.stats.remote() for r in serving))
-        for replica, replica_stats in zip(serving, stats):
-            self._apply_stats(replica, replica_stats)
-
-    def _restarts_exhausted(self, replica: _Replica) -> bool:
-        limit = self.config.max_restarts
-        return limit != -1 and replica.num_restarts >= limit
-
-    def _apply_stats(self, replica: _Replica, stats: ReplicaStats) -> None:
-        if stats.instance_id == replica.failed_instance_id:
-            return  # a reply the failed instance sent before it died: stale
-        if replica.instance_id is not None and stats.instance_id != replica.instance_id:
-            replica.num_restarts += 1
-            logger.warning("replica %d restarted (restart %d)", replica.index, replica.num_restarts)
-            self.router.forget_replica(replica.index)
-        replica.instance_id = stats.instance_id
-        replica.snapshot = stats.snapshot
-        replica.kv_bytes_sent = stats.kv_bytes_sent
-        replica.kv_bytes_received = stats.kv_bytes_received
-        if stats.is_dead:  # its engine thread died; the actor lives on: restart it
-            import ray
-
-            self.replica_failed(replica.index, replica.instance_id, "engine died")
-            ray.kill(replica.actor, no_restart=False)
-        elif stats.is_ready and replica.state is not ReplicaState.SERVING:
-            replica.state = ReplicaState.SERVING
-            logger.info("replica %d serving", replica.index)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ a Ray streaming generator from `EngineReplica.generate`. Closing it early aborts
 requests on their replica. A replica failure before any output reached the consumer re-submits
 the requests to another replica (at most `MAX_REROUTES` times); after that the stream raises
 `ReplicaFailedError` (HTTP 503). Routing bookkeeping (outstanding tokens) is updated as outputs
-arrive. The pool decides where a stream goes and owns replica states; this room only follows
-one submission.
+arrive. The pool owns replica states; the open step (choose a replica, assign the routing, call
+it, handle a failed or refused first item) is `place_submission` (placement.py), shared with
+`PDStream`; this room only follows one submission.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from loopserve.distributed.replica import Accepted, EngineFailed, Rejected
+from loopserve.distributed.placement import place_submission
+from loopserve.distributed.replica_messages import EngineFailed
 from loopserve.distributed.router import RoutedRequest
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.server.async_engine import (
-    EngineDeadError,
     EngineNotReadyError,
     GenerateRequest,
 )
 
 if TYPE_CHECKING:
     from loopserve.distributed.pool import ReplicaPool
+    from loopserve.distributed.pool_replicas import _Replica
 
 logger = logging.getLogger(__name__)
 MAX_REROUTES = 2
@@ -65,41 +67,26 @@ class PoolStream:
         self._closed = False
 
     async def open(self, excluded: set[int]) -> None:
-        """Route and submit; retry on another replica if the chosen one fails first."""
-        import ray
-
+        """Route and submit; retry on another replica if the chosen one fails first
+        (`place_submission`)."""
         pool = self.owner
-        while True:
-            candidates = [r for r in pool.serving_replicas() if r not in excluded]
-            if not candidates:
-                raise EngineNotReadyError(
-                    f"no replica can take this request right now "
-                    f"({len(pool.serving_replicas())} of {pool.num_replicas} serving)"
-                )
-            decision = pool.router.choose(candidates, self._prompt_token_ids)
-            replica = pool.replicas[decision.replica]
-            pool.router.assign(decision.replica, self._routed, self._prompt_token_ids)
-            self.replica, self._instance_id = decision.replica, replica.instance_id
-            generator = replica.actor.generate.remote(self.requests)
-            try:
-                first = await (await generator.__anext__())
-            except ray.exceptions.RayActorError as err:  # the replica is down: try another
-                self._release_routing()
-                pool.replica_failed(decision.replica, self._instance_id, err)
-                excluded.add(decision.replica)
-                continue
-            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # a bug, not a death
-                self._release_routing()
-                logger.error("replica %d failed a submission: %r", decision.replica, err)
-                raise EngineDeadError(f"replica {decision.replica} failed: {err!r}") from None
-            if isinstance(first, Rejected):
-                self._release_routing()
-                raise first.error()
-            assert isinstance(first, Accepted), first
-            replica.num_routed += len(self.requests)
-            replica.num_prefix_hits += int(decision.prefix_hit)
-            self._generator = generator
-            return
+
+        def start(index: int, replica: _Replica) -> Any:
+            self.replica, self._instance_id = index, replica.instance_id
+            return replica.actor.generate.remote(self.requests)
+
+        placed = await place_submission(
+            pool,
+            serving=pool.serving_replicas,
+            total=pool.num_replicas,
+            what="replica",
+            request_ids=self.request_ids,
+            routed=self._routed,
+            prompt_token_ids=self._prompt_token_ids,
+            excluded=excluded,
+            start=start,
+        )
+        self._generator = placed.generator
 
     def _release_routing(self) -> None:
         for request_id in self.request_ids:

@@ -1,0 +1,257 @@
+"""The hand-off and decode leg of a `PDStream`: moving each exported request to a decode
+replica and streaming its outputs from there.
+
+`DecodeLegs` is mixed into `PDStream` (pd_stream.py), which owns the stream's state (declared
+below, set in its constructor) and the helpers both legs use (`_guarded`, `_put`, `_fail`); the
+prefill leg calls `_on_exported` for each `Exported` item. Per exported request:
+
+- `hand_off` (the one function that moves a state) asks a decode replica to import it; a
+  replica that refuses for now (queue full, shutting down) or dies before taking it is retried,
+  on any serving decode replica, for up to `HANDOFF_WAIT_S` (every `HANDOFF_RETRY_S`); a
+  permanent rejection fails the request;
+- with the torch KV transport (`Exported.destination` set) only that destination can import
+  it: its death or a transport failure loses the K/V (`ReplicaFailedError`, and the pool falls
+  back to the object store), and a descriptor that does not end accepted is dropped on its
+  destination (`drop_handoff`) so the pair's order holds;
+- once accepted, `decode_stream` on that replica feeds the stream's queue; its death ends the
+  request with `ReplicaFailedError`. A request aborted while in flight is aborted right after
+  its acceptance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loopserve.distributed.replica_messages import Accepted, EngineFailed, Exported, Rejected
+from loopserve.distributed.router import RoutedRequest
+from loopserve.outputs import RequestOutput
+from loopserve.server.async_engine import EngineDeadError, EngineNotReadyError, QueueFullError
+
+if TYPE_CHECKING:
+    from loopserve.distributed.pd_pool import PDReplicaPool
+
+logger = logging.getLogger(__name__)
+PREFILL, DECODE = "prefill", "decode"
+HANDOFF_WAIT_S = 30.0  # how long an exported request may wait for a decode replica to take it
+HANDOFF_RETRY_S = 0.05
+
+
+def hand_off(decode_actor: Any, exported: Exported, state_ref: Any, prompt_text: str | None) -> Any:
+    """Move one exported request to a decode replica; returns the reference of its answer
+    (`Accepted` or `Rejected`). The decode replica's worker fetches the state from Ray's
+    object store, never through this process: with its K/V inside, or (torch transport,
+    `exported.destination` set) a descriptor whose K/V the replica receives point to point."""
+    return decode_actor.import_handoff.remote(state_ref, prompt_text, exported.clock_offset_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    """Where a request runs: a replica (by role and index) and that replica's instance."""
+
+    role: str
+    replica: int
+    instance_id: str | None
+
+
+class DecodeLegs:
+    """The hand-off and decode legs of one `PDStream`'s requests; see the module docstring."""
+
+    # The stream's state (`PDStream.__init__`).
+    owner: PDReplicaPool
+    _max_tokens: dict[str, int]
+    _prompt_texts: dict[str, str | None]
+    _unfinished: set[str]
+    _queue: asyncio.Queue[RequestOutput | BaseException]
+    _legs: dict[str, Leg]
+    _in_flight: set[str]
+    _aborting: set[str]
+    _ended: set[str]
+    _destinations: dict[str, int]
+    decode_replicas: dict[str, int]
+    _closed: bool
+
+    # PDStream's helpers, used by both legs.
+    _guarded: Callable[[Coroutine[Any, Any, None]], Coroutine[Any, Any, None]]
+    _put: Callable[[RequestOutput], None]
+    _fail: Callable[..., None]  # (request_ids, leg, why, *, replica_down)
+
+    def _on_exported(self, exported: Exported, state_ref: Any, leg: Leg) -> None:
+        pool = self.owner
+        request_id = exported.request_id
+        pool.replicas[leg.replica].num_handoffs += 1
+        pool.router.finish(request_id)
+        self._legs.pop(request_id, None)
+        if exported.destination is None and request_id in self._destinations:
+            pool.fall_back(f"prefill replica {leg.replica} could not send {request_id!r}")
+        if self._closed or request_id not in self._unfinished:
+            # Aborted meanwhile: dropping the reference frees the state (a descriptor is
+            # dropped on its destination).
+            self._drop(exported, state_ref)
+            return
+        self._in_flight.add(request_id)
+        remaining = max(0, self._max_tokens[request_id] - exported.num_output_tokens)
+        pool.spawn(self._guarded(self._hand_off(exported, state_ref, remaining)))
+
+    def _drop(self, exported: Exported, state_ref: Any) -> None:
+        """A hand-off that will not be imported: a descriptor is dropped on its destination
+        (keeping the pair's order); a state with its K/V is freed with its reference."""
+        if exported.destination is None:
+            return
+        actor = self.owner.replicas[exported.destination].actor
+        self.owner.spawn(self._dropped(exported, actor.drop_handoff.remote(state_ref)))
+
+    async def _dropped(self, exported: Exported, answer_ref: Any) -> None:
+        """Wait for a drop's answer: a transport failure there makes the pool fall back; a
+        replica that died meanwhile drops nothing (its group is gone: the pool falls back
+        when it notices the death)."""
+        import ray
+
+        try:
+            error = await answer_ref
+        except ray.exceptions.RayError as err:
+            logger.warning("dropping hand-off %r failed: %r", exported.request_id, err)
+            return
+        if error is not None:
+            self.owner.fall_back(f"decode replica {exported.destination}: {error}")
+
+    async def _hand_off(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> None:
+        """Get the exported request taken by a decode replica (retrying as the module
+        docstring says), then stream its outputs. A descriptor that does not end accepted
+        is dropped on its destination, whatever ended the attempt."""
+        accepted = False
+        try:
+            accepted = await self._take_over(exported, state_ref, remaining_tokens)
+        finally:
+            if not accepted:
+                self._drop(exported, state_ref)
+        del state_ref  # taken: the decode replica holds the request (and Ray frees the state)
+        if accepted:
+            await self._stream_taken(exported.request_id)
+
+    async def _take_over(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> bool:
+        """Get the exported request taken by a decode replica; True once one accepted it
+        (then `_stream_taken` follows), False when the request ended otherwise."""
+        import ray
+
+        pool = self.owner
+        request_id = exported.request_id
+        deadline_s = time.monotonic() + HANDOFF_WAIT_S
+        why = "no decode replica is serving"
+        while True:
+            if self._closed:
+                self._in_flight.discard(request_id)
+                return False
+            if time.monotonic() > deadline_s:
+                self._in_flight.discard(request_id)
+                self._fail([request_id], None, f"hand-off failed: {why}", replica_down=True)
+                return False
+            candidates = pool.serving_of(DECODE)
+            if exported.destination is not None:  # its K/V went there: no other replica
+                if exported.destination not in candidates:
+                    return self._lost(exported, "its decode replica stopped serving")
+                candidates = [exported.destination]
+            if not candidates:
+                await asyncio.sleep(HANDOFF_RETRY_S)
+                continue
+            index = pool.router.choose(candidates, None).replica
+            replica = pool.replicas[index]
+            leg = Leg(DECODE, index, replica.instance_id)
+            pool.router.assign(index, [RoutedRequest(request_id, 0, remaining_tokens)])
+            try:
+                prompt_text = self._prompt_texts[request_id]
+                answer = await hand_off(replica.actor, exported, state_ref, prompt_text)
+            except ray.exceptions.RayActorError as err:  # died before taking it: retry
+                pool.router.finish(request_id)
+                pool.replica_failed(index, leg.instance_id, err)
+                why = f"decode replica {index} failed: {type(err).__name__}"
+                if exported.destination is not None:
+                    return self._lost(exported, why)
+                await asyncio.sleep(HANDOFF_RETRY_S)  # the state is kept for the next try
+                continue
+            except ray.exceptions.RayError as err:
+                pool.router.finish(request_id)
+                self._in_flight.discard(request_id)
+                self._fail([request_id], leg, f"{type(err).__name__}: {err}", replica_down=False)
+                return False
+            if isinstance(answer, Rejected) and answer.kind == "KVTransportError":
+                pool.router.finish(request_id)
+                pool.fall_back(f"decode replica {index}: {answer.message}")
+                why = f"receiving its K/V failed: {answer.message}"
+                return self._lost(exported, why, replica_down=False)
+            if isinstance(answer, Rejected):
+                pool.router.finish(request_id)
+                error = answer.error()
+                if isinstance(error, QueueFullError | EngineNotReadyError | EngineDeadError):
+                    why = f"decode replica {index}: {error}"
+                    await asyncio.sleep(HANDOFF_RETRY_S)
+                    continue
+                self._in_flight.discard(request_id)
+                self._queue.put_nowait(error)
+                return False
+            assert isinstance(answer, Accepted), answer
+            replica.num_handoffs += 1
+            self._in_flight.discard(request_id)
+            self._legs[request_id] = leg
+            self.decode_replicas[request_id] = index
+            return True
+
+    def _lost(self, exported: Exported, why: str, *, replica_down: bool = True) -> bool:
+        """A descriptor's K/V cannot reach a decode replica any more: fail the request."""
+        request_id = exported.request_id
+        self._in_flight.discard(request_id)
+        self._aborting.discard(request_id)
+        if not self._closed and request_id in self._unfinished:
+            leg = Leg(DECODE, exported.destination, None)  # type: ignore[arg-type]
+            self._fail([request_id], leg, f"hand-off lost: {why}", replica_down=replica_down)
+        return False
+
+    async def _stream_taken(self, request_id: str) -> None:
+        """Stream the outputs of a request a decode replica accepted (abort it there if the
+        stream was closed or the request aborted while it was in flight)."""
+        leg = self._legs.get(request_id)
+        if leg is None:  # failed meanwhile (the stream already ended with an error)
+            return
+        replica = self.owner.replicas[leg.replica]
+        if self._closed:
+            replica.actor.abort.remote([request_id])
+            return
+        abort = request_id in self._aborting  # aborted in flight: its final output comes next
+        self._aborting.discard(request_id)
+        generator = replica.actor.decode_stream.remote(request_id, abort)
+        await self._pump_decode(generator, leg, request_id)
+
+    async def _pump_decode(self, generator: Any, leg: Leg, request_id: str) -> None:
+        import ray
+
+        while True:
+            try:
+                item = await (await generator.__anext__())
+            except StopAsyncIteration:
+                if request_id not in self._ended:  # a bug: never leave the consumer waiting
+                    self._decode_failed(leg, request_id, "stream ended early", False)
+                return
+            except ray.exceptions.RayActorError as err:
+                self._decode_failed(leg, request_id, f"{type(err).__name__}: {err}", True)
+                return
+            except ray.exceptions.RayError as err:
+                self._decode_failed(leg, request_id, f"{type(err).__name__}: {err}", False)
+                return
+            if isinstance(item, EngineFailed):
+                self._decode_failed(leg, request_id, item.message, True)
+                return
+            self._put(item)
+
+    def _decode_failed(self, leg: Leg, request_id: str, why: str, replica_down: bool) -> None:
+        # After the consumer left, a failure may be the abort racing the stream; the probe
+        # notices real deaths.
+        if self._closed or request_id not in self._unfinished:
+            return
+        if replica_down:
+            self.owner.replica_failed(leg.replica, leg.instance_id, why)
+        self._legs.pop(request_id, None)
+        self._fail([request_id], leg, why, replica_down=replica_down)

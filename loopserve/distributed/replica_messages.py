@@ -1,0 +1,126 @@
+"""What `EngineReplica` calls return and yield: results, markers and the gauges it reports.
+
+Plain frozen dataclasses (they cross Ray by pickle), torch-free and Ray-free:
+
+- `Accepted` / `Rejected`: the first item of a submission (`generate`, `prefill`) or the answer
+  of `import_handoff`; `Rejected.error()` rebuilds the `LoopserveError` the replica raised.
+- `EngineFailed`: the replica's engine died (or shut down) under a stream; `relay` yields it.
+- `Exported`: `prefill` handed a request off; the stream's next item is its state.
+- `ReplicaInfo` / `ReplicaStats`: what the pool reads once (`info()`) and per probe (`stats()`).
+
+`relay` turns an engine `OutputStream` into a replica stream's items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from loopserve.distributed.handoff import HandoffState
+from loopserve.errors import CapacityError, InvalidRequestError, LoopserveError
+from loopserve.outputs import RequestOutput
+from loopserve.server.async_engine import (
+    EngineDeadError,
+    EngineNotReadyError,
+    EngineSnapshot,
+    OutputStream,
+    QueueFullError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The replica added every request of the submission."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """The replica refused the submission before doing any work; `error()` rebuilds it."""
+
+    kind: str
+    message: str
+    param: str | None = None
+    retry_after_s: int = 1
+
+    @classmethod
+    def of(cls, err: LoopserveError) -> Rejected:
+        return cls(
+            type(err).__name__,
+            getattr(err, "message", str(err)),
+            getattr(err, "param", None),
+            getattr(err, "retry_after_s", 1),
+        )
+
+    def error(self) -> LoopserveError:
+        if self.kind == "CapacityError":
+            return CapacityError(self.message, self.param)
+        if self.kind == "InvalidRequestError":
+            return InvalidRequestError(self.message, self.param)
+        if self.kind == "QueueFullError":
+            return QueueFullError(self.message, self.retry_after_s)
+        if self.kind == "EngineDeadError":
+            return EngineDeadError(self.message)
+        return EngineNotReadyError(self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailed:
+    """The replica's engine died while the submission ran; the replica must be restarted."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    """`prefill`: the request left this replica; the stream's next item is its `HandoffState`."""
+
+    request_id: str
+    num_output_tokens: int  # output tokens it carries (streamed already)
+    # The exporter's `time.time() - time.monotonic()`: lets an importer on another node
+    # rebase the request's times (monotonic clocks are per machine).
+    clock_offset_s: float | None = None
+    # The rank the K/V was sent to by the torch transport (the next item is a
+    # `KVDescriptor` only that replica can import); None: the state carries its K/V.
+    destination: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """What the serving layer reads from an engine, fetched once per replica."""
+
+    tokenizer: Any  # loopserve.text.tokenizer.Tokenizer | None (pickled)
+    max_model_len: int
+    num_loops: int
+    block_size: int
+    kv_positions_per_request_max: int
+    config: Any  # the engine's resolved EngineConfig
+    input_processor: Any  # loopserve.text.input_processor.InputProcessor (pickled)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    instance_id: str  # new for every actor (re)start
+    is_ready: bool
+    is_dead: bool
+    num_in_flight: int
+    snapshot: EngineSnapshot
+    num_exported: int = 0  # requests handed off to a decode replica (prefill role)
+    num_imported: int = 0  # requests taken over from a prefill replica (decode role)
+    kv_bytes_sent: int = 0  # K/V bytes the replica's KV transport sent (completed sends)
+    kv_bytes_received: int = 0  # ... and received (imported or discarded)
+
+
+async def relay(
+    stream: OutputStream,
+) -> AsyncIterator[RequestOutput | HandoffState | EngineFailed]:
+    """The stream's items; `EngineFailed` last if the engine dies or shuts down under it.
+    Leaving early (the consumer went away) aborts what has not finished."""
+    with stream:
+        try:
+            async for item in stream:
+                yield item
+        except EngineDeadError as err:
+            yield EngineFailed(str(err))
+        except EngineNotReadyError as err:  # the replica is shutting down
+            yield EngineFailed(str(err))

@@ -8,7 +8,9 @@ paths a real cluster hits only by timing (a replica dying before any output, a d
 refusing or dying before it takes a request, a client leaving while the request is in flight)
 run every time; so does prefix routing among prefill replicas, the rebasing of a hand-off's
 times from another machine's clock, and the torch KV transport's rules (a descriptor goes to
-the decode replica chosen at submission, and is dropped there if it is not imported). Real replicas are in tests/test_pd_serving.py. Needs Ray only for its
+the decode replica chosen at submission, and is dropped there if it is not imported), and a
+client leaving before the first item (DP and PD pools abort on the replica). Real replicas are
+in tests/test_pd_serving.py. Needs Ray only for its
 exception types (the optional `ray` extra).
 """
 
@@ -24,7 +26,7 @@ ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip ins
 
 from loopserve.distributed.args import PDSpec  # noqa: E402
 from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
-from loopserve.distributed.pool import PoolConfig, ReplicaState, _Replica  # noqa: E402
+from loopserve.distributed.pool import PoolConfig, ReplicaPool, ReplicaState, _Replica  # noqa: E402
 from loopserve.distributed.pool_stream import ReplicaFailedError  # noqa: E402
 from loopserve.distributed.replica import Accepted, Exported, Rejected  # noqa: E402
 from loopserve.distributed.router import RoutedRequest  # noqa: E402
@@ -91,13 +93,14 @@ class FakeReplica:
         self.calls: list[tuple[str, tuple]] = []
         self.streams: list[Stream] = []
         self.answers: list[Ref] = []
-        for name in ("prefill", "import_handoff", "decode_stream", "abort", "drop_handoff"):
+        names = ("generate", "prefill", "import_handoff", "decode_stream", "abort", "drop_handoff")
+        for name in names:
             setattr(self, name, Method(self._recorder(name)))
 
     def _recorder(self, name: str) -> Callable[..., object]:
         def call(*args: object) -> object:
             self.calls.append((name, args))
-            if name in ("prefill", "decode_stream"):
+            if name in ("generate", "prefill", "decode_stream"):
                 stream = Stream()
                 self.streams.append(stream)
                 return stream
@@ -429,3 +432,32 @@ def test_a_transport_failure_fails_the_request_and_later_hand_offs_use_the_objec
     assert "receiving hand-off 'r' failed" in (pool.kv_transport_fallback or "")
     assert not pool.uses_torch_transport
     assert [args[1] for args in p0.called("prefill")] == [{"r": 1}, None]  # object store now
+
+
+@pytest.mark.parametrize("kind", ["data_parallel", "pd"])
+def test_a_client_leaving_before_the_first_item_aborts_on_the_replica(kind):
+    """Cancelled while waiting for the replica's first item (its `Accepted`): the replica adds
+    the requests anyway, so the pool takes them back with an abort (DP and PD alike)."""
+
+    async def main():
+        if kind == "pd":
+            pool, fakes = _pool(PDSpec(1, 1))
+        else:
+            pool = ReplicaPool({"block_size": 4}, PoolConfig(num_replicas=2))
+            fakes = [FakeReplica() for _ in range(2)]
+            pool.replicas = [
+                _Replica(i, fake, ReplicaState.SERVING, instance_id=f"i{i}")
+                for i, fake in enumerate(fakes)
+            ]
+            pool.info = object()  # type: ignore[assignment]
+        submitting = asyncio.ensure_future(_submit(pool, "gone"))
+        await _until(lambda: any(fake.streams for fake in fakes))
+        submitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submitting
+        return fakes
+
+    fakes = asyncio.run(main())
+    started = [fake for fake in fakes if fake.streams]
+    assert len(started) == 1
+    assert started[0].called("abort") == [(["gone"],)]

@@ -138,7 +138,6 @@ class PDStream(DecodeLegs):
             prompt_token_ids=self._prompt_token_ids,
             excluded=excluded,
             start=start,
-            abort_if_cancelled=True,
         )
         leg = Leg(PREFILL, placed.replica, placed.instance_id)
         for request_id in self._unfinished:

@@ -56,13 +56,12 @@ async def place_submission(
     prompt_token_ids: list[int] | None,
     excluded: set[int],
     start: Callable[[int, _Replica], Any],
-    abort_if_cancelled: bool = False,
 ) -> Placed:
     """Open a submission on one of `serving()` (minus `excluded`, which grows with each
     replica that fails here), as the module docstring says. `start(index, replica)` starts the
     streaming call on the chosen replica and returns its generator; `what` and `total` name
-    the candidates in the 503 message. `abort_if_cancelled`: a cancellation while waiting for
-    the first item aborts the requests on that replica (it adds them anyway)."""
+    the candidates in the 503 message. A cancellation while waiting for the first item (the
+    client left) aborts the requests on that replica, which adds them anyway."""
     import ray
 
     num_requests = len(request_ids)
@@ -88,9 +87,8 @@ async def place_submission(
             _release_routing(pool, request_ids)
             logger.error("replica %d failed a submission: %r", decision.replica, err)
             raise EngineDeadError(f"replica {decision.replica} failed: {err!r}") from None
-        except asyncio.CancelledError:
-            if abort_if_cancelled:  # the replica adds them anyway: take them back
-                replica.actor.abort.remote(list(request_ids))
+        except asyncio.CancelledError:  # the replica adds them anyway: take them back
+            replica.actor.abort.remote(list(request_ids))
             raise
         if isinstance(first, Rejected):
             _release_routing(pool, request_ids)

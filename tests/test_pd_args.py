@@ -79,3 +79,20 @@ def test_pd_pool_refuses_async_scheduling():
 
     with pytest.raises(ValueError, match="needs async_scheduling off"):
         PDReplicaPool({"async_scheduling": True}, PoolConfig(num_replicas=2), PDSpec(1, 1))
+
+
+def test_kv_transfer_timeout_must_be_positive_and_reaches_the_pool(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--pd", "prefill=1,decode=1", "--kv-transfer-timeout-s", "0"])
+    assert exit_info.value.code == 2
+    assert "--kv-transfer-timeout-s must be > 0, got 0.0" in capsys.readouterr().err
+    from loopserve.distributed.args import build_pool
+    from loopserve.server.args import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(
+        ["--pd", "prefill=1,decode=1", "--kv-transport", "torch", "--kv-transfer-timeout-s", "7.5"]
+    )
+    pool = build_pool(args, {"block_size": 4}, lambda err: None)
+    assert (pool.kv_transport, pool.kv_transfer_timeout_s) == ("torch", 7.5)

@@ -100,6 +100,14 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "memory), torch (point to point over torch.distributed: NCCL on CUDA, gloo on CPU), "
         "auto (torch on CUDA, else ray)",
     )
+    group.add_argument(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=120.0,
+        help="with --kv-transport torch: seconds a hand-off's send or receive may wait for "
+        "its peer before the transport is marked failed (later hand-offs then use the object "
+        "store); also the torch.distributed group's timeout",
+    )
 
 
 def uses_ray(args: argparse.Namespace) -> bool:
@@ -118,6 +126,9 @@ def check_distributed_args(args: argparse.Namespace) -> None:
             "other: --pd sets the replicas itself (prefill + decode); drop "
             "--data-parallel-size, or give more replicas per role in --pd"
         )
+    timeout_s = getattr(args, "kv_transfer_timeout_s", 120.0)
+    if not timeout_s > 0:
+        raise UsageError(f"--kv-transfer-timeout-s must be > 0, got {timeout_s}")
     if args.pd is not None and getattr(args, "async_scheduling", False):
         raise UsageError(
             "--pd needs --async-scheduling off: a request is handed off between two tokens, "
@@ -161,5 +172,6 @@ def build_pool(
             pd,
             on_load_error=on_load_error,
             kv_transport=getattr(args, "kv_transport", "ray"),
+            kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 120.0),
         )
     return ReplicaPool(engine_args, config, on_load_error=on_load_error)

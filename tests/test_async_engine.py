@@ -312,3 +312,38 @@ def test_model_without_tokenizer_serves_token_ids_and_refuses_chat(tiny_dir):
     assert all(token.startswith("token_id:") for token in choice["logprobs"]["tokens"])
     assert (text.status_code, text.json()["error"]["param"]) == (400, "prompt")
     assert (chat.status_code, chat.json()["error"]["param"]) == (400, "messages")
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_export_submission_hands_off_with_the_k_v_where_asked(make_engine, on_device):
+    """`submit(export=True)` ends a request's stream with its `HandoffState` after its first
+    token; `export_on_device` reaches `LLMEngine.export_request` as `to_host=False` (the torch
+    transport sends device memory; on CPU both are host tensors)."""
+    from loopserve.distributed.handoff import HandoffState
+
+    engine = make_engine()
+    calls = []
+    export = engine.export_request
+
+    def recording_export(request_id, *, to_host=True):
+        calls.append(to_host)
+        return export(request_id, to_host=to_host)
+
+    engine.export_request = recording_export  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def main() -> list:
+        async_llm = await started(engine)
+        stream = await async_llm.submit(
+            [GenerateRequest("h", "hello there", params)],
+            export=True,
+            export_on_device=on_device,
+        )
+        items = [item async for item in stream]
+        await async_llm.shutdown()
+        return items
+
+    items = asyncio.run(main())
+    assert isinstance(items[-1], HandoffState) and len(items[-1].output_token_ids) == 1
+    assert items[-1].kv is not None and items[-1].kv.numel() > 0
+    assert calls == [not on_device]

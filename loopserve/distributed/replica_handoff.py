@@ -83,7 +83,9 @@ class HandoffRoles:
         llm = self._started()
         await llm.wait_ready()
         try:
-            stream = await llm.submit(requests, export=True)
+            # The torch transport sends device memory: keep the K/V there when it will be used.
+            on_device = self.kv_transport.wants_device_kv and bool(destinations)
+            stream = await llm.submit(requests, export=True, export_on_device=on_device)
         except LoopserveError as err:
             yield Rejected.of(err)
             return
@@ -106,12 +108,12 @@ class HandoffRoles:
         is (its K/V through the object store) without a destination, without a torch
         transport, or when the transport refuses (it failed: the pool falls back)."""
         if destination is None or self.kv_transport.kind != "torch":
-            return state
+            return _on_host(state)
         try:
             return self.kv_transport.send(state, destination)
         except KVTransportError as err:
             logger.error("hand-off %r goes by the object store: %s", state.request_id, err)
-            return state
+            return _on_host(state)
 
     async def import_handoff(
         self,
@@ -300,3 +302,12 @@ def rebase_times(state: HandoffState, exporter_offset_s: float | None) -> Handof
         first_token_s=moved(state.first_token_s),
         token_times_s=[t + shift_s for t in state.token_times_s],
     )
+
+
+def _on_host(state: HandoffState) -> HandoffState:
+    """`state` with its K/V in host memory (the object store path), copied there if it was
+    exported on a GPU for the torch transport."""
+    kv = state.kv
+    if getattr(kv, "is_cuda", False):
+        return dataclasses.replace(state, kv=kv.cpu())  # type: ignore[union-attr]
+    return state

@@ -266,7 +266,11 @@ class AsyncLLM(SubmitGenerate):
     # ---- requests -----------------------------------------------------------------------
 
     async def submit(
-        self, requests: Sequence[GenerateRequest], *, export: bool = False
+        self,
+        requests: Sequence[GenerateRequest],
+        *,
+        export: bool = False,
+        export_on_device: bool = False,
     ) -> OutputStream:
         """Add `requests` atomically and return their output stream.
 
@@ -274,7 +278,9 @@ class AsyncLLM(SubmitGenerate):
         `EngineNotReadyError` or `EngineDeadError`, always before any output is produced.
         Prompts not yet processed (strings, token ids) go through the engine's input processor
         in a worker thread first, so neither this event loop nor the engine thread tokenizes.
-        `export`: hand each request off once it can be exported (see the module docstring).
+        `export`: hand each request off once it can be exported (see the module docstring);
+        `export_on_device`: its K/V stays on the engine's device (a transport sends it from
+        there) instead of being copied to host memory.
         """
         self._check_usable()
         if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
@@ -283,7 +289,9 @@ class AsyncLLM(SubmitGenerate):
         stream = self._open_stream([r.request_id for r in requests])
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         assert self._thread is not None
-        self._thread.send(AddCommand(list(requests), stream, time.monotonic(), done, export))
+        self._thread.send(
+            AddCommand(list(requests), stream, time.monotonic(), done, export, export_on_device)
+        )
         try:
             await asyncio.wrap_future(done)
         except BaseException:

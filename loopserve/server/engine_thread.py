@@ -99,6 +99,8 @@ class AddCommand:
     arrival_s: float
     done: concurrent.futures.Future[None]
     export: bool = False  # hand each request off once it can be exported (prefill role)
+    # Export the K/V on the engine's device (for a transport that sends device memory).
+    export_on_device: bool = False
 
 
 @dataclass(slots=True)
@@ -150,7 +152,7 @@ class EngineThread:
         self._wakeup = threading.Condition()
         self._routes: dict[str, OutputSink] = {}  # this thread only
         # Requests to hand off once exportable (a dict: insertion order); this thread only.
-        self._exports: dict[str, None] = {}
+        self._exports: dict[str, bool] = {}  # request -> export its K/V on the device
         self._thread = threading.Thread(target=self._run, name="loopserve-engine", daemon=True)
 
     def start(self) -> None:
@@ -243,7 +245,7 @@ class EngineThread:
         for request_id in added:
             self._routes[request_id] = command.sink
         if command.export:
-            self._exports.update(dict.fromkeys(added))
+            self._exports.update(dict.fromkeys(added, command.export_on_device))
         command.done.set_result(None)
 
     def _import(self, engine: LLMEngine, command: ImportCommand) -> None:
@@ -260,8 +262,8 @@ class EngineThread:
         its `HandoffState` after the outputs already dispatched (the first token's)."""
         batch: list[tuple[OutputSink, RequestOutput | HandoffState | BaseException]] = []
         for request_id in [r for r in self._exports if engine.can_export(r)]:
-            state = engine.export_request(request_id)
-            del self._exports[request_id]
+            on_device = self._exports.pop(request_id)
+            state = engine.export_request(request_id, to_host=not on_device)
             sink = self._routes.pop(request_id, None)
             if sink is not None:
                 batch.append((sink, state))

@@ -231,3 +231,15 @@ def test_tools_import_one_way():
     )
     assert any(m.startswith("loopserve.workloads") for m in bench)
     assert any(m.startswith("loopserve.workloads") for m in sim)
+
+
+def test_generate_draws_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    # capsys replaces stderr with a buffer (not a terminal), as a pipe or a log file would.
+    from loopserve.models.tiny import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path, seed=3, with_tokenizer=True)
+    argv = ["generate", "--model", str(model), "--dtype", "float32", "--num-blocks", "32"]
+    assert main([*argv, "--max-tokens", "2", "--prompt-token-ids", "5,6"]) == 0
+    captured = capsys.readouterr()
+    assert "prompt:" in captured.out
+    assert "generate:" not in captured.err and "req/s" not in captured.err

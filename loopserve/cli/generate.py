@@ -6,7 +6,7 @@ import argparse
 import json
 
 from loopserve.engine_args import add_engine_args, engine_args_from
-from loopserve.workloads.args import int_list
+from loopserve.workloads.args import int_list, show_progress
 
 
 def token_ids(text: str) -> list[int]:
@@ -60,7 +60,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object per output")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    out.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (one is drawn only when stderr is a terminal)",
+    )
     add_engine_args(parser)
 
 
@@ -94,7 +98,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         exit_threshold=args.exit_threshold,
         exit_trace=args.exit_trace,
     )
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    outputs = llm.generate(prompts, params, use_tqdm=show_progress(args))
     for output in outputs:
         if args.json:
             record = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,9 @@ from loopserve.models.tiny import make_tiny_checkpoint
 # One torch thread: with more, OpenMP workers wait at barriers for a descheduled sibling and the
 # suite slows down by an order of magnitude when other processes compete for the cores.
 torch.set_num_threads(1)
+# Ray workers (engine replicas) at the normal nice level, as `start_embedded_ray` starts them:
+# at Ray's default (15) the Ray tests slow down ~9x when other processes load the cores.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @pytest.fixture(scope="session")

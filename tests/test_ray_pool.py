@@ -8,6 +8,7 @@ Skipped when Ray is not installed (it is the optional `ray` extra).
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -298,3 +299,18 @@ def test_killed_replica_loses_no_request_and_rejoins(pool, reference, loop):
     assert pool.health()["status"] == "ok"
     assert {stream.replica for _, stream in after} == {0, 1}  # the restarted replica serves
     assert all(final.finish_reason == "length" for final, _ in after)
+
+
+def test_embedded_ray_starts_replicas_at_the_normal_nice_level(monkeypatch):
+    from loopserve.distributed import ray_init
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    ray_init.start_embedded_ray(3)
+    assert os.environ["RAY_worker_niceness"] == "0"
+    assert calls == [dict(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1",
+                          object_store_memory=None)]  # fmt: skip
+    monkeypatch.setenv("RAY_worker_niceness", "5")  # the operator's choice stands
+    ray_init.start_embedded_ray(2, 80 * 1024**2)
+    assert os.environ["RAY_worker_niceness"] == "5"

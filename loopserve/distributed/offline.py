@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from loopserve.distributed.ray_init import start_embedded_ray
 from loopserve.distributed.replica import EngineReplica, Rejected
 from loopserve.distributed.router import RoutedRequest, Router
 from loopserve.distributed.transport import (
@@ -43,11 +44,7 @@ class DataParallelEngines:
                 "data_parallel_size > 1 needs Ray: pip install 'loopserve[ray]'"
             ) from None
         if not ray.is_initialized():
-            ray.init(
-                num_cpus=max(os.cpu_count() or 1, num_replicas),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-            )
+            start_embedded_ray(max(os.cpu_count() or 1, num_replicas))
         on_cuda = str(engine_args.get("device") or "cpu").startswith("cuda")
         args = dict(engine_args)
         if on_cuda:
@@ -140,11 +137,7 @@ class DisaggregatedEngines:
         device = str(engine_args.get("device") or "cpu")
         transport_kind = resolve_kv_transport(kv_transport, device)
         if not ray.is_initialized():
-            ray.init(
-                num_cpus=max(os.cpu_count() or 1, num_prefill + num_decode),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-            )
+            start_embedded_ray(max(os.cpu_count() or 1, num_prefill + num_decode))
         on_cuda = device.startswith("cuda")
         args = dict(engine_args)
         if on_cuda:

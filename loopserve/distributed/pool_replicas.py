@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loopserve.distributed.metrics import PoolMetrics, PoolSnapshot, ReplicaGauges
+from loopserve.distributed.ray_init import start_embedded_ray
 from loopserve.distributed.replica import EngineReplica, ReplicaInfo, ReplicaStats
 from loopserve.distributed.router import Router
 from loopserve.server.async_engine import EngineDeadError, EngineNotReadyError, EngineSnapshot
@@ -202,11 +203,9 @@ class ReplicaSet:
         if self.config.ray_address is not None:
             ray.init(address=self.config.ray_address, log_to_driver=True)
         else:
-            ray.init(
-                num_cpus=self.config.num_cpus or max(os.cpu_count() or 1, self.num_replicas),
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                object_store_memory=self.config.object_store_bytes,
+            start_embedded_ray(
+                self.config.num_cpus or max(os.cpu_count() or 1, self.num_replicas),
+                self.config.object_store_bytes,
             )
         self._started_ray = True
 

@@ -6,12 +6,17 @@ checkpoint; HTTP-level checks go through `httpx.ASGITransport` into `build_app`.
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
 import json
 import time
 
-import httpx
 import pytest
+
+from tests.optional import require
+
+require("serve")
+import httpx
 import torch
 
 from loopserve.engine.llm_engine import LLMEngine

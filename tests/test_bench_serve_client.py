@@ -7,6 +7,7 @@ to prompts starting with `fail`, omits the usage chunk for `nousage` and stalls 
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import argparse
 import asyncio
 import json
@@ -18,6 +19,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
+
+from tests.optional import require
+
+require("serve")
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse

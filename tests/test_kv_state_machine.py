@@ -3,6 +3,11 @@ evict, preempt, swap and free in any order, with the invariants checked after ev
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
+from tests.optional import require
+
+require("hypothesis")
+
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

@@ -229,3 +229,23 @@ def test_four_norms_and_loop_norm_follow_the_ouro_layer_math(tiny_model):
     torch.testing.assert_close(
         tiny_model.gate(hidden), expected_gate.squeeze(-1), rtol=1e-4, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["trained_gate", "lookahead_head"])
+def test_hazards_are_float32_for_a_bfloat16_model(tiny_dir, lookahead):
+    from loopserve.models.ouro import make_hazard_fn, make_lookahead_head
+
+    model = load_model(tiny_dir, dtype="bfloat16")
+    hidden = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    hidden = hidden.to(torch.bfloat16)
+    hazard_fn = make_hazard_fn(model, lookahead_seed=5 if lookahead else None)
+    head = make_lookahead_head(model, 5) if lookahead else model.model.early_exit_gate
+    hazards = hazard_fn(hidden)
+    assert hazards.dtype == torch.float32
+    # Independent: the same bf16 weights and inputs in float64.
+    logits = hidden.double() @ head.weight.double().T + head.bias.double()
+    expected = torch.sigmoid(logits.squeeze(-1))
+    torch.testing.assert_close(hazards.double(), expected, atol=1e-6, rtol=0)
+    # The bf16 gate it replaces rounds hazards well past that tolerance.
+    rounded = torch.sigmoid(head(hidden).squeeze(-1)).double()
+    assert (rounded - expected).abs().max() > 1e-4

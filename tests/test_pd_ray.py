@@ -8,9 +8,14 @@ Skipped when Ray is not installed (it is the optional `ray` extra)."""
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import dataclasses
 
 import pytest
+
+from tests.optional import require
+
+require("ray", "serve")
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
 

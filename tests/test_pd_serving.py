@@ -11,10 +11,15 @@ checked too. Skipped when Ray is not installed (it is the optional `ray` extra).
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
 
-import httpx
 import pytest
+
+from tests.optional import require
+
+require("ray", "serve")
+import httpx
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
 

@@ -12,11 +12,16 @@ One Ray cluster serves the module; one pool runs at a time. Skipped when Ray is 
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
 import json
 import math
 
 import pytest
+
+from tests.optional import require
+
+require("ray", "serve")
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
 

@@ -16,11 +16,16 @@ exception types (the optional `ray` extra).
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from tests.optional import require
+
+require("ray", "serve")
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
 

@@ -9,13 +9,18 @@ tested in-process in `test_async_engine.py`.
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
 import json
 import time
 
+import pytest
+
+from tests.optional import require
+
+require("serve", "openai")
 import httpx
 import openai
-import pytest
 import torch
 
 from loopserve.llm import LLM

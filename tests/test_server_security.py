@@ -9,6 +9,7 @@ over HTTP (a public `/metrics`, the metrics registry).
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import contextlib
 import json
 import socket
@@ -17,8 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.optional import require
+
+require("serve")
+import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -9,12 +9,17 @@ the huge prompts took so that they hold on a loaded 2-core machine.
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import re
 import threading
 import time
 
-import httpx
 import pytest
+
+from tests.optional import require
+
+require("serve")
+import httpx
 
 from tests.server_utils import ServerProcess, sse_payloads, wait_all_blocks_free
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.optional import require
+
+require("hypothesis")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -1,23 +1,22 @@
 """Triton kernels vs the torch reference backend, on CPU under the Triton interpreter.
 
-`TRITON_INTERPRET=1` must be set before triton is first imported, so it is set at the top of
-this module (a GPU run uses tests/test_gpu.py in its own process instead). Skipped, with the
-reason, only when triton is not installed (it is in the `dev` extra). Shapes are small: the
-interpreter runs every program in Python.
+Kernels pick their form per launch (`triton_jit.device_kernel`: interpreted for CPU
+tensors, compiled for CUDA ones), so nothing is set at import. `TRITON_INTERPRET=1` is set
+per test (an autouse fixture) only because the attention registry asks for it before it
+lets an engine choose the Triton backend on CPU. Skipped, with the reason, only when triton
+is not installed (it is in the `dev` extra). Shapes are small: the interpreter runs every
+program in Python.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton not installed (pip install -e '.[dev]')")
 
 from loopserve.errors import ConfigError  # noqa: E402
+from loopserve.runner.attention import triton_kernels  # noqa: E402
 from loopserve.runner.attention.base import RowSegment  # noqa: E402
 from loopserve.runner.attention.registry import (  # noqa: E402
     make_attention_backend,
@@ -25,7 +24,15 @@ from loopserve.runner.attention.registry import (  # noqa: E402
 )
 from loopserve.runner.attention.torch_paged import TorchBackend  # noqa: E402
 from loopserve.runner.attention.triton_backend import TritonBackend  # noqa: E402
+from loopserve.runner.graphs import GRAPH_MAX_CONTEXT  # noqa: E402
+from loopserve.sampling_params import SamplingParams  # noqa: E402
 from tests.engine_utils import make_engine, reference_for, run_steps  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_allowed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 NUM_LAYERS, HEAD_DIM = 2, 16
 
@@ -141,8 +148,6 @@ def test_auto_backend_is_triton_on_cuda_and_torch_on_cpu(monkeypatch):
 
 
 def test_engine_with_triton_backend_matches_dense_reference(tiny_dir):
-    from loopserve.sampling_params import SamplingParams
-
     engine = make_engine(
         tiny_dir, attention_backend="triton", prefill_mode="wavefront", mixed_prefill_decode=True
     )
@@ -236,3 +241,76 @@ def test_engine_with_triton_cascade_matches_dense_reference(tiny_dir):
         out = finished[request_id]
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
     assert engine.runner.attention.cascade_stats.num_groups > 0
+
+
+def test_kernels_run_interpreted_on_cpu_tensors_without_the_environment_variable(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    cache = random_cache(7, 8, 4, 2)
+    key = torch.randn(3, 2, HEAD_DIM)
+    value = torch.randn(3, 2, HEAD_DIM)
+    slots = torch.tensor([5, 17, 30])
+    triton_kernels.write_kv(key, value, cache[1, 0], cache[1, 1], slots)
+    assert torch.equal(cache[1, 0, slots], key) and torch.equal(cache[1, 1, slots], value)
+
+
+@pytest.mark.parametrize("group,expected", [(1, 32), (2, 32), (3, 16), (4, 16), (8, 8)])
+def test_decode_positions_per_step_shrink_for_wide_groups(group, expected):
+    # [group (>= 2, pow2), block_n, head_dim 128] fp32 products stay within 8192 elements.
+    assert triton_kernels.decode_block_n(32, group, 128) == expected
+
+
+def _nan_outside_live_context(engine):
+    """Fill the whole KV cache with NaN: every slot a row may read must be written first, so
+    any read past a row's context (the rest of its last block, padding, other blocks of
+    the table buffer) turns its output into NaN."""
+    engine.runner.kv_cache.fill_(float("nan"))
+
+
+def _graph_workload():
+    work = []
+    for i, length in enumerate([3, 9, 14, 6, 21]):
+        params = SamplingParams(
+            max_tokens=5 + i, temperature=0.0 if i % 2 else 0.8, seed=70 + i,
+            exit_threshold=(0.4, 0.7, 1.0)[i % 3], ignore_eos=True,
+        )  # fmt: skip
+        work.append((f"r{i}", [(29 * i + 7 * j + 3) % 256 for j in range(length)], params, i))
+    return work
+
+
+def test_emulated_graphs_over_the_triton_kernel_read_only_live_context(tiny_dir):
+    """graph_mode=emulate + attention_backend=triton runs the graphed code path (static
+    buffers, the Triton decode kernel reading them) and equals the dense reference with every
+    slot past each row's context holding NaN."""
+    engine = make_engine(
+        tiny_dir, attention_backend="triton", graph_mode="emulate", max_num_seqs=6,
+        max_model_len=4096,
+    )  # fmt: skip
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.paged
+    # No 2,048-position window: the buffers span max_model_len, the gather mask is gone.
+    assert graphs.max_blocks * graphs.block_size == 4096 > GRAPH_MAX_CONTEXT
+    assert graphs.fits(6, 4000) and graphs.span.numel() == 0
+    _nan_outside_live_context(engine)
+    work = _graph_workload()
+    finished = run_steps(engine, work)
+    depths = []
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+        depths += out.exit_depths
+    assert min(depths) < 4 and max(depths) == 4  # early exits (finalize) and full depth
+    stats = engine.stats
+    assert stats.num_graph_calls > 0 and stats.num_padded_rows > 0
+
+
+def test_nan_past_the_context_poisons_the_torch_gather_but_not_the_paged_kernel(tiny_dir):
+    """Control for the test above: the torch gather backend reads whole tables, so the same
+    NaN fill reaches its outputs (the NaN check can fail)."""
+    engine = make_engine(tiny_dir, graph_mode="emulate", max_num_seqs=6, max_model_len=4096)
+    assert not engine.runner.graphs.paged
+    _nan_outside_live_context(engine)
+    work = _graph_workload()[:2]
+    finished = run_steps(engine, work)
+    refs = [reference_for(engine, prompt, params) for _, prompt, params, _ in work]
+    assert any(finished[rid].token_ids != ref.token_ids for (rid, *_), ref in zip(work, refs))

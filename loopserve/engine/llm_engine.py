@@ -35,6 +35,7 @@ from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
 from loopserve.models import load_model
 from loopserve.outputs import RequestOutput
+from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
@@ -71,6 +72,10 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 block_size=config.cache.block_size,
                 graphs=effective_graph_mode(config) == "capture",
+                paged_attention=resolve_attention_backend(
+                    config.attention_backend, config.device, batch_invariant=config.batch_invariant
+                )
+                == "triton",
             )
             budget = cuda_kv_budget(
                 total_bytes=profile.total_bytes,

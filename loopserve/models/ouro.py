@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from loopserve.models.attention import AttentionBackend
 from loopserve.models.config import OuroConfig
@@ -163,12 +164,23 @@ class OuroForLoopedLM(nn.Module):
         return self.model.norm(hidden)
 
     def gate(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Exit hazard λ = sigmoid(early_exit_gate(h)) of normed loop outputs. [rows]."""
-        return torch.sigmoid(self.model.early_exit_gate(hidden).squeeze(-1))
+        """Exit hazard λ = sigmoid(early_exit_gate(h)) of normed loop outputs, [rows] float32
+        for every model dtype (`float32_hazards`)."""
+        return float32_hazards(self.model.early_exit_gate, hidden)
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head on the exit loop's normed state. [rows, vocab]."""
         return self.lm_head(hidden)
+
+
+def float32_hazards(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """sigmoid(head(hidden)) [rows] computed in float32 whatever the model dtype: a bf16 gate
+    rounds each hazard to 8 bits before the exit CDF sums them, which moves exit depths more
+    than the bf16 hidden state itself does. The head is one row of weights: the casts cost
+    nothing next to the core."""
+    bias = None if head.bias is None else head.bias.float()
+    logits = F.linear(hidden.float(), head.weight.float(), bias)
+    return torch.sigmoid(logits.squeeze(-1))
 
 
 def make_lookahead_head(model: OuroForLoopedLM, seed: int) -> nn.Linear:
@@ -195,4 +207,4 @@ def make_hazard_fn(
     if lookahead_seed is None:
         return model.gate
     head = make_lookahead_head(model, lookahead_seed)
-    return lambda hidden: torch.sigmoid(head(hidden).squeeze(-1))
+    return lambda hidden: float32_hazards(head, hidden)

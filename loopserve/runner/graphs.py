@@ -72,10 +72,28 @@ BackendFn = Callable[["DecodeGraphs", int], object]
 
 
 def torch_backend(graphs: DecodeGraphs, rows: int) -> TorchPagedAttention:
-    """The torch reference backend over the static buffers (`DecodeGraphs.metadata`)."""
+    """The torch reference backend over the static buffers (`DecodeGraphs.metadata`); it
+    gathers all `max_blocks` blocks of every row (the CPU emulation of the buffers)."""
     return TorchPagedAttention(
         graphs.kv_cache, graphs.metadata(rows), graphs.scale, graphs.workspace
     )
+
+
+def paged_backend(attention) -> BackendFn:
+    """A paged-kernel backend over the static buffers: `attention.graph_call` (the Triton
+    backend) reads each row's block table up to its `context_lens` entry, so a graphed row
+    reads only its live K/V."""
+
+    def make(graphs: DecodeGraphs, rows: int):
+        return attention.graph_call(
+            write_slots=graphs.write_slots[:rows],
+            tables=graphs.block_tables[:rows],
+            row_index=graphs.query_index[:rows],
+            seq_lens=graphs.context_lens[:rows],
+            max_seq_len=graphs.max_blocks * graphs.block_size,
+        )
+
+    return make
 
 
 class DecodeGraphs:
@@ -111,7 +129,9 @@ class DecodeGraphs:
         self.block_tables = torch.full((max_rows, self.max_blocks), dummy_block, device=device)
         self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         self.query_index = torch.arange(max_rows, device=device)
-        self.span = torch.arange(self.max_blocks * block_size, device=device)
+        self.paged = make_backend is not torch_backend
+        # The torch backend's position mask, [max_blocks * block_size]; paged kernels need none.
+        self.span = torch.arange(0 if self.paged else self.max_blocks * block_size, device=device)
         self.workspace = Workspace()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -234,15 +254,34 @@ class DecodeGraphs:
         self.num_calls = self.num_padded_rows = 0
 
 
+def graph_max_context(attention, max_model_len: int) -> int:
+    """Positions a graphed row may attend to: `max_model_len` over a paged kernel (it reads
+    live context only); `GRAPH_MAX_CONTEXT` for the torch gather, which reads every row's
+    whole table."""
+    if hasattr(attention, "graph_call"):
+        return max_model_len
+    return min(max_model_len, GRAPH_MAX_CONTEXT)
+
+
 def build_decode_graphs(
-    graph_mode: str, core, kv_cache: torch.Tensor, **kwargs
+    graph_mode: str, core, kv_cache: torch.Tensor, *, attention, max_model_len: int, **kwargs
 ) -> tuple[DecodeGraphs | None, str | None]:
     """The runner's decode graphs for `graph_mode` ('off': none; 'emulate': static buffers,
     run eagerly; 'capture': CUDA graphs) and the capture error, if capturing failed (decode
-    then runs eagerly: the failure is logged once, loudly, and reported, not raised)."""
+    then runs eagerly: the failure is logged once, loudly, and reported, not raised).
+    `attention` is the runner's backend: one with `graph_call` (Triton) runs inside the
+    graphs over the static buffers; otherwise the torch gather does."""
     if graph_mode == "off":
         return None, None
-    graphs = DecodeGraphs(core, kv_cache, capture=False, **kwargs)
+    make_backend = paged_backend(attention) if hasattr(attention, "graph_call") else torch_backend
+    graphs = DecodeGraphs(
+        core,
+        kv_cache,
+        capture=False,
+        make_backend=make_backend,
+        max_context=graph_max_context(attention, max_model_len),
+        **kwargs,
+    )
     if graph_mode == "capture":
         try:
             graphs.capture()

@@ -8,8 +8,10 @@ attention backend's prompt-chunk scores (`[heads, chunk, context]` in float32, u
 `max_model_len` context) are added analytically, since the dummy sequence has no cached
 context. `graph_pool_bytes` estimates the CUDA graphs' private pool (captured after the KV
 cache exists, so it cannot be measured first): one forward at the largest bucket
-(`max_num_seqs` rows) and the attention gather workspace of that bucket over the graphs'
-context bound (`min(max_model_len, GRAPH_MAX_CONTEXT)`).
+(`max_num_seqs` rows), plus, for the torch attention backend only, the gather workspace of
+that bucket over the graphs' context bound (`min(max_model_len, GRAPH_MAX_CONTEXT)`). The
+Triton backend (`paged_attention=True`) keeps scores and K/V tiles inside its kernels, so
+neither the prompt-chunk scores nor a gather workspace is added for it.
 `loopserve.config.cuda_kv_budget` turns these into the KV byte budget (pure arithmetic,
 unit-tested on CPU). Every function here needs CUDA.
 """
@@ -31,11 +33,14 @@ class _SelfAttention:
         self.scale = scale
 
     def attend(self, layer_idx, query, key, value) -> torch.Tensor:
-        q, k, v = (t.transpose(0, 1) for t in (query, key, value))  # [heads, rows, Dh]
+        # [1, heads, rows, Dh]: 4-D inputs let SDPA take its fused (flash / memory-efficient)
+        # kernels; 3-D ones take the math path, which materialises [heads, rows, rows] fp32
+        # scores (17 GB at 16,384 rows) and would inflate the measured peak.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale, enable_gqa=k.shape[0] != q.shape[0]
+            q, k, v, is_causal=True, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1]
         )
-        return out.transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,7 @@ def profile_cuda_memory(
     max_model_len: int,
     block_size: int,
     graphs: bool,
+    paged_attention: bool = False,
 ) -> CudaMemoryProfile:
     device = model.lm_head.weight.device
     if device.type != "cuda":
@@ -79,12 +85,15 @@ def profile_cuda_memory(
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
     weights = torch.cuda.memory_allocated(device)
-    scores = config.num_attention_heads * prefill_chunk_size * max_model_len * 4 * 2
+    scores = 0 if paged_attention else config.num_attention_heads * prefill_chunk_size
+    scores *= max_model_len * 4 * 2
     graph_bytes = 0
     if graphs:
-        max_blocks = -(-min(max_model_len, GRAPH_MAX_CONTEXT) // block_size)
-        gather = 2 * max_num_seqs * max_blocks * block_size * config.head_dim * element
-        gather *= config.num_key_value_heads
+        gather = 0
+        if not paged_attention:
+            max_blocks = -(-min(max_model_len, GRAPH_MAX_CONTEXT) // block_size)
+            gather = 2 * max_num_seqs * max_blocks * block_size * config.head_dim * element
+            gather *= config.num_key_value_heads
         graph_bytes = _forward_peak(model, max_num_seqs, device) + gather
     torch.cuda.empty_cache()
     return CudaMemoryProfile(

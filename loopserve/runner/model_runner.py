@@ -44,7 +44,7 @@ from loopserve.runner.attention.base import RowSegment, finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
-from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, build_decode_graphs
+from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 from loopserve.runner.swap import InFlight, KVMoves
@@ -125,9 +125,10 @@ class ModelRunner(Executor):
             graph_mode,
             model.core,
             self.kv_cache,
+            attention=self.attention,
+            max_model_len=max_model_len or config.max_position_embeddings,
             hidden_size=config.hidden_size,
             block_size=block_size,
-            max_context=min(max_model_len or config.max_position_embeddings, GRAPH_MAX_CONTEXT),
             max_rows=max_num_seqs,
             dummy_block=num_blocks,
             scale=self.scale,

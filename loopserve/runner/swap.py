@@ -43,6 +43,8 @@ class SwapSpace:
         # Allocated on first use: most engines never swap.
         self._shape, self._pin = shape, pin
         self._host: torch.Tensor | None = None
+        # Swap-outs copied to pinned staging, not yet scattered into `host_cache`.
+        self._pending_out: list[tuple[torch.cuda.Event | None, torch.Tensor, torch.Tensor]] = []
         self.num_bytes_out = 0
         self.num_bytes_in = 0
 
@@ -59,21 +61,54 @@ class SwapSpace:
         return cache.view(*cache.shape[:2], -1, self.block_size, *cache.shape[3:])
 
     def copy(self, transfer: KVTransfer) -> None:
+        """Device <-> host block copies without a pageable bounce or a wait on the device.
+
+        Out: the blocks are gathered on the device and copied, non-blocking, into a pinned
+        staging tensor; the scatter into the host cache happens when the host cache is next
+        read (`settle`), by which time the copy has long finished. In: the blocks are
+        gathered on the host (pinned) and copied, non-blocking, to the device, where they are
+        scattered in stream order before the step's core calls. On CPU both are plain
+        copies."""
         if not transfer.block_moves:
             return
         src_ids, dst_ids = zip(*transfer.block_moves)
         if transfer.kind is SwapKind.OUT:
-            src, dst = self.device_cache, self.host_cache
-        else:
-            src, dst = self.host_cache, self.device_cache
-        src_index = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
-        dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=dst.device)
-        moved = self._blocks(src)[:, :, src_index].to(dst.device)
-        self._blocks(dst)[:, :, dst_index] = moved
-        if transfer.kind is SwapKind.OUT:
-            self.num_bytes_out += moved.numel() * moved.element_size()
-        else:
-            self.num_bytes_in += moved.numel() * moved.element_size()
+            index = torch.tensor(src_ids, dtype=torch.int64, device=self.device_cache.device)
+            gathered = self._blocks(self.device_cache)[:, :, index]
+            staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self._pin)
+            staging.copy_(gathered, non_blocking=self._pin)
+            event = None
+            if self._pin:
+                event = torch.cuda.Event()
+                event.record()
+            self._pending_out.append((event, staging, torch.tensor(dst_ids, dtype=torch.int64)))
+            if not self._pin:
+                self.settle()
+            self.num_bytes_out += staging.numel() * staging.element_size()
+            return
+        self.settle()
+        host = self._blocks(self.host_cache)
+        index = torch.tensor(src_ids, dtype=torch.int64)
+        staging = torch.empty(
+            (*host.shape[:2], len(src_ids), *host.shape[3:]), dtype=host.dtype, pin_memory=self._pin
+        )
+        torch.index_select(host, 2, index, out=staging)
+        moved = staging.to(self.device_cache.device, non_blocking=self._pin)
+        dst_index = torch.tensor(dst_ids, dtype=torch.int64).to(
+            self.device_cache.device, non_blocking=self._pin
+        )
+        self._blocks(self.device_cache)[:, :, dst_index] = moved
+        self.num_bytes_in += moved.numel() * moved.element_size()
+
+    def settle(self) -> None:
+        """Finish pending swap-outs: wait for each one's copy (long done by now) and scatter
+        its staging tensor into the host cache."""
+        host = self._blocks(self.host_cache) if self._pending_out else None
+        for event, staging, dst_index in self._pending_out:
+            if event is not None:
+                event.synchronize()
+            host[:, :, dst_index] = staging
+        self._pending_out.clear()
 
 
 class KVMoves:

@@ -1,8 +1,9 @@
 """Attention backends by name, imported lazily: `torch` (reference) and `triton` (kernels).
 
 `resolve_attention_backend` turns `auto` into a concrete name for a device and rejects
-combinations that cannot run (Triton on CPU runs only under its interpreter,
-`TRITON_INTERPRET=1`, which must be set before triton is first imported; batch-invariant mode
+combinations that cannot run (Triton on CPU runs only under its interpreter, which is slow
+and for tests: the engine takes it only when `TRITON_INTERPRET=1` says so; the kernels then
+pick the interpreter per launch, `triton_jit.device_kernel`; batch-invariant mode
 runs only on the torch path, whose row-invariant variant lives in
 `loopserve.runner.batch_invariant`). `make_attention_backend` is the one call the runner makes.
 Importing this module imports neither backend, so a CPU-only install without triton never

@@ -14,8 +14,11 @@ gathered once per group and attended by all the group's queries in torch matmuls
 tables shifted past the prefix, which also returns each row's log-sum-exp (its split-and-reduce
 path); the two halves are merged by log-sum-exp in float32.
 
-Metadata is rebuilt on the host per call; CUDA graphs will need it in static buffers (not
-done here).
+Eager calls rebuild the metadata on the host per call. Graphed decode calls
+(`TritonBackend.graph_call`) read it from the static buffers of `runner.graphs.DecodeGraphs`
+instead: block tables as wide as `max_model_len`, the context lengths, the write slots, and
+a split count fixed per bucket at capture. The kernel's loop stops at each row's own context
+length, so a graphed row reads only its live K/V whatever the table width.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class TritonCallMetadata:
     tile_count: torch.Tensor  # [num_tiles] int32: rows in the tile (<= block_m)
     cascade: CascadePlan | None = None  # one-row items grouped by a shared prefix
     suffix: SuffixRows | None = None  # their suffixes, for the decode kernel
+    # Fixed decode split length (graphed calls fix it per bucket at capture); None: chosen
+    # per call from the rows and `max_decode_seq_len`.
+    decode_split_len: int | None = None
 
     @classmethod
     def build(
@@ -269,7 +275,12 @@ class TritonBackend(PagedAttentionBackend):
         assert kv_cache.is_contiguous()
         # The interpreter (CPU) pays per element of a tile: small tiles suit its short
         # contexts; on CUDA 64-wide tiles keep the loads coalesced.
-        tile = 16 if kv_cache.device.type == "cpu" else 64
+        # fp32 prompt tiles at 64x64 spill to the stack at head_dim 128 (measured in
+        # ahead-of-time compiles, `triton_aot`); 32x32 fit in registers.
+        if kv_cache.device.type == "cpu":
+            tile = 16
+        else:
+            tile = 32 if kv_cache.dtype == torch.float32 else 64
         self.write_rows = 16 if kv_cache.device.type == "cpu" else 2  # rows per KV-write program
         self.split_len = split_len  # None: `auto_split_len` per call
         device = kv_cache.device
@@ -279,14 +290,46 @@ class TritonBackend(PagedAttentionBackend):
             if device.type == "cuda"
             else 4
         )
-        # decode holds a [group, block_n, head_dim] float32 product per step: 32 keeps it in
-        # registers at head_dim 128
+        # decode holds a [group, block_n, head_dim] float32 product per step: at most 32
+        # positions, fewer for wide groups (`triton_kernels.decode_block_n`)
         self.decode_block_n = decode_block_n or min(tile, 32)
         self.prefill_block_m = prefill_block_m or tile
         self.prefill_block_n = prefill_block_n or tile
 
     def decode_split_len(self, meta: TritonCallMetadata) -> int:
+        if meta.decode_split_len is not None:
+            return meta.decode_split_len
         return self.split_len_for(meta.decode_rows.numel(), meta.max_decode_seq_len)
+
+    def graph_call(
+        self,
+        *,
+        write_slots: torch.Tensor,
+        tables: torch.Tensor,
+        row_index: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+    ) -> TritonAttention:
+        """A decode-only call over static device buffers (capturable: no host data is read).
+        Row i is call row `row_index[i]`, reads `tables[row_index[i]]` up to `seq_lens[i]`.
+        The split length is fixed from the row count and `max_seq_len` (the buffers' bound),
+        so the launch grid never depends on the live contexts."""
+        rows = row_index.numel()
+        empty = row_index[:0].to(torch.int32)
+        meta = TritonCallMetadata(
+            write_slots=write_slots,
+            tables=tables,
+            decode_rows=row_index,
+            decode_table=row_index,
+            decode_seq_lens=seq_lens,
+            max_decode_seq_len=max_seq_len,
+            tile_table=empty,
+            tile_row=empty,
+            tile_pos=empty,
+            tile_count=empty,
+            decode_split_len=self.split_len_for(rows, max_seq_len),
+        )
+        return TritonAttention(self, meta)
 
     def split_len_for(self, num_rows: int, max_len: int) -> int:
         if self.split_len is not None:

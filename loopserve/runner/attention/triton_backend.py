@@ -210,6 +210,7 @@ class TritonAttention:
             block_size=backend.block_size,
             block_m=backend.prefill_block_m,
             block_n=backend.prefill_block_n,
+            **backend.prompt_options,
         )
         if meta.cascade is not None:
             out[meta.cascade.rows] = self._attend_cascade(query, key_cache, value_cache)
@@ -273,14 +274,7 @@ class TritonBackend(PagedAttentionBackend):
     ) -> None:
         super().__init__(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
         assert kv_cache.is_contiguous()
-        # The interpreter (CPU) pays per element of a tile: small tiles suit its short
-        # contexts; on CUDA 64-wide tiles keep the loads coalesced.
-        # fp32 prompt tiles at 64x64 spill to the stack at head_dim 128 (measured in
-        # ahead-of-time compiles, `triton_aot`); 32x32 fit in registers.
-        if kv_cache.device.type == "cpu":
-            tile = 16
-        else:
-            tile = 32 if kv_cache.dtype == torch.float32 else 64
+        tile_m, tile_n, decode_n = self.tile_sizes(kv_cache.device.type, kv_cache.dtype)
         self.write_rows = 16 if kv_cache.device.type == "cpu" else 2  # rows per KV-write program
         self.split_len = split_len  # None: `auto_split_len` per call
         device = kv_cache.device
@@ -290,11 +284,28 @@ class TritonBackend(PagedAttentionBackend):
             if device.type == "cuda"
             else 4
         )
-        # decode holds a [group, block_n, head_dim] float32 product per step: at most 32
-        # positions, fewer for wide groups (`triton_kernels.decode_block_n`)
-        self.decode_block_n = decode_block_n or min(tile, 32)
-        self.prefill_block_m = prefill_block_m or tile
-        self.prefill_block_n = prefill_block_n or tile
+        capability = 0
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            capability = 10 * major + minor
+        self.prompt_options = triton_prefill.prompt_launch_options(capability)
+        self.decode_block_n = decode_block_n or decode_n
+        self.prefill_block_m = prefill_block_m or tile_m
+        self.prefill_block_n = prefill_block_n or tile_n
+
+    @staticmethod
+    def tile_sizes(device_type: str, dtype: torch.dtype) -> tuple[int, int, int]:
+        """(prompt tile rows, prompt tile positions, decode positions per step).
+
+        The interpreter (CPU) pays per element of a tile: 16-wide tiles suit its short
+        contexts. On CUDA 64-wide prompt tiles keep loads coalesced; in fp32 at head_dim 128
+        they spill to the stack (ahead-of-time compiles, `triton_aot`), 32x32 do not. Decode
+        holds a [group, block_n, head_dim] float32 product per step: at most 32 positions,
+        fewer for wide groups (`triton_kernels.decode_block_n`)."""
+        if device_type == "cpu":
+            return 16, 16, 16
+        tile = 32 if dtype == torch.float32 else 64
+        return tile, tile, 32
 
     def decode_split_len(self, meta: TritonCallMetadata) -> int:
         if meta.decode_split_len is not None:

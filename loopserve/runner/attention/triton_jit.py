@@ -19,7 +19,9 @@ compile checks (`loopserve.runner.attention.triton_aot`).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
@@ -47,6 +49,13 @@ class DeviceKernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            recorded = _recorded.get()
+            if recorded is not None:  # `record_launches`: describe the launch, run nothing
+                recorded.append(Launch(self, tuple(grid), args, kwargs))
+                return None
+            observed = _observed.get()
+            if observed is not None:  # `observe_launches`: describe it and run it
+                observed.append(Launch(self, tuple(grid), args, kwargs))
             if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
                 with _interpreted_language():
                     return self.interpreted[grid](*args, **kwargs)
@@ -85,6 +94,51 @@ def _interpreted_language():
     finally:
         for module, name, value in swapped:
             setattr(module, name, value)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as a launcher would make it: grid, arguments, constexpr values."""
+
+    kernel: DeviceKernel
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict
+
+
+_recorded: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
+    "loopserve_triton_launches", default=None
+)
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Inside this block launchers record their `Launch`es instead of running them; with
+    tensors on the `meta` device nothing is allocated either. Ahead-of-time compile checks
+    use it to compile exactly what the engine's launchers would launch."""
+    launches: list[Launch] = []
+    token = _recorded.set(launches)
+    try:
+        yield launches
+    finally:
+        _recorded.reset(token)
+
+
+_observed: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
+    "loopserve_triton_observed", default=None
+)
+
+
+@contextlib.contextmanager
+def observe_launches():
+    """Like `record_launches`, but the launches also run: what a real workload launches
+    (`triton_aot.specialization_key` counts the distinct compiles it would trigger)."""
+    launches: list[Launch] = []
+    token = _observed.set(launches)
+    try:
+        yield launches
+    finally:
+        _observed.reset(token)
 
 
 def device_kernel(*, do_not_specialize: Sequence[str] = ()) -> Callable[[Callable], DeviceKernel]:

@@ -36,7 +36,7 @@ def _pow2(n: int, minimum: int = 1) -> int:
 
 # Elements of the decode kernel's [group, block_n, head_dim] float32 products: 8192 is 64
 # registers a thread at 4 warps. A GQA group of 4 at 32 positions would need 128 and spill.
-DECODE_PRODUCT_ELEMS = 8192
+DECODE_PRODUCT_ELEMS = 4096
 
 
 def decode_block_n(block_n: int, group: int, head_dim: int) -> int:
@@ -150,6 +150,7 @@ def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
 @device_kernel(
     do_not_specialize=(
         "split_len",
+        "stride_table",
         "stride_po_row",
         "stride_po_head",
         "stride_pl_row",

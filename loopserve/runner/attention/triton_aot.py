@@ -1,0 +1,300 @@
+"""Ahead-of-time compiles of the engine's Triton kernels for real GPU targets, with no GPU.
+
+`triton.compile` with a `GPUTarget` runs Triton's whole pipeline (TTIR, TTGIR, LLVM, PTX,
+ptxas) on the CPU. This module compiles exactly what the engine's launchers would launch:
+it calls them (`write_kv`, `copy_slots`, `decode_attention`, `prefill_attention`) on
+`meta`-device tensors shaped like a model's, inside `triton_jit.record_launches`, and turns
+each recorded launch into Triton's compile signature the way `JITFunction` specializes a
+real call (pointer and integer arguments divisible by 16 get the divisibility hint, an
+integer equal to 1 becomes a constant, arguments in `do_not_specialize` get neither).
+`cuobjdump -res-usage` on the cubin (the one Triton's wheel ships) then gives registers,
+stack frame and local memory per thread, and the compile metadata gives shared memory.
+
+Used by tests/test_triton_aot.py (one representative specialization per kernel, dtype and
+target, no spills allowed) and by `python -m loopserve.runner.attention.triton_aot` (the full
+sweep whose table is in docs/gpu.md). Needs triton; the cubins are never loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from loopserve.runner.attention import triton_kernels, triton_prefill
+from loopserve.runner.attention.triton_jit import Launch, record_launches
+
+TARGETS = (80, 90, 100)  # A100, H100/H200, B200
+COMPILE_OPTIONS = ("num_warps", "num_stages")  # launch keywords that are not constexprs
+# Shared memory a block may use (opt-in maximum), by compute capability.
+SHARED_LIMIT_BYTES = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+_TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention shape a model's kernels are specialized for."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+    num_layers: int = 2  # only the finalize copy's grid depends on it
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    kernel: str
+    variant: str
+    shape: str
+    dtype: str
+    target: int
+    registers: int
+    stack_bytes: int
+    local_bytes: int
+    shared_bytes: int
+    shared_limit_bytes: int
+    compile_s: float
+
+    @property
+    def spills(self) -> bool:
+        """Per-thread stack or local memory: registers spilled (or arrays indexed at run
+        time), either way traffic to device memory in the kernel's inner loop."""
+        return self.stack_bytes > 0 or self.local_bytes > 0
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def engine_launches(shape: ModelShape, target: int, *, rows: int = 8) -> list[tuple[str, Launch]]:
+    """(variant, launch) for every kernel form the engine uses at this shape: KV write,
+    finalize copy, decode in one split, split-K with its reduce, split-K returning the LSE
+    (cascade attention), and prompt tiles; the tile sizes are the CUDA backend's."""
+    from loopserve.runner.attention.triton_backend import TritonBackend
+
+    dtype, heads, kv_heads, dim = shape.dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    slots = 64 * shape.block_size
+    cache = _meta(shape.num_layers, 2, slots, kv_heads, dim, dtype=dtype)
+    key_cache, value_cache = cache[0, 0], cache[0, 1]
+    tile_m, tile_n, decode_n = TritonBackend.tile_sizes("cuda", dtype)
+    query = _meta(rows, heads, dim, dtype=dtype)
+    index = _meta(rows, dtype=torch.int32)
+    tables = _meta(rows, 64, dtype=torch.int32)
+    recorded: list[tuple[str, Launch]] = []
+
+    def record(variant: str, fn, *args, **kwargs) -> None:
+        with record_launches() as launches:
+            fn(*args, **kwargs)
+        recorded.extend((variant, launch) for launch in launches)
+
+    kv = _meta(rows, kv_heads, dim, dtype=dtype)
+    record("write", triton_kernels.write_kv, kv, kv, key_cache, value_cache,
+           _meta(rows, dtype=torch.int64), rows_per_program=2)  # fmt: skip
+    pairs = _meta(rows, dtype=torch.int64)
+    record("finalize", triton_kernels.copy_slots, cache, pairs, pairs)
+    decode = dict(
+        tables=tables, table_idx=index, rows=index, seq_lens=index, scale=dim**-0.5,
+        block_size=shape.block_size, block_n=decode_n,
+    )  # fmt: skip
+    out = _meta(rows, heads, dim, dtype=dtype)
+    record("decode", triton_kernels.decode_attention, query, key_cache, value_cache, out,
+           max_seq_len=512, split_len=512, **decode)  # fmt: skip
+    record("split_k", triton_kernels.decode_attention, query, key_cache, value_cache, out,
+           max_seq_len=4096, split_len=512, **decode)  # fmt: skip
+    lse = _meta(rows, heads, dtype=torch.float32)
+    out32 = _meta(rows, heads, dim, dtype=torch.float32)
+    record("split_k_lse", triton_kernels.decode_attention, query, key_cache, value_cache, out32,
+           max_seq_len=512, split_len=512, lse_out=lse, **decode)  # fmt: skip
+    tiles = _meta(4, dtype=torch.int32)
+    record("prompt", triton_prefill.prefill_attention, query, key_cache, value_cache, out,
+           tables=tables, tile_table=tiles, tile_row=tiles, tile_pos=tiles, tile_count=tiles,
+           scale=dim**-0.5, block_size=shape.block_size, block_m=tile_m, block_n=tile_n,
+           **triton_prefill.prompt_launch_options(target))  # fmt: skip
+    return recorded
+
+
+def compile_source(launch: Launch) -> ASTSource:
+    """The compile signature `JITFunction` would build for this launch."""
+    kernel = launch.kernel
+    fn = kernel.compiled
+    names = fn.arg_names
+    signature: dict[str, str] = {}
+    constexprs = {k: v for k, v in launch.constexprs.items() if k not in COMPILE_OPTIONS}
+    attrs: dict[tuple[int, ...], list] = {}
+    for position, (name, value) in enumerate(zip(names, launch.args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[value.dtype]
+            attrs[(position,)] = [["tt.divisibility", 16]]  # allocations are 16-byte aligned
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            specialize = name not in kernel.do_not_specialize
+            if specialize and value == 1:
+                signature[name] = "constexpr"
+                constexprs[name] = 1
+                continue
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if specialize and value % 16 == 0:
+                attrs[(position,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value).__name__}")
+    for name in constexprs:
+        signature[name] = "constexpr"
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def specialization_key(launch: Launch) -> tuple:
+    """What makes Triton compile a kernel anew: its signature (argument types, which
+    integers are 1 or multiples of 16), its constexpr values and its compile options.
+    Launches with equal keys share one compile."""
+    source = compile_source(launch)
+    options = tuple(sorted((k, v) for k, v in launch.constexprs.items() if k in COMPILE_OPTIONS))
+    return (
+        launch.kernel.fn.__name__,
+        tuple(sorted(source.signature.items())),
+        tuple(sorted((str(k), str(v)) for k, v in source.constants.items())),
+        tuple(sorted(source.attrs)),
+        options,
+    )
+
+
+def acceptable(result: KernelResources) -> bool:
+    """The resource rule the test enforces: shared memory within the target's limit; no
+    spills in bf16/fp16 kernels, nor in fp32 prompt tiles (fp32 decode may keep a few
+    stack bytes)."""
+    if result.shared_bytes > result.shared_limit_bytes:
+        return False
+    return not result.spills or (result.dtype == "float32" and result.variant != "prompt")
+
+
+def _cuobjdump() -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"cuobjdump not found at {path} (Triton's wheel ships it)")
+    return path
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED and LOCAL of the cubin's one function (cuobjdump -res-usage)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as handle:
+        handle.write(cubin)
+    try:
+        proc = subprocess.run(
+            [_cuobjdump(), "-res-usage", handle.name], capture_output=True, text=True, check=True
+        )
+    finally:
+        os.unlink(handle.name)
+    line = next(line for line in proc.stdout.splitlines() if "REG:" in line)
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+
+
+def compile_for(shape: ModelShape, variant: str, launch: Launch, target: int) -> KernelResources:
+    start_s = time.perf_counter()
+    options = {k: v for k, v in launch.constexprs.items() if k in COMPILE_OPTIONS}
+    compiled = triton.compile(
+        compile_source(launch), target=GPUTarget("cuda", target, 32), options=options
+    )
+    elapsed_s = time.perf_counter() - start_s
+    usage = resource_usage(compiled.asm["cubin"])
+    return KernelResources(
+        kernel=launch.kernel.fn.__name__.strip("_"),
+        variant=variant,
+        shape=shape.name,
+        dtype=str(shape.dtype).removeprefix("torch."),
+        target=target,
+        registers=usage["REG"],
+        stack_bytes=usage["STACK"],
+        local_bytes=usage["LOCAL"],
+        shared_bytes=max(usage["SHARED"], compiled.metadata.shared),
+        shared_limit_bytes=SHARED_LIMIT_BYTES[target],
+        compile_s=elapsed_s,
+    )
+
+
+OURO_SHAPES = tuple(
+    ModelShape(name, heads, kv_heads, 128, dtype)
+    for name, heads, kv_heads in (("mha16", 16, 16), ("gqa32/8", 32, 8))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32)
+)
+
+
+def sweep(shapes=OURO_SHAPES, targets=TARGETS, block_sizes=(16,)) -> list[KernelResources]:
+    results = []
+    for base in shapes:
+        for block_size in block_sizes:
+            shape = ModelShape(base.name, base.num_heads, base.num_kv_heads, base.head_dim,
+                               base.dtype, block_size)  # fmt: skip
+            for target in targets:
+                for variant, launch in engine_launches(shape, target):
+                    results.append(compile_for(shape, variant, launch, target))
+    return results
+
+
+def representative() -> list[KernelResources]:
+    """The test's subset (about 36 compiles): every kernel form at each target; the attention
+    kernels (decode, prompt) in every dtype; the copies and the split-K path in bf16; the
+    GQA shape's decode (its group changes the kernel's tiles) in bf16."""
+    results = []
+    for target in TARGETS:
+        for shape in OURO_SHAPES:
+            bf16 = shape.dtype == torch.bfloat16
+            if shape.name != "mha16" and not bf16:
+                continue
+            for variant, launch in engine_launches(shape, target):
+                wanted = variant in ("decode", "prompt") if shape.name == "mha16" else False
+                wanted |= bf16 and (shape.name == "mha16" or variant == "decode")
+                if wanted:
+                    results.append(compile_for(shape, variant, launch, target))
+    return results
+
+
+def format_table(results: list[KernelResources]) -> str:
+    lines = [
+        "| kernel | variant | shape | dtype | sm | registers | stack B | local B | shared B |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.kernel} | {r.variant} | {r.shape} | {r.dtype} | {r.target} | {r.registers} "
+            f"| {r.stack_bytes} | {r.local_bytes} | {r.shared_bytes} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="AOT-compile loopserve's Triton kernels")
+    parser.add_argument("--block-sizes", default="16,32", help="comma-separated KV block sizes")
+    args = parser.parse_args(argv)
+    block_sizes = tuple(int(b) for b in args.block_sizes.split(","))
+    results = sweep(block_sizes=block_sizes)
+    print(format_table(results))
+    bad = [r for r in results if not acceptable(r)]
+    spilled = [r for r in results if r.spills]
+    print(f"\n{len(results)} compiles, {sum(r.compile_s for r in results):.0f} s; "
+          f"{len(spilled)} with stack or local memory, {len(bad)} breaking the rule "
+          "(`acceptable`)")  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

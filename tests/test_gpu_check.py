@@ -46,8 +46,57 @@ def test_dry_run_goes_end_to_end_and_writes_a_loadable_calibration(tmp_path):
     assert arms == ["full_depth", "no_refill", "refill", "single_stream_full_depth"]
     assert all(r["measured_tok_s"] > 0 and r["predicted_tok_s"] > 0 for r in record["throughput"])
     assert "refill / full_depth" in proc.stdout
+    steps = [(step["name"], step["status"]) for step in record["steps"]]
+    assert steps == [("pytest -m gpu", "ok"), ("random-weight checkpoint", "ok"),
+                     ("core calls", "ok"), ("graphed decode", "ok"), ("throughput", "ok")]  # fmt: skip
+    assert all(step["wall_s"] >= 0 for step in record["steps"])
+    # The console and the pytest log are kept beside the JSON.
+    assert "== throughput" in out.with_suffix(".log").read_text()
+    assert "pytest" in out.with_suffix(".pytest.log").read_text()
     profile = load_calibrated_profile(out)
     assert profile.name == "h200" and profile.call_overhead_s == record["fitted"]["call_overhead_s"]
+
+
+def test_a_failing_step_is_recorded_with_its_traceback_and_later_steps_still_run(tmp_path):
+    from loopserve.gpu_check.check import CheckRecord
+
+    out = tmp_path / "check.json"
+    record = CheckRecord(out, {"part": "perf"})
+    assert json.loads(out.read_text())["steps"] == []  # written before any step
+
+    def broken():
+        raise RuntimeError("CUDA error: out of memory")
+
+    assert record.step("broken", broken) is None
+    on_disk = json.loads(out.read_text())  # rewritten right after the failing step
+    assert on_disk["steps"][0]["status"] == "failed"
+    assert "out of memory" in on_disk["steps"][0]["error"]
+    assert "RuntimeError" in on_disk["steps"][0]["traceback"]
+    assert record.step("next", lambda: 42) == 42
+    assert [s["status"] for s in json.loads(out.read_text())["steps"]] == ["failed", "ok"]
+
+
+def test_tests_part_without_pytest_says_so(monkeypatch, tmp_path):
+    from loopserve.gpu_check import check
+
+    real = check.importlib.util.find_spec
+    monkeypatch.setattr(
+        check.importlib.util, "find_spec", lambda name: None if name == "pytest" else real(name)
+    )
+    result = check.run_gpu_tests(dry_run=True, log_path=tmp_path / "log")
+    assert result == {"ran": False, "reason": f"pytest is not importable by {sys.executable}"}
+
+
+def test_parts_run_only_their_steps(tmp_path):
+    out = tmp_path / "tests_only.json"
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--part", "tests", "--out", str(out)],
+        env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert [step["name"] for step in record["steps"]] == ["pytest -m gpu"]
+    assert record["part"] == "tests" and "points" not in record
 
 
 def _point(kind, nbytes, flops, seconds):

@@ -1,30 +1,38 @@
 """The GPU check: one command that tests and measures the GPU path and calibrates the simulator.
 
-    scripts/gpu_check.sh              # on a CUDA machine (<= 8 min on one H100/H200)
-    scripts/gpu_check.sh --dry-run    # the same steps on CPU with a tiny model (seconds)
+    scripts/gpu_check.sh --part tests   # pytest -m gpu (<= 4.5 min on one H200)
+    scripts/gpu_check.sh --part perf    # measurements + calibration (<= 4.5 min)
+    scripts/gpu_check.sh --dry-run      # every step on CPU with a tiny model (seconds)
 
-Steps: (1) `pytest -m gpu tests/test_gpu.py tests/test_gpu_graphs.py` in a subprocess (Triton
-vs torch on CUDA, engine batch invariance on CUDA, captured graphs vs eager, async vs sync); (2) an Ouro-1.4B-shaped checkpoint with random weights written
-from GPU memory (no download); (3) decode time per loop at 1..256 rows, eager and through the CUDA-graph
-path (`graph_mode`; its eager emulation in a dry run), prefill tokens/s at
-chunk 512 and 2048, output tok/s of full_depth / no_refill / refill on a synthetic workload
-whose exit depths follow the Ouro-1.4B threshold-0.5 distribution (exit_mode=trace), and one
-full-depth stream; (4) beside each number what the simulator's cost model predicts for the
-detected device profile; a JSON (`loopserve.sim.calibration` format) with the fitted
-efficiencies and call overhead.
-Needs only torch, numpy, safetensors, tokenizers (and triton on CUDA).
+Steps, each isolated (a failing step is recorded with its traceback and the next one runs):
+(tests) `pytest -m gpu tests/test_gpu.py tests/test_gpu_graphs.py` in a subprocess with a
+timeout (Triton vs torch on CUDA, engine batch invariance on CUDA, captured graphs vs eager,
+async vs sync); (perf) an Ouro-1.4B-shaped checkpoint with random weights written from GPU
+memory (no download); decode time per loop at 1..256 rows, eager and through the CUDA-graph
+path (its eager emulation in a dry run), prefill tokens/s at chunk 512 and 2048, output tok/s
+of full_depth / no_refill / refill on a synthetic workload whose exit depths follow the
+Ouro-1.4B threshold-0.5 distribution (exit_mode=trace), and one full-depth stream; beside each
+number what the simulator's cost model predicts for the detected device profile (a second or
+two per arm on the host CPU).
+
+Output: `--out FILE` (JSON, `loopserve.sim.calibration` format plus a `steps` list) is
+rewritten after every step, so a run cut short keeps what finished; the console output goes
+to FILE with `.log`, the pytest log to `.pytest.log`, beside it. Needs only torch, numpy,
+safetensors, tokenizers (and triton on CUDA; pytest for the tests part).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,13 +44,14 @@ from loopserve.models.loader import save_model
 from loopserve.models.ouro import OuroForLoopedLM
 from loopserve.runner.attention.base import RowSegment
 from loopserve.sampling_params import SamplingParams
-from loopserve.sim.calibration import TimingPoint, calibration_record, fit_profile
+from loopserve.sim.calibration import FORMAT, TimingPoint, calibration_record, fit_profile
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import get_device_profile
 from loopserve.sim.simulator import simulate
 from loopserve.sim.workload import SimRequest, WorkloadSpec, build_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+GPU_TEST_FILES = ("test_gpu.py", "test_gpu_graphs.py")
 TINY = replace(
     OURO_1P4B,
     vocab_size=512,
@@ -75,9 +84,10 @@ class Plan:
 
     @classmethod
     def full(cls) -> Plan:
+        # Sized so the perf part fits its 4.5-minute budget on one H200 (docs/gpu.md).
         return cls(OURO_1P4B, "cuda", "bfloat16", (1, 8, 32, 64, 128, 256), 512, (512, 2048),
-                   num_requests=256, input_len=256, output_len=256, max_num_seqs=128,
-                   stream_tokens=256, iters=10)  # fmt: skip
+                   num_requests=128, input_len=256, output_len=128, max_num_seqs=64,
+                   stream_tokens=128, iters=10)  # fmt: skip
 
     @classmethod
     def dry(cls) -> Plan:
@@ -96,32 +106,49 @@ def detect_profile(device: str) -> str:
     return "h100"
 
 
-def run_gpu_tests(dry_run: bool) -> dict:
-    files = [REPO_ROOT / "tests" / name for name in ("test_gpu.py", "test_gpu_graphs.py")]
+PYTEST_TIMEOUT_S = 240  # the tests part's budget on one H200 (docs/gpu.md)
+
+
+def run_gpu_tests(dry_run: bool, log_path: Path | None = None) -> dict:
+    """`pytest -m gpu` on the GPU test files in a subprocess, with a timeout; its whole log
+    goes to `log_path`, its stdout and stderr tails to the record and the console."""
+    files = [REPO_ROOT / "tests" / name for name in GPU_TEST_FILES]
     missing = [str(path) for path in files if not path.exists()]
     if missing:
         return {
             "ran": False,
             "reason": f"{', '.join(missing)} not found (run from the source tree)",
         }
+    if importlib.util.find_spec("pytest") is None:
+        return {"ran": False, "reason": f"pytest is not importable by {sys.executable}"}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "gpu",
-        *map(str, files),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    lines = proc.stdout.strip().splitlines()
-    print("\n".join(lines[-15:] if proc.returncode else lines[-1:]), flush=True)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *map(str, files), "-q", "-rs",
+           "-p", "no:cacheprovider"]  # fmt: skip
+    timeout_s = 120 if dry_run else PYTEST_TIMEOUT_S
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+        stdout, stderr, returncode = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as err:
+        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+        stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else err.stderr or ""
+        returncode = None
+    if log_path is not None:
+        log_path.write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
+    lines = stdout.strip().splitlines()
+    print("\n".join(lines[-15:] if returncode else lines[-1:]), flush=True)
+    if stderr.strip() and returncode:
+        print("stderr:\n" + "\n".join(stderr.strip().splitlines()[-15:]), flush=True)
     # Exit code 5 = nothing collected/selected; on CPU every gpu test skips instead.
-    return {"ran": True, "returncode": proc.returncode, "summary": lines[-1] if lines else ""}
+    return {
+        "ran": True,
+        "returncode": returncode,
+        "timed_out": returncode is None,
+        "summary": lines[-1] if lines else "",
+        "stderr_tail": "\n".join(stderr.strip().splitlines()[-15:]),
+    }
 
 
 def write_checkpoint(config: OuroConfig, plan: Plan, directory: Path, seed: int = 0) -> Path:
@@ -304,14 +331,75 @@ def measure_throughput(model_dir: Path, plan: Plan, profile_name: str, base_args
     return results
 
 
+class CheckRecord:
+    """The check's JSON, rewritten (atomically) after every step, so a run cut short keeps
+    every finished step: each step's status (ok, failed, skipped), wall time, result and,
+    on failure, its traceback."""
+
+    def __init__(self, path: Path, header: dict) -> None:
+        self.path = path
+        self.data: dict = {**header, "steps": []}
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+
+    def step(self, name: str, fn, *args):
+        """Run one step isolated from the others; returns its result, or None if it failed."""
+        print(f"== {name}", flush=True)
+        start_s = time.perf_counter()
+        entry: dict = {"name": name}
+        try:
+            result = fn(*args)
+            entry["status"] = "ok"
+        except Exception as err:  # recorded with its traceback; later steps still run
+            result = None
+            entry.update(status="failed", error=f"{type(err).__name__}: {err}",
+                         traceback=traceback.format_exc())  # fmt: skip
+            print(f"step {name!r} failed: {entry['error']}", flush=True)
+        entry["wall_s"] = round(time.perf_counter() - start_s, 3)
+        self.data["steps"].append(entry)
+        self.write()
+        return result
+
+    def skip(self, name: str, reason: str) -> None:
+        self.data["steps"].append({"name": name, "status": "skipped", "reason": reason})
+        self.write()
+
+
+class Tee:
+    """Console output also written to a log file beside the JSON."""
+
+    def __init__(self, stream, path: Path) -> None:
+        self.stream, self.file = stream, path.open("w")
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        self.file.flush()
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="loopserve GPU check (see docs/gpu.md)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, same steps")
     parser.add_argument("--device-profile", default=None, help="default: detected")
-    parser.add_argument("--out", default="gpu_check.json", help="calibration JSON to write")
-    parser.add_argument("--skip-tests", action="store_true", help="skip the pytest step")
+    parser.add_argument("--out", default="gpu_check.json", help="the JSON record to write")
+    parser.add_argument("--part", choices=("tests", "perf", "all"), default="all",
+                        help="tests: pytest -m gpu; perf: measurements and calibration "
+                        "(each part <= 4.5 min on one H200, docs/gpu.md)")  # fmt: skip
+    parser.add_argument("--skip-tests", action="store_true", help="same as --part perf")
     args = parser.parse_args(argv)
+    part = "perf" if args.skip_tests else args.part
     start = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout = Tee(sys.stdout, out.with_suffix(".log"))
     plan = Plan.dry() if args.dry_run else Plan.full()
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device visible; use --dry-run on CPU")
@@ -319,44 +407,71 @@ def main(argv: list[str] | None = None) -> int:
     profile = get_device_profile(profile_name)
     device_name = torch.cuda.get_device_name() if plan.device == "cuda" else "cpu (dry run)"
     print(f"== loopserve GPU check: {device_name}, profile {profile_name}, {plan.dtype}, "
-          f"torch {torch.__version__}", flush=True)  # fmt: skip
-    tests = {"ran": False, "reason": "--skip-tests"}
-    if not args.skip_tests:
-        print("== 1. pytest -m gpu", flush=True)
-        tests = run_gpu_tests(args.dry_run)
+          f"torch {torch.__version__}, part {part}", flush=True)  # fmt: skip
+    record = CheckRecord(out, {
+        "format": FORMAT, "device_profile": profile_name, "device_name": device_name,
+        "dtype": plan.dtype, "dry_run": args.dry_run, "torch_version": torch.__version__,
+        "part": part, "tests": {"ran": False, "reason": f"--part {part}"},
+    })  # fmt: skip
+    if part in ("tests", "all"):
+        tests = record.step("pytest -m gpu", run_gpu_tests, args.dry_run,
+                            out.with_suffix(".pytest.log"))  # fmt: skip
+        record.data["tests"] = tests or {"ran": False, "reason": "the step failed"}
+        record.write()
+    if part in ("perf", "all"):
+        run_perf(record, plan, profile, profile_name)
+    record.data["wall_s"] = time.perf_counter() - start
+    record.write()
+    print(f"wrote {out} in {record.data['wall_s']:.0f} s", flush=True)
+    tests = record.data["tests"]
+    failed = [s["name"] for s in record.data["steps"] if s["status"] == "failed"]
+    ok = (not tests.get("ran") or tests.get("returncode") == 0) and not failed
+    return 0 if ok else 1
+
+
+def run_perf(record: CheckRecord, plan: Plan, profile, profile_name: str) -> None:
+    """The measurement steps; each one's results join the record as soon as it finishes,
+    and the calibration (`fitted`, `points`) is rewritten after the core-call step."""
     shape = ModelShape.from_config(plan.config, dtype_bytes=2 if plan.dtype != "float32" else 4)
     cost = CostModel(shape, profile)
+    base_args = dict(device=plan.device, dtype=plan.dtype, attention_backend="auto",
+                     max_num_batched_tokens=2048, prefill_chunk_size=512)  # fmt: skip
+    if plan.device == "cpu":
+        base_args.update(max_num_batched_tokens=64, prefill_chunk_size=16, num_blocks=256)
     with tempfile.TemporaryDirectory() as workdir:
-        print("== 2. random-weight checkpoint", flush=True)
         config = replace(plan.config, extra={**plan.config.extra, "torch_dtype": plan.dtype})
-        model_dir = write_checkpoint(config, plan, Path(workdir) / "model")
-        base_args = dict(device=plan.device, dtype=plan.dtype, attention_backend="auto",
-                         max_num_batched_tokens=2048, prefill_chunk_size=512)  # fmt: skip
-        if args.dry_run:
-            base_args.update(max_num_batched_tokens=64, prefill_chunk_size=16, num_blocks=256)
-        print("== 3. core calls (eager, model.core directly)", flush=True)
-        engine = LLMEngine.from_engine_args(model=str(model_dir), **base_args, max_num_seqs=1)
-        print(f"attention backend: {engine.runner.attention.name}", flush=True)
-        points = measure_core_calls(engine, plan, cost)
-        decode = {p.rows: p.measured_s for p in points if p.kind == "decode_loop"}
-        if 1 in decode and 64 in decode:
-            print(f"decode loop 64 rows / 1 row: {decode[64] / decode[1]:.2f}x "
-                  f"(target <= 1.3x)", flush=True)  # fmt: skip
-        del engine
-        gc.collect()
-        print("== 3b. decode core calls through the CUDA-graph path", flush=True)
-        graph_decode = measure_graph_decode(model_dir, plan, base_args, decode)
-        print("== 4. throughput (graph_mode=auto: CUDA graphs for decode on CUDA)", flush=True)
-        throughput = measure_throughput(model_dir, plan, profile_name, base_args)
-    fitted = fit_profile(profile, points)
-    record = calibration_record(
-        profile, fitted, points, device_name=device_name, dtype=plan.dtype,
-        dry_run=args.dry_run, torch_version=torch.__version__, tests=tests,
-        throughput=throughput, graph_decode_s=graph_decode,
-        wall_s=time.perf_counter() - start,
-    )  # fmt: skip
-    Path(args.out).write_text(json.dumps(record, indent=1))
-    print(f"== fitted: {json.dumps(record['fitted'])}", flush=True)
-    print(f"wrote {args.out} in {record['wall_s']:.0f} s", flush=True)
-    ok = not tests.get("ran") or tests.get("returncode") == 0
-    return 0 if ok else 1
+        model_dir = record.step("random-weight checkpoint", write_checkpoint, config, plan,
+                                Path(workdir) / "model")  # fmt: skip
+        if model_dir is None:
+            for name in ("core calls", "graphed decode", "throughput"):
+                record.skip(name, "no checkpoint")
+            return
+
+        def core_calls() -> list[TimingPoint]:
+            engine = LLMEngine.from_engine_args(model=str(model_dir), **base_args, max_num_seqs=1)
+            print(f"attention backend: {engine.runner.attention.name}", flush=True)
+            points = measure_core_calls(engine, plan, cost)
+            decode = {p.rows: p.measured_s for p in points if p.kind == "decode_loop"}
+            if 1 in decode and 64 in decode:
+                print(f"decode loop 64 rows / 1 row: {decode[64] / decode[1]:.2f}x "
+                      "(target <= 1.3x)", flush=True)  # fmt: skip
+            del engine
+            gc.collect()
+            return points
+
+        points = record.step("core calls", core_calls) or []
+        if points:
+            fitted = fit_profile(profile, points)
+            record.data.update(calibration_record(profile, fitted, points))
+            record.data.update(device_profile=profile_name)
+            print(f"== fitted: {json.dumps(record.data['fitted'])}", flush=True)
+            record.write()
+        eager = {p.rows: p.measured_s for p in points if p.kind == "decode_loop"}
+        graph_decode = record.step("graphed decode", measure_graph_decode, model_dir, plan,
+                                   base_args, eager)  # fmt: skip
+        record.data["graph_decode_s"] = graph_decode or {}
+        record.write()
+        throughput = record.step("throughput", measure_throughput, model_dir, plan,
+                                 profile_name, base_args)  # fmt: skip
+        record.data["throughput"] = throughput or []
+        record.write()

@@ -171,6 +171,11 @@ class RunnerOutput:
     failed_requests: tuple[RequestFailure, ...] = ()
     num_graph_calls: int = 0  # core calls run through the static bucketed buffers (graphs)
     num_padded_rows: int = 0  # padding rows those calls added to reach their bucket
+    # Host<->device copies of the step (`runner.transfers`; counted on CPU too).
+    num_h2d_transfers: int = 0
+    num_d2h_transfers: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
 
 
 class Executor(ABC):

@@ -126,12 +126,39 @@ def test_padding_rows_write_only_the_dummy_block(tiny_dir):
     width = graphs.max_blocks  # ceil(96 / 4)
     assert width == 24
     expected = [[2, 5] + [d] * 22, [7, 6] + [d] * 22, [1, 9] + [d] * 22, [d] * 24]
-    assert graphs.block_tables[:4].tolist() == expected
+    assert graphs.block_tables[graphs.table_index[:4]].tolist() == expected
+    assert graphs.table_index[3].item() == graphs.padding_table  # the dummy-only row
     assert graphs.context_lens[:4].tolist() == [6, 7, 5, 1]
     assert graphs.write_slots[:4].tolist() == [21, 26, 36, dummy]
-    # A smaller call after it resets the table rows it reuses (no stale blocks).
+    # A smaller call after it writes the entries its row reads (entries past a row's
+    # context are never read: its context length bounds every read).
     graphs.run(torch.randn(1, hidden_size), [0], [[3]])
-    assert graphs.block_tables[:1].tolist() == [[3] + [d] * 23]
+    assert graphs.block_tables[graphs.table_index[0]][0].item() == 3
+
+
+def test_persistent_tables_send_only_the_entries_a_table_gained(tiny_dir):
+    engine = make_engine(tiny_dir, max_model_len=96, graph_mode="emulate", max_num_seqs=4)
+    graphs = engine.runner.graphs
+    hidden = torch.randn(2, engine.model.config.hidden_size)
+    sent = []
+
+    def load(positions, tables, keys):
+        before = graphs.transfers.h2d_bytes
+        graphs.load(hidden[: len(keys)], positions, tables, keys)
+        sent.append((graphs.transfers.h2d_bytes - before) // 8)  # int64 values
+
+    a, b = [10, 11, 12], [20, 21, 22]
+    load([5, 6], [a, b], [("a", 0), ("b", 0)])  # blocks 0-1 of each table: 4 entries
+    load([6, 7], [a, b], [("a", 0), ("b", 0)])  # same blocks: no entry
+    load([8, 7], [a, b], [("a", 0), ("b", 0)])  # "a" enters block 2: one entry
+    # 3 values per row per bucket-2 call (position, slot, table row), then index + block.
+    assert sent == [2 * 3 + 2 * 4, 2 * 3, 2 * 3 + 2]
+    rows = graphs.table_index[:2].tolist()
+    assert graphs.block_tables[rows[0], :3].tolist() == a
+    # Replaced blocks (a preemption gave "b" new ones) are written again from the start.
+    load([6], [[30, 31]], [("b", 0)])
+    assert sent[-1] == 3 * 1 + 2 * 2
+    assert graphs.block_tables[graphs.table_index[0], :2].tolist() == [30, 31]
 
 
 def test_failed_capture_falls_back_to_eager_and_says_why(tiny_model):

@@ -75,6 +75,12 @@ COMMANDS: list[Command] = [
         "loopserve.bench.batch_invariant:main_from_args",
     ),
     Command(
+        ("bench", "host"),
+        "host microseconds per core call (null core) beside the simulated GPU device time",
+        "loopserve.bench.host:add_cli_args",
+        "loopserve.bench.host:main_from_args",
+    ),
+    Command(
         ("simulate",),
         "simulated GPU executor driving the real scheduler",
         "loopserve.sim.args:add_cli_args",

@@ -166,6 +166,10 @@ class EngineCore:
         counters.num_finalize_copies += output.num_finalize_copies
         counters.num_graph_calls += output.num_graph_calls
         counters.num_padded_rows += output.num_padded_rows
+        counters.num_h2d_transfers += output.num_h2d_transfers
+        counters.num_d2h_transfers += output.num_d2h_transfers
+        counters.h2d_bytes += output.h2d_bytes
+        counters.d2h_bytes += output.d2h_bytes
         counters.model_time_s += output.model_time_s
         counters.forward_time_s += output.forward_time_s
         self._flush_if_idle()
@@ -209,6 +213,10 @@ class EngineCore:
             num_failed_steps=counters.num_failed_steps,
             num_graph_calls=counters.num_graph_calls,
             num_padded_rows=counters.num_padded_rows,
+            num_h2d_transfers=counters.num_h2d_transfers,
+            num_d2h_transfers=counters.num_d2h_transfers,
+            h2d_bytes=counters.h2d_bytes,
+            d2h_bytes=counters.d2h_bytes,
             num_steps_scheduled_ahead=counters.num_steps_scheduled_ahead,
             model_time_s=counters.model_time_s,
             forward_time_s=counters.forward_time_s,

@@ -26,6 +26,10 @@ class StepCounters:
     num_failed_steps: int = 0
     num_graph_calls: int = 0
     num_padded_rows: int = 0
+    num_h2d_transfers: int = 0
+    num_d2h_transfers: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
     num_steps_scheduled_ahead: int = 0
     model_time_s: float = 0.0
     forward_time_s: float = 0.0
@@ -56,6 +60,10 @@ class EngineStats:
     # their eager emulation), and the padding rows they added to reach their bucket.
     num_graph_calls: int = 0
     num_padded_rows: int = 0
+    num_h2d_transfers: int = 0
+    num_d2h_transfers: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
     # Async scheduling: steps whose rows were chosen while the previous step still executed
     # (before its results were applied).
     num_steps_scheduled_ahead: int = 0

@@ -30,6 +30,7 @@ and every call with prompt rows or a longer context run eagerly (the caller chec
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -40,6 +41,7 @@ from loopserve.runner.attention.torch_paged import (
     TorchPagedAttention,
     Workspace,
 )
+from loopserve.runner.transfers import Transfers
 
 GRAPH_MAX_CONTEXT = 2048  # positions a graphed decode row may attend to (see the docstring)
 
@@ -87,13 +89,51 @@ def paged_backend(attention) -> BackendFn:
     def make(graphs: DecodeGraphs, rows: int):
         return attention.graph_call(
             write_slots=graphs.write_slots[:rows],
-            tables=graphs.block_tables[:rows],
+            tables=graphs.block_tables,
+            table_index=graphs.table_index[:rows],
             row_index=graphs.query_index[:rows],
             seq_lens=graphs.context_lens[:rows],
             max_seq_len=graphs.max_blocks * graphs.block_size,
         )
 
     return make
+
+
+class TableRows:
+    """Which persistent table row holds which (request_id, plane), and how many entries of it
+    are written. Host bookkeeping only; rows are reused least recently used first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._rows: OrderedDict[tuple[str, int], list[int]] = OrderedDict()  # [row, written, last]
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def row_for(self, key: tuple[str, int], table: list[int], used: int) -> tuple[int, int]:
+        """(row, entries already written) for a table of which `used` entries are needed. A
+        table that no longer starts the way it was written (its blocks were replaced) is
+        written again from its first entry."""
+        entry = self._rows.get(key)
+        if entry is None:
+            if not self._free:
+                _, evicted = self._rows.popitem(last=False)
+                self._free.append(evicted[0])
+            entry = self._rows[key] = [self._free.pop(), 0, -1]
+        else:
+            self._rows.move_to_end(key)
+        row, written, last = entry
+        if written and (written > len(table) or table[written - 1] != last):
+            written = 0
+        if written < used:
+            entry[1], entry[2] = used, table[used - 1]
+        return row, written
+
+    def release(self, request_id: str) -> None:
+        for key in [key for key in self._rows if key[0] == request_id]:
+            self._free.append(self._rows.pop(key)[0])
+
+    def clear(self) -> None:
+        while self._rows:
+            self._free.append(self._rows.popitem()[1][0])
 
 
 class DecodeGraphs:
@@ -110,8 +150,11 @@ class DecodeGraphs:
         scale: float,
         capture: bool,
         make_backend: BackendFn = torch_backend,
+        num_planes: int = 1,
+        transfers: Transfers | None = None,
     ) -> None:
         self.core = core
+        self.transfers = transfers or Transfers(kv_cache.device)
         self.make_backend = make_backend
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -126,7 +169,15 @@ class DecodeGraphs:
         self.hidden = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.write_slots = torch.full((max_rows,), self.dummy_slot, device=device)
-        self.block_tables = torch.full((max_rows, self.max_blocks), dummy_block, device=device)
+        # Persistent block tables: one row per (request, plane) seen lately (`TableRows`),
+        # plus a last row of only the dummy block for padding rows. A call sends only the
+        # entries its rows' tables gained since they were last written.
+        self.table_rows = TableRows(max_rows * num_planes + max_rows)
+        self.padding_table = self.table_rows.capacity
+        self.block_tables = torch.full(
+            (self.table_rows.capacity + 1, self.max_blocks), dummy_block, device=device
+        )
+        self.table_index = torch.full((max_rows,), self.padding_table, device=device)
         self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         self.query_index = torch.arange(max_rows, device=device)
         self.paged = make_backend is not torch_backend
@@ -160,7 +211,7 @@ class DecodeGraphs:
             query_index=index,
             out_index=index,
             out_rows=index,
-            blocks=self.block_tables[:rows].reshape(-1),
+            blocks=self.block_tables[self.table_index[:rows]].reshape(-1),
             mask=self.span <= positions,
         )
         return PagedAttentionMetadata(
@@ -175,54 +226,80 @@ class DecodeGraphs:
         attn = self.make_backend(self, rows)
         return self.core(self.hidden[:rows], self.positions[:rows], attn)
 
-    def _load(self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]]) -> int:
+    def load(
+        self,
+        hidden: torch.Tensor,
+        positions: list[int],
+        tables: list[list[int]],
+        keys: list[tuple[str, int]] | None = None,
+    ) -> int:
         """Copy n real rows into the static buffers, pad to the bucket; returns the bucket.
 
-        Host work is proportional to the rows' real context blocks, not to `max_blocks`: the
-        table buffer is reset to the dummy block on device and only the used entries are
-        scattered in (flat index `row * max_blocks + column`), in one host-to-device copy."""
+        `keys[i]` names row i's table, (request_id, plane): its persistent table row keeps
+        the entries written by earlier calls, so host work and the copy are proportional to
+        the rows plus the entries their tables gained (a new block every `block_size`
+        positions), not to their contexts. One host-to-device copy carries positions, write
+        slots, table rows and the new entries; the hidden rows are a device-to-device copy."""
         n = len(positions)
         bucket = bucket_for(self.buckets, n)
         assert bucket is not None, f"{n} rows exceed the largest bucket {self.max_rows}"
+        if keys is None:
+            keys = [("", row) for row in range(n)]  # anonymous rows: tables written afresh
+            self.table_rows.clear()
         size, width, pad = self.block_size, self.max_blocks, bucket - n
+        slots: list[int] = []
+        rows: list[int] = []
         index: list[int] = []
         blocks: list[int] = []
-        slots: list[int] = []
-        for row, (position, table) in enumerate(zip(positions, tables)):
+        table_rows = self.table_rows
+        for key, position, table in zip(keys, positions, tables):
             used = position // size + 1
-            index.extend(range(row * width, row * width + used))
-            blocks.extend(table[:used])
+            row, written = table_rows.row_for(key, table, used)
+            if written < used:
+                index.extend(range(row * width + written, row * width + used))
+                blocks.extend(table[written:used])
+            rows.append(row)
             slots.append(table[used - 1] * size + position % size)
-        host = torch.tensor(
-            positions + [0] * pad + slots + [self.dummy_slot] * pad + index + blocks,
-            dtype=torch.int64,
-        ).to(self.device)
+        host = self.transfers.to_device(
+            positions + [0] * pad + slots + [self.dummy_slot] * pad
+            + rows + [self.padding_table] * pad + index + blocks
+        )  # fmt: skip
         self.positions[:bucket].copy_(host[:bucket])
         self.write_slots[:bucket].copy_(host[bucket : 2 * bucket])
+        self.table_index[:bucket].copy_(host[2 * bucket : 3 * bucket])
         self.context_lens[:bucket].copy_(host[:bucket] + 1)
-        self.block_tables[:bucket].fill_(self.dummy_block)
-        used_entries = len(index)
-        flat_index = host[2 * bucket : 2 * bucket + used_entries]
-        self.block_tables.view(-1).index_copy_(0, flat_index, host[2 * bucket + used_entries :])
+        if index:
+            start = 3 * bucket
+            flat = host[start : start + len(index)]
+            self.block_tables.view(-1).index_copy_(0, flat, host[start + len(index) :])
         self.hidden[:n].copy_(hidden)
         self.hidden[n:bucket].zero_()
         self.num_calls += 1
         self.num_padded_rows += pad
         return bucket
 
+    def release(self, request_id: str) -> None:
+        """Forget a request's table rows (finished, preempted or swapped: its blocks change)."""
+        self.table_rows.release(request_id)
+
     def run(
         self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]]
     ) -> torch.Tensor:
         """One decode core call of n rows: `hidden [n, H]`, each row's position and the block
         table of the plane it addresses. Returns the core's output `[n, H]` (a fresh tensor)."""
-        bucket = self._load(hidden, positions, tables)
+        bucket = self.load(hidden, positions, tables)
+        return self.launch(bucket, len(positions))
+
+    def launch(self, bucket: int, rows: int) -> torch.Tensor:
+        """Replay (or, emulated, run) the bucket's call over the loaded buffers; the first
+        `rows` outputs, as a fresh tensor."""
         graph = self.graphs.get(bucket)
         if graph is None:
             out = self._forward(bucket)
         else:
             graph.replay()
             out = self.outputs[bucket]
-        return out[: len(positions)].clone()
+        return out[:rows].clone()
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -239,7 +316,7 @@ class DecodeGraphs:
             self.hidden[:bucket].zero_()
             self.positions[:bucket].zero_()
             self.write_slots[:bucket].fill_(self.dummy_slot)
-            self.block_tables[:bucket].fill_(self.dummy_block)
+            self.table_index[:bucket].fill_(self.padding_table)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

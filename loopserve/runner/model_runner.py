@@ -48,6 +48,7 @@ from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import make_generator, sample_rows
 from loopserve.runner.swap import InFlight, KVMoves
+from loopserve.runner.transfers import Transfers
 
 logger = logging.getLogger(__name__)
 Sampler = tuple[SampleSpec, torch.Generator | None]
@@ -107,6 +108,7 @@ class ModelRunner(Executor):
         self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
+        self.transfers = Transfers(self.device)  # every host<->device copy, counted
         self.moves = KVMoves(self.kv_cache, num_host_blocks, block_size, self.inflight)
         self.swap = self.moves.swap
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
@@ -132,6 +134,8 @@ class ModelRunner(Executor):
             max_rows=max_num_seqs,
             dummy_block=num_blocks,
             scale=self.scale,
+            num_planes=1 if self.shared else self.num_loops,
+            transfers=self.transfers,
         )
 
     @staticmethod
@@ -156,8 +160,10 @@ class ModelRunner(Executor):
                 failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
             self.moves.apply(transfer)
+            self._forget_tables(transfer.request_id)  # its blocks moved
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
+            self._forget_tables(request_id)
         return tuple(failures)
 
     def setup_request(self, new: NewRequestData) -> Sampler:
@@ -197,7 +203,12 @@ class ModelRunner(Executor):
         (`KVTransfer(IMPORT)` and its `NewRequestData`), or releases it (aborted first)."""
         self.moves.stage_import(request_id, kv, generator_state)
 
+    def _forget_tables(self, request_id: str) -> None:
+        if self.graphs is not None:
+            self.graphs.release(request_id)
+
     def _drop_request(self, request_id: str) -> None:
+        self._forget_tables(request_id)
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
         self.moves.drop(request_id)
@@ -225,6 +236,7 @@ class ModelRunner(Executor):
         if not items:
             return RunnerOutput(scheduled.step_id, ())
         start_s, self._forward_s = time.perf_counter(), 0.0
+        transfers0 = self.transfers.counts()
         hazards: list[list[float]] = [[] for _ in items]
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
         states = self._initial_states(items, hazards, last_outputs)
@@ -244,8 +256,11 @@ class ModelRunner(Executor):
         num_early = sum(
             1 for r in results if r.loops_used is not None and r.loops_used < self.num_loops
         )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        # No synchronize: the step's last copy to the host (sampled ids, hazards) waited for
+        # the device already; a step without one leaves the device running ahead.
+        h2d, d2h, h2d_bytes, d2h_bytes = (
+            now - before for now, before in zip(self.transfers.counts(), transfers0)
+        )
         graph_calls = padded = 0
         if self.graphs is not None:
             graph_calls, padded = self.graphs.num_calls - calls0, self.graphs.num_padded_rows - pad0
@@ -259,6 +274,10 @@ class ModelRunner(Executor):
             num_finalize_copies=self._num_finalized,
             num_graph_calls=graph_calls,
             num_padded_rows=padded,
+            num_h2d_transfers=h2d,
+            num_d2h_transfers=d2h,
+            h2d_bytes=h2d_bytes,
+            d2h_bytes=d2h_bytes,
         )
 
     def _run_without(
@@ -293,7 +312,7 @@ class ModelRunner(Executor):
         states: list[torch.Tensor | None] = [None] * len(items)
         if fresh:
             token_ids = [t for i in fresh for t in items[i].token_ids]
-            embedded = self._timed(self.model.prelude, torch.tensor(token_ids, device=self.device))
+            embedded = self._timed(self.model.prelude, self.transfers.to_device(token_ids))
             for i, chunk in zip(fresh, embedded.split([items[i].token_count for i in fresh])):
                 states[i] = chunk
         for i, item in enumerate(items):
@@ -314,16 +333,14 @@ class ModelRunner(Executor):
             and graphs.fits(len(active), max(items[i].token_start for i in active))
             and all(items[i].kind is ItemKind.DECODE for i in active)
         ):  # decode-only call: the static, bucketed path (one row per item)
-            tables = [
-                scheduled.block_tables[items[i].request_id][self._plane(items[i], k)]
-                for i in active
-            ]
+            keys = [(items[i].request_id, self._plane(items[i], k)) for i in active]
+            tables = [scheduled.block_tables[rid][plane] for rid, plane in keys]
             positions = [items[i].token_start for i in active]
             # Rows that share a prefix run eagerly instead: that call reads it once per group.
             if not (
                 self.attention.cascade and plan_prefix_groups(tables, positions, self.block_size)
             ):
-                self._graph_call(graphs, active, states, positions, tables)
+                self._graph_call(graphs, active, states, positions, tables, keys)
                 return
         segments = []
         positions: list[int] = []
@@ -334,14 +351,15 @@ class ModelRunner(Executor):
             positions.extend(range(item.token_start, item.token_start + item.token_count))
         attn = self.attention.prepare(segments)
         hidden = torch.cat([states[i] for i in active])
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        position_ids = self.transfers.to_device(positions)
         out = self._timed(self.model.core, hidden, position_ids, attn)
         for i, chunk in zip(active, out.split([items[i].token_count for i in active])):
             states[i] = chunk
 
-    def _graph_call(self, graphs, active, states, positions, tables) -> None:
+    def _graph_call(self, graphs, active, states, positions, tables, keys) -> None:
         hidden = torch.cat([states[i] for i in active])
-        out = self._timed(graphs.run, hidden, positions, tables)
+        bucket = graphs.load(hidden, positions, tables, keys)  # host work: not forward time
+        out = self._timed(graphs.launch, bucket, len(active))
         for i, row in zip(active, out.split(1)):
             states[i] = row
 
@@ -350,8 +368,19 @@ class ModelRunner(Executor):
         gated = [i for i in active if items[i].needs_gate]
         if gated:
             rows = torch.cat([states[i][-1:] for i in gated])
-            for i, value in zip(gated, self._timed(self.hazard_fn, rows).float().tolist()):
-                hazards[i].append(value)
+            values = self._timed(self.hazard_fn, rows).float()  # [gated], on the device
+
+            def receive(read: list[float], gated=gated) -> None:
+                for i, value in zip(gated, read):
+                    hazards[i].append(value)
+
+            # Read now only when this loop's exit decisions need the values (the `ouro` rule);
+            # otherwise they ride along with the step's next copy to the host.
+            if any(items[i].exit_now is None and items[i].kind is not ItemKind.PROMPT
+                   for i in gated):  # fmt: skip
+                receive(self.transfers.to_host(values))
+            else:
+                self.transfers.defer(values, receive)
         finalize = []
         for i in active:
             item = items[i]
@@ -360,7 +389,8 @@ class ModelRunner(Executor):
                     last_outputs[i].append(states[i][-1:])
                 continue
             before = GateState(item.cdf_before, item.survival_before)
-            hazard = hazards[i][-1] if item.needs_gate else None
+            # Only a gate-decided loop reads its hazard (read to the host above).
+            hazard = hazards[i][-1] if item.exit_now is None else None
             exited[i] = loop_exits(item.exit_now, before, hazard, item.threshold)
             if exited[i] and not self.shared and item.depth < self.num_loops - 1:
                 finalize.append(item)
@@ -372,14 +402,15 @@ class ModelRunner(Executor):
         """Copy each exited token's K/V of its exit depth into every deeper plane."""
         exits = [(tables[item.request_id], item.token_start, item.depth) for item in items]
         src, dst = finalize_slots(exits, self.block_size, self.num_loops)
-        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        self.attention.finalize(src_t, dst_t)
+        slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations
+        self.attention.finalize(slots[: len(src)], slots[len(src) :])
 
     def _coda(self, items, states, hazards, last_outputs, exited) -> list[ItemResult]:
         coda_rows: list[torch.Tensor] = []
         coda_items: list[int] = []
         loops_used: dict[int, int] = {}
+        if any(item.first_token and item.last_depth == self.num_loops - 1 for item in items):
+            self.transfers.flush()  # the first token's exit is chosen from its hazards
         for i, item in enumerate(items):
             if item.kind is ItemKind.DECODE and exited[i]:
                 coda_rows.append(states[i])
@@ -397,8 +428,10 @@ class ModelRunner(Executor):
         if coda_rows:
             logits = self._timed(self.model.coda, torch.cat(coda_rows))
             specs, generators = zip(*(self.samplers[items[i].request_id] for i in coda_items))
-            for i, token in zip(coda_items, sample_rows(logits, list(specs), list(generators))):
+            tokens = sample_rows(logits, list(specs), list(generators), self.transfers)
+            for i, token in zip(coda_items, tokens):
                 sampled[i] = token
+        self.transfers.flush()  # hazards not read yet (no coda this step)
         results = []
         for i, item in enumerate(items):
             finished = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from loopserve.contracts import SampledToken, SampleSpec
+from loopserve.runner.transfers import Transfers
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -46,27 +47,44 @@ def sample_rows(
     logits: torch.Tensor,
     specs: list[SampleSpec],
     generators: list[torch.Generator | None],
+    transfers: Transfers | None = None,
 ) -> list[SampledToken]:
-    """Sample one token per row. logits [rows, vocab] in any float dtype."""
+    """Sample one token per row. logits [rows, vocab] in any float dtype.
+
+    Everything is computed on the logits' device and read back in one copy (`transfers`):
+    the sampled ids, and for rows that ask for log-probabilities the chosen token's and the
+    top-k, packed into one float64 tensor (token ids are exact in float64)."""
+    transfers = transfers or Transfers(logits.device)
     logits = logits.float()
-    results: list[SampledToken] = []
-    logprobs_all = None
-    if any(spec.num_logprobs is not None for spec in specs):
-        logprobs_all = torch.log_softmax(logits, dim=-1)
-    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
     for row, spec in enumerate(specs):
-        if spec.temperature == 0.0:
-            token_id = greedy_ids[row]
-        else:
+        if spec.temperature != 0.0:
             probs = _filtered_probs(logits[row], spec)
-            token_id = int(torch.multinomial(probs, 1, generator=generators[row]).item())
-        if spec.num_logprobs is None or logprobs_all is None:
+            token_ids[row : row + 1] = torch.multinomial(probs, 1, generator=generators[row])
+    wanted = [spec.num_logprobs for spec in specs if spec.num_logprobs is not None]
+    if not wanted:
+        return [SampledToken(int(token_id)) for token_id in transfers.to_host(token_ids)]
+    num_top = max(wanted)
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]  # [rows]
+    parts = [token_ids.double(), chosen.double()]
+    if num_top > 0:
+        values, ids = torch.topk(logprobs_all, num_top)  # [rows, num_top], best first
+        parts += [values.double().reshape(-1), ids.double().reshape(-1)]
+    packed = transfers.to_host(torch.cat(parts))
+    rows = len(specs)
+    results: list[SampledToken] = []
+    for row, spec in enumerate(specs):
+        token_id = int(packed[row])
+        if spec.num_logprobs is None:
             results.append(SampledToken(token_id))
             continue
-        row_logprobs = logprobs_all[row]
         top: tuple[tuple[int, float], ...] = ()
         if spec.num_logprobs > 0:
-            values, ids = torch.topk(row_logprobs, spec.num_logprobs)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        results.append(SampledToken(token_id, float(row_logprobs[token_id]), top))
+            base = 2 * rows + row * num_top
+            id_base = base + rows * num_top
+            top = tuple(
+                (int(packed[id_base + j]), packed[base + j]) for j in range(spec.num_logprobs)
+            )
+        results.append(SampledToken(token_id, packed[rows + row], top))
     return results

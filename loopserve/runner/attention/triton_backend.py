@@ -317,12 +317,13 @@ class TritonBackend(PagedAttentionBackend):
         *,
         write_slots: torch.Tensor,
         tables: torch.Tensor,
+        table_index: torch.Tensor,
         row_index: torch.Tensor,
         seq_lens: torch.Tensor,
         max_seq_len: int,
     ) -> TritonAttention:
         """A decode-only call over static device buffers (capturable: no host data is read).
-        Row i is call row `row_index[i]`, reads `tables[row_index[i]]` up to `seq_lens[i]`.
+        Row i is call row `row_index[i]`, reads `tables[table_index[i]]` up to `seq_lens[i]`.
         The split length is fixed from the row count and `max_seq_len` (the buffers' bound),
         so the launch grid never depends on the live contexts."""
         rows = row_index.numel()
@@ -331,7 +332,7 @@ class TritonBackend(PagedAttentionBackend):
             write_slots=write_slots,
             tables=tables,
             decode_rows=row_index,
-            decode_table=row_index,
+            decode_table=table_index,
             decode_seq_lens=seq_lens,
             max_decode_seq_len=max_seq_len,
             tile_table=empty,

@@ -34,8 +34,9 @@ def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
 
-# Elements of the decode kernel's [group, block_n, head_dim] float32 products: 8192 is 64
-# registers a thread at 4 warps. A GQA group of 4 at 32 positions would need 128 and spill.
+# Elements of the decode kernel's [group, block_n, head_dim] float32 products: 4096 is 32
+# registers a thread at 4 warps. Ahead-of-time compiles (`triton_aot`) at head_dim 128: 8192
+# still spilled for a GQA group of 4 in bf16 on sm_90 (8 bytes of stack); 4096 does not.
 DECODE_PRODUCT_ELEMS = 4096
 
 

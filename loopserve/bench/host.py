@@ -1,0 +1,201 @@
+"""`loopserve bench host`: host microseconds per core call, beside the device time they must hide.
+
+A looped model pays every per-call host cost once per loop (four times per token for Ouro),
+so host work per core call has to stay well under the device time of that call, or the GPU
+idles. By default it measures the configuration a GPU runs: the Triton attention backend and
+the CUDA graphs' static buffers (`graph_mode=emulate` is their eager stand-in on CPU). This benchmark takes the model's device work out (the core is replaced by the
+identity, `null_core`: no layers, no attention kernels; the prelude, gate, coda and sampler
+of a tiny model stay, their cost is small and reported apart) and runs steady decode steps
+of exactly `rows` rows: every request is in decode, exits follow a fixed trace, so each step
+is one core call of `rows` rows. Per call it reports, from the engine's own counters:
+
+- schedule: `Scheduler.schedule` (row selection, items, block growth);
+- runner: the runner's `execute` minus time inside model calls (input preparation, the
+  attention metadata, exit decisions, finalize bookkeeping, sampling bookkeeping);
+- model: time inside the (trivial) prelude / gate / coda calls;
+- apply: `Scheduler.update` and the engine core's bookkeeping;
+- output: the engine's output processing (detokenize, `RequestOutput`).
+
+Beside it: the simulator's predicted device time of the same call for Ouro-1.4B in bf16 on
+an H200 (`--device-profile`), rows at `--context` positions, and host / device. The target
+is host <= 0.3x device at 32..256 rows. Numbers are of this machine's CPU; docs/benchmarks.md
+has the table and where the time goes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.models.tiny import make_tiny_checkpoint
+from loopserve.sampling_params import SamplingParams
+from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
+from loopserve.sim.hardware import get_device_profile
+
+TARGET_RATIO = 0.3
+# Loops used per token, cycled per request: roughly Ouro-1.4B's threshold-0.5 mix (mean 3).
+EXIT_TRACE = (3, 3, 2, 3, 4, 3, 3, 3)
+
+
+def null_core(engine: LLMEngine) -> None:
+    """Replace the model's core by the identity and the finalize copy by nothing: calls keep
+    their host path (items, inputs, attention metadata, exits, finalize slots, sampling) and
+    lose their device work."""
+    identity = lambda hidden, positions, attn: hidden  # noqa: E731
+    engine.model.core = identity  # type: ignore[method-assign]
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.core = identity
+    engine.runner.attention.finalize = lambda src, dst: None  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class HostPoint:
+    rows: int
+    num_calls: int
+    schedule_us: float
+    runner_us: float
+    model_us: float
+    apply_us: float
+    output_us: float
+    device_us: float  # predicted device time of the call (the profile's GPU)
+
+    @property
+    def host_us(self) -> float:
+        """Host work per call: everything but the (trivial) model calls."""
+        return self.schedule_us + self.runner_us + self.apply_us + self.output_us
+
+    @property
+    def ratio(self) -> float:
+        return self.host_us / self.device_us
+
+
+def measure(rows: int, *, context: int, steps: int, device_profile: str, block_size: int = 16,
+            engine_args: dict | None = None) -> HostPoint:  # fmt: skip
+    """Steady decode calls of `rows` rows at about `context` positions."""
+    with tempfile.TemporaryDirectory() as directory:
+        model_dir = make_tiny_checkpoint(Path(directory), seed=0)
+        # Every request fits its whole prompt + output in every plane (no preemption).
+        blocks = rows * 4 * (-(-(context + steps + 72) // block_size))
+        args = dict(
+            dtype="float32", block_size=block_size, num_blocks=blocks, max_num_seqs=rows,
+            max_num_batched_tokens=max(rows, 2048), prefill_chunk_size=2048,
+            exit_mode="trace", enable_prefix_caching=False,
+        )  # fmt: skip
+        args.update(engine_args or {})
+        engine = LLMEngine.from_engine_args(model=str(model_dir), **args)
+    null_core(engine)
+    vocab = engine.model.config.vocab_size
+    for i in range(rows):
+        prompt = [3 + (i * 31 + j * 7) % (vocab - 3) for j in range(context - 1)]
+        trace = EXIT_TRACE[i % len(EXIT_TRACE) :] + EXIT_TRACE[: i % len(EXIT_TRACE)]
+        params = SamplingParams(
+            max_tokens=steps + 64, temperature=0.0, ignore_eos=True, exit_trace=trace * 64
+        )
+        engine.add_request(f"h{i}", prompt, params)
+    # Warm up until every request decodes (prompt steps done), then measure.
+    while engine.core.scheduler.num_waiting or _prompt_rows(engine):
+        engine.step()
+    for _ in range(8):
+        engine.step()
+    engine.core.reset_counters()
+    start_s = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total_s = time.perf_counter() - start_s
+    stats = engine.stats
+    calls = stats.num_core_calls
+    assert calls == stats.num_steps == steps, (calls, stats.num_steps, steps)
+    assert stats.num_rows == rows * calls, "every measured call has exactly `rows` rows"
+    execute_s, forward_s = stats.execute_time_s, stats.forward_time_s
+    apply_s = stats.step_time_s - stats.schedule_time_s - execute_s
+    output_s = total_s - stats.step_time_s
+    cost = CostModel(ModelShape.from_config(OURO_1P4B, dtype_bytes=2),
+                     get_device_profile(device_profile))  # fmt: skip
+    device = cost.core_call(rows=rows, kv_read_positions=rows * context,
+                            attention_pairs=rows * context)  # fmt: skip
+    per_call_us = 1e6 / calls
+    return HostPoint(
+        rows=rows,
+        num_calls=calls,
+        schedule_us=stats.schedule_time_s * per_call_us,
+        runner_us=(execute_s - forward_s) * per_call_us,
+        model_us=forward_s * per_call_us,
+        apply_us=apply_s * per_call_us,
+        output_us=output_s * per_call_us,
+        device_us=device.time_s * 1e6,
+    )
+
+
+def _prompt_rows(engine: LLMEngine) -> bool:
+    return any(request.in_prompt_phase for request in engine.core.scheduler.running)
+
+
+def format_table(points: list[HostPoint], device_profile: str) -> str:
+    lines = [
+        f"| rows | schedule us | runner us | apply us | output us | host us | "
+        f"{device_profile} Ouro-1.4B device us | host / device |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for p in points:
+        lines.append(
+            f"| {p.rows} | {p.schedule_us:.0f} | {p.runner_us:.0f} | {p.apply_us:.0f} | "
+            f"{p.output_us:.0f} | {p.host_us:.0f} | {p.device_us:.0f} | {p.ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main_from_args(args) -> int:
+    torch.set_num_threads(max(1, args.threads))
+    if args.attention_backend == "triton":
+        # The engine takes Triton on CPU only under the interpreter; the null core launches
+        # no attention kernel, so only the backend's host-side metadata work runs.
+        os.environ["TRITON_INTERPRET"] = "1"
+    engine_args = {"attention_backend": args.attention_backend, "graph_mode": args.graph_mode}
+    rows_list = [int(r) for r in args.rows.split(",")]
+    points = []
+    for rows in rows_list:
+        point = measure(rows, context=args.context, steps=args.steps,
+                        device_profile=args.device_profile, engine_args=engine_args)  # fmt: skip
+        points.append(point)
+        print(f"rows={rows}: host {point.host_us:.0f} us/call, device {point.device_us:.0f} us, "
+              f"ratio {point.ratio:.2f}", flush=True)  # fmt: skip
+    table = format_table(points, args.device_profile)
+    print(table)
+    in_range = [p for p in points if 32 <= p.rows <= 256]
+    met = all(p.ratio <= TARGET_RATIO for p in in_range)
+    print(f"target host <= {TARGET_RATIO}x device at 32..256 rows: "
+          f"{'met' if met else 'not met'}")  # fmt: skip
+    if args.output_json:
+        record = {"points": [dict(asdict(p), host_us=p.host_us, ratio=p.ratio) for p in points],
+                  "device_profile": args.device_profile, "context": args.context,
+                  "target_ratio": TARGET_RATIO, "target_met": met}  # fmt: skip
+        Path(args.output_json).write_text(json.dumps(record, indent=1))
+    return 0
+
+
+def add_cli_args(parser) -> None:
+    parser.add_argument("--rows", default="1,8,32,128,256", help="rows per core call")
+    parser.add_argument("--context", type=int, default=256, help="positions per row")
+    parser.add_argument("--steps", type=int, default=200, help="measured calls per row count")
+    parser.add_argument("--device-profile", default="h200", help="simulated GPU")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--attention-backend",
+        default="triton",
+        choices=("triton", "torch"),
+        help="the backend whose host path is measured (triton: the GPU's)",
+    )
+    parser.add_argument(
+        "--graph-mode",
+        default="emulate",
+        choices=("emulate", "off"),
+        help="emulate: the static buffers of CUDA graphs (the GPU default)",
+    )
+    parser.add_argument("--output-json", default=None, help="write the points here")

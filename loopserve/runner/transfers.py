@@ -1,0 +1,77 @@
+"""Host <-> device copies of the runner's step path, in one place, counted.
+
+A looped model runs one core call per loop, so every synchronising copy is paid four times per
+token for Ouro. The step path (model runner, graphs, sampler) moves data only through
+`Transfers`:
+
+- `to_device(values, dtype)`: host integers (or floats) to the device. On CUDA the values go
+  into a pinned host tensor (torch's caching host allocator keeps it alive until the copy
+  has run) and are copied with `non_blocking=True`, so the host never waits on the device.
+- `to_host(tensor)`: a device tensor to a Python list: the one kind of copy that waits for
+  the device. Callers pack what they need (hazards, sampled ids, log-probabilities) into as
+  few such copies as the step's decisions allow.
+
+Counts are logical: a copy is counted on CPU too (where it costs nothing), so CPU tests pin
+how many copies a core call makes on a GPU. `RunnerOutput` reports them per step and
+`EngineStats` in total. tests/test_transfers.py fails if the step path copies any other way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class Transfers:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.num_h2d = 0
+        self.num_d2h = 0
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self._deferred: list[tuple[torch.Tensor, Callable[[list[float]], None]]] = []
+
+    def to_device(self, values: Sequence, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        if self.pinned:
+            host = torch.empty(len(values), dtype=dtype, pin_memory=True)
+            host.copy_(torch.as_tensor(values, dtype=dtype))
+            out = host.to(self.device, non_blocking=True)
+        else:
+            out = torch.tensor(values, dtype=dtype, device=self.device)
+        self.num_h2d += 1
+        self.h2d_bytes += out.numel() * out.element_size()
+        return out
+
+    def defer(self, tensor: torch.Tensor, receive: Callable[[list[float]], None]) -> None:
+        """Read `tensor` (any shape, as float64 values) with the next copy to the host, and
+        hand its values to `receive` then: results that are not needed yet ride along with
+        the next read that is (`flush` reads them alone)."""
+        self._deferred.append((tensor.reshape(-1), receive))
+
+    def to_host(self, tensor: torch.Tensor) -> list:
+        """`tensor.tolist()` in one copy, together with every deferred tensor."""
+        if not self._deferred:
+            self.num_d2h += 1
+            self.d2h_bytes += tensor.numel() * tensor.element_size()
+            return tensor.tolist()
+        deferred, self._deferred = self._deferred, []
+        parts = [tensor.reshape(-1).double(), *(part.double() for part, _ in deferred)]
+        packed = torch.cat(parts)
+        self.num_d2h += 1
+        self.d2h_bytes += packed.numel() * packed.element_size()
+        values = packed.tolist()
+        start = tensor.numel()
+        for part, receive in deferred:
+            receive(values[start : start + part.numel()])
+            start += part.numel()
+        return values[: tensor.numel()]
+
+    def flush(self) -> None:
+        """Read every deferred tensor now (one copy; none if nothing is deferred)."""
+        if self._deferred:
+            self.to_host(torch.empty(0, dtype=torch.float64, device=self.device))
+
+    def counts(self) -> tuple[int, int, int, int]:
+        return self.num_h2d, self.num_d2h, self.h2d_bytes, self.d2h_bytes

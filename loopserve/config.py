@@ -51,6 +51,7 @@ class SchedulerConfig:
     mode: str = default("mode")
     prefill_mode: str = default("prefill_mode")
     mixed_prefill_decode: bool = default("mixed_prefill_decode")
+    fill_prompt_chunks: bool = default("fill_prompt_chunks")
     max_prefill_batches_before_decode: int = default("max_prefill_batches_before_decode")
     preemption_mode: str = default("preemption_mode")
     scheduling_policy: str = default("scheduling_policy")

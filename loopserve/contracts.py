@@ -134,8 +134,10 @@ class SchedulerOutput:
         return not self.items
 
 
-@dataclass(frozen=True, slots=True)
-class ItemResult:
+class ItemResult(NamedTuple):
+    """One item's result. A NamedTuple, like `WorkItem`, for the same reason: the runner
+    builds one per row every loop."""
+
     request_id: str
     handle: int
     # Hazards read this step: decode rows one per gated loop; first-token prompt items one

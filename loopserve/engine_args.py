@@ -75,6 +75,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "pipelines chunks across depths", choices=PREFILL_MODES),
     EngineArg("mixed_prefill_decode", "scheduler", "mixed_prefill_decode", False,
               "put prompt rows (one loop at a time) into the decode core call", bool),
+    EngineArg("fill_prompt_chunks", "scheduler", "fill_prompt_chunks", True,
+              "cut a new prompt chunk to the rows its core call has left: min(remaining "
+              "prompt, rows left, prefill_chunk_size); off: a chunk that does not fit waits "
+              "for a later call", bool),
     EngineArg("max_prefill_batches_before_decode", "scheduler",
               "max_prefill_batches_before_decode", 1,
               "prompt steps in a row before one decode step (when not mixed)", int),
@@ -143,8 +147,9 @@ def add_engine_args(
         value = overrides.get(name, arg.default)
         text = (helps or {}).get(name, arg.help)
         if arg.type is bool:
-            # A None default means "decided by other args": --flag / --no-flag both exist.
-            action = argparse.BooleanOptionalAction if value is None else "store_true"
+            # A None default means "decided by other args", a True one "on unless turned
+            # off": --flag / --no-flag both exist.
+            action = argparse.BooleanOptionalAction if value in (None, True) else "store_true"
             group.add_argument(arg.flag, action=action, default=value, help=text)
             continue
         group.add_argument(arg.flag, type=arg.type, default=value, choices=arg.choices, help=text)

@@ -75,14 +75,23 @@ def make_policy(name: str, chunk_size: int) -> PromptPolicy:
     return PROMPT_POLICIES[name](chunk_size, NUM_LOOPS, lambda: next(handles))
 
 
-def run_prompts(policy: PromptPolicy, requests: list[Request], max_rows: int) -> list[list]:
-    """Select until every prompt is done; each step as [(request, chunk start, depth, depths)]."""
+def run_prompts(
+    policy: PromptPolicy, requests: list[Request], max_rows: int, *, counts: bool = False
+) -> list[list]:
+    """Select until every prompt is done; each step as [(request, chunk start, depth, depths)]
+    (with `counts`: (request, chunk start, depth, chunk rows))."""
     steps = []
     while any(r.in_prompt_phase for r in requests):
         work = policy.select([r for r in requests if r.in_prompt_phase], max_rows)
         assert work, "no prompt work was ready"
         assert sum(w.chunk.count for w in work) <= max_rows
-        steps.append([(w.request.request_id, w.chunk.start, w.depth, w.num_depths) for w in work])
+        steps.append(
+            [
+                (w.request.request_id, w.chunk.start, w.depth,
+                 w.chunk.count if counts else w.num_depths)
+                for w in work
+            ]
+        )  # fmt: skip
         for w in work:  # what the scheduler's update does with a prompt item
             w.chunk.next_depth += w.num_depths
             if w.chunk.next_depth == NUM_LOOPS:
@@ -150,32 +159,54 @@ def test_wavefront_row_budget_never_splits_a_chunk():
 
 
 @pytest.mark.parametrize("name", ["atomic", "per_depth", "wavefront"])
-def test_an_item_that_does_not_fit_stops_selection_in_admission_order(name):
+def test_a_new_chunk_is_cut_to_the_rows_left_in_admission_order(name):
     first, second = make_request("a", 8, 0), make_request("b", 2, 1)
     policy = make_policy(name, 8)
-    # 6 rows: a's 8-row chunk does not fit and is not split; b may not jump ahead of it.
-    assert policy.select([first, second], 6) == []
-    work = policy.select([first, second], 9)
-    assert [(w.request.request_id, w.chunk.count) for w in work] == [("a", 8)]
+    # 6 rows: a's new chunk is cut to 6 (min(remaining 8, rows left 6, chunk 8)); nothing
+    # is left for b, which may not jump ahead of a.
+    work = policy.select([first, second], 6)
+    assert [(w.request.request_id, w.chunk.count) for w in work] == [("a", 6)]
+
+
+@pytest.mark.parametrize("name", ["per_depth", "wavefront"])
+def test_an_in_flight_chunk_that_does_not_fit_stops_selection(name):
+    first, second = make_request("a", 8, 0), make_request("b", 2, 1)
+    policy = make_policy(name, 8)
+    (work,) = policy.select([first, second], 8)
+    work.chunk.next_depth += 1  # its depth 0 ran; its length is fixed at 8
+    # 5 rows: a's chunk is never split, and b may not jump ahead of it.
+    assert policy.select([first, second], 5) == []
+    again = policy.select([first, second], 10)
+    assert [(w.request.request_id, w.chunk.count, w.depth) for w in again][0] == ("a", 8, 1)
 
 
 def test_wavefront_dependencies_hold_for_several_requests_under_a_tight_budget():
-    requests = [make_request(f"p{i}", n, i) for i, n in enumerate([29, 17, 9])]
-    steps = run_prompts(make_policy("wavefront", 8), requests, max_rows=20)
+    lengths = [29, 17, 9]
+    requests = [make_request(f"p{i}", n, i) for i, n in enumerate(lengths)]
+    steps = run_prompts(make_policy("wavefront", 8), requests, max_rows=20, counts=True)
     done: set[tuple[str, int, int]] = set()
+    chunks: dict[str, dict[int, int]] = {}  # request -> start -> count
     for step in steps:
-        for request_id, start, depth, _ in step:
+        for request_id, start, depth, count in step:
+            known = chunks.setdefault(request_id, {})
+            assert known.setdefault(start, count) == count, "a chunk's length is fixed"
             if start > 0:  # the previous chunk finished this depth in an earlier step
-                assert (request_id, start - 8, depth) in done
+                previous = max(s for s in known if s < start)
+                assert previous + known[previous] == start
+                assert (request_id, previous, depth) in done
             if depth > 0:
                 assert (request_id, start, depth - 1) in done
         order = [int(request_id[1:]) for request_id, *_ in step]
         assert order == sorted(order), "prompt items keep admission order"
         done |= {(request_id, start, depth) for request_id, start, depth, _ in step}
+    for i, n in enumerate(lengths):  # chunks tile the prompt, each at most 8 rows
+        starts = sorted(chunks[f"p{i}"])
+        assert sum(chunks[f"p{i}"].values()) == n and starts[0] == 0
+        assert all(count <= 8 for count in chunks[f"p{i}"].values())
     expected = {
-        (f"p{i}", start, depth)
-        for i, n in enumerate([29, 17, 9])
-        for start in range(0, n, 8)
+        (request_id, start, depth)
+        for request_id, known in chunks.items()
+        for start in known
         for depth in range(NUM_LOOPS)
     }
     assert done == expected  # every chunk ran every depth exactly once

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import pytest
@@ -215,14 +216,68 @@ def test_admission_continues_during_long_prompts(tiny_dir):
         assert finished_order == ["short", "long"], arm
 
 
-def test_selector_never_splits_items_and_stops_at_budget(tiny_dir):
+def test_items_keep_their_length_and_new_chunks_fill_the_budget(tiny_dir):
+    """A chunk's length is fixed when it is created (every depth of it runs the same rows),
+    and a new chunk is cut to the rows its call has left: min(remaining prompt, rows left,
+    chunk size)."""
     engine = make_engine(tiny_dir, **ARMS["wavefront"], **BUDGET)
     steps = record_schedules(engine)
     params = SamplingParams(max_tokens=2, temperature=0)
-    run_steps(engine, [(f"p{i}", list(range(1, 30)), params, 0) for i in range(4)])
-    assert max(s.num_rows for s in steps) == BUDGET["max_num_batched_tokens"]
+    work = [(f"p{i}", list(range(1, 30)), params, 0) for i in range(4)]
+    finished = run_steps(engine, work)
+    budget = BUDGET["max_num_batched_tokens"]
+    lengths: dict[tuple[str, int], set[int]] = {}
+    cut_in_full_calls = 0
     for s in steps:
-        assert all(i.token_count in (8, 5, 1) for i in s.items)  # 29 = 8+8+8+5; decode = 1
+        assert s.num_rows <= budget
+        for item in s.items:
+            if item.kind is not ItemKind.PROMPT:
+                continue
+            lengths.setdefault((item.request_id, item.token_start), set()).add(item.token_count)
+            natural = min(BUDGET["prefill_chunk_size"], 29 - item.token_start)
+            if item.depth == 0 and item.token_count < natural:
+                cut_in_full_calls += s.num_rows == budget  # cut exactly to what was left
+    assert all(len(counts) == 1 for counts in lengths.values())
+    assert cut_in_full_calls > 0
+    for request_id, prompt, p, _ in work:
+        ref = reference_for(engine, prompt, p)
+        assert (finished[request_id].token_ids, finished[request_id].exit_depths) == (
+            ref.token_ids, ref.exit_depths,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("arm", ["atomic", "per_depth", "wavefront", "mixed", "wavefront_mixed"])
+def test_budget_filling_chunks_equal_the_dense_reference_over_random_budgets(tiny_dir, arm):
+    rng = random.Random(zlib.crc32(f"budget-{arm}".encode()))
+    cuts = 0
+    for trial in range(3):
+        chunk = rng.choice([4, 7, 12])
+        max_seqs = rng.choice([2, 3, 5])
+        budget = rng.randint(chunk + max_seqs - 1, chunk + max_seqs + 9)
+        engine = make_engine(tiny_dir, **ARMS[arm], prefill_chunk_size=chunk,
+                             max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                             block_size=4)  # fmt: skip
+        steps = record_schedules(engine)
+        work = []
+        for i in range(5):
+            prompt = [rng.randrange(1, 256) for _ in range(rng.randint(1, 30))]
+            params = SamplingParams(max_tokens=rng.randint(1, 5), temperature=0.0,
+                                    exit_threshold=rng.choice([0.4, 1.0]))  # fmt: skip
+            work.append((f"r{trial}-{i}", prompt, params, rng.randrange(0, 4)))
+        finished = run_steps(engine, work)
+        for request_id, prompt, params, _ in work:
+            ref = reference_for(engine, prompt, params)
+            out = finished[request_id]
+            assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths)
+        prompt_len = {rid: len(p) for rid, p, _, _ in work}
+        cuts += sum(
+            1
+            for s in steps
+            for i in s.items
+            if i.kind is ItemKind.PROMPT and i.depth == 0
+            and i.token_count < min(chunk, prompt_len[i.request_id] - i.token_start)
+        )  # fmt: skip
+    assert cuts > 0  # some chunk really was cut to its call's budget
 
 
 @pytest.mark.parametrize("arm", ["per_depth", "wavefront", "wavefront_mixed"])

@@ -109,6 +109,7 @@ class ModelRunner(Executor):
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
         self.transfers = Transfers(self.device)  # every host<->device copy, counted
+        self._decode_call: tuple[list[int], torch.Tensor] | None = None  # last graphed call
         self.moves = KVMoves(self.kv_cache, num_host_blocks, block_size, self.inflight)
         self.swap = self.moves.swap
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
@@ -327,6 +328,7 @@ class ModelRunner(Executor):
         return 0 if self.shared else item.depth + k
 
     def _core_call(self, scheduled, items, active, k, states) -> None:
+        self._decode_call = None  # set again below by a graphed call
         graphs = self.graphs
         if (
             graphs is not None
@@ -362,12 +364,17 @@ class ModelRunner(Executor):
         out = self._timed(graphs.launch, bucket, len(active))
         for i, row in zip(active, out.split(1)):
             states[i] = row
+        self._decode_call = (active, out)  # rows in `active` order: gate input as it is
 
     def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
         """Hazards for rows that need them, exit decisions, finalize copies."""
         gated = [i for i in active if items[i].needs_gate]
         if gated:
-            rows = torch.cat([states[i][-1:] for i in gated])
+            decode_call, self._decode_call = self._decode_call, None
+            if decode_call is not None and decode_call[0] == gated:
+                rows = decode_call[1]  # every row of a decode call is gated: no gather
+            else:
+                rows = torch.cat([states[i][-1:] for i in gated])
             values = self._timed(self.hazard_fn, rows).float()  # [gated], on the device
 
             def receive(read: list[float], gated=gated) -> None:
@@ -433,25 +440,34 @@ class ModelRunner(Executor):
                 sampled[i] = token
         self.transfers.flush()  # hazards not read yet (no coda this step)
         results = []
+        last_depth, inflight, prompt, replay = (
+            self.num_loops - 1,
+            self.inflight,
+            ItemKind.PROMPT,
+            ItemKind.REPLAY,
+        )
         for i, item in enumerate(items):
+            token = sampled.get(i)
             finished = (
-                i in sampled
-                or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
-                or (item.kind is ItemKind.REPLAY and exited[i])  # replay: no coda
+                token is not None
+                or (item.kind is prompt and item.last_depth == last_depth)
+                or (item.kind is replay and exited[i])  # replay: no coda
             )
             if finished:
-                self.inflight.done(item.request_id, item.handle)
+                inflight.done(item.request_id, item.handle)
             else:
-                state = InFlight(states[i], hazards[i], last_outputs[i])
-                self.inflight.keep(item.request_id, item.handle, state)
-            results.append(
-                ItemResult(
-                    request_id=item.request_id,
-                    handle=item.handle,
-                    hazards=tuple(hazards[i][-item.num_depths :]) if item.needs_gate else (),
-                    exited=bool(exited[i]) or i in sampled,
-                    loops_used=loops_used.get(i),
-                    sampled=sampled.get(i),
+                inflight.keep(
+                    item.request_id, item.handle, InFlight(states[i], hazards[i], last_outputs[i])
                 )
-            )
+            read = hazards[i]
+            if not item.needs_gate:
+                item_hazards = ()
+            elif item.num_depths == 1:
+                item_hazards = (read[-1],)
+            else:
+                item_hazards = tuple(read[-item.num_depths :])
+            results.append(
+                ItemResult(item.request_id, item.handle, item_hazards,
+                           bool(exited[i]) or token is not None, loops_used.get(i), token)
+            )  # fmt: skip
         return results

@@ -100,8 +100,11 @@ NewHandle = Callable[[], int]
 
 
 class PromptPolicy(ABC):
-    def __init__(self, chunk_size: int, num_loops: int, new_handle: NewHandle) -> None:
+    def __init__(
+        self, chunk_size: int, num_loops: int, new_handle: NewHandle, *, fill: bool = True
+    ) -> None:
         self.chunk_size = chunk_size
+        self.fill = fill  # cut new chunks to the rows left (`_open_chunk`)
         self.num_loops = num_loops
         self.new_handle = new_handle
 
@@ -124,10 +127,14 @@ class PromptPolicy(ABC):
         """The request's ready chunks in order; None marks one that does not fit (stop)."""
 
     def _open_chunk(self, request: Request, rows_left: int) -> PromptChunk | None:
-        """A new chunk at the request's prompt frontier, if it fits in `rows_left`."""
+        """A new chunk at the request's prompt frontier, cut to fill the call: its length is
+        min(remaining prompt, rows left in the call, chunk size), fixed from now on. None
+        when the call has no row left (with `fill` off: when the whole chunk does not fit)."""
         start = request.next_chunk_start
         count = min(self.chunk_size, request.num_prompt_tokens - start)
-        if count > rows_left:
+        if self.fill:
+            count = min(count, rows_left)
+        if count <= 0 or count > rows_left:
             return None
         chunk = PromptChunk(start, count, self.new_handle())
         request.next_chunk_start = chunk.end

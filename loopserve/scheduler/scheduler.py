@@ -64,7 +64,7 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         if self.mixed and prompt_mode == "atomic":
             prompt_mode = "per_depth"  # prompt rows ride in decode calls one depth at a time
         self.prompt_policy: PromptPolicy = PROMPT_POLICIES[prompt_mode](
-            chunk_size, num_loops, self._handle
+            chunk_size, num_loops, self._handle, fill=sched.fill_prompt_chunks
         )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []

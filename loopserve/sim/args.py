@@ -18,6 +18,7 @@ SIM_ENGINE_ARGS = (
     "prefill_chunk_size",
     "prefill_mode",
     "mixed_prefill_decode",
+    "fill_prompt_chunks",
     "block_size",
     "num_blocks",
     "gpu_memory_utilization",

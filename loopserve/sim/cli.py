@@ -101,6 +101,7 @@ def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int
             inject_at=tuple(args.inject_at or [8] * len(args.prompt_lens)),
             prefill_chunk_size=args.prefill_chunk_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            fill_prompt_chunks=args.fill_prompt_chunks,
             exit_dist=args.exit_dist,
             seed=args.seed,
         )

@@ -125,6 +125,7 @@ def run_interference(
         "prefill_chunk_size": spec.prefill_chunk_size,
         "max_num_batched_tokens": spec.max_num_batched_tokens,
         "max_num_seqs": spec.num_decode + len(spec.prompt_lens),
+        "fill_prompt_chunks": spec.fill_prompt_chunks,
     }
     sim = Simulator(model_config, device, engine_args, roofline=roofline)
     core, executor = sim.core, sim.executor

@@ -26,6 +26,7 @@ class InterferenceSpec:
     inject_at: tuple[int, ...] = (8, 8, 8, 8)
     prefill_chunk_size: int = 512
     max_num_batched_tokens: int = 2048
+    fill_prompt_chunks: bool = True  # new chunks cut to the rows their call has left
     exit_dist: str = "ouro_1p4b_t0.5"
     seed: int = 0
 

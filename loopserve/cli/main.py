@@ -77,8 +77,8 @@ COMMANDS: list[Command] = [
     Command(
         ("bench", "host"),
         "host microseconds per core call (null core) beside the simulated GPU device time",
-        "loopserve.bench.host:add_cli_args",
-        "loopserve.bench.host:main_from_args",
+        "loopserve.sim.args:add_host_bench_args",
+        "loopserve.sim.host_bench:main_from_args",
     ),
     Command(
         ("simulate",),

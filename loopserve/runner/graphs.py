@@ -29,6 +29,7 @@ and every call with prompt rows or a longer context run eagerly (the caller chec
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -306,28 +307,40 @@ class DecodeGraphs:
         """Record one CUDA graph per bucket, largest first, in one shared memory pool.
 
         Inputs during warm-up and capture are all padding rows (they write only the dummy
-        block). Warm-up runs first on a side stream so lazy initialisation (cuBLAS handles,
-        the attention workspace at its largest size) happens outside the capture; capturing
-        the largest bucket first lets smaller graphs reuse its pool memory."""
+        block). Warm-up runs first on one side stream (created once, so no stream per bucket
+        keeps cached memory outside the plan) so lazy initialisation (cuBLAS handles, Triton
+        compiles, the attention workspace at its largest size) happens outside the capture;
+        capturing the largest bucket first lets smaller graphs reuse its pool memory.
+        Garbage collection is off during capture (a collection could free tensors whose
+        memory the graph is recording), and everything runs under the engine's device, so a
+        `cuda:1` engine captures on its own GPU."""
         if self.device.type != "cuda":
             raise RuntimeError("CUDA graph capture needs a CUDA device; use graph_mode=emulate")
-        pool = torch.cuda.graph_pool_handle()
-        for bucket in sorted(self.buckets, reverse=True):
-            self.hidden[:bucket].zero_()
-            self.positions[:bucket].zero_()
-            self.write_slots[:bucket].fill_(self.dummy_slot)
-            self.table_index[:bucket].fill_(self.padding_table)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self._forward(bucket)
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize()
+        gc_was_enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.device(self.device):
+                pool = torch.cuda.graph_pool_handle()
+                stream = torch.cuda.Stream(self.device)
+                for bucket in sorted(self.buckets, reverse=True):
+                    self.hidden[:bucket].zero_()
+                    self.positions[:bucket].zero_()
+                    self.write_slots[:bucket].fill_(self.dummy_slot)
+                    self.table_index[:bucket].fill_(self.padding_table)
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):
+                            self._forward(bucket)
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[bucket] = self._forward(bucket)
+                    self.graphs[bucket] = graph
+                torch.cuda.synchronize(self.device)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self.num_calls = self.num_padded_rows = 0
 
 

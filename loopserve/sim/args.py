@@ -104,6 +104,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--host-overhead-ms", type=float, default=0.0, help="host time added per step"
     )
     parser.add_argument(
+        "--host-model",
+        default=None,
+        help="price host time per core call: 'cpu' (the bench host fit of docs/benchmarks.md) "
+        "or a `loopserve bench host --output-json` file; steps are host-bound when it exceeds "
+        "their device time (overlapped, ideally, with --async-scheduling)",
+    )
+    parser.add_argument(
         "--roofline",
         default="call",
         choices=["call", "phase"],
@@ -193,3 +200,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt j arrives once every decode request has this many tokens (None: 8 each)",
     )
+
+
+def add_host_bench_args(parser) -> None:
+    """Flags of `loopserve bench host` (`loopserve.sim.host_bench`)."""
+    parser.add_argument("--rows", default="1,8,32,128,256", help="rows per core call")
+    parser.add_argument("--context", type=int, default=256, help="positions per row")
+    parser.add_argument("--steps", type=int, default=200, help="measured calls per row count")
+    parser.add_argument("--device-profile", default="h200", help="simulated GPU")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--attention-backend",
+        default="triton",
+        choices=("triton", "torch"),
+        help="the backend whose host path is measured (triton: the GPU's)",
+    )
+    parser.add_argument(
+        "--graph-mode",
+        default="emulate",
+        choices=("emulate", "off"),
+        help="emulate: the static buffers of CUDA graphs (the GPU default)",
+    )
+    parser.add_argument("--output-json", default=None, help="write the points here")

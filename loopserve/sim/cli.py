@@ -24,7 +24,14 @@ from loopserve.sim.args import add_cli_args as add_cli_args  # noqa: F401  (re-e
 from loopserve.sim.calibration import load_calibrated_profile
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.hardware import get_device_profile
-from loopserve.sim.report import format_capacity, format_memory_table, format_table, plot
+from loopserve.sim.host_model import load_host_model
+from loopserve.sim.report import (
+    format_capacity,
+    format_host_table,
+    format_memory_table,
+    format_table,
+    plot,
+)
 from loopserve.sim.scenarios import (
     InterferenceSpec,
     format_interference,
@@ -165,6 +172,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         roofline=args.roofline,
         on_finish=bar.update,
         client_max_tokens=args.client_max_tokens,
+        host_model=load_host_model(args.host_model),
     )
     slo_s = args.slo_ms / 1e3
     start = time.perf_counter()
@@ -191,6 +199,8 @@ def main_from_args(args: argparse.Namespace) -> int:
                 capacity[arm.name] = max(ok, default=0.0)
     print(format_table(points))
     print(format_memory_table(points))
+    if setup.host_model is not None:
+        print(format_host_table(points, setup.host_model))
     shape = ModelShape.from_config(model_config)
     cost = CostModel(shape, device, args.roofline)
     print(

@@ -105,6 +105,10 @@ class SimResult:
     swap_time_share: float = 0.0  # of simulated GPU seconds: host-link copies
     prefix_hit_tokens: int = 0
     num_prompt_tokens: int = 0
+    # With a host model (`sim.host_model`): priced host seconds over the makespan, and the
+    # share of steps whose host time exceeded their device time (host-bound steps).
+    host_busy_share: float = 0.0
+    host_bound_step_share: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -164,4 +168,6 @@ def summarize(run: SimRun) -> SimResult:
         swap_time_share=_ratio(ex.swap_time_s, ex.model_time_s),
         prefix_hit_tokens=run.prefix_hit_tokens,
         num_prompt_tokens=num_prompt,
+        host_busy_share=_ratio(run.host_s, duration),
+        host_bound_step_share=_ratio(run.host_bound_steps, run.num_steps),
     )

@@ -33,6 +33,26 @@ def format_table(points: list[PointResult]) -> str:
     return "\n".join(lines)
 
 
+def format_host_table(points: list[PointResult], host_model) -> str:
+    """With a host model: the share of the makespan the host was busy and the share of steps
+    that were host-bound (host time above device time)."""
+    lines = [
+        f"host model: {host_model.per_call_s * 1e6:.0f} us per core call + "
+        f"{host_model.per_row_s * 1e6:.1f} us per row ({host_model.source})",
+        f"{'policy':>11} {'rate':>7} {'host busy':>9} {'gpu busy':>8} {'host-bound steps':>16}",
+    ]
+    for p in points:
+        if p.result is None:
+            continue
+        rate = "inf" if math.isinf(p.request_rate) else f"{p.request_rate:.2f}"
+        r = p.result
+        lines.append(
+            f"{p.arm:>11} {rate:>7} {r.host_busy_share:>9.2f} {r.gpu_busy_share:>8.2f} "
+            f"{r.host_bound_step_share:>16.0%}"
+        )
+    return "\n".join(lines)
+
+
 def format_memory_table(points: list[PointResult]) -> str:
     """Memory management per point: preemptions per 1000 requests, the recompute share of
     row-loops, the swap share of GPU time, prefix-cache hits over prompt tokens."""

@@ -40,6 +40,7 @@ from loopserve.scheduler.scheduler import MemoryStats, Scheduler
 from loopserve.sim.cost_model import CostModel, ModelShape
 from loopserve.sim.executor import ExecutorStats, SimExecutor
 from loopserve.sim.hardware import DeviceProfile
+from loopserve.sim.host_model import HostModel, step_time_s
 from loopserve.sim.metrics import RequestRecord, SimResult, summarize
 from loopserve.sim.workload import ExitDistribution, SimRequest
 
@@ -62,6 +63,8 @@ class SimRun:
     step_items: list[tuple] = field(default_factory=list)
     memory: MemoryStats = field(default_factory=MemoryStats)
     prefix_hit_tokens: int = 0
+    host_s: float = 0.0  # priced host time of every step (`HostModel`; 0 without one)
+    host_bound_steps: int = 0  # steps whose host time exceeded their device time
 
 
 def build_engine_config(engine_args: dict[str, object]) -> EngineConfig:
@@ -107,6 +110,7 @@ class Simulator:
         seed: int = 0,
         roofline: str = "call",
         client_max_tokens: int | None = None,
+        host_model: HostModel | None = None,
     ) -> None:
         """`exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
         draws hazards from the distribution; requests get the threshold); trace mode replays
@@ -139,6 +143,10 @@ class Simulator:
             block_size=cache.block_size,
         )
         self.host_time_s = host_time_s
+        # Host time per core call (`sim.host_model`); None: steps cost device time only.
+        self.host_model = host_model
+        self.host_s = 0.0
+        self.host_bound_steps = 0
         # Clients that do not know the output length send this max_tokens (capped by the
         # context); each request still stops at its sampled output length (a stop, as if
         # the model emitted EOS), so the engine never learns the length in advance.
@@ -146,6 +154,17 @@ class Simulator:
         self._output_len: dict[str, int] = {}
         # CPU seconds: the scheduler's share is robust to other load on the host.
         self.core = EngineCore(self.scheduler, self.executor, clock=time.process_time)
+
+    def _step_s(self, output: RunnerOutput) -> float:
+        """A step's wall time: device time, plus the host model's time for its core calls
+        (overlapped, ideally, under async scheduling)."""
+        device_s = output.model_time_s
+        if self.host_model is None:
+            return device_s
+        host_s = self.host_model.step_s(output.rows_per_core_call)
+        self.host_s += host_s
+        self.host_bound_steps += host_s > device_s
+        return step_time_s(device_s, host_s, overlap=self.config.async_scheduling)
 
     def make_request(self, sim: SimRequest, order: int, arrival_s: float) -> Request:
         trace_mode = self.config.exit.mode == "trace"
@@ -219,7 +238,7 @@ class Simulator:
                     scheduler.finish(request, FinishReason.STOP)
             if result.scheduled.is_empty:
                 raise RuntimeError("the scheduler planned an empty step with work pending")
-            clients.clock += result.output.model_time_s + self.host_time_s
+            clients.clock += self._step_s(result.output) + self.host_time_s
             finished = clients.record_tokens(result.touched)
             if finished and on_finish is not None:
                 on_finish(finished)
@@ -247,6 +266,8 @@ class Simulator:
             prefix_hit_tokens=self.kv.prefix_cache.stats.num_hit_tokens
             if self.kv.prefix_cache
             else 0,
+            host_s=self.host_s,
+            host_bound_steps=self.host_bound_steps,
         )
 
 
@@ -311,8 +332,11 @@ def simulate(
     max_concurrency: int | None = None,
     host_time_s: float = 0.0,
     on_finish: Callable[[int], None] | None = None,
+    host_model: HostModel | None = None,
 ) -> SimResult:
     """Build a `Simulator`, run the workload and summarize it."""
-    sim = Simulator(model_config, device, engine_args, host_time_s=host_time_s)
+    sim = Simulator(
+        model_config, device, engine_args, host_time_s=host_time_s, host_model=host_model
+    )
     run = sim.run(workload, max_concurrency=max_concurrency, on_finish=on_finish)
     return summarize(run)

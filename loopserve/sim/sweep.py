@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.sim.hardware import DeviceProfile
+from loopserve.sim.host_model import HostModel
 from loopserve.sim.metrics import SimResult, summarize
 from loopserve.sim.simulator import Simulator
 from loopserve.sim.workload import WorkloadSpec, build_workload
@@ -71,6 +72,7 @@ class SweepSetup:
     roofline: str = "call"
     on_finish: Callable[[int], None] | None = None
     client_max_tokens: int | None = None  # see `Simulator`
+    host_model: HostModel | None = None  # host time per core call (`sim.host_model`)
 
 
 def check_arm(setup: SweepSetup, arm: Arm) -> str | None:
@@ -102,6 +104,7 @@ def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
             host_time_s=setup.host_time_s,
             roofline=setup.roofline,
             client_max_tokens=setup.client_max_tokens,
+            host_model=setup.host_model,
         )
     except ConfigError as err:
         return PointResult(arm.name, request_rate, None, f"pending: {err}")

@@ -1,5 +1,8 @@
 """`loopserve bench host`: host microseconds per core call, beside the device time they must hide.
 
+It lives beside the simulator because it sets real host time against the cost model's device
+time (and its output fits `sim.host_model.HostModel`); its flags are in `sim.args`.
+
 A looped model pays every per-call host cost once per loop (four times per token for Ouro),
 so host work per core call has to stay well under the device time of that call, or the GPU
 idles. By default it measures the configuration a GPU runs: the Triton attention backend and
@@ -178,24 +181,3 @@ def main_from_args(args) -> int:
                   "target_ratio": TARGET_RATIO, "target_met": met}  # fmt: skip
         Path(args.output_json).write_text(json.dumps(record, indent=1))
     return 0
-
-
-def add_cli_args(parser) -> None:
-    parser.add_argument("--rows", default="1,8,32,128,256", help="rows per core call")
-    parser.add_argument("--context", type=int, default=256, help="positions per row")
-    parser.add_argument("--steps", type=int, default=200, help="measured calls per row count")
-    parser.add_argument("--device-profile", default="h200", help="simulated GPU")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument(
-        "--attention-backend",
-        default="triton",
-        choices=("triton", "torch"),
-        help="the backend whose host path is measured (triton: the GPU's)",
-    )
-    parser.add_argument(
-        "--graph-mode",
-        default="emulate",
-        choices=("emulate", "off"),
-        help="emulate: the static buffers of CUDA graphs (the GPU default)",
-    )
-    parser.add_argument("--output-json", default=None, help="write the points here")

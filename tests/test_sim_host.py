@@ -1,0 +1,67 @@
+"""The simulator's host-time model: fitted from `bench host` points, priced per core call,
+serial without async scheduling and (ideally) overlapped with it, host-bound steps reported."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loopserve.errors import ConfigError
+from loopserve.sim.cost_model import OURO_1P4B
+from loopserve.sim.hardware import get_device_profile
+from loopserve.sim.host_model import MEASURED_CPU, HostModel, load_host_model, step_time_s
+from loopserve.sim.simulator import simulate
+from loopserve.sim.workload import WorkloadSpec, build_workload
+
+ARGS = dict(mode="refill", exit_mode="trace", max_num_seqs=32, max_num_batched_tokens=2048,
+            prefill_chunk_size=512)  # fmt: skip
+
+
+def _workload():
+    spec = WorkloadSpec(48, dataset="synthetic", exit_dist="ouro_1p4b_t0.5", seed=1,
+                        input_len=128, output_len=64, range_ratio=0.5)  # fmt: skip
+    return build_workload(spec, OURO_1P4B.num_loops)
+
+
+def test_fit_recovers_a_known_line():
+    points = [(rows, 40e-6 + 3e-6 * rows) for rows in (1, 8, 32, 128)]
+    model = HostModel.fit(points)
+    assert model.per_call_s == pytest.approx(40e-6) and model.per_row_s == pytest.approx(3e-6)
+    assert model.step_s([10, 20]) == pytest.approx(2 * 40e-6 + 30 * 3e-6)
+    assert step_time_s(1.0, 0.4, overlap=False) == 1.4
+    assert step_time_s(1.0, 0.4, overlap=True) == 1.0 and step_time_s(1.0, 3.0, overlap=True) == 3.0
+
+
+def test_host_time_slows_the_simulated_run_and_marks_host_bound_steps():
+    device, workload = get_device_profile("h200"), _workload()
+    plain = simulate(OURO_1P4B, device, workload, ARGS)
+    slow = HostModel(per_call_s=5e-3, per_row_s=0.0)  # far above any device call here
+    priced = simulate(OURO_1P4B, device, workload, ARGS, host_model=slow)
+    assert plain.host_bound_step_share == 0.0 and plain.host_busy_share == 0.0
+    assert priced.host_bound_step_share > 0.95  # all but big prompt steps
+    assert priced.duration_s > plain.duration_s + 5e-3 * priced.num_core_calls * 0.99
+    assert priced.num_output_tokens == plain.num_output_tokens  # same work, priced slower
+
+
+def test_async_scheduling_overlaps_host_and_device_time():
+    device, workload = get_device_profile("h200"), _workload()
+    host = HostModel(per_call_s=1e-3, per_row_s=0.0)
+    args = dict(ARGS, exit_mode="trace")
+    serial = simulate(OURO_1P4B, device, workload, args, host_model=host)
+    overlapped = simulate(OURO_1P4B, device, workload, dict(args, async_scheduling=True),
+                          host_model=host)  # fmt: skip
+    assert overlapped.duration_s < serial.duration_s
+
+
+def test_load_host_model_takes_cpu_or_a_bench_host_file(tmp_path):
+    assert load_host_model(None) is None
+    assert load_host_model("cpu") is MEASURED_CPU and MEASURED_CPU.per_row_s > 0
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps({"points": [{"rows": 1, "host_us": 50.0},
+                                           {"rows": 101, "host_us": 250.0}]}))  # fmt: skip
+    model = load_host_model(str(path))
+    assert model.per_call_s == pytest.approx(48e-6) and model.per_row_s == pytest.approx(2e-6)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="bench host JSON"):
+        load_host_model(str(tmp_path / "bad.json"))

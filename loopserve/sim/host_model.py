@@ -58,11 +58,11 @@ def step_time_s(device_s: float, host_s: float, *, overlap: bool) -> float:
 # `loopserve bench host` (null core, Triton backend, graph buffers, 256-position contexts,
 # one torch thread) on the 2-vCPU AMD EPYC development machine; see docs/benchmarks.md.
 MEASURED_CPU_POINTS: tuple[tuple[int, float], ...] = (
-    (1, 310e-6),
-    (8, 646e-6),
-    (32, 1313e-6),
-    (128, 4103e-6),
-    (256, 8133e-6),
+    (1, 220e-6),
+    (8, 486e-6),
+    (32, 1008e-6),
+    (128, 3334e-6),
+    (256, 5934e-6),
 )
 MEASURED_CPU = HostModel.fit(MEASURED_CPU_POINTS, source="bench host, 2-vCPU AMD EPYC")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu.md): tests + measurements + simulator calibration, from the source
 # tree, needing only torch, triton, safetensors, tokenizers, numpy.
-#   scripts/gpu_check.sh [--dry-run] [--out FILE] [--device-profile h100|h200|a100|b200]
+#   scripts/gpu_check.sh [--dry-run] [--part tests|perf|all] [--out FILE] [--device-profile h100|h200|a100|b200]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET  # compiled kernels on the GPU; the interpreter is for CPU tests only

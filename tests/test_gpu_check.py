@@ -87,16 +87,21 @@ def test_tests_part_without_pytest_says_so(monkeypatch, tmp_path):
     assert result == {"ran": False, "reason": f"pytest is not importable by {sys.executable}"}
 
 
-def test_parts_run_only_their_steps(tmp_path):
-    out = tmp_path / "tests_only.json"
-    proc = subprocess.run(
-        [str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--part", "tests", "--out", str(out)],
-        env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    record = json.loads(out.read_text())
-    assert [step["name"] for step in record["steps"]] == ["pytest -m gpu"]
-    assert record["part"] == "tests" and "points" not in record
+def test_parts_run_only_their_steps(tmp_path, monkeypatch):
+    from loopserve.gpu_check import check
+
+    ran = []
+    monkeypatch.setattr(check, "run_gpu_tests", lambda *a: ran.append("tests") or {"ran": False})
+    monkeypatch.setattr(check, "run_perf", lambda record, *a: ran.append("perf"))
+    monkeypatch.setattr(check.sys, "stdout", check.sys.stdout)  # main tees it; restore after
+    for part, expected in (("tests", ["tests"]), ("perf", ["perf"]), ("all", ["tests", "perf"])):
+        ran.clear()
+        out = tmp_path / f"{part}.json"
+        assert check.main(["--dry-run", "--part", part, "--out", str(out)]) == 0
+        assert ran == expected
+        record = json.loads(out.read_text())
+        assert record["part"] == part
+        assert [s["name"] for s in record["steps"]] == (["pytest -m gpu"] if "tests" in ran else [])
 
 
 def _point(kind, nbytes, flops, seconds):

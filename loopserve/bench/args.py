@@ -55,6 +55,7 @@ PROMPT_ENGINE_DEFAULTS: dict[str, object] = {
     "device": "cpu",
     "block_size": 16,
     "max_num_batched_tokens": 256,
+    "fill_prompt_chunks": True,  # --no-fill-prompt-chunks: whole chunks only
 }
 
 

@@ -120,6 +120,7 @@ def build_engine(
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=chunk_size,
+        fill_prompt_chunks=getattr(args, "fill_prompt_chunks", True),
         exit_mode="trace",
         **prompt_arm_args(arm),
     )

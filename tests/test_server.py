@@ -436,3 +436,88 @@ def test_sigterm_finishes_or_aborts_in_flight_and_exits_zero(tiny_tok_dir, tmp_p
         proc.stop()
     assert returncode == 0, proc.log()
     assert elapsed_s < shutdown_timeout_s + 10
+
+
+# ---- payloads mainstream benchmark clients send (guidellm, vllm bench serve) -------------
+
+# guidellm 0.8.x's OpenAI backend and `vllm bench serve` always send these stream options;
+# `vllm bench serve` also sends the neutral repetition penalty.
+STREAM_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
+CLIENT_PAYLOADS = {
+    "guidellm-completions": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "stream": True,
+         "stream_options": STREAM_OPTIONS, "ignore_eos": True},
+    ),
+    "guidellm-chat": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[2]}],
+         "max_completion_tokens": 6, "stream": True, "stream_options": STREAM_OPTIONS,
+         "ignore_eos": True},
+    ),
+    "vllm-bench-completions": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPTS[3], "temperature": 0.0, "repetition_penalty": 1.0,
+         "max_tokens": 6, "stream": True, "stream_options": STREAM_OPTIONS, "ignore_eos": True},
+    ),
+    "guidellm-completions-no-stream": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "ignore_eos": True},
+    ),
+    "guidellm-chat-no-stream": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[2]}],
+         "max_completion_tokens": 6, "ignore_eos": True},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CLIENT_PAYLOADS))
+def test_benchmark_client_payloads_are_served_with_usage_in_every_chunk(server, name):
+    path, payload = CLIENT_PAYLOADS[name]
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        response = http.post(path, json=payload)
+    assert response.status_code == 200, response.text
+    if not payload.get("stream"):
+        body = response.json()
+        assert body["usage"]["completion_tokens"] == 6
+        return
+    events = sse_payloads(response.text.splitlines())
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    content = [
+        c
+        for c in chunks
+        if c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content")
+    ]
+    assert content, "no content was streamed"
+    # continuous_usage_stats: every content chunk carries the choice's usage so far.
+    counts = [c["usage"]["completion_tokens"] for c in content]
+    assert all(c["usage"]["prompt_tokens"] > 0 for c in content)
+    assert counts == sorted(counts) and counts[-1] <= 6
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 6
+    if "chat" in name:  # the role comes once, in the first delta; never "role": null
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+        assert deltas[0]["role"] == "assistant"
+        assert all("role" not in delta for delta in deltas[1:])
+
+
+def test_chat_max_completion_tokens_zero_is_a_400_not_unlimited(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 0}  # fmt: skip
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert "max_tokens" in response.json()["error"]["message"]
+
+
+def test_a_rejected_request_is_logged_with_its_reason(server):
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                       "bogus_field_for_the_log": 1})  # fmt: skip
+    assert response.status_code == 400
+    deadline = time.monotonic() + 10
+    while "bogus_field_for_the_log" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = next(x for x in server.log().splitlines() if "bogus_field_for_the_log" in x)
+    assert "/v1/completions -> 400: unsupported field" in line

@@ -121,7 +121,12 @@ def build_app(
     app.state.serving = ctx
 
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, err: ApiError) -> JSONResponse:
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        if 400 <= err.status_code < 500:  # one line with the reason; never the body
+            logger.warning(
+                "%s %s -> %d: %s", request.method, request.url.path, err.status_code,
+                err.info.message,
+            )  # fmt: skip
         return JSONResponse(err.body, status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -1,9 +1,11 @@
 """OpenAI-compatible request and response models (pydantic v2) for the HTTP server.
 
 Requests are strict and closed (`extra="forbid"`, no string-to-number coercion): an unknown or
-unsupported field is a 400 that names it, never silently ignored. A few OpenAI fields are
-accepted only at their neutral value (`presence_penalty=0`, `frequency_penalty=0`, an empty
-`logit_bias`), so clients that always send them keep working. Looped-model extensions
+unsupported field is a 400 that names it, never silently ignored. A few OpenAI and vLLM fields
+are accepted only at their neutral value (`presence_penalty=0`, `frequency_penalty=0`,
+`repetition_penalty=1`, an empty `logit_bias`), so clients that always send them keep
+working; `stream_options.continuous_usage_stats` (vLLM's, sent by guidellm and `vllm bench
+serve`) puts the usage so far in every streamed chunk. Looped-model extensions
 (`min_loops`, `max_loops`, `exit_threshold`) and vLLM-style extras (`top_k`, `ignore_eos`,
 `stop_token_ids`, `return_token_ids`) are ordinary optional fields. Numeric ranges are checked
 once, by `SamplingParams`, not here. Responses add `exit_depths` (loops used per output token)
@@ -15,7 +17,14 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_N = 64
 
@@ -26,6 +35,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's extension, sent by default by guidellm: usage (tokens so far) in every chunk.
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(_Request):
@@ -54,6 +65,7 @@ class SamplingRequest(_Request):
     # OpenAI fields accepted only at their neutral value.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's; `vllm bench serve` sends 1.0
     logit_bias: dict[str, float] | None = None
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -61,6 +73,13 @@ class SamplingRequest(_Request):
     def _neutral_penalty(cls, value: float | None) -> float | None:
         if value not in (None, 0.0):
             raise ValueError("penalties are not supported; only 0 is accepted")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _neutral_repetition_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 1.0):
+            raise ValueError("repetition_penalty is not supported; only 1 is accepted")
         return value
 
     @field_validator("logit_bias")
@@ -85,6 +104,10 @@ class SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):
@@ -205,6 +228,15 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _role_only_when_set(self, handler):
+        # OpenAI sends the role in the first delta only; later deltas carry no role key
+        # (never "role": null, which some clients reject).
+        data = handler(self)
+        if data.get("role") is None:
+            data.pop("role", None)
+        return data
 
 
 class ChatStreamChoice(BaseModel):

@@ -68,7 +68,10 @@ async def create_chat_completion(
         lambda: processor.process_chat(messages, add_generation_prompt=body.add_generation_prompt)
     )
     prompt_ids = processed.token_ids
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    # 0 is a value (a 400 from SamplingParams), not "unset".
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     if max_tokens is None:
         max_tokens = ctx.default_max_tokens(len(prompt_ids))
     stop_ids = () if body.ignore_eos else tokenizer.end_of_turn_token_ids
@@ -196,6 +199,13 @@ async def _stream_events(
                     exit_depths=out.new_exit_depths,
                     token_ids=out.new_token_ids if body.return_token_ids else None,
                 )
+                if body.continuous_usage:  # this choice's tokens so far (vLLM semantics)
+                    running = usage(
+                        len(out.prompt_token_ids), len(out.token_ids),
+                        out.metrics.num_cached_prompt_tokens,
+                    )  # fmt: skip
+                    yield chunk([choice], usage=running)
+                    continue
                 yield chunk([choice])
             else:
                 if body.include_usage:

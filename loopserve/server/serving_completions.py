@@ -202,12 +202,19 @@ async def _stream_events(
                 )
                 if chunk_choice.logprobs is not None:
                     choice.text_offset += sum(len(t) for t in chunk_choice.logprobs.tokens)
+                running = None
+                if body.continuous_usage:  # this choice's tokens so far (vLLM semantics)
+                    running = usage(
+                        len(out.prompt_token_ids), len(out.token_ids),
+                        out.metrics.num_cached_prompt_tokens,
+                    )  # fmt: skip
                 yield sse(
                     CompletionResponse(
                         id=response_id,
                         created=created,
                         model=ctx.served_model_name,
                         choices=[chunk_choice],
+                        usage=running,
                     )
                 )
             else:

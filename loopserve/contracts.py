@@ -152,8 +152,9 @@ class ItemResult(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class RequestFailure:
-    """A new request whose per-request setup raised in the executor. The executor kept none of
-    its state and ran none of its rows; the engine core aborts it with `error`."""
+    """A request that failed alone in the executor: its per-request setup raised (the
+    executor kept none of its state and ran none of its rows), or its sampling raised (its
+    rows ran, it got no token). The engine core aborts it with `error`."""
 
     request_id: str
     error: str  # "ExceptionType: message", for the log and the request's output
@@ -169,7 +170,8 @@ class RunnerOutput:
     forward_time_s: float = 0.0  # inside the model's prelude / core / gate / coda calls only
     num_early_exits: int = 0  # tokens sampled this step after fewer than D loops
     num_finalize_copies: int = 0  # LAST_EXITED: decode tokens whose K/V was finalized
-    # New requests whose setup raised this step (their items got empty results).
+    # Requests that failed alone this step: new requests whose setup raised (their items got
+    # empty results), and requests whose sampling raised (their rows ran; no token).
     failed_requests: tuple[RequestFailure, ...] = ()
     num_graph_calls: int = 0  # core calls run through the static bucketed buffers (graphs)
     num_padded_rows: int = 0  # padding rows those calls added to reach their bucket

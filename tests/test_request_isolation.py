@@ -146,3 +146,65 @@ def test_request_announced_in_a_step_without_its_items_fails_alone(fault_engine)
         ref.exit_depths,
     )
     assert engine.stats.kv_blocks_used == 0 and engine.runner.samplers == {}
+
+
+# ---- sampling values that break float32 math, and a failure inside sampling ------------------
+
+EXTREME = [
+    ("tiny_temperature", SamplingParams(max_tokens=6, temperature=5e-324, seed=3)),
+    ("tiny_temperature_2", SamplingParams(max_tokens=6, temperature=2e-38, seed=4)),
+    ("tiny_top_p", SamplingParams(max_tokens=6, temperature=0.9, top_p=1e-300, seed=5)),
+]
+
+
+def test_extreme_sampling_values_neither_fail_nor_harm_the_call(tiny_dir):
+    """A temperature that overflows float32 logits samples greedily (the vLLM floor, 1e-5);
+    a top_p that rounds to 0 keeps the most likely token. Both beside running requests."""
+    engine = make_engine(tiny_dir, **BUDGET)
+    work = [(rid, prompt(20 + i, 7), params, 2) for i, (rid, params) in enumerate(EXTREME)]
+    work += [w for w in WORK if w[0] != "bad"]
+    finished = run_steps(engine, work)
+    for request_id, tokens, params, _ in work:
+        out = finished[request_id]
+        assert out.error is None and out.finish_reason == "length", request_id
+        ref = reference_for(engine, tokens, params)
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+    for request_id, tokens, _params, _ in work[:3]:  # all three sample the top token
+        greedy = reference_for(engine, tokens, SamplingParams(max_tokens=6, temperature=0.0))
+        assert finished[request_id].token_ids == greedy.token_ids, request_id
+
+
+def test_a_failure_inside_sampling_fails_only_its_request(tiny_dir, monkeypatch):
+    """Fault injected at the sampler's per-row step for requests with top_k=13; the other rows
+    of the same coda calls are sampled, and every other request equals the reference."""
+    from loopserve.runner import sampler
+
+    real = sampler._filtered_probs
+
+    def faulty(logits, spec):
+        if spec.top_k == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, spec)
+
+    monkeypatch.setattr(sampler, "_filtered_probs", faulty)
+    engine = make_engine(tiny_dir, **BUDGET)
+    steps = []
+    engine.core.add_observer(lambda scheduled, output: steps.append(output))
+    bad = SamplingParams(max_tokens=6, temperature=0.8, top_k=13, seed=9)
+    # "e" arrives with "bad": their first tokens are sampled in the same coda call.
+    partner = ("e", prompt(6, 9), SamplingParams(max_tokens=4, temperature=0.7, seed=21), 4)
+    work = [("bad", prompt(3, 9), bad, 4), partner] + [w for w in WORK if w[0] != "bad"]
+    finished = run_steps(engine, work)
+    out = finished["bad"]
+    assert out.finish_reason == "abort" and "sampling failed" in out.error
+    assert "inf, nan" in out.error
+    failing = [o for o in steps if o.failed_requests]
+    assert len(failing) == 1 and failing[0].failed_requests[0].request_id == "bad"
+    assert sum(1 for r in failing[0].results if r.sampled is not None) >= 1  # others sampled
+    for request_id, tokens, params, _ in work[1:]:
+        ref = reference_for(engine, tokens, params)
+        got = finished[request_id]
+        assert got.error is None and (got.token_ids, got.exit_depths) == (
+            ref.token_ids, ref.exit_depths,
+        ), request_id  # fmt: skip
+    assert engine.stats.kv_blocks_used == 0 and engine.stats.num_failed_steps == 0

@@ -110,6 +110,7 @@ class ModelRunner(Executor):
         self._num_finalized = 0  # this step's finalized decode tokens
         self.transfers = Transfers(self.device)  # every host<->device copy, counted
         self._decode_call: tuple[list[int], torch.Tensor] | None = None  # last graphed call
+        self._sampling_failures: list[RequestFailure] = []  # this step's, reported once
         self.moves = KVMoves(self.kv_cache, num_host_blocks, block_size, self.inflight)
         self.swap = self.moves.swap
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
@@ -262,6 +263,7 @@ class ModelRunner(Executor):
         h2d, d2h, h2d_bytes, d2h_bytes = (
             now - before for now, before in zip(self.transfers.counts(), transfers0)
         )
+        failed, self._sampling_failures = tuple(self._sampling_failures), []
         graph_calls = padded = 0
         if self.graphs is not None:
             graph_calls, padded = self.graphs.num_calls - calls0, self.graphs.num_padded_rows - pad0
@@ -275,6 +277,7 @@ class ModelRunner(Executor):
             num_finalize_copies=self._num_finalized,
             num_graph_calls=graph_calls,
             num_padded_rows=padded,
+            failed_requests=failed,
             num_h2d_transfers=h2d,
             num_d2h_transfers=d2h,
             h2d_bytes=h2d_bytes,
@@ -294,7 +297,9 @@ class ModelRunner(Executor):
             ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
             for item in scheduled.items
         )
-        return dataclasses.replace(output, results=results, failed_requests=failures)
+        return dataclasses.replace(
+            output, results=results, failed_requests=failures + output.failed_requests
+        )
 
     def _timed(self, fn, *args) -> torch.Tensor:
         """Call a model function, adding its duration to this step's forward time.
@@ -435,8 +440,14 @@ class ModelRunner(Executor):
         if coda_rows:
             logits = self._timed(self.model.coda, torch.cat(coda_rows))
             specs, generators = zip(*(self.samplers[items[i].request_id] for i in coda_items))
-            tokens = sample_rows(logits, list(specs), list(generators), self.transfers)
-            for i, token in zip(coda_items, tokens):
+            failures: dict[int, str] = {}
+            tokens = sample_rows(logits, list(specs), list(generators), self.transfers, failures)
+            for row, (i, token) in enumerate(zip(coda_items, tokens)):
+                if row in failures:  # this request fails alone; the call's other rows go on
+                    self._sampling_failures.append(
+                        RequestFailure(items[i].request_id, f"sampling failed: {failures[row]}")
+                    )
+                    continue
                 sampled[i] = token
         self.transfers.flush()  # hazards not read yet (no coda this step)
         results = []

@@ -25,6 +25,15 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+# Temperatures below this sample greedily: dividing float32 logits by 1e-38 (or 5e-324)
+# overflows to inf and the softmax to NaN. The same floor as vLLM's.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def is_greedy(spec: SampleSpec) -> bool:
+    return spec.temperature < GREEDY_BELOW_TEMPERATURE
+
+
 def _filtered_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     """logits [vocab] float32 -> probabilities after temperature, top-k and top-p."""
     scaled = logits / spec.temperature
@@ -38,6 +47,9 @@ def _filtered_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         # Drop a token when the mass strictly before it already reaches top_p.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = mass_before >= spec.top_p
+        # The most likely token always stays: a top_p that rounds to 0 in float32 (1e-300)
+        # would otherwise drop every token.
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)
@@ -48,19 +60,30 @@ def sample_rows(
     specs: list[SampleSpec],
     generators: list[torch.Generator | None],
     transfers: Transfers | None = None,
+    failures: dict[int, str] | None = None,
 ) -> list[SampledToken]:
     """Sample one token per row. logits [rows, vocab] in any float dtype.
 
     Everything is computed on the logits' device and read back in one copy (`transfers`):
     the sampled ids, and for rows that ask for log-probabilities the chosen token's and the
-    top-k, packed into one float64 tensor (token ids are exact in float64)."""
+    top-k, packed into one float64 tensor (token ids are exact in float64).
+
+    `failures`: when given, a row whose sampling raises is recorded there (row -> "Type:
+    message") and gets the greedy token instead, so one request's values never fail the
+    other rows of the call (the caller fails that request); without it the error raises."""
     transfers = transfers or Transfers(logits.device)
     logits = logits.float()
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
     for row, spec in enumerate(specs):
-        if spec.temperature != 0.0:
+        if is_greedy(spec):
+            continue
+        try:
             probs = _filtered_probs(logits[row], spec)
             token_ids[row : row + 1] = torch.multinomial(probs, 1, generator=generators[row])
+        except (RuntimeError, ValueError) as err:
+            if failures is None:
+                raise
+            failures[row] = f"{type(err).__name__}: {err}"
     wanted = [spec.num_logprobs for spec in specs if spec.num_logprobs is not None]
     if not wanted:
         return [SampledToken(int(token_id)) for token_id in transfers.to_host(token_ids)]

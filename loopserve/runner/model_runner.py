@@ -238,6 +238,8 @@ class ModelRunner(Executor):
         if not items:
             return RunnerOutput(scheduled.step_id, ())
         start_s, self._forward_s = time.perf_counter(), 0.0
+        self.transfers.discard_deferred()  # a failed step's leftovers, if any
+        self._sampling_failures = []
         transfers0 = self.transfers.counts()
         hazards: list[list[float]] = [[] for _ in items]
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]

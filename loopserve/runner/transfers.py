@@ -68,6 +68,10 @@ class Transfers:
             start += part.numel()
         return values[: tensor.numel()]
 
+    def discard_deferred(self) -> None:
+        """Drop deferred reads left by a step that raised before reading them."""
+        self._deferred.clear()
+
     def flush(self) -> None:
         """Read every deferred tensor now (one copy; none if nothing is deferred)."""
         if self._deferred:

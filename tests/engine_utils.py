@@ -80,3 +80,15 @@ def reference_for(engine: LLMEngine, prompt, params):
         lookahead_seed=config.exit.lookahead_seed,
         eos_token_ids=sorted(engine.eos_token_ids),
     )
+
+
+def assert_match_reference(engine: LLMEngine, work, finished) -> list[int]:
+    """Every request's tokens and exit depths equal the dense reference's; returns all exit
+    depths (callers assert that early exits and full-depth tokens both happened)."""
+    depths: list[int] = []
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+        depths += out.exit_depths
+    return depths

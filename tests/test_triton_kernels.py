@@ -26,7 +26,12 @@ from loopserve.runner.attention.torch_paged import TorchBackend  # noqa: E402
 from loopserve.runner.attention.triton_backend import TritonBackend  # noqa: E402
 from loopserve.runner.graphs import GRAPH_MAX_CONTEXT  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
-from tests.engine_utils import make_engine, reference_for, run_steps  # noqa: E402
+from tests.engine_utils import (  # noqa: E402
+    assert_match_reference,
+    make_engine,
+    reference_for,
+    run_steps,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -166,13 +171,7 @@ def test_engine_with_triton_backend_matches_dense_reference(tiny_dir):
         ("b", prompts["b"], SamplingParams(max_tokens=4, exit_threshold=0.7, seed=3), 0),
         ("c", [100 + i for i in range(9)], SamplingParams(max_tokens=3, temperature=0.0), 2),
     ]
-    finished = run_steps(engine, work)
-    depths = []
-    for request_id, prompt, params, _ in work:
-        ref = reference_for(engine, prompt, params)
-        out = finished[request_id]
-        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
-        depths += out.exit_depths
+    depths = assert_match_reference(engine, work, run_steps(engine, work))
     assert min(depths) < 4 and max(depths) == 4  # early exits and full-depth tokens both ran
     assert sum(finalized) > 0  # finalize copies went through the triton kernel
 
@@ -293,13 +292,7 @@ def test_emulated_graphs_over_the_triton_kernel_read_only_live_context(tiny_dir)
     assert graphs.fits(6, 4000) and graphs.span.numel() == 0
     _nan_outside_live_context(engine)
     work = _graph_workload()
-    finished = run_steps(engine, work)
-    depths = []
-    for request_id, prompt, params, _ in work:
-        ref = reference_for(engine, prompt, params)
-        out = finished[request_id]
-        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
-        depths += out.exit_depths
+    depths = assert_match_reference(engine, work, run_steps(engine, work))
     assert min(depths) < 4 and max(depths) == 4  # early exits (finalize) and full depth
     stats = engine.stats
     assert stats.num_graph_calls > 0 and stats.num_padded_rows > 0

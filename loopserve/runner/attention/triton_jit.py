@@ -109,36 +109,32 @@ class Launch:
 _recorded: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
     "loopserve_triton_launches", default=None
 )
-
-
-@contextlib.contextmanager
-def record_launches():
-    """Inside this block launchers record their `Launch`es instead of running them; with
-    tensors on the `meta` device nothing is allocated either. Ahead-of-time compile checks
-    use it to compile exactly what the engine's launchers would launch."""
-    launches: list[Launch] = []
-    token = _recorded.set(launches)
-    try:
-        yield launches
-    finally:
-        _recorded.reset(token)
-
-
 _observed: contextvars.ContextVar[list[Launch] | None] = contextvars.ContextVar(
     "loopserve_triton_observed", default=None
 )
 
 
 @contextlib.contextmanager
-def observe_launches():
-    """Like `record_launches`, but the launches also run: what a real workload launches
-    (`triton_aot.specialization_key` counts the distinct compiles it would trigger)."""
+def _collecting(var: contextvars.ContextVar[list[Launch] | None]):
     launches: list[Launch] = []
-    token = _observed.set(launches)
+    token = var.set(launches)
     try:
         yield launches
     finally:
-        _observed.reset(token)
+        var.reset(token)
+
+
+def record_launches():
+    """Inside this block launchers record their `Launch`es instead of running them; with
+    tensors on the `meta` device nothing is allocated either. Ahead-of-time compile checks
+    use it to compile exactly what the engine's launchers would launch."""
+    return _collecting(_recorded)
+
+
+def observe_launches():
+    """Like `record_launches`, but the launches also run: what a real workload launches
+    (`triton_aot.specialization_key` counts the distinct compiles it would trigger)."""
+    return _collecting(_observed)
 
 
 def device_kernel(*, do_not_specialize: Sequence[str] = ()) -> Callable[[Callable], DeviceKernel]:

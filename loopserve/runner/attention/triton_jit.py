@@ -26,7 +26,12 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction, mangle_type
+from triton.runtime.jit import JITFunction
+
+try:  # argument typing; its first call imports Triton's gluon package (see below)
+    from triton.runtime.jit import mangle_type
+except ImportError:  # another Triton layout: nothing to pre-import
+    mangle_type = None
 
 JIT_KERNELS: dict[str, DeviceKernel] = {}
 
@@ -64,7 +69,9 @@ class DeviceKernel:
         return launch
 
 
-_LANGUAGE_MODULES = (tl, tl.standard, tl.math)
+_LANGUAGE_MODULES = tuple(
+    m for m in (tl, getattr(tl, "standard", None), getattr(tl, "math", None)) if m is not None
+)
 _interpreted_forms: dict[int, InterpretedFunction] = {}
 
 
@@ -78,7 +85,8 @@ def _interpreted_language():
     that is such a helper is swapped for its interpreted form, and restored after."""
     # Argument typing imports Triton's gluon package lazily, and gluon checks that the helpers
     # are compiled: let that import happen before the swap.
-    mangle_type(0)
+    if mangle_type is not None:
+        mangle_type(0)
     swapped = []
     for module in _LANGUAGE_MODULES:
         for name, value in vars(module).items():

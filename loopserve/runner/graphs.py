@@ -344,13 +344,11 @@ class DecodeGraphs:
         self.num_calls = self.num_padded_rows = 0
 
 
-def graph_max_context(attention, max_model_len: int) -> int:
+def graph_max_context(paged: bool, max_model_len: int) -> int:
     """Positions a graphed row may attend to: `max_model_len` over a paged kernel (it reads
     live context only); `GRAPH_MAX_CONTEXT` for the torch gather, which reads every row's
     whole table."""
-    if hasattr(attention, "graph_call"):
-        return max_model_len
-    return min(max_model_len, GRAPH_MAX_CONTEXT)
+    return max_model_len if paged else min(max_model_len, GRAPH_MAX_CONTEXT)
 
 
 def build_decode_graphs(
@@ -363,13 +361,13 @@ def build_decode_graphs(
     graphs over the static buffers; otherwise the torch gather does."""
     if graph_mode == "off":
         return None, None
-    make_backend = paged_backend(attention) if hasattr(attention, "graph_call") else torch_backend
+    paged = hasattr(attention, "graph_call")
     graphs = DecodeGraphs(
         core,
         kv_cache,
         capture=False,
-        make_backend=make_backend,
-        max_context=graph_max_context(attention, max_model_len),
+        make_backend=paged_backend(attention) if paged else torch_backend,
+        max_context=graph_max_context(paged, max_model_len),
         **kwargs,
     )
     if graph_mode == "capture":

@@ -85,8 +85,9 @@ def profile_cuda_memory(
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
     weights = torch.cuda.memory_allocated(device)
-    scores = 0 if paged_attention else config.num_attention_heads * prefill_chunk_size
-    scores *= max_model_len * 4 * 2
+    scores = 0  # the Triton kernels keep prompt-chunk scores on chip
+    if not paged_attention:  # torch: [heads, chunk, context] float32, twice for softmax
+        scores = config.num_attention_heads * prefill_chunk_size * max_model_len * 4 * 2
     graph_bytes = 0
     if graphs:
         gather = 0

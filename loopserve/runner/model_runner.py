@@ -46,7 +46,7 @@ from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
-from loopserve.runner.sampler import make_generator, sample_rows
+from loopserve.runner.sampler import is_greedy, make_generator, sample_rows
 from loopserve.runner.swap import InFlight, KVMoves
 from loopserve.runner.transfers import Transfers
 
@@ -109,8 +109,6 @@ class ModelRunner(Executor):
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
         self.transfers = Transfers(self.device)  # every host<->device copy, counted
-        self._decode_call: tuple[list[int], torch.Tensor] | None = None  # last graphed call
-        self._sampling_failures: list[RequestFailure] = []  # this step's, reported once
         self.moves = KVMoves(self.kv_cache, num_host_blocks, block_size, self.inflight)
         self.swap = self.moves.swap
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
@@ -171,7 +169,7 @@ class ModelRunner(Executor):
     def setup_request(self, new: NewRequestData) -> Sampler:
         """Build one new request's per-request state (its sampler); the caller installs it
         only if this returns, so a setup that raises leaves nothing behind."""
-        greedy = new.sample_spec.temperature == 0.0
+        greedy = is_greedy(new.sample_spec)
         generator = None if greedy else make_generator(new.seed, self.device)
         staged = self.staged_imports.get(new.request_id)
         if generator is not None and staged is not None and staged[1] is not None:
@@ -239,7 +237,6 @@ class ModelRunner(Executor):
             return RunnerOutput(scheduled.step_id, ())
         start_s, self._forward_s = time.perf_counter(), 0.0
         self.transfers.discard_deferred()  # a failed step's leftovers, if any
-        self._sampling_failures = []
         transfers0 = self.transfers.counts()
         hazards: list[list[float]] = [[] for _ in items]
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
@@ -252,11 +249,12 @@ class ModelRunner(Executor):
         for k in range(max(item.num_depths for item in items)):
             active = [i for i, item in enumerate(items) if k < item.num_depths]
             rows_per_call.append(sum(items[i].token_count for i in active))
-            self._core_call(scheduled, items, active, k, states)
+            graphed = self._core_call(scheduled, items, active, k, states)
             self._signals(
-                scheduled.block_tables, items, active, states, hazards, last_outputs, exited
-            )
-        results = self._coda(items, states, hazards, last_outputs, exited)
+                scheduled.block_tables, items, active, states, hazards, last_outputs, exited,
+                graphed,
+            )  # fmt: skip
+        results, failed = self._coda(items, states, hazards, last_outputs, exited)
         num_early = sum(
             1 for r in results if r.loops_used is not None and r.loops_used < self.num_loops
         )
@@ -265,7 +263,6 @@ class ModelRunner(Executor):
         h2d, d2h, h2d_bytes, d2h_bytes = (
             now - before for now, before in zip(self.transfers.counts(), transfers0)
         )
-        failed, self._sampling_failures = tuple(self._sampling_failures), []
         graph_calls = padded = 0
         if self.graphs is not None:
             graph_calls, padded = self.graphs.num_calls - calls0, self.graphs.num_padded_rows - pad0
@@ -334,8 +331,9 @@ class ModelRunner(Executor):
     def _plane(self, item: WorkItem, k: int) -> int:
         return 0 if self.shared else item.depth + k
 
-    def _core_call(self, scheduled, items, active, k, states) -> None:
-        self._decode_call = None  # set again below by a graphed call
+    def _core_call(self, scheduled, items, active, k, states) -> torch.Tensor | None:
+        """One core call over the active items; returns its output [rows, H] when it ran
+        through the graphs (one row per item, in `active` order), else None."""
         graphs = self.graphs
         if (
             graphs is not None
@@ -349,8 +347,7 @@ class ModelRunner(Executor):
             if not (
                 self.attention.cascade and plan_prefix_groups(tables, positions, self.block_size)
             ):
-                self._graph_call(graphs, active, states, positions, tables, keys)
-                return
+                return self._graph_call(graphs, active, states, positions, tables, keys)
         segments = []
         positions: list[int] = []
         for i in active:
@@ -364,22 +361,25 @@ class ModelRunner(Executor):
         out = self._timed(self.model.core, hidden, position_ids, attn)
         for i, chunk in zip(active, out.split([items[i].token_count for i in active])):
             states[i] = chunk
+        return None
 
-    def _graph_call(self, graphs, active, states, positions, tables, keys) -> None:
+    def _graph_call(self, graphs, active, states, positions, tables, keys) -> torch.Tensor:
         hidden = torch.cat([states[i] for i in active])
         bucket = graphs.load(hidden, positions, tables, keys)  # host work: not forward time
         out = self._timed(graphs.launch, bucket, len(active))
         for i, row in zip(active, out.split(1)):
             states[i] = row
-        self._decode_call = (active, out)  # rows in `active` order: gate input as it is
+        return out
 
-    def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
-        """Hazards for rows that need them, exit decisions, finalize copies."""
+    def _signals(
+        self, tables, items, active, states, hazards, last_outputs, exited, graphed
+    ) -> None:
+        """Hazards for rows that need them, exit decisions, finalize copies. `graphed`: the
+        call's output when it ran through the graphs (one row per active item)."""
         gated = [i for i in active if items[i].needs_gate]
         if gated:
-            decode_call, self._decode_call = self._decode_call, None
-            if decode_call is not None and decode_call[0] == gated:
-                rows = decode_call[1]  # every row of a decode call is gated: no gather
+            if graphed is not None and gated == active:
+                rows = graphed  # every row of the decode call is gated: no gather
             else:
                 rows = torch.cat([states[i][-1:] for i in gated])
             values = self._timed(self.hazard_fn, rows).float()  # [gated], on the device
@@ -419,7 +419,12 @@ class ModelRunner(Executor):
         slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations
         self.attention.finalize(slots[: len(src)], slots[len(src) :])
 
-    def _coda(self, items, states, hazards, last_outputs, exited) -> list[ItemResult]:
+    def _coda(
+        self, items, states, hazards, last_outputs, exited
+    ) -> tuple[list[ItemResult], tuple[RequestFailure, ...]]:
+        """Coda and sampling of the exiting rows; the items' results and the requests whose
+        sampling raised (each fails alone)."""
+        failed: list[RequestFailure] = []
         coda_rows: list[torch.Tensor] = []
         coda_items: list[int] = []
         loops_used: dict[int, int] = {}
@@ -446,41 +451,30 @@ class ModelRunner(Executor):
             tokens = sample_rows(logits, list(specs), list(generators), self.transfers, failures)
             for row, (i, token) in enumerate(zip(coda_items, tokens)):
                 if row in failures:  # this request fails alone; the call's other rows go on
-                    self._sampling_failures.append(
+                    failed.append(
                         RequestFailure(items[i].request_id, f"sampling failed: {failures[row]}")
                     )
                     continue
                 sampled[i] = token
         self.transfers.flush()  # hazards not read yet (no coda this step)
         results = []
-        last_depth, inflight, prompt, replay = (
-            self.num_loops - 1,
-            self.inflight,
-            ItemKind.PROMPT,
-            ItemKind.REPLAY,
-        )
         for i, item in enumerate(items):
             token = sampled.get(i)
             finished = (
                 token is not None
-                or (item.kind is prompt and item.last_depth == last_depth)
-                or (item.kind is replay and exited[i])  # replay: no coda
+                or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
+                or (item.kind is ItemKind.REPLAY and exited[i])  # replay: no coda
             )
             if finished:
-                inflight.done(item.request_id, item.handle)
+                self.inflight.done(item.request_id, item.handle)
             else:
-                inflight.keep(
-                    item.request_id, item.handle, InFlight(states[i], hazards[i], last_outputs[i])
-                )
-            read = hazards[i]
-            if not item.needs_gate:
-                item_hazards = ()
-            elif item.num_depths == 1:
-                item_hazards = (read[-1],)
-            else:
-                item_hazards = tuple(read[-item.num_depths :])
+                state = InFlight(states[i], hazards[i], last_outputs[i])
+                self.inflight.keep(item.request_id, item.handle, state)
+            item_hazards = tuple(hazards[i][-item.num_depths :]) if item.needs_gate else ()
+            exited_now = bool(exited[i]) or token is not None
             results.append(
-                ItemResult(item.request_id, item.handle, item_hazards,
-                           bool(exited[i]) or token is not None, loops_used.get(i), token)
-            )  # fmt: skip
-        return results
+                ItemResult(
+                    item.request_id, item.handle, item_hazards, exited_now, loops_used.get(i), token
+                )
+            )
+        return results, tuple(failed)

@@ -18,6 +18,7 @@ sweep whose table is in docs/gpu.md). Needs triton; the cubins are never loaded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -131,6 +132,11 @@ def engine_launches(shape: ModelShape, target: int, *, rows: int = 8) -> list[tu
     return recorded
 
 
+def compile_options(launch: Launch) -> dict[str, int]:
+    """The launch keywords that are compile options (warps, stages), not constexprs."""
+    return {k: v for k, v in launch.constexprs.items() if k in COMPILE_OPTIONS}
+
+
 def compile_source(launch: Launch) -> ASTSource:
     """The compile signature `JITFunction` would build for this launch."""
     kernel = launch.kernel
@@ -168,7 +174,7 @@ def specialization_key(launch: Launch) -> tuple:
     integers are 1 or multiples of 16), its constexpr values and its compile options.
     Launches with equal keys share one compile."""
     source = compile_source(launch)
-    options = tuple(sorted((k, v) for k, v in launch.constexprs.items() if k in COMPILE_OPTIONS))
+    options = tuple(sorted(compile_options(launch).items()))
     return (
         launch.kernel.fn.__name__,
         tuple(sorted(source.signature.items())),
@@ -210,9 +216,10 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 def compile_for(shape: ModelShape, variant: str, launch: Launch, target: int) -> KernelResources:
     start_s = time.perf_counter()
-    options = {k: v for k, v in launch.constexprs.items() if k in COMPILE_OPTIONS}
     compiled = triton.compile(
-        compile_source(launch), target=GPUTarget("cuda", target, 32), options=options
+        compile_source(launch),
+        target=GPUTarget("cuda", target, 32),
+        options=compile_options(launch),
     )
     elapsed_s = time.perf_counter() - start_s
     usage = resource_usage(compiled.asm["cubin"])
@@ -242,8 +249,7 @@ def sweep(shapes=OURO_SHAPES, targets=TARGETS, block_sizes=(16,)) -> list[Kernel
     results = []
     for base in shapes:
         for block_size in block_sizes:
-            shape = ModelShape(base.name, base.num_heads, base.num_kv_heads, base.head_dim,
-                               base.dtype, block_size)  # fmt: skip
+            shape = dataclasses.replace(base, block_size=block_size)
             for target in targets:
                 for variant, launch in engine_launches(shape, target):
                     results.append(compile_for(shape, variant, launch, target))
@@ -261,8 +267,10 @@ def representative() -> list[KernelResources]:
             if shape.name != "mha16" and not bf16:
                 continue
             for variant, launch in engine_launches(shape, target):
-                wanted = variant in ("decode", "prompt") if shape.name == "mha16" else False
-                wanted |= bf16 and (shape.name == "mha16" or variant == "decode")
+                if shape.name == "mha16":
+                    wanted = bf16 or variant in ("decode", "prompt")
+                else:
+                    wanted = variant == "decode"
                 if wanted:
                     results.append(compile_for(shape, variant, launch, target))
     return results

@@ -12,14 +12,15 @@ CPU-only process never compiles.
 `do_not_specialize` names integer arguments that vary per call (row counts, split counts,
 split lengths): without it Triton compiles a new specialization whenever such a value
 changes between 1, a multiple of 16 and anything else, which multiplies first-use compiles
-in a serving run. `JIT_KERNELS` lists every kernel defined this way, for ahead-of-time
-compile checks (`loopserve.runner.attention.triton_aot`).
+in a serving run. `record_launches` lets ahead-of-time compile checks see exactly what the
+launchers launch (`loopserve.runner.attention.triton_aot`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,8 +34,6 @@ try:  # argument typing; its first call imports Triton's gluon package (see belo
 except ImportError:  # another Triton layout: nothing to pre-import
     mangle_type = None
 
-JIT_KERNELS: dict[str, DeviceKernel] = {}
-
 
 class DeviceKernel:
     """One kernel in both forms; `kernel[grid](*args)` launches the form for the args' device."""
@@ -44,7 +43,6 @@ class DeviceKernel:
         self.do_not_specialize = tuple(do_not_specialize)
         self.compiled = JITFunction(fn, do_not_specialize=self.do_not_specialize)
         self._interpreted: InterpretedFunction | None = None
-        JIT_KERNELS[fn.__name__] = self
 
     @property
     def interpreted(self) -> InterpretedFunction:
@@ -72,7 +70,18 @@ class DeviceKernel:
 _LANGUAGE_MODULES = tuple(
     m for m in (tl, getattr(tl, "standard", None), getattr(tl, "math", None)) if m is not None
 )
-_interpreted_forms: dict[int, InterpretedFunction] = {}
+
+
+@functools.cache
+def _helper_swaps() -> tuple[tuple[object, str, JITFunction, InterpretedFunction], ...]:
+    """(module, name, compiled helper, its interpreted form) for every `@jit` helper of
+    `triton.language`, found once per process."""
+    return tuple(
+        (module, name, value, InterpretedFunction(fn=value.fn))
+        for module in _LANGUAGE_MODULES
+        for name, value in vars(module).items()
+        if isinstance(value, JITFunction)
+    )
 
 
 @contextlib.contextmanager
@@ -87,21 +96,14 @@ def _interpreted_language():
     # are compiled: let that import happen before the swap.
     if mangle_type is not None:
         mangle_type(0)
-    swapped = []
-    for module in _LANGUAGE_MODULES:
-        for name, value in vars(module).items():
-            if isinstance(value, JITFunction):
-                form = _interpreted_forms.get(id(value))
-                if form is None:
-                    form = _interpreted_forms[id(value)] = InterpretedFunction(fn=value.fn)
-                swapped.append((module, name, value))
-    for module, name, value in swapped:
-        setattr(module, name, _interpreted_forms[id(value)])
+    swaps = _helper_swaps()
+    for module, name, _, interpreted in swaps:
+        setattr(module, name, interpreted)
     try:
         yield
     finally:
-        for module, name, value in swapped:
-            setattr(module, name, value)
+        for module, name, compiled, _ in swaps:
+            setattr(module, name, compiled)
 
 
 @dataclass(frozen=True)

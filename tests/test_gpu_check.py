@@ -58,7 +58,7 @@ def test_dry_run_goes_end_to_end_and_writes_a_loadable_calibration(tmp_path):
 
 
 def test_a_failing_step_is_recorded_with_its_traceback_and_later_steps_still_run(tmp_path):
-    from loopserve.gpu_check.check import CheckRecord
+    from loopserve.gpu_check.record import CheckRecord
 
     out = tmp_path / "check.json"
     record = CheckRecord(out, {"part": "perf"})

@@ -32,13 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from loopserve.engine.llm_engine import LLMEngine
+from loopserve.gpu_check.record import CheckRecord, Tee
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import save_model
 from loopserve.models.ouro import OuroForLoopedLM
@@ -329,60 +329,6 @@ def measure_throughput(model_dir: Path, plan: Plan, profile_name: str, base_args
         ratio = by_arm["refill"][key] / by_arm["full_depth"][key]
         print(f"refill / full_depth ({key.split('_')[0]}): {ratio:.2f}x", flush=True)
     return results
-
-
-class CheckRecord:
-    """The check's JSON, rewritten (atomically) after every step, so a run cut short keeps
-    every finished step: each step's status (ok, failed, skipped), wall time, result and,
-    on failure, its traceback."""
-
-    def __init__(self, path: Path, header: dict) -> None:
-        self.path = path
-        self.data: dict = {**header, "steps": []}
-        self.write()
-
-    def write(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
-        tmp.replace(self.path)
-
-    def step(self, name: str, fn, *args):
-        """Run one step isolated from the others; returns its result, or None if it failed."""
-        print(f"== {name}", flush=True)
-        start_s = time.perf_counter()
-        entry: dict = {"name": name}
-        try:
-            result = fn(*args)
-            entry["status"] = "ok"
-        except Exception as err:  # recorded with its traceback; later steps still run
-            result = None
-            entry.update(status="failed", error=f"{type(err).__name__}: {err}",
-                         traceback=traceback.format_exc())  # fmt: skip
-            print(f"step {name!r} failed: {entry['error']}", flush=True)
-        entry["wall_s"] = round(time.perf_counter() - start_s, 3)
-        self.data["steps"].append(entry)
-        self.write()
-        return result
-
-    def skip(self, name: str, reason: str) -> None:
-        self.data["steps"].append({"name": name, "status": "skipped", "reason": reason})
-        self.write()
-
-
-class Tee:
-    """Console output also written to a log file beside the JSON."""
-
-    def __init__(self, stream, path: Path) -> None:
-        self.stream, self.file = stream, path.open("w")
-
-    def write(self, text: str) -> int:
-        self.file.write(text)
-        self.file.flush()
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-        self.file.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

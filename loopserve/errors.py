@@ -33,3 +33,24 @@ class ConfigError(LoopserveError, ValueError):
 
 class ModelLoadError(LoopserveError, OSError):
     """A checkpoint cannot be found or does not match the architecture."""
+
+
+class UsageError(Exception):
+    """A bad combination of command-line flags found after parsing: the `loopserve` command
+    reports it like argparse's own errors (`usage`, `loopserve CMD: error: ...`, exit code 2)."""
+
+
+class EngineNotReadyError(LoopserveError):
+    """The engine is still loading or is shutting down; nothing was submitted."""
+
+
+class EngineDeadError(LoopserveError):
+    """The engine thread died; no request can make progress any more."""
+
+
+class QueueFullError(LoopserveError):
+    """Too many requests in flight; the client should retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -27,11 +27,11 @@ class SetupFaultRunner(ModelRunner):
 
 
 def main(argv: list[str]) -> int:
+    from loopserve.cli import serve
     from loopserve.engine import llm_engine
-    from loopserve.server import api_server
 
     llm_engine.ModelRunner = SetupFaultRunner  # type: ignore[misc]
-    return api_server.main(argv)
+    return serve.main(argv)
 
 
 if __name__ == "__main__":

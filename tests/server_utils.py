@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m loopserve.server.api_server` with the given flags, logging to a file
+    """`python -m loopserve.cli.serve` with the given flags, logging to a file
     (`module` names another entry point with the same flags, e.g. `tests.fault_runner`)."""
 
     def __init__(
@@ -31,7 +31,7 @@ class ServerProcess:
         *,
         torch_threads: int = 1,
         env: dict[str, str] | None = None,
-        module: str = "loopserve.server.api_server",
+        module: str = "loopserve.cli.serve",
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

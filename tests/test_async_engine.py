@@ -19,17 +19,17 @@ require("serve")
 import httpx
 import torch
 
-from loopserve.engine.llm_engine import LLMEngine
-from loopserve.errors import CapacityError, InvalidRequestError
-from loopserve.sampling_params import SamplingParams
-from loopserve.server.api_server import build_app
-from loopserve.server.async_engine import (
+from loopserve.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
     EngineNotReadyError,
     GenerateRequest,
     QueueFullError,
 )
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.errors import CapacityError, InvalidRequestError
+from loopserve.sampling_params import SamplingParams
+from loopserve.server.api_server import build_app
 
 NUM_BLOCKS = 128
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -324,7 +324,7 @@ def test_export_submission_hands_off_with_the_k_v_where_asked(make_engine, on_de
     """`submit(export=True)` ends a request's stream with its `HandoffState` after its first
     token; `export_on_device` reaches `LLMEngine.export_request` as `to_host=False` (the torch
     transport sends device memory; on CPU both are host tensors)."""
-    from loopserve.distributed.handoff import HandoffState
+    from loopserve.engine.handoff import HandoffState
 
     engine = make_engine()
     calls = []

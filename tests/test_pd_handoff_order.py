@@ -12,9 +12,9 @@ import asyncio
 
 import pytest
 
-from loopserve.distributed.handoff import HandoffState
 from loopserve.distributed.handoff_order import HandoffInbox, HandoffReceiver
 from loopserve.distributed.transport import KVDescriptor, KVTransportError
+from loopserve.engine.handoff import HandoffState
 
 
 def _descriptor(request_id: str, src: int, seq: int) -> KVDescriptor:

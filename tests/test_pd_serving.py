@@ -26,10 +26,10 @@ ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip ins
 from loopserve.distributed.args import PDSpec  # noqa: E402
 from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
 from loopserve.distributed.pool import PoolConfig  # noqa: E402
+from loopserve.engine.async_llm import GenerateRequest  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from loopserve.server.api_server import build_app  # noqa: E402
-from loopserve.server.async_engine import GenerateRequest  # noqa: E402
 from tests.server_utils import prometheus_values, sse_payloads  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -35,9 +35,9 @@ from loopserve.distributed.pool import PoolConfig, ReplicaPool, ReplicaState, _R
 from loopserve.distributed.pool_stream import ReplicaFailedError  # noqa: E402
 from loopserve.distributed.replica import Accepted, Exported, Rejected  # noqa: E402
 from loopserve.distributed.router import RoutedRequest  # noqa: E402
+from loopserve.engine.async_llm import GenerateRequest, QueueFullError  # noqa: E402
 from loopserve.outputs import RequestMetrics, RequestOutput  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
-from loopserve.server.async_engine import GenerateRequest, QueueFullError  # noqa: E402
 from loopserve.text.input_processor import ProcessedPrompt  # noqa: E402
 
 END = object()  # ends a scripted stream
@@ -291,7 +291,7 @@ def test_prefix_routing_keeps_a_shared_prefix_on_one_prefill_replica():
 
 
 def _state(**times: object):
-    from loopserve.distributed.handoff import HandoffState
+    from loopserve.engine.handoff import HandoffState
 
     return HandoffState(
         request_id="r",

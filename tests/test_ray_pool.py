@@ -26,10 +26,10 @@ from loopserve.distributed.pool import (  # noqa: E402
     ReplicaPool,
     ReplicaState,
 )
+from loopserve.engine.async_llm import GenerateRequest  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from loopserve.server.api_server import build_app  # noqa: E402
-from loopserve.server.async_engine import GenerateRequest  # noqa: E402
 from tests.server_utils import prometheus_values, sse_payloads  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

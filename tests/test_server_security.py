@@ -27,9 +27,9 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from loopserve.engine.async_llm import AsyncLLM
+from loopserve.engine.metrics import ServingMetrics
 from loopserve.runner.sampler import make_generator
-from loopserve.server.async_engine import AsyncLLM
-from loopserve.server.metrics import ServingMetrics
 from tests.fault_runner import FAIL_SEED, FAULT_TEXT
 from tests.server_utils import ServerProcess, metrics, sse_payloads, wait_all_blocks_free
 
@@ -443,7 +443,7 @@ def test_test_process_runs_torch_with_one_thread():
 def test_metrics_use_prometheus_client_in_a_private_registry():
     from prometheus_client import REGISTRY
 
-    from loopserve.server.engine_thread import EngineSnapshot
+    from loopserve.engine.engine_thread import EngineSnapshot
 
     first, second = ServingMetrics(), ServingMetrics()  # no duplicate-name clash
     assert first.registry is not REGISTRY and first.registry is not second.registry

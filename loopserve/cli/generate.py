@@ -69,7 +69,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args: argparse.Namespace) -> int:
-    from loopserve.cli.main import UsageError
+    from loopserve.errors import UsageError
     from loopserve.llm import LLM  # lazy: torch
     from loopserve.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from loopserve.errors import LoopserveError
+from loopserve.errors import LoopserveError, UsageError
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ COMMANDS: list[Command] = [
     Command(
         ("serve",),
         "OpenAI-compatible HTTP server",
-        "loopserve.server.args:add_cli_args",
-        "loopserve.server.api_server:main_from_args",
+        "loopserve.cli.serve:add_cli_args",
+        "loopserve.cli.serve:main_from_args",
     ),
     Command(
         ("bench", "throughput"),
@@ -125,11 +125,6 @@ def _selected(argv: Sequence[str] | None) -> Command | None:
         if tuple(words[: len(command.path)]) == command.path:
             return command
     return None
-
-
-class UsageError(Exception):
-    """A bad combination of flags found after parsing: reported like argparse's own errors
-    (`usage`, `loopserve CMD: error: ...`, exit code 2)."""
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

@@ -116,7 +116,7 @@ def uses_ray(args: argparse.Namespace) -> bool:
 
 def check_distributed_args(args: argparse.Namespace) -> None:
     """Raise `UsageError` for a bad combination of the flags above."""
-    from loopserve.cli.main import UsageError
+    from loopserve.errors import UsageError
 
     if args.data_parallel_size < 1:
         raise UsageError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")

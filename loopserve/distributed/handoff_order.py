@@ -29,13 +29,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from loopserve.distributed.handoff import HandoffState
 from loopserve.distributed.transport import (
     DEFAULT_TIMEOUT_S,
     KVDescriptor,
     KVTransport,
     KVTransportError,
 )
+from loopserve.engine.handoff import HandoffState
 
 ReceiveFn = Callable[[KVDescriptor], Awaitable[Any]]  # -> the HandoffState with its K/V
 DiscardFn = Callable[[KVDescriptor], Awaitable[None]]

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loopserve.server.engine_thread import EngineSnapshot
-from loopserve.server.metrics import ServingMetrics
+from loopserve.engine.engine_thread import EngineSnapshot
+from loopserve.engine.metrics import ServingMetrics
 
 
 @dataclass(frozen=True, slots=True)

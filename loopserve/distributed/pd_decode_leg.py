@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from loopserve.distributed.replica_messages import Accepted, EngineFailed, Exported, Rejected
 from loopserve.distributed.router import RoutedRequest
+from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError, QueueFullError
 from loopserve.outputs import RequestOutput
-from loopserve.server.async_engine import EngineDeadError, EngineNotReadyError, QueueFullError
 
 if TYPE_CHECKING:
     from loopserve.distributed.pd_pool import PDReplicaPool

@@ -49,7 +49,7 @@ from loopserve.distributed.transport import (
     connect_kv_transport,
     resolve_kv_transport,
 )
-from loopserve.server.async_engine import EngineNotReadyError, GenerateRequest
+from loopserve.engine.async_llm import EngineNotReadyError, GenerateRequest
 
 logger = logging.getLogger(__name__)
 

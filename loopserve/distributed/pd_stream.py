@@ -1,6 +1,6 @@
 """`PDStream`: one submission's outputs across its prefill and decode replicas (`--pd`).
 
-The interface of `AsyncLLM`'s `OutputStream` (async iteration, `close`, `with`) for a
+An `EngineStream` (engine/client.py: async iteration, `close`, `with`) for a
 `PDReplicaPool`. Background legs feed one queue that the consumer reads: the prefill replica's
 stream (`EngineReplica.prefill`) and, for each exported request, its hand-off (`hand_off`, the
 one function that moves a state to a decode replica) and the decode replica's stream
@@ -61,9 +61,10 @@ from loopserve.distributed.placement import place_submission
 from loopserve.distributed.pool_stream import MAX_REROUTES, ReplicaFailedError
 from loopserve.distributed.replica_messages import EngineFailed, Exported
 from loopserve.distributed.router import RoutedRequest
+from loopserve.engine.async_llm import EngineDeadError, GenerateRequest
+from loopserve.engine.client import EngineStream
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
-from loopserve.server.async_engine import EngineDeadError, GenerateRequest
 
 if TYPE_CHECKING:
     from loopserve.distributed.pd_pool import PDReplicaPool
@@ -81,9 +82,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class PDStream(DecodeLegs):
-    """The outputs of one submission across its prefill and decode replicas; the interface of
-    `OutputStream`. Background legs (the prefill stream, one hand-off and decode stream per
+class PDStream(DecodeLegs, EngineStream):
+    """The outputs of one submission across its prefill and decode replicas (an
+    `EngineStream`). Background legs (the prefill stream, one hand-off and decode stream per
     exported request) feed one queue that the consumer reads."""
 
     def __init__(
@@ -93,15 +94,14 @@ class PDStream(DecodeLegs):
         routed: list[RoutedRequest],
         prompt_token_ids: list[int] | None,
     ) -> None:
+        EngineStream.__init__(self, [r.request_id for r in requests])
         self.owner = owner
         self.requests = requests
-        self.request_ids = [r.request_id for r in requests]
         self._max_tokens = {r.request_id: r.max_tokens for r in routed}
         # The prefill replica produces one token per request: its outstanding work.
         self._prefill_routed = [RoutedRequest(r.request_id, r.num_prompt_tokens, 1) for r in routed]
         self._prompt_texts = {r.request_id: getattr(r.prompt, "text", None) for r in requests}
         self._prompt_token_ids = prompt_token_ids
-        self._unfinished = set(self.request_ids)
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._legs: dict[str, Leg] = {}  # requests on a replica (absent: not opened, in flight)
         self._in_flight: set[str] = set()  # exported, not yet taken by a decode replica
@@ -113,7 +113,6 @@ class PDStream(DecodeLegs):
         self.decode_replicas: dict[str, int] = {}  # request id -> its decode replica
         self.delivered_any = False  # some output reached the consumer
         self.num_reroutes = 0
-        self._closed = False
 
     # ---- the prefill leg ----------------------------------------------------------------
 
@@ -238,36 +237,20 @@ class PDStream(DecodeLegs):
 
     # ---- the consumer -------------------------------------------------------------------
 
-    def __aiter__(self) -> PDStream:
-        return self
+    async def _next_item(self) -> RequestOutput:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.owner.metrics.finished.labels(finish_reason="error").inc(len(self._unfinished))
+            self._abort_where_they_are(sorted(self._unfinished))
+            self._unfinished.clear()
+            raise item
+        return item
 
-    async def __anext__(self) -> RequestOutput:
-        while True:
-            if self._closed or not self._unfinished:
-                raise StopAsyncIteration
-            try:
-                item = await self._queue.get()
-            except asyncio.CancelledError:
-                self.close()
-                raise
-            if isinstance(item, BaseException):
-                self.owner.metrics.finished.labels(finish_reason="error").inc(len(self._unfinished))
-                self._abort_where_they_are(sorted(self._unfinished))
-                self._unfinished.clear()
-                self.close()
-                raise item
-            if item.request_id in self._unfinished:
-                return self._deliver(item)
-
-    def _deliver(self, output: RequestOutput) -> RequestOutput:
+    def _delivered(self, output: RequestOutput) -> None:  # type: ignore[override]
         self.delivered_any = True
         if output.finished:
             self.owner.router.finish(output.request_id)
             self.owner.metrics.observe_finished(output)
-            self._unfinished.discard(output.request_id)
-            if not self._unfinished:
-                self.close()
-        return output
 
     def _release_routing(self) -> None:
         for request_id in self.request_ids:
@@ -290,19 +273,9 @@ class PDStream(DecodeLegs):
         ids = self._unfinished if request_ids is None else self._unfinished & set(request_ids)
         self._abort_where_they_are(sorted(ids))
 
-    def close(self) -> None:
-        """Abort what has not finished and release the in-flight slots; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._unfinished:
-            self._abort_where_they_are(sorted(self._unfinished))
-            self.owner.metrics.finished.labels(finish_reason="abort").inc(len(self._unfinished))
+    def _closed_with(self, unfinished_ids: list[str]) -> None:
+        if unfinished_ids:
+            self._abort_where_they_are(unfinished_ids)
+            self.owner.metrics.finished.labels(finish_reason="abort").inc(len(unfinished_ids))
         self._release_routing()
         self.owner._on_stream_closed(self)  # type: ignore[arg-type]
-
-    def __enter__(self) -> PDStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from loopserve.distributed.replica_messages import Accepted, Rejected
 from loopserve.distributed.router import RoutedRequest
-from loopserve.server.async_engine import EngineDeadError, EngineNotReadyError
+from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError
 
 if TYPE_CHECKING:
     from loopserve.distributed.pool_replicas import ReplicaSet, _Replica

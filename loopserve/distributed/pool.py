@@ -39,8 +39,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from loopserve.distributed.pool_replicas import (
     DEFAULT_MAX_RESTARTS,
@@ -52,15 +50,15 @@ from loopserve.distributed.pool_replicas import (
     _Replica,
 )
 from loopserve.distributed.pool_stream import MAX_REROUTES, PoolStream, ReplicaFailedError
-from loopserve.distributed.replica import ReplicaInfo
 from loopserve.distributed.router import RoutedRequest
-from loopserve.errors import InvalidRequestError
-from loopserve.server.async_engine import (
+from loopserve.engine.async_llm import (
     EngineNotReadyError,
     GenerateRequest,
     QueueFullError,
     SubmitGenerate,
 )
+from loopserve.engine.client import ModelInfo
+from loopserve.errors import InvalidRequestError
 from loopserve.text.input_processor import ProcessedPrompt
 
 __all__ = [
@@ -113,16 +111,16 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
-    @property
-    def engine(self) -> _EngineView:
+    def model_info(self) -> ModelInfo:
         """What the serving layer reads from an engine (tokenizer, limits), from replica 0."""
         self._check_usable()
         assert self.info is not None
-        return _EngineView(self.info)
+        return self.info
 
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def render_metrics(self) -> str:
+        return self.metrics.render(
+            self.snapshot, num_in_flight=self.num_in_flight, is_ready=self.is_ready
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -235,38 +233,3 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
         self._num_in_flight -= len(stream.request_ids)
         if self._num_in_flight == 0:
             self._idle.set()
-
-
-@dataclass(frozen=True)
-class _EngineView:
-    """The read-only engine attributes the serving layer uses (`AsyncLLM.engine`)."""
-
-    info: ReplicaInfo
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.info.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def num_loops(self) -> int:
-        return self.info.num_loops
-
-    @property
-    def config(self) -> Any:
-        return self.info.config
-
-    @property
-    def input_processor(self) -> Any:
-        return self.info.input_processor
-
-    @property
-    def stats(self) -> Any:
-        """The engine-stats fields the serving layer reads that do not change while serving
-        (`kv_positions_per_request_max`, for chat's default `max_tokens`)."""
-        from types import SimpleNamespace
-
-        return SimpleNamespace(kv_positions_per_request_max=self.info.kv_positions_per_request_max)

@@ -31,9 +31,10 @@ from typing import Any
 
 from loopserve.distributed.metrics import PoolMetrics, PoolSnapshot, ReplicaGauges
 from loopserve.distributed.ray_init import start_embedded_ray
-from loopserve.distributed.replica import EngineReplica, ReplicaInfo, ReplicaStats
+from loopserve.distributed.replica import EngineReplica, ReplicaStats
 from loopserve.distributed.router import Router
-from loopserve.server.async_engine import EngineDeadError, EngineNotReadyError, EngineSnapshot
+from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError, EngineSnapshot
+from loopserve.engine.client import ModelInfo
 
 logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.5
@@ -100,7 +101,7 @@ class ReplicaSet:
         self.router = Router(config.num_replicas, config.routing, block_size=block_size)
         self.metrics = PoolMetrics()
         self.replicas: list[_Replica] = []
-        self.info: ReplicaInfo | None = None
+        self.info: ModelInfo | None = None
         self.load_error: BaseException | None = None
         self._started_ray = False
         self._tasks: list[asyncio.Task[None]] = []

@@ -1,6 +1,6 @@
 """`PoolStream`: the outputs of one submission on one data-parallel replica (`ReplicaPool`).
 
-It has the interface of `AsyncLLM`'s `OutputStream` (async iteration, `close`, `with`), reading
+An `EngineStream` (engine/client.py: async iteration, `close`, `with`) reading
 a Ray streaming generator from `EngineReplica.generate`. Closing it early aborts its unfinished
 requests on their replica. A replica failure before any output reached the consumer re-submits
 the requests to another replica (at most `MAX_REROUTES` times); after that the stream raises
@@ -12,19 +12,19 @@ it, handle a failed or refused first item) is `place_submission` (placement.py),
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
 from loopserve.distributed.placement import place_submission
 from loopserve.distributed.replica_messages import EngineFailed
 from loopserve.distributed.router import RoutedRequest
-from loopserve.errors import LoopserveError
-from loopserve.outputs import RequestOutput
-from loopserve.server.async_engine import (
+from loopserve.engine.async_llm import (
     EngineNotReadyError,
     GenerateRequest,
 )
+from loopserve.engine.client import EngineStream
+from loopserve.errors import LoopserveError
+from loopserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from loopserve.distributed.pool import ReplicaPool
@@ -39,8 +39,8 @@ class ReplicaFailedError(EngineNotReadyError):
     replica is restarting and the client may retry (HTTP 503)."""
 
 
-class PoolStream:
-    """The outputs of one submission on one replica; the interface of `OutputStream`.
+class PoolStream(EngineStream):
+    """The outputs of one submission on one replica (an `EngineStream`).
 
     A replica failure before any output reached the consumer re-submits the requests to
     another replica; after that it raises `ReplicaFailedError`.
@@ -53,18 +53,16 @@ class PoolStream:
         routed: list[RoutedRequest],
         prompt_token_ids: list[int] | None,
     ) -> None:
+        super().__init__([r.request_id for r in requests])
         self.owner = owner
         self.requests = requests
-        self.request_ids = [r.request_id for r in requests]
         self._routed = routed
         self._prompt_token_ids = prompt_token_ids
-        self._unfinished = set(self.request_ids)
         self._generator: Any = None  # ray.ObjectRefGenerator
         self.replica: int | None = None
         self._instance_id: str | None = None
         self.delivered_any = False  # some output reached the consumer
         self.num_reroutes = 0
-        self._closed = False
 
     async def open(self, excluded: set[int]) -> None:
         """Route and submit; retry on another replica if the chosen one fails first
@@ -92,42 +90,29 @@ class PoolStream:
         for request_id in self.request_ids:
             self.owner.router.finish(request_id)
 
-    def __aiter__(self) -> PoolStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
+    async def _next_item(self) -> RequestOutput | None:
         import ray
 
-        while True:
-            if self._closed or not self._unfinished:
-                raise StopAsyncIteration
-            try:
-                item = await (await self._generator.__anext__())
-            except asyncio.CancelledError:
-                self.close()
-                raise
-            except ray.exceptions.RayActorError as err:  # the replica process is gone
-                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=True)
-                continue
-            except (ray.exceptions.RayError, StopAsyncIteration) as err:  # this stream only
-                await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=False)
-                continue
-            if isinstance(item, EngineFailed):  # the replica's engine died
-                await self._on_replica_failure(item.message, replica_down=True)
-                continue
-            return self._deliver(item)
+        try:
+            item = await (await self._generator.__anext__())
+        except ray.exceptions.RayActorError as err:  # the replica process is gone
+            await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=True)
+            return None
+        except (ray.exceptions.RayError, StopAsyncIteration) as err:  # this stream only
+            await self._on_replica_failure(f"{type(err).__name__}: {err}", replica_down=False)
+            return None
+        if isinstance(item, EngineFailed):  # the replica's engine died
+            await self._on_replica_failure(item.message, replica_down=True)
+            return None
+        return item
 
-    def _deliver(self, output: RequestOutput) -> RequestOutput:
+    def _delivered(self, output: RequestOutput) -> None:  # type: ignore[override]
         router = self.owner.router
         router.progress(output.request_id, len(output.new_token_ids))
         self.delivered_any = True
         if output.finished:
             router.finish(output.request_id)
             self.owner.metrics.observe_finished(output)
-            self._unfinished.discard(output.request_id)
-            if not self._unfinished:
-                self.close()
-        return output
 
     async def _on_replica_failure(self, why: str, *, replica_down: bool) -> None:
         """Re-route if nothing was delivered yet; else fail the stream with a 503 error.
@@ -171,20 +156,10 @@ class PoolStream:
         if ids and self.replica is not None:
             self.owner.replicas[self.replica].actor.abort.remote(ids)
 
-    def close(self) -> None:
-        """Abort what has not finished and release the in-flight slots; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._unfinished and self._generator is not None:  # opened: a replica runs them
+    def _closed_with(self, unfinished_ids: list[str]) -> None:
+        if unfinished_ids and self._generator is not None:  # opened: a replica runs them
             self.abort_unfinished()
-            self.owner.metrics.finished.labels(finish_reason="abort").inc(len(self._unfinished))
+            self.owner.metrics.finished.labels(finish_reason="abort").inc(len(unfinished_ids))
         self._release_routing()
         self._generator = None
         self.owner._on_stream_closed(self)
-
-    def __enter__(self) -> PoolStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

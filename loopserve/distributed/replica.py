@@ -40,7 +40,7 @@ The engine is built in `__init__`, so a model that fails to load fails the actor
 This module does not route, retry or restart; the pool does. Rooms: this module is the actor
 class and its plain generate/offline/abort methods; the prefill/decode and KV transport methods
 are `HandoffRoles` (replica_handoff.py), mixed in; the result and marker dataclasses (`Accepted`,
-`Rejected`, `EngineFailed`, `Exported`, `ReplicaInfo`, `ReplicaStats`) are replica_messages.py,
+`Rejected`, `EngineFailed`, `Exported`, `ReplicaStats`) are replica_messages.py,
 re-exported here.
 """
 
@@ -61,14 +61,14 @@ from loopserve.distributed.replica_messages import (
     EngineFailed,
     Exported,
     Rejected,
-    ReplicaInfo,
     ReplicaStats,
     relay,
 )
+from loopserve.engine.async_llm import AsyncLLM, GenerateRequest
+from loopserve.engine.client import ModelInfo
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
-from loopserve.server.async_engine import AsyncLLM, GenerateRequest
 
 __all__ = [
     "MAX_SAME_CLOCK_SKEW_S",
@@ -77,7 +77,6 @@ __all__ = [
     "EngineReplica",
     "Exported",
     "Rejected",
-    "ReplicaInfo",
     "ReplicaStats",
     "rebase_times",
 ]
@@ -113,17 +112,8 @@ class EngineReplica(HandoffRoles):
             self._llm.start()
         return self._llm
 
-    async def info(self) -> ReplicaInfo:
-        engine = self.engine
-        return ReplicaInfo(
-            tokenizer=engine.tokenizer,
-            max_model_len=engine.max_model_len,
-            num_loops=engine.num_loops,
-            block_size=engine.config.cache.block_size,
-            kv_positions_per_request_max=engine.stats.kv_positions_per_request_max,
-            config=engine.config,
-            input_processor=engine.input_processor,
-        )
+    async def info(self) -> ModelInfo:
+        return ModelInfo.of(self.engine)
 
     async def stats(self) -> ReplicaStats:
         llm = self._started()

@@ -27,7 +27,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from loopserve.distributed.handoff import HandoffState
 from loopserve.distributed.handoff_order import HandoffInbox
 from loopserve.distributed.replica_messages import (
     Accepted,
@@ -46,10 +45,11 @@ from loopserve.distributed.transport import (
     free_rendezvous_address,
     make_kv_transport,
 )
+from loopserve.engine.async_llm import AsyncLLM, GenerateRequest, OutputStream
+from loopserve.engine.handoff import HandoffState
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
-from loopserve.server.async_engine import AsyncLLM, GenerateRequest, OutputStream
 
 logger = logging.getLogger(__name__)
 

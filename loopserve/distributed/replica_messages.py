@@ -6,7 +6,8 @@ Plain frozen dataclasses (they cross Ray by pickle), torch-free and Ray-free:
   of `import_handoff`; `Rejected.error()` rebuilds the `LoopserveError` the replica raised.
 - `EngineFailed`: the replica's engine died (or shut down) under a stream; `relay` yields it.
 - `Exported`: `prefill` handed a request off; the stream's next item is its state.
-- `ReplicaInfo` / `ReplicaStats`: what the pool reads once (`info()`) and per probe (`stats()`).
+- `ReplicaStats`: what the pool reads per probe (`stats()`); once, it reads the replica's
+  `ModelInfo` (engine/client.py) with `info()`.
 
 `relay` turns an engine `OutputStream` into a replica stream's items.
 """
@@ -15,18 +16,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
-from loopserve.distributed.handoff import HandoffState
-from loopserve.errors import CapacityError, InvalidRequestError, LoopserveError
-from loopserve.outputs import RequestOutput
-from loopserve.server.async_engine import (
+from loopserve.engine.async_llm import (
     EngineDeadError,
     EngineNotReadyError,
     EngineSnapshot,
     OutputStream,
     QueueFullError,
 )
+from loopserve.engine.handoff import HandoffState
+from loopserve.errors import CapacityError, InvalidRequestError, LoopserveError
+from loopserve.outputs import RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +83,6 @@ class Exported:
     # The rank the K/V was sent to by the torch transport (the next item is a
     # `KVDescriptor` only that replica can import); None: the state carries its K/V.
     destination: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaInfo:
-    """What the serving layer reads from an engine, fetched once per replica."""
-
-    tokenizer: Any  # loopserve.text.tokenizer.Tokenizer | None (pickled)
-    max_model_len: int
-    num_loops: int
-    block_size: int
-    kv_positions_per_request_max: int
-    config: Any  # the engine's resolved EngineConfig
-    input_processor: Any  # loopserve.text.input_processor.InputProcessor (pickled)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loopserve.distributed.handoff import HandoffState
 from loopserve.distributed.transport import (
     KVDescriptor,
     KVTransport,
@@ -28,6 +27,7 @@ from loopserve.distributed.transport import (
     TransportStats,
     tensor_num_bytes,
 )
+from loopserve.engine.handoff import HandoffState
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loopserve.distributed.handoff import HandoffState
+from loopserve.engine.handoff import HandoffState
 from loopserve.errors import ConfigError, LoopserveError
 
 KV_TRANSPORTS = ("ray", "torch", "auto")

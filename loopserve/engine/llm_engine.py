@@ -28,9 +28,9 @@ from loopserve.config import (
     resolve_dtype,
     resolve_num_blocks,
 )
-from loopserve.distributed.handoff import HandoffState
 from loopserve.engine.async_core import AsyncEngineCore
 from loopserve.engine.core import EngineCore
+from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
 from loopserve.models import load_model

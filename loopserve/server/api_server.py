@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server: app factory, middleware, routes and `loopserve serve`.
 
-`build_app` wires an `AsyncLLM` into a FastAPI app: `/v1/completions`,
+`build_app` wires an `EngineClient` (engine/client.py) into a FastAPI app: `/v1/completions`,
 `/v1/chat/completions` (both with SSE streaming), `/v1/models`, `/health` (200 only when the
 engine is loaded and alive) and `/metrics` (Prometheus text). Every error uses OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`; bodies over `max_body_bytes` get 413 before
-they are parsed. `main_from_args` runs uvicorn; on SIGTERM/SIGINT the server stops accepting,
+they are parsed. `run` serves the app with uvicorn (`loopserve serve`, cli/serve.py, builds
+the client and calls it); on SIGTERM/SIGINT the server stops accepting,
 lets in-flight requests finish for up to `--shutdown-timeout-s`, aborts the rest and exits 0.
 The request handlers live in `serving_completions` and `serving_chat`.
 
@@ -25,7 +26,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -37,19 +37,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from loopserve.distributed.args import build_pool, check_distributed_args, uses_ray
-from loopserve.distributed.pool import ReplicaPool
-from loopserve.engine_args import engine_args_from
+from loopserve.engine.client import EngineClient, ModelInfo
+from loopserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loopserve.server.args import (
     API_KEY_ENV,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MODEL_NAME,
-    add_cli_args,
 )
-from loopserve.server.async_engine import AsyncLLM
-from loopserve.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loopserve.server.middleware import (
     BodySizeLimitMiddleware,
     HeaderTimeoutH11Protocol,
@@ -66,7 +62,7 @@ SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to 
 
 
 def build_app(
-    async_llm: AsyncLLM | ReplicaPool,
+    client: EngineClient,
     served_model_name: str,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -79,15 +75,15 @@ def build_app(
     allow_client_priority: bool = False,
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
 ) -> FastAPI:
-    """The FastAPI app serving `async_llm` (one engine, or a `ReplicaPool` of replicas with
-    the same interface) as `served_model_name`.
+    """The FastAPI app serving `client` (an `EngineClient`: one engine, or a pool of replicas)
+    as `served_model_name`.
 
     Its lifespan starts the engine thread, logs one line once the model is ready and, at
     shutdown, drains the engine within `shutdown_timeout_s`. `allowed_hosts=None` accepts any
     Host header; `api_key=None` needs no key.
     """
     ctx = ServingContext(
-        async_llm,
+        client,
         served_model_name,
         allow_client_priority=allow_client_priority,
         default_max_tokens_cap=default_max_tokens,
@@ -95,11 +91,11 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        async_llm.start()
-        ready_log = asyncio.ensure_future(_log_when_ready(async_llm, served_model_name))
+        client.start()
+        ready_log = asyncio.ensure_future(_log_when_ready(client, served_model_name))
         yield
         ready_log.cancel()
-        await async_llm.shutdown(shutdown_timeout_s)
+        await client.shutdown(shutdown_timeout_s)
 
     app = FastAPI(title="loopserve", lifespan=lifespan)
     app.add_middleware(
@@ -165,65 +161,40 @@ def build_app(
         return _model_card(ctx)
 
     @app.get("/health")
-    async def health() -> Response:
-        if isinstance(async_llm, ReplicaPool):  # "degraded" while some replicas restart
-            details = async_llm.health()
-            return JSONResponse(details, status_code=200 if async_llm.is_ready else 503)
-        if async_llm.is_ready:
-            return JSONResponse({"status": "ok"})
-        status = "dead" if async_llm.is_dead else "loading"
-        return JSONResponse({"status": status}, status_code=503)
+    async def health() -> Response:  # a pool says "degraded" while some replicas restart
+        return JSONResponse(client.health(), status_code=200 if client.is_ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = async_llm.metrics.render(
-            async_llm.snapshot,
-            num_in_flight=async_llm.num_in_flight,
-            is_ready=async_llm.is_ready,
-        )
-        return PlainTextResponse(text, media_type=METRICS_CONTENT_TYPE)
+        return PlainTextResponse(client.render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
     return app
 
 
-async def _log_when_ready(async_llm: AsyncLLM, served_model_name: str) -> None:
-    if await async_llm.wait_ready():
-        logger.info("%s", ready_line(async_llm.engine, served_model_name))
+async def _log_when_ready(client: EngineClient, served_model_name: str) -> None:
+    if await client.wait_ready():
+        logger.info("%s", ready_line(client.model_info(), served_model_name))
 
 
-def ready_line(engine: object, served_model_name: str) -> str:
+def ready_line(info: ModelInfo, served_model_name: str) -> str:
     """One line saying what is being served and how it is configured."""
-    config = getattr(engine, "config", None)
-    cache = getattr(config, "cache", None)
-    num_blocks = getattr(cache, "num_blocks", None)
-    block_size = getattr(cache, "block_size", None)
-    layout = getattr(cache, "layout", None)
-    num_loops = getattr(engine, "num_loops", 1)
-    positions = None
-    if num_blocks is not None and block_size is not None:
-        positions = num_blocks // (1 if layout == "shared" else num_loops) * block_size
-    scheduler = getattr(config, "scheduler", None)
-    policies = (
-        ""
-        if scheduler is None
-        else (
-            f"schedule={scheduler.mode} prefill={scheduler.prefill_mode} "
-            f"mixed_prefill_decode={scheduler.mixed_prefill_decode} "
-        )
-    )
-    exit_mode = getattr(getattr(config, "exit", None), "mode", None)
+    config = info.config
+    cache, scheduler = config.cache, config.scheduler
+    planes = 1 if cache.layout == "shared" else info.num_loops
+    positions = cache.num_blocks // planes * cache.block_size
     return (
-        f"ready: model={getattr(config, 'model', None) or '(embedded default)'} "
-        f"served_name={served_model_name} dtype={getattr(config, 'dtype', None)} "
-        f"device={getattr(config, 'device', None)} kv_blocks={num_blocks} "
-        f"block_size={block_size} kv_layout={layout} kv_positions={positions} "
-        f"max_model_len={getattr(engine, 'max_model_len', None)} loops={num_loops} "
-        f"{policies}exit={exit_mode}"
+        f"ready: model={config.model or '(embedded default)'} "
+        f"served_name={served_model_name} dtype={config.dtype} "
+        f"device={config.device} kv_blocks={cache.num_blocks} "
+        f"block_size={cache.block_size} kv_layout={cache.layout} kv_positions={positions} "
+        f"max_model_len={info.max_model_len} loops={info.num_loops} "
+        f"schedule={scheduler.mode} prefill={scheduler.prefill_mode} "
+        f"mixed_prefill_decode={scheduler.mixed_prefill_decode} exit={config.exit.mode}"
     )
 
 
 def _model_card(ctx: ServingContext) -> ModelCard:
-    max_model_len = ctx.async_llm.engine.max_model_len if ctx.async_llm.is_ready else None
+    max_model_len = ctx.client.model_info().max_model_len if ctx.client.is_ready else None
     return ModelCard(id=ctx.served_model_name, max_model_len=max_model_len)
 
 
@@ -253,53 +224,14 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _set_torch_threads(args: argparse.Namespace) -> None:
-    """On CPU, keep a core free for the event loop: torch's workers otherwise fight it (on
-    2 cores we measured ~17x lower throughput with 2 torch threads than with 1)."""
-    if not str(args.device).startswith("cpu"):
-        return
-    threads = args.torch_threads
-    if threads is None:
-        if os.environ.get("OMP_NUM_THREADS"):
-            return
-        threads = max(1, (os.cpu_count() or 1) - 1)
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def main_from_args(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if the model failed to load,
-    2 (with a one-line error) if the model directory does not exist."""
-    check_distributed_args(args)  # flag combinations first: a usage error costs nothing
-    if args.model is not None and not Path(args.model).exists():
-        print(f"loopserve serve: error: model directory not found: {args.model}", file=sys.stderr)
-        return 2
-    from loopserve.engine.llm_engine import LLMEngine  # lazy: keeps `loopserve --help` fast
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    _set_torch_threads(args)
-    engine_args = engine_args_from(args)
-    served_model_name = args.served_model_name or _default_model_name(args.model)
-    server: GracefulServer | None = None
-
-    def stop_server(_err: BaseException) -> None:
-        if server is not None:
-            server.should_exit = True
-
-    async_llm: AsyncLLM | ReplicaPool
-    if uses_ray(args):
-        async_llm = build_pool(args, engine_args, on_load_error=stop_server)
-    else:
-        async_llm = AsyncLLM(
-            lambda: LLMEngine.from_engine_args(**engine_args),
-            max_pending_requests=args.max_pending_requests,
-            on_load_error=stop_server,
-        )
+def make_server(
+    client: EngineClient, args: argparse.Namespace, served_model_name: str
+) -> GracefulServer:
+    """The uvicorn server for `client`, configured from the server flags of `loopserve serve`
+    (server/args.py); SIGTERM/SIGINT stop new submissions and drain within
+    `--shutdown-timeout-s`."""
     app = build_app(
-        async_llm,
+        client,
         served_model_name,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout_s,
@@ -325,19 +257,12 @@ def main_from_args(args: argparse.Namespace) -> int:
     )
 
     def on_exit_signal() -> None:
-        async_llm.stop_accepting(abort_after_s=args.shutdown_timeout_s)
+        client.stop_accepting(abort_after_s=args.shutdown_timeout_s)
 
-    server = GracefulServer(config, on_exit_signal=on_exit_signal)
-    if isinstance(async_llm, ReplicaPool):
-        async_llm.init_ray()  # in the main thread, before uvicorn takes the signals
-    server.run()
-    if async_llm.load_error is not None:
-        logger.error("the model failed to load: %s", async_llm.load_error)
-        return 1
-    return 0
+    return GracefulServer(config, on_exit_signal=on_exit_signal)
 
 
-def _default_model_name(model: str | None) -> str:
+def default_model_name(model: str | None) -> str:
     """The directory's base name: the API never shows a local filesystem path."""
     if model is None:
         return DEFAULT_MODEL_NAME
@@ -348,16 +273,3 @@ def _allowed_hosts(hosts: list[str] | None, bind_host: str) -> tuple[str, ...] |
     if hosts is None:
         return default_allowed_hosts(bind_host)
     return None if "*" in hosts else tuple(hosts)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_cli_args(parser)
-    return main_from_args(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

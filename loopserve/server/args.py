@@ -1,12 +1,9 @@
-"""Flags of `loopserve serve`, kept apart from the server so `serve --help` imports neither
-torch nor fastapi."""
+"""The HTTP server's flags of `loopserve serve`, kept apart from the server so `serve --help`
+imports neither torch nor fastapi."""
 
 from __future__ import annotations
 
 import argparse
-
-from loopserve.distributed.args import add_distributed_args
-from loopserve.engine_args import add_engine_args
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 DEFAULT_MODEL_NAME = "loopserve-default"
@@ -17,10 +14,8 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 API_KEY_ENV = "LOOPSERVE_API_KEY"
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `loopserve serve`: every engine flag plus the server's own."""
-    add_engine_args(parser)
-    add_distributed_args(parser)
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's own flags (`loopserve serve` adds the engine's and distributed's)."""
     group = parser.add_argument_group("server")
     group.add_argument(
         "--host",

@@ -17,13 +17,9 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from loopserve.engine.client import EngineStream, GenerateRequest
+from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput, TokenLogprob
-from loopserve.server.async_engine import (
-    EngineDeadError,
-    EngineNotReadyError,
-    GenerateRequest,
-    OutputStream,
-)
 from loopserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -158,7 +154,7 @@ async def _stream_events(
     ctx: ServingContext,
     body: ChatCompletionRequest,
     response_id: str,
-    stream: OutputStream,
+    stream: EngineStream,
     requests: list[GenerateRequest],
     tokenizer: Tokenizer | None,
 ) -> AsyncIterator[str]:

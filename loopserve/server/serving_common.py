@@ -2,7 +2,7 @@
 
 `ApiError` carries an HTTP status and the OpenAI error fields; every failure a handler can
 report becomes one (`api_server` renders it). `ServingContext` is the per-app state: the
-`AsyncLLM`, the served model name and the limits. Prompt text work (chat templates,
+`EngineClient`, the served model name and the limits. Prompt text work (chat templates,
 tokenization) goes through the engine's `InputProcessor` in a worker thread (`process_text`),
 never on the event loop, so a huge prompt does not stall `/health` or other streams.
 This module decides status codes once:
@@ -28,18 +28,16 @@ from typing import TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from loopserve.errors import InvalidRequestError
+from loopserve.engine.client import EngineClient, EngineStream, GenerateRequest, ModelInfo
+from loopserve.errors import (
+    EngineDeadError,
+    EngineNotReadyError,
+    InvalidRequestError,
+    QueueFullError,
+)
 from loopserve.outputs import RequestOutput, TokenLogprob
 from loopserve.sampling_params import SamplingParams
 from loopserve.server.args import DEFAULT_CHAT_MAX_TOKENS
-from loopserve.server.async_engine import (
-    AsyncLLM,
-    EngineDeadError,
-    EngineNotReadyError,
-    GenerateRequest,
-    OutputStream,
-    QueueFullError,
-)
 from loopserve.server.protocol import (
     CompletionLogprobs,
     ErrorInfo,
@@ -82,13 +80,13 @@ class ApiError(Exception):
 
 @dataclass
 class ServingContext:
-    async_llm: AsyncLLM
+    client: EngineClient
     served_model_name: str
     allow_client_priority: bool = False
     default_max_tokens_cap: int = DEFAULT_CHAT_MAX_TOKENS
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
-        return default_max_tokens(self.async_llm, num_prompt_tokens, self.default_max_tokens_cap)
+        return default_max_tokens(self.model_info(), num_prompt_tokens, self.default_max_tokens_cap)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -101,17 +99,17 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def tokenizer(self) -> Tokenizer | None:
+    def model_info(self) -> ModelInfo:
         try:
-            return self.async_llm.tokenizer
+            return self.client.model_info()
         except (EngineNotReadyError, EngineDeadError) as err:
             raise engine_unavailable(err) from err
 
+    def tokenizer(self) -> Tokenizer | None:
+        return self.model_info().tokenizer
+
     def input_processor(self) -> InputProcessor:
-        try:
-            return self.async_llm.engine.input_processor
-        except (EngineNotReadyError, EngineDeadError) as err:
-            raise engine_unavailable(err) from err
+        return self.model_info().input_processor
 
 
 async def process_text(work: Callable[[], T]) -> T:
@@ -191,13 +189,12 @@ def sampling_params(
 
 
 def default_max_tokens(
-    async_llm: AsyncLLM, num_prompt_tokens: int, cap: int = DEFAULT_CHAT_MAX_TOKENS
+    info: ModelInfo, num_prompt_tokens: int, cap: int = DEFAULT_CHAT_MAX_TOKENS
 ) -> int:
     """Chat's `max_tokens` when the client gives none: what fits in the context and in the KV
     cache, capped at `cap` (`--default-max-tokens`) because admission reserves the worst case."""
-    engine = async_llm.engine
-    kv_positions = engine.stats.kv_positions_per_request_max
-    fits = min(engine.max_model_len - num_prompt_tokens, kv_positions + 1 - num_prompt_tokens)
+    kv_positions = info.kv_positions_per_request_max
+    fits = min(info.max_model_len - num_prompt_tokens, kv_positions + 1 - num_prompt_tokens)
     return max(1, min(fits, cap))
 
 
@@ -218,7 +215,7 @@ def engine_unavailable(err: Exception) -> ApiError:
     return ApiError(503, str(err), type="server_error", code="engine_unavailable")
 
 
-async def submit(ctx: ServingContext, requests: list[GenerateRequest]) -> OutputStream:
+async def submit(ctx: ServingContext, requests: list[GenerateRequest]) -> EngineStream:
     """Submit all requests of one HTTP call, mapping rejections to HTTP errors."""
     if not ctx.allow_client_priority and any(r.params.priority != 0 for r in requests):
         raise ApiError(
@@ -227,7 +224,7 @@ async def submit(ctx: ServingContext, requests: list[GenerateRequest]) -> Output
             param="priority",
         )
     try:
-        return await ctx.async_llm.submit(requests)
+        return await ctx.client.submit(requests)
     except InvalidRequestError as err:  # includes CapacityError
         raise ApiError(400, err.message, param=err.param) from None
     except QueueFullError as err:
@@ -257,7 +254,7 @@ def failed_output_error(output: RequestOutput) -> ApiError:
     )
 
 
-async def collect_finals(stream: OutputStream) -> dict[str, RequestOutput]:
+async def collect_finals(stream: EngineStream) -> dict[str, RequestOutput]:
     """Drain a stream to the final output of each request; engine failures raise ApiError, and
     so does a submission whose requests were all aborted before producing a token (503 during
     shutdown, else 500)."""

@@ -18,13 +18,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from loopserve.engine.client import EngineStream, GenerateRequest
+from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput, TokenLogprob
-from loopserve.server.async_engine import (
-    EngineDeadError,
-    EngineNotReadyError,
-    GenerateRequest,
-    OutputStream,
-)
 from loopserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -174,7 +170,7 @@ async def _stream_events(
     ctx: ServingContext,
     body: CompletionRequest,
     response_id: str,
-    stream: OutputStream,
+    stream: EngineStream,
     choices: list[_Choice],
     tokenizer: Tokenizer | None,
 ) -> AsyncIterator[str]:

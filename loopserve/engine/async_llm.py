@@ -29,22 +29,25 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from loopserve.distributed.handoff import HandoffState
-from loopserve.errors import InvalidRequestError, LoopserveError
-from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import SamplingParams
-from loopserve.server.engine_thread import (
+from loopserve.engine.client import EngineStream, GenerateRequest, ModelInfo
+from loopserve.engine.engine_thread import (
     AbortCommand,
     AddCommand,
-    EngineDeadError,
-    EngineNotReadyError,
     EngineSnapshot,
     EngineThread,
-    GenerateRequest,
     ImportCommand,
     StopCommand,
 )
-from loopserve.server.metrics import ServingMetrics
+from loopserve.engine.handoff import HandoffState
+from loopserve.engine.metrics import ServingMetrics
+from loopserve.errors import (
+    EngineDeadError,
+    EngineNotReadyError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from loopserve.outputs import RequestOutput
+from loopserve.sampling_params import SamplingParams
 from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
 from loopserve.text.tokenizer import Tokenizer
 
@@ -63,65 +66,27 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class QueueFullError(LoopserveError):
-    """Too many requests in flight; the client should retry after `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class OutputStream:
-    """The outputs of one submission, in engine order, until all its requests finish.
-
-    Iterate with `async for`; use `with stream:` (or call `close()`) so that leaving early aborts
-    the unfinished requests. Cancelling a consumer blocked on the next output also closes it.
-    A submission with `export=True` may yield a `HandoffState`: that request left this engine.
-    """
+class OutputStream(EngineStream):
+    """The outputs of one submission to an `AsyncLLM` (see `EngineStream`); the engine thread
+    feeds its queue through `put`."""
 
     def __init__(self, owner: AsyncLLM, request_ids: list[str]) -> None:
-        self._owner = owner
+        super().__init__(request_ids)
         self.owner = owner
-        self.request_ids = list(request_ids)
-        self._unfinished = set(request_ids)
         self._queue: asyncio.Queue[RequestOutput | HandoffState | BaseException] = asyncio.Queue()
-        self._closed = False
 
     def put(self, item: RequestOutput | HandoffState | BaseException) -> None:
         """Called on the event loop thread, on behalf of the engine thread."""
         self._queue.put_nowait(item)
 
-    def __aiter__(self) -> OutputStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:  # or a HandoffState, see the class docstring
-        if self._closed or not self._unfinished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.close()
-            raise
+    async def _next_item(self) -> RequestOutput | HandoffState:
+        item = await self._queue.get()
         if isinstance(item, BaseException):
-            self.close()
             raise item
-        if isinstance(item, HandoffState) or item.finished:
-            self._unfinished.discard(item.request_id)
-            if not self._unfinished:
-                self.close()
         return item
 
-    def close(self) -> None:
-        """Abort what has not finished and release the in-flight slots; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._owner._on_stream_closed(self, sorted(self._unfinished))
-
-    def __enter__(self) -> OutputStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def _closed_with(self, unfinished_ids: list[str]) -> None:
+        self.owner._on_stream_closed(self, unfinished_ids)
 
 
 class SubmitGenerate:
@@ -208,6 +173,21 @@ class AsyncLLM(SubmitGenerate):
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
+
+    def model_info(self) -> ModelInfo:
+        self._check_usable()
+        assert self._thread is not None and self._thread.model_info is not None
+        return self._thread.model_info
+
+    def health(self) -> dict[str, object]:
+        if self.is_ready:
+            return {"status": "ok"}
+        return {"status": "dead" if self.is_dead else "loading"}
+
+    def render_metrics(self) -> str:
+        return self.metrics.render(
+            self.snapshot, num_in_flight=self.num_in_flight, is_ready=self.is_ready
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
 

@@ -28,34 +28,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from loopserve.distributed.handoff import HandoffState
-from loopserve.errors import LoopserveError
+from loopserve.engine.client import GenerateRequest, ModelInfo
+from loopserve.engine.handoff import HandoffState
+from loopserve.engine.metrics import ServingMetrics
+from loopserve.errors import EngineDeadError, EngineNotReadyError, LoopserveError
 from loopserve.outputs import RequestOutput
-from loopserve.sampling_params import SamplingParams
-from loopserve.server.metrics import ServingMetrics
-from loopserve.text.input_processor import ProcessedPrompt
 
 if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` stays fast
     from loopserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-class EngineNotReadyError(LoopserveError):
-    """The engine is still loading or is shutting down; nothing was submitted."""
-
-
-class EngineDeadError(LoopserveError):
-    """The engine thread died; no request can make progress any more."""
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateRequest:
-    """One request of a submission."""
-
-    request_id: str
-    prompt: str | list[int] | ProcessedPrompt  # the server passes prompts already processed
-    params: SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +125,7 @@ class EngineThread:
         self._metrics = metrics
         self._on_load_error = on_load_error
         self.snapshot = EngineSnapshot()
+        self.model_info: ModelInfo | None = None  # set before `ready`
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self.dead_error: BaseException | None = None
@@ -187,6 +170,7 @@ class EngineThread:
                 assert self._factory is not None
                 self.engine = self._factory()
             self._publish_snapshot(self.engine)
+            self.model_info = ModelInfo.of(self.engine)  # read once, on this thread
             self.ready.set()
         except BaseException as err:
             logger.exception("loading the engine failed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -61,6 +62,13 @@ class LLM:
             ids = [f"llm-{self._counter + i}" for i in range(len(prompt_list))]
             self._counter += len(ids)
             return self._replicas.generate(ids, prompt_list, params_list)
+        # Only final outputs are read here: the engine need not assemble any other.
+        params_list = [
+            dataclasses.replace(p, output_kind="final_only")
+            if isinstance(p, SamplingParams) and p.output_kind == "cumulative"
+            else p
+            for p in params_list
+        ]
         ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):

@@ -1,4 +1,12 @@
-"""What the engine returns per request: cumulative results plus this step's delta."""
+"""What the engine returns per request, and what one step produced for it.
+
+`RequestDelta` is what the engine hands its output processor after a step: only what is new
+for one request (plus its fixed facts by reference), so per-step output work does not grow
+with the length of the output. `RequestOutput` is what callers read: with the request's
+`output_kind` "cumulative" the whole output so far plus the step's delta (`new_*`), with
+"delta" only what is new (token_ids == new_token_ids, text == new_text, ...), with
+"final_only" one cumulative output when the request finishes.
+"""
 
 from __future__ import annotations
 
@@ -53,6 +61,14 @@ class RequestOutput:
     new_exit_depths: list[int] = field(default_factory=list)
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     error: str | None = None  # set when the request failed inside the engine
+    # Output tokens so far (the length of `token_ids` except for "delta" outputs, whose
+    # cumulative fields hold only what is new).
+    num_output_tokens: int = -1
+    output_kind: str = "cumulative"
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens < 0:
+            object.__setattr__(self, "num_output_tokens", len(self.token_ids))
 
     @property
     def finished(self) -> bool:
@@ -61,3 +77,24 @@ class RequestOutput:
     @property
     def mean_loops(self) -> float:
         return sum(self.exit_depths) / len(self.exit_depths) if self.exit_depths else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one engine step produced for one request (see the module docstring)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the request's own list, not a copy
+    new_token_ids: list[int]
+    new_exit_depths: list[int]
+    new_logprobs: list[TokenLogprob] | None  # None when the request asked for none
+    new_token_times_s: list[float]
+    num_output_tokens: int  # after this step
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stop_token_id: int | None  # the stop token or EOS that finished it, if one did
+    arrival_s: float
+    first_scheduled_s: float | None
+    first_token_s: float | None
+    finished_s: float | None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0

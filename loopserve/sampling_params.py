@@ -12,6 +12,9 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What to generate and how deep to loop.
@@ -37,6 +40,9 @@ class SamplingParams:
     exit_threshold: float = 1.0
     priority: int = 0
     exit_trace: tuple[int, ...] | None = field(default=None)
+    # What each output carries: "cumulative" (everything so far plus the step's delta),
+    # "delta" (only what is new; the server's streams) or "final_only" (one output at the end).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -56,6 +62,8 @@ class SamplingParams:
             value = getattr(self, param)
             return InvalidRequestError(f"{param} {why}, got {value!r}", param=param)
 
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
         if not _is_number(self.temperature) or self.temperature < 0:

@@ -87,7 +87,7 @@ def test_kv_transfer_timeout_must_be_positive_and_reaches_the_pool(capsys):
     assert exit_info.value.code == 2
     assert "--kv-transfer-timeout-s must be > 0, got 0.0" in capsys.readouterr().err
     from loopserve.cli.serve import add_cli_args
-    from loopserve.distributed.args import build_pool
+    from loopserve.distributed.launch import build_pool
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from loopserve.distributed.args import (
     add_distributed_args,
-    build_pool,
     check_distributed_args,
     uses_ray,
 )
@@ -55,6 +54,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         print(f"loopserve serve: error: model directory not found: {args.model}", file=sys.stderr)
         return 2
     # lazy: keeps `loopserve --help` fast
+    from loopserve.distributed.launch import build_pool
     from loopserve.distributed.pool import ReplicaPool
     from loopserve.engine.async_llm import AsyncLLM
     from loopserve.engine.client import EngineClient

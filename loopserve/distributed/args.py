@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from loopserve.distributed.router import ROUTING_POLICIES
@@ -135,43 +134,3 @@ def check_distributed_args(args: argparse.Namespace) -> None:
             "and asynchronous scheduling plans the next token's loops before the hand-off "
             "could happen"
         )
-
-
-def build_pool(
-    args: argparse.Namespace,
-    engine_args: dict[str, object],
-    on_load_error: Callable[[BaseException], None],
-):  # -> ReplicaPool
-    """The `ReplicaPool` (or, with `--pd`, `PDReplicaPool`) the flags describe; raises
-    `UsageError` for bad flags and SystemExit with a hint without Ray."""
-    check_distributed_args(args)
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise SystemExit(
-            "--data-parallel-size > 1, --pd and --ray-address need Ray: "
-            "pip install 'loopserve[ray]'"
-        ) from None
-    from loopserve.distributed.pool import PoolConfig, ReplicaPool
-
-    pd: PDSpec | None = args.pd
-    config = PoolConfig(
-        num_replicas=args.data_parallel_size if pd is None else pd.num_prefill + pd.num_decode,
-        routing=args.routing,
-        ray_address=args.ray_address,
-        max_pending_requests=args.max_pending_requests,
-        max_restarts=args.replica_max_restarts,
-        torch_threads=args.torch_threads,
-    )
-    if pd is not None:
-        from loopserve.distributed.pd_pool import PDReplicaPool
-
-        return PDReplicaPool(
-            engine_args,
-            config,
-            pd,
-            on_load_error=on_load_error,
-            kv_transport=getattr(args, "kv_transport", "ray"),
-            kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 120.0),
-        )
-    return ReplicaPool(engine_args, config, on_load_error=on_load_error)

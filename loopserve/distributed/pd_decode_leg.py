@@ -25,15 +25,16 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from loopserve.distributed.placement import StreamOwner
 from loopserve.distributed.replica_messages import Accepted, EngineFailed, Exported, Rejected
 from loopserve.distributed.router import RoutedRequest
 from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError, QueueFullError
 from loopserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from loopserve.distributed.pd_pool import PDReplicaPool
+    from loopserve.distributed.args import PDSpec
 
 logger = logging.getLogger(__name__)
 PREFILL, DECODE = "prefill", "decode"
@@ -58,11 +59,25 @@ class Leg:
     instance_id: str | None
 
 
+class PDStreamOwner(StreamOwner, Protocol):
+    """What a `PDStream` uses of its `PDReplicaPool` beyond `StreamOwner`."""
+
+    spec: PDSpec
+
+    def serving_of(self, role: str) -> list[int]: ...
+
+    def kv_destinations(self, request_ids: list[str]) -> dict[str, int] | None: ...
+
+    def fall_back(self, why: str) -> None: ...
+
+    def spawn(self, work: Any) -> asyncio.Task[None]: ...
+
+
 class DecodeLegs:
     """The hand-off and decode legs of one `PDStream`'s requests; see the module docstring."""
 
     # The stream's state (`PDStream.__init__`).
-    owner: PDReplicaPool
+    owner: PDStreamOwner
     _max_tokens: dict[str, int]
     _prompt_texts: dict[str, str | None]
     _unfinished: set[str]

@@ -55,6 +55,7 @@ from loopserve.distributed.pd_decode_leg import (
     PREFILL,
     DecodeLegs,
     Leg,
+    PDStreamOwner,
     hand_off,
 )
 from loopserve.distributed.placement import place_submission
@@ -67,7 +68,6 @@ from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from loopserve.distributed.pd_pool import PDReplicaPool
     from loopserve.distributed.pool_replicas import _Replica
 
 __all__ = [
@@ -89,7 +89,7 @@ class PDStream(DecodeLegs, EngineStream):
 
     def __init__(
         self,
-        owner: PDReplicaPool,
+        owner: PDStreamOwner,
         requests: list[GenerateRequest],
         routed: list[RoutedRequest],
         prompt_token_ids: list[int] | None,
@@ -278,4 +278,4 @@ class PDStream(DecodeLegs, EngineStream):
             self._abort_where_they_are(unfinished_ids)
             self.owner.metrics.finished.labels(finish_reason="abort").inc(len(unfinished_ids))
         self._release_routing()
-        self.owner._on_stream_closed(self)  # type: ignore[arg-type]
+        self.owner.on_stream_closed(self)

@@ -24,16 +24,39 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from loopserve.distributed.replica_messages import Accepted, Rejected
 from loopserve.distributed.router import RoutedRequest
 from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError
 
 if TYPE_CHECKING:
-    from loopserve.distributed.pool_replicas import ReplicaSet, _Replica
+    from loopserve.distributed.metrics import PoolMetrics
+    from loopserve.distributed.pool_replicas import _Replica
+    from loopserve.distributed.router import Router
 
 logger = logging.getLogger(__name__)
+
+
+class StreamOwner(Protocol):
+    """What a stream uses of its pool: declared here so that streams (and `place_submission`)
+    take their pool as an explicit input and never import the pool classes."""
+
+    router: Router
+    metrics: PoolMetrics
+    replicas: list[_Replica]
+
+    @property
+    def is_accepting(self) -> bool: ...
+
+    @property
+    def num_replicas(self) -> int: ...
+
+    def serving_replicas(self) -> list[int]: ...
+
+    def replica_failed(self, index: int, instance_id: str | None, why: object) -> None: ...
+
+    def on_stream_closed(self, stream: Any) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +69,7 @@ class Placed:
 
 
 async def place_submission(
-    pool: ReplicaSet,
+    pool: StreamOwner,
     *,
     serving: Callable[[], list[int]],
     total: int,
@@ -99,6 +122,6 @@ async def place_submission(
         return Placed(decision.replica, instance_id, generator)
 
 
-def _release_routing(pool: ReplicaSet, request_ids: Sequence[str]) -> None:
+def _release_routing(pool: StreamOwner, request_ids: Sequence[str]) -> None:
     for request_id in request_ids:
         pool.router.finish(request_id)

@@ -228,7 +228,7 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
             for r in requests
         ]
 
-    def _on_stream_closed(self, stream: PoolStream) -> None:
+    def on_stream_closed(self, stream: PoolStream) -> None:
         self._streams.discard(stream)
         self._num_in_flight -= len(stream.request_ids)
         if self._num_in_flight == 0:

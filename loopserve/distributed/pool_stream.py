@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from loopserve.distributed.placement import place_submission
+from loopserve.distributed.placement import StreamOwner, place_submission
 from loopserve.distributed.replica_messages import EngineFailed
 from loopserve.distributed.router import RoutedRequest
 from loopserve.engine.async_llm import (
@@ -27,7 +27,6 @@ from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from loopserve.distributed.pool import ReplicaPool
     from loopserve.distributed.pool_replicas import _Replica
 
 logger = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ class PoolStream(EngineStream):
 
     def __init__(
         self,
-        owner: ReplicaPool,
+        owner: StreamOwner,
         requests: list[GenerateRequest],
         routed: list[RoutedRequest],
         prompt_token_ids: list[int] | None,
@@ -162,4 +161,4 @@ class PoolStream(EngineStream):
             self.owner.metrics.finished.labels(finish_reason="abort").inc(len(unfinished_ids))
         self._release_routing()
         self._generator = None
-        self.owner._on_stream_closed(self)
+        self.owner.on_stream_closed(self)

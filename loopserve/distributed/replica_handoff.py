@@ -35,6 +35,7 @@ from loopserve.distributed.replica_messages import (
     Rejected,
     relay,
 )
+from loopserve.distributed.torch_transport import make_kv_transport
 from loopserve.distributed.transport import (
     KVDescriptor,
     KVTransport,
@@ -43,7 +44,6 @@ from loopserve.distributed.transport import (
     TorchDistSpec,
     TransportStats,
     free_rendezvous_address,
-    make_kv_transport,
 )
 from loopserve.engine.async_llm import AsyncLLM, GenerateRequest, OutputStream
 from loopserve.engine.handoff import HandoffState

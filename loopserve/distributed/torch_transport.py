@@ -23,11 +23,13 @@ from loopserve.distributed.transport import (
     KVDescriptor,
     KVTransport,
     KVTransportError,
+    RayObjectStoreTransport,
     TorchDistSpec,
     TransportStats,
     tensor_num_bytes,
 )
 from loopserve.engine.handoff import HandoffState
+from loopserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -257,3 +259,13 @@ class TorchDistTransport(KVTransport):
         else:
             dist.destroy_process_group()
         self._pending = []
+
+
+def make_kv_transport(kind: str, rank: int, spec: TorchDistSpec | None = None) -> KVTransport:
+    """The endpoint of one replica (runs inside the replica's process)."""
+    if kind == "ray":
+        return RayObjectStoreTransport(rank)
+    if kind == "torch":
+        assert spec is not None, "the torch transport needs a TorchDistSpec"
+        return TorchDistTransport(spec, rank)
+    raise ConfigError(f"unknown kv transport {kind!r}: choose ray or torch")

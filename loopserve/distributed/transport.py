@@ -218,18 +218,6 @@ def free_rendezvous_address() -> str:
     return f"tcp://{host}:{port}"
 
 
-def make_kv_transport(kind: str, rank: int, spec: TorchDistSpec | None = None) -> KVTransport:
-    """The endpoint of one replica (runs inside the replica's process)."""
-    if kind == "ray":
-        return RayObjectStoreTransport(rank)
-    if kind == "torch":
-        assert spec is not None, "the torch transport needs a TorchDistSpec"
-        from loopserve.distributed.torch_transport import TorchDistTransport
-
-        return TorchDistTransport(spec, rank)
-    raise ConfigError(f"unknown kv transport {kind!r}: choose ray or torch")
-
-
 class KVTransportGroup:
     """The driver's handle on the endpoints of a list of replica actors (rank = index)."""
 

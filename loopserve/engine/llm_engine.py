@@ -4,9 +4,10 @@ The step loop is `EngineCore` (loopserve/engine/core.py, token ids only) over a 
 This class adds what sits around it: loading the model and tokenizer, the memory plan (KV
 blocks from the byte budget), and text at the edges: the `InputProcessor` checks and tokenizes
 prompts, the `OutputProcessor` detokenizes, matches stop strings and assembles outputs; a
-stop-string hit finishes the request through the core (`_finish_on_stop_string`). `step` runs
-one core step and returns one `RequestOutput` per request that produced a token or finished
-(cumulative fields plus the step's delta). A request whose per-request setup fails in the
+stop-string hit finishes the request through the core. `step` runs one core step, builds one
+`RequestDelta` per request that produced a token or finished (only what is new, `_delta`,
+where the reported finish reason is decided) and returns the `RequestOutput`s the output
+processor makes of them in each request's `output_kind`. A request whose per-request setup fails in the
 runner, or every request of a step whose execution raises, finishes with `abort` and its
 `error` set; the engine keeps serving the rest. Statistics: `stats` (a frozen
 `EngineStats` snapshot from the core).
@@ -34,7 +35,7 @@ from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
 from loopserve.models import load_model
-from loopserve.outputs import RequestOutput
+from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
 from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
@@ -128,6 +129,7 @@ class LLMEngine:
         core_class = AsyncEngineCore if self.config.async_scheduling else EngineCore
         self.core = core_class(self.scheduler, self.runner)
         self._tracked: dict[str, Request] = {}
+        self._reported: dict[str, int] = {}  # output tokens already in an output
         self._arrivals = itertools.count()
 
     @property
@@ -175,8 +177,7 @@ class LLMEngine:
             arrival_s=arrival_s,
         )
         self.core.add_request(request)
-        self.output_processor.add_request(request, processed.text)
-        self._tracked[request_id] = request
+        self._track(request, processed.text)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self._tracked.get(request_id)
@@ -235,7 +236,7 @@ class LLMEngine:
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
         )
         # Finished internally as an abort, never reported: the request lives on elsewhere.
-        self._tracked.pop(request_id, None)
+        self._untrack(request_id)
         self.output_processor.forget(request_id)
         self.core.finish_request(request, FinishReason.ABORT)
         return state
@@ -275,9 +276,8 @@ class LLMEngine:
         except Exception:
             self.runner.staged_imports.pop(state.request_id, None)
             raise
-        self.output_processor.add_request(request, prompt_text)
-        self.output_processor.mark_reported(request)
-        self._tracked[state.request_id] = request
+        self._track(request, prompt_text)
+        self.output_processor.mark_reported(self._delta(request, None))
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -288,26 +288,89 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One core step; one `RequestOutput` per request that produced a token or finished
+        (none for an unfinished "final_only" request)."""
         result = self.core.step()
         if result.error is not None:
             logger.error("step %d failed", result.scheduled.step_id, exc_info=result.error)
-        outputs = [self._process(request) for request in result.touched]
+        outputs = []
+        for request in result.touched:
+            output = self._process(request)
+            if output is not None:
+                outputs.append(output)
         for request in result.failed:
-            outputs.append(self._output(request, error=result.errors[request.request_id]))
+            output = self._output(request, error=result.errors[request.request_id])
+            if output is not None:
+                outputs.append(output)
         return outputs
 
-    def _process(self, request: Request) -> RequestOutput:
-        stop = self.output_processor.detokenize(request)
-        if stop is not None:
-            self._finish_on_stop_string(request)
-        return self._output(request)
+    def _process(self, request: Request) -> RequestOutput | None:
+        reported = self._reported[request.request_id]
+        new_token_ids = request.output_token_ids[reported:]
+        stop_hit = self.output_processor.detokenize(request.request_id, new_token_ids)
+        if stop_hit is not None and not request.is_finished:
+            self.core.finish_request(request, FinishReason.STOP)
+        return self._output(request, stop_hit=stop_hit)
 
-    def _finish_on_stop_string(self, request: Request) -> None:
-        """A stop string finishes a request through the scheduler (reason STOP), also when the
-        same token reached max_tokens (`Scheduler.finish` then turns "length" into "stop")."""
-        self.core.finish_request(request, FinishReason.STOP)
-
-    def _output(self, request: Request, *, error: str | None = None) -> RequestOutput:
+    def _output(
+        self, request: Request, *, error: str | None = None, stop_hit: str | None = None
+    ) -> RequestOutput | None:
+        delta = self._delta(request, stop_hit)
         if request.is_finished:
-            self._tracked.pop(request.request_id, None)
-        return self.output_processor.make_output(request, error=error)
+            self._untrack(request.request_id)
+        return self.output_processor.make_output(delta, error=error)
+
+    def _delta(self, request: Request, stop_hit: str | None) -> RequestDelta:
+        """What is new for `request` since its last output, with the one decision of its
+        reported finish reason: "stop" when a stop string hit (also if the same token reached
+        max_tokens), else the scheduler's."""
+        request_id = request.request_id
+        start = self._reported.get(request_id, 0)
+        num_tokens = len(request.output_token_ids)
+        self._reported[request_id] = num_tokens
+        reason = request.finish_reason
+        finish_reason = None if reason is None else reason.value
+        if stop_hit is not None and reason is not None:
+            finish_reason = FinishReason.STOP.value
+        stop_token_id = None
+        if reason is FinishReason.STOP and stop_hit is None and num_tokens:
+            stop_token_id = request.output_token_ids[-1]
+        logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = [
+                TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs)
+                for s in request.logprobs[start:]
+            ]
+        times = request.times
+        return RequestDelta(
+            request_id=request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            new_token_ids=request.output_token_ids[start:],
+            new_exit_depths=request.exit_depths[start:num_tokens],
+            new_logprobs=logprobs,
+            new_token_times_s=times.token_times_s[start:],
+            num_output_tokens=num_tokens,
+            finish_reason=finish_reason,
+            stop_token_id=stop_token_id,
+            arrival_s=times.arrival_s,
+            first_scheduled_s=times.first_scheduled_s,
+            first_token_s=times.first_token_s,
+            finished_s=times.finished_s,
+            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            num_preemptions=request.num_preemptions,
+        )
+
+    def _track(self, request: Request, prompt_text: str | None) -> None:
+        self.output_processor.add_request(
+            request.request_id,
+            request.prompt_token_ids,
+            stop=request.params.stop,
+            prompt_text=prompt_text,
+            output_kind=request.params.output_kind,
+        )
+        self._tracked[request.request_id] = request
+        self._reported[request.request_id] = 0
+
+    def _untrack(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self._reported.pop(request_id, None)

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from loopserve.contracts import SampledToken
+from loopserve.contracts import ItemKind, SampledToken, WorkItem
 from loopserve.exit import ExitRule, TokenExit
 from loopserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from loopserve.scheduler.preemption import ReplayState
 
 
 @dataclass(slots=True)
@@ -160,3 +157,83 @@ class Request:
         if len(self.output_token_ids) >= self.params.max_tokens:
             return FinishReason.LENGTH
         return None
+
+
+@dataclass(slots=True)
+class ReplayState:
+    """Generated positions `start + i` to re-run, token `token_ids[i]` for `loops[i]` loops."""
+
+    start: int
+    token_ids: list[int]
+    loops: list[int]
+    next_depth: list[int] = field(default_factory=list)
+    handles: list[int] = field(default_factory=list)
+    first: int = 0  # every index before it is done
+
+    @classmethod
+    def for_request(cls, request: Request) -> ReplayState | None:
+        """Positions the request wrote before it was preempted, after its prompt."""
+        num = len(request.output_token_ids) - 1  # the last token is the one in flight
+        if num <= 0:
+            return None
+        return cls(
+            start=request.num_prompt_tokens,
+            token_ids=request.output_token_ids[:num],
+            loops=request.exit_depths[1 : num + 1],
+            next_depth=[0] * num,
+            handles=[0] * num,
+        )
+
+    def done(self, i: int) -> bool:
+        return self.next_depth[i] >= self.loops[i]
+
+    @property
+    def finished(self) -> bool:
+        return self.first >= len(self.loops)
+
+    def ready(self, shared: bool) -> list[int]:
+        """Indices that may run their next depth this step (see the module docstring)."""
+        ready = []
+        frontier = None  # min next depth over earlier unfinished positions
+        for i in range(self.first, len(self.loops)):
+            if self.done(i):
+                continue
+            depth = self.next_depth[i]
+            if frontier is None or depth < frontier:
+                ready.append(i)
+            if shared:
+                break
+            frontier = depth if frontier is None else min(frontier, depth)
+            if frontier == 0:
+                break
+        return ready
+
+    def items(self, request_id: str, rows: int, shared: bool, new_handle: Callable[[], int]):
+        items = []
+        for i in self.ready(shared)[:rows]:
+            depth = self.next_depth[i]
+            if depth == 0:
+                self.handles[i] = new_handle()
+            items.append(
+                WorkItem(
+                    request_id,
+                    ItemKind.REPLAY,
+                    self.start + i,
+                    1,
+                    depth,
+                    1,
+                    self.handles[i],
+                    depth == 0,
+                    (self.token_ids[i],) if depth == 0 else (),
+                    False,
+                    depth == self.loops[i] - 1,
+                )
+            )
+        return items
+
+    def advance(self, item: WorkItem) -> None:
+        i = item.token_start - self.start
+        assert self.next_depth[i] == item.depth, "replay position ran out of order"
+        self.next_depth[i] += 1
+        while self.first < len(self.loops) and self.done(self.first):
+            self.first += 1

@@ -41,8 +41,7 @@ from loopserve.scheduler.policies import (
     PromptPolicy,
     RefillPolicy,
 )
-from loopserve.scheduler.preemption import ReplayState
-from loopserve.scheduler.request import FinishReason, Request, RequestStatus
+from loopserve.scheduler.request import FinishReason, ReplayState, Request, RequestStatus
 
 
 class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
@@ -134,12 +133,9 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         return request
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """The one place a request's finish reason is set. A stop string completed by the token
-        that also reached max_tokens finishes the request a second time, with STOP: text cut at
-        a stop string reads "stop", as in the OpenAI API; any other repeat is a no-op."""
+        """The one place a request's finish reason is set; finishing it again is a no-op (the
+        engine reports "stop" for a stop string that the max_tokens token completed)."""
         if request.is_finished:
-            if reason is FinishReason.STOP and request.finish_reason is FinishReason.LENGTH:
-                request.finish_reason = reason
             return
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)

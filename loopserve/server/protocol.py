@@ -244,6 +244,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or token id (as completions)
     exit_depths: list[int] = Field(default_factory=list)
     token_ids: list[int] | None = None
 

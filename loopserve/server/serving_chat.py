@@ -83,6 +83,7 @@ async def create_chat_completion(
                 logprobs=logprobs,
                 seed=choice_seed(body.seed, i),
                 extra_stop_token_ids=stop_ids,
+                stream=body.stream,
             ),
         )
         for i in range(body.n)
@@ -113,7 +114,7 @@ async def create_chat_completion(
         ],
         usage=usage(
             len(prompt_ids),
-            sum(len(out.token_ids) for out in outputs),
+            sum(out.num_output_tokens for out in outputs),
             outputs[0].metrics.num_cached_prompt_tokens if outputs else 0,
         ),
     )
@@ -192,12 +193,13 @@ async def _stream_events(
                     delta=ChatDelta(content=out.new_text),
                     logprobs=_logprobs(body, tokenizer, new_logprobs(out)),
                     finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason if out.finished else None,
                     exit_depths=out.new_exit_depths,
                     token_ids=out.new_token_ids if body.return_token_ids else None,
                 )
                 if body.continuous_usage:  # this choice's tokens so far (vLLM semantics)
                     running = usage(
-                        len(out.prompt_token_ids), len(out.token_ids),
+                        len(out.prompt_token_ids), out.num_output_tokens,
                         out.metrics.num_cached_prompt_tokens,
                     )  # fmt: skip
                     yield chunk([choice], usage=running)
@@ -205,7 +207,7 @@ async def _stream_events(
                 yield chunk([choice])
             else:
                 if body.include_usage:
-                    completion_tokens = sum(len(out.token_ids) for out in finals.values())
+                    completion_tokens = sum(out.num_output_tokens for out in finals.values())
                     prompt_tokens = len(finals[0].prompt_token_ids) if finals else 0
                     cached = finals[0].metrics.num_cached_prompt_tokens if finals else 0
                     yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))

@@ -160,9 +160,11 @@ def sampling_params(
     logprobs: int | None,
     seed: int | None,
     extra_stop_token_ids: tuple[int, ...] = (),
+    stream: bool = False,
 ) -> SamplingParams:
     """`SamplingParams` for one choice; its validation errors (and the stop-string limits)
-    become 400s naming the field."""
+    become 400s naming the field. A streamed choice asks for "delta" outputs (per-chunk work
+    independent of the stream's length), any other for its final output only."""
     fields: dict[str, object] = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -181,6 +183,7 @@ def sampling_params(
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
             priority=request.priority,
+            output_kind="delta" if stream else "final_only",
         )
         check_stop_strings(params.stop)
         return params
@@ -360,4 +363,6 @@ def new_logprobs(output: RequestOutput) -> list[TokenLogprob]:
     """The logprobs of this step's new tokens."""
     if output.logprobs is None or not output.new_token_ids:
         return []
+    if output.output_kind == "delta":
+        return output.logprobs
     return output.logprobs[len(output.token_ids) - len(output.new_token_ids) :]

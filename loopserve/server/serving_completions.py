@@ -74,7 +74,11 @@ async def create_completion(
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = [
         sampling_params(
-            body, max_tokens=max_tokens, logprobs=body.logprobs, seed=choice_seed(body.seed, i)
+            body,
+            max_tokens=max_tokens,
+            logprobs=body.logprobs,
+            seed=choice_seed(body.seed, i),
+            stream=body.stream,
         )
         for i in range(body.n)
     ]
@@ -161,7 +165,7 @@ def _usage(choices: list[_Choice], outputs: list[RequestOutput]) -> UsageInfo:
         cached.setdefault(c.prompt_index, out.metrics.num_cached_prompt_tokens)
     return usage(
         sum(prompt_tokens.values()),
-        sum(len(out.token_ids) for out in outputs),
+        sum(out.num_output_tokens for out in outputs),
         sum(cached.values()),
     )
 
@@ -201,7 +205,7 @@ async def _stream_events(
                 running = None
                 if body.continuous_usage:  # this choice's tokens so far (vLLM semantics)
                     running = usage(
-                        len(out.prompt_token_ids), len(out.token_ids),
+                        len(out.prompt_token_ids), out.num_output_tokens,
                         out.metrics.num_cached_prompt_tokens,
                     )  # fmt: skip
                 yield sse(

@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from loopserve.scheduler.admission import MemoryStats
+
 if TYPE_CHECKING:
-    from loopserve.sim.simulator import SimRun
+    from loopserve.config import EngineConfig
+    from loopserve.sim.executor import ExecutorStats
 
 
 @dataclass
@@ -116,6 +119,26 @@ class SimResult:
 
 def _ratio(num: float, den: float) -> float:
     return num / den if den else 0.0
+
+
+@dataclass
+class SimRun:
+    """Raw outcome of one simulation (turned into a `SimResult` by `summarize`)."""
+
+    records: list[RequestRecord]
+    executor: ExecutorStats
+    clock_s: float
+    num_steps: int
+    scheduler_cpu_s: float
+    config: EngineConfig
+    core_weight_bytes: int  # read once per core call
+    wall_s: float = 0.0
+    cpu_s: float = 0.0  # process CPU seconds of the whole run
+    step_items: list[tuple] = field(default_factory=list)
+    memory: MemoryStats = field(default_factory=MemoryStats)
+    prefix_hit_tokens: int = 0
+    host_s: float = 0.0  # priced host time of every step (`HostModel`; 0 without one)
+    host_bound_steps: int = 0  # steps whose host time exceeded their device time
 
 
 def summarize(run: SimRun) -> SimResult:

@@ -22,7 +22,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from loopserve.config import (
     EngineConfig,
@@ -36,35 +35,15 @@ from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.request import FinishReason, Request
-from loopserve.scheduler.scheduler import MemoryStats, Scheduler
+from loopserve.scheduler.scheduler import Scheduler
 from loopserve.sim.cost_model import CostModel, ModelShape
-from loopserve.sim.executor import ExecutorStats, SimExecutor
+from loopserve.sim.executor import SimExecutor
 from loopserve.sim.hardware import DeviceProfile
 from loopserve.sim.host_model import HostModel, step_time_s
-from loopserve.sim.metrics import RequestRecord, SimResult, summarize
+from loopserve.sim.metrics import RequestRecord, SimResult, SimRun, summarize
 from loopserve.sim.workload import ExitDistribution, SimRequest
 
 StepHook = Callable[[Scheduler], None]
-
-
-@dataclass
-class SimRun:
-    """Raw outcome of one simulation (turned into a `SimResult` by `summarize`)."""
-
-    records: list[RequestRecord]
-    executor: ExecutorStats
-    clock_s: float
-    num_steps: int
-    scheduler_cpu_s: float
-    config: EngineConfig
-    core_weight_bytes: int  # read once per core call
-    wall_s: float = 0.0
-    cpu_s: float = 0.0  # process CPU seconds of the whole run
-    step_items: list[tuple] = field(default_factory=list)
-    memory: MemoryStats = field(default_factory=MemoryStats)
-    prefix_hit_tokens: int = 0
-    host_s: float = 0.0  # priced host time of every step (`HostModel`; 0 without one)
-    host_bound_steps: int = 0  # steps whose host time exceeded their device time
 
 
 def build_engine_config(engine_args: dict[str, object]) -> EngineConfig:

@@ -59,14 +59,21 @@ class IncrementalDetokenizer:
         self._window_ids = context_ids
         self._read_offset = len(context_ids)
         self._prefix_text = context_text
-        self._text = ""
-        self._num_released_chars = 0
+        self._text = ""  # the text not yet released (released text is only kept as pieces)
+        self._released: list[str] = []
+        self._num_released_chars = 0  # of `_text`; 0 between calls
         self._stop_hit: str | None = None
 
     @property
     def text(self) -> str:
         """All output text so far, excluding a matched stop string and anything after it."""
-        return self._text
+        return "".join(self._released) + self._text
+
+    @property
+    def num_held_chars(self) -> int:
+        """Characters read but not released (a partial stop string): what each token's work
+        scans, bounded by the longest stop string rather than the output's length."""
+        return len(self._text)
 
     @property
     def stop_hit(self) -> str | None:
@@ -125,7 +132,12 @@ class IncrementalDetokenizer:
         held_chars = 0 if final else self._stop_prefix_chars()
         end = max(self._num_released_chars, len(self._text) - held_chars)
         new_text = self._text[self._num_released_chars : end]
-        self._num_released_chars = end
+        if new_text:
+            self._released.append(new_text)
+        # Released text never holds (part of) a later stop match: it was released because no
+        # stop string can start in it, so only the held tail is kept for the next search.
+        self._text = self._text[end:]
+        self._num_released_chars = 0
         return new_text
 
     def _stop_prefix_chars(self) -> int:

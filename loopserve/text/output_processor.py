@@ -1,47 +1,70 @@
 """Text out: per-request incremental detokenization, stop strings and `RequestOutput` assembly.
 
-The engine core works in token ids; this room turns a request's token-level state (the
-scheduler's `Request`) into what callers read. For each request it keeps an
-`IncrementalDetokenizer` and what has been reported so far, so every `RequestOutput` carries the
-cumulative fields plus the delta since the previous output of that request.
+The engine core works in token ids; after each step the engine hands this room one
+`RequestDelta` per request that produced something (outputs.py): only what is new. For each
+request it keeps an `IncrementalDetokenizer`, the text released but not yet reported and, for
+callers that want whole outputs (`output_kind` "cumulative" or "final_only"), the accumulated
+tokens, exit depths and logprobs. A "delta" request keeps nothing that grows with its output
+except its token times (reported once, in its final output's metrics), so the work per step
+is the same at token 10 and at token 10,000.
 
-Finish reasons: the output processor never sets one. `detokenize` reports a stop-string hit;
-the engine then finishes the request (reason STOP) through the scheduler, the owner of
-`Request.finish_reason`, and `make_output` copies the reason from the request. When the token
-that completed a stop string had already finished the request (max_tokens reached), the
-scheduler turns "length" into "stop" (as the OpenAI API reports it); the text is cut at the
-stop string and `stop_reason` names it.
+Finish reasons are decided once, by the engine (`LLMEngine._delta`): a stop-string hit here
+(`detokenize`) makes the engine finish the request and report "stop" with `stop_reason` the
+string, also when the same token reached max_tokens; otherwise the scheduler's reason, with
+`stop_reason` the stop token when one ended it.
 """
 
 from __future__ import annotations
 
-from loopserve.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from loopserve.scheduler.request import FinishReason, Request
+from collections.abc import Sequence
+
+from loopserve.outputs import RequestDelta, RequestMetrics, RequestOutput, TokenLogprob
 from loopserve.text.detokenizer import IncrementalDetokenizer
 from loopserve.text.tokenizer import Tokenizer
 
 
 class _RequestText:
-    """One request's text state: its detokenizer and what its outputs reported so far."""
+    """One request's text state and, unless its outputs are deltas, what it produced so far."""
 
     __slots__ = (
         "prompt",
+        "kind",
         "detokenizer",
-        "text",
         "pending_text",
-        "num_detokenized",
-        "num_reported",
         "stop_hit",
+        "text_parts",
+        "token_ids",
+        "exit_depths",
+        "logprobs",
+        "token_times_s",
     )
 
-    def __init__(self, prompt: str | None, detokenizer: IncrementalDetokenizer | None) -> None:
+    def __init__(
+        self, prompt: str | None, kind: str, detokenizer: IncrementalDetokenizer | None
+    ) -> None:
         self.prompt = prompt
+        self.kind = kind
         self.detokenizer = detokenizer
-        self.text = ""
         self.pending_text = ""  # released text not yet in an output's `new_text`
-        self.num_detokenized = 0  # output tokens fed to the detokenizer
-        self.num_reported = 0  # output tokens already in an output's `new_token_ids`
         self.stop_hit: str | None = None
+        self.text_parts: list[str] = []  # released text (not kept for "delta")
+        self.token_ids: list[int] = []  # not kept for "delta"
+        self.exit_depths: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.token_times_s: list[float] = []  # every kind: the final output's metrics
+
+    def release(self, text: str) -> None:
+        self.pending_text += text
+        if self.kind != "delta":
+            self.text_parts.append(text)
+
+    def accumulate(self, delta: RequestDelta) -> None:
+        self.token_times_s.extend(delta.new_token_times_s)
+        if self.kind != "delta":
+            self.token_ids.extend(delta.new_token_ids)
+            self.exit_depths.extend(delta.new_exit_depths)
+            if delta.new_logprobs is not None:
+                self.logprobs.extend(delta.new_logprobs)
 
 
 class OutputProcessor:
@@ -54,90 +77,103 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
 
-    def add_request(self, request: Request, prompt_text: str | None) -> None:
-        """Start tracking `request`, whose prompt was given as `prompt_text` (None for ids)."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        stop: Sequence[str],
+        prompt_text: str | None,
+        output_kind: str = "cumulative",
+    ) -> None:
+        """Start tracking a request whose prompt was given as `prompt_text` (None for ids)."""
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, stop=request.params.stop
+                self.tokenizer, list(prompt_token_ids), stop=tuple(stop)
             )
-        self._states[request.request_id] = _RequestText(prompt_text, detokenizer)
+        self._states[request_id] = _RequestText(prompt_text, output_kind, detokenizer)
 
     def forget(self, request_id: str) -> None:
         """Stop tracking a request that left this engine without a final output (hand-off)."""
         self._states.pop(request_id, None)
 
-    def mark_reported(self, request: Request) -> None:
-        """Count the request's output tokens so far as already reported (an imported request:
-        its exporter streamed them); their text still feeds the detokenizer."""
-        self.detokenize(request)
-        state = self._states[request.request_id]
-        state.num_reported = len(request.output_token_ids)
+    def mark_reported(self, delta: RequestDelta) -> None:
+        """Take the request's outputs so far (an imported request: its exporter streamed them)
+        as already reported; their text still feeds the detokenizer."""
+        self.detokenize(delta.request_id, delta.new_token_ids)
+        state = self._states[delta.request_id]
+        state.accumulate(delta)
         state.pending_text = ""
 
-    def detokenize(self, request: Request) -> str | None:
-        """Read the request's output tokens not read yet; return the stop string they
-        completed (first time only), or None. The caller decides what a hit finishes."""
-        state = self._states[request.request_id]
-        new_ids = request.output_token_ids[state.num_detokenized :]
-        state.num_detokenized = len(request.output_token_ids)
+    def detokenize(self, request_id: str, new_token_ids: Sequence[int]) -> str | None:
+        """Read a step's new tokens; return the stop string they completed (first time only),
+        or None. The caller decides what a hit finishes."""
+        state = self._states[request_id]
         if state.detokenizer is None or state.stop_hit is not None:
             return None
-        for token_id in new_ids:
+        for token_id in new_token_ids:
             update = state.detokenizer.add_token(token_id)
-            state.text += update.new_text
-            state.pending_text += update.new_text
+            state.release(update.new_text)
             if update.stop_hit is not None:
                 state.stop_hit = update.stop_hit
                 return update.stop_hit
         return None
 
-    def make_output(self, request: Request, *, error: str | None = None) -> RequestOutput:
-        """The request's `RequestOutput` now: cumulative fields plus everything new since its
-        previous output. A finished request's held-back text is flushed and it is forgotten."""
-        state = self._states[request.request_id]
-        final = request.is_finished
+    def make_output(self, delta: RequestDelta, *, error: str | None = None) -> RequestOutput | None:
+        """The request's `RequestOutput` for this step in its output kind (None: a
+        "final_only" request that has not finished). A finished request's held-back text is
+        flushed and it is forgotten."""
+        state = self._states[delta.request_id]
+        state.accumulate(delta)
+        final = delta.finish_reason is not None
         if final:
             if state.detokenizer is not None and state.stop_hit is None:
-                tail = state.detokenizer.finish()
-                state.text += tail
-                state.pending_text += tail
-            del self._states[request.request_id]
-        new_ids = request.output_token_ids[state.num_reported :]
-        state.num_reported = len(request.output_token_ids)
+                state.release(state.detokenizer.finish())
+            del self._states[delta.request_id]
+        elif state.kind == "final_only":
+            return None
         new_text, state.pending_text = state.pending_text, ""
         stop_reason: str | int | None = state.stop_hit
-        if stop_reason is None and request.finish_reason is FinishReason.STOP:
-            stop_reason = request.output_token_ids[-1] if request.output_token_ids else None
-        times = request.times
-        logprobs = None
-        if request.params.logprobs is not None:
-            logprobs = [
-                TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs) for s in request.logprobs
-            ]
+        if stop_reason is None and delta.finish_reason == "stop":
+            stop_reason = delta.stop_token_id
+        metrics = RequestMetrics(
+            delta.arrival_s,
+            delta.first_scheduled_s,
+            delta.first_token_s,
+            delta.finished_s,
+            tuple(state.token_times_s) if final or state.kind == "cumulative" else (),
+            num_cached_prompt_tokens=delta.num_cached_prompt_tokens,
+            num_preemptions=delta.num_preemptions,
+        )
+        if state.kind == "delta":
+            token_ids, text, exit_depths = delta.new_token_ids, new_text, delta.new_exit_depths
+            logprobs = delta.new_logprobs
+        else:
+            token_ids, exit_depths = state.token_ids, state.exit_depths
+            logprobs = state.logprobs if delta.new_logprobs is not None else None
+            text = "".join(state.text_parts)
+            state.text_parts = [text]
+            if not final:  # the state keeps growing: hand out copies
+                token_ids, exit_depths = list(token_ids), list(exit_depths)
+                logprobs = None if logprobs is None else list(logprobs)
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=delta.request_id,
             prompt=state.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=state.text,
-            exit_depths=list(request.exit_depths),
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            metrics=RequestMetrics(
-                times.arrival_s,
-                times.first_scheduled_s,
-                times.first_token_s,
-                times.finished_s,
-                tuple(times.token_times_s),
-                num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-                num_preemptions=request.num_preemptions,
-            ),
+            prompt_token_ids=delta.prompt_token_ids,
+            token_ids=token_ids,
+            text=text,
+            exit_depths=exit_depths,
+            finish_reason=delta.finish_reason,
+            metrics=metrics,
             logprobs=logprobs,
-            new_token_ids=list(new_ids),
+            new_token_ids=delta.new_token_ids,
             new_text=new_text,
-            new_exit_depths=request.exit_depths[-len(new_ids) :] if new_ids else [],
+            new_exit_depths=delta.new_exit_depths,
             stop_reason=stop_reason,
             error=error,
+            num_output_tokens=delta.num_output_tokens,
+            output_kind=state.kind,
         )
 
 

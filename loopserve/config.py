@@ -56,6 +56,12 @@ class SchedulerConfig:
     preemption_mode: str = default("preemption_mode")
     scheduling_policy: str = default("scheduling_policy")
 
+    def __post_init__(self) -> None:
+        # One meaning of "mixed": prompt rows ride in decode calls one depth at a time, so an
+        # atomic prompt policy (the default) becomes per_depth; the resolved config says so.
+        if self.mixed_prefill_decode and self.prefill_mode == "atomic":
+            object.__setattr__(self, "prefill_mode", "per_depth")
+
 
 @dataclass(frozen=True)
 class ExitConfig:
@@ -257,7 +263,7 @@ def max_inflight_rows(config: EngineConfig, num_loops: int) -> int:
     """
     sched = config.scheduler
     chunks = num_loops if sched.prefill_mode == "wavefront" else 1
-    if sched.prefill_mode == "atomic" and not sched.mixed_prefill_decode:
+    if sched.prefill_mode == "atomic":  # never with mixed_prefill_decode (SchedulerConfig)
         chunks = 0  # atomic chunks finish inside their step
     return sched.max_num_seqs * (max(1, chunks * sched.prefill_chunk_size) + num_loops)
 

@@ -1,4 +1,4 @@
-"""The step contracts between scheduler and runner (DESIGN §6).
+"""The step contracts between scheduler and runner (docs/architecture.md, "Step contract").
 
 One step: the scheduler builds a `SchedulerOutput`; an `Executor` (the model runner, or the
 simulator's priced stand-in) executes it and returns a `RunnerOutput`; the scheduler applies

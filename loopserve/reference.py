@@ -4,7 +4,7 @@ One request, contiguous per-plane K/V, no paging, no batching, no scheduler — 
 obviousness, not speed. It shares only the model, the exit-policy functions and the sampler
 with the engine, never the engine's KV or scheduling code.
 
-Semantics (DESIGN §3–§5):
+Semantics (docs/architecture.md: depths, exit rules, KV layouts):
 - the prompt runs at full depth; the first output token's loops are chosen by the exit
   policy over the D loop outputs of the last prompt position;
 - each decode token loops until its policy exits, then the coda samples from that loop;

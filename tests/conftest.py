@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -31,3 +32,11 @@ def tiny_tok_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir):
     return load_model(tiny_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop of its own for a module's async fixtures (Ray pools, servers)."""
+    event_loop = asyncio.new_event_loop()
+    yield event_loop
+    event_loop.close()

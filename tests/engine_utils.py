@@ -92,3 +92,16 @@ def assert_match_reference(engine: LLMEngine, work, finished) -> list[int]:
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
         depths += out.exit_depths
     return depths
+
+
+def kv_planes(engine: LLMEngine, request_id: str, num_positions: int):
+    """[planes, layers, K/V, positions, kv_heads, head_dim] of one request, via its tables."""
+    import torch
+
+    block_size = engine.kv.block_size
+    cache = engine.runner.kv_cache
+    planes = []
+    for table in engine.kv.tables[request_id]:
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(num_positions)]
+        planes.append(cache[:, :, slots].clone())
+    return torch.stack(planes)

@@ -30,7 +30,7 @@ from loopserve.runner.batch_invariant import (
     row_invariant_linear,
 )
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import make_engine, run_steps
+from tests.engine_utils import kv_planes, make_engine, run_steps
 
 
 def host_control(differs: bool, what: str) -> None:
@@ -151,17 +151,6 @@ def test_batch_invariant_turns_cascade_attention_off(tiny_dir):
     assert make_engine(tiny_dir, enable_prefix_caching=True).runner.attention.cascade
 
 
-def _planes(engine, request_id: str, num_positions: int) -> torch.Tensor:
-    """[planes, layers, K/V, positions, kv_heads, head_dim] of one request, via its tables."""
-    block_size = engine.kv.block_size
-    cache = engine.runner.kv_cache
-    planes = []
-    for table in engine.kv.tables[request_id]:
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(num_positions)]
-        planes.append(cache[:, :, slots].clone())
-    return torch.stack(planes)
-
-
 TARGET_PROMPT = [17, 250, 3, 99, 41, 7, 300, 12, 88, 5, 61, 140, 9]
 TARGET_PARAMS = SamplingParams(
     max_tokens=12, temperature=0.8, seed=11, exit_threshold=0.4, logprobs=3, ignore_eos=True
@@ -229,7 +218,7 @@ class TargetWatch:
         )
         if between_tokens:
             position = request.next_position
-            self.snapshots[position] = _planes(engine, self.target, position)
+            self.snapshots[position] = kv_planes(engine, self.target, position)
 
 
 def _run(tiny_dir, engine_args, *, busy: bool, preempt_after: int | None = None):

@@ -1,4 +1,4 @@
-"""Exit policies (DESIGN §4) as pure functions: worked examples and edge cases."""
+"""Exit policies as pure functions: worked examples and edge cases."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def test_load_in_each_dtype(tiny_dir, dtype):
 
 
 def test_worked_example_last_exited_reads_loop_zero_version():
-    # DESIGN §5: A has (k,v)=(1,10) at loop 0 and (2,20) at loop 1; B at loop 0 has q=k=1, v=30.
+    # Per-depth KV (LAST_EXITED): A has (k,v)=(1,10) at loop 0 and (2,20) at loop 1; B at loop 0 has q=k=1, v=30.
     kv = DenseKV(
         num_planes=2, num_layers=1, max_len=2, num_kv_heads=1, head_dim=1, dtype=torch.float64
     )
@@ -174,7 +174,7 @@ def test_per_row_depth_core_call_equals_running_rows_separately(tiny_model):
 
 
 def test_four_norms_and_loop_norm_follow_the_ouro_layer_math(tiny_model):
-    """Re-derive one loop by hand from the checkpoint tensors (DESIGN §1)."""
+    """Re-derive one loop by hand from the checkpoint tensors."""
     sd = tiny_model.state_dict()
     config = tiny_model.config
     tokens = torch.tensor([3, 1, 4, 1, 5])

@@ -18,10 +18,10 @@ from tests.optional import require
 require("ray", "serve")
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
-
 from loopserve.distributed.offline import DisaggregatedEngines  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
+from tests.ray_utils import start_local_ray, stop_local_ray  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ENGINE_ARGS = {"dtype": "float32", "num_blocks": 256, "block_size": 4, "max_num_seqs": 4}
@@ -29,15 +29,9 @@ ENGINE_ARGS = {"dtype": "float32", "num_blocks": 256, "block_size": 4, "max_num_
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=80 * 1024**2,
-        log_to_driver=False,
-    )
+    start_local_ray(2)
     yield
-    ray.shutdown()
+    stop_local_ray()
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,6 @@ require("ray", "serve")
 import httpx
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
-
 from loopserve.distributed.args import PDSpec  # noqa: E402
 from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
 from loopserve.distributed.pool import PoolConfig  # noqa: E402
@@ -30,6 +29,7 @@ from loopserve.engine.async_llm import GenerateRequest  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from loopserve.server.api_server import build_app  # noqa: E402
+from tests.ray_utils import start_local_ray, stop_local_ray  # noqa: E402
 from tests.server_utils import prometheus_values, sse_payloads  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -87,25 +87,12 @@ class _Pools:
 
 
 @pytest.fixture(scope="module")
-def loop():
-    event_loop = asyncio.new_event_loop()
-    yield event_loop
-    event_loop.close()
-
-
-@pytest.fixture(scope="module")
 def pools(tiny_tok_dir, loop):
-    ray.init(
-        num_cpus=4,  # logical: a pool's two replicas, and room while a killed one restarts
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=80 * 1024**2,
-        log_to_driver=False,
-    )
+    start_local_ray(4)  # logical: a pool's two replicas, and room while a killed one restarts
     holder = _Pools(tiny_tok_dir, loop)
     yield holder
     holder.close()
-    ray.shutdown()
+    stop_local_ray()
 
 
 def _prompt(seed: int, length: int) -> list[int]:

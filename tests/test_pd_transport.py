@@ -19,7 +19,6 @@ from tests.optional import require
 require("ray", "serve")
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
-
 from loopserve.distributed.args import add_distributed_args  # noqa: E402
 from loopserve.distributed.offline import DisaggregatedEngines  # noqa: E402
 from loopserve.distributed.transport import (  # noqa: E402
@@ -29,6 +28,7 @@ from loopserve.distributed.transport import (  # noqa: E402
 from loopserve.errors import ConfigError  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
+from tests.ray_utils import start_local_ray, stop_local_ray  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 BASE_ARGS = {"dtype": "float32", "num_blocks": 256, "block_size": 4, "max_num_seqs": 4}
@@ -44,15 +44,9 @@ PARAMS = [
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(
-        num_cpus=3,  # logical: up to three one-CPU replicas on the 2-core machine
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=80 * 1024**2,
-        log_to_driver=False,
-    )
+    start_local_ray(3)  # logical: up to three one-CPU replicas on the 2-core machine
     yield
-    ray.shutdown()
+    stop_local_ray()
 
 
 def expected_kv_bytes(tiny_dir, layout: str, num_positions: int) -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import make_engine, reference_for, run_steps
+from tests.engine_utils import kv_planes, make_engine, reference_for, run_steps
 
 PROMPT_ARMS = {
     "atomic": {"prefill_mode": "atomic"},
@@ -129,20 +129,9 @@ def test_preempted_requests_match_reference(
     assert_all_released(engine)
 
 
-def _planes(engine, request_id: str, num_positions: int) -> torch.Tensor:
-    """[planes, layers, K/V, positions, kv_heads, head_dim] of one request, via its tables."""
-    block_size = engine.kv.block_size
-    cache = engine.runner.kv_cache
-    planes = []
-    for table in engine.kv.tables[request_id]:
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(num_positions)]
-        planes.append(cache[:, :, slots].clone())
-    return torch.stack(planes)
-
-
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch_invariant"])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_recompute_rebuilds_kv_planes(tiny_dir, layout, batch_invariant):
+def test_recompute_rebuilds_kvkv_planes(tiny_dir, layout, batch_invariant):
     """The replay rebuilds every plane of every written position.
 
     In batch-invariant mode every row's bits depend only on its own inputs, so every plane
@@ -174,7 +163,7 @@ def test_recompute_rebuilds_kv_planes(tiny_dir, layout, batch_invariant):
         engine.step()
     assert request.token_exit.depth == 0  # the next token has not run a loop yet
     position = request.next_position  # the token in flight; positions before it are final
-    before = _planes(engine, "a", position)
+    before = kv_planes(engine, "a", position)
     early = [d for d in request.exit_depths[1:] if d < 4]
     assert early, "some replayed positions exited early (finalize copies in the replay)"
     engine.scheduler.preempt("a")
@@ -185,7 +174,7 @@ def test_recompute_rebuilds_kv_planes(tiny_dir, layout, batch_invariant):
         engine.scheduler.check_invariants()
         saw_replay |= request.replay is not None
     assert saw_replay
-    after = _planes(engine, "a", position)
+    after = kv_planes(engine, "a", position)
     num_prompt = len(prompt)
     assert torch.equal(before[:, :, :, :num_prompt], after[:, :, :, :num_prompt])
     if layout == "shared" or batch_invariant:

@@ -17,7 +17,7 @@ ARMS = {
     "atomic": dict(prefill_mode="atomic"),
     "per_depth": dict(prefill_mode="per_depth"),
     "wavefront": dict(prefill_mode="wavefront"),
-    "mixed": dict(prefill_mode="atomic", mixed_prefill_decode=True),
+    "mixed": dict(prefill_mode="per_depth", mixed_prefill_decode=True),
     "wavefront_mixed": dict(prefill_mode="wavefront", mixed_prefill_decode=True),
 }
 # Chunk 8 with prompts up to 41 tokens: many chunks per prompt; budget fits chunk + seqs - 1.
@@ -335,3 +335,15 @@ def test_request_id_reuse_starts_from_clean_runner_state(tiny_dir):
     finished = run_steps(engine, [])
     ref = reference_for(engine, list(range(1, 30)), params)
     assert (finished["x"].token_ids, finished["x"].exit_depths) == tuple(ref)
+
+
+def test_mixed_has_one_meaning_the_resolved_config_shows():
+    """--mixed-prefill-decode alone (atomic is the default) runs per_depth chunks; the config,
+    not the scheduler, says so."""
+    from loopserve.config import SchedulerConfig
+
+    assert SchedulerConfig(mixed_prefill_decode=True).prefill_mode == "per_depth"
+    assert SchedulerConfig(prefill_mode="wavefront", mixed_prefill_decode=True).prefill_mode == (
+        "wavefront"
+    )
+    assert SchedulerConfig().prefill_mode == "atomic"

@@ -19,7 +19,6 @@ require("ray", "serve")
 import httpx
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
-
 from loopserve.distributed.pool import (  # noqa: E402
     PoolConfig,
     ReplicaFailedError,
@@ -30,6 +29,7 @@ from loopserve.engine.async_llm import GenerateRequest  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from loopserve.server.api_server import build_app  # noqa: E402
+from tests.ray_utils import start_local_ray, stop_local_ray  # noqa: E402
 from tests.server_utils import prometheus_values, sse_payloads  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -38,21 +38,8 @@ NUM_LOOPS = 4  # the tiny checkpoint's loops per token
 
 
 @pytest.fixture(scope="module")
-def loop():
-    event_loop = asyncio.new_event_loop()
-    yield event_loop
-    event_loop.close()
-
-
-@pytest.fixture(scope="module")
 def pool(tiny_dir, loop):
-    ray.init(
-        num_cpus=4,  # logical: the pool's two replicas plus the offline test's two
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=80 * 1024**2,
-        log_to_driver=False,
-    )
+    start_local_ray(4)  # logical: the pool's two replicas plus the offline test's two
     config = PoolConfig(num_replicas=2, routing="prefix", torch_threads=1, max_restarts=2)
     replica_pool = ReplicaPool({"model": str(tiny_dir), **ENGINE_ARGS}, config)
 
@@ -63,7 +50,7 @@ def pool(tiny_dir, loop):
     loop.run_until_complete(start())
     yield replica_pool
     loop.run_until_complete(replica_pool.shutdown(5.0))
-    ray.shutdown()
+    stop_local_ray()
 
 
 @pytest.fixture(scope="module")

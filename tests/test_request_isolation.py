@@ -18,7 +18,7 @@ from tests.fault_runner import FAIL_SEED, FAULT_TEXT, SetupFaultRunner
 ARMS = {
     "atomic": dict(prefill_mode="atomic"),
     "wavefront": dict(prefill_mode="wavefront"),
-    "mixed": dict(prefill_mode="atomic", mixed_prefill_decode=True),
+    "mixed": dict(prefill_mode="per_depth", mixed_prefill_decode=True),
     "wavefront_mixed": dict(prefill_mode="wavefront", mixed_prefill_decode=True),
 }
 BUDGET = dict(prefill_chunk_size=8, max_num_batched_tokens=24, max_num_seqs=4, block_size=4)

@@ -1,6 +1,6 @@
 """Scheduler `update()` driven by hand-built `RunnerOutput`s: the executor decides each exit,
 the scheduler records it (depth, CDF, delayed commitment) without re-deriving it. No model,
-no executor: the expected plans below are derived by hand from DESIGN-level rules."""
+no executor: the expected plans below are derived by hand from the rules in docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -53,7 +53,9 @@ def test_batch_one_loop_on_h200_is_weight_bandwidth_bound_near_0p57_ms():
     loop_ms = cost.decode_loop_time(1, 1) * 1e3
     assert 0.55 <= loop_ms <= 0.62
     assert not cost.core_call(rows=1, kv_read_positions=1, attention_pairs=1).compute_bound
-    assert 150 <= cost.linear_ridge_rows() <= 210  # DATA.md: compute-bound from ~184 rows
+    assert (
+        150 <= cost.linear_ridge_rows() <= 210
+    )  # an H200 is compute-bound from ~184 rows (docs/simulator.md)
     assert cost.core_call(rows=512).compute_bound
 
 

@@ -242,6 +242,8 @@ def measure_cost_curve(
 def main_from_args(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.num_requests < 1:
         raise ConfigError("--repeats and --num-requests must be >= 1")
+    if not 0.0 <= args.range_ratio < 1.0:
+        raise ConfigError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads or threads_before)
     try:  # a synthetic checkpoint lives in a temporary directory for the whole run

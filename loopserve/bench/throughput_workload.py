@@ -3,7 +3,6 @@ per arm, and the KV blocks that hold them."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +10,7 @@ import numpy as np
 from loopserve.errors import ConfigError
 from loopserve.sampling_params import SamplingParams
 from loopserve.workloads.arms import Arm
+from loopserve.workloads.datasets import uniform_lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,11 +18,6 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
     exit_trace: tuple[int, ...] | None  # loops per output token; None: the gate decides
-
-
-def _uniform_lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> np.ndarray:
-    low = max(1, math.floor(mean * (1.0 - ratio)))
-    return rng.integers(low, max(low, math.ceil(mean * (1.0 + ratio))) + 1, size=n)
 
 
 def make_workload(
@@ -39,8 +34,8 @@ def make_workload(
     if not 0.0 <= range_ratio < 1.0:
         raise ConfigError(f"--range-ratio must be in [0, 1), got {range_ratio}")
     rng = np.random.default_rng(seed)
-    input_lens = _uniform_lengths(rng, input_len, range_ratio, num_requests)
-    output_lens = _uniform_lengths(rng, output_len, range_ratio, num_requests)
+    input_lens = uniform_lengths(rng, input_len, range_ratio, num_requests)
+    output_lens = uniform_lengths(rng, output_len, range_ratio, num_requests)
     requests = []
     for prompt_len, out_len in zip(input_lens, output_lens):
         prompt = rng.integers(0, vocab_size, size=int(prompt_len)).tolist()

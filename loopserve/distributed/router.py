@@ -21,32 +21,16 @@ Policies (chosen once, at construction):
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from loopserve.scheduler.prefix_cache import prefix_block_hashes
 
 ROUTING_POLICIES = ("least_load", "prefix")
 DEFAULT_BALANCE_ABS_TOKENS = 2048
 DEFAULT_BALANCE_REL = 2.0
 DEFAULT_MAX_PREFIX_ENTRIES = 65536
-
-
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the full blocks of `token_ids`: entry i covers blocks 0..i.
-
-    Stable across processes and runs (blake2b over little-endian int64 ids, each block's hash
-    seeded by the previous one); a trailing partial block has no entry.
-    """
-    hashes: list[bytes] = []
-    parent = b""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[start : start + block_size]
-        digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in block))
-        parent = digest.digest()
-        hashes.append(parent)
-    return hashes
 
 
 @dataclass(frozen=True, slots=True)

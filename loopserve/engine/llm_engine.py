@@ -282,9 +282,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def get_num_unfinished_requests(self) -> int:
-        return self.core.num_unfinished_requests
-
     # ---- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -1,4 +1,4 @@
-"""Exit policies: when a token stops looping (DESIGN §4). Torch-free."""
+"""Exit policies: when a token stops looping (docs/architecture.md, "Exit policies"). Torch-free."""
 
 from loopserve.exit.policies import (
     ExitMode,

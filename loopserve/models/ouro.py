@@ -1,6 +1,6 @@
 """The Ouro looped transformer, split into prelude / core / gate / coda.
 
-Math follows Hugging Face `modeling_ouro.py` exactly (DESIGN §1): four RMSNorms per layer,
+Math follows Hugging Face `modeling_ouro.py` exactly: four RMSNorms per layer,
 `model.norm` after every loop (its output is the loop output, the gate input and the next
 loop's input), RoPE rotate-half on the token position, untied `lm_head`.
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from loopserve.contracts import KVTransfer, NewRequestData, SampleSpec, SwapKind
 from loopserve.scheduler.preemption import pick_victim, reset_for_recompute
-from loopserve.scheduler.request import Request, RequestStatus
+from loopserve.scheduler.request import Request, RequestState, RequestStatus
 
 
 @dataclass
@@ -105,7 +105,6 @@ class AdmissionMixin:
         if request.swapped:
             moves = self.kv.swap_in(request_id)
             self._transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
-            request.swapped = False
         elif request.pending_import:
             table = self.kv.allocate(request_id, positions)
             blocks = self.kv.blocks_per_plane(request.next_position)  # written positions
@@ -113,7 +112,6 @@ class AdmissionMixin:
                 (p * blocks + i, plane[i]) for p, plane in enumerate(table) for i in range(blocks)
             )
             self._transfers.append(KVTransfer(SwapKind.IMPORT, request_id, moves))
-            request.pending_import = False
         else:
             self.kv.allocate(request_id, positions, prefix=hits)
             if self.kv.prefix_cache is not None:
@@ -125,7 +123,7 @@ class AdmissionMixin:
                 stats.num_hit_tokens += cached
                 if not request.announced:
                     request.num_cached_prompt_tokens = cached
-        request.transition(RequestStatus.RUNNING)
+        request.transition(RequestState.REPLAYING if request.replay else RequestState.RUNNING)
         if request.times.first_scheduled_s is None:
             request.times.first_scheduled_s = time.monotonic()
         self.running.append(request)
@@ -175,14 +173,14 @@ class AdmissionMixin:
         if self.swap_preemption and self.kv.can_swap_out(request_id):
             moves = self.kv.swap_out(request_id)
             self._transfers.append(KVTransfer(SwapKind.OUT, request_id, tuple(moves)))
-            victim.swapped = True
+            victim.transition(RequestState.WAITING_SWAPPED)
             self.memory_stats.num_preemptions_swap += 1
         else:  # recompute (also the fallback when the host pool is full)
             self.kv.free(request_id)
             self._preempted_ids.append(request_id)
             reset_for_recompute(victim)
+            victim.transition(RequestState.WAITING)
             self.memory_stats.num_preemptions_recompute += 1
-        victim.transition(RequestStatus.WAITING)
         victim.num_preemptions += 1
         bisect.insort(self.waiting, victim, key=admission_key)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
-from loopserve.scheduler.prefix_cache import CachedPage, PrefixCache
+from loopserve.scheduler.prefix_cache import CachedPage, PageKey, PrefixCache
 
 if TYPE_CHECKING:
     from loopserve.config import EngineConfig
@@ -95,7 +95,7 @@ class KVCacheManager:
         self.prefix_cache = prefix_cache
         # Prefix caching, per request: chained page keys of its prompt (computed once), and
         # how many leading pages of its table are cache entries (hit or published by it).
-        self._page_keys: dict[str, list[tuple[int, int, tuple[int, ...]]]] = {}
+        self._page_keys: dict[str, list[PageKey]] = {}
         self.num_shared_pages: dict[str, int] = {}
         self.num_swapped_out_blocks = 0  # totals, for stats
         self.num_swapped_in_blocks = 0

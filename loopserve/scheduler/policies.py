@@ -1,4 +1,4 @@
-"""Row-selection policies, chosen once at construction (DESIGN §6). Torch-free.
+"""Row-selection policies, chosen once at construction (docs/architecture.md, "Scheduler"). Torch-free.
 
 Decode policies pick which decode tokens take rows in a core call:
 - `RefillPolicy` (continuous depth batching): every ready token, at any depth; a token that

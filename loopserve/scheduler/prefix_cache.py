@@ -4,7 +4,7 @@ A page is one block-sized run of prompt positions `[i * block_size, (i + 1) * bl
 Its KV lives in one block per plane (D under LAST_EXITED, 1 under SHARED); one cache entry
 covers all of them. Prompt positions always run every loop, so a page's KV at every plane
 depends only on the token ids up to its end: the key is a chained hash of the page's tokens
-and its parent's key (the root key names the number of planes). Entries store their tokens
+and its parent's key (`prefix_block_hashes`; the root key names the number of planes). Entries store their tokens
 and parent, and a hit compares them, so a hash collision can never serve wrong KV.
 
 Rules:
@@ -21,14 +21,37 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+PageKey = tuple[bytes, bytes, tuple[int, ...]]  # (key, parent key, tokens) of one page
+
+
+def prefix_block_hashes(
+    token_ids: Sequence[int], block_size: int, root: bytes = b""
+) -> list[bytes]:
+    """Chained hashes of the full blocks of `token_ids`: entry i covers blocks 0..i (after
+    `root`). The one block hash of the project: the prefix cache keys its pages with it and
+    the data-parallel router matches prompts across replicas with it. Stable across processes
+    and runs (blake2b over little-endian int64 ids, each block's hash seeded by the previous
+    one); a trailing partial block has no entry."""
+    hashes: list[bytes] = []
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start : start + block_size]
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in block))
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
 
 
 @dataclass(slots=True)
 class CachedPage:
-    key: int
-    parent: int
+    key: bytes
+    parent: bytes
     tokens: tuple[int, ...]
     blocks: tuple[int, ...]  # one per plane
     ref_count: int = 0
@@ -46,31 +69,27 @@ class PrefixCache:
     def __init__(self, block_size: int, num_planes: int) -> None:
         self.block_size = block_size
         self.num_planes = num_planes
-        self.root = hash(("loopserve-prefix", num_planes, block_size))
-        self.pages: dict[int, CachedPage] = {}
+        self.root = f"loopserve-prefix/{num_planes}/{block_size}".encode()
+        self.pages: dict[bytes, CachedPage] = {}
         self.page_of_block: dict[int, CachedPage] = {}  # plane-0 block -> page
-        self.evictable: OrderedDict[int, CachedPage] = OrderedDict()  # LRU first
+        self.evictable: OrderedDict[bytes, CachedPage] = OrderedDict()  # LRU first
         self.stats = PrefixCacheStats()
 
     @property
     def num_evictable_blocks(self) -> int:
         return len(self.evictable) * self.num_planes
 
-    def page_keys(self, token_ids: list[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+    def page_keys(self, token_ids: list[int]) -> list[PageKey]:
         """(key, parent, tokens) of every full page of `token_ids`, in order."""
-        keys = []
-        parent = self.root
         size = self.block_size
-        for start in range(0, len(token_ids) - size + 1, size):
-            tokens = tuple(token_ids[start : start + size])
-            key = hash((parent, tokens))
-            keys.append((key, parent, tokens))
-            parent = key
-        return keys
+        hashes = prefix_block_hashes(token_ids, size, self.root)
+        parents = [self.root, *hashes[:-1]]
+        return [
+            (key, parent, tuple(token_ids[i * size : (i + 1) * size]))
+            for i, (key, parent) in enumerate(zip(hashes, parents))
+        ]
 
-    def match(
-        self, keys: list[tuple[int, int, tuple[int, ...]]], max_pages: int
-    ) -> list[CachedPage]:
+    def match(self, keys: list[PageKey], max_pages: int) -> list[CachedPage]:
         """The longest run of cached pages at the start of `keys` (not yet referenced)."""
         hits = []
         for key, parent, tokens in keys[:max_pages]:
@@ -97,7 +116,7 @@ class PrefixCache:
             self.evictable[page.key] = page  # most recently used last
 
     def publish(
-        self, key: int, parent: int, tokens: tuple[int, ...], blocks: tuple[int, ...]
+        self, key: bytes, parent: bytes, tokens: tuple[int, ...], blocks: tuple[int, ...]
     ) -> bool:
         """Make a request's complete page shareable (it keeps one reference); False when the
         same content is already cached (the request's copy stays private)."""

@@ -32,6 +32,9 @@ class PromptChunk:
 
 
 class RequestStatus(enum.Enum):
+    """Queue membership: which of the scheduler's lists holds the request (`Request.status`,
+    derived from its `RequestState`)."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -43,12 +46,35 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    RequestStatus.WAITING: frozenset({RequestStatus.RUNNING, RequestStatus.FINISHED}),
-    # RUNNING -> WAITING is preemption: unused until the scheduler preempts (memory
-    # management, issue 12); kept so that preemption needs no change to this table.
-    RequestStatus.RUNNING: frozenset({RequestStatus.FINISHED, RequestStatus.WAITING}),
-    RequestStatus.FINISHED: frozenset(),
+class RequestState(enum.Enum):
+    """Where a request is in its life; the one field that says so (`Request.state`)."""
+
+    WAITING = "waiting"  # queued, nothing on the device: new, or preempted for recompute
+    WAITING_SWAPPED = "waiting_swapped"  # preempted by swap: its K/V in the host pool
+    IMPORTING = "importing"  # handed off by another engine: its K/V staged in the runner
+    RUNNING = "running"  # prompt chunks or decode loops
+    REPLAYING = "replaying"  # running, re-computing positions a recompute preemption lost
+    FINISHED = "finished"
+
+
+_S = RequestState
+# Every allowed transition, and what makes it.
+ALLOWED_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    _S.WAITING: frozenset({_S.RUNNING, _S.IMPORTING, _S.FINISHED}),  # admitted / hand-off
+    _S.WAITING_SWAPPED: frozenset({_S.RUNNING, _S.REPLAYING, _S.FINISHED}),  # swapped in
+    _S.IMPORTING: frozenset({_S.RUNNING, _S.FINISHED}),  # admitted: K/V imported
+    # preempted (recompute / swap); its recomputed prompt done with tokens to replay
+    _S.RUNNING: frozenset({_S.WAITING, _S.WAITING_SWAPPED, _S.REPLAYING, _S.FINISHED}),
+    _S.REPLAYING: frozenset({_S.RUNNING, _S.WAITING, _S.WAITING_SWAPPED, _S.FINISHED}),
+    _S.FINISHED: frozenset(),
+}
+STATUS_OF: dict[RequestState, RequestStatus] = {
+    _S.WAITING: RequestStatus.WAITING,
+    _S.WAITING_SWAPPED: RequestStatus.WAITING,
+    _S.IMPORTING: RequestStatus.WAITING,
+    _S.RUNNING: RequestStatus.RUNNING,
+    _S.REPLAYING: RequestStatus.RUNNING,
+    _S.FINISHED: RequestStatus.FINISHED,
 }
 
 
@@ -89,7 +115,7 @@ class Request:
         if not params.ignore_eos:
             stop_ids |= eos_token_ids
         self.stop_token_ids = frozenset(stop_ids)
-        self.status = RequestStatus.WAITING
+        self.state = RequestState.WAITING
         self.finish_reason: FinishReason | None = None
         self.output_token_ids: list[int] = []
         self.exit_depths: list[int] = []
@@ -102,22 +128,32 @@ class Request:
         self.token_exit: TokenExit | None = None
         self.decode_handle: int | None = None
         # Memory: preemptions so far; whether the runner knows the request (its sampler
-        # survives preemption); swapped-out state; the recompute replay in progress.
+        # survives preemption); the positions to replay (state REPLAYING, or WAITING_SWAPPED
+        # when swapped out while replaying).
         self.num_preemptions = 0
         self.announced = False
-        self.swapped = False
-        # Imported from another engine (hand-off), its K/V staged in the runner until admitted.
-        self.pending_import = False
         self.replay: ReplayState | None = None
         self.num_cached_prompt_tokens = 0  # prompt positions served by the prefix cache
         self.times = RequestTimes(arrival_s=time.monotonic() if arrival_s is None else arrival_s)
 
-    def transition(self, new_status: RequestStatus) -> None:
-        if new_status not in ALLOWED_TRANSITIONS[self.status]:
+    def transition(self, new_state: RequestState) -> None:
+        if new_state not in ALLOWED_TRANSITIONS[self.state]:
             raise IllegalTransitionError(
-                f"request {self.request_id}: {self.status.value} -> {new_status.value} is not allowed"
+                f"request {self.request_id}: {self.state.value} -> {new_state.value} is not allowed"
             )
-        self.status = new_status
+        self.state = new_state
+
+    @property
+    def status(self) -> RequestStatus:
+        return STATUS_OF[self.state]
+
+    @property
+    def swapped(self) -> bool:
+        return self.state is RequestState.WAITING_SWAPPED
+
+    @property
+    def pending_import(self) -> bool:
+        return self.state is RequestState.IMPORTING
 
     @property
     def in_prompt_phase(self) -> bool:
@@ -125,7 +161,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.state is RequestState.FINISHED
 
     @property
     def max_positions(self) -> int:

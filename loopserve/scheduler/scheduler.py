@@ -41,7 +41,13 @@ from loopserve.scheduler.policies import (
     PromptPolicy,
     RefillPolicy,
 )
-from loopserve.scheduler.request import FinishReason, ReplayState, Request, RequestStatus
+from loopserve.scheduler.request import (
+    FinishReason,
+    ReplayState,
+    Request,
+    RequestState,
+    RequestStatus,
+)
 
 
 class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
@@ -58,11 +64,8 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         )
         # SHARED runs prompts position-major: a position is final before later ones read it.
         chunk_size = 1 if config.cache.layout == "shared" else sched.prefill_chunk_size
-        self.mixed = sched.mixed_prefill_decode
-        prompt_mode = sched.prefill_mode
-        if self.mixed and prompt_mode == "atomic":
-            prompt_mode = "per_depth"  # prompt rows ride in decode calls one depth at a time
-        self.prompt_policy: PromptPolicy = PROMPT_POLICIES[prompt_mode](
+        self.mixed = sched.mixed_prefill_decode  # prefill_mode is then per_depth or wavefront
+        self.prompt_policy: PromptPolicy = PROMPT_POLICIES[sched.prefill_mode](
             chunk_size, num_loops, self._handle, fill=sched.fill_prompt_chunks
         )
         self.requests: dict[str, Request] = {}
@@ -121,7 +124,7 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
                 "request_id",
             )
         request.num_prefilled_tokens = request.next_chunk_start = request.num_prompt_tokens
-        request.pending_import = True
+        request.transition(RequestState.IMPORTING)
         self._start_decode_token(request)
         self.add_request(request)
 
@@ -150,7 +153,7 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
             self.kv.free(request.request_id)
             self._gone_request_ids.append(request.request_id)
         self.kv.forget(request.request_id)
-        request.transition(RequestStatus.FINISHED)
+        request.transition(RequestState.FINISHED)
         request.finish_reason = reason
         request.times.finished_s = time.monotonic()
         self.decode_policy.on_request_gone(request.request_id)
@@ -252,6 +255,8 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
                 if not item.first_token:
                     if request.output_token_ids and not request.in_prompt_phase:
                         request.replay = ReplayState.for_request(request)  # recompute resumes
+                        if request.replay is not None:
+                            request.transition(RequestState.REPLAYING)
                     continue
                 assert result.sampled is not None and result.loops_used is not None
                 reason = request.append_token(result.sampled, result.loops_used, now)
@@ -293,6 +298,7 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         replay.advance(item)
         if replay.finished:
             request.replay = None  # the token in flight starts at loop 0 next step
+            request.transition(RequestState.RUNNING)
 
     def _start_decode_token(self, request: Request) -> None:
         trace_loops = request.trace_loops(len(request.output_token_ids))

@@ -1,6 +1,6 @@
 """`SimExecutor`: a tensor-free stand-in for `ModelRunner` that prices each step on a GPU model.
 
-It honours the runner contract (DESIGN §6, `loopserve.contracts`) item for item:
+It honours the runner contract (`loopserve.contracts`) item for item:
 - every item runs `num_depths` consecutive loops; loop k of the step is one core call over
   the items with `k < num_depths` (an atomic prompt step is D calls, a decode step one);
 - decode items exit as `loop_exits` (loopserve.exit) decides from the plan and the synthetic

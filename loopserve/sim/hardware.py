@@ -73,11 +73,6 @@ class DeviceProfile:
         """Achievable device<->host bytes per second, one direction."""
         return self.host_link_bytes_per_s * self.bandwidth_efficiency
 
-    @property
-    def ridge_rows(self) -> float:
-        """Rows per call above which a BF16 weight GEMM is compute-bound (2 FLOP per 2 bytes)."""
-        return self.effective_flops / self.effective_bandwidth
-
 
 DEVICE_PROFILES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile("h100", 80 * GB, 3.35 * TB, 989e12, source="NVIDIA H100 SXM5 datasheet"),

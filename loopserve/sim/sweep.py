@@ -75,15 +75,6 @@ class SweepSetup:
     host_model: HostModel | None = None  # host time per core call (`sim.host_model`)
 
 
-def check_arm(setup: SweepSetup, arm: Arm) -> str | None:
-    """The config error that keeps an arm from running today, or None."""
-    try:
-        Simulator(setup.model_config, setup.device, {**setup.engine_args, **arm.engine_args})
-    except ConfigError as err:
-        return str(err)
-    return None
-
-
 def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
     spec = setup.spec
     exit_dist = arm.exit_dist or spec.exit_dist

@@ -154,9 +154,12 @@ def sample_sharegpt(
     return sampled
 
 
-def _uniform_lengths(
+def uniform_lengths(
     rng: np.random.Generator, mean_len: int, range_ratio: float, num_requests: int
 ) -> np.ndarray:
+    """Seeded lengths uniform in mean_len * [1 - range_ratio, 1 + range_ratio], at least 1."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     low = max(1, math.floor(mean_len * (1.0 - range_ratio)))
     high = max(low, math.ceil(mean_len * (1.0 + range_ratio)))
     return rng.integers(low, high + 1, size=num_requests)
@@ -177,14 +180,12 @@ def sample_random(
     [floor(len * (1 - range_ratio)), ceil(len * (1 + range_ratio))] (at least 1).
     `prompt_len` is the word count, which any tokenizer matches only roughly.
     """
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     if input_len < 1 or output_len < 1:
         raise ValueError(f"input_len and output_len must be >= 1, got {input_len}, {output_len}")
     words = list(vocab_words) if vocab_words else list(DEFAULT_VOCAB_WORDS)
     rng = np.random.default_rng(seed)
-    input_lens = _uniform_lengths(rng, input_len, range_ratio, num_requests)
-    output_lens = _uniform_lengths(rng, output_len, range_ratio, num_requests)
+    input_lens = uniform_lengths(rng, input_len, range_ratio, num_requests)
+    output_lens = uniform_lengths(rng, output_len, range_ratio, num_requests)
     requests = []
     for prompt_len, out_len in zip(input_lens, output_lens):
         word_ids = rng.integers(0, len(words), size=int(prompt_len))

@@ -148,6 +148,10 @@ class ItemResult(NamedTuple):
     exited: bool = False
     loops_used: int | None = None
     sampled: SampledToken | None = None
+    # Further tokens the item produced after `sampled`, each with its loops used, in order
+    # (the seam for self-speculative rounds, where one verified item yields several tokens);
+    # empty from every executor today. The scheduler appends them as it appends `sampled`.
+    more_sampled: tuple[tuple[SampledToken, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,3 +213,50 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook, default no-op
         """Release executor resources; the engine core calls it once, at shutdown."""
+
+
+def num_planes(layout: str, num_loops: int) -> int:
+    """KV planes per position: one per depth under LAST_EXITED, one under SHARED."""
+    return 1 if layout == "shared" else num_loops
+
+
+@dataclass(frozen=True, slots=True)
+class StepRules:
+    """Executor semantics in one place: the rules `ModelRunner` and `SimExecutor` both apply
+    to an item while executing it (planes, finalize, the first token, handle lifetime).
+
+    Call k of a step runs every item with more than k depths, at depth `item.depth + k`."""
+
+    num_loops: int
+    shared: bool  # the SHARED layout (one plane)
+
+    @classmethod
+    def of(cls, layout: str, num_loops: int) -> StepRules:
+        return cls(num_loops, layout == "shared")
+
+    @property
+    def num_planes(self) -> int:
+        return 1 if self.shared else self.num_loops
+
+    def plane(self, item: WorkItem, call_index: int) -> int:
+        """The plane call `call_index` of the step writes and reads for `item`."""
+        return 0 if self.shared else item.depth + call_index
+
+    def finalizes(self, item: WorkItem, exited: bool) -> bool:
+        """An exited decode or replay token below full depth copies its K/V of its exit depth
+        into every deeper plane (LAST_EXITED only)."""
+        return exited and not self.shared and item.depth < self.num_loops - 1
+
+    def samples_first_token(self, item: WorkItem) -> bool:
+        """The item is its request's last prompt chunk and reaches the last depth this step:
+        the first token's exit is chosen from the last position's D hazards and sampled."""
+        return item.first_token and item.last_depth == self.num_loops - 1
+
+    def releases_handle(self, item: WorkItem, exited: bool, sampled: bool) -> bool:
+        """The item's work ends this step (its handle is released, not kept): a token was
+        sampled, a prompt chunk ran its last depth, or a replay row reached its loop count."""
+        return (
+            sampled
+            or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
+            or (item.kind is ItemKind.REPLAY and exited)
+        )

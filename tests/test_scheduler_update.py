@@ -139,3 +139,23 @@ def test_finished_and_aborted_requests_are_released_in_the_next_output():
     out = scheduler.schedule_releases()
     assert out.items == () and set(out.finished_request_ids) == {"a", "b"}
     assert not scheduler.has_pending_releases() and scheduler.kv.num_used_blocks == 0
+
+
+def test_an_item_result_with_several_tokens_appends_them_in_order_up_to_max_tokens():
+    """The multi-token seam: a result's `more_sampled` tokens follow `sampled`, each with its
+    own loop count; the request finishes at max_tokens and later ones are dropped."""
+    scheduler = make_scheduler("trace")
+    request = add(scheduler, "a", max_tokens=4, exit_trace=(4,))
+    run_prompt(scheduler, loops=4)
+    for _ in range(3):  # loops 0..2 of the second token
+        scheduled = scheduler.schedule()
+        (item,) = scheduled.items
+        scheduler.update(scheduled, reply(scheduled, result(item)))
+    scheduled = scheduler.schedule()
+    (item,) = scheduled.items
+    extra = ((SampledToken(9), 2), (SampledToken(10), 3), (SampledToken(11), 4))
+    done = result(item, (), True, 4, 8)._replace(more_sampled=extra)
+    assert scheduler.update(scheduled, reply(scheduled, done)) == [request]
+    assert request.output_token_ids == [7, 8, 9, 10] and request.exit_depths == [4, 4, 2, 3]
+    assert request.is_finished and request.finish_reason.value == "length"
+    scheduler.check_invariants()

@@ -29,8 +29,7 @@ from loopserve.config import (
     resolve_dtype,
     resolve_num_blocks,
 )
-from loopserve.engine.async_core import AsyncEngineCore
-from loopserve.engine.core import EngineCore
+from loopserve.engine.build import build_engine_core
 from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
@@ -40,9 +39,7 @@ from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
-from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.request import FinishReason, Request, RequestStatus
-from loopserve.scheduler.scheduler import Scheduler
 from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
 from loopserve.text.output_processor import OutputProcessor
 from loopserve.text.tokenizer import Tokenizer
@@ -96,26 +93,29 @@ class LLMEngine:
         )
         self.config = dataclasses.replace(config, cache=cache)
         self.num_loops = self.model.num_loops
-        num_planes = 1 if cache.layout == "shared" else self.num_loops
-        self.kv = KVCacheManager.from_config(
-            self.config, num_planes=num_planes, bytes_per_block=bytes_per_block
+        self.core = build_engine_core(
+            self.config,
+            num_loops=self.num_loops,
+            bytes_per_block=bytes_per_block,
+            make_executor=lambda kv: ModelRunner(
+                self.model,
+                num_blocks=cache.num_blocks,
+                block_size=cache.block_size,
+                layout=cache.layout,
+                exit_mode=self.config.exit.mode,
+                lookahead_seed=self.config.exit.lookahead_seed,
+                num_host_blocks=kv.host_pool.num_blocks,
+                attention_backend=self.config.attention_backend,
+                graph_mode=effective_graph_mode(self.config),
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                batch_invariant=self.config.batch_invariant,
+                cascade_attention=cascade_enabled(self.config),
+            ),
         )
-        self.scheduler = Scheduler(self.config, num_loops=self.num_loops, kv=self.kv)
-        self.runner = ModelRunner(
-            self.model,
-            num_blocks=cache.num_blocks,
-            block_size=cache.block_size,
-            layout=cache.layout,
-            exit_mode=self.config.exit.mode,
-            lookahead_seed=self.config.exit.lookahead_seed,
-            num_host_blocks=self.kv.host_pool.num_blocks,
-            attention_backend=self.config.attention_backend,
-            graph_mode=effective_graph_mode(self.config),
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.config.scheduler.max_num_seqs,
-            batch_invariant=self.config.batch_invariant,
-            cascade_attention=cascade_enabled(self.config),
-        )
+        self.scheduler = self.core.scheduler
+        self.kv = self.scheduler.kv
+        self.runner: ModelRunner = self.core.executor  # type: ignore[assignment]
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -126,8 +126,6 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        core_class = AsyncEngineCore if self.config.async_scheduling else EngineCore
-        self.core = core_class(self.scheduler, self.runner)
         self._tracked: dict[str, Request] = {}
         self._reported: dict[str, int] = {}  # output tokens already in an output
         self._arrivals = itertools.count()

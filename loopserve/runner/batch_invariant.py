@@ -181,7 +181,9 @@ class RowInvariantTorchBackend(TorchBackend):
 
     name = "torch"
 
-    def prepare(self, segments: Sequence[RowSegment]) -> RowInvariantPagedAttention:
+    def prepare(
+        self, segments: Sequence[RowSegment], *, prefix_groups: list | None = None
+    ) -> RowInvariantPagedAttention:
         return RowInvariantPagedAttention(
             self.kv_cache,
             segments,

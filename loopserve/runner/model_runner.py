@@ -36,6 +36,7 @@ from loopserve.contracts import (
     SampledToken,
     SampleSpec,
     SchedulerOutput,
+    StepRules,
     WorkItem,
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
@@ -83,7 +84,8 @@ class ModelRunner(Executor):
         config = model.config
         self.num_loops = model.num_loops
         self.block_size = block_size
-        self.shared = layout == "shared"
+        self.rules = StepRules.of(layout, self.num_loops)
+        self.shared = self.rules.shared
         self.exit_mode = ExitMode(exit_mode)
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
@@ -134,7 +136,7 @@ class ModelRunner(Executor):
             max_rows=max_num_seqs,
             dummy_block=num_blocks,
             scale=self.scale,
-            num_planes=1 if self.shared else self.num_loops,
+            num_planes=self.rules.num_planes,
             transfers=self.transfers,
         )
 
@@ -328,34 +330,33 @@ class ModelRunner(Executor):
                     hazards[i], last_outputs[i] = resumed.hazards, resumed.last_rows
         return states  # type: ignore[return-value]
 
-    def _plane(self, item: WorkItem, k: int) -> int:
-        return 0 if self.shared else item.depth + k
-
     def _core_call(self, scheduled, items, active, k, states) -> torch.Tensor | None:
         """One core call over the active items; returns its output [rows, H] when it ran
         through the graphs (one row per item, in `active` order), else None."""
         graphs = self.graphs
+        groups = None  # prefix groups of a decode-only call, when cascade attention looked
         if (
             graphs is not None
             and graphs.fits(len(active), max(items[i].token_start for i in active))
             and all(items[i].kind is ItemKind.DECODE for i in active)
         ):  # decode-only call: the static, bucketed path (one row per item)
-            keys = [(items[i].request_id, self._plane(items[i], k)) for i in active]
+            keys = [(items[i].request_id, self.rules.plane(items[i], k)) for i in active]
             tables = [scheduled.block_tables[rid][plane] for rid, plane in keys]
             positions = [items[i].token_start for i in active]
-            # Rows that share a prefix run eagerly instead: that call reads it once per group.
-            if not (
-                self.attention.cascade and plan_prefix_groups(tables, positions, self.block_size)
-            ):
+            # Rows that share a prefix run eagerly instead: that call reads it once per group
+            # (the backend takes the groups found here instead of finding them again).
+            if self.attention.cascade:
+                groups = plan_prefix_groups(tables, positions, self.block_size)
+            if not groups:  # none found (or not looked for): the graphs
                 return self._graph_call(graphs, active, states, positions, tables, keys)
         segments = []
         positions: list[int] = []
         for i in active:
             item = items[i]
-            table = scheduled.block_tables[item.request_id][self._plane(item, k)]
+            table = scheduled.block_tables[item.request_id][self.rules.plane(item, k)]
             segments.append(RowSegment(table, item.token_start, item.token_count))
             positions.extend(range(item.token_start, item.token_start + item.token_count))
-        attn = self.attention.prepare(segments)
+        attn = self.attention.prepare(segments, prefix_groups=groups)
         hidden = torch.cat([states[i] for i in active])
         position_ids = self.transfers.to_device(positions)
         out = self._timed(self.model.core, hidden, position_ids, attn)
@@ -406,7 +407,7 @@ class ModelRunner(Executor):
             # Only a gate-decided loop reads its hazard (read to the host above).
             hazard = hazards[i][-1] if item.exit_now is None else None
             exited[i] = loop_exits(item.exit_now, before, hazard, item.threshold)
-            if exited[i] and not self.shared and item.depth < self.num_loops - 1:
+            if self.rules.finalizes(item, exited[i]):
                 finalize.append(item)
         if finalize:
             self._finalize(tables, finalize)
@@ -428,14 +429,15 @@ class ModelRunner(Executor):
         coda_rows: list[torch.Tensor] = []
         coda_items: list[int] = []
         loops_used: dict[int, int] = {}
-        if any(item.first_token and item.last_depth == self.num_loops - 1 for item in items):
+        first_tokens = [self.rules.samples_first_token(item) for item in items]
+        if any(first_tokens):
             self.transfers.flush()  # the first token's exit is chosen from its hazards
         for i, item in enumerate(items):
             if item.kind is ItemKind.DECODE and exited[i]:
                 coda_rows.append(states[i])
                 coda_items.append(i)
                 loops_used[i] = item.depth + 1
-            elif item.first_token and item.last_depth == self.num_loops - 1:
+            elif first_tokens[i]:
                 assert item.exit_rule is not None
                 loops = choose_exit_from_hazards(
                     self.exit_mode, item.exit_rule, hazards[i] or None, item.trace_loops
@@ -460,12 +462,7 @@ class ModelRunner(Executor):
         results = []
         for i, item in enumerate(items):
             token = sampled.get(i)
-            finished = (
-                token is not None
-                or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
-                or (item.kind is ItemKind.REPLAY and exited[i])  # replay: no coda
-            )
-            if finished:
+            if self.rules.releases_handle(item, exited[i], token is not None):
                 self.inflight.done(item.request_id, item.handle)
             else:
                 state = InFlight(states[i], hazards[i], last_outputs[i])

@@ -270,6 +270,10 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
                 assert result.sampled is not None
                 self.decode_policy.on_token_exit(request)
                 reason = request.append_token(result.sampled, token_exit.loops_used, now)
+            for sampled, loops_used in result.more_sampled:  # several tokens from one item
+                if reason is not None:
+                    break
+                reason = request.append_token(sampled, loops_used, now)
             touched.append(request)
             if reason is not None:
                 self.finish(request, reason)

@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from loopserve.contracts import num_planes
 from loopserve.engine.client import EngineClient, ModelInfo
 from loopserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loopserve.server.args import (
@@ -180,8 +181,7 @@ def ready_line(info: ModelInfo, served_model_name: str) -> str:
     """One line saying what is being served and how it is configured."""
     config = info.config
     cache, scheduler = config.cache, config.scheduler
-    planes = 1 if cache.layout == "shared" else info.num_loops
-    positions = cache.num_blocks // planes * cache.block_size
+    positions = cache.num_blocks // num_planes(cache.layout, info.num_loops) * cache.block_size
     return (
         f"ready: model={config.model or '(embedded default)'} "
         f"served_name={served_model_name} dtype={config.dtype} "

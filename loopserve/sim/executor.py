@@ -42,6 +42,7 @@ from loopserve.contracts import (
     RunnerOutput,
     SampledToken,
     SchedulerOutput,
+    StepRules,
     WorkItem,
 )
 from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
@@ -109,7 +110,8 @@ class SimExecutor(Executor):
         self.cascade = cascade
         self.block_size = block_size
         self.num_loops = cost_model.shape.num_loops
-        self.shared = layout == "shared"
+        self.rules = StepRules.of(layout, self.num_loops)
+        self.shared = self.rules.shared
         self.exit_mode = ExitMode(exit_mode)
         if self.exit_mode.uses_gate and exit_dist is None:
             raise ValueError(f"exit_mode {exit_mode!r} needs an exit_dist to draw hazards from")
@@ -222,14 +224,14 @@ class SimExecutor(Executor):
             tally.kv_read += start + 1
             tally.pairs += start + 1
             result = ItemResult(request_id, handle, (), bool(item.exit_now))
-            if result.exited and not self.shared and item.depth < self.num_loops - 1:
+            if self.rules.finalizes(item, result.exited):
                 tally.finalize += self.num_loops - 1 - item.depth
         elif item.kind is DECODE:
             tally.has_decode = True
             tally.kv_read += start + 1
             tally.pairs += start + 1
             result = self._decode_result(item)
-            if result.exited and not self.shared and item.depth < self.num_loops - 1:
+            if self.rules.finalizes(item, result.exited):
                 tally.finalize += self.num_loops - 1 - item.depth
                 self._step_finalized += 1
         else:
@@ -239,7 +241,7 @@ class SimExecutor(Executor):
             result = self._prompt_result(item)
         # No hidden state to carry: a handle stays kept (None) from its first loop until its
         # work completes, instead of the runner's resume-then-keep each step.
-        if result.exited or (item.kind is PROMPT and item.last_depth == self.num_loops - 1):
+        if self.rules.releases_handle(item, result.exited, result.sampled is not None):
             self._handles.drop(request_id, handle)  # (kept unless it started this step)
         elif item.needs_prelude:
             self._handles.keep(request_id, handle, None)
@@ -276,7 +278,7 @@ class SimExecutor(Executor):
         depths = range(item.depth, item.last_depth + 1)
         gated = item.first_token and item.needs_gate
         hazards = tuple(self._hazard(item.request_id, 0, d) for d in depths) if gated else ()
-        if not (item.first_token and item.last_depth == self.num_loops - 1):
+        if not self.rules.samples_first_token(item):
             return ItemResult(item.request_id, item.handle, hazards)
         assert item.exit_rule is not None
         all_hazards = None
@@ -291,8 +293,7 @@ class SimExecutor(Executor):
         """KV positions cascade attention does not read in one core call: per group of
         one-row items sharing `n` leading blocks of a plane, `(rows - 1) * n * block_size`."""
         tables = [
-            block_tables[item.request_id][0 if self.shared else item.depth + call_index]
-            for item in singles
+            block_tables[item.request_id][self.rules.plane(item, call_index)] for item in singles
         ]
         positions = [item.token_start for item in singles]
         saved = 0

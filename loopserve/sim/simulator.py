@@ -30,10 +30,9 @@ from loopserve.config import (
     resolve_num_blocks,
 )
 from loopserve.contracts import RunnerOutput, SchedulerOutput, WorkItem
-from loopserve.engine.core import EngineCore
+from loopserve.engine.build import build_engine_core
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
-from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.request import FinishReason, Request
 from loopserve.scheduler.scheduler import Scheduler
 from loopserve.sim.cost_model import CostModel, ModelShape
@@ -103,24 +102,30 @@ class Simulator:
         self.num_loops = self.shape.num_loops
         self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
         cache = self.config.cache
-        num_planes = 1 if cache.layout == "shared" else self.num_loops
         assert cache.num_blocks is not None
-        self.kv = KVCacheManager.from_config(
+        block_bytes = kv_bytes_per_block(self.shape, cache.block_size)
+        # CPU seconds: the scheduler's share is robust to other load on the host. A
+        # synchronous core: async overlap is priced by `_step_s`.
+        self.core = build_engine_core(
             self.config,
-            num_planes=num_planes,
-            bytes_per_block=kv_bytes_per_block(self.shape, cache.block_size),
+            num_loops=self.num_loops,
+            bytes_per_block=block_bytes,
+            make_executor=lambda _kv: SimExecutor(
+                self.cost_model,
+                layout=cache.layout,
+                exit_mode=self.config.exit.mode,
+                exit_dist=exit_dist,
+                seed=seed,
+                kv_block_bytes=block_bytes,
+                cascade=cascade_enabled(self.config),
+                block_size=cache.block_size,
+            ),
+            async_scheduling=False,
+            clock=time.process_time,
         )
-        self.scheduler = Scheduler(self.config, num_loops=self.num_loops, kv=self.kv)
-        self.executor = SimExecutor(
-            self.cost_model,
-            layout=cache.layout,
-            exit_mode=self.config.exit.mode,
-            exit_dist=exit_dist,
-            seed=seed,
-            kv_block_bytes=kv_bytes_per_block(self.shape, cache.block_size),
-            cascade=cascade_enabled(self.config),
-            block_size=cache.block_size,
-        )
+        self.scheduler = self.core.scheduler
+        self.kv = self.scheduler.kv
+        self.executor: SimExecutor = self.core.executor  # type: ignore[assignment]
         self.host_time_s = host_time_s
         # Host time per core call (`sim.host_model`); None: steps cost device time only.
         self.host_model = host_model
@@ -131,8 +136,6 @@ class Simulator:
         # the model emitted EOS), so the engine never learns the length in advance.
         self.client_max_tokens = client_max_tokens
         self._output_len: dict[str, int] = {}
-        # CPU seconds: the scheduler's share is robust to other load on the host.
-        self.core = EngineCore(self.scheduler, self.executor, clock=time.process_time)
 
     def _step_s(self, output: RunnerOutput) -> float:
         """A step's wall time: device time, plus the host model's time for its core calls

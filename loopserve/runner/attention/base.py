@@ -65,8 +65,12 @@ class PagedAttentionBackend(ABC):
         self.cascade_stats = CascadeStats()  # groups formed, counted once per core call
 
     @abstractmethod
-    def prepare(self, segments: Sequence[RowSegment]) -> AttentionBackend:
-        """Per-call state for these rows; its `attend` writes the rows' K/V then attends."""
+    def prepare(
+        self, segments: Sequence[RowSegment], *, prefix_groups: list | None = None
+    ) -> AttentionBackend:
+        """Per-call state for these rows; its `attend` writes the rows' K/V then attends.
+        `prefix_groups`: the cascade groups of the call's one-row segments when the caller
+        already found them (`plan_prefix_groups`); None: the backend finds them."""
 
     @abstractmethod
     def finalize(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

@@ -119,7 +119,13 @@ class PagedAttentionMetadata:
 
     @classmethod
     def build(
-        cls, segments: list[RowSegment], block_size: int, device, *, cascade: bool = False
+        cls,
+        segments: list[RowSegment],
+        block_size: int,
+        device,
+        *,
+        cascade: bool = False,
+        prefix_groups: list | None = None,
     ) -> PagedAttentionMetadata:
         write_slots = write_slots_of(segments, block_size)
         single, multi, causal = [], [], {}
@@ -137,8 +143,10 @@ class PagedAttentionMetadata:
             row += seg.count
         plan = suffix = None
         if cascade and len(single) > 1:
-            tables = [seg.block_table for _, seg in single]
-            groups = plan_prefix_groups(tables, [seg.start for _, seg in single], block_size)
+            groups = prefix_groups
+            if groups is None:
+                tables = [seg.block_table for _, seg in single]
+                groups = plan_prefix_groups(tables, [seg.start for _, seg in single], block_size)
             if groups:
                 plan = CascadePlan.build(groups, single, block_size, device)
                 suffix = PaddedGroup.build(plan.suffixes, block_size, device)
@@ -303,9 +311,13 @@ class TorchBackend(PagedAttentionBackend):
         super().__init__(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
         self.workspace = Workspace()
 
-    def prepare(self, segments) -> TorchPagedAttention:
+    def prepare(self, segments, *, prefix_groups=None) -> TorchPagedAttention:
         meta = PagedAttentionMetadata.build(
-            list(segments), self.block_size, self.kv_cache.device, cascade=self.cascade
+            list(segments),
+            self.block_size,
+            self.kv_cache.device,
+            cascade=self.cascade,
+            prefix_groups=prefix_groups,
         )
         if meta.cascade is not None:
             self.cascade_stats.count(meta.cascade.groups, self.block_size)

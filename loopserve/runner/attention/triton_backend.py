@@ -62,6 +62,7 @@ class TritonCallMetadata:
         device,
         *,
         cascade: bool = False,
+        prefix_groups: list | None = None,
     ) -> TritonCallMetadata:
         num_blocks = [-(-(seg.start + seg.count) // block_size) for seg in segments]
         width = max(num_blocks)
@@ -86,8 +87,11 @@ class TritonCallMetadata:
         plan = suffix = None
         if cascade and len(decode) > 1:
             singles = [(row, segments[index]) for row, index, _ in decode]
-            tables_of = [seg.block_table for _, seg in singles]
-            groups = plan_prefix_groups(tables_of, [seg.start for _, seg in singles], block_size)
+            groups = prefix_groups
+            if groups is None:
+                tables_of = [seg.block_table for _, seg in singles]
+                starts = [seg.start for _, seg in singles]
+                groups = plan_prefix_groups(tables_of, starts, block_size)
             if groups:
                 plan = CascadePlan.build(groups, singles, block_size, device)
                 suffix = SuffixRows.build(plan.suffixes, block_size, device)
@@ -348,13 +352,16 @@ class TritonBackend(PagedAttentionBackend):
             return self.split_len
         return auto_split_len(num_rows, self.kv_cache.shape[3], max_len, self.num_sms)
 
-    def prepare(self, segments: Sequence[RowSegment]) -> TritonAttention:
+    def prepare(
+        self, segments: Sequence[RowSegment], *, prefix_groups: list | None = None
+    ) -> TritonAttention:
         meta = TritonCallMetadata.build(
             segments,
             self.block_size,
             self.prefill_block_m,
             self.kv_cache.device,
             cascade=self.cascade,
+            prefix_groups=prefix_groups,
         )
         if meta.cascade is not None:
             self.cascade_stats.count(meta.cascade.groups, self.block_size)

@@ -1,0 +1,44 @@
+"""`build_engine_core`: config -> KV manager -> scheduler -> executor -> engine core, once.
+
+`LLMEngine` (with a `ModelRunner`) and the simulator (with a `SimExecutor`) both build their
+core here, so the plane count, the KV manager and the scheduler come from the same config
+the same way. The executor is made from the KV manager (`make_executor(kv)`), because it
+needs the host pool's size; the core class follows `config.async_scheduling` unless the
+caller says otherwise (the simulator prices async overlap itself on a synchronous core).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from loopserve.config import EngineConfig
+from loopserve.contracts import Executor, num_planes
+from loopserve.engine.async_core import AsyncEngineCore
+from loopserve.engine.core import EngineCore
+from loopserve.scheduler.kv_cache import KVCacheManager
+from loopserve.scheduler.scheduler import Scheduler
+
+__all__ = ["build_engine_core"]
+
+
+def build_engine_core(
+    config: EngineConfig,
+    *,
+    num_loops: int,
+    bytes_per_block: int,
+    make_executor: Callable[[KVCacheManager], Executor],
+    async_scheduling: bool | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> EngineCore:
+    """The engine core for `config` (its `cache.num_blocks` resolved) over the executor
+    `make_executor` builds; `core.scheduler.kv` is the KV manager."""
+    kv = KVCacheManager.from_config(
+        config,
+        num_planes=num_planes(config.cache.layout, num_loops),
+        bytes_per_block=bytes_per_block,
+    )
+    scheduler = Scheduler(config, num_loops=num_loops, kv=kv)
+    use_async = config.async_scheduling if async_scheduling is None else async_scheduling
+    core_class = AsyncEngineCore if use_async else EngineCore
+    return core_class(scheduler, make_executor(kv), clock=clock)

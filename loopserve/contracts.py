@@ -8,8 +8,10 @@ tensors, never `Request` objects. Torch-free.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -260,3 +262,24 @@ class StepRules:
             or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
             or (item.kind is ItemKind.REPLAY and exited)
         )
+
+
+def run_without_failed(
+    scheduled: SchedulerOutput,
+    failures: tuple[RequestFailure, ...],
+    run: Callable[[SchedulerOutput], RunnerOutput],
+) -> RunnerOutput:
+    """The `Executor` failure contract for setup failures: run the step (`run`, its
+    bookkeeping already applied) without the items of the failed requests; those items get
+    results with only `request_id` and `handle`, so results stay one per item, in order."""
+    failed_ids = {failure.request_id for failure in failures}
+    kept = tuple(item for item in scheduled.items if item.request_id not in failed_ids)
+    output = run(dataclasses.replace(scheduled, items=kept))
+    ran = iter(output.results)
+    results = tuple(
+        ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
+        for item in scheduled.items
+    )
+    return dataclasses.replace(
+        output, results=results, failed_requests=failures + output.failed_requests
+    )

@@ -320,7 +320,9 @@ def test_memory_plan_reserves_inflight_hidden_states(tiny_dir):
     rows = max_inflight_rows(engine.config, engine.num_loops)
     assert rows == 4 * (4 * 8 + 4)
     assert engine.inflight_hidden_bytes == rows * engine.model.config.hidden_size * 4
-    per_block = engine.runner.kv_bytes_per_block(engine.model, 4, engine.model.lm_head.weight.dtype)
+    per_block = engine.model.config.kv_bytes_per_block(
+        4, engine.model.lm_head.weight.element_size()
+    )
     expected = (DEFAULT_CPU_KV_BYTES - engine.inflight_hidden_bytes) // per_block
     assert engine.stats.kv_blocks_total == expected
 

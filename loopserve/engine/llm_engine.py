@@ -54,8 +54,8 @@ class LLMEngine:
         model_path = config.model or str(DEFAULT_MODEL_DIR)
         self.model = load_model(model_path, dtype=config.dtype, device=config.device)
         self.tokenizer = Tokenizer.from_dir(self.model.checkpoint_dir)
-        bytes_per_block = ModelRunner.kv_bytes_per_block(
-            self.model, config.cache.block_size, self.model.lm_head.weight.dtype
+        bytes_per_block = self.model.config.kv_bytes_per_block(
+            config.cache.block_size, self.model.lm_head.weight.element_size()
         )
         budget = None
         self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings

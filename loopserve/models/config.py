@@ -58,6 +58,10 @@ class OuroConfig:
         """K and V elements one token stores per depth (multiply by the dtype size for bytes)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
+    def kv_bytes_per_block(self, block_size: int, element_size: int) -> int:
+        """Bytes of one KV block of one plane: `block_size` positions of every layer's K and V."""
+        return self.kv_elements_per_token_per_depth * block_size * element_size
+
     @classmethod
     def from_dict(cls, raw: dict) -> OuroConfig:
         model_type = raw.get("model_type")

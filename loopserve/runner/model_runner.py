@@ -3,15 +3,13 @@
 It owns every tensor: the model, the paged KV cache, per-request sampling generators, and
 the hidden states of work in flight (a decode token between loops, a prompt chunk between
 depths) behind the scheduler's opaque handles. Per core call it embeds only rows that need a
-prelude, computes hazards only for rows that need a signal, runs the coda and sampler only
-for exiting rows, and finalizes LAST_EXITED planes after early exits. It decides each exit
-with the pure functions of `loopserve.exit` (`loop_exits`, `choose_exit_from_hazards`) and
-reports it; the scheduler records it. It never sees a `Request`. One of the two `Executor`s
-(the other is the simulator's `SimExecutor`).
+prelude, computes hazards only for rows that need a signal and finalizes LAST_EXITED planes
+after early exits; exiting rows go to the coda and sampler (`runner/coda.py`). Exits are
+decided by `loopserve.exit`'s pure functions and reported; the rules it shares with the
+simulator's `SimExecutor` are `contracts.StepRules`. It never sees a `Request`.
 
-With `batch_invariant` the runner converts its model to the row-invariant forms of
-`loopserve.runner.batch_invariant` (and uses that module's attention backend), so every row's
-bits depend only on its own inputs.
+With `batch_invariant` the model takes the row-invariant forms of `runner/batch_invariant.py`
+(and its attention backend): every row's bits depend only on its own inputs.
 
 Per-request setup is isolated: each new request's state is built by `setup_request` and
 installed only when that succeeds; a request whose setup raises is reported in
@@ -20,7 +18,6 @@ installed only when that succeeds; a request whose setup raises is reported in
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -29,25 +26,25 @@ import torch
 from loopserve.contracts import (
     Executor,
     ItemKind,
-    ItemResult,
     NewRequestData,
     RequestFailure,
     RunnerOutput,
-    SampledToken,
     SampleSpec,
     SchedulerOutput,
     StepRules,
     WorkItem,
+    run_without_failed,
 )
-from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
+from loopserve.exit import ExitMode, GateState, loop_exits
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.runner.attention.base import RowSegment, finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
+from loopserve.runner.coda import Coda
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
-from loopserve.runner.sampler import is_greedy, make_generator, sample_rows
+from loopserve.runner.sampler import generator_state, is_greedy, make_generator, restore_generator
 from loopserve.runner.swap import InFlight, KVMoves
 from loopserve.runner.transfers import Transfers
 
@@ -85,7 +82,6 @@ class ModelRunner(Executor):
         self.num_loops = model.num_loops
         self.block_size = block_size
         self.rules = StepRules.of(layout, self.num_loops)
-        self.shared = self.rules.shared
         self.exit_mode = ExitMode(exit_mode)
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
@@ -125,6 +121,14 @@ class ModelRunner(Executor):
             batch_invariant=batch_invariant,
             cascade=cascade_attention,
         )
+        self.coda = Coda(
+            rules=self.rules,
+            exit_mode=self.exit_mode,
+            coda=lambda rows: self._timed(model.coda, rows),
+            samplers=self.samplers,
+            transfers=self.transfers,
+            inflight=self.inflight,
+        )
         self.graphs, self.graph_capture_error = build_decode_graphs(
             graph_mode,
             model.core,
@@ -139,11 +143,6 @@ class ModelRunner(Executor):
             num_planes=self.rules.num_planes,
             transfers=self.transfers,
         )
-
-    @staticmethod
-    def kv_bytes_per_block(model: OuroForLoopedLM, block_size: int, dtype: torch.dtype) -> int:
-        per_position = model.config.kv_elements_per_token_per_depth
-        return per_position * block_size * torch.empty(0, dtype=dtype).element_size()
 
     # ---- request bookkeeping ----------------------------------------------------------
 
@@ -174,9 +173,8 @@ class ModelRunner(Executor):
         greedy = is_greedy(new.sample_spec)
         generator = None if greedy else make_generator(new.seed, self.device)
         staged = self.staged_imports.get(new.request_id)
-        if generator is not None and staged is not None and staged[1] is not None:
-            # A handed-off request continues its exporter's random stream.
-            generator.set_state(torch.frombuffer(bytearray(staged[1]), dtype=torch.uint8))
+        if generator is not None and staged is not None:  # continue the exporter's stream
+            restore_generator(generator, staged[1])
         return new.sample_spec, generator
 
     # ---- hand-off (prefill/decode disaggregation) -------------------------------------------
@@ -194,9 +192,7 @@ class ModelRunner(Executor):
         must have no work in flight (it is between decode tokens)."""
         assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
         kv = self.moves.export(table, num_positions, to_host=to_host)
-        generator = self.samplers[request_id][1]
-        state = None if generator is None else generator.get_state().numpy().tobytes()
-        return kv, state
+        return kv, generator_state(self.samplers[request_id][1])
 
     def stage_import(
         self, request_id: str, kv: torch.Tensor, generator_state: bytes | None
@@ -229,7 +225,7 @@ class ModelRunner(Executor):
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         failures = self._apply_bookkeeping(scheduled)
         if failures:
-            return self._run_without(scheduled, failures)
+            return run_without_failed(scheduled, failures, self._run)
         return self._run(scheduled)
 
     def _run(self, scheduled: SchedulerOutput) -> RunnerOutput:
@@ -256,7 +252,7 @@ class ModelRunner(Executor):
                 scheduled.block_tables, items, active, states, hazards, last_outputs, exited,
                 graphed,
             )  # fmt: skip
-        results, failed = self._coda(items, states, hazards, last_outputs, exited)
+        results, failed = self.coda(items, states, hazards, last_outputs, exited)
         num_early = sum(
             1 for r in results if r.loops_used is not None and r.loops_used < self.num_loops
         )
@@ -283,23 +279,6 @@ class ModelRunner(Executor):
             num_d2h_transfers=d2h,
             h2d_bytes=h2d_bytes,
             d2h_bytes=d2h_bytes,
-        )
-
-    def _run_without(
-        self, scheduled: SchedulerOutput, failures: tuple[RequestFailure, ...]
-    ) -> RunnerOutput:
-        """Run the step without the items of requests whose setup failed; those items get
-        empty results, so results stay one per item, in item order."""
-        failed_ids = {failure.request_id for failure in failures}
-        kept = tuple(item for item in scheduled.items if item.request_id not in failed_ids)
-        output = self._run(dataclasses.replace(scheduled, items=kept))
-        ran = iter(output.results)
-        results = tuple(
-            ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
-            for item in scheduled.items
-        )
-        return dataclasses.replace(
-            output, results=results, failed_requests=failures + output.failed_requests
         )
 
     def _timed(self, fn, *args) -> torch.Tensor:
@@ -419,59 +398,3 @@ class ModelRunner(Executor):
         src, dst = finalize_slots(exits, self.block_size, self.num_loops)
         slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations
         self.attention.finalize(slots[: len(src)], slots[len(src) :])
-
-    def _coda(
-        self, items, states, hazards, last_outputs, exited
-    ) -> tuple[list[ItemResult], tuple[RequestFailure, ...]]:
-        """Coda and sampling of the exiting rows; the items' results and the requests whose
-        sampling raised (each fails alone)."""
-        failed: list[RequestFailure] = []
-        coda_rows: list[torch.Tensor] = []
-        coda_items: list[int] = []
-        loops_used: dict[int, int] = {}
-        first_tokens = [self.rules.samples_first_token(item) for item in items]
-        if any(first_tokens):
-            self.transfers.flush()  # the first token's exit is chosen from its hazards
-        for i, item in enumerate(items):
-            if item.kind is ItemKind.DECODE and exited[i]:
-                coda_rows.append(states[i])
-                coda_items.append(i)
-                loops_used[i] = item.depth + 1
-            elif first_tokens[i]:
-                assert item.exit_rule is not None
-                loops = choose_exit_from_hazards(
-                    self.exit_mode, item.exit_rule, hazards[i] or None, item.trace_loops
-                )
-                coda_rows.append(last_outputs[i][loops - 1])
-                coda_items.append(i)
-                loops_used[i] = loops
-        sampled: dict[int, SampledToken] = {}
-        if coda_rows:
-            logits = self._timed(self.model.coda, torch.cat(coda_rows))
-            specs, generators = zip(*(self.samplers[items[i].request_id] for i in coda_items))
-            failures: dict[int, str] = {}
-            tokens = sample_rows(logits, list(specs), list(generators), self.transfers, failures)
-            for row, (i, token) in enumerate(zip(coda_items, tokens)):
-                if row in failures:  # this request fails alone; the call's other rows go on
-                    failed.append(
-                        RequestFailure(items[i].request_id, f"sampling failed: {failures[row]}")
-                    )
-                    continue
-                sampled[i] = token
-        self.transfers.flush()  # hazards not read yet (no coda this step)
-        results = []
-        for i, item in enumerate(items):
-            token = sampled.get(i)
-            if self.rules.releases_handle(item, exited[i], token is not None):
-                self.inflight.done(item.request_id, item.handle)
-            else:
-                state = InFlight(states[i], hazards[i], last_outputs[i])
-                self.inflight.keep(item.request_id, item.handle, state)
-            item_hazards = tuple(hazards[i][-item.num_depths :]) if item.needs_gate else ()
-            exited_now = bool(exited[i]) or token is not None
-            results.append(
-                ItemResult(
-                    item.request_id, item.handle, item_hazards, exited_now, loops_used.get(i), token
-                )
-            )
-        return results, tuple(failed)

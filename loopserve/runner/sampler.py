@@ -111,3 +111,14 @@ def sample_rows(
             )
         results.append(SampledToken(token_id, packed[rows + row], top))
     return results
+
+
+def generator_state(generator: torch.Generator | None) -> bytes | None:
+    """A request's random stream as bytes, for a hand-off (None: greedy, no stream)."""
+    return None if generator is None else generator.get_state().numpy().tobytes()
+
+
+def restore_generator(generator: torch.Generator, state: bytes | None) -> None:
+    """Continue the random stream `generator_state` saved (no-op for None)."""
+    if state is not None:
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))

@@ -1,9 +1,10 @@
 """Admission and KV memory: which waiting requests start, how running requests grow, and
 preemption (recompute or swap) when KV runs out or a higher-priority request arrives.
 
-A mixin of `Scheduler` (loopserve/scheduler/scheduler.py), kept in its own room: it reads
-and changes the scheduler's queues (`waiting`, `running`), its KV manager and its pending
-announcements. Admission goes by (priority, arrival) and never lets a later request jump
+`Admission` is a collaborator the `Scheduler` owns, with explicit inputs: the KV manager,
+the shared `Queues` and `StepOutbox` (queues.py), the decode policy (told when a request
+leaves RUNNING), the memory settings of the config and the `MemoryStats` it counts into.
+Admission goes by (priority, arrival) and never lets a later request jump
 ahead; incremental allocation gives a request its prompt's blocks at admission and one more
 block per plane when a decode token enters a new block; the victim of a preemption is the
 lowest priority, then the latest arrival. Torch-free.
@@ -15,8 +16,12 @@ import bisect
 import time
 from dataclasses import dataclass
 
+from loopserve.config import EngineConfig
 from loopserve.contracts import KVTransfer, NewRequestData, SampleSpec, SwapKind
+from loopserve.scheduler.kv_cache import KVCacheManager
+from loopserve.scheduler.policies import DecodePolicy
 from loopserve.scheduler.preemption import pick_victim, reset_for_recompute
+from loopserve.scheduler.queues import Queues, StepOutbox
 from loopserve.scheduler.request import Request, RequestState, RequestStatus
 
 
@@ -39,15 +44,36 @@ def admission_key(request: Request) -> tuple[int, int]:
     return (request.params.priority, request.arrival_order)
 
 
-class AdmissionMixin:
-    """Admission, growth and preemption of `Scheduler` (see the module docstring)."""
+class Admission:
+    """Admission, growth and preemption for the `Scheduler` (see the module docstring)."""
 
-    def _admit(self) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        kv: KVCacheManager,
+        queues: Queues,
+        outbox: StepOutbox,
+        decode_policy: DecodePolicy,
+        memory_stats: MemoryStats,
+    ) -> None:
+        sched = config.scheduler
+        self.kv = kv
+        self.queues = queues
+        self.outbox = outbox
+        self.decode_policy = decode_policy
+        self.memory_stats = memory_stats
+        self.max_num_seqs = sched.max_num_seqs
+        self.full_reservation = config.cache.kv_reservation == "full"
+        self.swap_preemption = sched.preemption_mode == "swap"
+        self.priority_preemption = sched.scheduling_policy == "priority"
+
+    def admit(self) -> None:
         """Admit waiting requests in (priority, arrival) order while seats and KV allow; stop
         at the first that does not fit, so later requests never jump ahead."""
         victims: set[str] = set()
-        while self.waiting:
-            request = self.waiting[0]
+        while self.queues.waiting:
+            request = self.queues.waiting[0]
             if request.request_id in victims:
                 break  # preempted by this very pass
             positions = self._admission_positions(request)
@@ -66,7 +92,7 @@ class AdmissionMixin:
                     blocks = self.kv.admission_blocks(positions, hits)
                     if not self._has_room(blocks):
                         break
-            del self.waiting[0]
+            del self.queues.waiting[0]
             self._start_running(request, positions, hits)
 
     def _admission_positions(self, request: Request) -> int:
@@ -79,24 +105,24 @@ class AdmissionMixin:
         return request.num_prompt_tokens
 
     def _has_room(self, blocks: int) -> bool:
-        if len(self.running) >= self.max_num_seqs:
+        if len(self.queues.running) >= self.max_num_seqs:
             return False
-        return self.kv.can_admit(blocks, idle=not self.running)
+        return self.kv.can_admit(blocks, idle=not self.queues.running)
 
     def _preempt_for(self, request: Request, blocks: int, victims: set[str]) -> bool:
         """Priority policy: preempt strictly lower-priority running requests (lowest first)
         until `request` fits; False when even all of them would not make room."""
-        outranked = [r for r in self.running if r.params.priority > request.params.priority]
-        seats = self.max_num_seqs - len(self.running) + len(outranked)
+        outranked = [r for r in self.queues.running if r.params.priority > request.params.priority]
+        seats = self.max_num_seqs - len(self.queues.running) + len(outranked)
         freeable = sum(len(self.kv.tables[r.request_id][0]) for r in outranked) * self.kv.num_planes
         if seats < 1 or not self.kv.can_admit(
-            blocks - freeable, idle=len(outranked) == len(self.running)
+            blocks - freeable, idle=len(outranked) == len(self.queues.running)
         ):
             return False
         while not self._has_room(blocks) and outranked:
             victim = pick_victim(outranked)
             outranked.remove(victim)
-            self._preempt(victim)
+            self.preempt(victim)
             victims.add(victim.request_id)
         return self._has_room(blocks)
 
@@ -104,14 +130,14 @@ class AdmissionMixin:
         request_id = request.request_id
         if request.swapped:
             moves = self.kv.swap_in(request_id)
-            self._transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
+            self.outbox.transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
         elif request.pending_import:
             table = self.kv.allocate(request_id, positions)
             blocks = self.kv.blocks_per_plane(request.next_position)  # written positions
             moves = tuple(
                 (p * blocks + i, plane[i]) for p, plane in enumerate(table) for i in range(blocks)
             )
-            self._transfers.append(KVTransfer(SwapKind.IMPORT, request_id, moves))
+            self.outbox.transfers.append(KVTransfer(SwapKind.IMPORT, request_id, moves))
         else:
             self.kv.allocate(request_id, positions, prefix=hits)
             if self.kv.prefix_cache is not None:
@@ -126,14 +152,14 @@ class AdmissionMixin:
         request.transition(RequestState.REPLAYING if request.replay else RequestState.RUNNING)
         if request.times.first_scheduled_s is None:
             request.times.first_scheduled_s = time.monotonic()
-        self.running.append(request)
+        self.queues.running.append(request)
         if not request.announced:
             request.announced = True
             params = request.params
             spec = SampleSpec(params.temperature, params.top_p, params.top_k, params.logprobs)
-            self._new_requests.append(NewRequestData(request_id, spec, params.seed))
+            self.outbox.new_requests.append(NewRequestData(request_id, spec, params.seed))
 
-    def _grow_running(self) -> None:
+    def grow_running(self) -> None:
         """Give every decode token about to be written a slot in every plane, oldest request
         first; preempt (lowest priority, latest arrival) when the pool runs dry."""
         if self.full_reservation:
@@ -143,7 +169,7 @@ class AdmissionMixin:
         # token sits at position prompt + outputs - 1; prompt positions exist from admission.
         short = [
             r
-            for r in self.running
+            for r in self.queues.running
             if len(tables[r.request_id][0]) * block_size
             < r.num_prompt_tokens + len(r.output_token_ids)
             and r.num_prefilled_tokens == r.num_prompt_tokens
@@ -153,41 +179,34 @@ class AdmissionMixin:
                 continue  # preempted while an older request grew
             needed = request.next_position + 1
             while not self.kv.grow(request.request_id, needed):
-                victim = pick_victim(self.running)
-                self._preempt(victim)
+                victim = pick_victim(self.queues.running)
+                self.preempt(victim)
                 if victim is request:
                     break
 
-    def preempt(self, request_id: str) -> None:
-        """Preempt a running request now (tests and operators; the scheduler itself preempts
-        when KV runs out or, under the priority policy, for a higher-priority arrival)."""
-        request = self.requests[request_id]
-        assert request.status is RequestStatus.RUNNING, f"{request_id} is not running"
-        self._preempt(request)
-
-    def _preempt(self, victim: Request) -> None:
+    def preempt(self, victim: Request) -> None:
         """Free (or swap out) the victim's KV and queue it again with its progress."""
         request_id = victim.request_id
-        self.running.remove(victim)
+        self.queues.running.remove(victim)
         self.decode_policy.on_request_gone(request_id)
         if self.swap_preemption and self.kv.can_swap_out(request_id):
             moves = self.kv.swap_out(request_id)
-            self._transfers.append(KVTransfer(SwapKind.OUT, request_id, tuple(moves)))
+            self.outbox.transfers.append(KVTransfer(SwapKind.OUT, request_id, tuple(moves)))
             victim.transition(RequestState.WAITING_SWAPPED)
             self.memory_stats.num_preemptions_swap += 1
         else:  # recompute (also the fallback when the host pool is full)
             self.kv.free(request_id)
-            self._preempted_ids.append(request_id)
+            self.outbox.preempted_ids.append(request_id)
             reset_for_recompute(victim)
             victim.transition(RequestState.WAITING)
             self.memory_stats.num_preemptions_recompute += 1
         victim.num_preemptions += 1
-        bisect.insort(self.waiting, victim, key=admission_key)
+        bisect.insort(self.queues.waiting, victim, key=admission_key)
 
-    def _head_may_be_admitted(self) -> bool:
+    def head_may_be_admitted(self) -> bool:
         """Whether `schedule()` could admit the first waiting request now (the same test as
-        `_admit`, without side effects); True whenever the priority policy might preempt."""
-        request = self.waiting[0]
+        `admit`, without side effects); True whenever the priority policy might preempt."""
+        request = self.queues.waiting[0]
         if self.priority_preemption:
             return True
         if request.swapped:

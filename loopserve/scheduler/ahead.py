@@ -1,20 +1,45 @@
 """Async scheduling: the rows of step n+1 chosen while step n still executes.
 
-A mixin of `Scheduler` (loopserve/scheduler/scheduler.py) used by `AsyncEngineCore`
-(loopserve/engine/async_core.py): `select_ahead` picks the next decode rows before the
+`AheadPlanner` is a collaborator the `Scheduler` owns (its `select_ahead` / `complete_ahead`
+are what `AsyncEngineCore`, loopserve/engine/async_core.py, calls), with explicit inputs:
+the queues, the decode policy, the admission (whether the queue's head could start; growth),
+the item builder and the scheduler's output step. `select_ahead` picks the next decode rows before the
 previous step's results are applied (only exit modes that know a loop's exit a loop ahead
 allow it), `complete_ahead` builds their `SchedulerOutput` after the update. Torch-free.
 """
 
 from __future__ import annotations
 
-from loopserve.contracts import ItemKind, SchedulerOutput
+from collections.abc import Callable
+
+from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
 from loopserve.exit import ExitMode
+from loopserve.scheduler.admission import Admission
+from loopserve.scheduler.items import ItemBuilder
+from loopserve.scheduler.policies import DecodePolicy
+from loopserve.scheduler.queues import Queues
 from loopserve.scheduler.request import RequestStatus
 
 
-class PlanAheadMixin:
-    """Planning one step ahead for `Scheduler` (see the module docstring)."""
+class AheadPlanner:
+    """Planning one step ahead for the `Scheduler` (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        exit_mode: ExitMode,
+        queues: Queues,
+        decode_policy: DecodePolicy,
+        admission: Admission,
+        items: ItemBuilder,
+        output: Callable[[list[WorkItem]], SchedulerOutput],
+    ) -> None:
+        self.exit_mode = exit_mode
+        self.queues = queues
+        self.decode_policy = decode_policy
+        self.admission = admission
+        self.items = items
+        self.output = output
 
     def select_ahead(self, inflight: SchedulerOutput) -> list[str] | None:
         """Choose the next step's decode rows while `inflight` still executes, or None when the
@@ -34,7 +59,7 @@ class PlanAheadMixin:
         """
         if not self.exit_mode.delayed and self.exit_mode is not ExitMode.TRACE:
             return None
-        if self.waiting and self._head_may_be_admitted():
+        if self.queues.waiting and self.admission.head_may_be_admitted():
             return None
         leaving = set()
         for item in inflight.items:
@@ -44,11 +69,11 @@ class PlanAheadMixin:
             if item.exit_now:
                 leaving.add(item.request_id)
         decode_requests = []
-        for request in self.running:
+        for request in self.queues.running:
             if request.num_prefilled_tokens < request.num_prompt_tokens or request.replay:
                 return None  # prompt and replay rows are planned by `schedule()` only
             decode_requests.append(request)
-        chosen = self.decode_policy.select_ahead(decode_requests, leaving, self.max_rows)
+        chosen = self.decode_policy.select_ahead(decode_requests, leaving, self.items.max_rows)
         return [r.request_id for r in chosen] or None
 
     def complete_ahead(self, request_ids: list[str]) -> SchedulerOutput | None:
@@ -58,8 +83,8 @@ class PlanAheadMixin:
         pending now."""
         # Decode tokens entering a new block need it in every plane first (incremental KV);
         # growth may preempt, and a preempted request leaves RUNNING.
-        self._grow_running()
-        requests = [self.requests.get(request_id) for request_id in request_ids]
+        self.admission.grow_running()
+        requests = [self.queues.requests.get(request_id) for request_id in request_ids]
         running = [
             r
             for r in requests
@@ -67,5 +92,5 @@ class PlanAheadMixin:
         ]
         if not running:
             return None  # pending preemptions and releases travel with the next output
-        self._prompt_steps_in_a_row = 0
-        return self._output(self._decode_items(running))
+        self.items.prompt_steps_in_a_row = 0
+        return self.output(self.items.decode_items(running))

@@ -1,39 +1,68 @@
 """Building a step's work items: the decode policy's tokens, the prompt policy's chunks and
 recompute replay rows, alternating prompt and decode steps or mixing them in one call.
 
-A mixin of `Scheduler` (loopserve/scheduler/scheduler.py): the items it builds are the
-`WorkItem`s of `loopserve.contracts`; the decode path is the scheduler's hot loop (one item
-per running request per loop), so it builds NamedTuples positionally. Torch-free.
+`ItemBuilder` is a collaborator the `Scheduler` owns, with explicit inputs: the prompt and
+decode policies, the row budget, the exit mode, the handle allocator and the `MemoryStats`
+it counts recompute rows into; its one piece of state is how many prompt steps ran in a row.
+The items are the `WorkItem`s of `loopserve.contracts`; the decode path is the scheduler's
+hot loop (one item per running request per loop), so it builds NamedTuples positionally.
+Torch-free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from loopserve.contracts import ItemKind, WorkItem
-from loopserve.scheduler.policies import PromptWork
+from loopserve.exit import ExitMode
+from loopserve.scheduler.admission import MemoryStats
+from loopserve.scheduler.policies import DecodePolicy, PromptPolicy, PromptWork
 from loopserve.scheduler.request import Request
 
 
-class ItemsMixin:
-    """Work-item building of `Scheduler` (see the module docstring)."""
+class ItemBuilder:
+    """Work-item building for the `Scheduler` (see the module docstring)."""
 
-    def _alternating_items(self, prompt_requests, decode_requests, replay_requests):
+    def __init__(
+        self,
+        *,
+        prompt_policy: PromptPolicy,
+        decode_policy: DecodePolicy,
+        max_rows: int,
+        max_prompt_steps_in_a_row: int,
+        exit_mode: ExitMode,
+        shared: bool,
+        new_handle: Callable[[], int],
+        memory_stats: MemoryStats,
+    ) -> None:
+        self.prompt_policy = prompt_policy
+        self.decode_policy = decode_policy
+        self.max_rows = max_rows
+        self.max_prompt_steps_in_a_row = max_prompt_steps_in_a_row
+        self.exit_mode = exit_mode
+        self.shared = shared
+        self._handle = new_handle
+        self.memory_stats = memory_stats
+        self.prompt_steps_in_a_row = 0
+
+    def alternating(self, prompt_requests, decode_requests, replay_requests):
         """A prompt step or a decode step; alternate when both kinds of work are ready.
         Replay rows (recompute after preemption) ride in decode steps."""
-        limit = self.config.scheduler.max_prefill_batches_before_decode
+        limit = self.max_prompt_steps_in_a_row
         decode_ready = decode_requests or replay_requests
-        if prompt_requests and (not decode_ready or self._prompt_steps_in_a_row < limit):
+        if prompt_requests and (not decode_ready or self.prompt_steps_in_a_row < limit):
             work = self.prompt_policy.select(prompt_requests, self.max_rows)
             if work:
-                self._prompt_steps_in_a_row += 1
+                self.prompt_steps_in_a_row += 1
                 return [self._prompt_item(w) for w in work]
-        self._prompt_steps_in_a_row = 0
-        items = self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
+        self.prompt_steps_in_a_row = 0
+        items = self.decode_items(self.decode_policy.select(decode_requests, self.max_rows))
         return items + self._replay_items(replay_requests, self.max_rows - len(items))
 
-    def _mixed_items(self, prompt_requests, decode_requests, replay_requests) -> list[WorkItem]:
+    def mixed(self, prompt_requests, decode_requests, replay_requests) -> list[WorkItem]:
         """Every ready decode row first, then replay rows, then whole prompt items until the
         row budget."""
-        items = self._decode_items(self.decode_policy.select(decode_requests, self.max_rows))
+        items = self.decode_items(self.decode_policy.select(decode_requests, self.max_rows))
         items += self._replay_items(replay_requests, self.max_rows - len(items))
         work = self.prompt_policy.select(prompt_requests, self.max_rows - len(items))
         return items + [self._prompt_item(w) for w in work]
@@ -75,7 +104,7 @@ class ItemsMixin:
             trace_loops=request.trace_loops(0) if last else None,
         )
 
-    def _decode_items(self, requests: list[Request]) -> list[WorkItem]:
+    def decode_items(self, requests: list[Request]) -> list[WorkItem]:
         """One loop of each request's in-flight decode token.
 
         The hot path of every decode step (one item per running request per loop), so it

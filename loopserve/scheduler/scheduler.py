@@ -22,17 +22,15 @@ from collections.abc import Iterable
 from loopserve.config import EngineConfig
 from loopserve.contracts import (
     ItemKind,
-    KVTransfer,
-    NewRequestData,
     RunnerOutput,
     SchedulerOutput,
     WorkItem,
 )
 from loopserve.errors import CapacityError, InvalidRequestError
 from loopserve.exit import ExitMode, TokenExit
-from loopserve.scheduler.admission import AdmissionMixin, MemoryStats, admission_key
-from loopserve.scheduler.ahead import PlanAheadMixin
-from loopserve.scheduler.items import ItemsMixin
+from loopserve.scheduler.admission import Admission, MemoryStats, admission_key
+from loopserve.scheduler.ahead import AheadPlanner
+from loopserve.scheduler.items import ItemBuilder
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.policies import (
     PROMPT_POLICIES,
@@ -41,6 +39,7 @@ from loopserve.scheduler.policies import (
     PromptPolicy,
     RefillPolicy,
 )
+from loopserve.scheduler.queues import Queues, StepOutbox
 from loopserve.scheduler.request import (
     FinishReason,
     ReplayState,
@@ -50,7 +49,12 @@ from loopserve.scheduler.request import (
 )
 
 
-class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
+class Scheduler:
+    """Owns request progress and its collaborators: `Admission` (admission.py: admission,
+    KV growth, preemption, swap, import), `ItemBuilder` (items.py: the step's work items) and
+    `AheadPlanner` (ahead.py: async planning). They share the `Queues` and the `StepOutbox`
+    (queues.py); this class applies results (`update`), finishes requests and builds outputs."""
+
     def __init__(self, config: EngineConfig, *, num_loops: int, kv: KVCacheManager) -> None:
         self.config = config
         self.num_loops = num_loops
@@ -58,7 +62,6 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         self.exit_mode = ExitMode(config.exit.mode)
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
-        self.max_rows = sched.max_num_batched_tokens
         self.decode_policy: DecodePolicy = (
             RefillPolicy() if sched.mode == "refill" else NoRefillPolicy()
         )
@@ -68,24 +71,42 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         self.prompt_policy: PromptPolicy = PROMPT_POLICIES[sched.prefill_mode](
             chunk_size, num_loops, self._handle, fill=sched.fill_prompt_chunks
         )
-        self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self._arrivals = 0
+        self.queues = Queues()
+        self.requests, self.waiting, self.running = (
+            self.queues.requests,
+            self.queues.waiting,
+            self.queues.running,
+        )
+        self.outbox = StepOutbox()
+        self.memory_stats = MemoryStats()
         self._next_handle = 0
         self._step_id = 0
-        self._prompt_steps_in_a_row = 0
-        self._new_requests: list[NewRequestData] = []
-        self._gone_request_ids: list[str] = []
-        # Memory management (see `preemption`): reservation, preemption mode, policy.
-        cache = config.cache
-        self.full_reservation = cache.kv_reservation == "full"
-        self.swap_preemption = sched.preemption_mode == "swap"
-        self.priority_preemption = sched.scheduling_policy == "priority"
-        self.shared = cache.layout == "shared"
-        self.memory_stats = MemoryStats()
-        self._preempted_ids: list[str] = []
-        self._transfers: list[KVTransfer] = []
+        self.admission = Admission(
+            config,
+            kv=kv,
+            queues=self.queues,
+            outbox=self.outbox,
+            decode_policy=self.decode_policy,
+            memory_stats=self.memory_stats,
+        )
+        self.items = ItemBuilder(
+            prompt_policy=self.prompt_policy,
+            decode_policy=self.decode_policy,
+            max_rows=sched.max_num_batched_tokens,
+            max_prompt_steps_in_a_row=sched.max_prefill_batches_before_decode,
+            exit_mode=self.exit_mode,
+            shared=config.cache.layout == "shared",
+            new_handle=self._handle,
+            memory_stats=self.memory_stats,
+        )
+        self.ahead = AheadPlanner(
+            exit_mode=self.exit_mode,
+            queues=self.queues,
+            decode_policy=self.decode_policy,
+            admission=self.admission,
+            items=self.items,
+            output=self._output,
+        )
 
     # ---- submission -------------------------------------------------------------------
 
@@ -147,11 +168,11 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
             # Preempted earlier: the runner still holds its sampler; or imported: the runner
             # holds its staged K/V and generator state.
             if request.announced or request.pending_import:
-                self._gone_request_ids.append(request.request_id)
+                self.outbox.gone_request_ids.append(request.request_id)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.kv.free(request.request_id)
-            self._gone_request_ids.append(request.request_id)
+            self.outbox.gone_request_ids.append(request.request_id)
         self.kv.forget(request.request_id)
         request.transition(RequestState.FINISHED)
         request.finish_reason = reason
@@ -161,12 +182,12 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
 
     def has_pending_releases(self) -> bool:
         """True when requests left RUNNING since the last `SchedulerOutput` was built."""
-        return bool(self._gone_request_ids)
+        return bool(self.outbox.gone_request_ids)
 
     def return_releases(self, request_ids: Iterable[str]) -> None:
         """Put back releases whose bookkeeping-only output the executor failed to apply; the
         next `SchedulerOutput` carries them again."""
-        self._gone_request_ids[:0] = list(request_ids)
+        self.outbox.gone_request_ids[:0] = list(request_ids)
 
     def schedule_releases(self) -> SchedulerOutput:
         """A bookkeeping-only output (no items) carrying the pending releases."""
@@ -176,21 +197,7 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         """The next `SchedulerOutput`: `items` plus every pending announcement, release,
         preemption and KV transfer (each delivered exactly once)."""
         self._step_id += 1
-        tables = self.kv.tables
-        out = SchedulerOutput(
-            step_id=self._step_id,
-            items=tuple(items),
-            block_tables={item.request_id: tables[item.request_id] for item in items},
-            new_requests=tuple(self._new_requests),
-            finished_request_ids=tuple(self._gone_request_ids),
-            preempted_request_ids=tuple(self._preempted_ids),
-            kv_transfers=tuple(self._transfers),
-        )
-        self._new_requests.clear()
-        self._gone_request_ids.clear()
-        self._preempted_ids.clear()
-        self._transfers.clear()
-        return out
+        return self.outbox.take(self._step_id, items, self.kv.tables)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -210,8 +217,8 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         return self._next_handle
 
     def schedule(self) -> SchedulerOutput:
-        self._admit()
-        self._grow_running()
+        self.admission.admit()
+        self.admission.grow_running()
         prompt_requests: list[Request] = []
         decode_requests: list[Request] = []
         replay_requests: list[Request] = []
@@ -223,9 +230,9 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
             else:
                 decode_requests.append(request)
         if self.mixed:
-            items = self._mixed_items(prompt_requests, decode_requests, replay_requests)
+            items = self.items.mixed(prompt_requests, decode_requests, replay_requests)
         else:
-            items = self._alternating_items(prompt_requests, decode_requests, replay_requests)
+            items = self.items.alternating(prompt_requests, decode_requests, replay_requests)
         return self._output(items)
 
     # ---- applying results -----------------------------------------------------------------
@@ -347,3 +354,20 @@ class Scheduler(AdmissionMixin, ItemsMixin, PlanAheadMixin):
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING
             assert request.request_id not in self.kv.tables
+
+    # ---- collaborators' entry points ---------------------------------------------------------
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request now (tests and operators; the scheduler itself preempts
+        when KV runs out or, under the priority policy, for a higher-priority arrival)."""
+        request = self.requests[request_id]
+        assert request.status is RequestStatus.RUNNING, f"{request_id} is not running"
+        self.admission.preempt(request)
+
+    def select_ahead(self, inflight: SchedulerOutput) -> list[str] | None:
+        """See `AheadPlanner.select_ahead`."""
+        return self.ahead.select_ahead(inflight)
+
+    def complete_ahead(self, request_ids: list[str]) -> SchedulerOutput | None:
+        """See `AheadPlanner.complete_ahead`."""
+        return self.ahead.complete_ahead(request_ids)

@@ -1,0 +1,47 @@
+"""What the scheduler and its collaborators share: the request queues and the step's outbox.
+
+`Queues`: every unfinished request by id, the waiting queue (kept in admission order:
+priority, then arrival) and the running list (admission order). `StepOutbox`: what the next
+`SchedulerOutput` must announce besides its items (new requests, releases, recompute
+preemptions, KV transfers), each delivered exactly once by `take`. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loopserve.contracts import KVTransfer, NewRequestData, SchedulerOutput, WorkItem
+from loopserve.scheduler.request import Request
+
+
+@dataclass
+class Queues:
+    requests: dict[str, Request] = field(default_factory=dict)
+    waiting: list[Request] = field(default_factory=list)
+    running: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class StepOutbox:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    gone_request_ids: list[str] = field(default_factory=list)  # left RUNNING (or staged)
+    preempted_ids: list[str] = field(default_factory=list)  # recompute: hidden states go
+    transfers: list[KVTransfer] = field(default_factory=list)  # swap / import block moves
+
+    def take(
+        self, step_id: int, items: list[WorkItem], tables: dict[str, tuple[list[int], ...]]
+    ) -> SchedulerOutput:
+        out = SchedulerOutput(
+            step_id=step_id,
+            items=tuple(items),
+            block_tables={item.request_id: tables[item.request_id] for item in items},
+            new_requests=tuple(self.new_requests),
+            finished_request_ids=tuple(self.gone_request_ids),
+            preempted_request_ids=tuple(self.preempted_ids),
+            kv_transfers=tuple(self.transfers),
+        )
+        self.new_requests.clear()
+        self.gone_request_ids.clear()
+        self.preempted_ids.clear()
+        self.transfers.clear()
+        return out

@@ -43,22 +43,11 @@ class DataParallelEngines:
             raise ImportError(
                 "data_parallel_size > 1 needs Ray: pip install 'loopserve[ray]'"
             ) from None
-        if not ray.is_initialized():
-            start_embedded_ray(max(os.cpu_count() or 1, num_replicas))
         on_cuda = str(engine_args.get("device") or "cpu").startswith("cuda")
-        args = dict(engine_args)
-        if on_cuda:
-            args["device"] = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
-        elif torch_threads is None:
+        if not on_cuda and torch_threads is None:
             torch_threads = max(1, (os.cpu_count() or 1) // num_replicas)
-        actor_cls = ray.remote(EngineReplica).options(
-            num_cpus=0 if on_cuda else 1, num_gpus=1 if on_cuda else 0
-        )
         self.num_replicas = num_replicas
-        self.replicas = [
-            actor_cls.remote(engine_args=args, torch_threads=torch_threads)
-            for _ in range(num_replicas)
-        ]
+        (self.replicas,) = _start_actors(engine_args, [num_replicas], torch_threads)
         self.info = ray.get(self.replicas[0].info.remote())
         self.last_split: list[int] = []  # requests per replica in the last `generate`
 
@@ -73,14 +62,8 @@ class DataParallelEngines:
 
         processor = self.info.input_processor
         prompts = [processor.process(prompt) for prompt in prompts]  # tokenized once, checked
-        router = Router(self.num_replicas)
-        shares: list[list[int]] = [[] for _ in range(self.num_replicas)]
-        for index, (request_id, prompt, sp) in enumerate(zip(request_ids, prompts, params)):
-            replica = router.choose(range(self.num_replicas), None).replica
-            router.assign(
-                replica, [RoutedRequest(request_id, len(prompt.token_ids), sp.max_tokens)]
-            )
-            shares[replica].append(index)
+        max_tokens = [sp.max_tokens for sp in params]
+        shares = _split(request_ids, prompts, max_tokens, self.num_replicas)
         self.last_split = [len(share) for share in shares]
         refs = [
             replica.generate_batch.remote(
@@ -100,10 +83,7 @@ class DataParallelEngines:
         return outputs  # type: ignore[return-value]
 
     def shutdown(self) -> None:
-        import ray
-
-        for replica in self.replicas:
-            ray.kill(replica, no_restart=True)
+        _kill(self.replicas)
         self.replicas = []
 
 
@@ -136,23 +116,10 @@ class DisaggregatedEngines:
 
         device = str(engine_args.get("device") or "cpu")
         transport_kind = resolve_kv_transport(kv_transport, device)
-        if not ray.is_initialized():
-            start_embedded_ray(max(os.cpu_count() or 1, num_prefill + num_decode))
         on_cuda = device.startswith("cuda")
-        args = dict(engine_args)
-        if on_cuda:
-            args["device"] = "cuda"
-        actor_cls = ray.remote(EngineReplica).options(
-            num_cpus=0 if on_cuda else 1, num_gpus=1 if on_cuda else 0
+        self.prefill, self.decode = _start_actors(
+            engine_args, [num_prefill, num_decode], torch_threads
         )
-        self.prefill = [
-            actor_cls.remote(engine_args=args, torch_threads=torch_threads)
-            for _ in range(num_prefill)
-        ]
-        self.decode = [
-            actor_cls.remote(engine_args=args, torch_threads=torch_threads)
-            for _ in range(num_decode)
-        ]
         self.info = ray.get(self.prefill[0].info.remote())
         self.last_num_handed_off = 0  # requests exported in the last `generate`
         # Ranks: prefill replicas 0..P-1, decode replicas P..P+Q-1.
@@ -176,12 +143,8 @@ class DisaggregatedEngines:
 
         processor = self.info.input_processor
         prompts = [processor.process(prompt) for prompt in prompts]
-        router = Router(len(self.prefill))
-        shares: list[list[int]] = [[] for _ in self.prefill]
-        for index, (request_id, prompt) in enumerate(zip(request_ids, prompts)):
-            replica = router.choose(range(len(self.prefill)), None).replica
-            router.assign(replica, [RoutedRequest(request_id, len(prompt.token_ids), 1)])
-            shares[replica].append(index)
+        # A prefill replica produces one token per request: its outstanding work.
+        shares = _split(request_ids, prompts, [1] * len(prompts), len(self.prefill))
         summaries, exported = [], []
         num_prefill = len(self.prefill)
         for source, (replica, share) in enumerate(zip(self.prefill, shares)):
@@ -217,11 +180,51 @@ class DisaggregatedEngines:
         return outputs  # type: ignore[return-value]
 
     def shutdown(self) -> None:
-        import ray
 
         try:
             self.transport.close()
         finally:
-            for replica in self.prefill + self.decode:
-                ray.kill(replica, no_restart=True)
+            _kill(self.prefill + self.decode)
             self.prefill, self.decode = [], []
+
+
+def _start_actors(
+    engine_args: dict[str, object], counts: Sequence[int], torch_threads: int | None
+) -> list[list]:
+    """`EngineReplica` actors, one group per entry of `counts`, on the Ray cluster already
+    initialized (else an embedded local one): one GPU each on CUDA, one CPU each on CPU."""
+    import ray
+
+    if not ray.is_initialized():
+        start_embedded_ray(max(os.cpu_count() or 1, sum(counts)))
+    args = dict(engine_args)
+    on_cuda = str(engine_args.get("device") or "cpu").startswith("cuda")
+    if on_cuda:
+        args["device"] = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
+    actor_cls = ray.remote(EngineReplica).options(
+        num_cpus=0 if on_cuda else 1, num_gpus=1 if on_cuda else 0
+    )
+    return [
+        [actor_cls.remote(engine_args=args, torch_threads=torch_threads) for _ in range(count)]
+        for count in counts
+    ]
+
+
+def _split(
+    request_ids: Sequence[str], prompts: Sequence, max_tokens: Sequence[int], num_replicas: int
+) -> list[list[int]]:
+    """Request indices per replica, by the router's least-load rule (prompt + max_tokens)."""
+    router = Router(num_replicas)
+    shares: list[list[int]] = [[] for _ in range(num_replicas)]
+    for index, (request_id, prompt, tokens) in enumerate(zip(request_ids, prompts, max_tokens)):
+        replica = router.choose(range(num_replicas), None).replica
+        router.assign(replica, [RoutedRequest(request_id, len(prompt.token_ids), tokens)])
+        shares[replica].append(index)
+    return shares
+
+
+def _kill(actors: list) -> None:
+    import ray
+
+    for actor in actors:
+        ray.kill(actor, no_restart=True)

@@ -42,20 +42,21 @@ from loopserve.distributed.pd_stream import DECODE, PREFILL, PDStream
 from loopserve.distributed.pool import ReplicaPool
 from loopserve.distributed.pool_replicas import PoolConfig, _Replica
 from loopserve.distributed.replica_messages import ReplicaStats
-from loopserve.distributed.router import RoutedRequest
 from loopserve.distributed.transport import (
     DEFAULT_TIMEOUT_S,
     KVTransportGroup,
     connect_kv_transport,
     resolve_kv_transport,
 )
-from loopserve.engine.async_llm import EngineNotReadyError, GenerateRequest
+from loopserve.engine.async_llm import EngineNotReadyError
 
 logger = logging.getLogger(__name__)
 
 
 class PDReplicaPool(ReplicaPool):
     """`ReplicaPool` with prefill and decode roles; see the module docstring."""
+
+    stream_type = PDStream
 
     def __init__(
         self,
@@ -184,14 +185,6 @@ class PDReplicaPool(ReplicaPool):
                 raise EngineNotReadyError(
                     f"no {role} replica is serving right now (0 of {count}; restarting)"
                 )
-
-    def _new_stream(
-        self,
-        requests: list[GenerateRequest],
-        routed: list[RoutedRequest],
-        prompt_token_ids: list[int] | None,
-    ) -> PDStream:
-        return PDStream(self, requests, routed, prompt_token_ids)
 
     def spawn(self, work: Any) -> asyncio.Task[None]:
         """Run a stream's leg in the background; shutdown cancels what is left."""

@@ -34,10 +34,8 @@ count, draining at shutdown, the engine view); starting, probing, restarts and h
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 from loopserve.distributed.pool_replicas import (
@@ -52,13 +50,10 @@ from loopserve.distributed.pool_replicas import (
 from loopserve.distributed.pool_stream import MAX_REROUTES, PoolStream, ReplicaFailedError
 from loopserve.distributed.router import RoutedRequest
 from loopserve.engine.async_llm import (
-    EngineNotReadyError,
     GenerateRequest,
-    QueueFullError,
     SubmitGenerate,
 )
-from loopserve.engine.client import ModelInfo
-from loopserve.errors import InvalidRequestError
+from loopserve.engine.client import EngineStream, ModelInfo, SubmissionGate
 from loopserve.text.input_processor import ProcessedPrompt
 
 __all__ = [
@@ -79,7 +74,10 @@ ABORT_GRACE_S = 2.0  # at shutdown, for aborted streams to end before the replic
 
 
 class ReplicaPool(ReplicaSet, SubmitGenerate):
-    """N `EngineReplica` actors behind the `AsyncLLM` interface; see the module docstring."""
+    """N `EngineReplica` actors behind the `EngineClient` interface; see the module
+    docstring. `stream_type` follows one submission (`PDReplicaPool` sets its own)."""
+
+    stream_type: type[EngineStream] = PoolStream
 
     def __init__(
         self,
@@ -89,10 +87,7 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
         on_load_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         super().__init__(engine_args, config, on_load_error=on_load_error)
-        self._accepting = True
-        self._stop_accepting_s: float | None = None
-        self._num_in_flight = 0
-        self._idle = asyncio.Event()
+        self.gate = SubmissionGate(self.max_pending_requests)
         self._streams: set[PoolStream] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -100,7 +95,7 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
 
     @property
     def is_accepting(self) -> bool:
-        return self._accepting
+        return self.gate.accepting
 
     @property
     def streams(self) -> list[PoolStream]:
@@ -109,7 +104,7 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
 
     @property
     def num_in_flight(self) -> int:
-        return self._num_in_flight
+        return self.gate.num_in_flight
 
     def model_info(self) -> ModelInfo:
         """What the serving layer reads from an engine (tokenizer, limits), from replica 0."""
@@ -129,15 +124,12 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._idle.set()
         self._tasks.append(asyncio.ensure_future(self._start_replicas()))
 
     def stop_accepting(self, *, abort_after_s: float | None = None) -> None:
         """As `AsyncLLM.stop_accepting`: refuse new submissions; optionally abort the rest
         `abort_after_s` from now."""
-        self._accepting = False
-        if self._stop_accepting_s is None:
-            self._stop_accepting_s = time.monotonic()
+        self.gate.stop()
         if abort_after_s is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(
                 self._loop.call_later, abort_after_s, self._abort_all_streams
@@ -151,16 +143,10 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
         """Stop accepting, let in-flight requests finish until `timeout_s` after the first
         `stop_accepting`, abort the rest, stop the replicas and (if we started it) Ray."""
         self.stop_accepting()
-        assert self._stop_accepting_s is not None
-        remaining_s = max(0.0, timeout_s - (time.monotonic() - self._stop_accepting_s))
-        if not self._idle.is_set():
-            try:
-                await asyncio.wait_for(self._idle.wait(), remaining_s)
-            except asyncio.TimeoutError:
-                logger.warning("aborting %d requests still in flight", self._num_in_flight)
-                self._abort_all_streams()
-                with contextlib.suppress(asyncio.TimeoutError):  # their "abort" outputs
-                    await asyncio.wait_for(self._idle.wait(), ABORT_GRACE_S)
+        if not await self.gate.drain(timeout_s):
+            logger.warning("aborting %d requests still in flight", self.gate.num_in_flight)
+            self._abort_all_streams()
+            await self.gate.drain(timeout_s + ABORT_GRACE_S)  # their "abort" outputs
         await self._stop_replicas()
 
     # ---- requests -----------------------------------------------------------------------
@@ -169,34 +155,22 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
         """Route `requests` (all to one replica) and return their output stream; errors as
         `AsyncLLM.submit`, raised before any output."""
         self._check_usable()
-        if not self._accepting:
-            raise EngineNotReadyError("the server is shutting down")
-        if len(requests) > self.max_pending_requests:
-            raise InvalidRequestError(
-                f"this request needs {len(requests)} sequences (prompts x n), more than the "
-                f"server's limit of {self.max_pending_requests} requests in flight "
-                "(--max-pending-requests)",
-                param="n",
-            )
-        if self._num_in_flight + len(requests) > self.max_pending_requests:
-            raise QueueFullError(
-                f"{self._num_in_flight} requests in flight, the limit is "
-                f"{self.max_pending_requests}; retry later"
-            )
-        # Prompts are tokenized here (the server already did; in a worker thread otherwise),
-        # once: routing needs the token ids and the replicas take the processed prompts as is.
-        if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
-            requests = await asyncio.to_thread(self._processed, requests)
-            self._check_usable()
+        self.gate.admit(len(requests))
+        try:  # tokenized here (the server already did; in a worker thread otherwise), once:
+            # routing needs the token ids and the replicas take the processed prompts as is.
+            if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
+                requests = await asyncio.to_thread(self._processed, requests)
+                self._check_usable()
+        except BaseException:
+            self.gate.release(len(requests))
+            raise
         prompts = [r.prompt for r in requests]
         prompt_ids = prompts[0].token_ids if prompts else None
         routed = [
             RoutedRequest(r.request_id, len(p.token_ids), r.params.max_tokens)
             for r, p in zip(requests, prompts)
         ]
-        stream = self._new_stream(list(requests), routed, prompt_ids)
-        self._num_in_flight += len(requests)
-        self._idle.clear()
+        stream = self.stream_type(self, list(requests), routed, prompt_ids)
         self._streams.add(stream)
         try:
             await stream.open(excluded=set())
@@ -204,14 +178,6 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
             stream.close()
             raise
         return stream
-
-    def _new_stream(
-        self,
-        requests: list[GenerateRequest],
-        routed: list[RoutedRequest],
-        prompt_token_ids: list[int] | None,
-    ) -> PoolStream:
-        return PoolStream(self, requests, routed, prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         for stream in list(self._streams):
@@ -230,6 +196,4 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
 
     def on_stream_closed(self, stream: PoolStream) -> None:
         self._streams.discard(stream)
-        self._num_in_flight -= len(stream.request_ids)
-        if self._num_in_flight == 0:
-            self._idle.set()
+        self.gate.release(len(stream.request_ids))

@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from loopserve.engine.client import EngineStream, GenerateRequest, ModelInfo
+from loopserve.engine.client import EngineStream, GenerateRequest, ModelInfo, SubmissionGate
 from loopserve.engine.engine_thread import (
     AbortCommand,
     AddCommand,
@@ -43,7 +43,6 @@ from loopserve.engine.metrics import ServingMetrics
 from loopserve.errors import (
     EngineDeadError,
     EngineNotReadyError,
-    InvalidRequestError,
     QueueFullError,
 )
 from loopserve.outputs import RequestOutput
@@ -123,18 +122,13 @@ class AsyncLLM(SubmitGenerate):
         max_pending_requests: int = 1024,
         on_load_error: Callable[[BaseException], None] | None = None,
     ) -> None:
-        if max_pending_requests < 1:
-            raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
         self._engine_or_factory = engine
+        self.gate = SubmissionGate(max_pending_requests)
         self.max_pending_requests = max_pending_requests
         self._on_load_error = on_load_error
         self.metrics = ServingMetrics()
         self._thread: EngineThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._accepting = True
-        self._stop_accepting_s: float | None = None
-        self._num_in_flight = 0  # event loop thread only
-        self._idle = asyncio.Event()
 
     # ---- state --------------------------------------------------------------------------
 
@@ -157,11 +151,11 @@ class AsyncLLM(SubmitGenerate):
     @property
     def is_accepting(self) -> bool:
         """False once shutdown began (`stop_accepting`)."""
-        return self._accepting
+        return self.gate.accepting
 
     @property
     def num_in_flight(self) -> int:
-        return self._num_in_flight
+        return self.gate.num_in_flight
 
     @property
     def engine(self) -> LLMEngine:
@@ -196,7 +190,6 @@ class AsyncLLM(SubmitGenerate):
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._idle.set()
         self._thread = EngineThread(
             self._engine_or_factory, self._loop, self.metrics, self._on_load_error
         )
@@ -217,9 +210,7 @@ class AsyncLLM(SubmitGenerate):
         finish reason "abort"). Safe to call from a signal handler. The first call starts the
         shutdown clock of `shutdown`.
         """
-        self._accepting = False
-        if self._stop_accepting_s is None:
-            self._stop_accepting_s = time.monotonic()
+        self.gate.stop()
         if abort_after_s is not None and self._thread is not None and self._loop is not None:
             abort_all = AbortCommand(None)
             self._thread.call_on_loop(
@@ -232,13 +223,8 @@ class AsyncLLM(SubmitGenerate):
         self.stop_accepting()
         if self._thread is None:
             return
-        assert self._stop_accepting_s is not None
-        remaining_s = max(0.0, timeout_s - (time.monotonic() - self._stop_accepting_s))
-        if not self.is_dead and not self._idle.is_set():
-            try:
-                await asyncio.wait_for(self._idle.wait(), remaining_s)
-            except asyncio.TimeoutError:
-                logger.warning("aborting %d requests still in flight", self._num_in_flight)
+        if not self.is_dead and not await self.gate.drain(timeout_s):
+            logger.warning("aborting %d requests still in flight", self.gate.num_in_flight)
         self._thread.send(StopCommand())
         if not await asyncio.to_thread(self._thread.join, max(timeout_s, 1.0)):
             logger.error("engine thread did not stop in time")
@@ -296,24 +282,8 @@ class AsyncLLM(SubmitGenerate):
     def _open_stream(self, request_ids: list[str]) -> OutputStream:
         """A stream for `request_ids`, counted in flight; raises when they may not be added."""
         assert self._thread is not None
-        if not self._accepting:
-            raise EngineNotReadyError("the server is shutting down")
-        if len(request_ids) > self.max_pending_requests:  # never admissible: retrying is futile
-            raise InvalidRequestError(
-                f"this request needs {len(request_ids)} sequences (prompts x n), more than the "
-                f"server's limit of {self.max_pending_requests} requests in flight "
-                "(--max-pending-requests)",
-                param="n",
-            )
-        if self._num_in_flight + len(request_ids) > self.max_pending_requests:
-            raise QueueFullError(
-                f"{self._num_in_flight} requests in flight, the limit is "
-                f"{self.max_pending_requests}; retry later"
-            )
-        stream = OutputStream(self, request_ids)
-        self._num_in_flight += len(request_ids)
-        self._idle.clear()
-        return stream
+        self.gate.admit(len(request_ids))
+        return OutputStream(self, request_ids)
 
     def abort(self, request_id: str) -> None:
         """Abort one request; thread-safe, applied by the engine thread between steps."""
@@ -323,9 +293,7 @@ class AsyncLLM(SubmitGenerate):
     def _on_stream_closed(self, stream: OutputStream, unfinished_ids: list[str]) -> None:
         if unfinished_ids and self._thread is not None:
             self._thread.send(AbortCommand(unfinished_ids))
-        self._num_in_flight -= len(stream.request_ids)
-        if self._num_in_flight == 0:
-            self._idle.set()
+        self.gate.release(len(stream.request_ids))
 
     def _check_usable(self) -> None:
         if self._thread is not None and self._thread.dead_error is not None:

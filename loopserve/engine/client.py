@@ -18,16 +18,19 @@ thread, engine/async_llm.py), `ReplicaPool` (data-parallel Ray replicas) and `PD
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from loopserve.engine.handoff import HandoffState
+from loopserve.errors import EngineNotReadyError, InvalidRequestError, QueueFullError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.text.input_processor import ProcessedPrompt
 
-__all__ = ["EngineClient", "EngineStream", "GenerateRequest", "ModelInfo"]
+__all__ = ["EngineClient", "EngineStream", "GenerateRequest", "ModelInfo", "SubmissionGate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,62 @@ class EngineStream:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class SubmissionGate:
+    """What every `EngineClient` applies to submissions: the bound on requests in flight
+    (`max_pending_requests`: queued, waiting or running), the accepting flag shutdown clears,
+    and draining. Event loop thread only."""
+
+    def __init__(self, max_pending_requests: int) -> None:
+        if max_pending_requests < 1:
+            raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
+        self.max_pending_requests = max_pending_requests
+        self.accepting = True
+        self.stopped_at_s: float | None = None  # the first `stop`: shutdown's clock
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def admit(self, num_requests: int) -> None:
+        """Count `num_requests` in flight, or raise before anything was submitted."""
+        if not self.accepting:
+            raise EngineNotReadyError("the server is shutting down")
+        limit = self.max_pending_requests
+        if num_requests > limit:  # never admissible: retrying is futile
+            raise InvalidRequestError(
+                f"this request needs {num_requests} sequences (prompts x n), more than the "
+                f"server's limit of {limit} requests in flight (--max-pending-requests)",
+                param="n",
+            )
+        if self.num_in_flight + num_requests > limit:
+            raise QueueFullError(
+                f"{self.num_in_flight} requests in flight, the limit is {limit}; retry later"
+            )
+        self.num_in_flight += num_requests
+        self._idle.clear()
+
+    def release(self, num_requests: int) -> None:
+        self.num_in_flight -= num_requests
+        if self.num_in_flight == 0:
+            self._idle.set()
+
+    def stop(self) -> None:
+        """Refuse new submissions from now on; the first call starts the shutdown clock."""
+        self.accepting = False
+        if self.stopped_at_s is None:
+            self.stopped_at_s = time.monotonic()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight, at most until `timeout_s` after the first `stop`;
+        True when drained."""
+        start_s = time.monotonic() if self.stopped_at_s is None else self.stopped_at_s
+        remaining_s = max(0.0, timeout_s - (time.monotonic() - start_s))
+        try:
+            await asyncio.wait_for(self._idle.wait(), remaining_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
 
 class EngineClient(Protocol):

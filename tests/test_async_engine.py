@@ -127,9 +127,9 @@ def test_closing_a_stream_early_aborts_and_returns_its_blocks(make_engine):
             with stream:
                 first = await stream.__anext__()
                 assert not first.finished
-                assert async_llm.snapshot.num_free_blocks < NUM_BLOCKS
+                assert async_llm.snapshot.kv_blocks_free < NUM_BLOCKS
             snapshot = lambda: async_llm.snapshot  # noqa: E731
-            await wait_for(lambda: snapshot().num_free_blocks == NUM_BLOCKS)
+            await wait_for(lambda: snapshot().kv_blocks_free == NUM_BLOCKS)
             assert async_llm.num_in_flight == 0
             assert async_llm.metrics.finished_count("abort") == 1
         finally:

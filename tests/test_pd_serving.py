@@ -238,7 +238,7 @@ def test_aborts_around_the_hand_off_free_both_replicas(pools, loop):
     for rid, outputs in zip(closes, seen):
         assert len(outputs) == closes[rid] and not any(o.finished for o in outputs), rid
     for stats in after:  # every KV block came back, on both sides
-        assert stats.snapshot.num_free_blocks == stats.snapshot.num_total_blocks
+        assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
     decode_tokens = (
         after[DECODE].snapshot.num_output_tokens - before[DECODE].snapshot.num_output_tokens
     )
@@ -418,4 +418,4 @@ def test_a_full_decode_replica_makes_hand_offs_wait_not_fail(pools, tiny_tok_dir
     )
     assert preempted > 0  # the decode replica really ran out of KV blocks
     assert after[DECODE].num_imported - before[DECODE].num_imported == 5
-    assert snap_after.num_free_blocks == snap_after.num_total_blocks == 96
+    assert snap_after.kv_blocks_free == snap_after.kv_blocks_total == 96

@@ -239,7 +239,7 @@ def test_abort_at_the_first_token_drops_the_kv_and_keeps_the_pair_in_order(
     idle = loop.run_until_complete(asyncio.wait_for(settle(), 60.0))
     assert all(len(outputs) == 1 and not outputs[0].finished for outputs in seen)
     for stats in idle:  # every KV block came back, on both sides
-        assert stats.snapshot.num_free_blocks == stats.snapshot.num_total_blocks
+        assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
     mid = _transport_stats(pool, loop)
     num_sent = mid[PREFILL].num_sent - before[PREFILL].num_sent
     num_received = mid[DECODE].num_received - before[DECODE].num_received

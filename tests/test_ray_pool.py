@@ -185,7 +185,7 @@ def test_closing_a_stream_aborts_its_request_on_the_replica(pool, loop):
     output, snap, num_generated = loop.run_until_complete(asyncio.wait_for(main(), 60.0))
     assert not output.finished
     assert num_generated < 400  # it stopped long before max_tokens
-    assert snap.num_free_blocks == snap.num_total_blocks  # its KV blocks came back
+    assert snap.kv_blocks_free == snap.kv_blocks_total  # its KV blocks came back
     assert _finished(pool, "abort") == aborts_before + 1
 
 

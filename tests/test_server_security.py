@@ -443,11 +443,11 @@ def test_test_process_runs_torch_with_one_thread():
 def test_metrics_use_prometheus_client_in_a_private_registry():
     from prometheus_client import REGISTRY
 
-    from loopserve.engine.engine_thread import EngineSnapshot
+    from loopserve.engine.stats import EngineStats
 
     first, second = ServingMetrics(), ServingMetrics()  # no duplicate-name clash
     assert first.registry is not REGISTRY and first.registry is not second.registry
-    text = first.render(EngineSnapshot(num_total_blocks=8, num_free_blocks=6), num_in_flight=2,
+    text = first.render(EngineStats(kv_blocks_total=8, kv_blocks_used=2), num_in_flight=2,
                         is_ready=True)  # fmt: skip
     families = {family.name: family for family in text_string_to_metric_families(text)}
     assert families["loopserve_time_to_first_token_seconds"].type == "histogram"

@@ -25,15 +25,15 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loopserve.engine.engine_thread import EngineSnapshot
 from loopserve.engine.metrics import ServingMetrics
+from loopserve.engine.stats import EngineStats
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaGauges:
     index: int
     state: str  # starting | serving | restarting | dead
-    snapshot: EngineSnapshot
+    snapshot: EngineStats
     outstanding_tokens: int
     num_routed: int
     num_prefix_hits: int
@@ -57,9 +57,9 @@ _PER_REPLICA = (
      lambda r: r.snapshot.num_running),
     ("loopserve_num_requests_waiting", "Requests waiting.", "gauge",
      lambda r: r.snapshot.num_waiting),
-    ("loopserve_kv_blocks_free", "Free KV blocks.", "gauge", lambda r: r.snapshot.num_free_blocks),
+    ("loopserve_kv_blocks_free", "Free KV blocks.", "gauge", lambda r: r.snapshot.kv_blocks_free),
     ("loopserve_kv_blocks_total", "KV blocks in the pool.", "gauge",
-     lambda r: r.snapshot.num_total_blocks),
+     lambda r: r.snapshot.kv_blocks_total),
     ("loopserve_kv_cache_usage_ratio", "Share of KV blocks in use.", "gauge",
      lambda r: r.snapshot.kv_usage),
     ("loopserve_mean_loops_per_token", "Mean loops of the shared core per output token.",
@@ -71,9 +71,9 @@ _PER_REPLICA = (
     ("loopserve_core_calls", "Core calls (since the replica started).", "counter",
      lambda r: r.snapshot.num_core_calls),
     ("loopserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-     "counter", lambda r: r.snapshot.num_prefix_queried_tokens),
+     "counter", lambda r: r.snapshot.num_prefix_cache_queried_tokens),
     ("loopserve_prefix_cache_hits", "Prompt tokens served by the prefix cache.", "counter",
-     lambda r: r.snapshot.num_prefix_hit_tokens),
+     lambda r: r.snapshot.num_prefix_cache_hit_tokens),
     ("loopserve_kv_swapped_bytes",
      "KV bytes copied between device and host by swap preemption (both ways).", "counter",
      lambda r: r.snapshot.num_swapped_bytes),

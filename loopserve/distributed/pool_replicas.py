@@ -33,8 +33,9 @@ from loopserve.distributed.metrics import PoolMetrics, PoolSnapshot, ReplicaGaug
 from loopserve.distributed.ray_init import start_embedded_ray
 from loopserve.distributed.replica import EngineReplica, ReplicaStats
 from loopserve.distributed.router import Router
-from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError, EngineSnapshot
+from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError
 from loopserve.engine.client import ModelInfo
+from loopserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 0.5
@@ -55,7 +56,7 @@ class _Replica:
     actor: Any  # ray.actor.ActorHandle
     state: ReplicaState = ReplicaState.STARTING
     instance_id: str | None = None
-    snapshot: EngineSnapshot = field(default_factory=EngineSnapshot)
+    snapshot: EngineStats = field(default_factory=EngineStats)
     num_restarts: int = 0
     num_routed: int = 0
     num_prefix_hits: int = 0

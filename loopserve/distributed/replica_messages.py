@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from loopserve.engine.async_llm import (
     EngineDeadError,
     EngineNotReadyError,
-    EngineSnapshot,
     OutputStream,
     QueueFullError,
 )
 from loopserve.engine.handoff import HandoffState
+from loopserve.engine.stats import EngineStats
 from loopserve.errors import CapacityError, InvalidRequestError, LoopserveError
 from loopserve.outputs import RequestOutput
 
@@ -91,7 +91,7 @@ class ReplicaStats:
     is_ready: bool
     is_dead: bool
     num_in_flight: int
-    snapshot: EngineSnapshot
+    snapshot: EngineStats
     num_exported: int = 0  # requests handed off to a decode replica (prefill role)
     num_imported: int = 0  # requests taken over from a prefill replica (decode role)
     kv_bytes_sent: int = 0  # K/V bytes the replica's KV transport sent (completed sends)

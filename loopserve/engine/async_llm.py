@@ -33,13 +33,13 @@ from loopserve.engine.client import EngineStream, GenerateRequest, ModelInfo, Su
 from loopserve.engine.engine_thread import (
     AbortCommand,
     AddCommand,
-    EngineSnapshot,
     EngineThread,
     ImportCommand,
     StopCommand,
 )
 from loopserve.engine.handoff import HandoffState
 from loopserve.engine.metrics import ServingMetrics
+from loopserve.engine.stats import EngineStats
 from loopserve.errors import (
     EngineDeadError,
     EngineNotReadyError,
@@ -57,7 +57,6 @@ __all__ = [
     "AsyncLLM",
     "EngineDeadError",
     "EngineNotReadyError",
-    "EngineSnapshot",
     "GenerateRequest",
     "OutputStream",
     "QueueFullError",
@@ -145,8 +144,8 @@ class AsyncLLM(SubmitGenerate):
         return None if self._thread is None else self._thread.load_error
 
     @property
-    def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot() if self._thread is None else self._thread.snapshot
+    def snapshot(self) -> EngineStats:
+        return EngineStats() if self._thread is None else self._thread.snapshot
 
     @property
     def is_accepting(self) -> bool:

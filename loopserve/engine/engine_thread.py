@@ -2,7 +2,7 @@
 
 The thread loads the engine (so the server can answer 503 while it loads), then loops: take the
 queued commands (add, abort, stop) and apply them, run one `engine.step()` while work remains,
-publish an `EngineSnapshot` of the engine's gauges, and hand the step's outputs to the event loop
+publish the engine's `EngineStats` snapshot, and hand the step's outputs to the event loop
 with one `loop.call_soon_threadsafe` per step. It blocks on a condition variable when idle.
 Nothing else ever touches the engine, so the engine stays single-threaded.
 
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 from loopserve.engine.client import GenerateRequest, ModelInfo
 from loopserve.engine.handoff import HandoffState
 from loopserve.engine.metrics import ServingMetrics
+from loopserve.engine.stats import EngineStats
 from loopserve.errors import EngineDeadError, EngineNotReadyError, LoopserveError
 from loopserve.outputs import RequestOutput
 
@@ -38,31 +39,6 @@ if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` s
     from loopserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """Engine gauges, published by the engine thread before it delivers each step's outputs."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    num_core_calls: int = 0
-    num_output_tokens: int = 0
-    mean_rows_per_core_call: float = 0.0
-    mean_loops_per_token: float = 0.0
-    num_preemptions_recompute: int = 0
-    num_preemptions_swap: int = 0
-    num_prefix_queried_tokens: int = 0
-    num_prefix_hit_tokens: int = 0
-    num_swapped_bytes: int = 0
-
-    @property
-    def kv_usage(self) -> float:
-        if not self.num_total_blocks:
-            return 0.0
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
 
 
 class OutputSink(Protocol):
@@ -124,7 +100,7 @@ class EngineThread:
         self._loop = loop
         self._metrics = metrics
         self._on_load_error = on_load_error
-        self.snapshot = EngineSnapshot()
+        self.snapshot = EngineStats()
         self.model_info: ModelInfo | None = None  # set before `ready`
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -278,22 +254,7 @@ class EngineThread:
             self.call_on_loop(_deliver, batch)
 
     def _publish_snapshot(self, engine: LLMEngine) -> None:
-        stats = engine.stats
-        self.snapshot = EngineSnapshot(
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_free_blocks=stats.kv_blocks_free,
-            num_total_blocks=stats.kv_blocks_total,
-            num_core_calls=stats.num_core_calls,
-            num_output_tokens=stats.num_output_tokens,
-            mean_rows_per_core_call=stats.mean_rows_per_core_call,
-            mean_loops_per_token=stats.mean_loops_per_token,
-            num_preemptions_recompute=stats.num_preemptions_recompute,
-            num_preemptions_swap=stats.num_preemptions_swap,
-            num_prefix_queried_tokens=stats.num_prefix_cache_queried_tokens,
-            num_prefix_hit_tokens=stats.num_prefix_cache_hit_tokens,
-            num_swapped_bytes=stats.num_swapped_bytes,
-        )
+        self.snapshot = engine.stats  # frozen: safe to read from the event loop
 
     def _die(self, err: BaseException) -> None:
         self.dead_error = err

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Protocol
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from loopserve.engine.stats import EngineStats
 from loopserve.outputs import RequestOutput
 
 prometheus_client.disable_created_metrics()  # no `_created` samples: names stay as before
@@ -36,30 +36,11 @@ FINISH_REASONS = ("abort", "error", "length", "stop")
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 
-class EngineGauges(Protocol):
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_output_tokens: int
-    num_core_calls: int
-    mean_rows_per_core_call: float
-    mean_loops_per_token: float
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    num_prefix_queried_tokens: int
-    num_prefix_hit_tokens: int
-    num_swapped_bytes: int
-
-    @property
-    def kv_usage(self) -> float: ...
-
-
 class _EngineCollector:
     """Turns the engine snapshot current at scrape time into metric families."""
 
     def __init__(self) -> None:
-        self.gauges: EngineGauges | None = None
+        self.gauges: EngineStats | None = None
         self.num_in_flight = 0
         self.is_ready = False
 
@@ -90,12 +71,12 @@ class _EngineCollector:
             (
                 "loopserve_prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache.",
-                g.num_prefix_queried_tokens,
+                g.num_prefix_cache_queried_tokens,
             ),
             (
                 "loopserve_prefix_cache_hits",
                 "Prompt tokens served by the prefix cache.",
-                g.num_prefix_hit_tokens,
+                g.num_prefix_cache_hit_tokens,
             ),
             (
                 "loopserve_kv_swapped_bytes",
@@ -113,8 +94,8 @@ class _EngineCollector:
                 "Requests accepted, not done.",
                 self.num_in_flight,
             ),
-            ("loopserve_kv_blocks_free", "Free KV blocks.", g.num_free_blocks),
-            ("loopserve_kv_blocks_total", "KV blocks in the pool.", g.num_total_blocks),
+            ("loopserve_kv_blocks_free", "Free KV blocks.", g.kv_blocks_free),
+            ("loopserve_kv_blocks_total", "KV blocks in the pool.", g.kv_blocks_total),
             ("loopserve_kv_cache_usage_ratio", "Share of KV blocks in use.", g.kv_usage),
             (
                 "loopserve_mean_loops_per_token",
@@ -190,7 +171,7 @@ class ServingMetrics:
         """Requests finished so far with `reason` (this process only)."""
         return int(self.finished.labels(finish_reason=reason)._value.get())
 
-    def render(self, gauges: EngineGauges, *, num_in_flight: int, is_ready: bool) -> str:
+    def render(self, gauges: EngineStats, *, num_in_flight: int, is_ready: bool) -> str:
         """The Prometheus text for these metrics plus the engine's current gauges."""
         self._engine.gauges = gauges
         self._engine.num_in_flight = num_in_flight

@@ -217,6 +217,16 @@ class Executor(ABC):
         """Release executor resources; the engine core calls it once, at shutdown."""
 
 
+@dataclass(frozen=True, slots=True)
+class KVHandle:
+    """The K/V a request holds, as the engine passes it on (a hand-off export): opaque above
+    the executor, which reads the block ids of each plane and the positions written."""
+
+    request_id: str
+    block_tables: tuple[list[int], ...]  # one block-id list per plane
+    num_positions: int  # positions [0, num_positions) are written
+
+
 def num_planes(layout: str, num_loops: int) -> int:
     """KV planes per position: one per depth under LAST_EXITED, one under SHARED."""
     return 1 if layout == "shared" else num_loops

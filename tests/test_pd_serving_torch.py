@@ -282,7 +282,7 @@ def test_a_later_hand_off_waits_for_an_earlier_one_to_be_dropped(pools, tiny_tok
 
     async def later_while_held():
         task = asyncio.ensure_future(_collect(pool, "next", _prompt(71, 8), params))
-        while not any("next" in s._in_flight for s in pool.streams):
+        while not any("next" in s.handoffs.in_flight for s in pool.streams):
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # the import call reaches the decode replica and waits
         waiting = await pool.replicas[DECODE].actor.kv_transport_stats.remote()

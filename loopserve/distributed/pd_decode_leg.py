@@ -1,9 +1,13 @@
 """The hand-off and decode leg of a `PDStream`: moving each exported request to a decode
 replica and streaming its outputs from there.
 
-`DecodeLegs` is mixed into `PDStream` (pd_stream.py), which owns the stream's state (declared
-below, set in its constructor) and the helpers both legs use (`_guarded`, `_put`, `_fail`); the
-prefill leg calls `_on_exported` for each `Exported` item. Per exported request:
+`HandOffs` is an object the `PDStream` (pd_stream.py) owns, with explicit inputs: the pool
+(`PDStreamOwner`), the submission's `PDRequests` (where each request runs, which ended, the
+torch transport's destinations, prompt texts and token budgets), two questions about the
+stream (is the request still wanted, is the stream closed) and the stream's callbacks (put an
+output, fail requests, raise an error to the consumer, guard a background leg). It owns the
+hand-off bookkeeping itself: the requests in flight between replicas and those aborted while
+in flight. The prefill leg calls `on_exported` for each `Exported` item. Per exported request:
 
 - `hand_off` (the one function that moves a state) asks a decode replica to import it; a
   replica that refuses for now (queue full, shutting down) or dies before taking it is retried,
@@ -24,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from loopserve.distributed.placement import StreamOwner
@@ -73,43 +77,59 @@ class PDStreamOwner(StreamOwner, Protocol):
     def spawn(self, work: Any) -> asyncio.Task[None]: ...
 
 
-class DecodeLegs:
+@dataclass
+class PDRequests:
+    """What the legs of one PD submission share about its requests (owned by the stream)."""
+
+    max_tokens: dict[str, int]
+    prompt_texts: dict[str, str | None]
+    legs: dict[str, Leg] = field(default_factory=dict)  # on a replica (absent: not yet / moving)
+    ended: set[str] = field(default_factory=set)  # final output queued
+    destinations: dict[str, int] = field(default_factory=dict)  # torch transport: decode rank
+    decode_replicas: dict[str, int] = field(default_factory=dict)  # request id -> its decode
+
+
+class HandOffs:
     """The hand-off and decode legs of one `PDStream`'s requests; see the module docstring."""
 
-    # The stream's state (`PDStream.__init__`).
-    owner: PDStreamOwner
-    _max_tokens: dict[str, int]
-    _prompt_texts: dict[str, str | None]
-    _unfinished: set[str]
-    _queue: asyncio.Queue[RequestOutput | BaseException]
-    _legs: dict[str, Leg]
-    _in_flight: set[str]
-    _aborting: set[str]
-    _ended: set[str]
-    _destinations: dict[str, int]
-    decode_replicas: dict[str, int]
-    _closed: bool
+    def __init__(
+        self,
+        owner: PDStreamOwner,
+        requests: PDRequests,
+        *,
+        wanted: Callable[[str], bool],
+        closed: Callable[[], bool],
+        put: Callable[[RequestOutput], None],
+        fail: Callable[..., None],  # (request_ids, leg, why, *, replica_down)
+        raise_error: Callable[[BaseException], None],
+        guarded: Callable[[Coroutine[Any, Any, None]], Coroutine[Any, Any, None]],
+    ) -> None:
+        self.owner = owner
+        self.requests = requests
+        self._wanted = wanted
+        self._closed = closed
+        self._put = put
+        self._fail = fail
+        self._raise = raise_error
+        self._guarded = guarded
+        self.in_flight: set[str] = set()  # exported, not yet taken by a decode replica
+        self.aborting: set[str] = set()  # in flight when aborted: abort once taken
 
-    # PDStream's helpers, used by both legs.
-    _guarded: Callable[[Coroutine[Any, Any, None]], Coroutine[Any, Any, None]]
-    _put: Callable[[RequestOutput], None]
-    _fail: Callable[..., None]  # (request_ids, leg, why, *, replica_down)
-
-    def _on_exported(self, exported: Exported, state_ref: Any, leg: Leg) -> None:
+    def on_exported(self, exported: Exported, state_ref: Any, leg: Leg) -> None:
         pool = self.owner
         request_id = exported.request_id
         pool.replicas[leg.replica].num_handoffs += 1
         pool.router.finish(request_id)
-        self._legs.pop(request_id, None)
-        if exported.destination is None and request_id in self._destinations:
+        self.requests.legs.pop(request_id, None)
+        if exported.destination is None and request_id in self.requests.destinations:
             pool.fall_back(f"prefill replica {leg.replica} could not send {request_id!r}")
-        if self._closed or request_id not in self._unfinished:
+        if self._closed() or not self._wanted(request_id):
             # Aborted meanwhile: dropping the reference frees the state (a descriptor is
             # dropped on its destination).
             self._drop(exported, state_ref)
             return
-        self._in_flight.add(request_id)
-        remaining = max(0, self._max_tokens[request_id] - exported.num_output_tokens)
+        self.in_flight.add(request_id)
+        remaining = max(0, self.requests.max_tokens[request_id] - exported.num_output_tokens)
         pool.spawn(self._guarded(self._hand_off(exported, state_ref, remaining)))
 
     def _drop(self, exported: Exported, state_ref: Any) -> None:
@@ -158,11 +178,11 @@ class DecodeLegs:
         deadline_s = time.monotonic() + HANDOFF_WAIT_S
         why = "no decode replica is serving"
         while True:
-            if self._closed:
-                self._in_flight.discard(request_id)
+            if self._closed():
+                self.in_flight.discard(request_id)
                 return False
             if time.monotonic() > deadline_s:
-                self._in_flight.discard(request_id)
+                self.in_flight.discard(request_id)
                 self._fail([request_id], None, f"hand-off failed: {why}", replica_down=True)
                 return False
             candidates = pool.serving_of(DECODE)
@@ -178,7 +198,7 @@ class DecodeLegs:
             leg = Leg(DECODE, index, replica.instance_id)
             pool.router.assign(index, [RoutedRequest(request_id, 0, remaining_tokens)])
             try:
-                prompt_text = self._prompt_texts[request_id]
+                prompt_text = self.requests.prompt_texts[request_id]
                 answer = await hand_off(replica.actor, exported, state_ref, prompt_text)
             except ray.exceptions.RayActorError as err:  # died before taking it: retry
                 pool.router.finish(request_id)
@@ -190,7 +210,7 @@ class DecodeLegs:
                 continue
             except ray.exceptions.RayError as err:
                 pool.router.finish(request_id)
-                self._in_flight.discard(request_id)
+                self.in_flight.discard(request_id)
                 self._fail([request_id], leg, f"{type(err).__name__}: {err}", replica_down=False)
                 return False
             if isinstance(answer, Rejected) and answer.kind == "KVTransportError":
@@ -205,22 +225,22 @@ class DecodeLegs:
                     why = f"decode replica {index}: {error}"
                     await asyncio.sleep(HANDOFF_RETRY_S)
                     continue
-                self._in_flight.discard(request_id)
-                self._queue.put_nowait(error)
+                self.in_flight.discard(request_id)
+                self._raise(error)
                 return False
             assert isinstance(answer, Accepted), answer
             replica.num_handoffs += 1
-            self._in_flight.discard(request_id)
-            self._legs[request_id] = leg
-            self.decode_replicas[request_id] = index
+            self.in_flight.discard(request_id)
+            self.requests.legs[request_id] = leg
+            self.requests.decode_replicas[request_id] = index
             return True
 
     def _lost(self, exported: Exported, why: str, *, replica_down: bool = True) -> bool:
         """A descriptor's K/V cannot reach a decode replica any more: fail the request."""
         request_id = exported.request_id
-        self._in_flight.discard(request_id)
-        self._aborting.discard(request_id)
-        if not self._closed and request_id in self._unfinished:
+        self.in_flight.discard(request_id)
+        self.aborting.discard(request_id)
+        if not self._closed() and self._wanted(request_id):
             leg = Leg(DECODE, exported.destination, None)  # type: ignore[arg-type]
             self._fail([request_id], leg, f"hand-off lost: {why}", replica_down=replica_down)
         return False
@@ -228,15 +248,15 @@ class DecodeLegs:
     async def _stream_taken(self, request_id: str) -> None:
         """Stream the outputs of a request a decode replica accepted (abort it there if the
         stream was closed or the request aborted while it was in flight)."""
-        leg = self._legs.get(request_id)
+        leg = self.requests.legs.get(request_id)
         if leg is None:  # failed meanwhile (the stream already ended with an error)
             return
         replica = self.owner.replicas[leg.replica]
-        if self._closed:
+        if self._closed():
             replica.actor.abort.remote([request_id])
             return
-        abort = request_id in self._aborting  # aborted in flight: its final output comes next
-        self._aborting.discard(request_id)
+        abort = request_id in self.aborting  # aborted in flight: its final output comes next
+        self.aborting.discard(request_id)
         generator = replica.actor.decode_stream.remote(request_id, abort)
         await self._pump_decode(generator, leg, request_id)
 
@@ -247,7 +267,7 @@ class DecodeLegs:
             try:
                 item = await (await generator.__anext__())
             except StopAsyncIteration:
-                if request_id not in self._ended:  # a bug: never leave the consumer waiting
+                if request_id not in self.requests.ended:  # a bug: never leave the consumer waiting
                     self._decode_failed(leg, request_id, "stream ended early", False)
                 return
             except ray.exceptions.RayActorError as err:
@@ -264,9 +284,9 @@ class DecodeLegs:
     def _decode_failed(self, leg: Leg, request_id: str, why: str, replica_down: bool) -> None:
         # After the consumer left, a failure may be the abort racing the stream; the probe
         # notices real deaths.
-        if self._closed or request_id not in self._unfinished:
+        if self._closed() or not self._wanted(request_id):
             return
         if replica_down:
             self.owner.replica_failed(leg.replica, leg.instance_id, why)
-        self._legs.pop(request_id, None)
+        self.requests.legs.pop(request_id, None)
         self._fail([request_id], leg, why, replica_down=replica_down)

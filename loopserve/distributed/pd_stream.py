@@ -38,8 +38,8 @@ follows the acceptance), or, in flight, by dropping its state before any import 
 on its destination, as above). Every replica's KV blocks come back.
 
 Rooms: this module is the stream itself (its state, the prefill leg and the consumer side);
-the hand-off and decode leg is `DecodeLegs` (pd_decode_leg.py, mixed in); the open step on a
-prefill replica is `place_submission` (placement.py), shared with `PoolStream`.
+the hand-off and decode legs are `HandOffs` (pd_decode_leg.py), an object it owns; the open
+step on a prefill replica is `place_submission` (placement.py), shared with `PoolStream`.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ from loopserve.distributed.pd_decode_leg import (
     HANDOFF_RETRY_S,
     HANDOFF_WAIT_S,
     PREFILL,
-    DecodeLegs,
+    HandOffs,
     Leg,
+    PDRequests,
     PDStreamOwner,
     hand_off,
 )
@@ -82,7 +83,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class PDStream(DecodeLegs, EngineStream):
+class PDStream(EngineStream):
     """The outputs of one submission across its prefill and decode replicas (an
     `EngineStream`). Background legs (the prefill stream, one hand-off and decode stream per
     exported request) feed one queue that the consumer reads."""
@@ -94,25 +95,36 @@ class PDStream(DecodeLegs, EngineStream):
         routed: list[RoutedRequest],
         prompt_token_ids: list[int] | None,
     ) -> None:
-        EngineStream.__init__(self, [r.request_id for r in requests])
+        super().__init__([r.request_id for r in requests])
         self.owner = owner
         self.requests = requests
-        self._max_tokens = {r.request_id: r.max_tokens for r in routed}
+        self.state = PDRequests(
+            max_tokens={r.request_id: r.max_tokens for r in routed},
+            prompt_texts={r.request_id: getattr(r.prompt, "text", None) for r in requests},
+        )
         # The prefill replica produces one token per request: its outstanding work.
         self._prefill_routed = [RoutedRequest(r.request_id, r.num_prompt_tokens, 1) for r in routed]
-        self._prompt_texts = {r.request_id: getattr(r.prompt, "text", None) for r in requests}
         self._prompt_token_ids = prompt_token_ids
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._legs: dict[str, Leg] = {}  # requests on a replica (absent: not opened, in flight)
-        self._in_flight: set[str] = set()  # exported, not yet taken by a decode replica
-        self._aborting: set[str] = set()  # in flight when aborted: abort once taken
-        self._ended: set[str] = set()  # final output queued
         self._received_any = False  # some output arrived from a replica (no re-routing then)
-        self._destinations: dict[str, int] = {}  # torch transport: request id -> decode rank
         self.replica: int | None = None  # the prefill replica
-        self.decode_replicas: dict[str, int] = {}  # request id -> its decode replica
         self.delivered_any = False  # some output reached the consumer
         self.num_reroutes = 0
+        self.handoffs = HandOffs(
+            owner,
+            self.state,
+            wanted=self._unfinished.__contains__,
+            closed=lambda: self._closed,
+            put=self._put,
+            fail=self._fail,
+            raise_error=self._queue.put_nowait,
+            guarded=self._guarded,
+        )
+
+    @property
+    def decode_replicas(self) -> dict[str, int]:
+        """Request id -> the decode replica that took it."""
+        return self.state.decode_replicas
 
     # ---- the prefill leg ----------------------------------------------------------------
 
@@ -124,7 +136,7 @@ class PDStream(DecodeLegs, EngineStream):
         def start(index: int, replica: _Replica) -> Any:
             self.replica = index
             destinations = pool.kv_destinations(self.request_ids)
-            self._destinations = destinations or {}
+            self.state.destinations = destinations or {}
             return replica.actor.prefill.remote(self.requests, destinations)
 
         placed = await place_submission(
@@ -140,7 +152,7 @@ class PDStream(DecodeLegs, EngineStream):
         )
         leg = Leg(PREFILL, placed.replica, placed.instance_id)
         for request_id in self._unfinished:
-            self._legs[request_id] = leg
+            self.state.legs[request_id] = leg
         pool.spawn(self._guarded(self._pump_prefill(placed.generator, leg)))
 
     async def _guarded(self, leg_work: Any) -> None:
@@ -163,7 +175,7 @@ class PDStream(DecodeLegs, EngineStream):
                 if isinstance(item, Exported):
                     state_ref = await generator.__anext__()  # a reference; not fetched here
             except StopAsyncIteration:
-                if any(self._legs.get(r) == leg for r in self._unfinished - self._ended):
+                if any(self.state.legs.get(r) == leg for r in self._unfinished - self.state.ended):
                     await self._prefill_failed(leg, "stream ended early", replica_down=False)
                 return
             except ray.exceptions.RayActorError as err:  # the replica process is gone
@@ -176,7 +188,7 @@ class PDStream(DecodeLegs, EngineStream):
                 await self._prefill_failed(leg, item.message, replica_down=True)
                 return
             if isinstance(item, Exported):
-                self._on_exported(item, state_ref, leg)
+                self.handoffs.on_exported(item, state_ref, leg)
                 del state_ref  # the hand-off holds it now; it must not outlive that
             else:
                 self._received_any = True
@@ -185,7 +197,9 @@ class PDStream(DecodeLegs, EngineStream):
     async def _prefill_failed(self, leg: Leg, why: str, *, replica_down: bool) -> None:
         """Re-route if no output arrived yet, else fail the requests still on the replica."""
         pool = self.owner
-        stranded = sorted(r for r in self._unfinished - self._ended if self._legs.get(r) == leg)
+        stranded = sorted(
+            r for r in self._unfinished - self.state.ended if self.state.legs.get(r) == leg
+        )
         if self._closed or not stranded:
             return
         if replica_down:
@@ -209,7 +223,7 @@ class PDStream(DecodeLegs, EngineStream):
         # is charged to the replica that produced them, before a hand-off moves the request.
         self.owner.router.progress(output.request_id, len(output.new_token_ids))
         if output.finished:
-            self._ended.add(output.request_id)
+            self.state.ended.add(output.request_id)
         self._queue.put_nowait(output)
 
     def _fail(
@@ -217,7 +231,7 @@ class PDStream(DecodeLegs, EngineStream):
     ) -> None:
         """End the stream with `ReplicaFailedError` (the consumer raises it)."""
         for request_id in request_ids:
-            self._legs.pop(request_id, None)
+            self.state.legs.pop(request_id, None)
         logger.error("requests %s failed: %s", request_ids, why)
         if leg is None:
             message = "no decode replica could take this request in time; retry it"
@@ -259,11 +273,11 @@ class PDStream(DecodeLegs, EngineStream):
     def _abort_where_they_are(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
         for request_id in request_ids:
-            leg = self._legs.get(request_id)
+            leg = self.state.legs.get(request_id)
             if leg is not None:
                 by_replica.setdefault(leg.replica, []).append(request_id)
-            elif request_id in self._in_flight:
-                self._aborting.add(request_id)
+            elif request_id in self.handoffs.in_flight:
+                self.handoffs.aborting.add(request_id)
         for index, ids in by_replica.items():
             self.owner.replicas[index].actor.abort.remote(ids)
 

@@ -210,10 +210,8 @@ class LLMEngine:
         if not self.can_export(request_id):
             raise InvalidRequestError(f"request {request_id!r} cannot be handed off now")
         request = self.scheduler.requests[request_id]
-        num_positions = request.next_position  # every position written so far
-        kv, generator_state = self.runner.export_request(
-            request_id, self.kv.tables[request_id], num_positions, to_host=to_host
-        )
+        handle = self.scheduler.kv_handle(request_id)
+        kv, generator_state = self.runner.export_request(handle, to_host=to_host)
         times = request.times
         state = HandoffState(
             request_id=request_id,
@@ -224,7 +222,7 @@ class LLMEngine:
             params=request.params,
             num_planes=self.kv.num_planes,
             block_size=self.kv.block_size,
-            num_kv_positions=num_positions,
+            num_kv_positions=handle.num_positions,
             kv=kv,
             generator_state=generator_state,
             arrival_s=times.arrival_s,

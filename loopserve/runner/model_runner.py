@@ -26,6 +26,7 @@ import torch
 from loopserve.contracts import (
     Executor,
     ItemKind,
+    KVHandle,
     NewRequestData,
     RequestFailure,
     RunnerOutput,
@@ -180,18 +181,13 @@ class ModelRunner(Executor):
     # ---- hand-off (prefill/decode disaggregation) -------------------------------------------
 
     def export_request(
-        self,
-        request_id: str,
-        table: tuple[list[int], ...],
-        num_positions: int,
-        *,
-        to_host: bool = True,
+        self, handle: KVHandle, *, to_host: bool = True
     ) -> tuple[torch.Tensor, bytes | None]:
-        """A copy of the K/V of positions [0, num_positions) of every plane of `table` (see
-        `KVMoves.export`) and the request's generator state (None when greedy). The request
-        must have no work in flight (it is between decode tokens)."""
+        """A copy of the K/V `handle` names (every plane, see `KVMoves.export`) and the
+        request's generator state (None when greedy); nothing of it may be in flight."""
+        request_id = handle.request_id
         assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
-        kv = self.moves.export(table, num_positions, to_host=to_host)
+        kv = self.moves.export(handle.block_tables, handle.num_positions, to_host=to_host)
         return kv, generator_state(self.samplers[request_id][1])
 
     def stage_import(

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from loopserve.config import EngineConfig
 from loopserve.contracts import (
     ItemKind,
+    KVHandle,
     RunnerOutput,
     SchedulerOutput,
     WorkItem,
@@ -354,6 +355,11 @@ class Scheduler:
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING
             assert request.request_id not in self.kv.tables
+
+    def kv_handle(self, request_id: str) -> KVHandle:
+        """The K/V a running request holds: every position written so far, on every plane."""
+        request = self.requests[request_id]
+        return KVHandle(request_id, self.kv.tables[request_id], request.next_position)
 
     # ---- collaborators' entry points ---------------------------------------------------------
 

@@ -34,7 +34,7 @@ from loopserve.distributed.ray_init import start_embedded_ray
 from loopserve.distributed.replica import EngineReplica, ReplicaStats
 from loopserve.distributed.router import Router
 from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError
-from loopserve.engine.client import ModelInfo
+from loopserve.engine.client import ModelInfo, wait_ready
 from loopserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -238,12 +238,7 @@ class ReplicaSet:
 
     async def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Wait until at least one replica serves; False if loading failed or timed out."""
-        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.is_ready and not self.is_dead:
-            if deadline_s is not None and time.monotonic() > deadline_s:
-                return False
-            await asyncio.sleep(0.02)
-        return self.is_ready
+        return await wait_ready(self, timeout_s)  # type: ignore[arg-type]
 
     async def wait_serving(self, num_replicas: int, timeout_s: float) -> bool:
         """Wait until `num_replicas` replicas serve; False on timeout."""

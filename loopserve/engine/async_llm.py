@@ -29,7 +29,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from loopserve.engine.client import EngineStream, GenerateRequest, ModelInfo, SubmissionGate
+from loopserve.engine.client import (
+    EngineStream,
+    GenerateRequest,
+    ModelInfo,
+    SubmissionGate,
+    wait_ready,
+)
 from loopserve.engine.engine_thread import (
     AbortCommand,
     AddCommand,
@@ -196,12 +202,7 @@ class AsyncLLM(SubmitGenerate):
 
     async def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Wait until the engine is loaded; False if it died or the wait timed out."""
-        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.is_ready and not self.is_dead:
-            if deadline_s is not None and time.monotonic() > deadline_s:
-                return False
-            await asyncio.sleep(0.01)
-        return self.is_ready
+        return await wait_ready(self, timeout_s)
 
     def stop_accepting(self, *, abort_after_s: float | None = None) -> None:
         """New submissions raise `EngineNotReadyError` from now on; in-flight ones continue,

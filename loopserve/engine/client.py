@@ -183,6 +183,20 @@ class SubmissionGate:
         return True
 
 
+READY_POLL_S = 0.01
+
+
+async def wait_ready(client: EngineClient, timeout_s: float | None = None) -> bool:
+    """The wait every client's `wait_ready` is: poll until `client` is ready (True) or dead
+    (False), or until `timeout_s` passed (False)."""
+    deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+    while not client.is_ready and not client.is_dead:
+        if deadline_s is not None and time.monotonic() > deadline_s:
+            return False
+        await asyncio.sleep(READY_POLL_S)
+    return client.is_ready
+
+
 class EngineClient(Protocol):
     """What the HTTP server needs from an engine (one engine, or a pool of replicas)."""
 

@@ -144,7 +144,7 @@ class KVMachine(RuleBasedStateMachine):
         for request_id, table in self.kv.tables.items():
             if request_id in self.covered:
                 assert len(table[0]) * BLOCK_SIZE >= self.covered[request_id]
-                shared = self.kv.num_shared_pages[request_id] * BLOCK_SIZE
+                shared = self.kv.num_cached_pages[request_id] * BLOCK_SIZE
                 assert shared <= self.complete[request_id]
         assert set(self.kv.host_tables) == self.swapped
         assert 0 <= self.kv.num_free_blocks <= NUM_BLOCKS

@@ -60,7 +60,7 @@ def test_shared_system_prompt_hits_and_matches_caching_off(tiny_dir, layout, arm
 def test_concurrent_prompts_share_only_complete_pages(tiny_dir):
     # Both arrive together under wavefront: b cannot hit a's pages before they are complete
     # at every plane, and b's own copies stay private (same content already published).
-    # `run_steps` checks after every step that no request's shared pages are still written.
+    # `run_steps` checks after every step that no request's cached pages are still written.
     engine = make_engine(
         tiny_dir, prefill_mode="wavefront", prefill_chunk_size=4, max_num_batched_tokens=8
     )

@@ -96,7 +96,7 @@ class KVCacheManager:
         # Prefix caching, per request: chained page keys of its prompt (computed once), and
         # how many leading pages of its table are cache entries (hit or published by it).
         self._page_keys: dict[str, list[PageKey]] = {}
-        self.num_shared_pages: dict[str, int] = {}
+        self.num_cached_pages: dict[str, int] = {}
         self.num_swapped_out_blocks = 0  # totals, for stats
         self.num_swapped_in_blocks = 0
         self.bytes_per_block = 0  # one block of one plane, when known (stats only)
@@ -190,7 +190,7 @@ class KVCacheManager:
             for p in range(self.num_planes)
         )
         self.tables[request_id] = table
-        self.num_shared_pages[request_id] = len(prefix)
+        self.num_cached_pages[request_id] = len(prefix)
         return table
 
     # ---- prefix caching ---------------------------------------------------------------------
@@ -219,13 +219,13 @@ class KVCacheManager:
             return
         keys = self._page_keys.get(request_id, [])
         table = self.tables[request_id]
-        first = self.num_shared_pages[request_id]
+        first = self.num_cached_pages[request_id]
         last = min(len(keys), num_complete_positions // self.block_size)
         for i in range(first, last):
             blocks = tuple(plane[i] for plane in table)
             if not self.prefix_cache.publish(*keys[i], blocks):
                 break  # same content cached from another request: this copy stays private
-            self.num_shared_pages[request_id] = i + 1
+            self.num_cached_pages[request_id] = i + 1
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop its page keys."""
@@ -250,15 +250,15 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
-        num_shared = self.num_shared_pages.pop(request_id, 0)
+        num_cached = self.num_cached_pages.pop(request_id, 0)
         if table is None:
             return
-        if num_shared:
+        if num_cached:
             assert self.prefix_cache is not None
-            for block in table[0][:num_shared]:
+            for block in table[0][:num_cached]:
                 self.prefix_cache.release(block)
         for plane_blocks in table:
-            self.pool.free(plane_blocks[num_shared:])
+            self.pool.free(plane_blocks[num_cached:])
 
     # ---- swap -------------------------------------------------------------------------------
 
@@ -320,9 +320,9 @@ class KVCacheManager:
                     owners[block] = owners.get(block, 0) + 1
         cached = self.prefix_cache.check_invariants(owners) if self.prefix_cache else set()
         for request_id, table in self.tables.items():
-            num_shared = self.num_shared_pages[request_id]
-            assert all(b in cached for plane in table for b in plane[:num_shared])
-        assert set(self.num_shared_pages) == set(self.tables)
+            num_cached = self.num_cached_pages[request_id]
+            assert all(b in cached for plane in table for b in plane[:num_cached])
+        assert set(self.num_cached_pages) == set(self.tables)
         private = {b for b, n in owners.items() if b not in cached}
         for block in private:
             assert owners[block] == 1, f"private block {block} owned {owners[block]} times"

@@ -344,9 +344,9 @@ class Scheduler:
             covered = len(self.kv.tables[request.request_id][0]) * block_size
             assert covered >= request.num_prompt_tokens, f"{request.request_id} lacks prompt KV"
             # Shared (cached) pages sit behind every position the request will still write.
-            shared_end = self.kv.num_shared_pages[request.request_id] * block_size
-            assert shared_end <= request.num_prefilled_tokens, "a shared page is still written"
-            assert all(chunk.start >= shared_end for chunk in request.prompt_chunks)
+            cached_end = self.kv.num_cached_pages[request.request_id] * block_size
+            assert cached_end <= request.num_prefilled_tokens, "a cached page is still written"
+            assert all(chunk.start >= cached_end for chunk in request.prompt_chunks)
             if not request.in_prompt_phase:
                 assert request.token_exit is not None and not request.token_exit.exited
             if request.replay is None and not request.in_prompt_phase:

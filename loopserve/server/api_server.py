@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: app factory, middleware, routes and `loopserve serve`.
 
 `build_app` wires an `EngineClient` (engine/client.py) into a FastAPI app: `/v1/completions`,
-`/v1/chat/completions` (both with SSE streaming), `/v1/models`, `/health` (200 only when the
+`/v1/chat/completions` (both with SSE streaming), `/v1/models`, `/tokenize`, `/detokenize` and
+`/tokenizer_info` (serving_tokenize.py), `/health` (200 only when the
 engine is loaded and alive) and `/metrics` (Prometheus text). Every error uses OpenAI's body
 `{"error": {"message", "type", "param", "code"}}`; bodies over `max_body_bytes` get 413 before
 they are parsed. `run` serves the app with uvicorn (`loopserve serve`, cli/serve.py, builds
@@ -40,6 +41,7 @@ from starlette.middleware.cors import CORSMiddleware
 from loopserve.contracts import num_planes
 from loopserve.engine.client import EngineClient, ModelInfo
 from loopserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from loopserve.server import serving_tokenize
 from loopserve.server.args import (
     API_KEY_ENV,
     DEFAULT_BODY_TIMEOUT_S,
@@ -151,6 +153,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, await request.body(), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, object]:
+        return await serving_tokenize.tokenize(ctx, await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, object]:
+        return await serving_tokenize.detokenize(ctx, await request.body())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, object]:
+        return serving_tokenize.tokenizer_info(ctx)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -1,8 +1,9 @@
 """HTTP middleware of the server: security checks, connection limits and body limits.
 
 `SecurityMiddleware`: a Host-header allow-list against DNS rebinding (400), an API key with
-the `Authorization: Bearer` scheme on `/v1/*` (and `/metrics` unless public; 401), and 415 for
-a POST whose Content-Type is not JSON (so a web page cannot post without a CORS preflight).
+the `Authorization: Bearer` scheme on `/v1/*`, the tokenizer routes (and `/metrics` unless
+public; 401), and 415 for a POST whose Content-Type is not JSON (so a web page cannot post
+without a CORS preflight).
 `HeaderTimeoutH11Protocol`: uvicorn's h11 protocol that closes connections which do not finish
 a request's headers in time and caps open connections. `BodySizeLimitMiddleware`: 413 for
 bodies over the limit (by `Content-Length` or by bytes received) and 408 when a body stops
@@ -29,6 +30,7 @@ from loopserve.server.args import (
 from loopserve.server.serving_common import ApiError
 
 logger = logging.getLogger(__name__)
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 JSON_MEDIA_TYPES = ("application/json",)
 
@@ -100,7 +102,7 @@ class SecurityMiddleware:
                     code="host_not_allowed",
                 )
         path: str = scope["path"]
-        needs_key = path.startswith("/v1/") or path == "/v1"
+        needs_key = path.startswith("/v1/") or path == "/v1" or path in TOKENIZER_PATHS
         needs_key |= path == "/metrics" and not self.metrics_public
         if self.api_key is not None and needs_key and scope["method"] != "OPTIONS":
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")

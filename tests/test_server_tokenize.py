@@ -1,0 +1,99 @@
+"""`/tokenize`, `/detokenize`, `/tokenizer_info`: the payloads lm-eval's remote tokenizer and
+vLLM clients send, answered with the engine's own tokenizer and chat template."""
+
+from __future__ import annotations
+
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
+import asyncio
+
+from tests.optional import require
+
+require("serve")
+import httpx
+
+from loopserve.engine.async_llm import AsyncLLM
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.server.api_server import build_app
+
+KEY = "sk-test"
+
+
+def _calls(tiny_tok_dir, requests, *, api_key=None):
+    engine = LLMEngine.from_engine_args(model=str(tiny_tok_dir), dtype="float32", num_blocks=32)
+
+    async def main():
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        assert await async_llm.wait_ready(timeout_s=30)
+        transport = httpx.ASGITransport(app=build_app(async_llm, "tiny", api_key=api_key))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                return [await client.request(m, path, **kw) for m, path, kw in requests]
+        finally:
+            await async_llm.shutdown(1.0)
+
+    return engine, asyncio.run(main())
+
+
+def test_lm_eval_remote_tokenizer_round_trip(tiny_tok_dir):
+    text = "the quick brown fox"
+    engine, (info, tokenized, detokenized, counted) = _calls(
+        tiny_tok_dir,
+        [
+            ("GET", "/tokenizer_info", {}),
+            # lm-eval's RemoteTokenizer.encode / decode payloads, as sent.
+            ("POST", "/tokenize", {"json": {"prompt": text, "add_special_tokens": False}}),
+            ("POST", "/detokenize", {"json": {"tokens": engine_ids(tiny_tok_dir, text)}}),
+            ("POST", "/tokenize", {"json": {"model": "tiny", "prompt": text}}),
+        ],
+    )
+    tokenizer = engine.tokenizer
+    assert info.status_code == 200 and "eos_token" in info.json()
+    assert info.json()["eos_token"] == tokenizer.eos_token
+    assert info.json()["chat_template"] == tokenizer.chat_template
+    expected = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == expected
+    assert tokenized.json()["count"] == len(expected)
+    assert tokenized.json()["max_model_len"] == engine.max_model_len
+    assert detokenized.json() == {"prompt": tokenizer.decode(expected)}
+    assert counted.json()["tokens"] == tokenizer.encode(text, add_special_tokens=True)
+
+
+def engine_ids(tiny_tok_dir, text: str) -> list[int]:
+    from loopserve.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_tok_dir).encode(text, add_special_tokens=False)
+
+
+def test_chat_tokenize_matches_the_chat_prompt_and_bad_input_is_a_400(tiny_tok_dir):
+    messages = [{"role": "user", "content": "hi there"}]
+    engine, (chat, bad_ids, unknown, wrong_model) = _calls(
+        tiny_tok_dir,
+        [
+            ("POST", "/tokenize", {"json": {"messages": messages}}),
+            ("POST", "/detokenize", {"json": {"tokens": [0, 10**9]}}),
+            ("POST", "/tokenize", {"json": {"prompt": "x", "bogus": 1}}),
+            ("POST", "/detokenize", {"json": {"model": "other", "tokens": [1]}}),
+        ],
+    )
+    expected = engine.input_processor.process_chat(messages, add_generation_prompt=True)
+    assert chat.json()["tokens"] == list(expected.token_ids)
+    assert bad_ids.status_code == 400 and bad_ids.json()["error"]["param"] == "tokens"
+    assert unknown.status_code == 400 and "bogus" in unknown.json()["error"]["message"]
+    assert wrong_model.status_code == 404
+
+
+def test_tokenizer_routes_need_the_key_when_one_is_set(tiny_tok_dir):
+    auth = {"headers": {"Authorization": f"Bearer {KEY}"}}
+    _, (without, with_key, info_without) = _calls(
+        tiny_tok_dir,
+        [
+            ("POST", "/tokenize", {"json": {"prompt": "x"}}),
+            ("POST", "/tokenize", {"json": {"prompt": "x"}, **auth}),
+            ("GET", "/tokenizer_info", {}),
+        ],
+        api_key=KEY,
+    )
+    assert without.status_code == 401 and info_without.status_code == 401
+    assert with_key.status_code == 200

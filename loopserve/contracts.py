@@ -56,6 +56,10 @@ class WorkItem(NamedTuple):
     - Prompt items with `first_token` hold the last prompt position: after the final depth the
       runner picks the first output token's loops with `exit_rule` over that row's loop
       outputs (or `trace_loops`), then samples it.
+    - Prompt items with `score_ids` (a request that asked for prompt logprobs, on the item
+      that reaches the last depth) score their rows: row i's last-loop output gives the
+      log-probability of `score_ids[i]`, the prompt token after it (the last prompt position
+      has none), with `score_top` alternatives.
 
     A NamedTuple rather than a frozen dataclass: equally immutable, and about 3x cheaper to
     build, which matters because the scheduler builds one per row every loop.
@@ -78,6 +82,8 @@ class WorkItem(NamedTuple):
     first_token: bool = False
     exit_rule: ExitRule | None = None
     trace_loops: int | None = None
+    score_ids: tuple[int, ...] = ()
+    score_top: int = 0
 
     @property
     def last_depth(self) -> int:
@@ -154,6 +160,8 @@ class ItemResult(NamedTuple):
     # (the seam for self-speculative rounds, where one verified item yields several tokens);
     # empty from every executor today. The scheduler appends them as it appends `sampled`.
     more_sampled: tuple[tuple[SampledToken, int], ...] = ()
+    # Prompt logprobs of an item with `score_ids`: one per score id, in position order.
+    prompt_logprobs: tuple[SampledToken, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,6 +65,9 @@ class RequestOutput:
     # cumulative fields hold only what is new).
     num_output_tokens: int = -1
     output_kind: str = "cumulative"
+    # With `SamplingParams.prompt_logprobs`: one entry per prompt token, None for the first
+    # (nothing precedes it). In "delta" outputs only the first output carries them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if self.num_output_tokens < 0:
@@ -98,3 +101,4 @@ class RequestDelta:
     finished_s: float | None
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    new_prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first output

@@ -138,3 +138,49 @@ def generate(
                 kv.copy_position(exit_depth, plane, position)
         done = emit(hidden, token_exit.loops_used)
     return ReferenceOutput(token_ids, exit_depths)
+
+
+@torch.inference_mode()
+def prompt_logprobs(
+    model: OuroForLoopedLM, prompt_token_ids: Sequence[int], *, layout: str = "last_exited"
+) -> list[float | None]:
+    """Log-probability of each prompt token given the ones before it, from the last loop's
+    output (the prompt at full depth, as `generate` runs it); None for the first token."""
+    if layout not in LAYOUTS:
+        raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    prompt = list(prompt_token_ids)
+    config, num_loops = model.config, model.num_loops
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    shared = layout == "shared"
+    kv = DenseKV(
+        num_planes=1 if shared else num_loops,
+        num_layers=config.num_hidden_layers,
+        max_len=len(prompt),
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    scale = config.head_dim**-0.5
+
+    def run_loop(hidden: torch.Tensor, positions: torch.Tensor, depth: int) -> torch.Tensor:
+        plane = 0 if shared else depth
+        return model.core(hidden, positions, DenseAttention(kv, plane, positions, scale))
+
+    if shared:  # position-major, each position through all loops
+        finals = []
+        for position, token in enumerate(prompt):
+            hidden = model.prelude(torch.tensor([token], device=device))
+            pos = torch.tensor([position], device=device)
+            for depth in range(num_loops):
+                hidden = run_loop(hidden, pos, depth)
+            finals.append(hidden)
+        final = torch.cat(finals)
+    else:
+        positions = torch.arange(len(prompt), device=device)
+        final = model.prelude(torch.tensor(prompt, device=device))
+        for depth in range(num_loops):
+            final = run_loop(final, positions, depth)
+    logprobs = torch.log_softmax(model.coda(final[:-1]).float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:], device=device)[:, None])[:, 0]
+    return [None, *chosen.tolist()]

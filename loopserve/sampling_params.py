@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Log-probability of every prompt token after the first (from the last loop at full
+    # depth), with this many alternatives each; None: not computed.
+    prompt_logprobs: int | None = None
     min_loops: int = 1
     max_loops: int | None = None
     exit_threshold: float = 1.0
@@ -84,6 +87,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20
         ):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
         if not _is_int(self.min_loops) or self.min_loops < 1:
             raise bad("min_loops", "must be an integer >= 1")
         if self.max_loops is not None:

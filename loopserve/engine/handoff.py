@@ -46,3 +46,4 @@ class HandoffState:
     first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)  # when asked for

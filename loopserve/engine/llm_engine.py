@@ -219,6 +219,7 @@ class LLMEngine:
             output_token_ids=list(request.output_token_ids),
             exit_depths=list(request.exit_depths),
             logprobs=list(request.logprobs),
+            prompt_logprobs=list(request.prompt_logprobs),
             params=request.params,
             num_planes=self.kv.num_planes,
             block_size=self.kv.block_size,
@@ -261,6 +262,7 @@ class LLMEngine:
         request.output_token_ids = list(state.output_token_ids)
         request.exit_depths = list(state.exit_depths)
         request.logprobs = list(state.logprobs)
+        request.prompt_logprobs = list(state.prompt_logprobs)
         request.num_cached_prompt_tokens = state.num_cached_prompt_tokens
         times = request.times
         times.first_scheduled_s, times.first_token_s = state.first_scheduled_s, state.first_token_s
@@ -334,6 +336,12 @@ class LLMEngine:
                 TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs)
                 for s in request.logprobs[start:]
             ]
+        prompt_logprobs = None
+        if start == 0 and request.prompt_logprobs:  # complete once the first token exists
+            prompt_logprobs = [
+                TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs)
+                for s in request.prompt_logprobs
+            ]
         times = request.times
         return RequestDelta(
             request_id=request_id,
@@ -351,6 +359,7 @@ class LLMEngine:
             finished_s=times.finished_s,
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             num_preemptions=request.num_preemptions,
+            new_prompt_logprobs=prompt_logprobs,
         )
 
     def _track(self, request: Request, prompt_text: str | None) -> None:

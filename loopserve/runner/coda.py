@@ -52,6 +52,7 @@ class Coda:
         coda_rows: list[torch.Tensor] = []
         coda_items: list[int] = []
         loops_used: dict[int, int] = {}
+        scores = self._score_prompts(items, states)
         first_tokens = [self.rules.samples_first_token(item) for item in items]
         if any(first_tokens):
             self.transfers.flush()  # the first token's exit is chosen from its hazards
@@ -94,7 +95,44 @@ class Coda:
             exited_now = bool(exited[i]) or token is not None
             results.append(
                 ItemResult(
-                    item.request_id, item.handle, item_hazards, exited_now, loops_used.get(i), token
+                    item.request_id,
+                    item.handle,
+                    item_hazards,
+                    exited_now,
+                    loops_used.get(i),
+                    token,
+                    (),
+                    scores.get(i, ()),
                 )
             )
         return results, tuple(failed)
+
+    def _score_prompts(self, items, states) -> dict[int, tuple[SampledToken, ...]]:
+        """Prompt logprobs of the items with `score_ids`, from their rows' last-loop output:
+        one coda call over all of them and one copy to the host."""
+        scored = [i for i, item in enumerate(items) if item.score_ids]
+        if not scored:
+            return {}
+        rows = torch.cat([states[i][: len(items[i].score_ids)] for i in scored])
+        logprobs = torch.log_softmax(self.coda(rows).float(), dim=-1)
+        ids = [t for i in scored for t in items[i].score_ids]
+        index = torch.tensor(ids, dtype=torch.int64, device=logprobs.device)
+        columns = [logprobs.gather(1, index[:, None]).double()]
+        top = max(items[i].score_top for i in scored)
+        if top:
+            values, indices = logprobs.topk(top, dim=-1)
+            columns += [values.double(), indices.double()]
+        width = 1 + 2 * top  # per row: the chosen logprob, top values, top ids
+        flat = self.transfers.to_host(torch.cat(columns, dim=1).reshape(-1))
+        scores: dict[int, tuple[SampledToken, ...]] = {}
+        at = 0
+        for i in scored:
+            k = items[i].score_top
+            entries = []
+            for token_id in items[i].score_ids:
+                row = flat[at : at + width]
+                alternatives = tuple((int(row[1 + top + j]), row[1 + j]) for j in range(k))
+                entries.append(SampledToken(token_id, row[0], alternatives))
+                at += width
+            scores[i] = tuple(entries)
+        return scores

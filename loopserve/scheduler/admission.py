@@ -82,7 +82,7 @@ class Admission:
             elif request.pending_import:
                 hits, blocks = [], self.kv.admission_blocks(positions, [])
             else:
-                hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+                hits = self._prefix_hits(request)
                 blocks = self.kv.admission_blocks(positions, hits)
             if not self._has_room(blocks):
                 if not (self.priority_preemption and self._preempt_for(request, blocks, victims)):
@@ -94,6 +94,12 @@ class Admission:
                         break
             del self.queues.waiting[0]
             self._start_running(request, positions, hits)
+
+    def _prefix_hits(self, request: Request) -> list:
+        """Cached pages the request can reuse: none when it asked for prompt logprobs (every
+        prompt position must run through the coda then; its own pages are still published)."""
+        hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+        return [] if request.params.prompt_logprobs is not None else hits
 
     def _admission_positions(self, request: Request) -> int:
         if self.full_reservation:
@@ -214,6 +220,6 @@ class Admission:
         elif request.pending_import:
             blocks = self.kv.admission_blocks(self._admission_positions(request), [])
         else:
-            hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+            hits = self._prefix_hits(request)
             blocks = self.kv.admission_blocks(self._admission_positions(request), hits)
         return self._has_room(blocks)

@@ -31,6 +31,7 @@ class ItemBuilder:
         max_rows: int,
         max_prompt_steps_in_a_row: int,
         exit_mode: ExitMode,
+        num_loops: int,
         shared: bool,
         new_handle: Callable[[], int],
         memory_stats: MemoryStats,
@@ -40,6 +41,7 @@ class ItemBuilder:
         self.max_rows = max_rows
         self.max_prompt_steps_in_a_row = max_prompt_steps_in_a_row
         self.exit_mode = exit_mode
+        self.num_loops = num_loops
         self.shared = shared
         self._handle = new_handle
         self.memory_stats = memory_stats
@@ -86,6 +88,16 @@ class ItemBuilder:
         last = chunk.end == request.num_prompt_tokens and not request.output_token_ids
         if request.output_token_ids:
             self.memory_stats.num_recompute_prompt_rows += chunk.count * work.num_depths
+        # Prompt logprobs: scored once, by the item that runs the chunk's last loop (a
+        # recompute after the first token re-runs the prompt, its logprobs already known).
+        score_ids: tuple[int, ...] = ()
+        top = request.params.prompt_logprobs
+        if (
+            top is not None
+            and not request.output_token_ids
+            and work.depth + work.num_depths == self.num_loops
+        ):
+            score_ids = tuple(request.prompt_token_ids[chunk.start + 1 : chunk.end + 1])
         return WorkItem(
             request_id=request.request_id,
             kind=ItemKind.PROMPT,
@@ -102,6 +114,8 @@ class ItemBuilder:
             first_token=last,
             exit_rule=request.exit_rule if last else None,
             trace_loops=request.trace_loops(0) if last else None,
+            score_ids=score_ids,
+            score_top=top or 0,
         )
 
     def decode_items(self, requests: list[Request]) -> list[WorkItem]:

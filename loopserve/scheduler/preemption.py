@@ -41,5 +41,7 @@ def reset_for_recompute(request: Request) -> None:
     request.prompt_chunks = []
     request.replay = None
     request.decode_handle = None
+    if not request.output_token_ids:  # preempted mid-prompt: its prompt is scored again
+        request.prompt_logprobs.clear()
     if request.token_exit is not None:
         request.token_exit.reset(request.trace_loops(len(request.output_token_ids)))

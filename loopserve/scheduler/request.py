@@ -120,6 +120,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.exit_depths: list[int] = []
         self.logprobs: list[SampledToken] = []
+        self.prompt_logprobs: list[SampledToken] = []  # prompt tokens 1.., when asked for
         # Prompt progress: positions [0, num_prefilled_tokens) are complete at every depth.
         self.num_prefilled_tokens = 0
         self.next_chunk_start = 0  # first prompt position not yet in any chunk

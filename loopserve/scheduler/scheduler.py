@@ -96,6 +96,7 @@ class Scheduler:
             max_rows=sched.max_num_batched_tokens,
             max_prompt_steps_in_a_row=sched.max_prefill_batches_before_decode,
             exit_mode=self.exit_mode,
+            num_loops=num_loops,
             shared=config.cache.layout == "shared",
             new_handle=self._handle,
             memory_stats=self.memory_stats,
@@ -257,6 +258,8 @@ class Scheduler:
                 self._advance_replay(request, item)
                 continue
             if item.kind is ItemKind.PROMPT:
+                if result.prompt_logprobs:  # chunks reach the last depth in position order
+                    request.prompt_logprobs.extend(result.prompt_logprobs)
                 if not self._advance_chunk(request, item):
                     continue
                 self.kv.publish_prompt(request.request_id, request.num_prefilled_tokens)

@@ -161,6 +161,7 @@ def sampling_params(
     seed: int | None,
     extra_stop_token_ids: tuple[int, ...] = (),
     stream: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """`SamplingParams` for one choice; its validation errors (and the stop-string limits)
     become 400s naming the field. A streamed choice asks for "delta" outputs (per-chunk work
@@ -184,6 +185,7 @@ def sampling_params(
             logprobs=logprobs,
             priority=request.priority,
             output_kind="delta" if stream else "final_only",
+            prompt_logprobs=prompt_logprobs,
         )
         check_stop_strings(params.stop)
         return params

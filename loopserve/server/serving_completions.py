@@ -67,11 +67,11 @@ async def create_completion(
 ) -> Response:
     body = parse_body(raw_body, CompletionRequest)
     ctx.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo together with logprobs is not supported", param="echo")
     prompts = _prompt_list(body.prompt)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    if max_tokens == 0 and body.echo:  # score only: run the prompt, report no new token
+        max_tokens = 1
     params = [
         sampling_params(
             body,
@@ -79,6 +79,8 @@ async def create_completion(
             logprobs=body.logprobs,
             seed=choice_seed(body.seed, i),
             stream=body.stream,
+            # echo + logprobs: the prompt's tokens come back scored too (legacy OpenAI shape)
+            prompt_logprobs=body.logprobs if body.echo else None,
         )
         for i in range(body.n)
     ]
@@ -103,14 +105,24 @@ async def create_completion(
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     outputs = [finals[choice.request.request_id] for choice in choices]
+    score_only = body.echo and body.max_tokens == 0
     response = CompletionResponse(
         id=response_id,
         model=ctx.served_model_name,
         choices=[
-            _choice(body, index, choice.echo_text + out.text, out, tokenizer, out.logprobs, 0)
+            _choice(
+                body,
+                index,
+                choice.echo_text + ("" if score_only else out.text),
+                out,
+                tokenizer,
+                _echoed_entries(body, out) + ([] if score_only else list(out.logprobs or [])),
+                0,
+                score_only=score_only,
+            )
             for index, (choice, out) in enumerate(zip(choices, outputs))
         ],
-        usage=_usage(choices, outputs),
+        usage=_usage(choices, outputs, score_only=score_only),
     )
     return JSONResponse(response.model_dump())
 
@@ -131,6 +143,15 @@ def _echo_text(tokenizer: Tokenizer | None, prompt: ProcessedPrompt) -> str:
     return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
 
 
+def _echoed_entries(body: CompletionRequest, out: RequestOutput) -> list[TokenLogprob]:
+    """With echo + logprobs: the prompt's tokens as logprob entries, the first one unscored
+    (`null`, as the legacy OpenAI API reports it); else nothing."""
+    if not (body.echo and body.logprobs is not None and out.prompt_logprobs):
+        return []
+    first = TokenLogprob(out.prompt_token_ids[0], None)  # type: ignore[arg-type]
+    return [first, *(entry for entry in out.prompt_logprobs[1:] if entry is not None)]
+
+
 def _choice(
     body: CompletionRequest,
     index: int,
@@ -141,6 +162,7 @@ def _choice(
     text_offset: int,
     *,
     delta: bool = False,
+    score_only: bool = False,
 ) -> CompletionChoice:
     logprobs = None
     if body.logprobs is not None:
@@ -150,22 +172,24 @@ def _choice(
         text=text,
         logprobs=logprobs,
         finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason if out.finished else None,
-        exit_depths=out.new_exit_depths if delta else out.exit_depths,
-        token_ids=(out.new_token_ids if delta else out.token_ids)
+        stop_reason=out.stop_reason if out.finished and not score_only else None,
+        exit_depths=[] if score_only else out.new_exit_depths if delta else out.exit_depths,
+        token_ids=([] if score_only else out.new_token_ids if delta else out.token_ids)
         if body.return_token_ids
         else None,
     )
 
 
-def _usage(choices: list[_Choice], outputs: list[RequestOutput]) -> UsageInfo:
+def _usage(
+    choices: list[_Choice], outputs: list[RequestOutput], *, score_only: bool = False
+) -> UsageInfo:
     prompt_tokens = {c.prompt_index: len(out.prompt_token_ids) for c, out in zip(choices, outputs)}
     cached = {}  # per prompt: its first choice's cache hits (the prompt is counted once)
     for c, out in zip(choices, outputs):
         cached.setdefault(c.prompt_index, out.metrics.num_cached_prompt_tokens)
     return usage(
         sum(prompt_tokens.values()),
-        sum(out.num_output_tokens for out in outputs),
+        0 if score_only else sum(out.num_output_tokens for out in outputs),
         sum(cached.values()),
     )
 
@@ -181,6 +205,7 @@ async def _stream_events(
     created = int(time.time())
     index_of = {choice.request.request_id: i for i, choice in enumerate(choices)}
     finals: dict[int, RequestOutput] = {}
+    score_only = body.echo and body.max_tokens == 0
     try:
         with stream:
             async for out in stream:
@@ -189,17 +214,19 @@ async def _stream_events(
                     break
                 index = index_of[out.request_id]
                 choice = choices[index]
-                text = out.new_text
+                text = "" if score_only else out.new_text
+                entries = [] if score_only else new_logprobs(out)
                 if not choice.sent_echo:
                     text, choice.sent_echo = choice.echo_text + text, True
+                    entries = _echoed_entries(body, out) + entries
                 if out.finished:
                     finals[index] = out
                 if not (text or out.new_token_ids or out.finished):
                     continue
-                entries = new_logprobs(out)
                 chunk_choice = _choice(
-                    body, index, text, out, tokenizer, entries, choice.text_offset, delta=True
-                )
+                    body, index, text, out, tokenizer, entries, choice.text_offset, delta=True,
+                    score_only=score_only,
+                )  # fmt: skip
                 if chunk_choice.logprobs is not None:
                     choice.text_offset += sum(len(t) for t in chunk_choice.logprobs.tokens)
                 running = None
@@ -226,7 +253,7 @@ async def _stream_events(
                             created=created,
                             model=ctx.served_model_name,
                             choices=[],
-                            usage=_usage(choices, outputs),
+                            usage=_usage(choices, outputs, score_only=score_only),
                         )
                     )
     except (EngineNotReadyError, EngineDeadError) as err:

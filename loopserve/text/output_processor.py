@@ -37,6 +37,7 @@ class _RequestText:
         "exit_depths",
         "logprobs",
         "token_times_s",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -52,6 +53,7 @@ class _RequestText:
         self.exit_depths: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.token_times_s: list[float] = []  # every kind: the final output's metrics
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def release(self, text: str) -> None:
         self.pending_text += text
@@ -60,6 +62,8 @@ class _RequestText:
 
     def accumulate(self, delta: RequestDelta) -> None:
         self.token_times_s.extend(delta.new_token_times_s)
+        if delta.new_prompt_logprobs is not None and self.kind != "delta":
+            self.prompt_logprobs = [None, *delta.new_prompt_logprobs]
         if self.kind != "delta":
             self.token_ids.extend(delta.new_token_ids)
             self.exit_depths.extend(delta.new_exit_depths)
@@ -149,9 +153,13 @@ class OutputProcessor:
         if state.kind == "delta":
             token_ids, text, exit_depths = delta.new_token_ids, new_text, delta.new_exit_depths
             logprobs = delta.new_logprobs
+            prompt_logprobs = delta.new_prompt_logprobs
+            if prompt_logprobs is not None:
+                prompt_logprobs = [None, *prompt_logprobs]
         else:
             token_ids, exit_depths = state.token_ids, state.exit_depths
             logprobs = state.logprobs if delta.new_logprobs is not None else None
+            prompt_logprobs = state.prompt_logprobs
             text = "".join(state.text_parts)
             state.text_parts = [text]
             if not final:  # the state keeps growing: hand out copies
@@ -174,6 +182,7 @@ class OutputProcessor:
             error=error,
             num_output_tokens=delta.num_output_tokens,
             output_kind=state.kind,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -1,0 +1,83 @@
+"""Prompt log-probabilities: computed by the engine in the prompt's own core calls, only for
+requests that ask, equal to the dense reference's (the last loop at full depth) in every
+prompt arm and layout, with prefix caching, preemption and beside other requests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loopserve.reference import prompt_logprobs as reference_prompt_logprobs
+from loopserve.sampling_params import SamplingParams
+from tests.engine_utils import make_engine, run_steps
+
+ARMS = {
+    "atomic": dict(prefill_mode="atomic"),
+    "per_depth": dict(prefill_mode="per_depth"),
+    "wavefront": dict(prefill_mode="wavefront"),
+    "mixed": dict(prefill_mode="per_depth", mixed_prefill_decode=True),
+}
+CHUNKS = dict(prefill_chunk_size=8, max_num_batched_tokens=24, max_num_seqs=4, block_size=4)
+PROMPTS = {
+    "a": [17, 250, 3, 99, 41, 7, 300, 12, 88, 5, 61, 140, 9, 33, 2, 71, 8, 19, 27],
+    "b": [5, 6, 7],
+    "c": [44, 1, 250, 250, 8, 91, 100, 3, 14, 15, 92, 65],
+}
+
+
+def check_against_reference(engine, output, prompt, k: int) -> None:
+    expected = reference_prompt_logprobs(engine.model, prompt, layout=engine.config.cache.layout)
+    got = output.prompt_logprobs
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    for position, (entry, want) in enumerate(zip(got[1:], expected[1:]), 1):
+        assert entry.token_id == prompt[position]
+        assert math.isclose(entry.logprob, want, abs_tol=1e-4), (position, entry.logprob, want)
+        assert len(entry.top_logprobs) == k
+        values = [lp for _, lp in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert values[0] >= entry.logprob - 1e-6  # the best alternative is at least as likely
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_prompt_logprobs_equal_the_dense_reference(tiny_dir, arm, layout):
+    if layout == "shared" and arm in ("wavefront", "mixed"):
+        pytest.skip("SHARED rejects wavefront and mixed prompt work at start-up")
+    engine = make_engine(tiny_dir, layout=layout, **ARMS[arm], **CHUNKS)
+    scored = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    plain = SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)
+    work = [("a", PROMPTS["a"], scored, 0), ("b", PROMPTS["b"], plain, 0)]
+    work += [("c", PROMPTS["c"], scored, 2)]
+    finished = run_steps(engine, work)
+    for request_id in ("a", "c"):
+        check_against_reference(engine, finished[request_id], PROMPTS[request_id], 2)
+    assert finished["b"].prompt_logprobs is None  # only requests that ask pay for it
+
+
+def test_prefix_cache_and_recompute_keep_prompt_logprobs_whole(tiny_dir):
+    engine = make_engine(tiny_dir, enable_prefix_caching=True, **CHUNKS)
+    prompt = PROMPTS["a"]
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    run_steps(engine, [("warm", prompt, warm, 0)])  # its pages are cached now
+    scored = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    engine.add_request("x", prompt, scored)
+    request = engine.scheduler.requests["x"]
+    while len(request.output_token_ids) < 3:
+        engine.step()
+    engine.scheduler.preempt("x")  # recompute: the prompt runs again
+    finished = run_steps(engine, [])
+    out = finished["x"]
+    check_against_reference(engine, out, prompt, 1)
+    # Prompt logprobs need every position's output: no cached pages for this request.
+    assert out.metrics.num_cached_prompt_tokens == 0
+    assert engine.scheduler.memory_stats.num_preemptions_recompute == 1
+
+
+def test_prompt_logprobs_are_validated(tiny_dir):
+    from loopserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)

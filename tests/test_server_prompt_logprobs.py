@@ -1,0 +1,108 @@
+"""lm-eval's `local-completions` payloads against the server: loglikelihood (and rolling)
+requests are scored prompts (`echo` + `logprobs`, `max_tokens` 1), their values equal to the
+dense reference's; a score-only request (`max_tokens` 0 with `echo`) returns the prompt
+alone; generate_until works alongside."""
+
+from __future__ import annotations
+
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
+import asyncio
+import math
+from functools import partial
+
+import pytest
+
+from tests.optional import require
+
+require("serve")
+import httpx
+
+from loopserve.engine.async_llm import AsyncLLM
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.reference import prompt_logprobs
+from loopserve.server.api_server import build_app
+
+approx = partial(pytest.approx, abs=1e-4)
+
+
+def _post_all(tiny_tok_dir, bodies):
+    engine = LLMEngine.from_engine_args(
+        model=str(tiny_tok_dir), dtype="float32", num_blocks=64, prefill_chunk_size=8
+    )
+
+    async def main():
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        assert await async_llm.wait_ready(timeout_s=30)
+        transport = httpx.ASGITransport(app=build_app(async_llm, "tiny"))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                return await asyncio.gather(
+                    *(client.post("/v1/completions", json=body, timeout=60) for body in bodies)
+                )
+        finally:
+            await async_llm.shutdown(1.0)
+
+    return engine, asyncio.run(main())
+
+
+def _lm_eval_parse(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-eval's `LocalCompletionsAPI.parse_logprobs` for one choice, as it reads it."""
+    logprobs = sum(choice["logprobs"]["token_logprobs"][ctxlen:-1])
+    tokens_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    is_greedy = all(tok == max(top.values()) for tok, top in zip(tokens_logprobs, top_logprobs))
+    return logprobs, is_greedy
+
+
+def test_lm_eval_loglikelihood_payloads_match_the_dense_reference(tiny_tok_dir):
+    contexts = [[17, 250, 3, 99, 41, 7, 300, 12, 88], [5, 6, 7, 8], [44, 1, 250, 250, 8, 91]]
+    continuations = [[61, 140, 9], [100], [3, 14, 15, 92, 65]]
+    requests = [c + x for c, x in zip(contexts, continuations)]
+    loglikelihood = {  # lm-eval's payload for loglikelihood, batched, token-id prompts
+        "model": "tiny", "prompt": requests, "temperature": 0, "max_tokens": 1,
+        "logprobs": 1, "seed": 1234, "echo": True,
+    }  # fmt: skip
+    rolling = dict(loglikelihood, prompt=[requests[0]])  # loglikelihood_rolling: same shape
+    generate_until = {
+        "model": "tiny", "prompt": [contexts[0]], "max_tokens": 8, "temperature": 0,
+        "stop": ["\n"], "seed": 1234,
+    }  # fmt: skip
+    engine, (scored, rolled, generated) = _post_all(
+        tiny_tok_dir, [loglikelihood, rolling, generate_until]
+    )
+    assert scored.status_code == 200, scored.text
+    choices = sorted(scored.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == 3
+    for choice, tokens, ctxlen in zip(choices, requests, map(len, contexts)):
+        expected = prompt_logprobs(engine.model, tokens)
+        got = choice["logprobs"]["token_logprobs"]
+        assert len(got) == len(tokens) + 1 and got[0] is None  # prompt + the one new token
+        assert choice["logprobs"]["top_logprobs"][0] is None
+        for value, want in zip(got[1 : len(tokens)], expected[1:]):
+            assert math.isclose(value, want, abs_tol=1e-4)
+        total, _ = _lm_eval_parse(choice, ctxlen)
+        assert math.isclose(total, sum(expected[ctxlen:]), abs_tol=1e-3)
+        assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    rolled_choice = rolled.json()["choices"][0]
+    assert rolled_choice["logprobs"]["token_logprobs"][1:-1] == approx(
+        choices[0]["logprobs"]["token_logprobs"][1:-1]
+    )
+    assert generated.status_code == 200 and generated.json()["choices"][0]["logprobs"] is None
+
+
+def test_score_only_returns_the_prompt_alone(tiny_tok_dir):
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 0, "echo": True,
+            "logprobs": 0}  # fmt: skip
+    no_echo = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 0}
+    engine, (scored, refused) = _post_all(tiny_tok_dir, [body, no_echo])
+    assert scored.status_code == 200, scored.text
+    choice = scored.json()["choices"][0]
+    prompt_ids = engine.tokenizer.encode("the quick brown fox")
+    assert choice["text"] == "the quick brown fox"
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt_ids)
+    assert scored.json()["usage"]["completion_tokens"] == 0
+    assert scored.json()["usage"]["prompt_tokens"] == len(prompt_ids)
+    expected = prompt_logprobs(engine.model, prompt_ids)
+    assert choice["logprobs"]["token_logprobs"][1:] == approx(expected[1:])
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

@@ -84,16 +84,20 @@ def test_chat_tokenize_matches_the_chat_prompt_and_bad_input_is_a_400(tiny_tok_d
     assert wrong_model.status_code == 404
 
 
-def test_tokenizer_routes_need_the_key_when_one_is_set(tiny_tok_dir):
+def test_tokenizer_routes_and_api_docs_need_the_key_when_one_is_set(tiny_tok_dir):
     auth = {"headers": {"Authorization": f"Bearer {KEY}"}}
-    _, (without, with_key, info_without) = _calls(
+    _, responses = _calls(
         tiny_tok_dir,
         [
             ("POST", "/tokenize", {"json": {"prompt": "x"}}),
-            ("POST", "/tokenize", {"json": {"prompt": "x"}, **auth}),
             ("GET", "/tokenizer_info", {}),
+            ("GET", "/openapi.json", {}),
+            ("GET", "/docs", {}),
+            ("POST", "/tokenize", {"json": {"prompt": "x"}, **auth}),
+            ("GET", "/openapi.json", auth),
         ],
         api_key=KEY,
     )
-    assert without.status_code == 401 and info_without.status_code == 401
-    assert with_key.status_code == 200
+    assert [r.status_code for r in responses] == [401, 401, 401, 401, 200, 200]
+    _, (open_docs,) = _calls(tiny_tok_dir, [("GET", "/openapi.json", {})])
+    assert open_docs.status_code == 200  # no key configured: nothing to check

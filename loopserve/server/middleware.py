@@ -1,8 +1,8 @@
 """HTTP middleware of the server: security checks, connection limits and body limits.
 
 `SecurityMiddleware`: a Host-header allow-list against DNS rebinding (400), an API key with
-the `Authorization: Bearer` scheme on `/v1/*`, the tokenizer routes (and `/metrics` unless
-public; 401), and 415 for a POST whose Content-Type is not JSON (so a web page cannot post
+the `Authorization: Bearer` scheme on `/v1/*`, the tokenizer routes, `/docs` and
+`/openapi.json` (and `/metrics` unless public; 401), and 415 for a POST whose Content-Type is not JSON (so a web page cannot post
 without a CORS preflight).
 `HeaderTimeoutH11Protocol`: uvicorn's h11 protocol that closes connections which do not finish
 a request's headers in time and caps open connections. `BodySizeLimitMiddleware`: 413 for
@@ -30,7 +30,11 @@ from loopserve.server.args import (
 from loopserve.server.serving_common import ApiError
 
 logger = logging.getLogger(__name__)
-TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+# Beside /v1/*, the routes the API key guards: the tokenizer and FastAPI's API description.
+KEYED_PATHS = frozenset(
+    {"/tokenize", "/detokenize", "/tokenizer_info", "/docs", "/redoc", "/openapi.json",
+     "/docs/oauth2-redirect"}
+)  # fmt: skip
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 JSON_MEDIA_TYPES = ("application/json",)
 
@@ -102,7 +106,7 @@ class SecurityMiddleware:
                     code="host_not_allowed",
                 )
         path: str = scope["path"]
-        needs_key = path.startswith("/v1/") or path == "/v1" or path in TOKENIZER_PATHS
+        needs_key = path.startswith("/v1/") or path == "/v1" or path in KEYED_PATHS
         needs_key |= path == "/metrics" and not self.metrics_public
         if self.api_key is not None and needs_key and scope["method"] != "OPTIONS":
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")

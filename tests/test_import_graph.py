@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "loopserve"
 # Lowest first. Rooms are the package's subpackages and its top-level modules.
 LAYERS = (
     "errors",
+    "threads",
     "engine_args",
     "sampling_params",
     "outputs",

@@ -58,6 +58,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated loops per output token, replayed cyclically; needs --exit-mode trace",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads on CPU (None: cores - 1; OMP_NUM_THREADS overrides)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object per output")
     out.add_argument(
@@ -72,13 +78,16 @@ def main_from_args(args: argparse.Namespace) -> int:
     from loopserve.errors import UsageError
     from loopserve.llm import LLM  # lazy: torch
     from loopserve.sampling_params import SamplingParams
+    from loopserve.threads import apply_cpu_threads
 
     if args.exit_trace is not None and args.exit_mode != "trace":
         raise UsageError("--exit-trace needs --exit-mode trace")
     prompts: list = list(args.prompt) + list(args.prompt_token_ids)
     if not prompts:
         prompts = ["Once upon a time"]
-    llm = LLM(**engine_args_from(args))
+    engine_args = engine_args_from(args)
+    apply_cpu_threads(engine_args.get("device") or "cpu", args.threads)  # threads.py
+    llm = LLM(**engine_args)
     num_loops = llm.engine.num_loops
     if args.exit_trace is not None and max(args.exit_trace) > num_loops:
         raise UsageError(

@@ -49,7 +49,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="windows per forward")
     parser.add_argument("--dtype", default="float32", help="model dtype for scoring")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-depth control")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads on CPU (None: cores - 1; OMP_NUM_THREADS overrides)",
+    )
     parser.add_argument("--output-json", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="PNG of CE versus mean loops")
 
@@ -104,9 +109,9 @@ def main_from_args(args: argparse.Namespace) -> int:
     from loopserve.models.loader import load_model
     from loopserve.models.tiny import DEFAULT_MODEL_DIR
     from loopserve.text.tokenizer import Tokenizer
+    from loopserve.threads import apply_cpu_threads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_cpu_threads("cpu", args.threads)  # eval runs on the CPU: the policy of threads.py
     model_dir = args.model or str(DEFAULT_MODEL_DIR)
     model = load_model(model_dir, dtype=args.dtype)
     if max(args.min_loops) > model.num_loops:

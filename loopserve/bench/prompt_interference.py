@@ -47,7 +47,6 @@ from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
-from loopserve.workloads.args import show_progress
 from loopserve.workloads.arms import prompt_arm_args
 from loopserve.workloads.interference import InterferenceRun, interference_stats
 from loopserve.workloads.metrics import window_gaps
@@ -168,7 +167,7 @@ def run_interference(args: argparse.Namespace, model_dir: Path) -> dict:
             run = run_arm(engine, work, arm)
             runs[arm].append(run)
             del engine
-            if show_progress(args):
+            if not args.no_progress:  # one line per run, terminal or log
                 print(
                     f"  round {round_idx + 1} {arm:<15} ITL p99 {run.itl_p99_ms:8.1f} ms, "
                     f"prompt {run.prompt_token_loops_per_s:8.1f} token-loops/s"

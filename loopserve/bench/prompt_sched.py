@@ -45,7 +45,6 @@ from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError, LoopserveError
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
-from loopserve.workloads.args import show_progress
 from loopserve.workloads.arms import prompt_arm_args
 
 T = TypeVar("T")
@@ -196,7 +195,7 @@ def run_wcpb(args: argparse.Namespace, model_dir: Path) -> dict:
                 run, tokens[arm] = run_prompts(engine, prompts, f"r{round_idx}")
                 runs[arm].append(run)
                 del engine  # free its KV before the next engine allocates
-                if show_progress(args):
+                if not args.no_progress:  # one line per run, terminal or log
                     print(f"  chunk {chunk:>4} {arm:<15} {run.prompt_tokens_per_s:8.1f} tok/s")
         agree = len({tuple(t) for t in tokens.values()}) == 1
         for arm, arm_runs in runs.items():

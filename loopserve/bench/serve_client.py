@@ -23,7 +23,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-from tqdm import tqdm
 
 from loopserve.bench.args import add_serve_args as add_cli_args  # noqa: F401
 from loopserve.bench.serve_metrics import (
@@ -33,8 +32,8 @@ from loopserve.bench.serve_metrics import (
     format_table,
 )
 from loopserve.bench.serve_report import BenchmarkResult, write_results
-from loopserve.workloads.args import show_progress
 from loopserve.workloads.datasets import SampledRequest, sample_random, sample_sharegpt
+from loopserve.workloads.progress import make_progress
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -152,7 +151,7 @@ async def run_benchmark(
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     # The connection pool must not queue requests itself, or pool waits would count as TTFT.
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None)
-    bar = tqdm(total=len(requests), desc="requests", disable=not progress)
+    bar = make_progress(progress, total=len(requests), desc="requests", unit="req")
     started_at = datetime.now().isoformat(timespec="seconds")
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         bench_start = time.perf_counter()
@@ -245,7 +244,7 @@ def main_from_args(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
-            progress=show_progress(args),
+            progress=not getattr(args, "no_progress", False),
             timeout_s=args.timeout_s,
             slo=slo,
         )

@@ -25,7 +25,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from loopserve.bench.args import add_throughput_args as add_cli_args  # noqa: F401
 from loopserve.bench.common import machine_info, median_of
@@ -48,10 +47,10 @@ from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
-from loopserve.workloads.args import show_progress
 from loopserve.workloads.arms import ARMS as ALL_ARMS
 from loopserve.workloads.arms import DECODE_ARMS, Arm
 from loopserve.workloads.exits import exit_probabilities  # noqa: F401  (re-export)
+from loopserve.workloads.progress import progress_bar
 
 NUM_WARMUP_REQUESTS = 4
 
@@ -164,9 +163,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         requests, args.max_num_seqs, args.block_size, num_loops
     )
     total = len(ARMS) * (args.repeats + 1) + 1 + len(args.cost_rows)
-    with tqdm(
-        total=total, desc="bench throughput", unit="run", disable=not show_progress(args)
-    ) as bar:
+    with progress_bar(args, total=total, desc="bench throughput", unit="run") as bar:
         engines = {
             a.name: build_engine(args, model_dir, a, args.max_num_seqs, num_blocks) for a in ARMS
         }

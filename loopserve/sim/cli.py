@@ -15,8 +15,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from loopserve.engine_args import engine_args_from
 from loopserve.models.config import OuroConfig
 from loopserve.sim.args import SIM_ENGINE_ARGS
@@ -41,7 +39,7 @@ from loopserve.sim.scenarios import (
 )
 from loopserve.sim.sweep import PointResult, SweepSetup, find_capacity, get_arm, run_point
 from loopserve.sim.workload import WorkloadSpec, sample_lengths
-from loopserve.workloads.args import show_progress
+from loopserve.workloads.progress import progress_bar
 
 
 def _engine_args(args: argparse.Namespace) -> dict[str, object]:
@@ -158,9 +156,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     lengths = sample_lengths(spec)
     rates = sorted(args.request_rate)
     runs = len(arms) * (12 if args.find_capacity else len(rates))
-    bar = tqdm(
-        total=runs * len(lengths), unit="req", disable=not show_progress(args), desc="simulate"
-    )
+    bar = progress_bar(args, total=runs * len(lengths), desc="simulate", unit="req")
     setup = SweepSetup(
         model_config,
         device,

@@ -70,7 +70,7 @@ def add_progress_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
     parser.add_argument(
         "--no-progress",
         action="store_true",
-        help="no progress bar (one is drawn only when stderr is a terminal)",
+        help="no progress output (a bar on a terminal, else a line every 30 s)",
     )
 
 

@@ -39,7 +39,7 @@ ORIGIN = "https://app.example"
 SECURED_FLAGS = [
     "--dtype", "float32", "--num-blocks", "256", "--block-size", "16",
     "--allowed-origins", ORIGIN, "--header-timeout-s", "1", "--max-connections", "4",
-    "--body-timeout-s", "5",
+    "--body-timeout-s", "5", "--body-deadline-s", "6",
     "--allow-client-priority", "--default-max-tokens", "3", "--log-level", "info",
 ]  # fmt: skip
 GOOD = {"prompt": "hello", "max_tokens": 2}
@@ -214,6 +214,34 @@ def test_a_body_that_stops_arriving_gets_408_and_the_connection_closes(secured):
                 received += chunk
     assert received.startswith(b"HTTP/1.1 408 "), received
     assert b'"code":"body_timeout"' in received
+
+
+def test_a_trickled_body_gets_408_at_the_body_deadline(secured):
+    """One byte every 0.5 s never trips the 5 s per-part timeout; the 6 s deadline for the
+    whole body closes it anyway."""
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: 1000\r\n\r\n"
+    ).encode()
+    received = b""
+    with socket.create_connection(("127.0.0.1", secured.port)) as slow:
+        slow.sendall(head)
+        slow.settimeout(0.5)
+        for _ in range(120):  # at most 60 s of trickling
+            try:
+                slow.sendall(b" ")
+                chunk = slow.recv(4096)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            received += chunk
+            if b"\r\n\r\n" in received and b"body_timeout" in received:
+                break
+    assert received.startswith(b"HTTP/1.1 408 "), received
+    assert b"within 6.0 s" in received
 
 
 def test_connections_beyond_the_cap_are_closed_unanswered(secured):

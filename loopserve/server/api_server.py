@@ -44,6 +44,7 @@ from loopserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loopserve.server import serving_tokenize
 from loopserve.server.args import (
     API_KEY_ENV,
+    DEFAULT_BODY_DEADLINE_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_MAX_BODY_BYTES,
@@ -70,6 +71,7 @@ def build_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
     shutdown_timeout_s: float = 10.0,
     api_key: str | None = None,
     metrics_public: bool = False,
@@ -102,7 +104,10 @@ def build_app(
 
     app = FastAPI(title="loopserve", lifespan=lifespan)
     app.add_middleware(
-        BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+        BodySizeLimitMiddleware,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        body_deadline_s=body_deadline_s,
     )
     app.add_middleware(
         SecurityMiddleware,
@@ -249,6 +254,7 @@ def make_server(
         served_model_name,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout_s,
+        body_deadline_s=args.body_deadline_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         metrics_public=args.metrics_public,

@@ -9,6 +9,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 DEFAULT_MODEL_NAME = "loopserve-default"
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_BODY_DEADLINE_S = 120.0
 DEFAULT_MAX_CONNECTIONS = 1000
 DEFAULT_CHAT_MAX_TOKENS = 1024
 API_KEY_ENV = "LOOPSERVE_API_KEY"
@@ -76,6 +77,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_BODY_TIMEOUT_S,
         help="answer 408 when the next part of a request body takes longer than this",
+    )
+    group.add_argument(
+        "--body-deadline-s",
+        type=float,
+        default=DEFAULT_BODY_DEADLINE_S,
+        help="answer 408 when a whole request body takes longer than this (trickled bodies)",
     )
     group.add_argument(
         "--max-connections",

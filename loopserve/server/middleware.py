@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import time
 
 import h11
 from fastapi.responses import JSONResponse
@@ -23,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from loopserve.server.args import (
+    DEFAULT_BODY_DEADLINE_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
@@ -174,18 +176,24 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
 class BodySizeLimitMiddleware:
     """Answers 413 to bodies over `max_body_bytes`, by Content-Length and by bytes received,
-    and 408 when the next part of a body does not arrive within `body_timeout_s`.
+    and 408 when the next part of a body does not arrive within `body_timeout_s` or the whole
+    body not within `body_deadline_s` (a body trickled a byte at a time is closed too).
 
     The body is read here (bounded) and replayed to the app; later `receive` calls go to the
     server, so handlers can still observe a client disconnect.
     """
 
     def __init__(
-        self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        body_deadline_s: float = DEFAULT_BODY_DEADLINE_S,
     ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.body_deadline_s = body_deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -197,13 +205,20 @@ class BodySizeLimitMiddleware:
             return
         chunks: list[bytes] = []
         num_bytes = 0
+        deadline_s = time.monotonic() + self.body_deadline_s
         while True:
+            remaining_s = deadline_s - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                message = await asyncio.wait_for(
+                    receive(), max(0.0, min(self.body_timeout_s, remaining_s))
+                )
             except asyncio.TimeoutError:
+                late = remaining_s <= self.body_timeout_s
                 error = ApiError(
                     408,
-                    f"request body not received within {self.body_timeout_s} s",
+                    f"request body not received within {self.body_deadline_s} s"
+                    if late
+                    else f"request body part not received within {self.body_timeout_s} s",
                     code="body_timeout",
                 )
                 await JSONResponse(error.body, status_code=408, headers={"Connection": "close"})(

@@ -17,8 +17,9 @@ WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
 def start_embedded_ray(num_cpus: int, object_store_memory: int | None = None) -> None:
-    """`ray.init` of a local cluster on 127.0.0.1 without the dashboard, engine workers at
-    the normal nice level (see the module docstring)."""
+    """`ray.init` of a local cluster with node address 127.0.0.1, without the dashboard,
+    engine workers at the normal nice level (see the module docstring). With Ray 2.60 its
+    ports still listen on every interface (docs/deployment.md, "Security")."""
     import ray
 
     os.environ.setdefault(WORKER_NICENESS_ENV, "0")  # read by the raylet ray.init starts

@@ -11,6 +11,7 @@ with the length of the output. `RequestOutput` is what callers read: with the re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,9 @@ class RequestOutput:
         return sum(self.exit_depths) / len(self.exit_depths) if self.exit_depths else 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class RequestDelta:
-    """What one engine step produced for one request (see the module docstring)."""
+class RequestDelta(NamedTuple):
+    """What one engine step produced for one request (see the module docstring). A NamedTuple:
+    the engine builds one per request per step."""
 
     request_id: str
     prompt_token_ids: list[int]  # the request's own list, not a copy

@@ -17,7 +17,8 @@ is one core call of `rows` rows. Per call it reports, from the engine's own coun
   attention metadata, exit decisions, finalize bookkeeping, sampling bookkeeping);
 - model: time inside the (trivial) prelude / gate / coda calls;
 - apply: `Scheduler.update` and the engine core's bookkeeping;
-- output: the engine's output processing (detokenize, `RequestOutput`).
+- output: the engine's output processing (detokenize, `RequestOutput`), for "delta" outputs
+  (what the server's streams ask for; a stream's per-step work does not grow with it).
 
 Beside it: the simulator's predicted device time of the same call for Ouro-1.4B in bf16 on
 an H200 (`--device-profile`), rows at `--context` positions, and host / device. The target
@@ -98,8 +99,12 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
     for i in range(rows):
         prompt = [3 + (i * 31 + j * 7) % (vocab - 3) for j in range(context - 1)]
         trace = EXIT_TRACE[i % len(EXIT_TRACE) :] + EXIT_TRACE[: i % len(EXIT_TRACE)]
-        params = SamplingParams(
-            max_tokens=steps + 64, temperature=0.0, ignore_eos=True, exit_trace=trace * 64
+        params = SamplingParams(  # "delta" outputs: what the server's streams ask for
+            max_tokens=steps + 64,
+            temperature=0.0,
+            ignore_eos=True,
+            exit_trace=trace * 64,
+            output_kind="delta",
         )
         engine.add_request(f"h{i}", prompt, params)
     # Warm up until every request decodes (prompt steps done), then measure.

@@ -32,7 +32,7 @@ class _RequestText:
         "detokenizer",
         "pending_text",
         "stop_hit",
-        "text_parts",
+        "text",
         "token_ids",
         "exit_depths",
         "logprobs",
@@ -48,7 +48,7 @@ class _RequestText:
         self.detokenizer = detokenizer
         self.pending_text = ""  # released text not yet in an output's `new_text`
         self.stop_hit: str | None = None
-        self.text_parts: list[str] = []  # released text (not kept for "delta")
+        self.text = ""  # released text (not kept for "delta")
         self.token_ids: list[int] = []  # not kept for "delta"
         self.exit_depths: list[int] = []
         self.logprobs: list[TokenLogprob] = []
@@ -58,7 +58,7 @@ class _RequestText:
     def release(self, text: str) -> None:
         self.pending_text += text
         if self.kind != "delta":
-            self.text_parts.append(text)
+            self.text += text
 
     def accumulate(self, delta: RequestDelta) -> None:
         self.token_times_s.extend(delta.new_token_times_s)
@@ -160,8 +160,7 @@ class OutputProcessor:
             token_ids, exit_depths = state.token_ids, state.exit_depths
             logprobs = state.logprobs if delta.new_logprobs is not None else None
             prompt_logprobs = state.prompt_logprobs
-            text = "".join(state.text_parts)
-            state.text_parts = [text]
+            text = state.text
             if not final:  # the state keeps growing: hand out copies
                 token_ids, exit_depths = list(token_ids), list(exit_depths)
                 logprobs = None if logprobs is None else list(logprobs)

@@ -69,42 +69,12 @@ def generate(
     )
     eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
-    device = model.lm_head.weight.device
-    dtype = model.lm_head.weight.dtype
-    config = model.config
     prompt = list(prompt_token_ids)
     shared = layout == "shared"
-    kv = DenseKV(
-        num_planes=1 if shared else num_loops,
-        num_layers=config.num_hidden_layers,
-        max_len=len(prompt) + params.max_tokens,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        dtype=dtype,
-        device=device,
-    )
-    scale = config.head_dim**-0.5
-
-    def run_loop(hidden: torch.Tensor, positions: torch.Tensor, depth: int) -> torch.Tensor:
-        plane = 0 if shared else depth
-        return model.core(hidden, positions, DenseAttention(kv, plane, positions, scale))
-
+    run = _DenseRun(model, shared=shared, max_len=len(prompt) + params.max_tokens)
+    device = run.device
     # Prompt at full depth; keep the last position's output of every loop.
-    last_outputs: list[torch.Tensor] = []
-    if shared:
-        for position, token in enumerate(prompt):
-            hidden = model.prelude(torch.tensor([token], device=device))
-            pos = torch.tensor([position], device=device)
-            for depth in range(num_loops):
-                hidden = run_loop(hidden, pos, depth)
-                if position == len(prompt) - 1:
-                    last_outputs.append(hidden)
-    else:
-        positions = torch.arange(len(prompt), device=device)
-        hidden = model.prelude(torch.tensor(prompt, device=device))
-        for depth in range(num_loops):
-            hidden = run_loop(hidden, positions, depth)
-            last_outputs.append(hidden[-1:])
+    last_outputs, _ = run.prompt(prompt)
     hazards = None
     if mode.uses_gate:
         hazards = [float(hazard_fn(h)[0]) for h in last_outputs]
@@ -128,16 +98,64 @@ def generate(
         hidden = model.prelude(torch.tensor([token_ids[-1]], device=device))
         token_exit = TokenExit(mode, rule, trace_loops_for(params, len(token_ids)))
         while True:
-            hidden = run_loop(hidden, pos, token_exit.depth)
+            hidden = run.loop(hidden, pos, token_exit.depth)
             needs_gate = token_exit.plan().needs_gate
             if token_exit.observe(float(hazard_fn(hidden)[0]) if needs_gate else None):
                 break
         exit_depth = token_exit.depth - 1
         if not shared:
             for plane in range(exit_depth + 1, num_loops):
-                kv.copy_position(exit_depth, plane, position)
+                run.kv.copy_position(exit_depth, plane, position)
         done = emit(hidden, token_exit.loops_used)
     return ReferenceOutput(token_ids, exit_depths)
+
+
+class _DenseRun:
+    """One request's contiguous per-plane K/V and its loop runner (`generate` and
+    `prompt_logprobs` run the prompt the same way)."""
+
+    def __init__(self, model: OuroForLoopedLM, *, shared: bool, max_len: int) -> None:
+        config = model.config
+        self.model, self.shared, self.num_loops = model, shared, model.num_loops
+        self.device = model.lm_head.weight.device
+        self.kv = DenseKV(
+            num_planes=1 if shared else model.num_loops,
+            num_layers=config.num_hidden_layers,
+            max_len=max_len,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=model.lm_head.weight.dtype,
+            device=self.device,
+        )
+        self.scale = config.head_dim**-0.5
+
+    def loop(self, hidden: torch.Tensor, positions: torch.Tensor, depth: int) -> torch.Tensor:
+        plane = 0 if self.shared else depth
+        attention = DenseAttention(self.kv, plane, positions, self.scale)
+        return self.model.core(hidden, positions, attention)
+
+    def prompt(self, prompt: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Run the prompt at full depth (SHARED: position-major); returns the last position's
+        output of every loop and every position's last-loop output."""
+        model, device = self.model, self.device
+        last_outputs: list[torch.Tensor] = []
+        if self.shared:
+            finals = []
+            for position, token in enumerate(prompt):
+                hidden = model.prelude(torch.tensor([token], device=device))
+                pos = torch.tensor([position], device=device)
+                for depth in range(self.num_loops):
+                    hidden = self.loop(hidden, pos, depth)
+                    if position == len(prompt) - 1:
+                        last_outputs.append(hidden)
+                finals.append(hidden)
+            return last_outputs, torch.cat(finals)
+        positions = torch.arange(len(prompt), device=device)
+        hidden = model.prelude(torch.tensor(prompt, device=device))
+        for depth in range(self.num_loops):
+            hidden = self.loop(hidden, positions, depth)
+            last_outputs.append(hidden[-1:])
+        return last_outputs, hidden
 
 
 @torch.inference_mode()
@@ -149,38 +167,8 @@ def prompt_logprobs(
     if layout not in LAYOUTS:
         raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     prompt = list(prompt_token_ids)
-    config, num_loops = model.config, model.num_loops
-    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-    shared = layout == "shared"
-    kv = DenseKV(
-        num_planes=1 if shared else num_loops,
-        num_layers=config.num_hidden_layers,
-        max_len=len(prompt),
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        dtype=dtype,
-        device=device,
-    )
-    scale = config.head_dim**-0.5
-
-    def run_loop(hidden: torch.Tensor, positions: torch.Tensor, depth: int) -> torch.Tensor:
-        plane = 0 if shared else depth
-        return model.core(hidden, positions, DenseAttention(kv, plane, positions, scale))
-
-    if shared:  # position-major, each position through all loops
-        finals = []
-        for position, token in enumerate(prompt):
-            hidden = model.prelude(torch.tensor([token], device=device))
-            pos = torch.tensor([position], device=device)
-            for depth in range(num_loops):
-                hidden = run_loop(hidden, pos, depth)
-            finals.append(hidden)
-        final = torch.cat(finals)
-    else:
-        positions = torch.arange(len(prompt), device=device)
-        final = model.prelude(torch.tensor(prompt, device=device))
-        for depth in range(num_loops):
-            final = run_loop(final, positions, depth)
+    run = _DenseRun(model, shared=layout == "shared", max_len=len(prompt))
+    _, final = run.prompt(prompt)
     logprobs = torch.log_softmax(model.coda(final[:-1]).float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(prompt[1:], device=device)[:, None])[:, 0]
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:], device=run.device)[:, None])[:, 0]
     return [None, *chosen.tolist()]

@@ -15,6 +15,12 @@ from __future__ import annotations
 import os
 
 THREADS_ENV = "OMP_NUM_THREADS"
+THREADS_HELP = "torch intra-op threads on CPU (None: cores - 1; OMP_NUM_THREADS overrides)"
+
+
+def add_threads_arg(parser) -> None:
+    """The `--threads` flag of a command that applies this policy."""
+    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
 def resolve_cpu_threads(requested: int | None) -> int | None:

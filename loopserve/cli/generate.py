@@ -6,6 +6,7 @@ import argparse
 import json
 
 from loopserve.engine_args import add_engine_args, engine_args_from
+from loopserve.threads import add_threads_arg
 from loopserve.workloads.args import int_list, show_progress
 
 
@@ -58,12 +59,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated loops per output token, replayed cyclically; needs --exit-mode trace",
     )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads on CPU (None: cores - 1; OMP_NUM_THREADS overrides)",
-    )
+    add_threads_arg(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object per output")
     out.add_argument(

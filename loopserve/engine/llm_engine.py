@@ -29,6 +29,7 @@ from loopserve.config import (
     resolve_dtype,
     resolve_num_blocks,
 )
+from loopserve.contracts import SampledToken
 from loopserve.engine.build import build_engine_core
 from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
@@ -332,16 +333,10 @@ class LLMEngine:
             stop_token_id = request.output_token_ids[-1]
         logprobs = None
         if request.params.logprobs is not None:
-            logprobs = [
-                TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs)
-                for s in request.logprobs[start:]
-            ]
+            logprobs = _token_logprobs(request.logprobs[start:])
         prompt_logprobs = None
         if start == 0 and request.prompt_logprobs:  # complete once the first token exists
-            prompt_logprobs = [
-                TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs)
-                for s in request.prompt_logprobs
-            ]
+            prompt_logprobs = _token_logprobs(request.prompt_logprobs)
         times = request.times
         return RequestDelta(
             request_id=request_id,
@@ -376,3 +371,7 @@ class LLMEngine:
     def _untrack(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
         self._reported.pop(request_id, None)
+
+
+def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
+    return [TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs) for s in samples]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loopserve.errors import LoopserveError
+from loopserve.threads import add_threads_arg
 from loopserve.workloads.args import int_list
 
 if TYPE_CHECKING:
@@ -49,12 +50,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="windows per forward")
     parser.add_argument("--dtype", default="float32", help="model dtype for scoring")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-depth control")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads on CPU (None: cores - 1; OMP_NUM_THREADS overrides)",
-    )
+    add_threads_arg(parser)
     parser.add_argument("--output-json", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="PNG of CE versus mean loops")
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from loopserve.exit import ExitRule
 
 
@@ -35,7 +37,8 @@ class SampledToken:
 
 
 class ItemKind(str, enum.Enum):
-    DECODE = "decode"
+    """Kinds of `WorkItem` (decode tokens are not items: they are `DecodeRows` columns)."""
+
     PROMPT = "prompt"
     # Recompute after preemption: one already-generated token re-run at its position through
     # the loops it really used (`exit_now` True at its exit depth), finalize included, with
@@ -44,15 +47,15 @@ class ItemKind(str, enum.Enum):
 
 
 class WorkItem(NamedTuple):
-    """Rows of one request at consecutive positions, run at `depth` (and following depths).
+    """Rows of one request at consecutive positions, run at `depth` (and following depths): a
+    prompt chunk or a replay row (decode tokens are the columns of `DecodeRows`).
 
     - `num_depths` consecutive loops run inside this step (atomic prompt chunks run all D;
       everything else runs 1). Each loop is one core call shared with the other items.
     - `token_ids` are embedded (prelude) at the first loop when `needs_prelude`; otherwise the
       runner resumes from the hidden state stored under `handle`.
-    - Decode rows: `exit_now` says whether the coda runs after this loop; None means the gate
-      of this loop decides (exit iff the CDF folded from `cdf_before`/`survival_before` reaches
-      `threshold`).
+    - Replay rows: `exit_now` says whether this is the token's last loop (its finalize copy
+      follows); the gate fields are unused.
     - Prompt items with `first_token` hold the last prompt position: after the final depth the
       runner picks the first output token's loops with `exit_rule` over that row's loop
       outputs (or `trace_loops`), then samples it.
@@ -61,8 +64,7 @@ class WorkItem(NamedTuple):
       log-probability of `score_ids[i]`, the prompt token after it (the last prompt position
       has none), with `score_top` alternatives.
 
-    A NamedTuple rather than a frozen dataclass: equally immutable, and about 3x cheaper to
-    build, which matters because the scheduler builds one per row every loop.
+    A NamedTuple rather than a frozen dataclass: equally immutable and cheaper to build.
     """
 
     request_id: str
@@ -88,6 +90,136 @@ class WorkItem(NamedTuple):
     @property
     def last_depth(self) -> int:
         return self.depth + self.num_depths - 1
+
+
+class DecodeRow(NamedTuple):
+    """One row of `DecodeRows`, read out as values (tests and tools; the hot path uses the
+    columns). `exit_code` is `loopserve.exit.columns.EXIT`, `CONTINUE` or `GATE`."""
+
+    request_id: str
+    position: int
+    depth: int
+    token_id: int
+    exit_code: int
+    needs_gate: bool
+    cdf_before: float
+    survival_before: float
+    threshold: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """The decode rows of one core call, as columns: row i runs loop `depths[i]` of the token
+    in flight of `request_ids[i]`, at `positions[i]` (the persistent decode batch; a
+    scheduler plans these with a few array operations instead of one `WorkItem` per row).
+
+    - The token is embedded (prelude) at depth 0 from `token_ids[i]` (the request's last
+      output token, fed back); at deeper loops the executor resumes the request's own decode
+      state (the hidden state it kept when the previous loop of this token ran). Decode rows
+      have no handles: an executor keeps one decode state per request, released with the
+      request (finished, preempted, swapped out).
+    - `exit_code[i]` (`loopserve.exit.columns`): EXIT runs the coda after this loop, CONTINUE
+      does not, GATE lets this loop's gate decide (exit iff `cdf_before + hazard *
+      survival_before >= threshold`). `needs_gate[i]`: the row reports this loop's hazard.
+    - Decode rows come first in their core call, before the step's other items.
+    """
+
+    request_ids: tuple[str, ...]
+    positions: np.ndarray  # int64 [n]
+    depths: np.ndarray  # int64 [n]
+    token_ids: np.ndarray  # int64 [n]
+    exit_code: np.ndarray  # int8 [n]
+    needs_gate: np.ndarray  # bool [n]
+    cdf_before: np.ndarray  # float64 [n]
+    survival_before: np.ndarray  # float64 [n]
+    threshold: np.ndarray  # float64 [n]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @classmethod
+    def continuing(cls, request_ids: tuple[str, ...], positions, depths, token_ids) -> DecodeRows:
+        """Rows that continue after this loop and read no gate (tools, measurements)."""
+        n = len(request_ids)
+        return cls(
+            tuple(request_ids),
+            np.asarray(positions, np.int64),
+            np.asarray(depths, np.int64),
+            np.asarray(token_ids, np.int64),
+            np.zeros(n, np.int8),
+            np.zeros(n, bool),
+            np.zeros(n),
+            np.ones(n),
+            np.ones(n),
+        )
+
+    def row(self, i: int) -> DecodeRow:
+        return DecodeRow(
+            self.request_ids[i],
+            int(self.positions[i]),
+            int(self.depths[i]),
+            int(self.token_ids[i]),
+            int(self.exit_code[i]),
+            bool(self.needs_gate[i]),
+            float(self.cdf_before[i]),
+            float(self.survival_before[i]),
+            float(self.threshold[i]),
+        )
+
+    def rows(self) -> list[DecodeRow]:
+        return [self.row(i) for i in range(len(self))]
+
+    def take(self, index: np.ndarray) -> DecodeRows:
+        """The rows `index` (in that order)."""
+        return DecodeRows(
+            tuple(self.request_ids[i] for i in index),
+            *(getattr(self, name)[index] for name in _COLUMNS),
+        )
+
+
+_COLUMNS = (
+    "positions", "depths", "token_ids", "exit_code", "needs_gate", "cdf_before",
+    "survival_before", "threshold",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResults:
+    """One result per row of a step's `DecodeRows`, as columns, in row order.
+
+    `exited[i]`: the token exited after this loop (the executor decided it: `exit_code`, or
+    the gate); it was sampled unless its request failed (`RunnerOutput.failed_requests`).
+    `hazards[i]`: this loop's hazard where the row `needs_gate`, else NaN. `token_ids[i]`:
+    the sampled token of an exited row. `logprobs`: row -> its `SampledToken` (the token id,
+    its log-probability and top alternatives) for exited rows whose request asked for
+    log-probabilities."""
+
+    exited: np.ndarray  # bool [n]
+    hazards: np.ndarray  # float64 [n]
+    token_ids: np.ndarray  # int64 [n]
+    logprobs: dict[int, SampledToken] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, num_rows: int) -> DecodeResults:
+        """No row exited, no hazard read, nothing sampled (rows that ran nothing)."""
+        return cls(
+            np.zeros(num_rows, bool),
+            np.full(num_rows, np.nan),
+            np.full(num_rows, -1, np.int64),
+        )
+
+    def sampled(self, i: int) -> SampledToken:
+        """Row i's sampled token (an exited row)."""
+        return self.logprobs.get(i) or SampledToken(int(self.token_ids[i]))
+
+    def scatter(self, index: np.ndarray, num_rows: int) -> DecodeResults:
+        """These results placed at rows `index` of `num_rows` rows (the others ran nothing)."""
+        full = DecodeResults.empty(num_rows)
+        full.exited[index] = self.exited
+        full.hazards[index] = self.hazards
+        full.token_ids[index] = self.token_ids
+        logprobs = {int(index[i]): token for i, token in self.logprobs.items()}
+        return DecodeResults(full.exited, full.hazards, full.token_ids, logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +252,7 @@ class KVTransfer:
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     step_id: int
+    # Prompt chunks and replay rows (decode rows are the columns of `decode`).
     items: tuple[WorkItem, ...]
     # request_id -> block ids of each plane (the KV manager's lists, read-only here).
     block_tables: dict[str, tuple[list[int], ...]]
@@ -132,26 +265,31 @@ class SchedulerOutput:
     # their sampling generators (the request resumes later under the same id).
     preempted_request_ids: tuple[str, ...] = ()
     kv_transfers: tuple[KVTransfer, ...] = ()
+    # The decode rows of the step's first core call (they come before `items` in it).
+    decode: DecodeRows | None = None
+
+    @property
+    def num_decode_rows(self) -> int:
+        return 0 if self.decode is None else len(self.decode)
 
     @property
     def num_rows(self) -> int:
-        return sum(item.token_count for item in self.items)
+        return self.num_decode_rows + sum(item.token_count for item in self.items)
 
     @property
     def is_empty(self) -> bool:
-        return not self.items
+        return not self.items and self.decode is None
 
 
 class ItemResult(NamedTuple):
-    """One item's result. A NamedTuple, like `WorkItem`, for the same reason: the runner
-    builds one per row every loop."""
+    """One item's result (a NamedTuple, like `WorkItem`)."""
 
     request_id: str
     handle: int
-    # Hazards read this step: decode rows one per gated loop; first-token prompt items one
-    # per depth of the last prompt position.
+    # Hazards read this step: first-token prompt items one per depth of the last prompt
+    # position.
     hazards: tuple[float, ...] = ()
-    # The executor's exit decision (`loopserve.exit.loop_exits`, or the first token's
+    # The executor's exit decision (a replay row's last loop, or the first token's
     # `choose_exit_from_hazards`); the scheduler records it and never re-derives it.
     exited: bool = False
     loops_used: int | None = None
@@ -194,6 +332,8 @@ class RunnerOutput:
     num_d2h_transfers: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    # One result per row of `SchedulerOutput.decode` (None when it had no decode rows).
+    decode: DecodeResults | None = None
 
 
 class Executor(ABC):
@@ -262,10 +402,10 @@ class StepRules:
         """The plane call `call_index` of the step writes and reads for `item`."""
         return 0 if self.shared else item.depth + call_index
 
-    def finalizes(self, item: WorkItem, exited: bool) -> bool:
-        """An exited decode or replay token below full depth copies its K/V of its exit depth
-        into every deeper plane (LAST_EXITED only)."""
-        return exited and not self.shared and item.depth < self.num_loops - 1
+    def finalizes(self, depth: int, exited: bool) -> bool:
+        """A decode or replay token exiting after loop `depth`, below full depth, copies its
+        K/V of that depth into every deeper plane (LAST_EXITED only)."""
+        return exited and not self.shared and depth < self.num_loops - 1
 
     def samples_first_token(self, item: WorkItem) -> bool:
         """The item is its request's last prompt chunk and reaches the last depth this step:
@@ -273,8 +413,9 @@ class StepRules:
         return item.first_token and item.last_depth == self.num_loops - 1
 
     def releases_handle(self, item: WorkItem, exited: bool, sampled: bool) -> bool:
-        """The item's work ends this step (its handle is released, not kept): a token was
-        sampled, a prompt chunk ran its last depth, or a replay row reached its loop count."""
+        """The item's work ends this step (its handle is released, not kept): a first token
+        was sampled, a prompt chunk ran its last depth, or a replay row reached its loop
+        count."""
         return (
             sampled
             or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
@@ -292,12 +433,30 @@ def run_without_failed(
     results with only `request_id` and `handle`, so results stay one per item, in order."""
     failed_ids = {failure.request_id for failure in failures}
     kept = tuple(item for item in scheduled.items if item.request_id not in failed_ids)
-    output = run(dataclasses.replace(scheduled, items=kept))
+    decode, kept_rows = scheduled.decode, None
+    if decode is not None:  # (a handed-off request decodes in the step that announces it)
+        kept_rows = np.array(
+            [i for i, rid in enumerate(decode.request_ids) if rid not in failed_ids], np.int64
+        )
+        decode = decode.take(kept_rows) if len(kept_rows) else None
+    output = run(dataclasses.replace(scheduled, items=kept, decode=decode))
     ran = iter(output.results)
     results = tuple(
         ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
         for item in scheduled.items
     )
+    decode_results = None
+    if scheduled.decode is not None:
+        num_rows = len(scheduled.decode)
+        ran_rows = output.decode
+        decode_results = (
+            DecodeResults.empty(num_rows)
+            if ran_rows is None
+            else ran_rows.scatter(kept_rows, num_rows)  # type: ignore[arg-type]
+        )
     return dataclasses.replace(
-        output, results=results, failed_requests=failures + output.failed_requests
+        output,
+        results=results,
+        decode=decode_results,
+        failed_requests=failures + output.failed_requests,
     )

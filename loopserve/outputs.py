@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_s: float
     first_scheduled_s: float | None
@@ -45,8 +45,12 @@ class TokenLogprob:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
+    """Not frozen (like vLLM's): the engine builds one per request per step, and a frozen
+    dataclass costs about 3x as much to build (docs/benchmarks.md, "Host work per core
+    call")."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -72,7 +76,7 @@ class RequestOutput:
 
     def __post_init__(self) -> None:
         if self.num_output_tokens < 0:
-            object.__setattr__(self, "num_output_tokens", len(self.token_ids))
+            self.num_output_tokens = len(self.token_ids)
 
     @property
     def finished(self) -> bool:

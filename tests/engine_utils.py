@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
+import numpy as np
+
+from loopserve.contracts import DecodeRows
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.reference import generate
 from loopserve.sampling_params import SamplingParams
@@ -105,3 +109,68 @@ def kv_planes(engine: LLMEngine, request_id: str, num_positions: int):
         slots = [table[p // block_size] * block_size + p % block_size for p in range(num_positions)]
         planes.append(cache[:, :, slots].clone())
     return torch.stack(planes)
+
+
+class StepRow(NamedTuple):
+    """One row group of a step, read alike for decode rows and items (tests only): a decode
+    row (`kind` "decode", one row, one depth) or a prompt / replay `WorkItem`."""
+
+    request_id: str
+    kind: str  # "decode", "prompt", "replay"
+    token_start: int
+    token_count: int
+    depth: int
+    num_depths: int
+    needs_gate: bool
+    exit_now: bool | None  # decode rows: True / False, None where the gate decides
+    first_token: bool = False
+
+
+class StepRows(list):
+    """A step's `StepRow`s, with the step's id and its first call's row count."""
+
+    step_id: int
+    num_rows: int
+
+
+def step_rows(scheduled) -> StepRows:
+    """A `SchedulerOutput`'s decode rows (first, as in the call) and items, as `StepRow`s."""
+    rows = StepRows()
+    rows.step_id, rows.num_rows = scheduled.step_id, scheduled.num_rows
+    if scheduled.decode is not None:
+        for row in scheduled.decode.rows():
+            exit_now = {1: True, 0: False, -1: None}[row.exit_code]
+            rows.append(
+                StepRow(
+                    row.request_id,
+                    "decode",
+                    row.position,
+                    1,
+                    row.depth,
+                    1,
+                    row.needs_gate,
+                    exit_now,
+                )  # fmt: skip
+            )
+    for item in scheduled.items:
+        rows.append(
+            StepRow(
+                item.request_id,
+                item.kind.value,
+                item.token_start,
+                item.token_count,
+                item.depth,
+                item.num_depths,
+                item.needs_gate,
+                item.exit_now,
+                item.first_token,
+            )  # fmt: skip
+        )
+    return rows
+
+
+def decode_rows(*rows) -> DecodeRows:
+    """`DecodeRows` columns from `DecodeRow` values (hand-built steps in tests)."""
+    columns = list(zip(*rows))
+    dtypes = [np.int64, np.int64, np.int64, np.int8, bool, np.float64, np.float64, np.float64]
+    return DecodeRows(tuple(columns[0]), *(np.array(c, t) for c, t in zip(columns[1:], dtypes)))

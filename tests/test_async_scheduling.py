@@ -104,18 +104,18 @@ def test_select_ahead_predicts_the_next_rows_before_update(tiny_dir, mode):
     ahead_out = None
     for _ in range(2):  # decode loops at depth 0 and 1
         scheduled = ahead_out or scheduler.schedule()
-        depths = {item.request_id: item.depth for item in scheduled.items}
+        depths = {row.request_id: row.depth for row in scheduled.decode.rows()}
         ahead = scheduler.select_ahead(scheduled)
         output = runner.execute(scheduled)
         scheduler.update(scheduled, output)
         ahead_out = scheduler.complete_ahead(ahead)
     assert depths == {"a": 1, "b": 1, "c": 1}
-    next_depths = {item.request_id: item.depth for item in ahead_out.items}
+    next_depths = {row.request_id: row.depth for row in ahead_out.decode.rows()}
     if mode == "refill":
         assert ahead == ["a", "b", "c"]
         assert next_depths == {"a": 0, "b": 2, "c": 2}
-        first = ahead_out.items[0]
-        assert first.needs_prelude and first.token_ids == (output.results[0].sampled.token_id,)
+        first = ahead_out.decode.row(0)  # "a"'s next token: its sampled id, fed back
+        assert first.depth == 0 and first.token_id == output.decode.token_ids[0]
     else:
         assert ahead == ["b", "c"]
         assert next_depths == {"b": 2, "c": 2}
@@ -136,7 +136,7 @@ def test_complete_ahead_drops_requests_finished_between_steps(tiny_dir):
     assert ahead == ["a", "b"]
     engine.abort_request("b")  # between steps, while "b" sits in the planned rows
     out = scheduler.complete_ahead(ahead)
-    assert [item.request_id for item in out.items] == ["a"]
+    assert out.items == () and out.decode.request_ids == ("a",)
     assert out.finished_request_ids == ("b",)  # the release still reaches the runner
     engine.abort_request("a")
     assert scheduler.complete_ahead(["a"]) is None  # nothing left: schedule after update
@@ -155,7 +155,7 @@ def test_aborting_everything_while_a_step_is_in_flight_drains_it(tiny_dir):
         steps += 1
         assert steps < 20
     in_flight = engine.core._inflight[0]
-    assert {item.request_id for item in in_flight.items} == {"a", "b"}
+    assert set(in_flight.decode.request_ids) == {"a", "b"}
     engine.abort_request("a")
     assert engine.core._inflight is not None  # "b" still runs: the step stays in flight
     engine.abort_request("b")

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from loopserve.config import EngineConfig, effective_graph_mode
-from loopserve.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.models.attention import attention_reference
 from loopserve.runner.attention.base import RowSegment
@@ -191,20 +191,32 @@ class TargetWatch:
         engine.core.add_observer(self._on_step)
 
     def _on_step(self, scheduled, output) -> None:
+        # (request, last position, depth, hazards read, kind) of every decode row and item.
+        groups = []
+        if scheduled.decode is not None:
+            rows, results = scheduled.decode, output.decode
+            for i, request_id in enumerate(rows.request_ids):
+                hazard = results.hazards[i]
+                hazards = () if np.isnan(hazard) else (float(hazard),)
+                groups.append(
+                    (request_id, int(rows.positions[i]), int(rows.depths[i]), hazards, "decode")
+                )
         for item, result in zip(scheduled.items, output.results):
-            if item.request_id != self.target:
-                continue
             last_position = item.token_start + item.token_count - 1
-            for k, hazard in enumerate(result.hazards):
+            groups.append(
+                (item.request_id, last_position, item.depth, result.hazards, item.kind.value)
+            )
+        mine = [g for g in groups if g[0] == self.target]
+        others = [g for g in groups if g[0] != self.target]
+        for _, last_position, depth, hazards, _ in mine:
+            for k, hazard in enumerate(hazards):
                 # A replay that reads a hazard again must read the same bits.
-                assert self.hazards.setdefault((last_position, item.depth + k), hazard) == hazard
-        mine = [item for item in scheduled.items if item.request_id == self.target]
-        others = [item for item in scheduled.items if item.request_id != self.target]
+                assert self.hazards.setdefault((last_position, depth + k), hazard) == hazard
         if mine and others:
             self.shared_steps += 1
-            self.replay_shared_steps += any(item.kind is ItemKind.REPLAY for item in mine)
-            depths = {item.depth for item in mine}
-            self.mixed_depth_steps += any(item.depth not in depths for item in others)
+            self.replay_shared_steps += any(kind == "replay" for *_, kind in mine)
+            depths = {depth for _, _, depth, _, _ in mine}
+            self.mixed_depth_steps += any(depth not in depths for _, _, depth, _, _ in others)
 
     def snapshot(self, engine) -> None:
         request = engine.scheduler.requests.get(self.target)
@@ -213,8 +225,7 @@ class TargetWatch:
             and self.target in engine.kv.tables
             and not request.in_prompt_phase
             and request.replay is None
-            and request.token_exit is not None
-            and request.token_exit.depth == 0
+            and engine.scheduler.token_depth(self.target) == 0
         )
         if between_tokens:
             position = request.next_position

@@ -62,13 +62,13 @@ def test_abort_between_steps_is_delivered_with_the_next_output():
     submit(sim, "a", 4, 5, (4,))
     submit(sim, "b", 4, 5, (4,))
     core.step()
-    core.step()  # decode loop 0 of both: their handles are in flight
+    core.step()  # decode loop 0 of both: their decode state is in flight
     assert sim.executor.num_live_handles == 2
     assert core.abort_request("a") is not None
     assert core.stats().num_running == 1
     core.step()
     assert seen[-1].finished_request_ids == ("a",)
-    assert [i.request_id for i in seen[-1].items] == ["b"]
+    assert seen[-1].decode.request_ids == ("b",)
     assert sim.executor.num_live_handles == 1
     core.finish_request(sim.scheduler.requests["b"], FinishReason.STOP)
     assert sim.executor.num_live_handles == 0  # idle: flushed without a step
@@ -115,7 +115,7 @@ def test_failing_execute_also_fails_requests_it_only_announced():
     result = core.step()
     assert sim.scheduler.has_pending_releases()  # the failing executor could not take them
     sim.executor.execute = real_execute  # type: ignore[method-assign]
-    assert [item.request_id for item in result.scheduled.items] == ["a"]
+    assert result.scheduled.decode.request_ids == ("a",)
     assert [new.request_id for new in result.scheduled.new_requests] == ["b"]
     assert [r.request_id for r in result.failed] == ["a", "b"]
     assert result.errors == {"a": "RuntimeError: injected", "b": "RuntimeError: injected"}

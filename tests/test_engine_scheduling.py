@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from loopserve.contracts import ItemKind
 from loopserve.errors import CapacityError, ConfigError, InvalidRequestError
 from loopserve.models.attention import attention_reference
 from loopserve.runner.attention.torch_paged import (
@@ -17,13 +16,14 @@ from loopserve.runner.attention.torch_paged import (
     Workspace,
 )
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import make_engine, reference_for, run_steps
+from tests.engine_utils import make_engine, reference_for, run_steps, step_rows
 
 
 def record_schedules(engine):
-    """Every executed step's `SchedulerOutput`, through the engine core's observer hook."""
+    """Every executed step's rows (`step_rows`: decode rows, then items), through the engine
+    core's observer hook."""
     steps = []
-    engine.core.add_observer(lambda scheduled, _output: steps.append(scheduled))
+    engine.core.add_observer(lambda scheduled, _output: steps.append(step_rows(scheduled)))
     return steps
 
 
@@ -40,14 +40,12 @@ def test_exit_after_one_loop_frees_row_for_refill_next_to_slow_token(tiny_dir):
     run_steps(engine, work)
     shared_calls = [
         s for s in steps
-        if {(i.request_id, i.depth) for i in s.items} >= {("fast", 0)}
-        and any(i.request_id == "slow" and i.depth >= 1 for i in s.items)
+        if {(i.request_id, i.depth) for i in s} >= {("fast", 0)}
+        and any(i.request_id == "slow" and i.depth >= 1 for i in s)
     ]  # fmt: skip
     assert shared_calls, "a fast token's next token never rode with the slow token's later loops"
     for s in steps:
-        assert all(i.kind is ItemKind.DECODE for i in s.items) or all(
-            i.kind is ItemKind.PROMPT for i in s.items
-        )
+        assert all(i.kind == "decode" for i in s) or all(i.kind == "prompt" for i in s)
 
 
 def test_no_refill_holds_exited_tokens_until_the_cohort_drains(tiny_dir):
@@ -55,9 +53,9 @@ def test_no_refill_holds_exited_tokens_until_the_cohort_drains(tiny_dir):
     steps = record_schedules(engine)
     work = [("fast", [1, 2, 3], trace_params([1]), 0), ("slow", [4, 5, 6], trace_params([4]), 0)]
     finished = run_steps(engine, work)
-    decode_steps = [s for s in steps if s.items and s.items[0].kind is ItemKind.DECODE]
+    decode_steps = [s for s in steps if s and s[0].kind == "decode"]
     for s in decode_steps:
-        depths = {i.request_id: i.depth for i in s.items}
+        depths = {i.request_id: i.depth for i in s}
         if depths.get("slow", 0) >= 1:
             assert "fast" not in depths, "fast token refilled before the cohort drained"
     assert finished["fast"].exit_depths == [1] * 6
@@ -69,9 +67,7 @@ def test_decode_rows_at_different_depths_share_one_core_call(tiny_dir):
     steps = record_schedules(engine)
     work = [(f"r{i}", [i + 1, 7], trace_params([i + 1]), 0) for i in range(4)]
     run_steps(engine, work)
-    depth_sets = [
-        {i.depth for i in s.items} for s in steps if s.items and s.items[0].kind is ItemKind.DECODE
-    ]
+    depth_sets = [{i.depth for i in s} for s in steps if s and s[0].kind == "decode"]
     assert max(len(d) for d in depth_sets) >= 3
 
 
@@ -93,13 +89,11 @@ def test_atomic_prompt_chunks_run_all_loops_and_pack_several_requests(tiny_dir):
         for i in range(3)
     ]
     run_steps(engine, work)
-    prompt_steps = [s for s in steps if s.items and s.items[0].kind is ItemKind.PROMPT]
-    assert all(i.num_depths == 4 and i.depth == 0 for s in prompt_steps for i in s.items)
+    prompt_steps = [s for s in steps if s and s[0].kind == "prompt"]
+    assert all(i.num_depths == 4 and i.depth == 0 for s in prompt_steps for i in s)
     assert all(s.num_rows <= 48 for s in steps)
-    assert max(len({i.request_id for i in s.items}) for s in prompt_steps) >= 2
-    chunks = sorted(
-        (i.request_id, i.token_start, i.token_count) for s in prompt_steps for i in s.items
-    )
+    assert max(len({i.request_id for i in s}) for s in prompt_steps) >= 2
+    chunks = sorted((i.request_id, i.token_start, i.token_count) for s in prompt_steps for i in s)
     assert [c for c in chunks if c[0] == "r0"] == [("r0", 0, 12), ("r0", 12, 12), ("r0", 24, 6)]
 
 
@@ -112,12 +106,12 @@ def test_prompt_and_decode_steps_alternate_when_both_are_ready(tiny_dir):
     late_prompt_steps = [
         i
         for i, s in enumerate(steps)
-        if any(it.request_id == "late" and it.kind is ItemKind.PROMPT for it in s.items)
+        if any(it.request_id == "late" and it.kind == "prompt" for it in s)
     ]
     early_decode_steps = {
         i
         for i, s in enumerate(steps)
-        if any(it.request_id == "early" and it.kind is ItemKind.DECODE for it in s.items)
+        if any(it.request_id == "early" and it.kind == "decode" for it in s)
     }
     # Between two prompt steps of the long prompt, the running request decodes once.
     for a, b in zip(late_prompt_steps, late_prompt_steps[1:]):

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from loopserve.config import EngineConfig, effective_graph_mode
+from loopserve.contracts import DecodeRow
 from loopserve.runner.graphs import bucket_for, graph_buckets
-from tests.engine_utils import make_engine, random_workload, reference_for, run_steps
+from tests.engine_utils import decode_rows, make_engine, random_workload, reference_for, run_steps
 
 
 def test_buckets_are_powers_then_multiples_of_eight_up_to_max_rows():
@@ -104,23 +105,35 @@ def test_capture_needs_cuda(tiny_dir):
         engine.runner.graphs.capture()
 
 
+def _rows(*rows: tuple[str, int, int]):
+    """Decode rows (request, position, depth) that continue after this loop."""
+    return decode_rows(*(DecodeRow(r, pos, d, 5, 0, False, 0.0, 1.0, 1.0) for r, pos, d in rows))
+
+
+def _planes(plane0: list[int], offset: int) -> tuple[list[int], ...]:
+    """A request's four plane tables: `plane0`, the others on blocks `offset` apart."""
+    return tuple([b + k * offset for b in plane0] for k in range(4))
+
+
 def test_padding_rows_write_only_the_dummy_block(tiny_dir):
     engine = make_engine(tiny_dir, max_model_len=96, graph_mode="emulate", max_num_seqs=8)
-    graphs = engine.runner.graphs
-    kv = engine.runner.kv_cache
+    runner, graphs = engine.runner, engine.runner.graphs
+    kv = runner.kv_cache
     torch.manual_seed(3)
     kv.normal_()  # every slot holds a distinct value, so any stray write shows
     before = kv.clone()
-    hidden_size = engine.model.config.hidden_size
-    # 3 real rows (bucket 4: one padding row) on blocks 5, 6 and 9 of tables of two blocks.
-    tables = [[2, 5], [7, 6], [1, 9]]
-    positions = [5, 6, 4]  # block_size 4: slots 5*4+1, 6*4+2, 9*4+0
-    out = graphs.run(torch.randn(3, hidden_size), positions, tables)
-    assert out.shape == (3, hidden_size)
+    # 3 real rows (bucket 4: one padding row), loop 0, on blocks 5, 6 and 9 of their plane-0
+    # tables of two blocks (their other planes are 40 blocks further on).
+    tables = {"a": _planes([2, 5], 40), "b": _planes([7, 6], 40), "c": _planes([1, 9], 40)}
+    rows = _rows(("a", 5, 0), ("b", 6, 0), ("c", 4, 0))
+    host = runner.decode.host_columns(rows, tables)
+    bucket = graphs.stage(rows, host)
+    out = graphs.launch(bucket, rows, host).out
+    assert out.shape == (3, engine.model.config.hidden_size)
     assert (graphs.num_calls, graphs.num_padded_rows) == (1, 1)
     changed = (kv != before).flatten(3).any(-1).any(0).any(0).nonzero().flatten().tolist()
     dummy = engine.config.cache.num_blocks * 4
-    assert changed == [21, 26, 36, dummy]  # the real rows' slots, then the dummy slot
+    assert changed == [21, 26, 36, dummy]  # the real rows' slots (block_size 4), then the dummy
     # The static inputs of bucket 4: real tables then the dummy block, one padding row.
     d = engine.config.cache.num_blocks
     width = graphs.max_blocks  # ceil(96 / 4)
@@ -130,35 +143,43 @@ def test_padding_rows_write_only_the_dummy_block(tiny_dir):
     assert graphs.table_index[3].item() == graphs.padding_table  # the dummy-only row
     assert graphs.context_lens[:4].tolist() == [6, 7, 5, 1]
     assert graphs.write_slots[:4].tolist() == [21, 26, 36, dummy]
-    # A smaller call after it writes the entries its row reads (entries past a row's
-    # context are never read: its context length bounds every read).
-    graphs.run(torch.randn(1, hidden_size), [0], [[3]])
-    assert graphs.block_tables[graphs.table_index[0]][0].item() == 3
+    # A smaller call after it: loop 1 of "c" reads its plane-1 table.
+    rows = _rows(("c", 4, 1))
+    host = runner.decode.host_columns(rows, tables)
+    graphs.launch(graphs.stage(rows, host), rows, host)
+    assert graphs.block_tables[graphs.table_index[0], :2].tolist() == [41, 49]
 
 
 def test_persistent_tables_send_only_the_entries_a_table_gained(tiny_dir):
+    """The decode rows' device tables are written incrementally: a call's one copy in carries
+    only the entries its rows' tables gained (every plane), besides its per-row columns."""
     engine = make_engine(tiny_dir, max_model_len=96, graph_mode="emulate", max_num_seqs=4)
-    graphs = engine.runner.graphs
-    hidden = torch.randn(2, engine.model.config.hidden_size)
+    runner = engine.runner
     sent = []
 
-    def load(positions, tables, keys):
-        before = graphs.transfers.h2d_bytes
-        graphs.load(hidden[: len(keys)], positions, tables, keys)
-        sent.append((graphs.transfers.h2d_bytes - before) // 8)  # int64 values
+    def begin(rows, tables):
+        before = runner.transfers.counts()
+        runner.decode.begin(_rows(*rows), tables)
+        h2d, _, h2d_bytes, _ = (a - b for a, b in zip(runner.transfers.counts(), before))
+        assert h2d == 1  # one staged copy per call
+        sent.append(h2d_bytes // 8)  # int64 values
 
-    a, b = [10, 11, 12], [20, 21, 22]
-    load([5, 6], [a, b], [("a", 0), ("b", 0)])  # blocks 0-1 of each table: 4 entries
-    load([6, 7], [a, b], [("a", 0), ("b", 0)])  # same blocks: no entry
-    load([8, 7], [a, b], [("a", 0), ("b", 0)])  # "a" enters block 2: one entry
-    # 3 values per row per bucket-2 call (position, slot, table row), then index + block.
-    assert sent == [2 * 3 + 2 * 4, 2 * 3, 2 * 3 + 2]
-    rows = graphs.table_index[:2].tolist()
-    assert graphs.block_tables[rows[0], :3].tolist() == a
-    # Replaced blocks (a preemption gave "b" new ones) are written again from the start.
-    load([6], [[30, 31]], [("b", 0)])
-    assert sent[-1] == 3 * 1 + 2 * 2
-    assert graphs.block_tables[graphs.table_index[0], :2].tolist() == [30, 31]
+    a, b = _planes([10, 11, 12], 40), _planes([20, 21, 22], 40)
+    tables = {"a": a, "b": b}
+    # Per row: slot, position, table row; the loop-0 rows also their index and token.
+    begin([("a", 5, 0), ("b", 6, 0)], tables)  # blocks 0-1 of each plane: 2 x 4 x 2 entries
+    begin([("a", 6, 1), ("b", 7, 1)], tables)  # same blocks: no entry
+    begin([("a", 8, 0), ("b", 7, 2)], tables)  # "a" enters block 2: one entry per plane
+    assert sent == [2 * 5 + 2 * 16, 2 * 3, 2 * 3 + 2 + 2 * 4]
+    slots = runner.decode_slots
+    a_row = slots.slot_of["a"] * 4
+    assert slots.tables[a_row + 3, :3].tolist() == a[3]
+    # A request released and back (a preemption gave "b" new blocks) is written again.
+    runner.decode_slots.release("b")
+    begin([("b", 6, 0)], {"b": _planes([30, 31], 50)})
+    assert sent[-1] == 5 + 2 * 8
+    b_row = slots.slot_of["b"] * 4
+    assert slots.tables[b_row + 1, :2].tolist() == [80, 81]
 
 
 def test_failed_capture_falls_back_to_eager_and_says_why(tiny_model):

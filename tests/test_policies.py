@@ -12,7 +12,9 @@ import itertools
 
 import pytest
 
+from loopserve.exit import ExitMode
 from loopserve.sampling_params import SamplingParams
+from loopserve.scheduler.decode_table import DecodeTable
 from loopserve.scheduler.policies import (
     PROMPT_POLICIES,
     NoRefillPolicy,
@@ -36,8 +38,22 @@ def make_request(request_id: str, num_prompt_tokens: int = 3, order: int = 0) ->
     )
 
 
-def ids(requests: list[Request]) -> list[str]:
-    return [r.request_id for r in requests]
+def decoding(requests: list[Request]) -> DecodeTable:
+    """A decode table holding these requests (admission order) with a token in flight each."""
+    table = DecodeTable(8, exit_mode=ExitMode.OURO)
+    for request in requests:
+        request.output_token_ids = [5]
+        table.add(request)
+        table.start_token(request)
+    return table
+
+
+def ids(table: DecodeTable, rows) -> list[str]:
+    return [table.ids[row] for row in rows]
+
+
+def rows_of(table: DecodeTable, *request_ids: str):
+    return table.lookup(request_ids)
 
 
 # ---- decode policies ------------------------------------------------------------------------
@@ -45,26 +61,38 @@ def ids(requests: list[Request]) -> list[str]:
 
 def test_refill_picks_every_ready_token_in_order_up_to_the_row_budget():
     requests = [make_request(f"r{i}", order=i) for i in range(5)]
+    table = decoding(requests)
     policy = RefillPolicy()
-    assert ids(policy.select(requests, 3)) == ["r0", "r1", "r2"]
-    assert ids(policy.select(requests, 8)) == ["r0", "r1", "r2", "r3", "r4"]
-    policy.on_token_exit(requests[0])  # an exit frees the row at once: r0 is ready again
-    assert ids(policy.select(requests, 5)) == ["r0", "r1", "r2", "r3", "r4"]
+    assert ids(table, policy.select(table, 3)) == ["r0", "r1", "r2"]
+    assert ids(table, policy.select(table, 8)) == ["r0", "r1", "r2", "r3", "r4"]
+    # an exit frees the row at once: r0's next token is ready again
+    policy.on_token_exits(table, rows_of(table, "r0"))
+    table.start_token(requests[0])
+    assert ids(table, policy.select(table, 5)) == ["r0", "r1", "r2", "r3", "r4"]
+    table.remove("r1")  # a request that left takes no row
+    assert ids(table, policy.select(table, 5)) == ["r0", "r2", "r3", "r4"]
 
 
 def test_no_refill_keeps_its_cohort_until_every_token_exits_then_refills():
     a, b, c, d = (make_request(name, order=i) for i, name in enumerate("abcd"))
+    table = decoding([a, b, c])
     policy = NoRefillPolicy()
-    assert ids(policy.select([a, b, c], 2)) == ["a", "b"]  # cohort {a, b}; c waits
-    policy.on_token_exit(a)
+    assert ids(table, policy.select(table, 2)) == ["a", "b"]  # cohort {a, b}; c waits
+    policy.on_token_exits(table, rows_of(table, "a"))
+    table.start_token(a)
+    d.output_token_ids = [5]
+    table.add(d)
+    table.start_token(d)
     # a's next token is ready and a row is free, but the cohort has not drained.
-    assert ids(policy.select([a, b, c, d], 2)) == ["b"]
-    assert ids(policy.select([a, b, c, d], 2)) == ["b"]
-    policy.on_token_exit(b)
-    assert ids(policy.select([a, b, c, d], 2)) == ["a", "b"]  # drained: a new cohort forms
-    policy.on_token_exit(a)
-    policy.on_request_gone("b")  # a finished or aborted member also leaves the cohort
-    assert ids(policy.select([a, c, d], 2)) == ["a", "c"]
+    assert ids(table, policy.select(table, 2)) == ["b"]
+    assert ids(table, policy.select(table, 2)) == ["b"]
+    policy.on_token_exits(table, rows_of(table, "b"))
+    table.start_token(b)
+    assert ids(table, policy.select(table, 2)) == ["a", "b"]  # drained: a new cohort forms
+    policy.on_token_exits(table, rows_of(table, "a"))
+    table.start_token(a)
+    table.remove("b")  # a finished or aborted member also leaves the cohort
+    assert ids(table, policy.select(table, 2)) == ["a", "c"]
 
 
 # ---- prompt policies ------------------------------------------------------------------------

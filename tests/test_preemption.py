@@ -161,7 +161,7 @@ def test_recompute_rebuilds_kvkv_planes(tiny_dir, layout, batch_invariant):
     request = engine.scheduler.requests["a"]
     while len(request.output_token_ids) < 9:
         engine.step()
-    assert request.token_exit.depth == 0  # the next token has not run a loop yet
+    assert engine.scheduler.token_depth("a") == 0  # the next token has not run a loop yet
     position = request.next_position  # the token in flight; positions before it are final
     before = kv_planes(engine, "a", position)
     early = [d for d in request.exit_depths[1:] if d < 4]
@@ -199,7 +199,7 @@ def test_preemption_mid_token_keeps_gate_state_and_sampler(tiny_dir, preemption)
     )
     engine.add_request("a", [4, 8, 15, 16, 23, 42], params)
     request = engine.scheduler.requests["a"]
-    while not (len(request.output_token_ids) >= 4 and request.token_exit.depth == 2):
+    while not (len(request.output_token_ids) >= 4 and engine.scheduler.token_depth("a") == 2):
         engine.step()
     engine.scheduler.preempt("a")
     assert request.swapped == (preemption == "swap")

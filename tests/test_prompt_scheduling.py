@@ -8,10 +8,15 @@ import zlib
 import pytest
 
 from loopserve.config import max_inflight_rows
-from loopserve.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import make_engine, random_workload, reference_for, run_steps
+from tests.engine_utils import (
+    make_engine,
+    random_workload,
+    reference_for,
+    run_steps,
+    step_rows,
+)
 
 ARMS = {
     "atomic": dict(prefill_mode="atomic"),
@@ -25,9 +30,10 @@ BUDGET = dict(prefill_chunk_size=8, max_num_batched_tokens=24, max_num_seqs=4, b
 
 
 def record_schedules(engine):
-    """Every executed step's `SchedulerOutput`, through the engine core's observer hook."""
+    """Every executed step's rows (`step_rows`: decode rows, then items), through the engine
+    core's observer hook."""
     steps = []
-    engine.core.add_observer(lambda scheduled, _output: steps.append(scheduled))
+    engine.core.add_observer(lambda scheduled, _output: steps.append(step_rows(scheduled)))
     return steps
 
 
@@ -128,22 +134,23 @@ def test_mixed_calls_form_with_decode_rows_first(tiny_dir):
     engine = make_engine(tiny_dir, **ARMS["mixed"], **BUDGET)
     steps = record_schedules(engine)
     run_steps(engine, long_and_short_workload())
-    mixed = [s for s in steps if {i.kind for i in s.items} == {ItemKind.DECODE, ItemKind.PROMPT}]
+    mixed = [s for s in steps if {i.kind for i in s} == {"decode", "prompt"}]
     assert len(mixed) >= 5
     for s in steps:
-        kinds = [i.kind for i in s.items]
-        assert kinds == sorted(kinds, key=lambda k: k is ItemKind.PROMPT), "decode rows come first"
-        assert s.num_rows <= BUDGET["max_num_batched_tokens"]
-        assert all(i.num_depths == 1 for i in s.items)
+        kinds = [i.kind for i in s]
+        assert kinds == sorted(kinds, key=lambda k: k == "prompt"), "decode rows come first"
+        assert sum(i.token_count for i in s) <= BUDGET["max_num_batched_tokens"]
+        assert all(i.num_depths == 1 for i in s)
 
 
 def test_mixed_selects_every_ready_decode_row(tiny_dir):
     engine = make_engine(tiny_dir, **ARMS["mixed"], **BUDGET)
-    steps = record_schedules(engine)
+    steps = []
+    engine.core.add_observer(lambda scheduled, _output: steps.append(scheduled))
 
     def check(e):
         scheduled = steps[-1]
-        decode_ids = {i.request_id for i in scheduled.items if i.kind is ItemKind.DECODE}
+        decode_ids = {i.request_id for i in step_rows(scheduled) if i.kind == "decode"}
         # Every request already in decode before this step had a row in it.
         assert decode_ids >= pre_decode.get(scheduled.step_id, set())
 
@@ -171,7 +178,7 @@ def test_wavefront_respects_chunk_dependencies_and_overlaps_depths(tiny_dir):
     done: set[tuple[int, int]] = set()  # (chunk start, depth) completed
     overlapped = False
     for s in steps:
-        items = [(i.token_start, i.depth) for i in s.items if i.kind is ItemKind.PROMPT]
+        items = [(i.token_start, i.depth) for i in s if i.kind == "prompt"]
         for start, depth in items:
             if start > 0:
                 assert (start - 8, depth) in done, (
@@ -184,8 +191,8 @@ def test_wavefront_respects_chunk_dependencies_and_overlaps_depths(tiny_dir):
         done |= set(items)
     assert overlapped, "c0@d1 and c1@d0 never shared a core call"
     assert any(
-        ((0, 1) in {(i.token_start, i.depth) for i in s.items})
-        and ((8, 0) in {(i.token_start, i.depth) for i in s.items})
+        ((0, 1) in {(i.token_start, i.depth) for i in s})
+        and ((8, 0) in {(i.token_start, i.depth) for i in s})
         for s in steps
     )
 
@@ -197,10 +204,10 @@ def test_prompt_items_keep_admission_order_across_depths(tiny_dir):
     work = [(f"p{i}", list(range(1, 20 + i)), params, 0) for i in range(3)]
     run_steps(engine, work)
     for s in steps:
-        order = [int(i.request_id[1:]) for i in s.items if i.kind is ItemKind.PROMPT]
+        order = [int(i.request_id[1:]) for i in s if i.kind == "prompt"]
         assert order == sorted(order)
-        for rid in {i.request_id for i in s.items}:
-            starts = [i.token_start for i in s.items if i.request_id == rid]
+        for rid in {i.request_id for i in s}:
+            starts = [i.token_start for i in s if i.request_id == rid]
             assert starts == sorted(starts)
 
 
@@ -230,8 +237,8 @@ def test_items_keep_their_length_and_new_chunks_fill_the_budget(tiny_dir):
     cut_in_full_calls = 0
     for s in steps:
         assert s.num_rows <= budget
-        for item in s.items:
-            if item.kind is not ItemKind.PROMPT:
+        for item in s:
+            if item.kind != "prompt":
                 continue
             lengths.setdefault((item.request_id, item.token_start), set()).add(item.token_count)
             natural = min(BUDGET["prefill_chunk_size"], 29 - item.token_start)
@@ -273,8 +280,8 @@ def test_budget_filling_chunks_equal_the_dense_reference_over_random_budgets(tin
         cuts += sum(
             1
             for s in steps
-            for i in s.items
-            if i.kind is ItemKind.PROMPT and i.depth == 0
+            for i in s
+            if i.kind == "prompt" and i.depth == 0
             and i.token_count < min(chunk, prompt_len[i.request_id] - i.token_start)
         )  # fmt: skip
     assert cuts > 0  # some chunk really was cut to its call's budget

@@ -12,7 +12,7 @@ import pytest
 
 from loopserve.engine import llm_engine
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import make_engine, reference_for, run_steps
+from tests.engine_utils import make_engine, reference_for, run_steps, step_rows
 from tests.fault_runner import FAIL_SEED, FAULT_TEXT, SetupFaultRunner
 
 ARMS = {
@@ -75,7 +75,7 @@ def test_failed_setup_fails_only_that_request_and_the_rest_match_the_reference(f
     assert failure.request_id == "bad" and FAULT_TEXT in failure.error
     assert {"bad", "c"} <= {new.request_id for new in scheduled.new_requests}
     # The step carried other requests' rows, ran none of bad's, and gave bad empty results.
-    others = [item for item in scheduled.items if item.request_id != "bad"]
+    others = [row for row in step_rows(scheduled) if row.request_id != "bad"]
     assert others
     if ARMS[arm].get("mixed_prefill_decode"):  # running decode rows shared the core call
         assert {"a", "b"} & {item.request_id for item in others if item.kind == "decode"}
@@ -134,7 +134,7 @@ def test_request_announced_in_a_step_without_its_items_fails_alone(fault_engine)
     outputs = {out.request_id: out for out in engine.step()}
     scheduled, output = steps[0]
     assert [new.request_id for new in scheduled.new_requests] == ["bad"]
-    assert [item.request_id for item in scheduled.items] == ["a"]
+    assert scheduled.items == () and scheduled.decode.request_ids == ("a",)
     assert [failure.request_id for failure in output.failed_requests] == ["bad"]
     assert outputs["bad"].finish_reason == "abort" and FAULT_TEXT in outputs["bad"].error
     assert "bad" not in engine.runner.samplers

@@ -4,8 +4,18 @@ no executor: the expected plans below are derived by hand from the rules in docs
 
 from __future__ import annotations
 
+import numpy as np
+
 from loopserve.config import EngineConfig
-from loopserve.contracts import ItemKind, ItemResult, RunnerOutput, SampledToken, SchedulerOutput
+from loopserve.contracts import (
+    DecodeResults,
+    ItemKind,
+    ItemResult,
+    RunnerOutput,
+    SampledToken,
+    SchedulerOutput,
+)
+from loopserve.exit.columns import CONTINUE, EXIT, GATE
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.request import Request
@@ -41,6 +51,20 @@ def result(item, hazards=(), exited=False, loops=None, token=None) -> ItemResult
     return ItemResult(item.request_id, item.handle, tuple(hazards), exited, loops, sampled)
 
 
+def decode_reply(scheduled: SchedulerOutput, *rows: tuple) -> RunnerOutput:
+    """Results of the step's decode rows, one `(hazard or None, exited, token)` per row."""
+    hazards = np.array([np.nan if h is None else h for h, _, _ in rows])
+    exited = np.array([e for _, e, _ in rows], bool)
+    tokens = np.array([-1 if t is None else t for _, _, t in rows], np.int64)
+    return RunnerOutput(scheduled.step_id, (), decode=DecodeResults(exited, hazards, tokens))
+
+
+def only_row(scheduled: SchedulerOutput):
+    assert scheduled.items == () and scheduled.decode is not None
+    (row,) = scheduled.decode.rows()
+    return row
+
+
 def run_prompt(scheduler: Scheduler, loops: int, token: int = 7) -> None:
     """One atomic prompt step whose first token the executor reports with `loops` loops."""
     scheduled = scheduler.schedule()
@@ -63,25 +87,23 @@ def test_exit_reported_at_depth_one_frees_the_row_and_next_token_starts_at_depth
     request = add(scheduler, "a", max_tokens=4, exit_threshold=0.5)
     run_prompt(scheduler, loops=4)
     scheduled = scheduler.schedule()
-    (item,) = scheduled.items
+    row = only_row(scheduled)
     # Loop 0 of the decode token at position 3 (the first output token, fed back).
-    assert (item.depth, item.token_start, item.token_ids, item.needs_prelude) == (0, 3, (7,), True)
-    assert item.needs_gate and item.exit_now is None  # the gate of this loop decides
-    handle = item.handle
-    scheduler.update(scheduled, reply(scheduled, result(item, [0.1])))
+    assert (row.depth, row.position, row.token_id) == (0, 3, 7)
+    assert row.needs_gate and row.exit_code == GATE  # the gate of this loop decides
+    scheduler.update(scheduled, decode_reply(scheduled, (0.1, False, None)))
     scheduled = scheduler.schedule()
-    (item,) = scheduled.items
-    assert (item.depth, item.handle, item.needs_prelude) == (1, handle, False)
-    assert abs(item.cdf_before - 0.1) < 1e-12 and abs(item.survival_before - 0.9) < 1e-12
+    row = only_row(scheduled)
+    assert row.depth == 1
+    assert abs(row.cdf_before - 0.1) < 1e-12 and abs(row.survival_before - 0.9) < 1e-12
     # The executor reports an exit at depth 1 although 0.1 + 0.2 * 0.9 < 0.5: the scheduler
     # records the reported decision instead of re-deriving it.
-    touched = scheduler.update(scheduled, reply(scheduled, result(item, [0.2], True, 2, 8)))
+    touched = scheduler.update(scheduled, decode_reply(scheduled, (0.2, True, 8)))
     assert touched == [request]
     assert request.output_token_ids == [7, 8] and request.exit_depths == [4, 2]
-    scheduled = scheduler.schedule()
-    (item,) = scheduled.items
-    assert (item.depth, item.token_start, item.token_ids, item.needs_prelude) == (0, 4, (8,), True)
-    assert (item.cdf_before, item.survival_before) == (0.0, 1.0)
+    row = only_row(scheduler.schedule())
+    assert (row.depth, row.position, row.token_id) == (0, 4, 8)
+    assert (row.cdf_before, row.survival_before) == (0.0, 1.0)
     scheduler.check_invariants()
 
 
@@ -90,10 +112,9 @@ def test_no_exit_reported_keeps_the_token_looping_even_past_the_threshold():
     request = add(scheduler, "a", max_tokens=4, exit_threshold=0.5)
     run_prompt(scheduler, loops=4)
     scheduled = scheduler.schedule()
-    (item,) = scheduled.items
-    scheduler.update(scheduled, reply(scheduled, result(item, [0.9])))  # executor: continue
-    (item,) = scheduler.schedule().items
-    assert item.depth == 1 and abs(item.cdf_before - 0.9) < 1e-12
+    scheduler.update(scheduled, decode_reply(scheduled, (0.9, False, None)))  # continue
+    row = only_row(scheduler.schedule())
+    assert row.depth == 1 and abs(row.cdf_before - 0.9) < 1e-12
     assert request.exit_depths == [4]
 
 
@@ -102,17 +123,17 @@ def test_delayed_crossing_commits_the_exit_one_loop_later():
     request = add(scheduler, "a", max_tokens=4, exit_threshold=0.5)
     run_prompt(scheduler, loops=4)
     scheduled = scheduler.schedule()
-    (item,) = scheduled.items
+    row = only_row(scheduled)
     # Delayed: the gate of loop 0 can only commit an exit after loop 1.
-    assert item.depth == 0 and item.needs_gate and item.exit_now is False
-    scheduler.update(scheduled, reply(scheduled, result(item, [0.6])))  # crosses 0.5
+    assert row.depth == 0 and row.needs_gate and row.exit_code == CONTINUE
+    scheduler.update(scheduled, decode_reply(scheduled, (0.6, False, None)))  # crosses 0.5
     scheduled = scheduler.schedule()
-    (item,) = scheduled.items
-    assert item.depth == 1 and item.exit_now is True and not item.needs_gate
-    scheduler.update(scheduled, reply(scheduled, result(item, (), True, 2, 9)))
+    row = only_row(scheduled)
+    assert row.depth == 1 and row.exit_code == EXIT and not row.needs_gate
+    scheduler.update(scheduled, decode_reply(scheduled, (None, True, 9)))
     assert request.exit_depths == [4, 2] and request.output_token_ids == [7, 9]
-    (item,) = scheduler.schedule().items
-    assert item.depth == 0 and item.needs_gate and item.exit_now is False
+    row = only_row(scheduler.schedule())
+    assert row.depth == 0 and row.needs_gate and row.exit_code == CONTINUE
 
 
 def test_delayed_hazard_below_the_threshold_commits_nothing():
@@ -120,10 +141,9 @@ def test_delayed_hazard_below_the_threshold_commits_nothing():
     add(scheduler, "a", max_tokens=4, exit_threshold=0.5)
     run_prompt(scheduler, loops=4)
     scheduled = scheduler.schedule()
-    (item,) = scheduled.items
-    scheduler.update(scheduled, reply(scheduled, result(item, [0.3])))
-    (item,) = scheduler.schedule().items
-    assert item.depth == 1 and item.exit_now is False and item.needs_gate
+    scheduler.update(scheduled, decode_reply(scheduled, (0.3, False, None)))
+    row = only_row(scheduler.schedule())
+    assert row.depth == 1 and row.exit_code == CONTINUE and row.needs_gate
 
 
 def test_finished_and_aborted_requests_are_released_in_the_next_output():
@@ -137,8 +157,26 @@ def test_finished_and_aborted_requests_are_released_in_the_next_output():
     scheduler.abort_request("b")
     assert scheduler.has_pending_releases()
     out = scheduler.schedule_releases()
-    assert out.items == () and set(out.finished_request_ids) == {"a", "b"}
+    assert out.items == () and out.decode is None
+    assert set(out.finished_request_ids) == {"a", "b"}
     assert not scheduler.has_pending_releases() and scheduler.kv.num_used_blocks == 0
+
+
+def test_a_result_of_a_row_whose_request_left_is_skipped():
+    """A decode row whose request finished while its step ran: its result is dropped, the
+    other rows' results are applied to their own requests."""
+    scheduler = make_scheduler("trace")
+    add(scheduler, "a", max_tokens=3, exit_trace=(1,))
+    b = add(scheduler, "b", max_tokens=3, exit_trace=(1,))
+    scheduled = scheduler.schedule()
+    scheduler.update(scheduled, reply(scheduled, *(result(i, (), True, 1, 5)
+                                                   for i in scheduled.items)))  # fmt: skip
+    scheduled = scheduler.schedule()
+    assert scheduled.decode.request_ids == ("a", "b")
+    scheduler.abort_request("a")  # e.g. a client disconnect while the step runs
+    touched = scheduler.update(scheduled, decode_reply(scheduled, (None, True, 6), (None, True, 8)))
+    assert touched == [b] and b.output_token_ids == [5, 8]
+    scheduler.check_invariants()
 
 
 def test_an_item_result_with_several_tokens_appends_them_in_order_up_to_max_tokens():
@@ -146,16 +184,16 @@ def test_an_item_result_with_several_tokens_appends_them_in_order_up_to_max_toke
     own loop count; the request finishes at max_tokens and later ones are dropped."""
     scheduler = make_scheduler("trace")
     request = add(scheduler, "a", max_tokens=4, exit_trace=(4,))
-    run_prompt(scheduler, loops=4)
-    for _ in range(3):  # loops 0..2 of the second token
-        scheduled = scheduler.schedule()
-        (item,) = scheduled.items
-        scheduler.update(scheduled, reply(scheduled, result(item)))
     scheduled = scheduler.schedule()
-    (item,) = scheduled.items
-    extra = ((SampledToken(9), 2), (SampledToken(10), 3), (SampledToken(11), 4))
-    done = result(item, (), True, 4, 8)._replace(more_sampled=extra)
+    (item,) = scheduled.items  # the prompt, which samples the first token
+    extra = (
+        (SampledToken(9), 2),
+        (SampledToken(10), 3),
+        (SampledToken(11), 4),
+        (SampledToken(12), 1),
+    )
+    done = result(item, [0.0] * NUM_LOOPS, True, 4, 8)._replace(more_sampled=extra)
     assert scheduler.update(scheduled, reply(scheduled, done)) == [request]
-    assert request.output_token_ids == [7, 8, 9, 10] and request.exit_depths == [4, 4, 2, 3]
+    assert request.output_token_ids == [8, 9, 10, 11] and request.exit_depths == [4, 2, 3, 4]
     assert request.is_finished and request.finish_reason.value == "length"
     scheduler.check_invariants()

@@ -15,10 +15,11 @@ import math
 import numpy as np
 import pytest
 
-from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
+from loopserve.contracts import DecodeRow, ItemKind, SchedulerOutput, WorkItem
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.exit import ExitRule
+from loopserve.exit.columns import CONTINUE, GATE
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
@@ -34,6 +35,7 @@ from loopserve.sim.workload import (
     exit_distribution,
     poisson_arrivals,
 )
+from tests.engine_utils import decode_rows, step_rows
 
 H200 = get_device_profile("h200")
 
@@ -115,12 +117,11 @@ def test_named_exit_distributions():
 # ---- executor contract ---------------------------------------------------------------------
 
 
-def _decode_item(**kw) -> WorkItem:
-    base = dict(
-        request_id="r", kind=ItemKind.DECODE, token_start=10, token_count=1, depth=0,
-        num_depths=1, handle=1, needs_prelude=True, token_ids=(1,),
-    )  # fmt: skip
-    return WorkItem(**{**base, **kw})
+def _decode_step(step_id: int, depth: int, **kw) -> SchedulerOutput:
+    """One decode row of request "r" at position 10 (token 1 fed at loop 0)."""
+    row = dict(request_id="r", position=10, depth=depth, token_id=1, exit_code=CONTINUE,
+               needs_gate=False, cdf_before=0.0, survival_before=1.0, threshold=1.0)  # fmt: skip
+    return SchedulerOutput(step_id, (), {}, decode=decode_rows(DecodeRow(**{**row, **kw})))
 
 
 def test_gated_decode_exits_at_the_drawn_target():
@@ -131,22 +132,25 @@ def test_gated_decode_exits_at_the_drawn_target():
     new = (NewRequestData("r", SampleSpec(), None),)
     exits = []
     for depth in range(3):
-        item = _decode_item(
-            depth=depth, needs_prelude=depth == 0, needs_gate=True, exit_now=None, threshold=0.5
-        )
-        scheduled = SchedulerOutput(depth + 1, (item,), {}, new if depth == 0 else ())
-        result = executor.execute(scheduled).results[0]
-        exits.append((result.hazards, result.exited, result.loops_used))
-    assert exits == [((0.0,), False, None), ((0.0,), False, None), ((1.0,), True, 3)]
+        scheduled = _decode_step(depth + 1, depth, exit_code=GATE, needs_gate=True, threshold=0.5)
+        if depth == 0:
+            scheduled = dataclasses.replace(scheduled, new_requests=new)
+        result = executor.execute(scheduled).decode
+        exits.append((float(result.hazards[0]), bool(result.exited[0]), int(result.token_ids[0])))
+    assert exits == [(0.0, False, -1), (0.0, False, -1), (1.0, True, 1)]
+    assert executor.num_live_handles == 1  # the request's decode state, until it is released
+    executor.execute(SchedulerOutput(4, (), {}, finished_request_ids=("r",)))
     assert executor.num_live_handles == 0
 
 
 def test_resuming_from_an_unknown_handle_fails_loudly():
     cost = CostModel(ModelShape.from_config(OURO_1P4B), H200)
     executor = SimExecutor(cost)
-    item = _decode_item(needs_prelude=False, depth=1, token_ids=())
     with pytest.raises(AssertionError, match="never kept"):
-        executor.execute(SchedulerOutput(1, (item,), {}))
+        executor.execute(_decode_step(1, depth=1))
+    item = WorkItem("r", ItemKind.PROMPT, 0, 8, 1, 1, 7, False)  # a chunk at depth 1
+    with pytest.raises(AssertionError, match="never kept"):
+        executor.execute(SchedulerOutput(2, (item,), {}))
 
 
 def test_first_token_uses_its_trace_and_atomic_prompt_runs_d_calls():
@@ -193,8 +197,8 @@ def _engine_schedule(tiny_dir, engine_args, workload) -> list[tuple]:
     def record(scheduled, _output) -> None:
         steps.append(
             tuple(
-                (i.request_id, i.kind.value, i.token_start, i.token_count, i.depth, i.num_depths)
-                for i in scheduled.items
+                (i.request_id, i.kind, i.token_start, i.token_count, i.depth, i.num_depths)
+                for i in step_rows(scheduled)
             )
         )
 

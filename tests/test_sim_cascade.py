@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
-from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
+from loopserve.contracts import DecodeRow, SchedulerOutput
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.executor import SimExecutor
 from loopserve.sim.hardware import get_device_profile
 from loopserve.sim.metrics import summarize
 from loopserve.sim.simulator import Simulator
 from loopserve.sim.workload import WorkloadSpec, build_workload
+from tests.engine_utils import decode_rows
 
 H100 = get_device_profile("h100")
 # Ouro-1.4B K and V of one position in one plane, bf16: 2 * 24 layers * 16 heads * 128 * 2 B.
 KV_BYTES_PER_POSITION = 2 * 24 * 16 * 128 * 2
 
 
-def _decode(request_id: str, position: int, depth: int, handle: int) -> WorkItem:
-    return WorkItem(request_id, ItemKind.DECODE, position, 1, depth, 1, handle, True, (5,))
+def _decode(request_id: str, position: int, depth: int) -> DecodeRow:
+    return DecodeRow(request_id, position, depth, 5, 0, False, 0.0, 1.0, 1.0)
+
+
+def _execute(executor: SimExecutor, rows: list[DecodeRow], tables) -> None:
+    """Loop 0 of each row's token first (plane 0: no shared blocks), then `rows`."""
+    starts = [row._replace(depth=0) for row in rows]
+    executor.execute(SchedulerOutput(1, (), tables, decode=decode_rows(*starts)))
+    executor.execute(SchedulerOutput(2, (), tables, decode=decode_rows(*rows)))
 
 
 def test_a_group_reads_its_shared_blocks_once():
@@ -28,11 +36,11 @@ def test_a_group_reads_its_shared_blocks_once():
         "r1": ([2], [10, 11, 12, 101], [21], [31]),
         "r2": ([3], [13], [22, 23, 24, 102], [32]),
     }
-    items = (_decode("r0", 50, 1, 0), _decode("r1", 60, 1, 1), _decode("r2", 55, 2, 2))
+    rows = [_decode("r0", 50, 1), _decode("r1", 60, 1), _decode("r2", 55, 2)]
     stats = {}
     for cascade in (True, False):
         executor = SimExecutor(CostModel(ModelShape.from_config(OURO_1P4B), H100), cascade=cascade)
-        executor.execute(SchedulerOutput(1, items, tables))
+        _execute(executor, rows, tables)
         stats[cascade] = executor.stats
     saved = stats[False].decode_bytes - stats[True].decode_bytes
     assert saved == 48 * KV_BYTES_PER_POSITION  # (2 rows - 1) x 48 positions
@@ -40,9 +48,9 @@ def test_a_group_reads_its_shared_blocks_once():
     assert stats[False].cascade_groups == 0
 
     tables["r3"] = ([4], [10, 40, 41, 42, 103], [25], [33])
-    items += (_decode("r3", 70, 1, 3),)
+    rows.append(_decode("r3", 70, 1))
     executor = SimExecutor(CostModel(ModelShape.from_config(OURO_1P4B), H100), cascade=True)
-    executor.execute(SchedulerOutput(1, items, tables))
+    _execute(executor, rows, tables)
     assert executor.stats.cascade_saved_positions == 2 * 16  # 3 rows share one 16-position block
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from loopserve.config import EngineConfig
-from loopserve.contracts import ItemKind, SampledToken
 from loopserve.errors import InvalidRequestError
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
@@ -46,7 +45,7 @@ def _prefilled(request_id: str, prompt_len: int, max_tokens: int) -> Request:
     request = Request(
         request_id, [5] * prompt_len, params, arrival_order=0, eos_token_ids=frozenset()
     )
-    request.append_token(SampledToken(9), 4, 0.0)
+    request.append_token(9, 4, 0.0)
     return request
 
 
@@ -63,13 +62,9 @@ def test_prefilled_request_decodes_from_its_second_token_without_prompt_work(pre
     scheduled = scheduler.schedule()
     # Admitted straight into decode: the token in flight sits at position 10 (after the
     # prompt), fed with the imported first token; prompt + 1 = 11 positions -> 3 blocks/plane.
-    (item,) = scheduled.items
-    assert (item.kind, item.token_start, item.depth, item.token_ids) == (
-        ItemKind.DECODE,
-        10,
-        0,
-        (9,),
-    )
+    assert scheduled.items == ()
+    (row,) = scheduled.decode.rows()
+    assert (row.request_id, row.position, row.depth, row.token_id) == ("a", 10, 0, 9)
     assert [len(t) for t in scheduler.kv.tables["a"]] == [3, 3, 3, 3]
     assert request.num_prefilled_tokens == 10  # admission kept the imported prompt
     scheduler.check_invariants()

@@ -82,15 +82,19 @@ class CallRecorder:
 
     def _record(self, scheduled: SchedulerOutput, _output: RunnerOutput) -> None:
         items = scheduled.items
-        if items:
-            # Loop k of a step runs the items with more than k depths (atomic: all D).
-            for k in range(max(item.num_depths for item in items)):
-                rows = {ItemKind.PROMPT: 0, ItemKind.DECODE: 0}
+        if not scheduled.is_empty:
+            # Loop k of a step runs the items with more than k depths (atomic: all D); decode
+            # rows ride in the first call (replay rows count as decode rows).
+            for k in range(max([item.num_depths for item in items] + [1])):
+                prompt = decode = 0
                 for item in items:
                     if k < item.num_depths:
-                        rows[item.kind] += item.token_count
-                call = CoreCall(self.num_steps, rows[ItemKind.PROMPT], rows[ItemKind.DECODE])
-                self.calls.append(call)
+                        if item.kind is ItemKind.PROMPT:
+                            prompt += item.token_count
+                        else:
+                            decode += item.token_count
+                decode += scheduled.num_decode_rows if k == 0 else 0
+                self.calls.append(CoreCall(self.num_steps, prompt, decode))
             self.num_steps += 1
 
     def summary(self, first_step: int = 0, end_step: int | None = None) -> CallSummary:

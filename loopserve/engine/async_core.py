@@ -57,7 +57,7 @@ class AsyncEngineCore(EngineCore):
         scheduled, future = self._inflight
         execute_start = clock()
         # Overlaps the execution of `scheduled`: choose the next step's rows.
-        next_rows = scheduler.select_ahead(scheduled) if scheduled.items else None
+        next_rows = scheduler.select_ahead(scheduled) if not scheduled.is_empty else None
         try:
             output = future.result()
         except Exception as err:  # a failed step fails its own requests, not the engine

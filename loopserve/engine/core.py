@@ -134,8 +134,9 @@ class EngineCore:
 
     def _fail_step(self, scheduled: SchedulerOutput, err: Exception) -> StepResult:
         # Announced requests too: the executor may not have set them up.
+        decode_ids = scheduled.decode.request_ids if scheduled.decode is not None else ()
         ids = dict.fromkeys(
-            [item.request_id for item in scheduled.items]
+            [*decode_ids, *(item.request_id for item in scheduled.items)]
             + [new.request_id for new in scheduled.new_requests]
         )
         failed = self.scheduler.fail_requests(ids)

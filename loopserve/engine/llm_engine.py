@@ -198,8 +198,7 @@ class LLMEngine:
             and not request.in_prompt_phase
             and request.replay is None
             and bool(request.output_token_ids)
-            and request.token_exit is not None
-            and request.token_exit.depth == 0
+            and self.scheduler.token_depth(request_id) == 0
             and not self.runner.inflight.handles_of(request_id)
         )
 
@@ -301,29 +300,39 @@ class LLMEngine:
         return outputs
 
     def _process(self, request: Request) -> RequestOutput | None:
-        reported = self._reported[request.request_id]
-        new_token_ids = request.output_token_ids[reported:]
+        start = self._reported[request.request_id]
+        new_token_ids = request.output_token_ids[start:]
         stop_hit = self.output_processor.detokenize(request.request_id, new_token_ids)
         if stop_hit is not None and not request.is_finished:
             self.core.finish_request(request, FinishReason.STOP)
-        return self._output(request, stop_hit=stop_hit)
+        return self._output(request, stop_hit=stop_hit, new_token_ids=new_token_ids)
 
     def _output(
-        self, request: Request, *, error: str | None = None, stop_hit: str | None = None
+        self,
+        request: Request,
+        *,
+        error: str | None = None,
+        stop_hit: str | None = None,
+        new_token_ids: list[int] | None = None,
     ) -> RequestOutput | None:
-        delta = self._delta(request, stop_hit)
+        delta = self._delta(request, stop_hit, new_token_ids)
         if request.is_finished:
             self._untrack(request.request_id)
         return self.output_processor.make_output(delta, error=error)
 
-    def _delta(self, request: Request, stop_hit: str | None) -> RequestDelta:
-        """What is new for `request` since its last output, with the one decision of its
-        reported finish reason: "stop" when a stop string hit (also if the same token reached
-        max_tokens), else the scheduler's."""
+    def _delta(
+        self, request: Request, stop_hit: str | None, new_token_ids: list[int] | None = None
+    ) -> RequestDelta:
+        """What is new for `request` since its last output (`new_token_ids`, when the caller
+        sliced them already), with the one decision of its reported finish reason: "stop"
+        when a stop string hit (also if the same token reached max_tokens), else the
+        scheduler's."""
         request_id = request.request_id
         start = self._reported.get(request_id, 0)
         num_tokens = len(request.output_token_ids)
         self._reported[request_id] = num_tokens
+        if new_token_ids is None:
+            new_token_ids = request.output_token_ids[start:]
         reason = request.finish_reason
         finish_reason = None if reason is None else reason.value
         if stop_hit is not None and reason is not None:
@@ -338,23 +347,23 @@ class LLMEngine:
         if start == 0 and request.prompt_logprobs:  # complete once the first token exists
             prompt_logprobs = _token_logprobs(request.prompt_logprobs)
         times = request.times
-        return RequestDelta(
-            request_id=request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            new_token_ids=request.output_token_ids[start:],
-            new_exit_depths=request.exit_depths[start:num_tokens],
-            new_logprobs=logprobs,
-            new_token_times_s=times.token_times_s[start:],
-            num_output_tokens=num_tokens,
-            finish_reason=finish_reason,
-            stop_token_id=stop_token_id,
-            arrival_s=times.arrival_s,
-            first_scheduled_s=times.first_scheduled_s,
-            first_token_s=times.first_token_s,
-            finished_s=times.finished_s,
-            num_cached_prompt_tokens=request.num_cached_prompt_tokens,
-            num_preemptions=request.num_preemptions,
-            new_prompt_logprobs=prompt_logprobs,
+        return RequestDelta(  # positional, in field order (one per request per step)
+            request_id,
+            request.prompt_token_ids,
+            new_token_ids,
+            request.exit_depths[start:num_tokens],
+            logprobs,
+            times.token_times_s[start:],
+            num_tokens,
+            finish_reason,
+            stop_token_id,
+            times.arrival_s,
+            times.first_scheduled_s,
+            times.first_token_s,
+            times.finished_s,
+            request.num_cached_prompt_tokens,
+            request.num_preemptions,
+            prompt_logprobs,
         )
 
     def _track(self, request: Request, prompt_text: str | None) -> None:

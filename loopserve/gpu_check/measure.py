@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from loopserve.contracts import DecodeRows
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.models.config import OuroConfig
 from loopserve.models.loader import save_model
@@ -173,19 +174,30 @@ def measure_graph_decode(
         return {}
     context, block_size = plan.decode_context, engine.config.cache.block_size
     per_item = -(-context // block_size)
-    hidden_size = engine.model.config.hidden_size
-    dtype = engine.model.lm_head.weight.dtype
+    runner = engine.runner
+    num_planes = runner.rules.num_planes
     measured = {}
     for rows in plan.decode_rows:
         if rows * per_item > engine.config.cache.num_blocks or not graphs.fits(rows, context - 1):
             print(f"skip graphed decode rows={rows}", flush=True)
             continue
-        tables = [list(range(i * per_item, (i + 1) * per_item)) for i in range(rows)]
-        positions = [context - 1] * rows
-        hidden = torch.randn(rows, hidden_size, device=plan.device).to(dtype)
-        measured[rows] = time_call(
-            lambda h=hidden, p=positions, t=tables: graphs.run(h, p, t), plan.device, plan.iters
-        )
+        # `rows` tokens at loop 0, every plane on the request's own blocks; the inputs are
+        # staged once, so each timed call is one graphed decode step (replay).
+        ids = tuple(f"g{i}" for i in range(rows))
+        tables = {
+            rid: tuple(list(range(i * per_item, (i + 1) * per_item)) for _ in range(num_planes))
+            for i, rid in enumerate(ids)
+        }
+        decode_rows = DecodeRows.continuing(ids, [context - 1] * rows, [0] * rows, [1] * rows)
+        host = runner.decode.host_columns(decode_rows, tables)
+        bucket = graphs.stage(decode_rows, host)
+
+        def graphed_call(bucket=bucket, decode_rows=decode_rows, host=host):
+            return graphs.launch(bucket, decode_rows, host).out
+
+        measured[rows] = time_call(graphed_call, plan.device, plan.iters)
+        for rid in ids:
+            runner.decode_slots.release(rid)
         ratio = f"  eager/graphs {eager[rows] / measured[rows]:5.2f}x" if rows in eager else ""
         print(f"{'graph_decode':12s} rows={rows:5d} ctx={context:5d}  measured "
               f"{measured[rows] * 1e3:8.3f} ms{ratio}", flush=True)  # fmt: skip

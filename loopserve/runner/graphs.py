@@ -1,50 +1,75 @@
-"""Decode core calls through static, row-bucketed buffers; captured as CUDA graphs on CUDA.
+"""Decode calls through static, row-bucketed buffers; captured as CUDA graphs on CUDA.
 
-A looped model runs the same core weights at every loop, so one captured core call per
-row-count bucket serves every depth: which plane a row reads and writes is data (its block
-table and write slot), not part of the graph. `DecodeGraphs` holds, once per engine:
+A looped model runs the same core weights at every loop, so one captured call per row-count
+bucket serves every depth: which plane a row reads and writes is data (the table row it reads,
+`slot * planes + depth`, and its write slot), not part of the graph. And because a looped
+model pays every per-call host cost once per loop, the captured call is the whole decode loop
+step of `runner/decode_rows.py`, not just the core: per bucket B, `DecodeGraphs` holds
 
-- static inputs sized for the largest bucket, shared by every bucket as leading views:
-  `hidden [R, H]`, `positions [R]`, `write_slots [R]`, `block_tables [R, max_blocks]`
-  (`max_blocks = ceil(max_context / block_size)`, padded with the dummy block) and
-  `context_lens [R]` (position + 1; what a paged-attention kernel needs to skip the padded
-  tail of a table; the torch backend masks by position instead);
-- buckets 1, 2, 4, 8, 16, 24, 32, ... (multiples of 8) up to `max_rows` (`max_num_seqs`,
-  always its own bucket); a call of n rows runs in the smallest bucket >= n;
-- a context bound `max_context = min(max_model_len, GRAPH_MAX_CONTEXT)`: the torch backend
-  gathers `max_blocks` blocks per row inside a graph (fixed shapes), so an unbounded context
-  would cost `rows x max_model_len` K/V per layer (tens of GB for long-context models); calls
-  with a row at a position >= `max_context` run eagerly;
-- padding rows: zero hidden, position 0, a block table of only the dummy block and a write
-  slot in it. The dummy block is one block past the scheduler's pool (`num_blocks`), owned by
-  the runner: padding rows write there and attend only to what they just wrote, so they never
-  touch a real request's K/V. Their outputs are dropped.
+- one static input buffer `[NUM_COLUMNS * B + 2 * U]` int64, filled by one host-to-device
+  copy per call: the rows' slots, positions, table rows, tokens, loop-0 flags, exit codes,
+  CDF columns (float64 bits), coda candidates, and up to U new table entries (U =
+  `update_capacity(B, planes)`; a call that gained more writes the rest before the launch);
+- the captured step over it: apply the table entries; embed loop-0 rows and gather the
+  others' states from their slots; write slots and context lengths; the core (attention over
+  the paged tables); write the outputs back to the slots; the hazards (when the exit mode
+  reads a gate); the exit decisions (`decide_exits_on_device`) and the LAST_EXITED finalize
+  copies (`finalize_exits`, masked by the exits); outputs `[B, H]`, hazards and exits stay in
+  static tensors for the coda.
+
+Buckets are 1, 2, 4, 8, 16, 24, 32, ... (multiples of 8) up to `max_rows` (`max_num_seqs`,
+always its own bucket); a call of n rows runs in the smallest bucket >= n. Padding rows use
+the padding slot (`DecodeSlots.padding_slot`): its tables hold only the dummy block, one block
+past the scheduler's pool, so padding rows write only there and attend only to what they just
+wrote; they embed token 0 and never exit. The context bound `max_context` is `max_model_len`
+over the paged Triton kernel (each row reads only its live K/V) and `min(max_model_len,
+GRAPH_MAX_CONTEXT)` for the torch backend, which gathers `max_blocks` blocks per row inside a
+graph (fixed shapes); calls with a row at a position >= `max_context` run eagerly.
 
 Modes: `emulate` runs the static function eagerly on the padded buffers (any device; CPU
 tests prove that padding and buffers change no output); `capture` records one
 `torch.cuda.CUDAGraph` per bucket at start-up (largest first, after two warm-up runs on a side
-stream, all graphs in one shared memory pool) and replays it. Calls above the largest bucket
-and every call with prompt rows or a longer context run eagerly (the caller checks `fits`).
+stream, all graphs in one shared memory pool) and replays it. Calls above the largest bucket,
+with prompt or replay rows, or with cascade groups run eagerly (the runner checks `fits`).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from loopserve.contracts import DecodeRows
 from loopserve.runner.attention.torch_paged import (
     PaddedGroup,
     PagedAttentionMetadata,
     TorchPagedAttention,
     Workspace,
 )
+from loopserve.runner.decode_rows import (
+    DecodeSignals,
+    DecodeSlots,
+    HostColumns,
+    decide_exits_on_device,
+    finalize_exits,
+)
 from loopserve.runner.transfers import Transfers
 
 GRAPH_MAX_CONTEXT = 2048  # positions a graphed decode row may attend to (see the docstring)
+# Columns of a bucket's static input buffer, each B entries long.
+SLOTS, POSITIONS, TABLE_INDEX, TOKENS, STARTS, CODES, CDF, SURVIVAL, THRESHOLD, CANDIDATES = range(
+    10
+)
+NUM_COLUMNS = 10
+
+
+def update_capacity(bucket: int, num_planes: int) -> int:
+    """Table entries a call of `bucket` rows carries in its static buffer: every row entering
+    a new block on every plane, twice over, plus 64 (a new slot writes its whole table)."""
+    return 2 * bucket * num_planes + 64
 
 
 logger = logging.getLogger(__name__)
@@ -100,41 +125,16 @@ def paged_backend(attention) -> BackendFn:
     return make
 
 
-class TableRows:
-    """Which persistent table row holds which (request_id, plane), and how many entries of it
-    are written. Host bookkeeping only; rows are reused least recently used first."""
+class BucketInputs:
+    """A bucket's static input buffer and its named views."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._rows: OrderedDict[tuple[str, int], list[int]] = OrderedDict()  # [row, written, last]
-        self._free = list(range(capacity - 1, -1, -1))
-
-    def row_for(self, key: tuple[str, int], table: list[int], used: int) -> tuple[int, int]:
-        """(row, entries already written) for a table of which `used` entries are needed. A
-        table that no longer starts the way it was written (its blocks were replaced) is
-        written again from its first entry."""
-        entry = self._rows.get(key)
-        if entry is None:
-            if not self._free:
-                _, evicted = self._rows.popitem(last=False)
-                self._free.append(evicted[0])
-            entry = self._rows[key] = [self._free.pop(), 0, -1]
-        else:
-            self._rows.move_to_end(key)
-        row, written, last = entry
-        if written and (written > len(table) or table[written - 1] != last):
-            written = 0
-        if written < used:
-            entry[1], entry[2] = used, table[used - 1]
-        return row, written
-
-    def release(self, request_id: str) -> None:
-        for key in [key for key in self._rows if key[0] == request_id]:
-            self._free.append(self._rows.pop(key)[0])
-
-    def clear(self) -> None:
-        while self._rows:
-            self._free.append(self._rows.popitem()[1][0])
+    def __init__(self, bucket: int, capacity: int, device: torch.device) -> None:
+        self.bucket, self.capacity = bucket, capacity
+        self.buffer = torch.zeros(NUM_COLUMNS * bucket + 2 * capacity, dtype=torch.int64,
+                                  device=device)  # fmt: skip
+        self.columns = self.buffer[: NUM_COLUMNS * bucket].view(NUM_COLUMNS, bucket)
+        self.floats = self.columns.view(torch.float64)  # CDF, SURVIVAL, THRESHOLD rows
+        self.updates = self.buffer[NUM_COLUMNS * bucket :].view(2, capacity)
 
 
 class DecodeGraphs:
@@ -143,7 +143,11 @@ class DecodeGraphs:
         core: CoreFn,
         kv_cache: torch.Tensor,
         *,
-        hidden_size: int,
+        prelude: Callable[[torch.Tensor], torch.Tensor],
+        hazards: Callable[[torch.Tensor], torch.Tensor] | None,
+        finalize: Callable[[torch.Tensor, torch.Tensor], None],
+        slots: DecodeSlots,
+        transfers: Transfers,
         block_size: int,
         max_context: int,
         max_rows: int,
@@ -151,42 +155,48 @@ class DecodeGraphs:
         scale: float,
         capture: bool,
         make_backend: BackendFn = torch_backend,
-        num_planes: int = 1,
-        transfers: Transfers | None = None,
     ) -> None:
+        """`slots`: the runner's decode slots (states and tables the captured step reads and
+        writes); `hazards` None: the exit mode reads no gate (exits are the exit codes)."""
         self.core = core
-        self.transfers = transfers or Transfers(kv_cache.device)
+        self.prelude = prelude
+        self.hazards = hazards
+        self.finalize = finalize
+        self.slots = slots
+        self.transfers = transfers
         self.make_backend = make_backend
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.scale = scale
+        self.num_planes = slots.num_planes
         self.buckets = graph_buckets(max_rows)
         self.max_rows = max_rows
         self.max_blocks = -(-max_context // block_size)
+        assert self.max_blocks <= slots.max_blocks, "tables narrower than the graphs' context"
         self.dummy_block = dummy_block
         self.dummy_slot = dummy_block * block_size
-        device, dtype = kv_cache.device, kv_cache.dtype
+        device = kv_cache.device
         self.device = device
-        self.hidden = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
+        # Shared by every bucket as leading views, filled inside the step.
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.write_slots = torch.full((max_rows,), self.dummy_slot, device=device)
-        # Persistent block tables: one row per (request, plane) seen lately (`TableRows`),
-        # plus a last row of only the dummy block for padding rows. A call sends only the
-        # entries its rows' tables gained since they were last written.
-        self.table_rows = TableRows(max_rows * num_planes + max_rows)
-        self.padding_table = self.table_rows.capacity
-        self.block_tables = torch.full(
-            (self.table_rows.capacity + 1, self.max_blocks), dummy_block, device=device
-        )
-        self.table_index = torch.full((max_rows,), self.padding_table, device=device)
+        self.block_tables = slots.tables[:, : self.max_blocks]
+        self.padding_table = slots.padding_row
+        self.table_index = torch.full((max_rows,), slots.padding_row, device=device)
         self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         self.query_index = torch.arange(max_rows, device=device)
         self.paged = make_backend is not torch_backend
         # The torch backend's position mask, [max_blocks * block_size]; paged kernels need none.
         self.span = torch.arange(0 if self.paged else self.max_blocks * block_size, device=device)
         self.workspace = Workspace()
+        self.inputs = {
+            b: BucketInputs(b, update_capacity(b, self.num_planes), device) for b in self.buckets
+        }
+        self._templates: dict[int, np.ndarray] = {}
+        for bucket in self.buckets:
+            self._pad(self.inputs[bucket])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         self.num_calls = 0  # calls run through the static buffers (replays or emulated)
         self.num_padded_rows = 0
         if capture:
@@ -223,84 +233,121 @@ class DecodeGraphs:
             causal={},
         )
 
-    def _forward(self, rows: int) -> torch.Tensor:
-        attn = self.make_backend(self, rows)
-        return self.core(self.hidden[:rows], self.positions[:rows], attn)
+    # ---- the host side of a call ------------------------------------------------------------
 
-    def load(
-        self,
-        hidden: torch.Tensor,
-        positions: list[int],
-        tables: list[list[int]],
-        keys: list[tuple[str, int]] | None = None,
-    ) -> int:
-        """Copy n real rows into the static buffers, pad to the bucket; returns the bucket.
+    def _host_buffer(self, bucket: int) -> np.ndarray:
+        """A bucket's buffer as padding rows and unused table entries, on the host (a copy
+        of the bucket's template)."""
+        template = self._templates.get(bucket)
+        if template is None:
+            template = self._templates[bucket] = self._padding_buffer(bucket)
+        return template.copy()
 
-        `keys[i]` names row i's table, (request_id, plane): its persistent table row keeps
-        the entries written by earlier calls, so host work and the copy are proportional to
-        the rows plus the entries their tables gained (a new block every `block_size`
-        positions), not to their contexts. One host-to-device copy carries positions, write
-        slots, table rows and the new entries; the hidden rows are a device-to-device copy."""
-        n = len(positions)
+    def _padding_buffer(self, bucket: int) -> np.ndarray:
+        inputs = self.inputs[bucket]
+        host = np.zeros(NUM_COLUMNS * bucket + 2 * inputs.capacity, np.int64)
+        columns = host[: NUM_COLUMNS * bucket].reshape(NUM_COLUMNS, bucket)
+        columns[SLOTS] = self.slots.padding_slot
+        columns[TABLE_INDEX] = self.slots.padding_row
+        columns[STARTS] = 1  # padding rows embed token 0: finite, never exit
+        floats = columns.view(np.float64)
+        floats[SURVIVAL] = floats[THRESHOLD] = 1.0
+        updates = host[NUM_COLUMNS * bucket :].reshape(2, inputs.capacity)
+        # Unused entries rewrite the padding row's first entry with the dummy block.
+        updates[0] = self.slots.padding_row * self.slots.max_blocks
+        updates[1] = self.dummy_block
+        return host
+
+    def _pad(self, inputs: BucketInputs) -> None:
+        inputs.buffer.copy_(torch.from_numpy(self._host_buffer(inputs.bucket)))
+
+    def stage(self, rows: DecodeRows, host: HostColumns) -> int:
+        """Fill the bucket's static buffer for these rows with one host-to-device copy; returns
+        the bucket. Table entries beyond the buffer's capacity are written first, apart."""
+        n = len(rows)
         bucket = bucket_for(self.buckets, n)
         assert bucket is not None, f"{n} rows exceed the largest bucket {self.max_rows}"
-        if keys is None:
-            keys = [("", row) for row in range(n)]  # anonymous rows: tables written afresh
-            self.table_rows.clear()
-        size, width, pad = self.block_size, self.max_blocks, bucket - n
-        slots: list[int] = []
-        rows: list[int] = []
-        index: list[int] = []
-        blocks: list[int] = []
-        table_rows = self.table_rows
-        for key, position, table in zip(keys, positions, tables):
-            used = position // size + 1
-            row, written = table_rows.row_for(key, table, used)
-            if written < used:
-                index.extend(range(row * width + written, row * width + used))
-                blocks.extend(table[written:used])
-            rows.append(row)
-            slots.append(table[used - 1] * size + position % size)
-        host = self.transfers.to_device(
-            positions + [0] * pad + slots + [self.dummy_slot] * pad
-            + rows + [self.padding_table] * pad + index + blocks
-        )  # fmt: skip
-        self.positions[:bucket].copy_(host[:bucket])
-        self.write_slots[:bucket].copy_(host[bucket : 2 * bucket])
-        self.table_index[:bucket].copy_(host[2 * bucket : 3 * bucket])
-        self.context_lens[:bucket].copy_(host[:bucket] + 1)
-        if index:
-            start = 3 * bucket
-            flat = host[start : start + len(index)]
-            self.block_tables.view(-1).index_copy_(0, flat, host[start + len(index) :])
-        self.hidden[:n].copy_(hidden)
-        self.hidden[n:bucket].zero_()
+        inputs = self.inputs[bucket]
+        buffer = self._host_buffer(bucket)
+        columns = buffer[: NUM_COLUMNS * bucket].reshape(NUM_COLUMNS, bucket)
+        columns[SLOTS, :n] = host.slots
+        columns[POSITIONS, :n] = rows.positions
+        columns[TABLE_INDEX, :n] = host.table_index
+        columns[TOKENS, :n] = rows.token_ids
+        columns[STARTS, :n] = rows.depths == 0
+        columns[CODES, :n] = rows.exit_code
+        floats = columns.view(np.float64)
+        floats[CDF, :n] = rows.cdf_before
+        floats[SURVIVAL, :n] = rows.survival_before
+        floats[THRESHOLD, :n] = rows.threshold
+        columns[CANDIDATES, : len(host.candidates)] = host.candidates
+        index, values = host.update_index, host.update_value
+        capacity = inputs.capacity
+        if len(index) > capacity:  # rare: a new slot with a long table
+            extra = self.transfers.to_device(index[capacity:] + values[capacity:])
+            half = len(index) - capacity
+            self.slots.tables.view(-1).index_copy_(0, extra[:half], extra[half:])
+            index, values = index[:capacity], values[:capacity]
+        updates = buffer[NUM_COLUMNS * bucket :].reshape(2, capacity)
+        updates[0, : len(index)] = index
+        updates[1, : len(values)] = values
+        self.transfers.to_device_into(buffer, inputs.buffer)  # the call's one copy in
         self.num_calls += 1
-        self.num_padded_rows += pad
+        self.num_padded_rows += bucket - n
         return bucket
 
-    def release(self, request_id: str) -> None:
-        """Forget a request's table rows (finished, preempted or swapped: its blocks change)."""
-        self.table_rows.release(request_id)
-
-    def run(
-        self, hidden: torch.Tensor, positions: list[int], tables: list[list[int]]
-    ) -> torch.Tensor:
-        """One decode core call of n rows: `hidden [n, H]`, each row's position and the block
-        table of the plane it addresses. Returns the core's output `[n, H]` (a fresh tensor)."""
-        bucket = self.load(hidden, positions, tables)
-        return self.launch(bucket, len(positions))
-
-    def launch(self, bucket: int, rows: int) -> torch.Tensor:
-        """Replay (or, emulated, run) the bucket's call over the loaded buffers; the first
-        `rows` outputs, as a fresh tensor."""
+    def launch(self, bucket: int, rows: DecodeRows, host: HostColumns) -> DecodeSignals:
+        """Replay (or, emulated, run) the bucket's step over its staged buffer; the first
+        `len(rows)` rows of its static outputs (read by the coda before the next call)."""
         graph = self.graphs.get(bucket)
         if graph is None:
-            out = self._forward(bucket)
+            out, hazards, exits = self._forward(bucket)
         else:
             graph.replay()
-            out = self.outputs[bucket]
-        return out[:rows].clone()
+            out, hazards, exits = self.outputs[bucket]
+        n = len(rows)
+        gate = exits if host.gate_decides else None
+        return DecodeSignals(
+            rows, out[:n], None if hazards is None else hazards[:n],
+            None if gate is None else gate[:n], host.candidates,
+            self.inputs[bucket].columns[CANDIDATES],
+        )  # fmt: skip
+
+    # ---- the captured step ------------------------------------------------------------------
+
+    def _forward(self, bucket: int):
+        inputs = self.inputs[bucket]
+        columns, floats = inputs.columns, inputs.floats
+        slots, positions, table_index = columns[SLOTS], columns[POSITIONS], columns[TABLE_INDEX]
+        self.slots.tables.view(-1).index_copy_(0, inputs.updates[0], inputs.updates[1])
+        embedded = self.prelude(columns[TOKENS])
+        resumed = self.slots.hidden.index_select(0, slots)
+        hidden = torch.where(columns[STARTS][:, None] != 0, embedded, resumed)
+        size = self.block_size
+        self.positions[:bucket].copy_(positions)
+        self.table_index[:bucket].copy_(table_index)
+        blocks = self.block_tables[table_index, positions // size]
+        self.write_slots[:bucket].copy_(blocks * size + positions % size)
+        self.context_lens[:bucket].copy_(positions + 1)
+        attn = self.make_backend(self, bucket)
+        out = self.core(hidden, self.positions[:bucket], attn)
+        self.slots.hidden.index_copy_(0, slots, out)
+        codes = columns[CODES]
+        hazards = None
+        if self.hazards is None:
+            exits = codes == 1  # EXIT
+        else:
+            hazards = self.hazards(out).float()
+            exits = decide_exits_on_device(
+                codes, floats[CDF], floats[SURVIVAL], floats[THRESHOLD], hazards
+            )
+        if self.num_planes > 1:
+            finalize_exits(
+                self.slots.tables, slots=slots, positions=positions, table_index=table_index,
+                exits=exits, num_planes=self.num_planes, block_size=size,
+                finalize=self.finalize,
+            )  # fmt: skip
+        return out, hazards, exits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -324,10 +371,7 @@ class DecodeGraphs:
                 pool = torch.cuda.graph_pool_handle()
                 stream = torch.cuda.Stream(self.device)
                 for bucket in sorted(self.buckets, reverse=True):
-                    self.hidden[:bucket].zero_()
-                    self.positions[:bucket].zero_()
-                    self.write_slots[:bucket].fill_(self.dummy_slot)
-                    self.table_index[:bucket].fill_(self.padding_table)
+                    self._pad(self.inputs[bucket])
                     stream.wait_stream(torch.cuda.current_stream(self.device))
                     with torch.cuda.stream(stream):
                         for _ in range(2):

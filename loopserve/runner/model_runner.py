@@ -1,11 +1,15 @@
 """The model runner: executes one `SchedulerOutput` with tensors and returns plain results.
 
-It owns every tensor: the model, the paged KV cache, per-request sampling generators, and
-the hidden states of work in flight (a decode token between loops, a prompt chunk between
-depths) behind the scheduler's opaque handles. Per core call it embeds only rows that need a
-prelude, computes hazards only for rows that need a signal and finalizes LAST_EXITED planes
-after early exits; exiting rows go to the coda and sampler (`runner/coda.py`). Exits are
-decided by `loopserve.exit`'s pure functions and reported; the rules it shares with the
+It owns every tensor: the model, the paged KV cache, per-request sampling generators, the
+persistent decode state (each decoding request's in-flight token between loops, in a slot
+of one device tensor: `runner/decode_rows.py`) and the hidden states of other work in flight
+(a prompt chunk between depths, a replay row) behind the scheduler's opaque handles. Per core
+call it embeds only rows that need a prelude, computes hazards only for calls with rows that
+need a signal and finalizes LAST_EXITED planes after early exits; exiting rows go to the coda
+and sampler (`runner/coda.py`). Decode rows arrive as columns and cost a constant number of
+tensor operations per call (one staged copy in, one packed copy out when their exits are
+known or their gate-decided rows sample greedily). Exits are decided by `loopserve.exit`'s
+rules (on the device for decode rows) and reported; the rules it shares with the
 simulator's `SimExecutor` are `contracts.StepRules`. It never sees a `Request`.
 
 With `batch_invariant` the model takes the row-invariant forms of `runner/batch_invariant.py`
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from loopserve.contracts import (
@@ -36,13 +41,14 @@ from loopserve.contracts import (
     WorkItem,
     run_without_failed,
 )
-from loopserve.exit import ExitMode, GateState, loop_exits
+from loopserve.exit import ExitMode
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.runner.attention.base import RowSegment, finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
-from loopserve.runner.coda import Coda
+from loopserve.runner.coda import Coda, CodaOutput
+from loopserve.runner.decode_rows import DecodeInputs, DecodeSlots, DecodeStep
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import generator_state, is_greedy, make_generator, restore_generator
@@ -130,19 +136,44 @@ class ModelRunner(Executor):
             transfers=self.transfers,
             inflight=self.inflight,
         )
+        max_model_len = max_model_len or config.max_position_embeddings
+        # Decode state: one slot per decoding request; its tables' padding is the graphs'
+        # dummy block (one block past the pool) when graphs run.
+        self.decode_slots = DecodeSlots(
+            max_num_seqs,
+            hidden_size=config.hidden_size,
+            num_planes=self.rules.num_planes,
+            block_size=block_size,
+            max_blocks=-(-max_model_len // block_size),
+            padding_block=num_blocks if graph_mode != "off" else 0,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.decode = DecodeStep(
+            self.decode_slots,
+            prelude=lambda ids: self._timed(model.prelude, ids),
+            hazards=lambda rows: self._timed(self.hazard_fn, rows),
+            finalize=lambda src, dst: self.attention.finalize(src, dst),
+            transfers=self.transfers,
+            num_planes=self.rules.num_planes,
+        )
+        # The graphed step calls the model's functions inside the capture (late-bound, so
+        # a replaced function is the one captured).
         self.graphs, self.graph_capture_error = build_decode_graphs(
             graph_mode,
             model.core,
             self.kv_cache,
             attention=self.attention,
-            max_model_len=max_model_len or config.max_position_embeddings,
-            hidden_size=config.hidden_size,
+            max_model_len=max_model_len,
+            prelude=lambda ids: model.prelude(ids),
+            hazards=(lambda rows: self.hazard_fn(rows)) if self.exit_mode.uses_gate else None,
+            finalize=lambda src, dst: self.attention.finalize(src, dst),
+            slots=self.decode_slots,
+            transfers=self.transfers,
             block_size=block_size,
             max_rows=max_num_seqs,
             dummy_block=num_blocks,
             scale=self.scale,
-            num_planes=self.rules.num_planes,
-            transfers=self.transfers,
         )
 
     # ---- request bookkeeping ----------------------------------------------------------
@@ -161,11 +192,10 @@ class ModelRunner(Executor):
                 self._drop_request(new.request_id)
                 failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
-            self.moves.apply(transfer)
-            self._forget_tables(transfer.request_id)  # its blocks moved
+            self.moves.apply(transfer, self.decode_slots)
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
-            self._forget_tables(request_id)
+            self.decode_slots.release(request_id)
         return tuple(failures)
 
     def setup_request(self, new: NewRequestData) -> Sampler:
@@ -197,19 +227,16 @@ class ModelRunner(Executor):
         (`KVTransfer(IMPORT)` and its `NewRequestData`), or releases it (aborted first)."""
         self.moves.stage_import(request_id, kv, generator_state)
 
-    def _forget_tables(self, request_id: str) -> None:
-        if self.graphs is not None:
-            self.graphs.release(request_id)
-
     def _drop_request(self, request_id: str) -> None:
-        self._forget_tables(request_id)
+        self.decode_slots.release(request_id)
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
         self.moves.drop(request_id)
 
     @property
     def num_live_handles(self) -> int:
-        return len(self.inflight)
+        """Handles of work in flight plus decode slots held (requests decoding)."""
+        return len(self.inflight) + len(self.decode_slots)
 
     @property
     def inflight_rows(self) -> int:
@@ -225,33 +252,49 @@ class ModelRunner(Executor):
         return self._run(scheduled)
 
     def _run(self, scheduled: SchedulerOutput) -> RunnerOutput:
-        """Run the step's items (its bookkeeping is already applied)."""
+        """Run the step's decode rows and items (its bookkeeping is already applied): a
+        decode-only call through the graphs when it fits, else eager core calls."""
         items = scheduled.items
-        if not items:
+        if scheduled.is_empty:
             return RunnerOutput(scheduled.step_id, ())
         start_s, self._forward_s = time.perf_counter(), 0.0
         self.transfers.discard_deferred()  # a failed step's leftovers, if any
         transfers0 = self.transfers.counts()
-        hazards: list[list[float]] = [[] for _ in items]
-        last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
-        states = self._initial_states(items, hazards, last_outputs)
-        exited = [False] * len(items)
         self._num_finalized = 0
         calls0 = self.graphs.num_calls if self.graphs is not None else 0
         pad0 = self.graphs.num_padded_rows if self.graphs is not None else 0
-        rows_per_call = []
-        for k in range(max(item.num_depths for item in items)):
-            active = [i for i, item in enumerate(items) if k < item.num_depths]
-            rows_per_call.append(sum(items[i].token_count for i in active))
-            graphed = self._core_call(scheduled, items, active, k, states)
-            self._signals(
-                scheduled.block_tables, items, active, states, hazards, last_outputs, exited,
-                graphed,
-            )  # fmt: skip
-        results, failed = self.coda(items, states, hazards, last_outputs, exited)
+        tables, decode = scheduled.block_tables, scheduled.decode
+        groups = None  # cascade groups of a decode-only call, when cascade attention looked
+        if decode is not None and not items and self.attention.cascade:
+            segments = self.decode.segments(decode, tables)
+            starts = [segment.start for segment in segments]
+            groups = plan_prefix_groups([s.block_table for s in segments], starts, self.block_size)
+        graphs = self.graphs
+        if (
+            decode is not None
+            and not items
+            and not groups
+            and graphs is not None
+            and graphs.fits(len(decode), int(decode.positions.max()))
+        ):  # the graphed decode step: one copy in, one replay
+            host = self.decode.host_columns(decode, tables)
+            bucket = graphs.stage(decode, host)
+            signals = self._timed(graphs.launch, bucket, decode, host)
+            coda = self.coda((), [], [], [], [], signals)
+            rows_per_call = [len(decode)]
+        else:
+            coda, rows_per_call = self._run_eager(scheduled, groups)
         num_early = sum(
-            1 for r in results if r.loops_used is not None and r.loops_used < self.num_loops
+            1 for r in coda.results if r.loops_used is not None and r.loops_used < self.num_loops
         )
+        if coda.decode is not None:
+            decode_exits = coda.decode.exited
+            loops = scheduled.decode.depths + 1  # type: ignore[union-attr]
+            num_early += int(np.count_nonzero(decode_exits & (loops < self.num_loops)))
+            if self.rules.num_planes > 1:
+                self._num_finalized += int(
+                    np.count_nonzero(decode_exits & (loops < self.rules.num_planes))
+                )
         # No synchronize: the step's last copy to the host (sampled ids, hazards) waited for
         # the device already; a step without one leaves the device running ahead.
         h2d, d2h, h2d_bytes, d2h_bytes = (
@@ -262,7 +305,7 @@ class ModelRunner(Executor):
             graph_calls, padded = self.graphs.num_calls - calls0, self.graphs.num_padded_rows - pad0
         return RunnerOutput(
             scheduled.step_id,
-            tuple(results),
+            tuple(coda.results),
             tuple(rows_per_call),
             model_time_s=time.perf_counter() - start_s,
             forward_time_s=self._forward_s,
@@ -270,12 +313,39 @@ class ModelRunner(Executor):
             num_finalize_copies=self._num_finalized,
             num_graph_calls=graph_calls,
             num_padded_rows=padded,
-            failed_requests=failed,
+            failed_requests=coda.failed,
             num_h2d_transfers=h2d,
             num_d2h_transfers=d2h,
             h2d_bytes=h2d_bytes,
             d2h_bytes=d2h_bytes,
+            decode=coda.decode,
         )
+
+    def _run_eager(self, scheduled: SchedulerOutput, groups) -> tuple[CodaOutput, list[int]]:
+        """The step's core calls run eagerly: decode rows (first) and items share call 0;
+        atomic prompt items run their further depths in calls 1.. ."""
+        items, tables = scheduled.items, scheduled.block_tables
+        decode = None
+        if scheduled.decode is not None:
+            decode = self.decode.begin(scheduled.decode, tables)
+        hazards: list[list[float]] = [[] for _ in items]
+        last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
+        states = self._initial_states(items, hazards, last_outputs)
+        exited = [False] * len(items)
+        rows_per_call = []
+        decode_signals = None
+        for k in range(max([item.num_depths for item in items] + [1])):
+            active = [i for i, item in enumerate(items) if k < item.num_depths]
+            decode_k = decode if k == 0 else None
+            rows_per_call.append(
+                sum(items[i].token_count for i in active) + scheduled.num_decode_rows * (k == 0)
+            )
+            decode_out = self._core_call(tables, items, active, k, states, decode_k, groups)
+            if decode_k is not None:
+                decode_signals = self.decode.after_call(decode_k, decode_out)
+            self._signals(tables, items, active, states, hazards, last_outputs, exited)
+        coda = self.coda(items, states, hazards, last_outputs, exited, decode_signals)
+        return coda, rows_per_call
 
     def _timed(self, fn, *args) -> torch.Tensor:
         """Call a model function, adding its duration to this step's forward time.
@@ -305,72 +375,53 @@ class ModelRunner(Executor):
                     hazards[i], last_outputs[i] = resumed.hazards, resumed.last_rows
         return states  # type: ignore[return-value]
 
-    def _core_call(self, scheduled, items, active, k, states) -> torch.Tensor | None:
-        """One core call over the active items; returns its output [rows, H] when it ran
-        through the graphs (one row per item, in `active` order), else None."""
-        graphs = self.graphs
-        groups = None  # prefix groups of a decode-only call, when cascade attention looked
-        if (
-            graphs is not None
-            and graphs.fits(len(active), max(items[i].token_start for i in active))
-            and all(items[i].kind is ItemKind.DECODE for i in active)
-        ):  # decode-only call: the static, bucketed path (one row per item)
-            keys = [(items[i].request_id, self.rules.plane(items[i], k)) for i in active]
-            tables = [scheduled.block_tables[rid][plane] for rid, plane in keys]
-            positions = [items[i].token_start for i in active]
-            # Rows that share a prefix run eagerly instead: that call reads it once per group
-            # (the backend takes the groups found here instead of finding them again).
-            if self.attention.cascade:
-                groups = plan_prefix_groups(tables, positions, self.block_size)
-            if not groups:  # none found (or not looked for): the graphs
-                return self._graph_call(graphs, active, states, positions, tables, keys)
+    def _core_call(
+        self, tables, items, active, k, states, decode: DecodeInputs | None, groups
+    ) -> torch.Tensor | None:
+        """One eager core call over the decode rows (first) and the active items; returns the
+        decode rows' output [n, H] (None without decode rows). `groups`: cascade groups of a
+        decode-only call, found by the caller (None: the backend looks itself)."""
         segments = []
         positions: list[int] = []
         for i in active:
             item = items[i]
-            table = scheduled.block_tables[item.request_id][self.rules.plane(item, k)]
+            table = tables[item.request_id][self.rules.plane(item, k)]
             segments.append(RowSegment(table, item.token_start, item.token_count))
             positions.extend(range(item.token_start, item.token_start + item.token_count))
+        hidden_parts = [states[i] for i in active]
+        position_ids = self.transfers.to_device(positions) if positions else None
+        if decode is not None:
+            segments = self.decode.segments(decode.rows, tables) + segments
+            hidden_parts.insert(0, decode.hidden)
+            position_ids = (
+                decode.positions
+                if position_ids is None
+                else torch.cat([decode.positions, position_ids])
+            )
         attn = self.attention.prepare(segments, prefix_groups=groups)
-        hidden = torch.cat([states[i] for i in active])
-        position_ids = self.transfers.to_device(positions)
+        hidden = torch.cat(hidden_parts) if len(hidden_parts) > 1 else hidden_parts[0]
         out = self._timed(self.model.core, hidden, position_ids, attn)
-        for i, chunk in zip(active, out.split([items[i].token_count for i in active])):
+        num_decode = 0 if decode is None else len(decode.rows)
+        counts = [items[i].token_count for i in active]
+        for i, chunk in zip(active, out[num_decode:].split(counts)):
             states[i] = chunk
-        return None
+        return out[:num_decode] if decode is not None else None
 
-    def _graph_call(self, graphs, active, states, positions, tables, keys) -> torch.Tensor:
-        hidden = torch.cat([states[i] for i in active])
-        bucket = graphs.load(hidden, positions, tables, keys)  # host work: not forward time
-        out = self._timed(graphs.launch, bucket, len(active))
-        for i, row in zip(active, out.split(1)):
-            states[i] = row
-        return out
-
-    def _signals(
-        self, tables, items, active, states, hazards, last_outputs, exited, graphed
-    ) -> None:
-        """Hazards for rows that need them, exit decisions, finalize copies. `graphed`: the
-        call's output when it ran through the graphs (one row per active item)."""
+    def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
+        """Hazards of the first-token prompt rows that need them; replay exits and their
+        finalize copies."""
         gated = [i for i in active if items[i].needs_gate]
         if gated:
-            if graphed is not None and gated == active:
-                rows = graphed  # every row of the decode call is gated: no gather
-            else:
-                rows = torch.cat([states[i][-1:] for i in gated])
+            rows = torch.cat([states[i][-1:] for i in gated])
             values = self._timed(self.hazard_fn, rows).float()  # [gated], on the device
 
             def receive(read: list[float], gated=gated) -> None:
                 for i, value in zip(gated, read):
                     hazards[i].append(value)
 
-            # Read now only when this loop's exit decisions need the values (the `ouro` rule);
-            # otherwise they ride along with the step's next copy to the host.
-            if any(items[i].exit_now is None and items[i].kind is not ItemKind.PROMPT
-                   for i in gated):  # fmt: skip
-                receive(self.transfers.to_host(values))
-            else:
-                self.transfers.defer(values, receive)
+            # They ride along with the step's next copy to the host (the first token's exit
+            # is chosen after the last depth).
+            self.transfers.defer(values, receive)
         finalize = []
         for i in active:
             item = items[i]
@@ -378,18 +429,15 @@ class ModelRunner(Executor):
                 if item.first_token:
                     last_outputs[i].append(states[i][-1:])
                 continue
-            before = GateState(item.cdf_before, item.survival_before)
-            # Only a gate-decided loop reads its hazard (read to the host above).
-            hazard = hazards[i][-1] if item.exit_now is None else None
-            exited[i] = loop_exits(item.exit_now, before, hazard, item.threshold)
-            if self.rules.finalizes(item, exited[i]):
+            exited[i] = bool(item.exit_now)  # a replay row's last loop
+            if self.rules.finalizes(item.depth, exited[i]):
                 finalize.append(item)
         if finalize:
             self._finalize(tables, finalize)
             self._num_finalized += len(finalize)
 
     def _finalize(self, tables, items: list[WorkItem]) -> None:
-        """Copy each exited token's K/V of its exit depth into every deeper plane."""
+        """Copy each exited replay token's K/V of its exit depth into every deeper plane."""
         exits = [(tables[item.request_id], item.token_start, item.depth) for item in items]
         src, dst = finalize_slots(exits, self.block_size, self.num_loops)
         slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations

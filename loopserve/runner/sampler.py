@@ -7,6 +7,8 @@ reference generator and the engine runner both sample through `sample_rows`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from loopserve.contracts import SampledToken, SampleSpec
@@ -55,23 +57,28 @@ def _filtered_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     return torch.softmax(scaled, dim=-1)
 
 
-def sample_rows(
+class SampleBatch(NamedTuple):
+    """Sampled rows on the device, not read yet: `packed` (float64; token ids are exact) holds
+    the token ids, then for rows that ask for log-probabilities the chosen token's log-prob
+    and the top `num_top` values and ids of every row (`read_samples` unpacks it)."""
+
+    packed: torch.Tensor
+    num_logprobs: tuple[int | None, ...]  # per row: its request's `num_logprobs`
+    num_top: int
+
+
+def sample_on_device(
     logits: torch.Tensor,
     specs: list[SampleSpec],
     generators: list[torch.Generator | None],
-    transfers: Transfers | None = None,
     failures: dict[int, str] | None = None,
-) -> list[SampledToken]:
-    """Sample one token per row. logits [rows, vocab] in any float dtype.
-
-    Everything is computed on the logits' device and read back in one copy (`transfers`):
-    the sampled ids, and for rows that ask for log-probabilities the chosen token's and the
-    top-k, packed into one float64 tensor (token ids are exact in float64).
+) -> SampleBatch:
+    """Sample one token per row on the logits' device. logits [rows, vocab] in any float
+    dtype.
 
     `failures`: when given, a row whose sampling raises is recorded there (row -> "Type:
     message") and gets the greedy token instead, so one request's values never fail the
     other rows of the call (the caller fails that request); without it the error raises."""
-    transfers = transfers or Transfers(logits.device)
     logits = logits.float()
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
     for row, spec in enumerate(specs):
@@ -84,9 +91,10 @@ def sample_rows(
             if failures is None:
                 raise
             failures[row] = f"{type(err).__name__}: {err}"
-    wanted = [spec.num_logprobs for spec in specs if spec.num_logprobs is not None]
+    num_logprobs = tuple(spec.num_logprobs for spec in specs)
+    wanted = [n for n in num_logprobs if n is not None]
     if not wanted:
-        return [SampledToken(int(token_id)) for token_id in transfers.to_host(token_ids)]
+        return SampleBatch(token_ids.double(), num_logprobs, 0)
     num_top = max(wanted)
     logprobs_all = torch.log_softmax(logits, dim=-1)
     chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]  # [rows]
@@ -94,23 +102,44 @@ def sample_rows(
     if num_top > 0:
         values, ids = torch.topk(logprobs_all, num_top)  # [rows, num_top], best first
         parts += [values.double().reshape(-1), ids.double().reshape(-1)]
-    packed = transfers.to_host(torch.cat(parts))
-    rows = len(specs)
-    results: list[SampledToken] = []
-    for row, spec in enumerate(specs):
-        token_id = int(packed[row])
-        if spec.num_logprobs is None:
-            results.append(SampledToken(token_id))
+    return SampleBatch(torch.cat(parts), num_logprobs, num_top)
+
+
+def read_samples(
+    batch: SampleBatch, packed: list[float]
+) -> tuple[list[int], dict[int, SampledToken]]:
+    """The token id of every row, and the `SampledToken` (log-prob and top alternatives) of
+    each row whose request asked for log-probabilities, from `batch.packed` read to the host."""
+    rows = len(batch.num_logprobs)
+    token_ids = [int(value) for value in packed[:rows]]
+    with_logprobs: dict[int, SampledToken] = {}
+    if not rows or len(packed) == rows:
+        return token_ids, with_logprobs
+    num_top = batch.num_top
+    for row, wanted in enumerate(batch.num_logprobs):
+        if wanted is None:
             continue
         top: tuple[tuple[int, float], ...] = ()
-        if spec.num_logprobs > 0:
+        if wanted > 0:
             base = 2 * rows + row * num_top
             id_base = base + rows * num_top
-            top = tuple(
-                (int(packed[id_base + j]), packed[base + j]) for j in range(spec.num_logprobs)
-            )
-        results.append(SampledToken(token_id, packed[rows + row], top))
-    return results
+            top = tuple((int(packed[id_base + j]), packed[base + j]) for j in range(wanted))
+        with_logprobs[row] = SampledToken(token_ids[row], packed[rows + row], top)
+    return token_ids, with_logprobs
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    specs: list[SampleSpec],
+    generators: list[torch.Generator | None],
+    transfers: Transfers | None = None,
+    failures: dict[int, str] | None = None,
+) -> list[SampledToken]:
+    """`sample_on_device`, read back in one copy (`transfers`): one `SampledToken` per row."""
+    transfers = transfers or Transfers(logits.device)
+    batch = sample_on_device(logits, specs, generators, failures)
+    token_ids, with_logprobs = read_samples(batch, transfers.to_host(batch.packed))
+    return [with_logprobs.get(row) or SampledToken(t) for row, t in enumerate(token_ids)]
 
 
 def generator_state(generator: torch.Generator | None) -> bytes | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loopserve.contracts import KVTransfer, SwapKind
+from loopserve.runner.decode_rows import DecodeSlots
 from loopserve.runner.handles import HandleTable
 
 
@@ -125,8 +126,10 @@ class KVMoves:
         self.block_size = block_size
         self.inflight = inflight
         self.swap = SwapSpace(kv_cache, num_host_blocks, block_size)
-        # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
+        # Hidden states of swapped-out requests: request_id -> handle -> state (on the host),
+        # and the state of the decode token each had in flight.
         self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
+        self.swapped_decode: dict[str, torch.Tensor] = {}
         # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state).
         self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None]] = {}
 
@@ -153,10 +156,12 @@ class KVMoves:
 
     def drop(self, request_id: str) -> None:
         self.swapped_inflight.pop(request_id, None)
+        self.swapped_decode.pop(request_id, None)
         self.staged_imports.pop(request_id, None)
 
-    def apply(self, transfer: KVTransfer) -> None:
-        """Copy the blocks, and move the request's paused work with them (same handles)."""
+    def apply(self, transfer: KVTransfer, decode: DecodeSlots) -> None:
+        """Copy the blocks, and move the request's paused work with them: its handles' states
+        (same handles) and its decode token's state (a new slot when it comes back)."""
         request_id = transfer.request_id
         if transfer.kind is SwapKind.IMPORT:
             self._import(transfer)
@@ -170,12 +175,18 @@ class KVMoves:
                 h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.last_rows])
                 for h, s in states.items()
             }
+            token = decode.take_state(request_id)
+            if token is not None:
+                self.swapped_decode[request_id] = token.cpu()
             return
         device = self.kv_cache.device
         for handle, state in self.swapped_inflight.pop(request_id).items():
             hidden = state.hidden.to(device)
             rows = [r.to(device) for r in state.last_rows]
             self.inflight.keep(request_id, handle, InFlight(hidden, state.hazards, rows))
+        token = self.swapped_decode.pop(request_id, None)
+        if token is not None:
+            decode.put_state(request_id, token.to(device))
 
     def _import(self, transfer: KVTransfer) -> None:
         kv, _ = self.staged_imports.pop(transfer.request_id)

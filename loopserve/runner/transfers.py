@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 
@@ -33,16 +34,35 @@ class Transfers:
         self.d2h_bytes = 0
         self._deferred: list[tuple[torch.Tensor, Callable[[list[float]], None]]] = []
 
-    def to_device(self, values: Sequence, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    def to_device(
+        self, values: Sequence | np.ndarray, dtype: torch.dtype = torch.int64
+    ) -> torch.Tensor:
+        """`values` (a list, or a numpy array of `dtype`: a staged buffer the caller no longer
+        touches) as a device tensor, in one copy."""
         if self.pinned:
             host = torch.empty(len(values), dtype=dtype, pin_memory=True)
             host.copy_(torch.as_tensor(values, dtype=dtype))
             out = host.to(self.device, non_blocking=True)
+        elif isinstance(values, np.ndarray):  # CPU: the staged buffer itself, no copy
+            out = torch.from_numpy(values).to(dtype)
         else:
             out = torch.tensor(values, dtype=dtype, device=self.device)
         self.num_h2d += 1
         self.h2d_bytes += out.numel() * out.element_size()
         return out
+
+    def to_device_into(self, values: np.ndarray, out: torch.Tensor) -> None:
+        """Copy a staged host array into an existing device tensor of its dtype and size (a
+        static buffer, e.g. a decode graph's inputs), in one copy."""
+        host = torch.from_numpy(values)
+        if self.pinned:
+            pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+            pinned.copy_(host)
+            out.copy_(pinned, non_blocking=True)
+        else:
+            out.copy_(host)
+        self.num_h2d += 1
+        self.h2d_bytes += out.numel() * out.element_size()
 
     def defer(self, tensor: torch.Tensor, receive: Callable[[list[float]], None]) -> None:
         """Read `tensor` (any shape, as float64 values) with the next copy to the host, and

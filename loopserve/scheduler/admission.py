@@ -2,8 +2,9 @@
 preemption (recompute or swap) when KV runs out or a higher-priority request arrives.
 
 `Admission` is a collaborator the `Scheduler` owns, with explicit inputs: the KV manager,
-the shared `Queues` and `StepOutbox` (queues.py), the decode policy (told when a request
-leaves RUNNING), the memory settings of the config and the `MemoryStats` it counts into.
+the shared `Queues` and `StepOutbox` (queues.py), the `DecodeTable` (a row per running
+request: given at admission, freed when it leaves RUNNING), the memory settings of the
+config and the `MemoryStats` it counts into.
 Admission goes by (priority, arrival) and never lets a later request jump
 ahead; incremental allocation gives a request its prompt's blocks at admission and one more
 block per plane when a decode token enters a new block; the victim of a preemption is the
@@ -18,8 +19,8 @@ from dataclasses import dataclass
 
 from loopserve.config import EngineConfig
 from loopserve.contracts import KVTransfer, NewRequestData, SampleSpec, SwapKind
+from loopserve.scheduler.decode_table import DecodeTable
 from loopserve.scheduler.kv_cache import KVCacheManager
-from loopserve.scheduler.policies import DecodePolicy
 from loopserve.scheduler.preemption import pick_victim, reset_for_recompute
 from loopserve.scheduler.queues import Queues, StepOutbox
 from loopserve.scheduler.request import Request, RequestState, RequestStatus
@@ -54,14 +55,14 @@ class Admission:
         kv: KVCacheManager,
         queues: Queues,
         outbox: StepOutbox,
-        decode_policy: DecodePolicy,
+        decode: DecodeTable,
         memory_stats: MemoryStats,
     ) -> None:
         sched = config.scheduler
         self.kv = kv
         self.queues = queues
         self.outbox = outbox
-        self.decode_policy = decode_policy
+        self.decode = decode
         self.memory_stats = memory_stats
         self.max_num_seqs = sched.max_num_seqs
         self.full_reservation = config.cache.kv_reservation == "full"
@@ -155,7 +156,13 @@ class Admission:
                 stats.num_hit_tokens += cached
                 if not request.announced:
                     request.num_cached_prompt_tokens = cached
+        importing = request.pending_import
         request.transition(RequestState.REPLAYING if request.replay else RequestState.RUNNING)
+        self.decode.add(request)
+        if importing:  # its next token decodes from loop 0
+            self.decode.start_token(request)
+        else:  # swapped out between two loops of a token: it resumes there
+            self.decode.unpark(request)
         if request.times.first_scheduled_s is None:
             request.times.first_scheduled_s = time.monotonic()
         self.queues.running.append(request)
@@ -170,18 +177,12 @@ class Admission:
         first; preempt (lowest priority, latest arrival) when the pool runs dry."""
         if self.full_reservation:
             return
-        tables, block_size = self.kv.tables, self.kv.block_size
-        # Hot path (every step, every running request): plain attribute arithmetic. A decode
-        # token sits at position prompt + outputs - 1; prompt positions exist from admission.
-        short = [
-            r
-            for r in self.queues.running
-            if len(tables[r.request_id][0]) * block_size
-            < r.num_prompt_tokens + len(r.output_token_ids)
-            and r.num_prefilled_tokens == r.num_prompt_tokens
-        ]
-        for request in short:
-            if request.status is not RequestStatus.RUNNING:
+        # Hot path (every step): only a token about to write the first position of a block
+        # can need one (prompt positions, and the rest of a block, exist already).
+        decode = self.decode
+        for row in decode.rows_entering_a_block(self.kv.block_size).tolist():
+            request = decode.requests[row]
+            if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # preempted while an older request grew
             needed = request.next_position + 1
             while not self.kv.grow(request.request_id, needed):
@@ -194,8 +195,11 @@ class Admission:
         """Free (or swap out) the victim's KV and queue it again with its progress."""
         request_id = victim.request_id
         self.queues.running.remove(victim)
-        self.decode_policy.on_request_gone(request_id)
-        if self.swap_preemption and self.kv.can_swap_out(request_id):
+        swap = self.swap_preemption and self.kv.can_swap_out(request_id)
+        if swap:  # its token in flight resumes where it stopped
+            self.decode.park(victim)
+        self.decode.remove(request_id)
+        if swap:
             moves = self.kv.swap_out(request_id)
             self.outbox.transfers.append(KVTransfer(SwapKind.OUT, request_id, tuple(moves)))
             victim.transition(RequestState.WAITING_SWAPPED)

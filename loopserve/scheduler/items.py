@@ -4,20 +4,32 @@ recompute replay rows, alternating prompt and decode steps or mixing them in one
 `ItemBuilder` is a collaborator the `Scheduler` owns, with explicit inputs: the prompt and
 decode policies, the row budget, the exit mode, the handle allocator and the `MemoryStats`
 it counts recompute rows into; its one piece of state is how many prompt steps ran in a row.
-The items are the `WorkItem`s of `loopserve.contracts`; the decode path is the scheduler's
-hot loop (one item per running request per loop), so it builds NamedTuples positionally.
+Prompt and replay work are `WorkItem`s (`loopserve.contracts`); decode tokens are rows of
+the scheduler's `DecodeTable`, planned as `DecodeRows` columns (the hot path: every running
+request, every loop).
 Torch-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
-from loopserve.contracts import ItemKind, WorkItem
+import numpy as np
+
+from loopserve.contracts import DecodeRows, ItemKind, WorkItem
 from loopserve.exit import ExitMode
 from loopserve.scheduler.admission import MemoryStats
+from loopserve.scheduler.decode_table import DecodeTable
 from loopserve.scheduler.policies import DecodePolicy, PromptPolicy, PromptWork
 from loopserve.scheduler.request import Request
+
+
+class StepWork(NamedTuple):
+    """A step's work: prompt and replay items, and the decode rows (columns) of its call."""
+
+    items: list[WorkItem]
+    decode: DecodeRows | None
 
 
 class ItemBuilder:
@@ -28,6 +40,7 @@ class ItemBuilder:
         *,
         prompt_policy: PromptPolicy,
         decode_policy: DecodePolicy,
+        decode: DecodeTable,
         max_rows: int,
         max_prompt_steps_in_a_row: int,
         exit_mode: ExitMode,
@@ -38,6 +51,7 @@ class ItemBuilder:
     ) -> None:
         self.prompt_policy = prompt_policy
         self.decode_policy = decode_policy
+        self.decode = decode
         self.max_rows = max_rows
         self.max_prompt_steps_in_a_row = max_prompt_steps_in_a_row
         self.exit_mode = exit_mode
@@ -47,27 +61,33 @@ class ItemBuilder:
         self.memory_stats = memory_stats
         self.prompt_steps_in_a_row = 0
 
-    def alternating(self, prompt_requests, decode_requests, replay_requests):
+    def alternating(self, prompt_requests, replay_requests) -> StepWork:
         """A prompt step or a decode step; alternate when both kinds of work are ready.
         Replay rows (recompute after preemption) ride in decode steps."""
         limit = self.max_prompt_steps_in_a_row
-        decode_ready = decode_requests or replay_requests
+        decode_ready = self.decode.num_ready > 0 or bool(replay_requests)
         if prompt_requests and (not decode_ready or self.prompt_steps_in_a_row < limit):
             work = self.prompt_policy.select(prompt_requests, self.max_rows)
             if work:
                 self.prompt_steps_in_a_row += 1
-                return [self._prompt_item(w) for w in work]
+                return StepWork([self._prompt_item(w) for w in work], None)
         self.prompt_steps_in_a_row = 0
-        items = self.decode_items(self.decode_policy.select(decode_requests, self.max_rows))
-        return items + self._replay_items(replay_requests, self.max_rows - len(items))
+        decode = self.decode_rows(self.decode_policy.select(self.decode, self.max_rows))
+        rows = 0 if decode is None else len(decode)
+        return StepWork(self._replay_items(replay_requests, self.max_rows - rows), decode)
 
-    def mixed(self, prompt_requests, decode_requests, replay_requests) -> list[WorkItem]:
+    def mixed(self, prompt_requests, replay_requests) -> StepWork:
         """Every ready decode row first, then replay rows, then whole prompt items until the
         row budget."""
-        items = self.decode_items(self.decode_policy.select(decode_requests, self.max_rows))
-        items += self._replay_items(replay_requests, self.max_rows - len(items))
-        work = self.prompt_policy.select(prompt_requests, self.max_rows - len(items))
-        return items + [self._prompt_item(w) for w in work]
+        decode = self.decode_rows(self.decode_policy.select(self.decode, self.max_rows))
+        rows = 0 if decode is None else len(decode)
+        items = self._replay_items(replay_requests, self.max_rows - rows)
+        work = self.prompt_policy.select(prompt_requests, self.max_rows - rows - len(items))
+        return StepWork(items + [self._prompt_item(w) for w in work], decode)
+
+    def decode_rows(self, rows: np.ndarray) -> DecodeRows | None:
+        """One loop of these rows' decode tokens, as columns (None for no row)."""
+        return self.decode.decode_rows(rows) if len(rows) else None
 
     def _replay_items(self, replay_requests: list[Request], rows: int) -> list[WorkItem]:
         items: list[WorkItem] = []
@@ -117,37 +137,3 @@ class ItemBuilder:
             score_ids=score_ids,
             score_top=top or 0,
         )
-
-    def decode_items(self, requests: list[Request]) -> list[WorkItem]:
-        """One loop of each request's in-flight decode token.
-
-        The hot path of every decode step (one item per running request per loop), so it
-        builds the NamedTuple positionally, in field order."""
-        items = []
-        for request in requests:
-            token_exit = request.token_exit
-            assert token_exit is not None
-            plan = token_exit.plan()
-            depth = token_exit.depth
-            if depth == 0:
-                request.decode_handle = self._handle()
-            state = plan.state_before
-            items.append(
-                WorkItem(
-                    request.request_id,
-                    ItemKind.DECODE,
-                    request.num_prompt_tokens + len(request.output_token_ids) - 1,  # position
-                    1,  # token_count
-                    depth,
-                    1,  # num_depths
-                    request.decode_handle,
-                    depth == 0,  # needs_prelude
-                    (request.output_token_ids[-1],) if depth == 0 else (),
-                    plan.needs_gate,
-                    plan.exit_now,
-                    state.cdf,
-                    state.survival,
-                    plan.threshold,
-                )
-            )
-        return items

@@ -1,6 +1,7 @@
 """Row-selection policies, chosen once at construction (docs/architecture.md, "Scheduler"). Torch-free.
 
-Decode policies pick which decode tokens take rows in a core call:
+Decode policies pick which decode tokens (rows of the scheduler's `DecodeTable`) run in a core
+call:
 - `RefillPolicy` (continuous depth batching): every ready token, at any depth; a token that
   exits frees its row at once and its request's next token can take a row next step.
 - `NoRefillPolicy` (cohort baseline): a cohort of tokens runs until all of them exit; exited
@@ -23,64 +24,60 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
+from loopserve.scheduler.decode_table import DecodeTable
 from loopserve.scheduler.request import PromptChunk, Request
 
 
 class DecodePolicy(ABC):
+    """Chooses rows of the scheduler's `DecodeTable` (the decode tokens in flight) for a
+    call. Rows are numpy index arrays, oldest request first."""
+
     @abstractmethod
-    def select(self, decode_requests: list[Request], max_rows: int) -> list[Request]:
-        """Requests whose in-flight decode token runs one loop this step (oldest first)."""
+    def select(self, table: DecodeTable, max_rows: int) -> np.ndarray:
+        """Rows whose in-flight decode token runs one loop this step."""
 
-    def on_token_exit(self, request: Request) -> None:  # noqa: B027 - optional hook
-        """A request's decode token just exited."""
+    def on_token_exits(self, table: DecodeTable, rows: np.ndarray) -> None:  # noqa: B027
+        """These rows' decode tokens just exited (optional hook)."""
 
-    def select_ahead(
-        self, decode_requests: list[Request], leaving: set[str], max_rows: int
-    ) -> list[Request]:
+    def select_ahead(self, table: DecodeTable, leaving: np.ndarray, max_rows: int) -> np.ndarray:
         """Async scheduling: the rows of the next step chosen before this step's results are
-        applied, where the tokens of `leaving` exit this step (their next token waits a step).
-        Default: every other ready token, oldest first."""
-        return [r for r in decode_requests if r.request_id not in leaving][:max_rows]
-
-    def on_request_gone(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """A request finished, was aborted or was preempted."""
+        applied, where the tokens of rows `leaving` exit this step (their next token waits a
+        step). Default: every other ready row, oldest first."""
+        ready = table.ready.copy()
+        ready[leaving] = False
+        return table.oldest_first(np.flatnonzero(ready))[:max_rows]
 
 
 class RefillPolicy(DecodePolicy):
-    def select(self, decode_requests: list[Request], max_rows: int) -> list[Request]:
-        return decode_requests[:max_rows]
+    def select(self, table: DecodeTable, max_rows: int) -> np.ndarray:
+        return table.oldest_first(np.flatnonzero(table.ready))[:max_rows]
 
-    def select_ahead(
-        self, decode_requests: list[Request], leaving: set[str], max_rows: int
-    ) -> list[Request]:
+    def select_ahead(self, table: DecodeTable, leaving: np.ndarray, max_rows: int) -> np.ndarray:
         """The same rows as `select`: a leaving token's request keeps its row for its next
-        token (started by `update`, built into an item after it); a request that finishes
+        token (started by `update`, built into the step after it); a request that finishes
         instead is dropped then, and its row stays empty for that one step."""
-        return decode_requests[:max_rows]
+        return self.select(table, max_rows)
 
 
 class NoRefillPolicy(DecodePolicy):
-    def __init__(self) -> None:
-        self.cohort: set[str] = set()
+    """The cohort is the table's `cohort` column (cleared when a row is freed)."""
 
-    def select(self, decode_requests: list[Request], max_rows: int) -> list[Request]:
-        if not self.cohort:
-            self.cohort = {r.request_id for r in decode_requests[:max_rows]}
-        return [r for r in decode_requests if r.request_id in self.cohort]
+    def select(self, table: DecodeTable, max_rows: int) -> np.ndarray:
+        if not table.cohort.any():
+            table.cohort[table.oldest_first(np.flatnonzero(table.ready))[:max_rows]] = True
+        return table.oldest_first(np.flatnonzero(table.ready & table.cohort))
 
-    def on_token_exit(self, request: Request) -> None:
-        self.cohort.discard(request.request_id)
+    def on_token_exits(self, table: DecodeTable, rows: np.ndarray) -> None:
+        table.cohort[rows] = False
 
-    def select_ahead(
-        self, decode_requests: list[Request], leaving: set[str], max_rows: int
-    ) -> list[Request]:
+    def select_ahead(self, table: DecodeTable, leaving: np.ndarray, max_rows: int) -> np.ndarray:
         """The cohort minus its leaving tokens; none when the whole cohort leaves (a new cohort
         forms only once results are applied, as in synchronous scheduling)."""
-        cohort = self.cohort - leaving
-        return [r for r in decode_requests if r.request_id in cohort]
-
-    def on_request_gone(self, request_id: str) -> None:
-        self.cohort.discard(request_id)
+        cohort = table.cohort & table.ready
+        cohort[leaving] = False
+        return table.oldest_first(np.flatnonzero(cohort))
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,9 @@ Recompute rebuilds exactly the KV an uninterrupted run holds:
    one-row `REPLAY` items through loops `0..e_t-1`, where `e_t` is the loop count of the token
    it produced; an exit before depth D-1 applies the LAST_EXITED finalize copy, exactly as
    decode did. No coda, no sampling, no gate.
-3. the token in flight restarts at loop 0: with identical KV its loops, hazards and exit are
-   recomputed identically, and its sampler's generator was never advanced by the replay.
+3. the token in flight restarts at loop 0 (the scheduler's `DecodeTable` starts it afresh once
+   the replay is done): with identical KV its loops, hazards and exit are recomputed
+   identically, and its sampler's generator was never advanced by the replay.
 
 Replay order. LAST_EXITED: position t at depth d reads plane d of every earlier position,
 which is final once that position ran loop d or exited (and was finalized). So position t may
@@ -40,8 +41,5 @@ def reset_for_recompute(request: Request) -> None:
     request.next_chunk_start = 0
     request.prompt_chunks = []
     request.replay = None
-    request.decode_handle = None
     if not request.output_token_ids:  # preempted mid-prompt: its prompt is scored again
         request.prompt_logprobs.clear()
-    if request.token_exit is not None:
-        request.token_exit.reset(request.trace_loops(len(request.output_token_ids)))

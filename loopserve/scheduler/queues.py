@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loopserve.contracts import KVTransfer, NewRequestData, SchedulerOutput, WorkItem
+from loopserve.contracts import (
+    DecodeRows,
+    KVTransfer,
+    NewRequestData,
+    SchedulerOutput,
+    WorkItem,
+)
 from loopserve.scheduler.request import Request
 
 
@@ -29,16 +35,25 @@ class StepOutbox:
     transfers: list[KVTransfer] = field(default_factory=list)  # swap / import block moves
 
     def take(
-        self, step_id: int, items: list[WorkItem], tables: dict[str, tuple[list[int], ...]]
+        self,
+        step_id: int,
+        items: list[WorkItem],
+        decode: DecodeRows | None,
+        tables: dict[str, tuple[list[int], ...]],
     ) -> SchedulerOutput:
+        if decode is None:
+            block_tables = {item.request_id: tables[item.request_id] for item in items}
+        else:  # every running request's: one copy of the dict, not one entry per row
+            block_tables = dict(tables)
         out = SchedulerOutput(
             step_id=step_id,
             items=tuple(items),
-            block_tables={item.request_id: tables[item.request_id] for item in items},
+            block_tables=block_tables,
             new_requests=tuple(self.new_requests),
             finished_request_ids=tuple(self.gone_request_ids),
             preempted_request_ids=tuple(self.preempted_ids),
             kv_transfers=tuple(self.transfers),
+            decode=decode,
         )
         self.new_requests.clear()
         self.gone_request_ids.clear()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loopserve.contracts import ItemKind, SampledToken, WorkItem
-from loopserve.exit import ExitRule, TokenExit
+from loopserve.exit import ExitRule
 from loopserve.sampling_params import SamplingParams
 
 
@@ -125,9 +125,7 @@ class Request:
         self.num_prefilled_tokens = 0
         self.next_chunk_start = 0  # first prompt position not yet in any chunk
         self.prompt_chunks: list[PromptChunk] = []  # created, not yet complete at all depths
-        # Decode progress: the token in flight and its runner handle.
-        self.token_exit: TokenExit | None = None
-        self.decode_handle: int | None = None
+        # Decode progress (the token in flight) lives in the scheduler's `DecodeTable`.
         # Memory: preemptions so far; whether the runner knows the request (its sampler
         # survives preemption); the positions to replay (state REPLAYING, or WAITING_SWAPPED
         # when swapped out while replaying).
@@ -179,17 +177,18 @@ class Request:
         return None if trace is None else trace[token_index % len(trace)]
 
     def append_token(
-        self, sampled: SampledToken, loops_used: int, now_s: float
+        self, token_id: int, loops_used: int, now_s: float, sampled: SampledToken | None = None
     ) -> FinishReason | None:
-        """Record one output token; returns the finish reason it triggers, if any."""
-        self.output_token_ids.append(sampled.token_id)
+        """Record one output token (`sampled`: with its log-probabilities, when the request
+        asked for them); returns the finish reason it triggers, if any."""
+        self.output_token_ids.append(token_id)
         self.exit_depths.append(loops_used)
         if self.params.logprobs is not None:
-            self.logprobs.append(sampled)
+            self.logprobs.append(sampled or SampledToken(token_id))
         if self.times.first_token_s is None:
             self.times.first_token_s = now_s
         self.times.token_times_s.append(now_s)
-        if sampled.token_id in self.stop_token_ids:
+        if token_id in self.stop_token_ids:
             return FinishReason.STOP
         if len(self.output_token_ids) >= self.params.max_tokens:
             return FinishReason.LENGTH

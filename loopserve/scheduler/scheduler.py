@@ -19,8 +19,12 @@ import bisect
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from loopserve.config import EngineConfig
 from loopserve.contracts import (
+    DecodeResults,
+    DecodeRows,
     ItemKind,
     KVHandle,
     RunnerOutput,
@@ -28,10 +32,11 @@ from loopserve.contracts import (
     WorkItem,
 )
 from loopserve.errors import CapacityError, InvalidRequestError
-from loopserve.exit import ExitMode, TokenExit
+from loopserve.exit import ExitMode
 from loopserve.scheduler.admission import Admission, MemoryStats, admission_key
 from loopserve.scheduler.ahead import AheadPlanner
-from loopserve.scheduler.items import ItemBuilder
+from loopserve.scheduler.decode_table import DecodeTable
+from loopserve.scheduler.items import ItemBuilder, StepWork
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.policies import (
     PROMPT_POLICIES,
@@ -79,6 +84,7 @@ class Scheduler:
             self.queues.running,
         )
         self.outbox = StepOutbox()
+        self.decode = DecodeTable(self.max_num_seqs, exit_mode=self.exit_mode)
         self.memory_stats = MemoryStats()
         self._next_handle = 0
         self._step_id = 0
@@ -87,12 +93,13 @@ class Scheduler:
             kv=kv,
             queues=self.queues,
             outbox=self.outbox,
-            decode_policy=self.decode_policy,
+            decode=self.decode,
             memory_stats=self.memory_stats,
         )
         self.items = ItemBuilder(
             prompt_policy=self.prompt_policy,
             decode_policy=self.decode_policy,
+            decode=self.decode,
             max_rows=sched.max_num_batched_tokens,
             max_prompt_steps_in_a_row=sched.max_prefill_batches_before_decode,
             exit_mode=self.exit_mode,
@@ -104,6 +111,7 @@ class Scheduler:
         self.ahead = AheadPlanner(
             exit_mode=self.exit_mode,
             queues=self.queues,
+            decode=self.decode,
             decode_policy=self.decode_policy,
             admission=self.admission,
             items=self.items,
@@ -147,8 +155,7 @@ class Scheduler:
                 "request_id",
             )
         request.num_prefilled_tokens = request.next_chunk_start = request.num_prompt_tokens
-        request.transition(RequestState.IMPORTING)
-        self._start_decode_token(request)
+        request.transition(RequestState.IMPORTING)  # its next token starts at admission
         self.add_request(request)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -176,10 +183,11 @@ class Scheduler:
             self.kv.free(request.request_id)
             self.outbox.gone_request_ids.append(request.request_id)
         self.kv.forget(request.request_id)
+        self.decode.remove(request.request_id)
+        self.decode.forget(request.request_id)
         request.transition(RequestState.FINISHED)
         request.finish_reason = reason
         request.times.finished_s = time.monotonic()
-        self.decode_policy.on_request_gone(request.request_id)
         del self.requests[request.request_id]
 
     def has_pending_releases(self) -> bool:
@@ -193,13 +201,13 @@ class Scheduler:
 
     def schedule_releases(self) -> SchedulerOutput:
         """A bookkeeping-only output (no items) carrying the pending releases."""
-        return self._output([])
+        return self._output(StepWork([], None))
 
-    def _output(self, items: list[WorkItem]) -> SchedulerOutput:
-        """The next `SchedulerOutput`: `items` plus every pending announcement, release,
-        preemption and KV transfer (each delivered exactly once)."""
+    def _output(self, work: StepWork) -> SchedulerOutput:
+        """The next `SchedulerOutput`: the step's work plus every pending announcement,
+        release, preemption and KV transfer (each delivered exactly once)."""
         self._step_id += 1
-        return self.outbox.take(self._step_id, items, self.kv.tables)
+        return self.outbox.take(self._step_id, work.items, work.decode, self.kv.tables)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -222,20 +230,18 @@ class Scheduler:
         self.admission.admit()
         self.admission.grow_running()
         prompt_requests: list[Request] = []
-        decode_requests: list[Request] = []
         replay_requests: list[Request] = []
-        for request in self.running:  # one pass; the lists keep admission order
-            if request.num_prefilled_tokens < request.num_prompt_tokens:
-                prompt_requests.append(request)
-            elif request.replay is not None:
-                replay_requests.append(request)
-            else:
-                decode_requests.append(request)
+        if len(self.running) > self.decode.num_ready:  # not every request is decoding
+            for request in self.running:  # one pass; the lists keep admission order
+                if request.num_prefilled_tokens < request.num_prompt_tokens:
+                    prompt_requests.append(request)
+                elif request.replay is not None:
+                    replay_requests.append(request)
         if self.mixed:
-            items = self.items.mixed(prompt_requests, decode_requests, replay_requests)
+            work = self.items.mixed(prompt_requests, replay_requests)
         else:
-            items = self.items.alternating(prompt_requests, decode_requests, replay_requests)
-        return self._output(items)
+            work = self.items.alternating(prompt_requests, replay_requests)
+        return self._output(work)
 
     # ---- applying results -----------------------------------------------------------------
 
@@ -248,6 +254,10 @@ class Scheduler:
                 f"step {scheduled.step_id}: {len(scheduled.items)} items, "
                 f"{len(output.results)} results"
             )
+        if scheduled.decode is not None:
+            if output.decode is None or len(output.decode.exited) != len(scheduled.decode):
+                raise RuntimeError(f"step {scheduled.step_id}: decode rows without results")
+            self._apply_decode(scheduled.decode, output.decode, now, touched)
         for item, result in zip(scheduled.items, output.results):  # results come in item order
             if result.handle != item.handle:
                 raise RuntimeError(f"step {scheduled.step_id}: results out of item order")
@@ -257,40 +267,69 @@ class Scheduler:
             if item.kind is ItemKind.REPLAY:
                 self._advance_replay(request, item)
                 continue
-            if item.kind is ItemKind.PROMPT:
-                if result.prompt_logprobs:  # chunks reach the last depth in position order
-                    request.prompt_logprobs.extend(result.prompt_logprobs)
-                if not self._advance_chunk(request, item):
-                    continue
-                self.kv.publish_prompt(request.request_id, request.num_prefilled_tokens)
-                if not item.first_token:
-                    if request.output_token_ids and not request.in_prompt_phase:
-                        request.replay = ReplayState.for_request(request)  # recompute resumes
-                        if request.replay is not None:
-                            request.transition(RequestState.REPLAYING)
-                    continue
-                assert result.sampled is not None and result.loops_used is not None
-                reason = request.append_token(result.sampled, result.loops_used, now)
-            else:
-                token_exit = request.token_exit
-                assert token_exit is not None
-                # The executor decided the exit; record it (CDF, delayed commitment).
-                token_exit.record(result.hazards[0] if result.hazards else None, result.exited)
-                if not result.exited:
-                    continue
-                assert result.sampled is not None
-                self.decode_policy.on_token_exit(request)
-                reason = request.append_token(result.sampled, token_exit.loops_used, now)
+            if result.prompt_logprobs:  # chunks reach the last depth in position order
+                request.prompt_logprobs.extend(result.prompt_logprobs)
+            if not self._advance_chunk(request, item):
+                continue
+            self.kv.publish_prompt(request.request_id, request.num_prefilled_tokens)
+            if not item.first_token:
+                if request.output_token_ids and not request.in_prompt_phase:
+                    request.replay = ReplayState.for_request(request)  # recompute resumes
+                    if request.replay is not None:
+                        request.transition(RequestState.REPLAYING)
+                    else:  # nothing to replay: the token in flight starts at loop 0
+                        self.decode.start_token(request)
+                continue
+            assert result.sampled is not None and result.loops_used is not None
+            sampled = result.sampled
+            reason = request.append_token(sampled.token_id, result.loops_used, now, sampled)
             for sampled, loops_used in result.more_sampled:  # several tokens from one item
                 if reason is not None:
                     break
-                reason = request.append_token(sampled, loops_used, now)
+                reason = request.append_token(sampled.token_id, loops_used, now, sampled)
             touched.append(request)
             if reason is not None:
                 self.finish(request, reason)
             else:
-                self._start_decode_token(request)
+                self.decode.start_token(request)
         return touched
+
+    def _apply_decode(
+        self, rows_run: DecodeRows, results: DecodeResults, now: float, touched: list[Request]
+    ) -> None:
+        """Record one loop of each decode row (hazards, depth, delayed commitments) in the
+        table; append the tokens that exited and start their requests' next tokens."""
+        decode = self.decode
+        rows = decode.lookup(rows_run.request_ids)
+        exited = results.exited
+        live = rows >= 0  # a row whose request left while the step ran is skipped
+        if not live.all():
+            rows, exited = rows[live], exited[live]
+            needs_gate, hazards = rows_run.needs_gate[live], results.hazards[live]
+            indices = np.flatnonzero(live)
+        else:
+            needs_gate, hazards, indices = rows_run.needs_gate, results.hazards, None
+        decode.exit.record(rows, needs_gate, hazards)
+        exits = np.flatnonzero(exited)
+        if not len(exits):
+            return
+        self.decode_policy.on_token_exits(decode, rows[exits])
+        continuing: list[int] = []
+        continuing_requests: list[Request] = []
+        token_ids, depths = results.token_ids, rows_run.depths
+        for i, row in zip(exits.tolist(), rows[exits].tolist()):
+            j = i if indices is None else int(indices[i])  # its index in `rows_run`
+            request = decode.requests[row]
+            assert request is not None
+            sampled = results.logprobs.get(j)
+            reason = request.append_token(int(token_ids[j]), int(depths[j]) + 1, now, sampled)
+            touched.append(request)
+            if reason is not None:
+                self.finish(request, reason)
+            else:
+                continuing.append(row)
+                continuing_requests.append(request)
+        decode.start_tokens(continuing, continuing_requests)
 
     def _advance_chunk(self, request: Request, item: WorkItem) -> bool:
         """Record the depths a prompt chunk ran; True when it completed its final depth."""
@@ -314,14 +353,12 @@ class Scheduler:
         if replay.finished:
             request.replay = None  # the token in flight starts at loop 0 next step
             request.transition(RequestState.RUNNING)
+            self.decode.start_token(request)
 
-    def _start_decode_token(self, request: Request) -> None:
-        trace_loops = request.trace_loops(len(request.output_token_ids))
-        if request.token_exit is None:
-            request.token_exit = TokenExit(self.exit_mode, request.exit_rule, trace_loops)
-        else:
-            request.token_exit.reset(trace_loops)
-        request.decode_handle = None
+    def token_depth(self, request_id: str) -> int | None:
+        """The loop the request's decode token in flight runs next (None: no token in
+        flight: waiting, in its prompt, replaying, or finished)."""
+        return self.decode.depth_of(request_id)
 
     def fail_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort requests the executor failed (a step that raised, or a request whose setup
@@ -336,8 +373,10 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        self.decode.check_invariants()
         running_ids = {r.request_id for r in self.running}
         assert running_ids == set(self.kv.tables), "running requests and KV owners differ"
+        assert running_ids == set(self.decode.row_of), "running requests and decode rows differ"
         swapped_ids = {r.request_id for r in self.waiting if r.swapped}
         assert swapped_ids == set(self.kv.host_tables), "swapped requests and host KV differ"
         assert len(self.running) <= self.max_num_seqs
@@ -350,11 +389,12 @@ class Scheduler:
             cached_end = self.kv.num_cached_pages[request.request_id] * block_size
             assert cached_end <= request.num_prefilled_tokens, "a cached page is still written"
             assert all(chunk.start >= cached_end for chunk in request.prompt_chunks)
-            if not request.in_prompt_phase:
-                assert request.token_exit is not None and not request.token_exit.exited
-            if request.replay is None and not request.in_prompt_phase:
+            depth = self.decode.depth_of(request.request_id)
+            decoding = request.replay is None and not request.in_prompt_phase
+            assert (depth is not None) == decoding, f"{request.request_id}: token in flight?"
+            if depth is not None:
                 # The token in flight has a slot in every plane before it is written.
-                assert covered >= request.next_position + (request.token_exit.depth > 0)
+                assert covered >= request.next_position + (depth > 0)
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING
             assert request.request_id not in self.kv.tables

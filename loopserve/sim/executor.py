@@ -1,16 +1,19 @@
 """`SimExecutor`: a tensor-free stand-in for `ModelRunner` that prices each step on a GPU model.
 
-It honours the runner contract (`loopserve.contracts`) item for item:
+It honours the runner contract (`loopserve.contracts`) item for item and row for row:
 - every item runs `num_depths` consecutive loops; loop k of the step is one core call over
   the items with `k < num_depths` (an atomic prompt step is D calls, a decode step one);
-- decode items exit as `loop_exits` (loopserve.exit) decides from the plan and the synthetic
-  hazard, the same function the runner calls; `needs_gate` rows report a hazard;
+  decode rows (`DecodeRows` columns) ride in the first call, priced with array sums;
+- decode rows exit as `exit.columns.decide_exits` decides from their exit codes and the
+  synthetic hazards, the rule the runner applies on the device; `needs_gate` rows report a
+  hazard;
 - a prompt item with `first_token` that reaches depth D-1 picks its first token's loops with
   `choose_exit_from_hazards` (its trace loops, or the hazards of its last position);
 - exiting rows run the coda and the sampler and return a synthetic token (id 1 — requests in
   the simulator use `ignore_eos=True` and stop by length);
 - hidden state is not stored, but handles are kept in the runner's `HandleTable` (with no
-  state) so that an item resuming from a handle never kept fails loudly, like the runner;
+  state), and the requests with a decode token in flight are tracked like the runner's
+  decode slots, so that work resuming from state never kept fails loudly, like the runner;
 - releases arrive only in `SchedulerOutput.finished_request_ids`;
 - per-request setup (a token counter) cannot fail, so `RunnerOutput.failed_requests` is
   always empty.
@@ -35,7 +38,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from loopserve.contracts import (
+    DecodeResults,
+    DecodeRows,
     Executor,
     ItemKind,
     ItemResult,
@@ -45,14 +52,15 @@ from loopserve.contracts import (
     StepRules,
     WorkItem,
 )
-from loopserve.exit import ExitMode, GateState, choose_exit_from_hazards, loop_exits
+from loopserve.exit import ExitMode, choose_exit_from_hazards
+from loopserve.exit.columns import EXIT, GATE, decide_exits
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.handles import HandleTable
 from loopserve.sim.cost_model import CostModel
 from loopserve.sim.workload import ExitDistribution
 
 SYNTHETIC_TOKEN = SampledToken(1)
-DECODE, PROMPT, REPLAY = ItemKind.DECODE, ItemKind.PROMPT, ItemKind.REPLAY
+PROMPT, REPLAY = ItemKind.PROMPT, ItemKind.REPLAY
 
 
 @dataclass
@@ -123,22 +131,22 @@ class SimExecutor(Executor):
         self._step_finalized = 0  # this step's finalized decode tokens
         self._handles: HandleTable[None] = HandleTable()
         self._kept = self._handles.kept()  # live view, for the per-item membership check
+        self._decoding: set[str] = set()  # requests with decode state (the runner's slots)
         self._num_sampled: dict[str, int] = {}
         self._targets: dict[tuple[str, int], int] = {}
-        self._continue_results: dict[tuple[str, int], ItemResult] = {}
 
     # ---- bookkeeping ----------------------------------------------------------------------
 
     def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> None:
         for request_id in scheduled.finished_request_ids:
-            for handle in self._handles.release(request_id):
-                self._continue_results.pop((request_id, handle), None)
+            self._handles.release(request_id)
+            self._decoding.discard(request_id)
             self._targets.pop((request_id, self._num_sampled.pop(request_id, 0)), None)
         for new in scheduled.new_requests:
             self._num_sampled[new.request_id] = 0
         for request_id in scheduled.preempted_request_ids:  # recompute: hidden states dropped
-            for handle in self._handles.release(request_id):
-                self._continue_results.pop((request_id, handle), None)
+            self._handles.release(request_id)
+            self._decoding.discard(request_id)
         # Swapped requests keep their handles: their hidden states wait on the host.
         self._swap_s = 0.0
         for transfer in scheduled.kv_transfers:
@@ -149,7 +157,7 @@ class SimExecutor(Executor):
 
     @property
     def num_live_handles(self) -> int:
-        return len(self._handles)
+        return len(self._handles) + len(self._decoding)
 
     # ---- synthetic gate -------------------------------------------------------------------
 
@@ -170,15 +178,18 @@ class SimExecutor(Executor):
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         self._apply_bookkeeping(scheduled)
         items = scheduled.items
-        if not items:
+        if scheduled.is_empty:
             return RunnerOutput(scheduled.step_id, (), model_time_s=self._swap_s)
-        num_calls = max(item.num_depths for item in items)
+        num_calls = max([item.num_depths for item in items] + [1])
         # Per-call totals by item depth count: an item with n depths runs in calls 0..n-1, and
         # its rows, context and KV traffic are the same at every depth (prelude only at 0).
         tallies = [_CallTally() for _ in range(num_calls + 1)]
         results = []
         coda_rows = num_early = 0
         self._step_finalized = 0
+        decode_results = None
+        if scheduled.decode is not None:
+            decode_results, coda_rows, num_early = self._run_decode(scheduled.decode, tallies[1])
         for item in items:
             result, sampled = self._run_item(item, tallies[item.num_depths])
             results.append(result)
@@ -204,10 +215,52 @@ class SimExecutor(Executor):
             forward_time_s=core_s + coda_s,
             num_early_exits=num_early,
             num_finalize_copies=self._step_finalized,
+            decode=decode_results,
         )
 
+    def _run_decode(self, rows: DecodeRows, tally: _CallTally) -> tuple[DecodeResults, int, int]:
+        """Exits, hazards and pricing of a call's decode rows (one loop each); (results, rows
+        sampled, early exits)."""
+        n, depths = len(rows), rows.depths
+        decoding = self._decoding
+        for request_id, depth in zip(rows.request_ids, depths.tolist()):
+            if request_id not in decoding:
+                assert depth == 0, f"{request_id}: resumes a decode token the runner never kept"
+                decoding.add(request_id)
+        tally.has_decode = True
+        tally.rows += n
+        tally.prelude_rows += int(np.count_nonzero(depths == 0))
+        context = int(rows.positions.sum()) + n  # each row reads positions 0..its own
+        tally.kv_read += context
+        tally.pairs += context
+        if self.cascade:
+            tally.singles += zip(rows.request_ids, depths.tolist(), rows.positions.tolist())
+        hazards = np.full(n, np.nan)
+        for i in np.flatnonzero(rows.needs_gate).tolist():
+            request_id = rows.request_ids[i]
+            index = self._num_sampled[request_id]
+            hazards[i] = self._hazard(request_id, index, int(depths[i]))
+        exited = rows.exit_code == EXIT
+        if (rows.exit_code == GATE).any():
+            exited = decide_exits(
+                rows.exit_code, rows.cdf_before, rows.survival_before, hazards, rows.threshold
+            )
+        if not self.shared:  # finalize copies into the planes deeper than the exit
+            finalized = exited & (depths < self.num_loops - 1)
+            tally.finalize += int((self.num_loops - 1 - depths[finalized]).sum())
+            self._step_finalized += int(np.count_nonzero(finalized))
+        for i in np.flatnonzero(exited).tolist():
+            request_id = rows.request_ids[i]
+            self._targets.pop((request_id, self._num_sampled[request_id]), None)
+            self._num_sampled[request_id] += 1
+        token_ids = np.where(exited, SYNTHETIC_TOKEN.token_id, -1).astype(np.int64)
+        num_exits = int(np.count_nonzero(exited))
+        num_early = int(np.count_nonzero(exited & (depths + 1 < self.num_loops)))
+        return DecodeResults(exited, hazards, token_ids), num_exits, num_early
+
     def _run_item(self, item: WorkItem, tally: _CallTally) -> tuple[ItemResult, int]:
-        """Exit decision, coda and handle bookkeeping of one item; adds its rows to `tally`."""
+        """Exit decision, coda and handle bookkeeping of one prompt or replay item; adds its
+        rows to `tally`."""
         request_id, handle = item.request_id, item.handle
         if item.needs_prelude:
             tally.prelude_rows += item.token_count
@@ -218,22 +271,14 @@ class SimExecutor(Executor):
         count, start = item.token_count, item.token_start
         tally.rows += count
         if count == 1 and self.cascade:
-            tally.singles.append(item)
+            tally.singles.append((request_id, item.depth, start))
         if item.kind is REPLAY:  # recompute: a known token through its recorded loops
             tally.has_decode = True
             tally.kv_read += start + 1
             tally.pairs += start + 1
             result = ItemResult(request_id, handle, (), bool(item.exit_now))
-            if self.rules.finalizes(item, result.exited):
+            if self.rules.finalizes(item.depth, result.exited):
                 tally.finalize += self.num_loops - 1 - item.depth
-        elif item.kind is DECODE:
-            tally.has_decode = True
-            tally.kv_read += start + 1
-            tally.pairs += start + 1
-            result = self._decode_result(item)
-            if self.rules.finalizes(item, result.exited):
-                tally.finalize += self.num_loops - 1 - item.depth
-                self._step_finalized += 1
         else:
             tally.has_prompt = True
             tally.kv_read += start + count  # the chunk streams its context once
@@ -251,29 +296,6 @@ class SimExecutor(Executor):
         self._num_sampled[request_id] += 1
         return result, 1
 
-    def _decode_result(self, item: WorkItem) -> ItemResult:
-        exit_now = item.exit_now
-        if not item.needs_gate and exit_now is False:
-            # Hot path (trace mode): one immutable "continue" result per token, reused.
-            key = (item.request_id, item.handle)
-            cached = self._continue_results.get(key)
-            if cached is None:
-                cached = self._continue_results[key] = ItemResult(item.request_id, item.handle)
-            return cached
-        self._continue_results.pop((item.request_id, item.handle), None)
-        hazards: tuple[float, ...] = ()
-        if item.needs_gate or exit_now is None:
-            index = self._num_sampled[item.request_id]
-            hazards = (self._hazard(item.request_id, index, item.depth),)
-        if exit_now is None:  # (a decided plan is returned as is by `loop_exits`: skip the call)
-            before = GateState(item.cdf_before, item.survival_before)
-            exit_now = loop_exits(None, before, hazards[0], item.threshold)
-        if not exit_now:
-            return ItemResult(item.request_id, item.handle, hazards)
-        return ItemResult(
-            item.request_id, item.handle, hazards, True, item.depth + 1, SYNTHETIC_TOKEN
-        )
-
     def _prompt_result(self, item: WorkItem) -> ItemResult:
         depths = range(item.depth, item.last_depth + 1)
         gated = item.first_token and item.needs_gate
@@ -289,13 +311,16 @@ class SimExecutor(Executor):
         )
         return ItemResult(item.request_id, item.handle, hazards, True, loops, SYNTHETIC_TOKEN)
 
-    def _cascade_saved(self, singles: list[WorkItem], call_index: int, block_tables) -> int:
+    def _cascade_saved(self, singles: list[tuple[str, int, int]], call_index: int,
+                       block_tables) -> int:  # fmt: skip
         """KV positions cascade attention does not read in one core call: per group of
-        one-row items sharing `n` leading blocks of a plane, `(rows - 1) * n * block_size`."""
+        one-row rows (request, depth, position) sharing `n` leading blocks of a plane,
+        `(rows - 1) * n * block_size`."""
         tables = [
-            block_tables[item.request_id][self.rules.plane(item, call_index)] for item in singles
+            block_tables[request_id][0 if self.shared else depth + call_index]
+            for request_id, depth, _ in singles
         ]
-        positions = [item.token_start for item in singles]
+        positions = [position for _, _, position in singles]
         saved = 0
         stats = self.stats
         for group in plan_prefix_groups(tables, positions, self.block_size):
@@ -355,7 +380,8 @@ class _CallTally:
     finalize: int = 0
     has_prompt: bool = False
     has_decode: bool = False
-    singles: list[WorkItem] = field(default_factory=list)  # one-row items (cascade only)
+    # One-row rows (request, depth, position), for cascade pricing only.
+    singles: list[tuple[str, int, int]] = field(default_factory=list)
 
     def add(self, other: _CallTally) -> None:
         self.singles += other.singles

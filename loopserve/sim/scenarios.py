@@ -166,11 +166,12 @@ def run_interference(
         if arrivals:  # inside the window
             calls += len(output.rows_per_core_call)
             mixed += executor.stats.mixed_calls - mixed_before
+            decode_rows += scheduled.num_decode_rows
             for item in scheduled.items:
                 rows = item.token_count * item.num_depths
                 if item.kind is ItemKind.PROMPT:
                     prompt_rows += rows
-                else:
+                else:  # replay rows
                     decode_rows += rows
         for request in touched:
             request_id = request.request_id

@@ -29,7 +29,7 @@ from loopserve.config import (
     max_inflight_rows,
     resolve_num_blocks,
 )
-from loopserve.contracts import RunnerOutput, SchedulerOutput, WorkItem
+from loopserve.contracts import RunnerOutput, SchedulerOutput
 from loopserve.engine.build import build_engine_core
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
@@ -196,7 +196,7 @@ class Simulator:
         if record_items:
 
             def record(scheduled: SchedulerOutput, _output: RunnerOutput) -> None:
-                step_items.append(tuple(_item_key(item) for item in scheduled.items))
+                step_items.append(_step_keys(scheduled))
 
             remove_observer = core.add_observer(record)
         before = core.stats()
@@ -253,16 +253,29 @@ class Simulator:
         )
 
 
-def _item_key(item: WorkItem) -> tuple:
-    """What the parity tests compare step by step."""
-    return (
-        item.request_id,
-        item.kind.value,
-        item.token_start,
-        item.token_count,
-        item.depth,
-        item.num_depths,
-    )
+def _step_keys(scheduled: SchedulerOutput) -> tuple:
+    """What the parity tests compare step by step: each decode row, then each item."""
+    keys = []
+    if scheduled.decode is not None:
+        decode = scheduled.decode
+        keys += [
+            (request_id, "decode", position, 1, depth, 1)
+            for request_id, position, depth in zip(
+                decode.request_ids, decode.positions.tolist(), decode.depths.tolist()
+            )
+        ]
+    keys += [
+        (
+            item.request_id,
+            item.kind.value,
+            item.token_start,
+            item.token_count,
+            item.depth,
+            item.num_depths,
+        )  # fmt: skip
+        for item in scheduled.items
+    ]
+    return tuple(keys)
 
 
 class _Clients:

@@ -147,8 +147,8 @@ class OutputProcessor:
             delta.first_token_s,
             delta.finished_s,
             tuple(state.token_times_s) if final or state.kind == "cumulative" else (),
-            num_cached_prompt_tokens=delta.num_cached_prompt_tokens,
-            num_preemptions=delta.num_preemptions,
+            delta.num_cached_prompt_tokens,
+            delta.num_preemptions,
         )
         if state.kind == "delta":
             token_ids, text, exit_depths = delta.new_token_ids, new_text, delta.new_exit_depths
@@ -164,24 +164,28 @@ class OutputProcessor:
             if not final:  # the state keeps growing: hand out copies
                 token_ids, exit_depths = list(token_ids), list(exit_depths)
                 logprobs = None if logprobs is None else list(logprobs)
+        # Positional, in field order (built once per request per step): request_id, prompt,
+        # prompt_token_ids, token_ids, text, exit_depths, finish_reason, metrics, logprobs,
+        # new_token_ids, new_text, new_exit_depths, stop_reason, error, num_output_tokens,
+        # output_kind, prompt_logprobs.
         return RequestOutput(
-            request_id=delta.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=delta.prompt_token_ids,
-            token_ids=token_ids,
-            text=text,
-            exit_depths=exit_depths,
-            finish_reason=delta.finish_reason,
-            metrics=metrics,
-            logprobs=logprobs,
-            new_token_ids=delta.new_token_ids,
-            new_text=new_text,
-            new_exit_depths=delta.new_exit_depths,
-            stop_reason=stop_reason,
-            error=error,
-            num_output_tokens=delta.num_output_tokens,
-            output_kind=state.kind,
-            prompt_logprobs=prompt_logprobs,
+            delta.request_id,
+            state.prompt,
+            delta.prompt_token_ids,
+            token_ids,
+            text,
+            exit_depths,
+            delta.finish_reason,
+            metrics,
+            logprobs,
+            delta.new_token_ids,
+            new_text,
+            delta.new_exit_depths,
+            stop_reason,
+            error,
+            delta.num_output_tokens,
+            state.kind,
+            prompt_logprobs,
         )
 
 

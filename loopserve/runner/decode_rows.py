@@ -1,0 +1,326 @@
+"""Decode rows on the device: the runner's half of the persistent decode batch.
+
+A looped model runs each decode token through up to D core calls, one per loop, so the
+per-call host work for decode rows must not grow with per-row Python. The scheduler sends a
+call's decode rows as columns (`contracts.DecodeRows`); this room turns them into device work
+with a constant number of tensor operations per call:
+
+- `DecodeSlots` keeps, per request decoding, one row of a device tensor with its in-flight
+  token's hidden state between loops (`hidden [slots + 1, H]`), and device block tables per
+  slot and plane (`tables [(slots + 1) * planes, max_blocks]`). The extra slot is the padding
+  slot of the decode graphs: its tables hold only the padding block. Tables are written
+  incrementally: a call sends only the entries its rows' tables gained (a new block every
+  `block_size` positions). A request gets a slot at its first decode row (loop 0) and keeps
+  it until it is released (finished, preempted) or swapped out (its state moves with its
+  K/V).
+- `DecodeStep.host_columns` is the host half of every decode call: slots, the table row each
+  row reads (`slot * planes + depth`, or `slot` under SHARED), loop-0 rows, new table entries,
+  coda candidates (rows whose exit code is not CONTINUE: certain exits, and rows whose gate
+  decides, their exit known only on the device) and whether a gate decides some exit.
+- Eager calls (`begin` / `after_call`): one staged copy carries those columns, the call
+  gathers its inputs (resumed states from their slots, embedded tokens at loop 0), and after
+  the core it writes the outputs back, computes hazards, decides exits on the device
+  (`exit.columns.decide_exits` in tensor form) and runs the LAST_EXITED finalize copies of
+  exiting rows (`finalize_exits`). The decode graphs (`runner/graphs.py`) run the same steps
+  inside one captured call from one staged copy.
+
+Nothing is read back here; the coda reads exits, hazards and sampled tokens in one copy
+(`runner/coda.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from loopserve.contracts import DecodeRows
+from loopserve.exit.columns import CONTINUE, EXIT, GATE
+from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.transfers import Transfers
+
+
+class DecodeSlots:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        hidden_size: int,
+        num_planes: int,
+        block_size: int,
+        max_blocks: int,
+        padding_block: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.capacity = capacity
+        self.num_planes = num_planes
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.padding_slot = capacity
+        self.padding_row = capacity * num_planes  # plane 0 of the padding slot
+        self.hidden = torch.zeros(capacity + 1, hidden_size, dtype=dtype, device=device)
+        # [(slots + 1) * planes, max_blocks]; row slot * planes + plane
+        self.tables = torch.full(
+            ((capacity + 1) * num_planes, max_blocks),
+            padding_block,
+            dtype=torch.int64,
+            device=device,
+        )
+        self.written = np.zeros(capacity, np.int64)  # table entries written, every plane
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def _take(self, request_id: str) -> int:
+        if not self._free:
+            raise RuntimeError(f"no free decode slot ({self.capacity} requests decoding)")
+        slot = self._free.pop()
+        self.slot_of[request_id] = slot
+        return slot
+
+    def assign(self, rows: DecodeRows) -> np.ndarray:
+        """Each row's slot; a request's first row (loop 0) takes a free one."""
+        slot_of = self.slot_of
+        slots = [slot_of.get(request_id, -1) for request_id in rows.request_ids]
+        if -1 in slots:
+            for i, slot in enumerate(slots):
+                if slot != -1:
+                    continue
+                request_id = rows.request_ids[i]
+                if rows.depths[i] != 0:
+                    raise RuntimeError(
+                        f"{request_id}: resumes loop {rows.depths[i]} of a decode token the "
+                        "runner never kept"
+                    )
+                slots[i] = self._take(request_id)
+        return np.array(slots, np.int64)
+
+    def release(self, request_id: str) -> int | None:
+        """Free the request's slot (its state and tables are forgotten)."""
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.written[slot] = 0
+            self._free.append(slot)
+        return slot
+
+    def take_state(self, request_id: str) -> torch.Tensor | None:
+        """Swap-out: the request's in-flight hidden state [H] (a copy), its slot released."""
+        slot = self.slot_of.get(request_id)
+        if slot is None:
+            return None
+        state = self.hidden[slot].clone()
+        self.release(request_id)
+        return state
+
+    def put_state(self, request_id: str, state: torch.Tensor) -> None:
+        """Swap-in: a new slot holding the request's in-flight hidden state."""
+        slot = self._take(request_id)
+        self.hidden[slot].copy_(state)
+
+    def table_updates(
+        self, slots: np.ndarray, positions: np.ndarray, request_ids, block_tables
+    ) -> tuple[list[int], list[int]]:
+        """(flat indices into `tables`, block ids) of the entries the rows' tables gained
+        since they were last written: blocks up to each row's position, every plane."""
+        needed = positions // self.block_size + 1
+        stale = np.flatnonzero(self.written[slots] < needed)
+        index: list[int] = []
+        values: list[int] = []
+        width, num_planes = self.max_blocks, self.num_planes
+        for i in stale.tolist():  # host array
+            slot = int(slots[i])
+            start, end = int(self.written[slot]), int(needed[i])
+            for plane, blocks in enumerate(block_tables[request_ids[i]]):
+                base = (slot * num_planes + plane) * width
+                index.extend(range(base + start, base + end))
+                values.extend(blocks[start:end])
+            self.written[slot] = end
+        return index, values
+
+
+class HostColumns(NamedTuple):
+    """The host half of one decode call (see the module docstring)."""
+
+    slots: np.ndarray  # int64 [n]
+    table_index: np.ndarray  # int64 [n]
+    starts: np.ndarray  # int64 [m]: rows at loop 0 (embedded from their token)
+    update_index: list[int]  # flat `tables` entries gained, and their block ids
+    update_value: list[int]
+    candidates: np.ndarray  # int64 [c]: coda candidates
+    gate_decides: bool
+
+
+class DecodeInputs(NamedTuple):
+    """One call's decode rows on the device (eager calls; the graphs keep their own)."""
+
+    rows: DecodeRows
+    slots: torch.Tensor  # [n] int64
+    positions: torch.Tensor  # [n] int64
+    table_index: torch.Tensor  # [n] int64: the table row each row reads and writes
+    hidden: torch.Tensor  # [n, H]: the rows' inputs
+    gate_columns: torch.Tensor | None  # [4, n] float64: code, cdf, survival, threshold
+    candidates: np.ndarray  # coda candidates, on the host
+    candidates_on_device: torch.Tensor  # the same, on the device
+    gate_decides: bool  # some row's exit is decided by this loop's gate
+
+
+class DecodeSignals(NamedTuple):
+    """A decode call's outputs and signals, on the device, not read yet, with what the coda
+    needs of the call (eager and graphed calls alike)."""
+
+    rows: DecodeRows
+    out: torch.Tensor  # [n, H]
+    hazards: torch.Tensor | None  # [n] float32, when some row needs its gate
+    exits: torch.Tensor | None  # [n] bool, when the gate decides some row's exit
+    candidates: np.ndarray  # coda candidates, on the host
+    candidates_on_device: torch.Tensor  # the same, on the device
+
+
+def decide_exits_on_device(
+    code: torch.Tensor,
+    cdf: torch.Tensor,
+    survival: torch.Tensor,
+    threshold: torch.Tensor,
+    hazards: torch.Tensor,
+) -> torch.Tensor:
+    """`exit.columns.decide_exits` on device tensors (float64 columns, float32 hazards)."""
+    folded = cdf + hazards.double() * survival
+    return (code == EXIT) | ((code == GATE) & (folded >= threshold))
+
+
+def finalize_exits(
+    tables: torch.Tensor,
+    *,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    table_index: torch.Tensor,
+    exits: torch.Tensor | None,
+    num_planes: int,
+    block_size: int,
+    finalize: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Copy each exiting row's K/V of its depth's plane into every deeper plane, with device
+    data only: the deeper planes' slots come from the device tables, and a pair of a row that
+    does not exit (or of a plane not deeper) copies a slot onto itself (a no-op the copy
+    kernels skip). `exits` None: every row exits."""
+    block, offset = positions // block_size, positions % block_size
+    src = tables[table_index, block] * block_size + offset  # [f]
+    planes = torch.arange(1, num_planes, device=slots.device)[:, None]  # [planes - 1, 1]
+    deeper = slots * num_planes + planes  # [planes - 1, f] table rows
+    dst = tables[deeper, block] * block_size + offset
+    keep = deeper > table_index
+    if exits is not None:
+        keep &= exits
+    src = src.expand_as(dst).contiguous()  # kernels read slots as contiguous arrays
+    finalize(src.reshape(-1), torch.where(keep, dst, src).reshape(-1))
+
+
+class DecodeStep:
+    """The decode half of a runner step over `DecodeSlots`; explicit inputs: the (timed)
+    prelude and hazard functions, the attention backend's `finalize`, the transfer helper,
+    and the layout's plane count."""
+
+    def __init__(
+        self,
+        slots: DecodeSlots,
+        *,
+        prelude: Callable[[torch.Tensor], torch.Tensor],
+        hazards: Callable[[torch.Tensor], torch.Tensor],
+        finalize: Callable[[torch.Tensor, torch.Tensor], None],
+        transfers: Transfers,
+        num_planes: int,
+    ) -> None:
+        self.slots = slots
+        self.prelude = prelude
+        self.hazards = hazards
+        self.finalize = finalize
+        self.transfers = transfers
+        self.num_planes = num_planes
+
+    def host_columns(self, rows: DecodeRows, block_tables) -> HostColumns:
+        slots = self.slots.assign(rows)
+        depths, codes = rows.depths, rows.exit_code
+        table_index = slots * self.num_planes + depths if self.num_planes > 1 else slots
+        index, values = self.slots.table_updates(
+            slots, rows.positions, rows.request_ids, block_tables
+        )
+        return HostColumns(
+            slots,
+            table_index,
+            np.flatnonzero(depths == 0),
+            index,
+            values,
+            np.flatnonzero(codes != CONTINUE),
+            bool((codes == GATE).any()),
+        )
+
+    def begin(self, rows: DecodeRows, block_tables) -> DecodeInputs:
+        """Stage an eager call's decode rows (one copy) and gather their inputs."""
+        host = self.host_columns(rows, block_tables)
+        n, starts = len(rows), host.starts
+        parts = [host.slots, rows.positions, host.table_index, starts, rows.token_ids[starts]]
+        parts += [np.array(host.update_index, np.int64), np.array(host.update_value, np.int64)]
+        parts.append(host.candidates)
+        if host.gate_decides:
+            columns = (rows.exit_code.astype(np.float64), rows.cdf_before,
+                       rows.survival_before, rows.threshold)  # fmt: skip
+            parts.append(np.concatenate(columns).view(np.int64))
+        staged = self.transfers.to_device(np.concatenate(parts))  # the call's one copy in
+        views = iter(staged.split([len(part) for part in parts]))
+        slots_t, positions_t, table_index_t, starts_t, tokens_t, index_t, values_t, cand_t = (
+            next(views) for _ in range(8)
+        )
+        gate_t = next(views).view(torch.float64).view(4, n) if host.gate_decides else None
+        if host.update_index:
+            self.slots.tables.view(-1).index_copy_(0, index_t, values_t)
+        if len(starts) == n:  # every row starts a token
+            hidden = self.prelude(tokens_t)
+        else:
+            hidden = self.slots.hidden.index_select(0, slots_t)
+            if len(starts):
+                hidden.index_copy_(0, starts_t, self.prelude(tokens_t))
+        return DecodeInputs(
+            rows, slots_t, positions_t, table_index_t, hidden, gate_t, host.candidates,
+            cand_t, host.gate_decides,
+        )  # fmt: skip
+
+    def segments(self, rows: DecodeRows, block_tables) -> list[RowSegment]:
+        """The rows as attention segments (eager calls): each row's plane table, one row."""
+        planes = rows.depths if self.num_planes > 1 else np.zeros(len(rows), np.int64)
+        positions = rows.positions.tolist()  # host array
+        planes_list = planes.tolist()  # host array
+        tables = [block_tables[request_id] for request_id in rows.request_ids]
+        return [
+            RowSegment(table[plane], position, 1)
+            for table, plane, position in zip(tables, planes_list, positions)
+        ]
+
+    def after_call(self, inputs: DecodeInputs, out: torch.Tensor) -> DecodeSignals:
+        """Slots, hazards, exits and finalize copies of the call's decode rows [n, H]."""
+        self.slots.hidden.index_copy_(0, inputs.slots, out)
+        hazards = self.hazards(out).float() if inputs.rows.needs_gate.any() else None
+        exits = None
+        if inputs.gate_decides:
+            assert hazards is not None and inputs.gate_columns is not None
+            exits = decide_exits_on_device(*inputs.gate_columns, hazards)
+        finalizing = inputs.candidates[inputs.rows.depths[inputs.candidates] < self.num_planes - 1]
+        if self.num_planes > 1 and len(finalizing):
+            rows = inputs.candidates_on_device  # candidates below full depth, all of them
+            finalize_exits(
+                self.slots.tables,
+                slots=inputs.slots[rows],
+                positions=inputs.positions[rows],
+                table_index=inputs.table_index[rows],
+                exits=None if exits is None else exits[rows],
+                num_planes=self.num_planes,
+                block_size=self.slots.block_size,
+                finalize=self.finalize,
+            )
+        return DecodeSignals(
+            inputs.rows, out, hazards, exits, inputs.candidates, inputs.candidates_on_device
+        )

@@ -1,0 +1,182 @@
+"""The persistent decode batch: each running request's decode token in flight, as columns.
+
+A looped model runs one core call per loop, so the scheduler plans every decode token once
+per loop. Instead of one object per token per loop, `DecodeTable` keeps one row per running
+request for its whole stay in RUNNING (rows are reused once it leaves): the token's position,
+the token id fed back at loop 0, and its exit state (`exit.columns.ExitColumns`: depth, CDF,
+survival, committed exit). A step selects rows and builds `DecodeRows` columns from them
+with a few array operations; `update` folds the executor's hazards and exits back the same
+way, and only tokens that exit touch their `Request` (to append the token).
+
+A row is `ready` while its request has a decode token in flight: from the first token (or an
+import, or the end of a recompute replay) until the request leaves RUNNING. A request
+swapped out mid-token parks its token's exit state here (`park`) and resumes it when swapped
+back in (`unpark`). `cohort` marks the current cohort of the no_refill policy. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from loopserve.contracts import DecodeRows
+from loopserve.exit import ExitMode
+from loopserve.exit.columns import ExitColumns
+from loopserve.scheduler.request import Request
+
+
+class ParkedToken(NamedTuple):
+    """The exit state of a token swapped out between two of its loops."""
+
+    depth: int
+    cdf: float
+    survival: float
+    exit_after: int
+
+
+class DecodeTable:
+    def __init__(self, capacity: int, *, exit_mode: ExitMode) -> None:
+        self.capacity = capacity
+        self.exit = ExitColumns(exit_mode, capacity)
+        self.requests: list[Request | None] = [None] * capacity
+        self.ids: list[str | None] = [None] * capacity
+        self.row_of: dict[str, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self.ready = np.zeros(capacity, bool)
+        self.cohort = np.zeros(capacity, bool)
+        self.position = np.zeros(capacity, np.int64)
+        self.token_id = np.zeros(capacity, np.int64)
+        self.order = np.zeros(capacity, np.int64)  # admission order: oldest first
+        self._num_added = 0
+        self._parked: dict[str, ParkedToken] = {}
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def add(self, request: Request) -> int:
+        """Give a request entering RUNNING its row (no token in flight yet)."""
+        if not self._free:
+            raise RuntimeError(f"decode table full ({self.capacity} running requests)")
+        row = self._free.pop()
+        self.requests[row] = request
+        self.ids[row] = request.request_id
+        self.row_of[request.request_id] = row
+        self.exit.set_rule(row, request.exit_rule)
+        self.order[row] = self._num_added
+        self._num_added += 1
+        return row
+
+    def remove(self, request_id: str) -> None:
+        """The request left RUNNING (finished, aborted, preempted): its row is free."""
+        row = self.row_of.pop(request_id, None)
+        if row is None:
+            return
+        self.requests[row] = self.ids[row] = None
+        self.ready[row] = self.cohort[row] = False
+        self._free.append(row)
+
+    @property
+    def num_ready(self) -> int:
+        return int(np.count_nonzero(self.ready))
+
+    def lookup(self, request_ids: tuple[str, ...]) -> np.ndarray:
+        """Each request's row, -1 for a request no longer here."""
+        row_of = self.row_of
+        return np.fromiter((row_of.get(rid, -1) for rid in request_ids), np.int64, len(request_ids))
+
+    # ---- tokens -----------------------------------------------------------------------------
+
+    def start_token(self, request: Request) -> None:
+        """The request's next decode token (its last output token, fed back) starts at loop 0."""
+        row = self.row_of[request.request_id]
+        self.position[row] = request.next_position
+        self.token_id[row] = request.output_token_ids[-1]
+        trace = request.trace_loops(len(request.output_token_ids))
+        self.exit.start(row, self.exit.trace_exit_after(row, trace))
+        self.ready[row] = True
+
+    def start_tokens(self, rows: list[int], requests: list[Request]) -> None:
+        """`start_token` for many rows at once (the tokens that just exited, continuing)."""
+        if not rows:
+            return
+        index = np.array(rows, np.int64)
+        self.position[index] = [r.next_position for r in requests]
+        self.token_id[index] = [r.output_token_ids[-1] for r in requests]
+        if self.exit.mode is ExitMode.TRACE:
+            traces = [r.trace_loops(len(r.output_token_ids)) for r in requests]
+            self.exit.start(index, self.exit.trace_exits_after(index, np.array(traces, np.int64)))
+        else:
+            self.exit.start(index, -1)
+        self.ready[index] = True
+
+    def stop_token(self, request_id: str) -> None:
+        """The request has no token that may run (a recompute replay comes first)."""
+        self.ready[self.row_of[request_id]] = False
+
+    def park(self, request: Request) -> None:
+        """Keep the exit state of the request's token in flight while it is swapped out."""
+        row = self.row_of[request.request_id]
+        if self.ready[row]:
+            exit = self.exit
+            self._parked[request.request_id] = ParkedToken(
+                int(exit.depth[row]),
+                float(exit.cdf[row]),
+                float(exit.survival[row]),
+                int(exit.exit_after[row]),
+            )
+
+    def unpark(self, request: Request) -> bool:
+        """Resume a parked token in the request's (new) row; False if none was parked."""
+        parked = self._parked.pop(request.request_id, None)
+        if parked is None:
+            return False
+        row = self.row_of[request.request_id]
+        self.start_token(request)
+        exit = self.exit
+        exit.depth[row], exit.cdf[row], exit.survival[row], exit.exit_after[row] = parked
+        return True
+
+    def forget(self, request_id: str) -> None:
+        """A parked request finished while waiting."""
+        self._parked.pop(request_id, None)
+
+    def depth_of(self, request_id: str) -> int | None:
+        """The loop the request's token in flight runs next (None: no token in flight)."""
+        row = self.row_of.get(request_id)
+        return None if row is None or not self.ready[row] else int(self.exit.depth[row])
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def oldest_first(self, rows: np.ndarray) -> np.ndarray:
+        return rows[np.argsort(self.order[rows], kind="stable")]
+
+    def decode_rows(self, rows: np.ndarray) -> DecodeRows:
+        """The `DecodeRows` of one loop of these rows' tokens (copies: the table moves on)."""
+        plan = self.exit.plan(rows)
+        ids = self.ids
+        return DecodeRows(
+            tuple([ids[row] for row in rows.tolist()]),  # type: ignore[misc]
+            self.position[rows],
+            self.exit.depth[rows],
+            self.token_id[rows],
+            plan.exit_code,
+            plan.needs_gate,
+            plan.cdf_before,
+            plan.survival_before,
+            plan.threshold,
+        )
+
+    def rows_entering_a_block(self, block_size: int) -> np.ndarray:
+        """Rows whose token is about to write the first position of a block, oldest first:
+        the only ones that may need KV growth before the step."""
+        candidates = np.flatnonzero(
+            self.ready & (self.exit.depth == 0) & (self.position % block_size == 0)
+        )
+        return self.oldest_first(candidates)
+
+    def check_invariants(self) -> None:
+        assert len(self.row_of) + len(self._free) == self.capacity, "decode rows leaked"
+        for request_id, row in self.row_of.items():
+            assert self.ids[row] == request_id, f"row {row} is not {request_id}'s"
+        free = np.array(self._free, np.int64)
+        assert not self.ready[free].any() and not self.cohort[free].any(), "a free row is live"

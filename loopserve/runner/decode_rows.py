@@ -21,7 +21,8 @@ with a constant number of tensor operations per call:
   gathers its inputs (resumed states from their slots, embedded tokens at loop 0), and after
   the core it writes the outputs back, computes hazards, decides exits on the device
   (`exit.columns.decide_exits` in tensor form) and runs the LAST_EXITED finalize copies of
-  exiting rows (`finalize_exits`). The decode graphs (`runner/graphs.py`) run the same steps
+  exiting rows (`finalize_pairs`: one pair per candidate and deeper plane, built on the
+  host, masked by the exits on the device). The decode graphs (`runner/graphs.py`) run the same steps
   inside one captured call from one staged copy.
 
 Nothing is read back here; the coda reads exits, hazards and sampled tokens in one copy
@@ -153,6 +154,7 @@ class HostColumns(NamedTuple):
     update_value: list[int]
     candidates: np.ndarray  # int64 [c]: coda candidates
     gate_decides: bool
+    finalize: FinalizePairs  # of the candidates below full depth (eager calls)
 
 
 class DecodeInputs(NamedTuple):
@@ -167,6 +169,7 @@ class DecodeInputs(NamedTuple):
     candidates: np.ndarray  # coda candidates, on the host
     candidates_on_device: torch.Tensor  # the same, on the device
     gate_decides: bool  # some row's exit is decided by this loop's gate
+    finalize: tuple[torch.Tensor, ...] | None  # `FinalizePairs` on the device
 
 
 class DecodeSignals(NamedTuple):
@@ -193,31 +196,53 @@ def decide_exits_on_device(
     return (code == EXIT) | ((code == GATE) & (folded >= threshold))
 
 
-def finalize_exits(
+def finalize_pairs(
     tables: torch.Tensor,
     *,
-    slots: torch.Tensor,
-    positions: torch.Tensor,
-    table_index: torch.Tensor,
-    exits: torch.Tensor | None,
-    num_planes: int,
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    keep: torch.Tensor | None,
     block_size: int,
     finalize: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> None:
-    """Copy each exiting row's K/V of its depth's plane into every deeper plane, with device
-    data only: the deeper planes' slots come from the device tables, and a pair of a row that
-    does not exit (or of a plane not deeper) copies a slot onto itself (a no-op the copy
-    kernels skip). `exits` None: every row exits."""
-    block, offset = positions // block_size, positions % block_size
-    src = tables[table_index, block] * block_size + offset  # [f]
-    planes = torch.arange(1, num_planes, device=slots.device)[:, None]  # [planes - 1, 1]
-    deeper = slots * num_planes + planes  # [planes - 1, f] table rows
-    dst = tables[deeper, block] * block_size + offset
-    keep = deeper > table_index
-    if exits is not None:
-        keep &= exits
-    src = src.expand_as(dst).contiguous()  # kernels read slots as contiguous arrays
-    finalize(src.reshape(-1), torch.where(keep, dst, src).reshape(-1))
+    """LAST_EXITED finalize copies with device data only. Pair i copies the slot of table row
+    `src_rows[i]` (the row's plane of its depth) at block `blocks[i]`, offset `offsets[i]`,
+    into the same place of table row `dst_rows[i]` (a deeper plane of the same request); the
+    slots come from the device tables. A pair not kept (`keep[i]` False: its row did not
+    exit, or the plane is not deeper) copies a slot onto itself, a no-op the copy kernels
+    skip, so the pairs need no host data about which rows exit. `keep` None: every pair."""
+    src = tables[src_rows, blocks] * block_size + offsets
+    dst = tables[dst_rows, blocks] * block_size + offsets
+    finalize(src, dst if keep is None else torch.where(keep, dst, src))
+
+
+class FinalizePairs(NamedTuple):
+    """The finalize pairs of an eager call's candidates below full depth, on the host: one
+    per candidate and deeper plane (`finalize_pairs`), and the row of each."""
+
+    rows: np.ndarray
+    src_rows: np.ndarray
+    dst_rows: np.ndarray
+    blocks: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def of(cls, rows: DecodeRows, candidates, slots, table_index, num_planes, block_size):
+        depths = rows.depths[candidates]
+        counts = np.maximum(num_planes - 1 - depths, 0)  # none under SHARED
+        pair_rows = np.repeat(candidates, counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)  # each row's first pair
+        planes = np.repeat(depths + 1, counts) + (np.arange(len(pair_rows)) - first)
+        positions = rows.positions[pair_rows]
+        return cls(
+            pair_rows,
+            table_index[pair_rows],
+            slots[pair_rows] * num_planes + planes,
+            positions // block_size,
+            positions % block_size,
+        )
 
 
 class DecodeStep:
@@ -249,14 +274,19 @@ class DecodeStep:
         index, values = self.slots.table_updates(
             slots, rows.positions, rows.request_ids, block_tables
         )
+        candidates = np.flatnonzero(codes != CONTINUE)
+        pairs = FinalizePairs.of(
+            rows, candidates, slots, table_index, self.num_planes, self.slots.block_size
+        )
         return HostColumns(
             slots,
             table_index,
             np.flatnonzero(depths == 0),
             index,
             values,
-            np.flatnonzero(codes != CONTINUE),
+            candidates,
             bool((codes == GATE).any()),
+            pairs,
         )
 
     def begin(self, rows: DecodeRows, block_tables) -> DecodeInputs:
@@ -265,7 +295,7 @@ class DecodeStep:
         n, starts = len(rows), host.starts
         parts = [host.slots, rows.positions, host.table_index, starts, rows.token_ids[starts]]
         parts += [np.array(host.update_index, np.int64), np.array(host.update_value, np.int64)]
-        parts.append(host.candidates)
+        parts += [host.candidates, *host.finalize]
         if host.gate_decides:
             columns = (rows.exit_code.astype(np.float64), rows.cdf_before,
                        rows.survival_before, rows.threshold)  # fmt: skip
@@ -275,6 +305,7 @@ class DecodeStep:
         slots_t, positions_t, table_index_t, starts_t, tokens_t, index_t, values_t, cand_t = (
             next(views) for _ in range(8)
         )
+        pairs_t = tuple(next(views) for _ in range(5))  # rows, src, dst, blocks, offsets
         gate_t = next(views).view(torch.float64).view(4, n) if host.gate_decides else None
         if host.update_index:
             self.slots.tables.view(-1).index_copy_(0, index_t, values_t)
@@ -284,9 +315,10 @@ class DecodeStep:
             hidden = self.slots.hidden.index_select(0, slots_t)
             if len(starts):
                 hidden.index_copy_(0, starts_t, self.prelude(tokens_t))
+        finalize = pairs_t if len(host.finalize.rows) else None
         return DecodeInputs(
             rows, slots_t, positions_t, table_index_t, hidden, gate_t, host.candidates,
-            cand_t, host.gate_decides,
+            cand_t, host.gate_decides, finalize,
         )  # fmt: skip
 
     def segments(self, rows: DecodeRows, block_tables) -> list[RowSegment]:
@@ -308,16 +340,15 @@ class DecodeStep:
         if inputs.gate_decides:
             assert hazards is not None and inputs.gate_columns is not None
             exits = decide_exits_on_device(*inputs.gate_columns, hazards)
-        finalizing = inputs.candidates[inputs.rows.depths[inputs.candidates] < self.num_planes - 1]
-        if self.num_planes > 1 and len(finalizing):
-            rows = inputs.candidates_on_device  # candidates below full depth, all of them
-            finalize_exits(
+        if inputs.finalize is not None:
+            pair_rows, src_rows, dst_rows, blocks, offsets = inputs.finalize
+            finalize_pairs(
                 self.slots.tables,
-                slots=inputs.slots[rows],
-                positions=inputs.positions[rows],
-                table_index=inputs.table_index[rows],
-                exits=None if exits is None else exits[rows],
-                num_planes=self.num_planes,
+                src_rows=src_rows,
+                dst_rows=dst_rows,
+                blocks=blocks,
+                offsets=offsets,
+                keep=None if exits is None else exits[pair_rows],
                 block_size=self.slots.block_size,
                 finalize=self.finalize,
             )

@@ -14,7 +14,7 @@ step of `runner/decode_rows.py`, not just the core: per bucket B, `DecodeGraphs`
   others' states from their slots; write slots and context lengths; the core (attention over
   the paged tables); write the outputs back to the slots; the hazards (when the exit mode
   reads a gate); the exit decisions (`decide_exits_on_device`) and the LAST_EXITED finalize
-  copies (`finalize_exits`, masked by the exits); outputs `[B, H]`, hazards and exits stay in
+  copies (`finalize_pairs`: every row with every deeper plane, masked by the exits); outputs `[B, H]`, hazards and exits stay in
   static tensors for the coda.
 
 Buckets are 1, 2, 4, 8, 16, 24, 32, ... (multiples of 8) up to `max_rows` (`max_num_seqs`,
@@ -54,7 +54,7 @@ from loopserve.runner.decode_rows import (
     DecodeSlots,
     HostColumns,
     decide_exits_on_device,
-    finalize_exits,
+    finalize_pairs,
 )
 from loopserve.runner.transfers import Transfers
 
@@ -341,10 +341,15 @@ class DecodeGraphs:
             exits = decide_exits_on_device(
                 codes, floats[CDF], floats[SURVIVAL], floats[THRESHOLD], hazards
             )
-        if self.num_planes > 1:
-            finalize_exits(
-                self.slots.tables, slots=slots, positions=positions, table_index=table_index,
-                exits=exits, num_planes=self.num_planes, block_size=size,
+        if self.num_planes > 1:  # every row with every deeper plane: fixed shapes
+            deeper = self.num_planes - 1
+            planes = torch.arange(1, self.num_planes, device=slots.device)
+            src_rows = table_index.repeat(deeper)
+            dst_rows = slots.repeat(deeper) * self.num_planes + planes.repeat_interleave(bucket)
+            finalize_pairs(
+                self.slots.tables, src_rows=src_rows, dst_rows=dst_rows,
+                blocks=(positions // size).repeat(deeper), offsets=(positions % size).repeat(deeper),
+                keep=(dst_rows > src_rows) & exits.repeat(deeper), block_size=size,
                 finalize=self.finalize,
             )  # fmt: skip
         return out, hazards, exits

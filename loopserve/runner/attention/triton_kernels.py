@@ -119,9 +119,10 @@ def _copy_slots_kernel(
     src = tl.load(src_ptr + pair).to(tl.int64)
     dst = tl.load(dst_ptr + pair).to(tl.int64)
     base = cache_ptr + part.to(tl.int64) * stride_part
+    limit = tl.where(src != dst, SLOT_ELEMS, 0)  # a pair masked to a self-copy moves nothing
     for start in range(0, SLOT_ELEMS, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < SLOT_ELEMS
+        mask = offs < limit
         x = tl.load(base + src * stride_slot + offs, mask=mask)
         tl.store(base + dst * stride_slot + offs, x, mask=mask)
 
@@ -129,7 +130,7 @@ def _copy_slots_kernel(
 def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """kv_cache [L, 2, slots, Hkv, Dh] (contiguous): slot src[i] -> dst[i], all layers, K and V.
     No dst may be another pair's src (finalize copies one exiting token's slot to deeper planes
-    of the same token)."""
+    of the same token); a pair with src == dst (masked on the device) moves nothing."""
     if src.numel() == 0:
         return
     assert kv_cache.is_contiguous()

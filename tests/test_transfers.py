@@ -15,7 +15,10 @@ from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, reference_for, run_steps
 
 RUNNER = Path(__file__).resolve().parents[1] / "loopserve" / "runner"
-STEP_PATH = ("model_runner.py", "graphs.py", "sampler.py", "decode_rows.py", "coda.py")
+STEP_PATH = (
+    "model_runner.py", "graphs.py", "sampler.py", "decode_rows.py", "coda.py",
+    "attention/triton_backend.py",
+)  # fmt: skip
 # What synchronises with the device or copies outside the helper.
 FORBIDDEN = re.compile(r"\.item\(\)|\.tolist\(\)|\.cpu\(\)|torch\.tensor\(|\.synchronize\(")
 # A line that converts a host (numpy) array says so in its comment: "# host array".
@@ -156,3 +159,22 @@ def test_deferred_reads_ride_along_with_the_next_copy():
     assert transfers.num_d2h == 1
     transfers.flush()  # nothing deferred: no copy
     assert transfers.num_d2h == 1
+
+
+def test_an_eager_triton_call_sends_its_attention_metadata_in_one_copy(monkeypatch):
+    """The Triton backend's per-call metadata (write slots, tables, decode rows, prompt tiles)
+    goes to the device through the runner's counter, in one staged copy."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from loopserve.runner.attention.base import RowSegment
+    from loopserve.runner.attention.triton_backend import TritonBackend
+
+    transfers = Transfers(torch.device("cpu"))
+    kv = torch.zeros(2, 2, 64 * 4, 2, 16)
+    backend = TritonBackend(kv, block_size=4, scale=1.0, transfers=transfers)
+    segments = [RowSegment([3, 5], 6, 1), RowSegment([7, 8, 9], 0, 11), RowSegment([1], 2, 1)]
+    attn = backend.prepare(segments)
+    assert transfers.num_h2d == 1
+    meta = attn.meta
+    assert meta.write_slots.tolist() == [5 * 4 + 2, *range(28, 32), *range(32, 36), 36, 37, 38, 6]
+    assert meta.decode_rows.tolist() == [0, 12] and meta.decode_seq_lens.tolist() == [7, 3]
+    assert meta.tables.tolist() == [[3, 5, 0], [7, 8, 9], [1, 0, 0]]

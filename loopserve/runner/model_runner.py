@@ -127,6 +127,7 @@ class ModelRunner(Executor):
             scale=self.scale,
             batch_invariant=batch_invariant,
             cascade=cascade_attention,
+            transfers=self.transfers,
         )
         self.coda = Coda(
             rules=self.rules,

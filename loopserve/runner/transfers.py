@@ -43,8 +43,8 @@ class Transfers:
             host = torch.empty(len(values), dtype=dtype, pin_memory=True)
             host.copy_(torch.as_tensor(values, dtype=dtype))
             out = host.to(self.device, non_blocking=True)
-        elif isinstance(values, np.ndarray):  # CPU: the staged buffer itself, no copy
-            out = torch.from_numpy(values).to(dtype)
+        elif isinstance(values, np.ndarray):  # on CPU: the staged buffer itself, no copy
+            out = torch.from_numpy(values).to(device=self.device, dtype=dtype)
         else:
             out = torch.tensor(values, dtype=dtype, device=self.device)
         self.num_h2d += 1
@@ -99,3 +99,23 @@ class Transfers:
 
     def counts(self) -> tuple[int, int, int, int]:
         return self.num_h2d, self.num_d2h, self.h2d_bytes, self.d2h_bytes
+
+
+class Staged:
+    """Integer arrays gathered on the host, then sent in one copy (`send`): a call's metadata
+    from several places, as device views in the order they were added."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+
+    def add(self, values) -> int:
+        """Queue `values` (ints); returns its index in what `send` returns."""
+        self._parts.append(np.asarray(values, dtype=np.int64).reshape(-1))
+        return len(self._parts) - 1
+
+    def send(self, transfers: Transfers) -> list[torch.Tensor]:
+        """One copy to the device; the queued arrays as int64 views of it."""
+        if not self._parts:
+            return []
+        staged = transfers.to_device(np.concatenate(self._parts))
+        return list(staged.split([len(part) for part in self._parts]))

@@ -33,6 +33,7 @@ import torch
 
 from loopserve.models.attention import AttentionBackend
 from loopserve.runner.attention.prefix_groups import CascadeStats
+from loopserve.runner.transfers import Transfers
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +54,20 @@ class PagedAttentionBackend(ABC):
     supports_cascade: bool = False
 
     def __init__(
-        self, kv_cache: torch.Tensor, *, block_size: int, scale: float, cascade: bool = False
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        block_size: int,
+        scale: float,
+        cascade: bool = False,
+        transfers: Transfers | None = None,
     ) -> None:
+        """`transfers`: the runner's copy counter; a backend sends its per-call metadata
+        through it (the Triton backend in one staged copy)."""
         # [num_layers, 2, num_slots, num_kv_heads, head_dim]
         assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, kv_cache.shape
         assert kv_cache.shape[2] % block_size == 0
+        self.transfers = transfers or Transfers(kv_cache.device)
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.scale = scale

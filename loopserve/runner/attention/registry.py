@@ -20,6 +20,7 @@ import torch
 from loopserve.engine_args import ATTENTION_BACKENDS
 from loopserve.errors import ConfigError
 from loopserve.runner.attention.base import PagedAttentionBackend
+from loopserve.runner.transfers import Transfers
 
 _IMPLEMENTATIONS = {
     "torch": ("loopserve.runner.attention.torch_paged", "TorchBackend"),
@@ -66,6 +67,7 @@ def make_attention_backend(
     scale: float,
     batch_invariant: bool = False,
     cascade: bool = False,
+    transfers: Transfers | None = None,
 ) -> PagedAttentionBackend:
     """The backend `name` (`auto` resolved for the cache's device) over `kv_cache`; with
     `batch_invariant`, the torch path's row-invariant variant (never cascade: grouping rows
@@ -82,4 +84,6 @@ def make_attention_backend(
             "install the gpu extra (`pip install loopserve[gpu]`) or choose 'torch'"
         ) from err
     backend_class = getattr(module, class_name)
-    return backend_class(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
+    return backend_class(
+        kv_cache, block_size=block_size, scale=scale, cascade=cascade, transfers=transfers
+    )

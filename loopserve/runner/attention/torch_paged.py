@@ -306,9 +306,17 @@ class TorchBackend(PagedAttentionBackend):
     supports_cascade = True
 
     def __init__(
-        self, kv_cache: torch.Tensor, *, block_size: int, scale: float, cascade: bool = False
+        self,
+        kv_cache: torch.Tensor,
+        *,
+        block_size: int,
+        scale: float,
+        cascade: bool = False,
+        transfers=None,
     ) -> None:
-        super().__init__(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
+        super().__init__(
+            kv_cache, block_size=block_size, scale=scale, cascade=cascade, transfers=transfers
+        )
         self.workspace = Workspace()
 
     def prepare(self, segments, *, prefix_groups=None) -> TorchPagedAttention:

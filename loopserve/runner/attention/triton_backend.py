@@ -33,6 +33,7 @@ from loopserve.runner.attention import triton_prefill
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
 from loopserve.runner.attention.cascade import CascadePlan, merge_partial
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
+from loopserve.runner.transfers import Staged, Transfers
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,14 @@ class TritonCallMetadata:
         segments: Sequence[RowSegment],
         block_size: int,
         block_m: int,
-        device,
+        transfers: Transfers,
         *,
         cascade: bool = False,
         prefix_groups: list | None = None,
     ) -> TritonCallMetadata:
+        """Every integer of the call's metadata goes to the device in one staged copy (the
+        cascade parts, when rows share a prefix, in copies of their own)."""
+        device = transfers.device
         num_blocks = [-(-(seg.start + seg.count) // block_size) for seg in segments]
         width = max(num_blocks)
         tables: list[int] = []
@@ -81,9 +85,6 @@ class TritonCallMetadata:
                     tiles.append((index, row + offset, seg.start + offset, count))
             row += seg.count
 
-        def int32(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
         plan = suffix = None
         if cascade and len(decode) > 1:
             singles = [(row, segments[index]) for row, index, _ in decode]
@@ -94,25 +95,31 @@ class TritonCallMetadata:
                 groups = plan_prefix_groups(tables_of, starts, block_size)
             if groups:
                 plan = CascadePlan.build(groups, singles, block_size, device)
-                suffix = SuffixRows.build(plan.suffixes, block_size, device)
+                suffix = SuffixRows.build(plan.suffixes, block_size, transfers)
                 grouped = {index for group in groups for index in group.rows}
                 decode = [entry for index, entry in enumerate(decode) if index not in grouped]
 
         decode_cols = list(zip(*decode)) if decode else [(), (), ()]
         tile_cols = list(zip(*tiles)) if tiles else [(), (), (), ()]
+        staged = Staged()
+        staged.add(write_slots_of(segments, block_size))
+        for values in (tables, *decode_cols, *tile_cols):
+            staged.add(values)
+        write_slots, *small = staged.send(transfers)  # the call's metadata: one copy
+        table_t, rows_t, table_idx_t, lens_t, tile_table_t, tile_row_t, tile_pos_t, count_t = (
+            part.to(torch.int32) for part in small
+        )
         return cls(
-            write_slots=torch.tensor(
-                write_slots_of(segments, block_size), dtype=torch.int64, device=device
-            ),
-            tables=int32(tables).view(len(segments), width),
-            decode_rows=int32(decode_cols[0]),
-            decode_table=int32(decode_cols[1]),
-            decode_seq_lens=int32(decode_cols[2]),
+            write_slots=write_slots,
+            tables=table_t.view(len(segments), width),
+            decode_rows=rows_t,
+            decode_table=table_idx_t,
+            decode_seq_lens=lens_t,
             max_decode_seq_len=max(decode_cols[2], default=0),
-            tile_table=int32(tile_cols[0]),
-            tile_row=int32(tile_cols[1]),
-            tile_pos=int32(tile_cols[2]),
-            tile_count=int32(tile_cols[3]),
+            tile_table=tile_table_t,
+            tile_row=tile_row_t,
+            tile_pos=tile_pos_t,
+            tile_count=count_t,
             cascade=plan,
             suffix=suffix,
         )
@@ -130,7 +137,9 @@ class SuffixRows:
     max_seq_len: int
 
     @classmethod
-    def build(cls, suffixes: list[tuple[int, RowSegment]], block_size: int, device) -> SuffixRows:
+    def build(
+        cls, suffixes: list[tuple[int, RowSegment]], block_size: int, transfers: Transfers
+    ) -> SuffixRows:
         seq_lens = [seg.start + 1 for _, seg in suffixes]
         width = -(-max(seq_lens) // block_size)
         tables: list[int] = []
@@ -139,14 +148,15 @@ class SuffixRows:
             tables.extend(seg.block_table[:needed])
             tables.extend([0] * (width - needed))
 
-        def int32(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
+        staged = Staged()
+        for values in ([row for row, _ in suffixes], tables, range(len(suffixes)), seq_lens):
+            staged.add(values)
+        rows, table, table_idx, lens = (part.to(torch.int32) for part in staged.send(transfers))
         return cls(
-            rows=int32([row for row, _ in suffixes]),
-            tables=int32(tables).view(len(suffixes), width),
-            table_idx=int32(range(len(suffixes))),
-            seq_lens=int32(seq_lens),
+            rows=rows,
+            tables=table.view(len(suffixes), width),
+            table_idx=table_idx,
+            seq_lens=lens,
             max_seq_len=max(seq_lens),
         )
 
@@ -275,8 +285,11 @@ class TritonBackend(PagedAttentionBackend):
         prefill_block_m: int | None = None,
         prefill_block_n: int | None = None,
         cascade: bool = False,
+        transfers: Transfers | None = None,
     ) -> None:
-        super().__init__(kv_cache, block_size=block_size, scale=scale, cascade=cascade)
+        super().__init__(
+            kv_cache, block_size=block_size, scale=scale, cascade=cascade, transfers=transfers
+        )
         assert kv_cache.is_contiguous()
         tile_m, tile_n, decode_n = self.tile_sizes(kv_cache.device.type, kv_cache.dtype)
         self.write_rows = 16 if kv_cache.device.type == "cpu" else 2  # rows per KV-write program
@@ -359,7 +372,7 @@ class TritonBackend(PagedAttentionBackend):
             segments,
             self.block_size,
             self.prefill_block_m,
-            self.kv_cache.device,
+            self.transfers,
             cascade=self.cascade,
             prefix_groups=prefix_groups,
         )

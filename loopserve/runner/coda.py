@@ -43,6 +43,19 @@ from loopserve.runner.transfers import Transfers
 HELD = (SampleSpec(temperature=0.0), None)  # a candidate that does not exit: no generator
 
 
+class _DecodeBatch(NamedTuple):
+    """A step's decode coda candidates (`Coda._decode_candidates`)."""
+
+    read: _DecodeRead
+    candidates: list[int]  # rows
+    rows: torch.Tensor | None  # their outputs [c, H]
+    samplers: list[tuple]  # their (spec, generator), `HELD` for a candidate known to stay
+
+
+def _failure(request_id: str, error: str) -> RequestFailure:
+    return RequestFailure(request_id, f"sampling failed: {error}")
+
+
 class DecodeSampled(NamedTuple):
     """Tokens sampled for decode rows: their rows, ids, and log-probabilities where asked."""
 
@@ -116,23 +129,18 @@ class Coda:
     ) -> CodaOutput:
         """Coda and sampling of the exiting rows; the items' results, the requests whose
         sampling raised (each fails alone) and the decode rows' results."""
-        scores = self._score_prompts(items, states) if items else {}
-        read = None
+        if not items and decode is not None:
+            return self.decode_only(decode)
+        scores = self._score_prompts(items, states)
         coda_rows: list[torch.Tensor] = []
-        owners: list[tuple[bool, int]] = []  # (a decode row?, its index)
-        held: set[int] = set()  # decode candidates known not to exit: sampled greedily
-        if decode is not None:
-            read = _DecodeRead(decode)
-            candidates = decode.candidates
-            if read.gate_decides and not self._all_greedy(decode.rows.request_ids, candidates):
-                read.receive(self.transfers.to_host(read.packed))  # exits before sampling
-                held = set(candidates[~read.exited[candidates]].tolist())  # host array
-            elif read.packed is not None:
-                self.transfers.defer(read.packed, read.receive)
-            if len(candidates):
-                index = decode.candidates_on_device[: len(candidates)]
-                coda_rows.append(decode.out.index_select(0, index))
-                owners += [(True, row) for row in candidates.tolist()]  # host array
+        # Per coda row: (a decode row?, its index), and its request's (spec, generator).
+        owners: list[tuple[bool, int]] = []
+        pairs: list[tuple] = []
+        batch = None if decode is None else self._decode_candidates(decode)
+        if batch is not None and batch.rows is not None:
+            coda_rows.append(batch.rows)
+            owners += [(True, row) for row in batch.candidates]
+            pairs += batch.samplers
         first_tokens = [self.rules.samples_first_token(item) for item in items]
         if any(first_tokens):
             self.transfers.flush()  # the first token's exit is chosen from its hazards
@@ -145,63 +153,93 @@ class Coda:
                 )
                 coda_rows.append(last_outputs[i][loops - 1])
                 owners.append((False, i))
+                pairs.append(self.samplers[item.request_id])
                 loops_used[i] = loops
-        sampled, decode_sampled, failed = self._sample(items, decode, coda_rows, owners, held)
-        self.transfers.flush()  # hazards and exits not read yet (no coda this step)
-        results = []
-        if items:
-            results = self._item_results(items, states, hazards, last_outputs, exited, sampled)
-            for i, result in enumerate(results):
-                if i in scores or i in loops_used:
-                    results[i] = result._replace(
-                        loops_used=loops_used.get(i), prompt_logprobs=scores.get(i, ())
-                    )
-        decode_results = None
-        if read is not None:
-            decode_results = self._decode_results(read, decode_sampled)
-        return CodaOutput(results, tuple(failed), decode_results)
-
-    def _all_greedy(self, request_ids, rows: np.ndarray) -> bool:
-        samplers = self.samplers
-        rows_list = rows.tolist()  # host array
-        return all(is_greedy(samplers[request_ids[row]][0]) for row in rows_list)
-
-    def _sample(self, items, decode, coda_rows, owners, held):
-        """One coda call and one sampling pass over every coda row; (item -> token, decode row
-        -> token, failures). Decode rows in `held` do not exit: they are sampled greedily,
-        so their generators do not advance, and their tokens are dropped."""
         sampled: dict[int, SampledToken] = {}
         decode_sampled = DecodeSampled([], [], {})
         failed: list[RequestFailure] = []
-        if not coda_rows:
-            return sampled, decode_sampled, failed
-        decode_ids = decode.rows.request_ids if decode is not None else ()
-        request_ids = [
-            decode_ids[index] if is_decode else items[index].request_id
-            for is_decode, index in owners
-        ]
-        logits = self.coda(torch.cat(coda_rows) if len(coda_rows) > 1 else coda_rows[0])
-        samplers = self.samplers
-        specs, generators = zip(
-            *(
-                HELD if is_decode and index in held else samplers[request_id]
-                for (is_decode, index), request_id in zip(owners, request_ids)
-            )
-        )
+        if coda_rows:
+            token_ids, with_logprobs, failures = self._sample(torch.cat(coda_rows), pairs)
+            request_ids = [
+                decode.rows.request_ids[index] if is_decode else items[index].request_id  # type: ignore[union-attr]
+                for is_decode, index in owners
+            ]
+            for row, ((is_decode, index), token_id) in enumerate(zip(owners, token_ids)):
+                if row in failures:  # this request fails alone; the call's other rows go on
+                    failed.append(_failure(request_ids[row], failures[row]))
+                elif is_decode:
+                    decode_sampled.rows.append(index)
+                    decode_sampled.token_ids.append(token_id)
+                    if row in with_logprobs:
+                        decode_sampled.logprobs[index] = with_logprobs[row]
+                else:
+                    sampled[index] = with_logprobs.get(row) or SampledToken(token_id)
+        self.transfers.flush()  # hazards and exits not read yet (no coda this step)
+        results = self._item_results(items, states, hazards, last_outputs, exited, sampled)
+        for i, result in enumerate(results):
+            if i in scores or i in loops_used:
+                results[i] = result._replace(
+                    loops_used=loops_used.get(i), prompt_logprobs=scores.get(i, ())
+                )
+        decode_results = None
+        if batch is not None:
+            decode_results = self._decode_results(batch.read, decode_sampled)
+        return CodaOutput(results, tuple(failed), decode_results)
+
+    def decode_only(self, decode: DecodeSignals) -> CodaOutput:
+        """A step of decode rows only (the graphed step): their candidates' coda, sampling and
+        results, with one read of the device when the candidates allow it."""
+        batch = self._decode_candidates(decode)
+        read = batch.read
+        token_ids = np.full(read.num_rows, -1, np.int64)
+        logprobs: dict[int, SampledToken] = {}
+        failed: tuple[RequestFailure, ...] = ()
+        if batch.rows is not None:
+            sampled, with_logprobs, failures = self._sample(batch.rows, batch.samplers)
+            candidates = batch.candidates
+            token_ids[candidates] = sampled
+            token_ids[~read.exited] = -1  # a greedy candidate that did not exit drops its token
+            logprobs = {
+                candidates[j]: token
+                for j, token in with_logprobs.items()
+                if read.exited[candidates[j]]
+            }
+            ids = decode.rows.request_ids
+            failed = tuple(_failure(ids[candidates[j]], error) for j, error in failures.items())
+        else:
+            self.transfers.flush()  # exits and hazards not read yet (nothing sampled)
+        return CodaOutput([], failed, DecodeResults(read.exited, read.hazards, token_ids, logprobs))
+
+    def _decode_candidates(self, decode: DecodeSignals) -> _DecodeBatch:
+        """The decode rows' coda candidates: their output rows and samplers. When the gate
+        decides some exit and a candidate samples with a generator, the exits are read
+        first and the candidates that do not exit sample greedily (`HELD`: their
+        generators must not advance; their tokens are dropped); otherwise the exits and
+        hazards ride along with the sampled tokens' copy."""
+        read = _DecodeRead(decode)
+        candidates = decode.candidates.tolist()  # host array
+        ids, samplers = decode.rows.request_ids, self.samplers
+        pairs = [samplers[ids[row]] for row in candidates]
+        if read.gate_decides and not all(is_greedy(spec) for spec, _ in pairs):
+            read.receive(self.transfers.to_host(read.packed))  # exits before sampling
+            exited = read.exited
+            pairs = [pair if exited[row] else HELD for row, pair in zip(candidates, pairs)]
+        elif read.packed is not None:
+            self.transfers.defer(read.packed, read.receive)
+        rows = None
+        if candidates:
+            index = decode.candidates_on_device[: len(candidates)]
+            rows = decode.out.index_select(0, index)
+        return _DecodeBatch(read, candidates, rows, pairs)
+
+    def _sample(self, rows: torch.Tensor, pairs: list[tuple]):
+        """One coda call and one sampling pass: (token ids, row -> `SampledToken` with
+        log-probabilities, row -> sampling error)."""
+        specs, generators = zip(*pairs)
         failures: dict[int, str] = {}
-        batch = sample_on_device(logits, list(specs), list(generators), failures)
+        batch = sample_on_device(self.coda(rows), list(specs), list(generators), failures)
         token_ids, with_logprobs = read_samples(batch, self.transfers.to_host(batch.packed))
-        for row, ((is_decode, index), token_id) in enumerate(zip(owners, token_ids)):
-            if row in failures:  # this request fails alone; the call's other rows go on
-                failed.append(RequestFailure(request_ids[row], f"sampling failed: {failures[row]}"))
-            elif is_decode:
-                decode_sampled.rows.append(index)
-                decode_sampled.token_ids.append(token_id)
-                if row in with_logprobs:
-                    decode_sampled.logprobs[index] = with_logprobs[row]
-            else:
-                sampled[index] = with_logprobs.get(row) or SampledToken(token_id)
-        return sampled, decode_sampled, failed
+        return token_ids, with_logprobs, failures
 
     def _item_results(self, items, states, hazards, last_outputs, exited, sampled):
         results = []

@@ -154,7 +154,6 @@ class HostColumns(NamedTuple):
     update_value: list[int]
     candidates: np.ndarray  # int64 [c]: coda candidates
     gate_decides: bool
-    finalize: FinalizePairs  # of the candidates below full depth (eager calls)
 
 
 class DecodeInputs(NamedTuple):
@@ -274,19 +273,14 @@ class DecodeStep:
         index, values = self.slots.table_updates(
             slots, rows.positions, rows.request_ids, block_tables
         )
-        candidates = np.flatnonzero(codes != CONTINUE)
-        pairs = FinalizePairs.of(
-            rows, candidates, slots, table_index, self.num_planes, self.slots.block_size
-        )
         return HostColumns(
             slots,
             table_index,
             np.flatnonzero(depths == 0),
             index,
             values,
-            candidates,
+            np.flatnonzero(codes != CONTINUE),
             bool((codes == GATE).any()),
-            pairs,
         )
 
     def begin(self, rows: DecodeRows, block_tables) -> DecodeInputs:
@@ -295,7 +289,11 @@ class DecodeStep:
         n, starts = len(rows), host.starts
         parts = [host.slots, rows.positions, host.table_index, starts, rows.token_ids[starts]]
         parts += [np.array(host.update_index, np.int64), np.array(host.update_value, np.int64)]
-        parts += [host.candidates, *host.finalize]
+        pairs = FinalizePairs.of(
+            rows, host.candidates, host.slots, host.table_index, self.num_planes,
+            self.slots.block_size,
+        )  # fmt: skip
+        parts += [host.candidates, *pairs]
         if host.gate_decides:
             columns = (rows.exit_code.astype(np.float64), rows.cdf_before,
                        rows.survival_before, rows.threshold)  # fmt: skip
@@ -315,7 +313,7 @@ class DecodeStep:
             hidden = self.slots.hidden.index_select(0, slots_t)
             if len(starts):
                 hidden.index_copy_(0, starts_t, self.prelude(tokens_t))
-        finalize = pairs_t if len(host.finalize.rows) else None
+        finalize = pairs_t if len(pairs.rows) else None
         return DecodeInputs(
             rows, slots_t, positions_t, table_index_t, hidden, gate_t, host.candidates,
             cand_t, host.gate_decides, finalize,

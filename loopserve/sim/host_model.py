@@ -56,15 +56,16 @@ def step_time_s(device_s: float, host_s: float, *, overlap: bool) -> float:
 
 
 # `loopserve bench host` (null core, Triton backend, graph buffers, 256-position contexts,
-# one torch thread) on the 2-vCPU AMD EPYC development machine; see docs/benchmarks.md.
+# one torch thread, 200 steps) on a 2-vCPU development machine (AVX-512), after the
+# persistent decode batch; see docs/benchmarks.md ("Persistent decode batch").
 MEASURED_CPU_POINTS: tuple[tuple[int, float], ...] = (
-    (1, 220e-6),
-    (8, 486e-6),
-    (32, 1008e-6),
-    (128, 3334e-6),
-    (256, 5934e-6),
+    (1, 141e-6),
+    (8, 213e-6),
+    (32, 295e-6),
+    (128, 499e-6),
+    (256, 824e-6),
 )
-MEASURED_CPU = HostModel.fit(MEASURED_CPU_POINTS, source="bench host, 2-vCPU AMD EPYC")
+MEASURED_CPU = HostModel.fit(MEASURED_CPU_POINTS, source="bench host, 2-vCPU development machine")
 
 
 def load_host_model(spec: str | None) -> HostModel | None:

@@ -249,6 +249,18 @@ class KVTransfer:
     block_moves: tuple[tuple[int, int], ...]
 
 
+class RowGroup(NamedTuple):
+    """Consecutive rows of one request in a step, read alike for decode rows (kind "decode",
+    one row, one depth) and items: what observers, tools and parity tests compare."""
+
+    request_id: str
+    kind: str  # "decode", "prompt", "replay"
+    token_start: int
+    token_count: int
+    depth: int
+    num_depths: int
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     step_id: int
@@ -279,6 +291,30 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.items and self.decode is None
+
+    def row_groups(self) -> list[RowGroup]:
+        """The step's decode rows (first, as in its call) and items as `RowGroup`s (for
+        observers and tools; the hot path reads the columns)."""
+        groups = []
+        if self.decode is not None:
+            decode = self.decode
+            positions, depths = decode.positions.tolist(), decode.depths.tolist()
+            groups += [
+                RowGroup(request_id, "decode", position, 1, depth, 1)
+                for request_id, position, depth in zip(decode.request_ids, positions, depths)
+            ]
+        groups += [
+            RowGroup(
+                item.request_id,
+                item.kind.value,
+                item.token_start,
+                item.token_count,
+                item.depth,
+                item.num_depths,
+            )  # fmt: skip
+            for item in self.items
+        ]
+        return groups
 
 
 class ItemResult(NamedTuple):

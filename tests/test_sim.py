@@ -35,7 +35,7 @@ from loopserve.sim.workload import (
     exit_distribution,
     poisson_arrivals,
 )
-from tests.engine_utils import decode_rows, step_rows
+from tests.engine_utils import decode_rows
 
 H200 = get_device_profile("h200")
 
@@ -195,12 +195,7 @@ def _engine_schedule(tiny_dir, engine_args, workload) -> list[tuple]:
     steps: list[tuple] = []
 
     def record(scheduled, _output) -> None:
-        steps.append(
-            tuple(
-                (i.request_id, i.kind, i.token_start, i.token_count, i.depth, i.num_depths)
-                for i in step_rows(scheduled)
-            )
-        )
+        steps.append(tuple(scheduled.row_groups()))
 
     engine.core.add_observer(record)
     rng = np.random.default_rng(1)

@@ -81,19 +81,14 @@ class CallRecorder:
         self.remove = engine.core.add_observer(self._record)
 
     def _record(self, scheduled: SchedulerOutput, _output: RunnerOutput) -> None:
-        items = scheduled.items
-        if not scheduled.is_empty:
-            # Loop k of a step runs the items with more than k depths (atomic: all D); decode
-            # rows ride in the first call (replay rows count as decode rows).
-            for k in range(max([item.num_depths for item in items] + [1])):
-                prompt = decode = 0
-                for item in items:
-                    if k < item.num_depths:
-                        if item.kind is ItemKind.PROMPT:
-                            prompt += item.token_count
-                        else:
-                            decode += item.token_count
-                decode += scheduled.num_decode_rows if k == 0 else 0
+        groups = scheduled.row_groups()
+        if groups:
+            # Loop k of a step runs the groups with more than k depths (atomic prompts: all
+            # D); replay rows count as decode rows.
+            for k in range(max(group.num_depths for group in groups)):
+                active = [group for group in groups if k < group.num_depths]
+                prompt = sum(g.token_count for g in active if g.kind == ItemKind.PROMPT)
+                decode = sum(g.token_count for g in active) - prompt
                 self.calls.append(CoreCall(self.num_steps, prompt, decode))
             self.num_steps += 1
 

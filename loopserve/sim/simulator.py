@@ -196,7 +196,7 @@ class Simulator:
         if record_items:
 
             def record(scheduled: SchedulerOutput, _output: RunnerOutput) -> None:
-                step_items.append(_step_keys(scheduled))
+                step_items.append(tuple(scheduled.row_groups()))
 
             remove_observer = core.add_observer(record)
         before = core.stats()
@@ -251,31 +251,6 @@ class Simulator:
             host_s=self.host_s,
             host_bound_steps=self.host_bound_steps,
         )
-
-
-def _step_keys(scheduled: SchedulerOutput) -> tuple:
-    """What the parity tests compare step by step: each decode row, then each item."""
-    keys = []
-    if scheduled.decode is not None:
-        decode = scheduled.decode
-        keys += [
-            (request_id, "decode", position, 1, depth, 1)
-            for request_id, position, depth in zip(
-                decode.request_ids, decode.positions.tolist(), decode.depths.tolist()
-            )
-        ]
-    keys += [
-        (
-            item.request_id,
-            item.kind.value,
-            item.token_start,
-            item.token_count,
-            item.depth,
-            item.num_depths,
-        )  # fmt: skip
-        for item in scheduled.items
-    ]
-    return tuple(keys)
 
 
 class _Clients:

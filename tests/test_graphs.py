@@ -9,6 +9,7 @@ import torch
 from loopserve.config import EngineConfig, effective_graph_mode
 from loopserve.contracts import DecodeRow
 from loopserve.runner.graphs import bucket_for, graph_buckets
+from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import decode_rows, make_engine, random_workload, reference_for, run_steps
 
 
@@ -198,3 +199,25 @@ def test_failed_capture_falls_back_to_eager_and_says_why(tiny_model):
     )
     assert runner.graphs is None
     assert runner.graph_capture_error is not None and "CUDA" in runner.graph_capture_error
+
+
+def test_a_long_table_beyond_the_buffers_entries_is_written_apart_and_decodes_exactly(tiny_dir):
+    """A request whose first decode row brings a table longer than the bucket buffer's entry
+    region (bucket 1 holds 2 * 1 * 4 + 64 = 72 entries: 18 blocks on each of 4 planes) writes
+    the rest with one extra copy before the launch; the tokens still equal the reference."""
+    engine = make_engine(
+        tiny_dir, graph_mode="emulate", max_num_seqs=1, max_num_batched_tokens=48,
+        max_model_len=256, num_blocks=1024,
+    )  # fmt: skip
+    copies = []
+    engine.core.add_observer(
+        lambda s, o: copies.append(o.num_h2d_transfers) if o.num_graph_calls else None
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.5)
+    prompt = [(7 * j + 3) % 200 + 1 for j in range(100)]  # 25 blocks of 4 per plane
+    finished = run_steps(engine, [("long", prompt, params, 0)])
+    ref = reference_for(engine, prompt, params)
+    assert (finished["long"].token_ids, finished["long"].exit_depths) == (
+        ref.token_ids, ref.exit_depths,
+    )  # fmt: skip
+    assert copies and copies[0] == 2 and all(c == 1 for c in copies[1:])  # the overflow, once

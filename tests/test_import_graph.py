@@ -21,6 +21,7 @@ LAYERS = (
     "workloads",
     "exit",
     "contracts",
+    "execution",
     "config",
     "text",
     "models",

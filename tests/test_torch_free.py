@@ -25,7 +25,7 @@ except ImportError:
     pass
 else:
     raise SystemExit("the blocker let torch import")
-import loopserve.config, loopserve.contracts, loopserve.errors, loopserve.exit
+import loopserve.config, loopserve.contracts, loopserve.errors, loopserve.execution, loopserve.exit
 import loopserve.sampling_params, loopserve.engine.stats
 import pkgutil
 import loopserve.scheduler

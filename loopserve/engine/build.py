@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 
 from loopserve.config import EngineConfig
-from loopserve.contracts import Executor, num_planes
 from loopserve.engine.async_core import AsyncEngineCore
 from loopserve.engine.core import EngineCore
+from loopserve.execution import Executor, num_planes
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.scheduler import Scheduler
 

@@ -32,8 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from loopserve.contracts import Executor, RunnerOutput, SchedulerOutput
+from loopserve.contracts import RunnerOutput, SchedulerOutput
 from loopserve.engine.stats import EngineStats, StepCounters
+from loopserve.execution import Executor
 from loopserve.scheduler.request import FinishReason, Request
 from loopserve.scheduler.scheduler import Scheduler
 

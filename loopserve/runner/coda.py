@@ -24,14 +24,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from loopserve.contracts import (
-    DecodeResults,
-    ItemResult,
-    RequestFailure,
-    SampledToken,
-    SampleSpec,
-    StepRules,
-)
+from loopserve.contracts import DecodeResults, ItemResult, RequestFailure, SampledToken, SampleSpec
+from loopserve.execution import StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
 from loopserve.exit.columns import EXIT
 from loopserve.runner.decode_rows import DecodeSignals

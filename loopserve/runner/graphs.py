@@ -39,7 +39,6 @@ import gc
 import logging
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from loopserve.contracts import DecodeRows
@@ -56,22 +55,24 @@ from loopserve.runner.decode_rows import (
     decide_exits_on_device,
     finalize_pairs,
 )
+from loopserve.runner.graph_inputs import (
+    CANDIDATES,
+    CDF,
+    CODES,
+    POSITIONS,
+    SLOTS,
+    STARTS,
+    SURVIVAL,
+    TABLE_INDEX,
+    THRESHOLD,
+    TOKENS,
+    BucketInputs,
+    HostBuffers,
+    update_capacity,
+)
 from loopserve.runner.transfers import Transfers
 
 GRAPH_MAX_CONTEXT = 2048  # positions a graphed decode row may attend to (see the docstring)
-# Columns of a bucket's static input buffer, each B entries long.
-SLOTS, POSITIONS, TABLE_INDEX, TOKENS, STARTS, CODES, CDF, SURVIVAL, THRESHOLD, CANDIDATES = range(
-    10
-)
-NUM_COLUMNS = 10
-
-
-def update_capacity(bucket: int, num_planes: int) -> int:
-    """Table entries a call of `bucket` rows carries in its static buffer: every row entering
-    a new block on every plane, twice over, plus 64 (a new slot writes its whole table)."""
-    return 2 * bucket * num_planes + 64
-
-
 logger = logging.getLogger(__name__)
 
 
@@ -123,18 +124,6 @@ def paged_backend(attention) -> BackendFn:
         )
 
     return make
-
-
-class BucketInputs:
-    """A bucket's static input buffer and its named views."""
-
-    def __init__(self, bucket: int, capacity: int, device: torch.device) -> None:
-        self.bucket, self.capacity = bucket, capacity
-        self.buffer = torch.zeros(NUM_COLUMNS * bucket + 2 * capacity, dtype=torch.int64,
-                                  device=device)  # fmt: skip
-        self.columns = self.buffer[: NUM_COLUMNS * bucket].view(NUM_COLUMNS, bucket)
-        self.floats = self.columns.view(torch.float64)  # CDF, SURVIVAL, THRESHOLD rows
-        self.updates = self.buffer[NUM_COLUMNS * bucket :].view(2, capacity)
 
 
 class DecodeGraphs:
@@ -192,7 +181,7 @@ class DecodeGraphs:
         self.inputs = {
             b: BucketInputs(b, update_capacity(b, self.num_planes), device) for b in self.buckets
         }
-        self._templates: dict[int, np.ndarray] = {}
+        self.host_buffers = HostBuffers(slots, dummy_block)
         for bucket in self.buckets:
             self._pad(self.inputs[bucket])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -235,31 +224,9 @@ class DecodeGraphs:
 
     # ---- the host side of a call ------------------------------------------------------------
 
-    def _host_buffer(self, bucket: int) -> np.ndarray:
-        """A bucket's buffer as padding rows and unused table entries, on the host (a copy
-        of the bucket's template)."""
-        template = self._templates.get(bucket)
-        if template is None:
-            template = self._templates[bucket] = self._padding_buffer(bucket)
-        return template.copy()
-
-    def _padding_buffer(self, bucket: int) -> np.ndarray:
-        inputs = self.inputs[bucket]
-        host = np.zeros(NUM_COLUMNS * bucket + 2 * inputs.capacity, np.int64)
-        columns = host[: NUM_COLUMNS * bucket].reshape(NUM_COLUMNS, bucket)
-        columns[SLOTS] = self.slots.padding_slot
-        columns[TABLE_INDEX] = self.slots.padding_row
-        columns[STARTS] = 1  # padding rows embed token 0: finite, never exit
-        floats = columns.view(np.float64)
-        floats[SURVIVAL] = floats[THRESHOLD] = 1.0
-        updates = host[NUM_COLUMNS * bucket :].reshape(2, inputs.capacity)
-        # Unused entries rewrite the padding row's first entry with the dummy block.
-        updates[0] = self.slots.padding_row * self.slots.max_blocks
-        updates[1] = self.dummy_block
-        return host
-
     def _pad(self, inputs: BucketInputs) -> None:
-        inputs.buffer.copy_(torch.from_numpy(self._host_buffer(inputs.bucket)))
+        padding = self.host_buffers.padding(inputs.bucket, inputs.capacity)
+        inputs.buffer.copy_(torch.from_numpy(padding))
 
     def stage(self, rows: DecodeRows, host: HostColumns) -> int:
         """Fill the bucket's static buffer for these rows with one host-to-device copy; returns
@@ -268,29 +235,10 @@ class DecodeGraphs:
         bucket = bucket_for(self.buckets, n)
         assert bucket is not None, f"{n} rows exceed the largest bucket {self.max_rows}"
         inputs = self.inputs[bucket]
-        buffer = self._host_buffer(bucket)
-        columns = buffer[: NUM_COLUMNS * bucket].reshape(NUM_COLUMNS, bucket)
-        columns[SLOTS, :n] = host.slots
-        columns[POSITIONS, :n] = rows.positions
-        columns[TABLE_INDEX, :n] = host.table_index
-        columns[TOKENS, :n] = rows.token_ids
-        columns[STARTS, :n] = rows.depths == 0
-        columns[CODES, :n] = rows.exit_code
-        floats = columns.view(np.float64)
-        floats[CDF, :n] = rows.cdf_before
-        floats[SURVIVAL, :n] = rows.survival_before
-        floats[THRESHOLD, :n] = rows.threshold
-        columns[CANDIDATES, : len(host.candidates)] = host.candidates
-        index, values = host.update_index, host.update_value
-        capacity = inputs.capacity
-        if len(index) > capacity:  # rare: a new slot with a long table
-            extra = self.transfers.to_device(index[capacity:] + values[capacity:])
-            half = len(index) - capacity
-            self.slots.tables.view(-1).index_copy_(0, extra[:half], extra[half:])
-            index, values = index[:capacity], values[:capacity]
-        updates = buffer[NUM_COLUMNS * bucket :].reshape(2, capacity)
-        updates[0, : len(index)] = index
-        updates[1, : len(values)] = values
+        buffer, index, values = self.host_buffers.fill(bucket, inputs.capacity, rows, host)
+        if index:  # rare: a new slot with a long table
+            extra = self.transfers.to_device(index + values)
+            self.slots.tables.view(-1).index_copy_(0, extra[: len(index)], extra[len(index) :])
         self.transfers.to_device_into(buffer, inputs.buffer)  # the call's one copy in
         self.num_calls += 1
         self.num_padded_rows += bucket - n

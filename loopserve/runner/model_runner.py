@@ -10,7 +10,7 @@ and sampler (`runner/coda.py`). Decode rows arrive as columns and cost a constan
 tensor operations per call (one staged copy in, one packed copy out when their exits are
 known or their gate-decided rows sample greedily). Exits are decided by `loopserve.exit`'s
 rules (on the device for decode rows) and reported; the rules it shares with the
-simulator's `SimExecutor` are `contracts.StepRules`. It never sees a `Request`.
+simulator's `SimExecutor` are `execution.StepRules`. It never sees a `Request`.
 
 With `batch_invariant` the model takes the row-invariant forms of `runner/batch_invariant.py`
 (and its attention backend): every row's bits depend only on its own inputs.
@@ -29,26 +29,22 @@ import numpy as np
 import torch
 
 from loopserve.contracts import (
-    Executor,
-    ItemKind,
     KVHandle,
     NewRequestData,
     RequestFailure,
     RunnerOutput,
     SampleSpec,
     SchedulerOutput,
-    StepRules,
-    WorkItem,
-    run_without_failed,
 )
+from loopserve.execution import Executor, StepRules, run_without_failed
 from loopserve.exit import ExitMode
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.runner.attention.base import RowSegment, finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
-from loopserve.runner.coda import Coda, CodaOutput
-from loopserve.runner.decode_rows import DecodeInputs, DecodeSlots, DecodeStep
+from loopserve.runner.coda import Coda
+from loopserve.runner.decode_rows import DecodeSlots, DecodeStep
+from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import generator_state, is_greedy, make_generator, restore_generator
@@ -157,6 +153,18 @@ class ModelRunner(Executor):
             finalize=lambda src, dst: self.attention.finalize(src, dst),
             transfers=self.transfers,
             num_planes=self.rules.num_planes,
+        )
+        self.eager = EagerStep(
+            model=model,
+            timed=self._timed,
+            hazards=lambda rows: self._timed(self.hazard_fn, rows),
+            attention=self.attention,
+            decode=self.decode,
+            coda=self.coda,
+            transfers=self.transfers,
+            inflight=self.inflight,
+            rules=self.rules,
+            block_size=block_size,
         )
         # The graphed step calls the model's functions inside the capture (late-bound, so
         # a replaced function is the one captured).
@@ -284,7 +292,7 @@ class ModelRunner(Executor):
             coda = self.coda((), [], [], [], [], signals)
             rows_per_call = [len(decode)]
         else:
-            coda, rows_per_call = self._run_eager(scheduled, groups)
+            coda, rows_per_call, self._num_finalized = self.eager.run(scheduled, groups)
         num_early = sum(
             1 for r in coda.results if r.loops_used is not None and r.loops_used < self.num_loops
         )
@@ -322,32 +330,6 @@ class ModelRunner(Executor):
             decode=coda.decode,
         )
 
-    def _run_eager(self, scheduled: SchedulerOutput, groups) -> tuple[CodaOutput, list[int]]:
-        """The step's core calls run eagerly: decode rows (first) and items share call 0;
-        atomic prompt items run their further depths in calls 1.. ."""
-        items, tables = scheduled.items, scheduled.block_tables
-        decode = None
-        if scheduled.decode is not None:
-            decode = self.decode.begin(scheduled.decode, tables)
-        hazards: list[list[float]] = [[] for _ in items]
-        last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
-        states = self._initial_states(items, hazards, last_outputs)
-        exited = [False] * len(items)
-        rows_per_call = []
-        decode_signals = None
-        for k in range(max([item.num_depths for item in items] + [1])):
-            active = [i for i, item in enumerate(items) if k < item.num_depths]
-            decode_k = decode if k == 0 else None
-            rows_per_call.append(
-                sum(items[i].token_count for i in active) + scheduled.num_decode_rows * (k == 0)
-            )
-            decode_out = self._core_call(tables, items, active, k, states, decode_k, groups)
-            if decode_k is not None:
-                decode_signals = self.decode.after_call(decode_k, decode_out)
-            self._signals(tables, items, active, states, hazards, last_outputs, exited)
-        coda = self.coda(items, states, hazards, last_outputs, exited, decode_signals)
-        return coda, rows_per_call
-
     def _timed(self, fn, *args) -> torch.Tensor:
         """Call a model function, adding its duration to this step's forward time.
 
@@ -357,89 +339,3 @@ class ModelRunner(Executor):
         out = fn(*args)
         self._forward_s += time.perf_counter() - start_s
         return out
-
-    def _initial_states(
-        self, items: tuple[WorkItem, ...], hazards, last_outputs
-    ) -> list[torch.Tensor]:
-        fresh = [i for i, item in enumerate(items) if item.needs_prelude]
-        states: list[torch.Tensor | None] = [None] * len(items)
-        if fresh:
-            token_ids = [t for i in fresh for t in items[i].token_ids]
-            embedded = self._timed(self.model.prelude, self.transfers.to_device(token_ids))
-            for i, chunk in zip(fresh, embedded.split([items[i].token_count for i in fresh])):
-                states[i] = chunk
-        for i, item in enumerate(items):
-            if states[i] is None:
-                resumed = self.inflight.resume(item.handle)
-                states[i] = resumed.hidden
-                if item.first_token:  # the last prompt row's earlier depths
-                    hazards[i], last_outputs[i] = resumed.hazards, resumed.last_rows
-        return states  # type: ignore[return-value]
-
-    def _core_call(
-        self, tables, items, active, k, states, decode: DecodeInputs | None, groups
-    ) -> torch.Tensor | None:
-        """One eager core call over the decode rows (first) and the active items; returns the
-        decode rows' output [n, H] (None without decode rows). `groups`: cascade groups of a
-        decode-only call, found by the caller (None: the backend looks itself)."""
-        segments = []
-        positions: list[int] = []
-        for i in active:
-            item = items[i]
-            table = tables[item.request_id][self.rules.plane(item, k)]
-            segments.append(RowSegment(table, item.token_start, item.token_count))
-            positions.extend(range(item.token_start, item.token_start + item.token_count))
-        hidden_parts = [states[i] for i in active]
-        position_ids = self.transfers.to_device(positions) if positions else None
-        if decode is not None:
-            segments = self.decode.segments(decode.rows, tables) + segments
-            hidden_parts.insert(0, decode.hidden)
-            position_ids = (
-                decode.positions
-                if position_ids is None
-                else torch.cat([decode.positions, position_ids])
-            )
-        attn = self.attention.prepare(segments, prefix_groups=groups)
-        hidden = torch.cat(hidden_parts) if len(hidden_parts) > 1 else hidden_parts[0]
-        out = self._timed(self.model.core, hidden, position_ids, attn)
-        num_decode = 0 if decode is None else len(decode.rows)
-        counts = [items[i].token_count for i in active]
-        for i, chunk in zip(active, out[num_decode:].split(counts)):
-            states[i] = chunk
-        return out[:num_decode] if decode is not None else None
-
-    def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
-        """Hazards of the first-token prompt rows that need them; replay exits and their
-        finalize copies."""
-        gated = [i for i in active if items[i].needs_gate]
-        if gated:
-            rows = torch.cat([states[i][-1:] for i in gated])
-            values = self._timed(self.hazard_fn, rows).float()  # [gated], on the device
-
-            def receive(read: list[float], gated=gated) -> None:
-                for i, value in zip(gated, read):
-                    hazards[i].append(value)
-
-            # They ride along with the step's next copy to the host (the first token's exit
-            # is chosen after the last depth).
-            self.transfers.defer(values, receive)
-        finalize = []
-        for i in active:
-            item = items[i]
-            if item.kind is ItemKind.PROMPT:
-                if item.first_token:
-                    last_outputs[i].append(states[i][-1:])
-                continue
-            exited[i] = bool(item.exit_now)  # a replay row's last loop
-            if self.rules.finalizes(item.depth, exited[i]):
-                finalize.append(item)
-        if finalize:
-            self._finalize(tables, finalize)
-            self._num_finalized += len(finalize)
-
-    def _finalize(self, tables, items: list[WorkItem]) -> None:
-        """Copy each exited replay token's K/V of its exit depth into every deeper plane."""
-        exits = [(tables[item.request_id], item.token_start, item.depth) for item in items]
-        src, dst = finalize_slots(exits, self.block_size, self.num_loops)
-        slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations
-        self.attention.finalize(slots[: len(src)], slots[len(src) :])

@@ -176,6 +176,23 @@ class Request:
         trace = self.params.exit_trace
         return None if trace is None else trace[token_index % len(trace)]
 
+    def advance_chunk(self, item: WorkItem, num_loops: int) -> bool:
+        """Record the depths a prompt chunk ran (`item`); True when it completed its final
+        depth (the prompt's complete prefix then extends over it)."""
+        chunks = self.prompt_chunks
+        chunk = chunks[0] if chunks[0].handle == item.handle else None
+        if chunk is None:
+            chunk = next(c for c in chunks if c.handle == item.handle)
+        assert chunk.next_depth == item.depth, "prompt chunk ran out of order"
+        chunk.next_depth = item.last_depth + 1
+        if chunk.next_depth < num_loops:
+            return False
+        # Chunks complete in order (c@d waits for c-1@d), so the frontier stays contiguous.
+        assert chunk is chunks[0] and chunk.start == self.num_prefilled_tokens
+        chunks.pop(0)
+        self.num_prefilled_tokens = chunk.end
+        return True
+
     def append_token(
         self, token_id: int, loops_used: int, now_s: float, sampled: SampledToken | None = None
     ) -> FinishReason | None:

@@ -2,15 +2,14 @@
 
 Each step: admit waiting requests (priority, then arrival) while sequences and KV allow;
 then either a prompt step (the prompt policy's items: atomic chunks run all D loops, per-depth
-and wavefront items one loop) or a decode step (one core call over the decode policy's
-tokens, each at its own depth). When both kinds of work are ready, steps alternate
-(`max_prefill_batches_before_decode` prompt steps, then one decode call). With
-`mixed_prefill_decode` every step is one core call: decode rows first, then whole prompt
-items until `max_num_batched_tokens`. `update()` applies the executor's results: depth +1,
-the exit each token's executor decided (recorded, never re-derived), first tokens, stop
-checks. Requests that leave RUNNING are announced to the executor in the next
-`SchedulerOutput.finished_request_ids`. Torch-free; never touches tensors. `EngineCore`
-(loopserve/engine/core.py) drives it.
+and wavefront items one loop) or a decode step (one core call over the decode policy's rows
+of the `DecodeTable`, each token at its own depth, planned as columns). When both kinds of
+work are ready, steps alternate (`max_prefill_batches_before_decode` prompt steps, then one
+decode call). With `mixed_prefill_decode` every step is one core call: decode rows first,
+then whole prompt items until `max_num_batched_tokens`. `update()` applies the executor's
+results: depth +1, the exits the executor decided (recorded, never re-derived), first
+tokens, stop checks. Requests that leave RUNNING are announced to the executor in the next
+`SchedulerOutput.finished_request_ids`. Torch-free. `EngineCore` drives it.
 """
 
 from __future__ import annotations
@@ -269,7 +268,7 @@ class Scheduler:
                 continue
             if result.prompt_logprobs:  # chunks reach the last depth in position order
                 request.prompt_logprobs.extend(result.prompt_logprobs)
-            if not self._advance_chunk(request, item):
+            if not request.advance_chunk(item, self.num_loops):
                 continue
             self.kv.publish_prompt(request.request_id, request.num_prefilled_tokens)
             if not item.first_token:
@@ -301,16 +300,9 @@ class Scheduler:
         table; append the tokens that exited and start their requests' next tokens."""
         decode = self.decode
         rows = decode.lookup(rows_run.request_ids)
-        exited = results.exited
         live = rows >= 0  # a row whose request left while the step ran is skipped
-        if not live.all():
-            rows, exited = rows[live], exited[live]
-            needs_gate, hazards = rows_run.needs_gate[live], results.hazards[live]
-            indices = np.flatnonzero(live)
-        else:
-            needs_gate, hazards, indices = rows_run.needs_gate, results.hazards, None
-        decode.exit.record(rows, needs_gate, hazards)
-        exits = np.flatnonzero(exited)
+        decode.exit.record(rows[live], rows_run.needs_gate[live], results.hazards[live])
+        exits = np.flatnonzero(results.exited & live)  # indices into `rows_run`
         if not len(exits):
             return
         self.decode_policy.on_token_exits(decode, rows[exits])
@@ -318,11 +310,10 @@ class Scheduler:
         continuing_requests: list[Request] = []
         token_ids, depths = results.token_ids, rows_run.depths
         for i, row in zip(exits.tolist(), rows[exits].tolist()):
-            j = i if indices is None else int(indices[i])  # its index in `rows_run`
             request = decode.requests[row]
             assert request is not None
-            sampled = results.logprobs.get(j)
-            reason = request.append_token(int(token_ids[j]), int(depths[j]) + 1, now, sampled)
+            sampled = results.logprobs.get(i)
+            reason = request.append_token(int(token_ids[i]), int(depths[i]) + 1, now, sampled)
             touched.append(request)
             if reason is not None:
                 self.finish(request, reason)
@@ -330,21 +321,6 @@ class Scheduler:
                 continuing.append(row)
                 continuing_requests.append(request)
         decode.start_tokens(continuing, continuing_requests)
-
-    def _advance_chunk(self, request: Request, item: WorkItem) -> bool:
-        """Record the depths a prompt chunk ran; True when it completed its final depth."""
-        chunk = request.prompt_chunks[0] if request.prompt_chunks[0].handle == item.handle else None
-        if chunk is None:
-            chunk = next(c for c in request.prompt_chunks if c.handle == item.handle)
-        assert chunk.next_depth == item.depth, "prompt chunk ran out of order"
-        chunk.next_depth = item.last_depth + 1
-        if chunk.next_depth < self.num_loops:
-            return False
-        # Chunks complete in order (c@d waits for c-1@d), so the frontier stays contiguous.
-        assert chunk is request.prompt_chunks[0] and chunk.start == request.num_prefilled_tokens
-        request.prompt_chunks.pop(0)
-        request.num_prefilled_tokens = chunk.end
-        return True
 
     def _advance_replay(self, request: Request, item: WorkItem) -> None:
         replay = request.replay

@@ -38,9 +38,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from loopserve.contracts import num_planes
 from loopserve.engine.client import EngineClient, ModelInfo
 from loopserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from loopserve.execution import num_planes
 from loopserve.server import serving_tokenize
 from loopserve.server.args import (
     API_KEY_ENV,

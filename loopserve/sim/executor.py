@@ -43,15 +43,14 @@ import numpy as np
 from loopserve.contracts import (
     DecodeResults,
     DecodeRows,
-    Executor,
     ItemKind,
     ItemResult,
     RunnerOutput,
     SampledToken,
     SchedulerOutput,
-    StepRules,
     WorkItem,
 )
+from loopserve.execution import Executor, StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
 from loopserve.exit.columns import EXIT, GATE, decide_exits
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups

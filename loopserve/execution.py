@@ -1,0 +1,144 @@
+"""Executing a step: the `Executor` protocol and the semantics every executor shares.
+
+`contracts.py` holds the data that crosses the step boundary; this module holds what an
+executor promises about it (`Executor`: bookkeeping first, one result per item and per
+decode row, per-request setup failures) and the rules both executors (`ModelRunner`,
+`SimExecutor`) apply the same way, once: the plane count, the plane of a call, finalize,
+the first token and handle lifetime (`StepRules`), and the setup-failure contract
+(`run_without_failed`). Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from loopserve.contracts import (
+    DecodeResults,
+    ItemKind,
+    ItemResult,
+    RequestFailure,
+    RunnerOutput,
+    SchedulerOutput,
+    WorkItem,
+)
+
+
+class Executor(ABC):
+    """Runs one step's core calls: `ModelRunner` (tensors) and `SimExecutor` (a cost model).
+
+    Contract: `execute` first applies the bookkeeping of `scheduled` (drop the state of
+    `finished_request_ids`, register `new_requests`), then runs `items` and returns one
+    `ItemResult` per item, in item order. A `SchedulerOutput` without items is a bookkeeping
+    step and returns no results.
+
+    Failures: each new request is set up on its own. If one request's setup raises, the
+    executor keeps none of its state, runs none of its rows this step (its items get an
+    `ItemResult` with only `request_id` and `handle`), and reports it in
+    `RunnerOutput.failed_requests`; the engine core aborts exactly those requests and the rest
+    of the step counts as usual. If `execute` itself raises, the engine core fails every
+    request of that step (those with items and those announced in `new_requests`); their
+    state is released with the next `SchedulerOutput`.
+    """
+
+    @abstractmethod
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput: ...
+
+    @property
+    @abstractmethod
+    def num_live_handles(self) -> int:
+        """In-flight handles (hidden state of work between steps) the executor holds."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, default no-op
+        """Release executor resources; the engine core calls it once, at shutdown."""
+
+
+def num_planes(layout: str, num_loops: int) -> int:
+    """KV planes per position: one per depth under LAST_EXITED, one under SHARED."""
+    return 1 if layout == "shared" else num_loops
+
+
+@dataclass(frozen=True, slots=True)
+class StepRules:
+    """Executor semantics in one place: the rules `ModelRunner` and `SimExecutor` both apply
+    to an item while executing it (planes, finalize, the first token, handle lifetime).
+
+    Call k of a step runs every item with more than k depths, at depth `item.depth + k`."""
+
+    num_loops: int
+    shared: bool  # the SHARED layout (one plane)
+
+    @classmethod
+    def of(cls, layout: str, num_loops: int) -> StepRules:
+        return cls(num_loops, layout == "shared")
+
+    @property
+    def num_planes(self) -> int:
+        return 1 if self.shared else self.num_loops
+
+    def plane(self, item: WorkItem, call_index: int) -> int:
+        """The plane call `call_index` of the step writes and reads for `item`."""
+        return 0 if self.shared else item.depth + call_index
+
+    def finalizes(self, depth: int, exited: bool) -> bool:
+        """A decode or replay token exiting after loop `depth`, below full depth, copies its
+        K/V of that depth into every deeper plane (LAST_EXITED only)."""
+        return exited and not self.shared and depth < self.num_loops - 1
+
+    def samples_first_token(self, item: WorkItem) -> bool:
+        """The item is its request's last prompt chunk and reaches the last depth this step:
+        the first token's exit is chosen from the last position's D hazards and sampled."""
+        return item.first_token and item.last_depth == self.num_loops - 1
+
+    def releases_handle(self, item: WorkItem, exited: bool, sampled: bool) -> bool:
+        """The item's work ends this step (its handle is released, not kept): a first token
+        was sampled, a prompt chunk ran its last depth, or a replay row reached its loop
+        count."""
+        return (
+            sampled
+            or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
+            or (item.kind is ItemKind.REPLAY and exited)
+        )
+
+
+def run_without_failed(
+    scheduled: SchedulerOutput,
+    failures: tuple[RequestFailure, ...],
+    run: Callable[[SchedulerOutput], RunnerOutput],
+) -> RunnerOutput:
+    """The `Executor` failure contract for setup failures: run the step (`run`, its
+    bookkeeping already applied) without the items of the failed requests; those items get
+    results with only `request_id` and `handle`, so results stay one per item, in order."""
+    failed_ids = {failure.request_id for failure in failures}
+    kept = tuple(item for item in scheduled.items if item.request_id not in failed_ids)
+    decode, kept_rows = scheduled.decode, None
+    if decode is not None:  # (a handed-off request decodes in the step that announces it)
+        kept_rows = np.array(
+            [i for i, rid in enumerate(decode.request_ids) if rid not in failed_ids], np.int64
+        )
+        decode = decode.take(kept_rows) if len(kept_rows) else None
+    output = run(dataclasses.replace(scheduled, items=kept, decode=decode))
+    ran = iter(output.results)
+    results = tuple(
+        ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
+        for item in scheduled.items
+    )
+    decode_results = None
+    if scheduled.decode is not None:
+        num_rows = len(scheduled.decode)
+        ran_rows = output.decode
+        decode_results = (
+            DecodeResults.empty(num_rows)
+            if ran_rows is None
+            else ran_rows.scatter(kept_rows, num_rows)  # type: ignore[arg-type]
+        )
+    return dataclasses.replace(
+        output,
+        results=results,
+        decode=decode_results,
+        failed_requests=failures + output.failed_requests,
+    )

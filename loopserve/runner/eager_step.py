@@ -1,0 +1,177 @@
+"""The eager core calls of a step: everything a step runs when it does not fit the graphs.
+
+Decode rows (first, staged by `DecodeStep.begin`) and the step's prompt and replay items share
+call 0; atomic prompt items run their further depths in calls 1.. . Per call: the rows'
+segments and positions, the attention backend's metadata, the core; then for decode rows the
+slot write-back, hazards, device exits and finalize copies (`DecodeStep.after_call`), and for
+items the first token's hazards and replay finalize copies. Prompt and replay work resumes
+from, and is kept under, the runner's in-flight handles (`HandleTable`); the coda
+(`runner/coda.py`) ends the step. `EagerStep` is a collaborator the `ModelRunner` owns, with
+explicit inputs: the model, the timed call wrapper, the (timed) hazard function, the
+attention backend, the decode step, the coda, the transfer helper, the handle table and the
+step rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
+from loopserve.execution import StepRules
+from loopserve.models.ouro import OuroForLoopedLM
+from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, finalize_slots
+from loopserve.runner.coda import Coda, CodaOutput
+from loopserve.runner.decode_rows import DecodeInputs, DecodeStep
+from loopserve.runner.handles import HandleTable
+from loopserve.runner.swap import InFlight
+from loopserve.runner.transfers import Transfers
+
+
+class EagerResult(NamedTuple):
+    coda: CodaOutput
+    rows_per_call: list[int]
+    num_finalized: int  # replay tokens finalized (decode rows are counted by the runner)
+
+
+class EagerStep:
+    def __init__(
+        self,
+        *,
+        model: OuroForLoopedLM,
+        timed: Callable,
+        hazards: Callable[[torch.Tensor], torch.Tensor],
+        attention: PagedAttentionBackend,
+        decode: DecodeStep,
+        coda: Coda,
+        transfers: Transfers,
+        inflight: HandleTable[InFlight],
+        rules: StepRules,
+        block_size: int,
+    ) -> None:
+        self.model = model
+        self.timed = timed
+        self.hazards = hazards
+        self.attention = attention
+        self.decode = decode
+        self.coda = coda
+        self.transfers = transfers
+        self.inflight = inflight
+        self.rules = rules
+        self.block_size = block_size
+        self._num_finalized = 0
+
+    def run(self, scheduled: SchedulerOutput, groups) -> EagerResult:
+        """The step's core calls run eagerly: decode rows (first) and items share call 0;
+        atomic prompt items run their further depths in calls 1.. ."""
+        items, tables = scheduled.items, scheduled.block_tables
+        self._num_finalized = 0
+        decode = None
+        if scheduled.decode is not None:
+            decode = self.decode.begin(scheduled.decode, tables)
+        hazards: list[list[float]] = [[] for _ in items]
+        last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
+        states = self._initial_states(items, hazards, last_outputs)
+        exited = [False] * len(items)
+        rows_per_call = []
+        decode_signals = None
+        for k in range(max([item.num_depths for item in items] + [1])):
+            active = [i for i, item in enumerate(items) if k < item.num_depths]
+            decode_k = decode if k == 0 else None
+            rows_per_call.append(
+                sum(items[i].token_count for i in active) + scheduled.num_decode_rows * (k == 0)
+            )
+            decode_out = self._core_call(tables, items, active, k, states, decode_k, groups)
+            if decode_k is not None:
+                decode_signals = self.decode.after_call(decode_k, decode_out)
+            self._signals(tables, items, active, states, hazards, last_outputs, exited)
+        coda = self.coda(items, states, hazards, last_outputs, exited, decode_signals)
+        return EagerResult(coda, rows_per_call, self._num_finalized)
+
+    def _initial_states(
+        self, items: tuple[WorkItem, ...], hazards, last_outputs
+    ) -> list[torch.Tensor]:
+        fresh = [i for i, item in enumerate(items) if item.needs_prelude]
+        states: list[torch.Tensor | None] = [None] * len(items)
+        if fresh:
+            token_ids = [t for i in fresh for t in items[i].token_ids]
+            embedded = self.timed(self.model.prelude, self.transfers.to_device(token_ids))
+            for i, chunk in zip(fresh, embedded.split([items[i].token_count for i in fresh])):
+                states[i] = chunk
+        for i, item in enumerate(items):
+            if states[i] is None:
+                resumed = self.inflight.resume(item.handle)
+                states[i] = resumed.hidden
+                if item.first_token:  # the last prompt row's earlier depths
+                    hazards[i], last_outputs[i] = resumed.hazards, resumed.last_rows
+        return states  # type: ignore[return-value]
+
+    def _core_call(
+        self, tables, items, active, k, states, decode: DecodeInputs | None, groups
+    ) -> torch.Tensor | None:
+        """One eager core call over the decode rows (first) and the active items; returns the
+        decode rows' output [n, H] (None without decode rows). `groups`: cascade groups of a
+        decode-only call, found by the caller (None: the backend looks itself)."""
+        segments = []
+        positions: list[int] = []
+        for i in active:
+            item = items[i]
+            table = tables[item.request_id][self.rules.plane(item, k)]
+            segments.append(RowSegment(table, item.token_start, item.token_count))
+            positions.extend(range(item.token_start, item.token_start + item.token_count))
+        hidden_parts = [states[i] for i in active]
+        position_ids = self.transfers.to_device(positions) if positions else None
+        if decode is not None:
+            segments = self.decode.segments(decode.rows, tables) + segments
+            hidden_parts.insert(0, decode.hidden)
+            position_ids = (
+                decode.positions
+                if position_ids is None
+                else torch.cat([decode.positions, position_ids])
+            )
+        attn = self.attention.prepare(segments, prefix_groups=groups)
+        hidden = torch.cat(hidden_parts) if len(hidden_parts) > 1 else hidden_parts[0]
+        out = self.timed(self.model.core, hidden, position_ids, attn)
+        num_decode = 0 if decode is None else len(decode.rows)
+        counts = [items[i].token_count for i in active]
+        for i, chunk in zip(active, out[num_decode:].split(counts)):
+            states[i] = chunk
+        return out[:num_decode] if decode is not None else None
+
+    def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
+        """Hazards of the first-token prompt rows that need them; replay exits and their
+        finalize copies."""
+        gated = [i for i in active if items[i].needs_gate]
+        if gated:
+            rows = torch.cat([states[i][-1:] for i in gated])
+            values = self.hazards(rows).float()  # [gated], on the device
+
+            def receive(read: list[float], gated=gated) -> None:
+                for i, value in zip(gated, read):
+                    hazards[i].append(value)
+
+            # They ride along with the step's next copy to the host (the first token's exit
+            # is chosen after the last depth).
+            self.transfers.defer(values, receive)
+        finalize = []
+        for i in active:
+            item = items[i]
+            if item.kind is ItemKind.PROMPT:
+                if item.first_token:
+                    last_outputs[i].append(states[i][-1:])
+                continue
+            exited[i] = bool(item.exit_now)  # a replay row's last loop
+            if self.rules.finalizes(item.depth, exited[i]):
+                finalize.append(item)
+        if finalize:
+            self._finalize(tables, finalize)
+            self._num_finalized += len(finalize)
+
+    def _finalize(self, tables, items: list[WorkItem]) -> None:
+        """Copy each exited replay token's K/V of its exit depth into every deeper plane."""
+        exits = [(tables[item.request_id], item.token_start, item.depth) for item in items]
+        src, dst = finalize_slots(exits, self.block_size, self.rules.num_loops)
+        slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations
+        self.attention.finalize(slots[: len(src)], slots[len(src) :])

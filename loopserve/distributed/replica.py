@@ -39,9 +39,9 @@ with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an 
 The engine is built in `__init__`, so a model that fails to load fails the actor's creation.
 This module does not route, retry or restart; the pool does. Rooms: this module is the actor
 class and its plain generate/offline/abort methods; the prefill/decode and KV transport methods
-are `HandoffRoles` (replica_handoff.py), mixed in; the result and marker dataclasses (`Accepted`,
-`Rejected`, `EngineFailed`, `Exported`, `ReplicaStats`) are replica_messages.py,
-re-exported here.
+delegate to its `ReplicaHandoff` (replica_handoff.py, a collaborator with explicit inputs);
+the result and marker dataclasses (`Accepted`, `Rejected`, `EngineFailed`, `Exported`,
+`ReplicaStats`) are replica_messages.py, re-exported here.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from loopserve.distributed.replica_handoff import (
     MAX_SAME_CLOCK_SKEW_S,
-    HandoffRoles,
+    ReplicaHandoff,
     rebase_times,
 )
 from loopserve.distributed.replica_messages import (
@@ -64,8 +64,10 @@ from loopserve.distributed.replica_messages import (
     ReplicaStats,
     relay,
 )
+from loopserve.distributed.transport import KVDescriptor, TorchDistSpec, TransportStats
 from loopserve.engine.async_llm import AsyncLLM, GenerateRequest
 from loopserve.engine.client import ModelInfo
+from loopserve.engine.handoff import HandoffState
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -83,7 +85,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class EngineReplica(HandoffRoles):
+class EngineReplica:
     """See the module docstring. `torch_threads` sets torch's intra-op threads (CPU)."""
 
     def __init__(
@@ -103,7 +105,7 @@ class EngineReplica(HandoffRoles):
         self.engine = LLMEngine.from_engine_args(**engine_args)
         self._max_pending_requests = max_pending_requests
         self._llm: AsyncLLM | None = None
-        self._init_handoff_roles()
+        self.handoff = ReplicaHandoff(self.engine, started=self._started, add_all=self._add_all)
 
     def _started(self) -> AsyncLLM:
         """The `AsyncLLM`, started on first use (it needs the actor's running event loop)."""
@@ -118,15 +120,16 @@ class EngineReplica(HandoffRoles):
     async def stats(self) -> ReplicaStats:
         llm = self._started()
         await llm.wait_ready(timeout_s=0.0)
-        transport = self.kv_transport.stats()
+        handoff = self.handoff
+        transport = handoff.kv_transport.stats()
         return ReplicaStats(
             self.instance_id,
             llm.is_ready,
             llm.is_dead,
             llm.num_in_flight,
             llm.snapshot,
-            num_exported=self._num_exported,
-            num_imported=self._num_imported,
+            num_exported=handoff.num_exported,
+            num_imported=handoff.num_imported,
             kv_bytes_sent=transport.bytes_sent,
             kv_bytes_received=transport.bytes_received,
         )
@@ -187,7 +190,7 @@ class EngineReplica(HandoffRoles):
     async def abort(self, request_ids: list[str]) -> None:
         llm = self._started()
         for request_id in request_ids:
-            imported = self._imported.pop(request_id, None)
+            imported = self.handoff.imported.pop(request_id, None)
             if imported is not None:  # nobody streams it yet: closing the stream aborts it
                 imported.close()
             else:
@@ -196,3 +199,54 @@ class EngineReplica(HandoffRoles):
     async def shutdown(self, timeout_s: float) -> None:
         if self._llm is not None:
             await self._llm.shutdown(timeout_s)
+
+    # ---- the prefill/decode roles and the KV transport: `ReplicaHandoff`'s ---------------------
+
+    async def prefill(
+        self, requests: Sequence[GenerateRequest], destinations: dict[str, int] | None = None
+    ) -> AsyncIterator[object]:
+        async with contextlib.aclosing(self.handoff.prefill(requests, destinations)) as items:
+            async for item in items:
+                yield item
+
+    async def import_handoff(
+        self,
+        state: HandoffState | KVDescriptor,
+        prompt_text: str | None,
+        clock_offset_s: float | None = None,
+    ) -> Accepted | Rejected:
+        return await self.handoff.import_handoff(state, prompt_text, clock_offset_s)
+
+    async def drop_handoff(self, item: HandoffState | KVDescriptor) -> str | None:
+        return await self.handoff.drop_handoff(item)
+
+    async def decode_stream(
+        self, request_id: str, abort: bool = False
+    ) -> AsyncIterator[EngineFailed | RequestOutput]:
+        async with contextlib.aclosing(self.handoff.decode_stream(request_id, abort)) as items:
+            async for item in items:
+                yield item
+
+    def prefill_export(self, request_ids, prompts, params, *, destination: int = 0):
+        return self.handoff.prefill_export(request_ids, prompts, params, destination=destination)
+
+    def decode_import(self, *batches) -> list[RequestOutput]:
+        return self.handoff.decode_import(*batches)
+
+    def kv_transport_address(self) -> str:
+        return self.handoff.kv_transport_address()
+
+    def setup_kv_transport(self, kind: str, rank: int, spec: TorchDistSpec | None) -> None:
+        self.handoff.setup_kv_transport(kind, rank, spec)
+
+    def kv_transport_stats(self) -> TransportStats:
+        return self.handoff.kv_transport_stats()
+
+    def flush_kv_transport(self, timeout_s: float) -> TransportStats:
+        return self.handoff.flush_kv_transport(timeout_s)
+
+    def close_kv_transport(self) -> None:
+        self.handoff.close_kv_transport()
+
+    def discard_handoffs(self, *batches) -> int:
+        return self.handoff.discard_handoffs(*batches)

@@ -1,11 +1,12 @@
 """The prefill/decode roles of `EngineReplica`: hand-offs in serving and offline, and the
 replica's end of the KV transport.
 
-`HandoffRoles` is mixed into `EngineReplica` (replica.py), which provides `engine` (its
-`LLMEngine`), `_started()` (its `AsyncLLM`) and `_add_all()` (add a batch all or nothing), and
-calls `_init_handoff_roles()` from its constructor; the state here (the KV transport endpoint,
-imported requests not streamed yet, the reorder buffer, export/import counts) is this room's.
-What each method does is in replica.py's module docstring; in short:
+`ReplicaHandoff` is a collaborator the `EngineReplica` (replica.py) owns, with explicit
+inputs: the replica's `LLMEngine`, a function that returns its `AsyncLLM` (started on first
+use) and its all-or-nothing batch add; the replica's Ray methods of these roles delegate to
+it. Its state (the KV transport endpoint, imported requests not streamed yet, the reorder
+buffer, export/import counts) is this room's. What each method does is in replica.py's module
+docstring; in short:
 
 - serving (`PDReplicaPool`): `prefill` streams like `generate` but hands each request off
   (`Exported`, then its `HandoffState`, or a `KVDescriptor` when the torch transport sent the
@@ -54,20 +55,25 @@ from loopserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class HandoffRoles:
-    """The prefill/decode methods of `EngineReplica`; see the module docstring."""
+class ReplicaHandoff:
+    """The prefill/decode roles of one replica; see the module docstring."""
 
-    # EngineReplica's: its LLMEngine, its AsyncLLM (started on first use) and its
-    # all-or-nothing batch add.
-    engine: Any
-    _started: Callable[[], AsyncLLM]
-    _add_all: Callable[..., list[str] | Rejected]
-
-    def _init_handoff_roles(self) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        started: Callable[[], AsyncLLM],
+        add_all: Callable[..., list[str] | Rejected],
+    ) -> None:
+        """`engine`: the replica's `LLMEngine`; `started()`: its `AsyncLLM`, started on first
+        use; `add_all(request_ids, prompts, params)`: add a batch all or nothing."""
+        self.engine = engine
+        self._started = started
+        self._add_all = add_all
         self.kv_transport: KVTransport = RayObjectStoreTransport(rank=0)
-        self._num_exported = 0
-        self._num_imported = 0
-        self._imported: dict[str, OutputStream] = {}  # imported, `decode_stream` not called yet
+        self.num_exported = 0
+        self.num_imported = 0
+        self.imported: dict[str, OutputStream] = {}  # imported, `decode_stream` not called yet
         self._inbox: HandoffInbox | None = None  # point-to-point hand-offs (decode role)
 
     # ---- serving: prefill, hand-off, decode ---------------------------------------------
@@ -93,7 +99,7 @@ class HandoffRoles:
         async with contextlib.aclosing(relay(stream)) as items:
             async for item in items:
                 if isinstance(item, HandoffState):
-                    self._num_exported += 1
+                    self.num_exported += 1
                     offset_s = time.time() - time.monotonic()
                     sent = self._send(item, (destinations or {}).get(item.request_id))
                     destination = sent.dst_rank if isinstance(sent, KVDescriptor) else None
@@ -143,8 +149,8 @@ class HandoffRoles:
             return Rejected.of(err)
         if inbox is not None:
             inbox.imported(state.request_id)
-        self._imported[state.request_id] = stream
-        self._num_imported += 1
+        self.imported[state.request_id] = stream
+        self.num_imported += 1
         return Accepted()
 
     async def drop_handoff(self, item: HandoffState | KVDescriptor) -> str | None:
@@ -174,7 +180,7 @@ class HandoffRoles:
         """The outputs of a request `import_handoff` took, as `generate` streams them;
         `EngineFailed` if this replica does not hold it (restarted since the import). `abort`:
         abort it now (its final output, reason "abort", still comes)."""
-        stream = self._imported.pop(request_id, None)
+        stream = self.imported.pop(request_id, None)
         if stream is None:
             yield EngineFailed(f"request {request_id!r} is not on this replica (restarted?)")
             return

@@ -1,7 +1,7 @@
 """KV transports for the prefill/decode hand-off: how a `HandoffState`'s K/V bytes get from a
 prefill replica to a decode replica.
 
-One `KVTransport` endpoint lives in each replica (`EngineReplica.kv_transport`). The prefill
+One `KVTransport` endpoint lives in each replica (`EngineReplica.handoff.kv_transport`). The prefill
 side calls `send(state, destination)` and gets back what the driver passes on through Ray
 (a Ray actor call or object ref); the decode side calls `receive_many(items)` on those and
 gets `HandoffState`s with their K/V to import, or `discard_many(items)` for hand-offs it

@@ -137,11 +137,11 @@ def _output(request_id: str, token_ids: list[int], *, finished: bool, new: int) 
 def _pool(spec: PDSpec, routing: str = "least_load") -> tuple[PDReplicaPool, list[FakeReplica]]:
     pool = PDReplicaPool({"block_size": 4}, PoolConfig(num_replicas=1, routing=routing), spec)
     fakes = [FakeReplica() for _ in range(pool.num_replicas)]
-    pool.replicas = [
+    pool.replica_set.replicas = [
         _Replica(i, fake, ReplicaState.SERVING, instance_id=f"i{i}", role=pool.role_of(i))
         for i, fake in enumerate(fakes)
     ]
-    pool.info = object()  # type: ignore[assignment]  # loaded (the prompts come processed)
+    pool.replica_set.info = object()  # type: ignore[assignment]  # loaded (prompts processed)
     return pool, fakes
 
 
@@ -450,11 +450,11 @@ def test_a_client_leaving_before_the_first_item_aborts_on_the_replica(kind):
         else:
             pool = ReplicaPool({"block_size": 4}, PoolConfig(num_replicas=2))
             fakes = [FakeReplica() for _ in range(2)]
-            pool.replicas = [
+            pool.replica_set.replicas = [
                 _Replica(i, fake, ReplicaState.SERVING, instance_id=f"i{i}")
                 for i, fake in enumerate(fakes)
             ]
-            pool.info = object()  # type: ignore[assignment]
+            pool.replica_set.info = object()  # type: ignore[assignment]
         submitting = asyncio.ensure_future(_submit(pool, "gone"))
         await _until(lambda: any(fake.streams for fake in fakes))
         submitting.cancel()

@@ -24,9 +24,11 @@ drop or a send fails, or the group cannot be set up) the pool falls back for goo
 the object store as with "ray" (`kv_transport_fallback`, logged, the metric
 `loopserve_kv_transport_fallback`).
 
-This class adds the roles to the pool: routing candidates per role, readiness (at least one
-serving replica of each role), `/health` fields per role, and the background tasks of the
-streams (cancelled at shutdown). Probes, restarts and metrics are the `ReplicaPool`'s.
+This is the `ReplicaPool` with `PDRoles` given to its replica set (role of each replica,
+readiness needs a serving replica of each role, `/health` fields per role), `PDStream` as its
+stream type, the KV transport's state (which listens to the set's failures and restarts to
+fall back) and the background tasks of the streams (cancelled at shutdown). Probes,
+restarts and metrics are the replica set's.
 """
 
 from __future__ import annotations
@@ -40,8 +42,7 @@ from typing import Any
 from loopserve.distributed.args import PDSpec
 from loopserve.distributed.pd_stream import DECODE, PREFILL, PDStream
 from loopserve.distributed.pool import ReplicaPool
-from loopserve.distributed.pool_replicas import PoolConfig, _Replica
-from loopserve.distributed.replica_messages import ReplicaStats
+from loopserve.distributed.pool_replicas import PoolConfig, Roles
 from loopserve.distributed.transport import (
     DEFAULT_TIMEOUT_S,
     KVTransportGroup,
@@ -51,6 +52,30 @@ from loopserve.distributed.transport import (
 from loopserve.engine.async_llm import EngineNotReadyError
 
 logger = logging.getLogger(__name__)
+
+
+class PDRoles(Roles):
+    """P prefill replicas (indices 0..P-1), then Q decode replicas."""
+
+    def __init__(self, spec: PDSpec) -> None:
+        self.spec = spec
+
+    def role_of(self, index: int) -> str:
+        return PREFILL if index < self.spec.num_prefill else DECODE
+
+    def missing(self, serving: list[int]) -> str | None:
+        for role, count in ((PREFILL, self.spec.num_prefill), (DECODE, self.spec.num_decode)):
+            if not any(self.role_of(i) == role for i in serving):
+                return f"no {role} replica is serving right now (0 of {count}; restarting)"
+        return None
+
+    def health(self, serving: list[int]) -> dict[str, object]:
+        roles = [self.role_of(i) for i in serving]
+        return {
+            "prefill_serving": roles.count(PREFILL),
+            "decode_serving": roles.count(DECODE),
+            "pd": str(self.spec),
+        }
 
 
 class PDReplicaPool(ReplicaPool):
@@ -73,8 +98,14 @@ class PDReplicaPool(ReplicaPool):
         if engine_args.get("async_scheduling"):  # no request could ever be handed off
             raise ValueError("prefill/decode disaggregation needs async_scheduling off")
         config = dataclasses.replace(config, num_replicas=spec.num_prefill + spec.num_decode)
-        super().__init__(engine_args, config, on_load_error=on_load_error)
+        super().__init__(engine_args, config, on_load_error=on_load_error, roles=PDRoles(spec))
         self.spec = spec
+        self.replica_set.on_failure.append(
+            lambda index, _instance, why: self.fall_back(f"replica {index} failed ({why})")
+        )
+        self.replica_set.on_restart.append(
+            lambda index: self.fall_back(f"replica {index} restarted")  # no rank in the group
+        )
         self._leg_tasks: set[asyncio.Task[None]] = set()
         device = str(engine_args.get("device") or "cpu")
         self.kv_transport = resolve_kv_transport(kv_transport, device)  # "ray" | "torch"
@@ -85,9 +116,9 @@ class PDReplicaPool(ReplicaPool):
 
     # ---- the KV transport ----------------------------------------------------------------
 
-    async def _start_replicas(self) -> None:
-        await super()._start_replicas()
-        if self.kv_transport != "torch" or self.load_error is not None or self._closed:
+    async def _start(self) -> None:
+        await super()._start()
+        if self.kv_transport != "torch" or self.load_error is not None or self.replica_set.closed:
             return
         try:
             # Every rank must join the group: wait for every replica's engine.
@@ -136,55 +167,24 @@ class PDReplicaPool(ReplicaPool):
         index = self.router.choose(candidates, None).replica
         return dict.fromkeys(request_ids, index)
 
-    def replica_failed(self, index: int, instance_id: str | None, why: object) -> None:
-        if self.replicas[index].instance_id == instance_id:
-            self.fall_back(f"replica {index} failed ({why})")
-        super().replica_failed(index, instance_id, why)
-
-    def _apply_stats(self, replica: _Replica, stats: ReplicaStats) -> None:
-        restarted = replica.instance_id is not None and stats.instance_id not in (
-            replica.instance_id,
-            replica.failed_instance_id,
-        )
-        if restarted:  # its new instance holds no rank in the group
-            self.fall_back(f"replica {replica.index} restarted")
-        super()._apply_stats(replica, stats)
-
-    def role_of(self, index: int) -> str:
-        return PREFILL if index < self.spec.num_prefill else DECODE
-
     def serving_of(self, role: str) -> list[int]:
         return [i for i in self.serving_replicas() if self.role_of(i) == role]
 
     @property
     def is_ready(self) -> bool:
-        return (
-            self.info is not None
-            and not self._closed
-            and not self._kv_connecting
-            and bool(self.serving_of(PREFILL))
-            and bool(self.serving_of(DECODE))
-        )
+        return super().is_ready and not self._kv_connecting
 
     def health(self) -> dict[str, object]:
         health = super().health()
-        health["prefill_serving"] = len(self.serving_of(PREFILL))
-        health["decode_serving"] = len(self.serving_of(DECODE))
-        health["pd"] = str(self.spec)
         health["kv_transport"] = self.kv_transport
         if self.kv_transport_fallback is not None:
             health["kv_transport_fallback"] = self.kv_transport_fallback
         return health
 
-    def _check_usable(self) -> None:
-        super()._check_usable()
+    def check_usable(self) -> None:
+        super().check_usable()
         if self._kv_connecting:
             raise EngineNotReadyError("the replicas are still joining the kv transport group")
-        for role, count in ((PREFILL, self.spec.num_prefill), (DECODE, self.spec.num_decode)):
-            if not self.serving_of(role):
-                raise EngineNotReadyError(
-                    f"no {role} replica is serving right now (0 of {count}; restarting)"
-                )
 
     def spawn(self, work: Any) -> asyncio.Task[None]:
         """Run a stream's leg in the background; shutdown cancels what is left."""

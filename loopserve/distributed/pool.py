@@ -23,12 +23,14 @@ Routing is the `Router`'s (least outstanding tokens, or prompt prefix). Failure 
 The first replica to finish loading failing (for example a bad checkpoint) is a load error
 (`load_error`, `on_load_error`), as with `AsyncLLM`.
 
-Rooms: this module is the submission side (admission limits, tokenizing, streams, in-flight
-count, draining at shutdown, the engine view); starting, probing, restarts and health are
-`ReplicaSet` (pool_replicas.py), its base class. One submission's stream is a `PoolStream`
-(pool_stream.py, re-routing and the 503 live there; its open step is placement.py's).
-`PDReplicaPool` (pd_pool.py, `--pd`) subclasses this pool with prefill and decode roles
-(`role_of`, `_new_stream`).
+Composition: a pool is a `ReplicaSet` (pool_replicas.py: starting, probing, restarts,
+health, given the pool's `Roles`), a `Router` (router.py) and `PoolMetrics`, owned here and
+handed to the set as explicit inputs; this module is the submission side (admission limits,
+tokenizing, streams, in-flight count, draining at shutdown, the engine view). One
+submission's stream is a `PoolStream` (pool_stream.py, re-routing and the 503 live there; its
+open step is placement.py's). `PDReplicaPool` (pd_pool.py, `--pd`) is this pool with prefill
+and decode `PDRoles`, its own stream type and a KV transport that listens to the set's
+failures and restarts.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
+from loopserve.distributed.metrics import PoolMetrics, PoolSnapshot
 from loopserve.distributed.pool_replicas import (
     DEFAULT_MAX_RESTARTS,
     PROBE_INTERVAL_S,
@@ -45,15 +48,16 @@ from loopserve.distributed.pool_replicas import (
     PoolConfig,
     ReplicaSet,
     ReplicaState,
+    Roles,
     _Replica,
 )
 from loopserve.distributed.pool_stream import MAX_REROUTES, PoolStream, ReplicaFailedError
-from loopserve.distributed.router import RoutedRequest
+from loopserve.distributed.router import RoutedRequest, Router
 from loopserve.engine.async_llm import (
     GenerateRequest,
     SubmitGenerate,
 )
-from loopserve.engine.client import EngineStream, ModelInfo, SubmissionGate
+from loopserve.engine.client import EngineStream, ModelInfo, SubmissionGate, wait_ready
 from loopserve.text.input_processor import ProcessedPrompt
 
 __all__ = [
@@ -67,13 +71,14 @@ __all__ = [
     "ReplicaPool",
     "ReplicaSet",
     "ReplicaState",
+    "Roles",
     "_Replica",
 ]
 logger = logging.getLogger(__name__)
 ABORT_GRACE_S = 2.0  # at shutdown, for aborted streams to end before the replicas stop
 
 
-class ReplicaPool(ReplicaSet, SubmitGenerate):
+class ReplicaPool(SubmitGenerate):
     """N `EngineReplica` actors behind the `EngineClient` interface; see the module
     docstring. `stream_type` follows one submission (`PDReplicaPool` sets its own)."""
 
@@ -85,13 +90,82 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
         config: PoolConfig,
         *,
         on_load_error: Callable[[BaseException], None] | None = None,
+        roles: Roles | None = None,
     ) -> None:
-        super().__init__(engine_args, config, on_load_error=on_load_error)
-        self.gate = SubmissionGate(self.max_pending_requests)
+        block_size = int(engine_args.get("block_size") or 16)  # type: ignore[arg-type]
+        self.router = Router(config.num_replicas, config.routing, block_size=block_size)
+        self.metrics = PoolMetrics()
+        self.replica_set = ReplicaSet(
+            engine_args,
+            config,
+            router=self.router,
+            metrics=self.metrics,
+            roles=roles or Roles(),
+            on_load_error=on_load_error,
+        )
+        self.engine_args = self.replica_set.engine_args
+        self.config = config
+        self.gate = SubmissionGate(config.max_pending_requests)
         self._streams: set[PoolStream] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._start_task: asyncio.Task[None] | None = None
 
     # ---- state --------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> list[_Replica]:
+        return self.replica_set.replicas
+
+    @property
+    def num_replicas(self) -> int:
+        return self.replica_set.num_replicas
+
+    @property
+    def info(self) -> ModelInfo | None:
+        return self.replica_set.info
+
+    @property
+    def load_error(self) -> BaseException | None:
+        return self.replica_set.load_error
+
+    @property
+    def is_ready(self) -> bool:
+        return self.replica_set.is_ready
+
+    @property
+    def is_dead(self) -> bool:
+        return self.replica_set.is_dead
+
+    @property
+    def snapshot(self) -> PoolSnapshot:
+        return self.replica_set.snapshot
+
+    def serving_replicas(self) -> list[int]:
+        return self.replica_set.serving_replicas()
+
+    def role_of(self, index: int) -> str | None:
+        return self.replica_set.roles.role_of(index)
+
+    def replica_failed(self, index: int, instance_id: str | None, why: object) -> None:
+        self.replica_set.replica_failed(index, instance_id, why)
+
+    def health(self) -> dict[str, object]:
+        return self.replica_set.health()
+
+    async def refresh_stats(self) -> None:
+        await self.replica_set.refresh_stats()
+
+    async def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until the pool takes submissions; False if loading failed or timed out."""
+        return await wait_ready(self, timeout_s)  # type: ignore[arg-type]
+
+    async def wait_serving(self, num_replicas: int, timeout_s: float) -> bool:
+        """Wait until `num_replicas` replicas serve; False on timeout."""
+        return await self.replica_set.wait_serving(num_replicas, timeout_s)
+
+    def check_usable(self) -> None:
+        """Raise the engine errors of a pool that cannot take a submission now."""
+        self.replica_set.check_usable()
 
     @property
     def is_accepting(self) -> bool:
@@ -108,7 +182,7 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
 
     def model_info(self) -> ModelInfo:
         """What the serving layer reads from an engine (tokenizer, limits), from replica 0."""
-        self._check_usable()
+        self.check_usable()
         assert self.info is not None
         return self.info
 
@@ -124,7 +198,10 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._tasks.append(asyncio.ensure_future(self._start_replicas()))
+        self._start_task = asyncio.ensure_future(self._start())
+
+    async def _start(self) -> None:
+        await self.replica_set.start()
 
     def stop_accepting(self, *, abort_after_s: float | None = None) -> None:
         """As `AsyncLLM.stop_accepting`: refuse new submissions; optionally abort the rest
@@ -147,20 +224,22 @@ class ReplicaPool(ReplicaSet, SubmitGenerate):
             logger.warning("aborting %d requests still in flight", self.gate.num_in_flight)
             self._abort_all_streams()
             await self.gate.drain(timeout_s + ABORT_GRACE_S)  # their "abort" outputs
-        await self._stop_replicas()
+        if self._start_task is not None:
+            self._start_task.cancel()
+        await self.replica_set.stop()
 
     # ---- requests -----------------------------------------------------------------------
 
     async def submit(self, requests: Sequence[GenerateRequest]) -> PoolStream:
         """Route `requests` (all to one replica) and return their output stream; errors as
         `AsyncLLM.submit`, raised before any output."""
-        self._check_usable()
+        self.check_usable()
         self.gate.admit(len(requests))
         try:  # tokenized here (the server already did; in a worker thread otherwise), once:
             # routing needs the token ids and the replicas take the processed prompts as is.
             if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
                 requests = await asyncio.to_thread(self._processed, requests)
-                self._check_usable()
+                self.check_usable()
         except BaseException:
             self.gate.release(len(requests))
             raise

@@ -1,21 +1,26 @@
-"""`ReplicaSet`: the replicas of a pool, started, probed and kept in rotation; the base of
-`ReplicaPool`.
+"""`ReplicaSet`: the replicas of a pool, started, probed and kept in rotation.
 
-It starts Ray (or joins `ray_address`) and one `EngineReplica` actor per replica (one GPU each
-on CUDA, one CPU and a fixed number of torch threads on CPU), takes the first replica to load
-as the pool's `info` (a failure there is the load error), and runs one probe per replica that
-polls its stats: gauges, readiness, engine death and restarts. Its state per replica
-(`ReplicaState`: starting, serving, restarting, dead) is what routing, readiness and `health()`
-read:
+A collaborator the pool (`ReplicaPool`, pool.py) owns, with explicit inputs: the engine
+arguments and `PoolConfig`, the pool's `Router` (a failed or restarted replica's entries are
+dropped from it) and `PoolMetrics`, and the pool's `Roles` (which role each replica plays and
+what readiness needs of each: every replica does everything by default; prefill and decode
+under `--pd`). It starts Ray (or joins `ray_address`) and one `EngineReplica` actor per
+replica (one GPU each on CUDA, one CPU and a fixed number of torch threads on CPU), takes the
+first replica to load as the pool's `info` (a failure there is the load error), and runs one
+probe per replica that polls its stats: gauges, readiness, engine death and restarts. Its
+state per replica (`ReplicaState`: starting, serving, restarting, dead) is what routing,
+readiness and `health()` read:
 
 - a replica whose actor dies (or whose engine dies) is marked restarting at once
   (`replica_failed`); no new submission goes to it;
 - Ray restarts the actor (`max_restarts`); the probe notices the new instance once its engine
   is loaded and puts it back into rotation (its prefix table entries are dropped);
-- `health()` is "ok" with every replica serving, "degraded" with some, and the pool is not
-  ready with none. A replica whose restarts are exhausted stays "dead".
+- `health()` is "ok" with every replica serving, "degraded" with some, and the set is not
+  ready with none (or, with roles, with no serving replica of some role). A replica whose
+  restarts are exhausted stays "dead".
 
-Submissions, streams and shutdown's draining are `ReplicaPool`'s (pool.py).
+Whoever needs to know of failures and restarts (the PD pool's KV transport) subscribes
+(`on_failure`, `on_restart`). Submissions, streams and shutdown's draining are the pool's.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from loopserve.distributed.ray_init import start_embedded_ray
 from loopserve.distributed.replica import EngineReplica, ReplicaStats
 from loopserve.distributed.router import Router
 from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError
-from loopserve.engine.client import ModelInfo, wait_ready
+from loopserve.engine.client import ModelInfo
 from loopserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -82,6 +87,22 @@ class PoolConfig:
     object_store_bytes: int | None = None  # embedded cluster; None: Ray's default
 
 
+class Roles:
+    """Which role each replica plays and what a set needs of each role to be usable: here
+    none (every replica does everything); `PDRoles` (pd_pool.py) has prefill and decode."""
+
+    def role_of(self, index: int) -> str | None:
+        return None
+
+    def missing(self, serving: list[int]) -> str | None:
+        """Why the serving replicas `serving` cannot take work (a role without one), or None."""
+        return None
+
+    def health(self, serving: list[int]) -> dict[str, object]:
+        """Per-role fields for `health()`."""
+        return {}
+
+
 class ReplicaSet:
     """The replicas of a pool and their states; see the module docstring."""
 
@@ -90,6 +111,9 @@ class ReplicaSet:
         engine_args: dict[str, object],
         config: PoolConfig,
         *,
+        router: Router,
+        metrics: PoolMetrics,
+        roles: Roles,
         on_load_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         if config.num_replicas < 1:
@@ -98,9 +122,13 @@ class ReplicaSet:
         self.config = config
         self.max_pending_requests = config.max_pending_requests
         self._on_load_error = on_load_error
-        block_size = int(engine_args.get("block_size") or 16)  # type: ignore[arg-type]
-        self.router = Router(config.num_replicas, config.routing, block_size=block_size)
-        self.metrics = PoolMetrics()
+        self.router = router
+        self.metrics = metrics
+        self.roles = roles
+        # Called with (index, instance id, why) when a serving replica's current instance
+        # fails, and with the index when a replica comes back as a new instance.
+        self.on_failure: list[Callable[[int, str | None, object], None]] = []
+        self.on_restart: list[Callable[[int], None]] = []
         self.replicas: list[_Replica] = []
         self.info: ModelInfo | None = None
         self.load_error: BaseException | None = None
@@ -119,7 +147,17 @@ class ReplicaSet:
 
     @property
     def is_ready(self) -> bool:
-        return self.info is not None and bool(self.serving_replicas()) and not self._closed
+        serving = self.serving_replicas()
+        return (
+            self.info is not None
+            and bool(serving)
+            and not self._closed
+            and self.roles.missing(serving) is None
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def is_dead(self) -> bool:
@@ -164,15 +202,17 @@ class ReplicaSet:
             "replicas": self.num_replicas,
             "replicas_serving": serving,
             "replica_states": [r.state.value for r in self.replicas],
+            **self.roles.health(self.serving_replicas()),
         }
 
-    async def _start_replicas(self) -> None:
+    async def start(self) -> None:
+        """Start Ray and the replicas; returns once the first replica loaded (or failed)."""
         try:
             await asyncio.to_thread(self.init_ray)  # a no-op when done before
             actor_cls = self._actor_class()
             for index in range(self.num_replicas):
                 actor = actor_cls.remote(**self._replica_kwargs())
-                self.replicas.append(_Replica(index, actor, role=self.role_of(index)))
+                self.replicas.append(_Replica(index, actor, role=self.roles.role_of(index)))
             # The first replica to load decides: its info serves all (they share the engine
             # arguments); if it failed, the model cannot load. The others join through their
             # probes whenever they are up (a replica waiting for a free GPU does not block).
@@ -190,10 +230,6 @@ class ReplicaSet:
         self.router.block_size = info.block_size
         for replica in self.replicas:
             self._tasks.append(asyncio.ensure_future(self._probe(replica)))
-
-    def role_of(self, index: int) -> str | None:
-        """The role of replica `index`: None here (every replica does everything)."""
-        return None
 
     def init_ray(self) -> None:
         """Start the embedded Ray cluster (or join `ray_address`) unless Ray is already
@@ -236,10 +272,6 @@ class ReplicaSet:
             "max_pending_requests": self.max_pending_requests,
         }
 
-    async def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Wait until at least one replica serves; False if loading failed or timed out."""
-        return await wait_ready(self, timeout_s)  # type: ignore[arg-type]
-
     async def wait_serving(self, num_replicas: int, timeout_s: float) -> bool:
         """Wait until `num_replicas` replicas serve; False on timeout."""
         deadline_s = time.monotonic() + timeout_s
@@ -249,7 +281,7 @@ class ReplicaSet:
             await asyncio.sleep(0.05)
         return True
 
-    async def _stop_replicas(self) -> None:
+    async def stop(self) -> None:
         """Cancel the probes, kill the replicas and stop Ray if we started it."""
         self._closed = True
         for task in self._tasks:
@@ -262,7 +294,7 @@ class ReplicaSet:
             if self._started_ray:
                 await asyncio.to_thread(ray.shutdown)
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         if self.is_dead:
             raise EngineDeadError(
                 f"every replica is dead: {self.load_error!r}"
@@ -271,10 +303,14 @@ class ReplicaSet:
             )
         if self.info is None:
             raise EngineNotReadyError("the model is still loading")
-        if not self.serving_replicas():
+        serving = self.serving_replicas()
+        if not serving:
             raise EngineNotReadyError(
                 f"no replica is serving right now (0 of {self.num_replicas}; restarting)"
             )
+        missing = self.roles.missing(serving)
+        if missing is not None:
+            raise EngineNotReadyError(missing)
 
     # ---- failures and restarts ----------------------------------------------------------
 
@@ -283,6 +319,9 @@ class ReplicaSet:
         until the probe sees it serve again. Stale reports about an older instance are
         ignored."""
         replica = self.replicas[index]
+        if replica.instance_id == instance_id:
+            for listener in self.on_failure:
+                listener(index, instance_id, why)
         if replica.state is not ReplicaState.SERVING or replica.instance_id != instance_id:
             return
         logger.warning("replica %d failed (%s); waiting for its restart", index, why)
@@ -335,6 +374,8 @@ class ReplicaSet:
             replica.num_restarts += 1
             logger.warning("replica %d restarted (restart %d)", replica.index, replica.num_restarts)
             self.router.forget_replica(replica.index)
+            for listener in self.on_restart:
+                listener(replica.index)
         replica.instance_id = stats.instance_id
         replica.snapshot = stats.snapshot
         replica.kv_bytes_sent = stats.kv_bytes_sent

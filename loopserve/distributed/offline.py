@@ -60,10 +60,8 @@ class DataParallelEngines:
         """Run every request on one replica; outputs in the order of `request_ids`."""
         import ray
 
-        processor = self.info.input_processor
-        prompts = [processor.process(prompt) for prompt in prompts]  # tokenized once, checked
         max_tokens = [sp.max_tokens for sp in params]
-        shares = _split(request_ids, prompts, max_tokens, self.num_replicas)
+        prompts, shares = _split(self.info, request_ids, prompts, max_tokens, self.num_replicas)
         self.last_split = [len(share) for share in shares]
         refs = [
             replica.generate_batch.remote(
@@ -141,10 +139,9 @@ class DisaggregatedEngines:
         """Final outputs in the order of `request_ids`."""
         import ray
 
-        processor = self.info.input_processor
-        prompts = [processor.process(prompt) for prompt in prompts]
         # A prefill replica produces one token per request: its outstanding work.
-        shares = _split(request_ids, prompts, [1] * len(prompts), len(self.prefill))
+        ones = [1] * len(prompts)
+        prompts, shares = _split(self.info, request_ids, prompts, ones, len(self.prefill))
         summaries, exported = [], []
         num_prefill = len(self.prefill)
         for source, (replica, share) in enumerate(zip(self.prefill, shares)):
@@ -211,16 +208,24 @@ def _start_actors(
 
 
 def _split(
-    request_ids: Sequence[str], prompts: Sequence, max_tokens: Sequence[int], num_replicas: int
-) -> list[list[int]]:
-    """Request indices per replica, by the router's least-load rule (prompt + max_tokens)."""
+    info,
+    request_ids: Sequence[str],
+    prompts: Sequence,
+    max_tokens: Sequence[int],
+    num_replicas: int,
+) -> tuple[list, list[list[int]]]:
+    """The prompts tokenized once (and checked) with the engine's input processor (`info`:
+    its `ModelInfo`), and the request indices per replica by the router's least-load rule
+    (prompt + max_tokens)."""
+    processor = info.input_processor
+    prompts = [processor.process(prompt) for prompt in prompts]
     router = Router(num_replicas)
     shares: list[list[int]] = [[] for _ in range(num_replicas)]
     for index, (request_id, prompt, tokens) in enumerate(zip(request_ids, prompts, max_tokens)):
         replica = router.choose(range(num_replicas), None).replica
         router.assign(replica, [RoutedRequest(request_id, len(prompt.token_ids), tokens)])
         shares[replica].append(index)
-    return shares
+    return prompts, shares
 
 
 def _kill(actors: list) -> None:

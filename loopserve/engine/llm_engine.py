@@ -259,14 +259,16 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_s=state.arrival_s,
         )
-        request.output_token_ids = list(state.output_token_ids)
-        request.exit_depths = list(state.exit_depths)
-        request.logprobs = list(state.logprobs)
-        request.prompt_logprobs = list(state.prompt_logprobs)
-        request.num_cached_prompt_tokens = state.num_cached_prompt_tokens
-        times = request.times
-        times.first_scheduled_s, times.first_token_s = state.first_scheduled_s, state.first_token_s
-        times.token_times_s = list(state.token_times_s)
+        request.restore_outputs(
+            state.output_token_ids,
+            state.exit_depths,
+            logprobs=state.logprobs,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_prompt_tokens=state.num_cached_prompt_tokens,
+            first_scheduled_s=state.first_scheduled_s,
+            first_token_s=state.first_token_s,
+            token_times_s=state.token_times_s,
+        )
         assert state.num_kv_positions == request.next_position, "hand-off K/V does not match"
         self.runner.stage_import(state.request_id, state.kv, state.generator_state)  # type: ignore[arg-type]
         try:

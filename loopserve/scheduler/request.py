@@ -176,6 +176,30 @@ class Request:
         trace = self.params.exit_trace
         return None if trace is None else trace[token_index % len(trace)]
 
+    def restore_outputs(
+        self,
+        output_token_ids: list[int],
+        exit_depths: list[int],
+        *,
+        logprobs: list[SampledToken],
+        prompt_logprobs: list[SampledToken],
+        num_cached_prompt_tokens: int,
+        first_scheduled_s: float | None,
+        first_token_s: float | None,
+        token_times_s: list[float],
+    ) -> None:
+        """Take the outputs and times a request produced elsewhere (a hand-off from another
+        engine), before it is queued here."""
+        assert not self.output_token_ids, "outputs restore only into a new request"
+        self.output_token_ids = list(output_token_ids)
+        self.exit_depths = list(exit_depths)
+        self.logprobs = list(logprobs)
+        self.prompt_logprobs = list(prompt_logprobs)
+        self.num_cached_prompt_tokens = num_cached_prompt_tokens
+        times = self.times
+        times.first_scheduled_s, times.first_token_s = first_scheduled_s, first_token_s
+        times.token_times_s = list(token_times_s)
+
     def advance_chunk(self, item: WorkItem, num_loops: int) -> bool:
         """Record the depths a prompt chunk ran (`item`); True when it completed its final
         depth (the prompt's complete prefix then extends over it)."""

@@ -9,20 +9,63 @@ tensors, never `Request` objects. Torch-free.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from loopserve.exit import ExitRule
+from loopserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class SampleSpec:
+    """How the executor samples a request's tokens (`SamplingParams`' sampling part).
+    `stop_token_ids`: the request's stop tokens (EOS included unless ignored), set only when
+    `min_tokens` forbids them for a while."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     num_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, params: SamplingParams, stop_token_ids: Iterable[int] = ()) -> SampleSpec:
+        """The spec of a request's `params`; `stop_token_ids`: its stop tokens, EOS included
+        unless ignored (kept only when `min_tokens` needs them)."""
+        return cls(
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.logprobs,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+            params.logit_bias,
+            params.min_tokens,
+            tuple(sorted(stop_token_ids)) if params.min_tokens else (),
+        )
+
+    @property
+    def needs_history(self) -> bool:
+        """The logits adjustments read the request's tokens (prompt or output)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.needs_history or bool(self.logit_bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,11 +264,15 @@ class DecodeResults:
 
 @dataclass(frozen=True, slots=True)
 class NewRequestData:
-    """Announces a request to the runner once, before its first item."""
+    """Announces a request to the runner once, before its first item. When its sampling reads
+    its tokens (`SampleSpec.needs_history`), the prompt and the outputs it already has (a
+    handed-off request) come along."""
 
     request_id: str
     sample_spec: SampleSpec
     seed: int | None
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
 
 
 class SwapKind(str, enum.Enum):

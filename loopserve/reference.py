@@ -25,7 +25,8 @@ from loopserve.errors import InvalidRequestError
 from loopserve.exit import ExitMode, ExitRule, TokenExit, choose_exit_from_hazards
 from loopserve.models.attention import DenseAttention, DenseKV
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.runner.sampler import make_generator, sample_rows
+from loopserve.runner.sampler import TokenHistory, make_generator, sample_rows
+from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import SamplingParams
 
 LAYOUTS = ("last_exited", "shared")
@@ -80,13 +81,20 @@ def generate(
         hazards = [float(hazard_fn(h)[0]) for h in last_outputs]
     loops = choose_exit_from_hazards(mode, rule, hazards, trace_loops_for(params, 0))
 
-    spec = SampleSpec(params.temperature, params.top_p, params.top_k)
+    spec = SampleSpec.of(params, stop_ids)
     generator = make_generator(params.seed, device) if not params.greedy else None
     token_ids: list[int] = []
     exit_depths: list[int] = []
+    history = None
+    if spec.adjusts_logits:
+        vocab_size = model.config.vocab_size
+        history = TokenHistory(spec, vocab_size, Transfers(device), prompt_token_ids=prompt)
 
     def emit(exit_hidden: torch.Tensor, loops_used: int) -> bool:
-        token = sample_rows(model.coda(exit_hidden), [spec], [generator])[0].token_id
+        logits = model.coda(exit_hidden)
+        token = sample_rows(logits, [spec], [generator], histories=[history])[0].token_id
+        if history is not None:
+            history.record(token)
         token_ids.append(token)
         exit_depths.append(loops_used)
         return token in stop_ids or len(token_ids) >= params.max_tokens

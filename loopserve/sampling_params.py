@@ -24,6 +24,13 @@ class SamplingParams:
     logprob plus the top-k alternatives. Looping: every output token runs between `min_loops`
     and `max_loops` loops (None = the model's depth); `exit_threshold` is the gate CDF at which
     a token may exit early (1.0 never exits early).
+
+    Logits adjustments (vLLM's semantics, applied in this order before temperature, top-k and
+    top-p, greedy decoding included): `logit_bias` adds a bias to token ids; `min_tokens`
+    forbids the stop tokens (`stop_token_ids` and EOS) until that many tokens were generated;
+    `repetition_penalty` divides the positive logits (multiplies the negative ones) of tokens
+    seen in the prompt or the output; `frequency_penalty` subtracts the penalty times each
+    token's count in the output, `presence_penalty` once per token present in it.
     """
 
     max_tokens: int = 16
@@ -46,6 +53,12 @@ class SamplingParams:
     # What each output carries: "cumulative" (everything so far plus the step's delta),
     # "delta" (only what is new; the server's streams) or "final_only" (one output at the end).
     output_kind: str = "cumulative"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs, sorted by token id; a dict {token id: bias} is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -58,6 +71,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.exit_trace is not None:
             object.__setattr__(self, "exit_trace", tuple(self.exit_trace))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            pairs = tuple(sorted((token, value) for token, value in (bias or ())))
+        except (TypeError, ValueError):  # not pairs, or keys that do not order
+            raise InvalidRequestError(
+                f"logit_bias must map token ids to biases, got {self.logit_bias!r}",
+                param="logit_bias",
+            ) from None
+        object.__setattr__(self, "logit_bias", pairs)
         self._validate()
 
     def _validate(self) -> None:
@@ -104,6 +126,19 @@ class SamplingParams:
             raise bad("priority", "must be an integer")
         if self.exit_trace is not None and not all(_is_int(x) and x >= 1 for x in self.exit_trace):
             raise bad("exit_trace", "must be loop counts >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise bad("repetition_penalty", "must be in (0, 100]")
+        if not all(
+            _is_int(token) and token >= 0 and _is_number(value) and -100.0 <= value <= 100.0
+            for token, value in self.logit_bias
+        ):
+            raise bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})]")
 
     def resolve_loops(self, num_loops: int) -> SamplingParams:
         """Bind `max_loops` to the model depth and check both bounds against it."""

@@ -102,6 +102,25 @@ def test_completion_matches_offline_engine_token_for_token(client, llm):
     assert response.usage.completion_tokens == 12
 
 
+def test_sampling_controls_match_the_offline_engine(client, llm):
+    """The openai client's own fields (presence/frequency penalty, logit_bias) and vLLM's
+    extras (repetition_penalty, min_tokens) reach the engine with their values."""
+    params = greedy(
+        12, ignore_eos=True, presence_penalty=1.2, frequency_penalty=0.5,
+        repetition_penalty=1.3, logit_bias={40: 2.5}, min_tokens=4,
+    )  # fmt: skip
+    expected = reference(llm, PROMPTS[1], params)[0]
+    plain = reference(llm, PROMPTS[1], greedy(12, ignore_eos=True))[0]
+    assert expected.token_ids != plain.token_ids  # the controls matter for this prompt
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0.0,
+        presence_penalty=1.2, frequency_penalty=0.5, logit_bias={"40": 2.5},
+        extra_body={"ignore_eos": True, "return_token_ids": True, "repetition_penalty": 1.3,
+                    "min_tokens": 4},
+    )  # fmt: skip
+    assert response.choices[0].token_ids == expected.token_ids
+
+
 def test_streaming_completion_concatenates_to_offline_output(client, llm):
     params = greedy(10, exit_threshold=0.5, ignore_eos=True)
     expected = reference(llm, PROMPTS[2], params)[0]
@@ -293,7 +312,36 @@ BAD_INPUTS = {
     "unknown_model": ("/v1/completions", GOOD | {"model": "gpt-4"}, 404, "model"),
     "huge_body": ("/v1/completions", GOOD | {"prompt": "x" * (2 * MAX_BODY_BYTES)}, 413, None),
     "unsupported_field": ("/v1/completions", GOOD | {"best_of": 2}, 400, "best_of"),
-    "penalty_not_neutral": ("/v1/completions", GOOD | {"presence_penalty": 1.0}, 400, None),
+    "penalty_out_of_range": (
+        "/v1/completions",
+        GOOD | {"presence_penalty": 2.5},
+        400,
+        "presence_penalty",
+    ),  # fmt: skip
+    "repetition_penalty_zero": (
+        "/v1/completions",
+        GOOD | {"repetition_penalty": 0.0},
+        400,
+        "repetition_penalty",
+    ),  # fmt: skip
+    "logit_bias_key_not_a_token_id": (
+        "/v1/completions",
+        GOOD | {"logit_bias": {"hello": 1.0}},
+        400,
+        "logit_bias",
+    ),  # fmt: skip
+    "logit_bias_outside_vocabulary": (
+        "/v1/completions",
+        GOOD | {"logit_bias": {"99999999": 1.0}},
+        400,
+        "logit_bias",
+    ),  # fmt: skip
+    "min_tokens_over_max_tokens": (
+        "/v1/completions",
+        GOOD | {"min_tokens": 500},
+        400,
+        "min_tokens",
+    ),  # fmt: skip
     "empty_messages": ("/v1/chat/completions", CHAT | {"messages": []}, 400, "messages"),
     "bad_role": (
         "/v1/chat/completions",

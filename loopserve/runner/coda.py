@@ -34,7 +34,8 @@ from loopserve.runner.sampler import is_greedy, read_samples, sample_on_device
 from loopserve.runner.swap import InFlight
 from loopserve.runner.transfers import Transfers
 
-HELD = (SampleSpec(temperature=0.0), None)  # a candidate that does not exit: no generator
+# A candidate that does not exit: greedy, no generator, no history (its token is dropped).
+HELD = (SampleSpec(temperature=0.0), None, None)
 
 
 class _DecodeBatch(NamedTuple):
@@ -43,7 +44,8 @@ class _DecodeBatch(NamedTuple):
     read: _DecodeRead
     candidates: list[int]  # rows
     rows: torch.Tensor | None  # their outputs [c, H]
-    samplers: list[tuple]  # their (spec, generator), `HELD` for a candidate known to stay
+    samplers: list[tuple]  # their (spec, generator, history), `HELD` for one known to stay
+    has_history: bool  # some candidate's sampling reads its tokens
 
 
 def _failure(request_id: str, error: str) -> RequestFailure:
@@ -168,6 +170,7 @@ class Coda:
                         decode_sampled.logprobs[index] = with_logprobs[row]
                 else:
                     sampled[index] = with_logprobs.get(row) or SampledToken(token_id)
+                    self._record(request_ids[row], token_id)
         self.transfers.flush()  # hazards and exits not read yet (no coda this step)
         results = self._item_results(items, states, hazards, last_outputs, exited, sampled)
         for i, result in enumerate(results):
@@ -178,6 +181,8 @@ class Coda:
         decode_results = None
         if batch is not None:
             decode_results = self._decode_results(batch.read, decode_sampled)
+            if batch.has_history:
+                self._record_decode(decode.rows.request_ids, decode_results.token_ids)  # type: ignore[union-attr]
         return CodaOutput(results, tuple(failed), decode_results)
 
     def decode_only(self, decode: DecodeSignals) -> CodaOutput:
@@ -200,6 +205,8 @@ class Coda:
             }
             ids = decode.rows.request_ids
             failed = tuple(_failure(ids[candidates[j]], error) for j, error in failures.items())
+            if batch.has_history:
+                self._record_decode(ids, token_ids)
         else:
             self.transfers.flush()  # exits and hazards not read yet (nothing sampled)
         return CodaOutput([], failed, DecodeResults(read.exited, read.hazards, token_ids, logprobs))
@@ -214,7 +221,7 @@ class Coda:
         candidates = decode.candidates.tolist()  # host array
         ids, samplers = decode.rows.request_ids, self.samplers
         pairs = [samplers[ids[row]] for row in candidates]
-        if read.gate_decides and not all(is_greedy(spec) for spec, _ in pairs):
+        if read.gate_decides and not all(is_greedy(pair[0]) for pair in pairs):
             read.receive(self.transfers.to_host(read.packed))  # exits before sampling
             exited = read.exited
             pairs = [pair if exited[row] else HELD for row, pair in zip(candidates, pairs)]
@@ -224,16 +231,30 @@ class Coda:
         if candidates:
             index = decode.candidates_on_device[: len(candidates)]
             rows = decode.out.index_select(0, index)
-        return _DecodeBatch(read, candidates, rows, pairs)
+        has_history = any(pair[2] is not None for pair in pairs)
+        return _DecodeBatch(read, candidates, rows, pairs, has_history)
 
-    def _sample(self, rows: torch.Tensor, pairs: list[tuple]):
+    def _sample(self, rows: torch.Tensor, samplers: list[tuple]):
         """One coda call and one sampling pass: (token ids, row -> `SampledToken` with
         log-probabilities, row -> sampling error)."""
-        specs, generators = zip(*pairs)
+        specs, generators, histories = zip(*samplers)
         failures: dict[int, str] = {}
-        batch = sample_on_device(self.coda(rows), list(specs), list(generators), failures)
+        batch = sample_on_device(
+            self.coda(rows), list(specs), list(generators), failures, histories
+        )
         token_ids, with_logprobs = read_samples(batch, self.transfers.to_host(batch.packed))
         return token_ids, with_logprobs, failures
+
+    def _record(self, request_id: str, token_id: int) -> None:
+        """A request's token became final: its logits-adjustment history counts it."""
+        sampler = self.samplers.get(request_id)
+        if sampler is not None and sampler[2] is not None:
+            sampler[2].record(token_id)
+
+    def _record_decode(self, request_ids, token_ids: np.ndarray) -> None:
+        """The decode rows' final tokens (-1: none) into their requests' histories."""
+        for row in np.flatnonzero(token_ids >= 0).tolist():  # host array
+            self._record(request_ids[row], int(token_ids[row]))
 
     def _item_results(self, items, states, hazards, last_outputs, exited, sampled):
         results = []

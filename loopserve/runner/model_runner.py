@@ -47,12 +47,20 @@ from loopserve.runner.decode_rows import DecodeSlots, DecodeStep
 from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
-from loopserve.runner.sampler import generator_state, is_greedy, make_generator, restore_generator
+from loopserve.runner.sampler import (
+    TokenHistory,
+    generator_state,
+    is_greedy,
+    make_generator,
+    restore_generator,
+)
 from loopserve.runner.swap import InFlight, KVMoves
 from loopserve.runner.transfers import Transfers
 
 logger = logging.getLogger(__name__)
-Sampler = tuple[SampleSpec, torch.Generator | None]
+# A request's sampling state: its spec, generator (None when greedy) and logits-adjustment
+# history (None without adjustments).
+Sampler = tuple[SampleSpec, torch.Generator | None, TokenHistory | None]
 
 
 class ModelRunner(Executor):
@@ -215,7 +223,16 @@ class ModelRunner(Executor):
         staged = self.staged_imports.get(new.request_id)
         if generator is not None and staged is not None:  # continue the exporter's stream
             restore_generator(generator, staged[1])
-        return new.sample_spec, generator
+        history = None
+        if new.sample_spec.adjusts_logits:
+            history = TokenHistory(
+                new.sample_spec,
+                self.model.config.vocab_size,
+                self.transfers,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=new.output_token_ids,
+            )
+        return new.sample_spec, generator, history
 
     # ---- hand-off (prefill/decode disaggregation) -------------------------------------------
 

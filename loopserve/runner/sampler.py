@@ -1,12 +1,21 @@
-"""Token sampling from coda logits: greedy, temperature, top-k, top-p, seeded generators.
+"""Token sampling from coda logits: logits adjustments, greedy, temperature, top-k, top-p,
+seeded generators.
 
 Every row is sampled on its own with its own `torch.Generator`, so a request's tokens depend
-only on its logits and its seed, never on which other rows share the batch. The dense
-reference generator and the engine runner both sample through `sample_rows`.
+only on its logits, its tokens and its seed, never on which other rows share the batch. The
+dense reference generator and the engine runner both sample through `sample_rows` /
+`sample_on_device`.
+
+Logits adjustments (`SampleSpec.adjusts_logits`; vLLM's semantics and order): a request's
+`TokenHistory` holds, on the device, what they read: its logit bias as a dense [vocab]
+vector, its stop tokens (for `min_tokens`), the tokens of its prompt (a mask, for the
+repetition penalty) and the counts of its output tokens, which the caller updates with
+`record` as each token becomes final. Rows without adjustments pay nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -57,6 +66,65 @@ def _filtered_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     return torch.softmax(scaled, dim=-1)
 
 
+class TokenHistory:
+    """One request's state for its logits adjustments (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: SampleSpec,
+        vocab_size: int,
+        transfers: Transfers,
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        output_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Built once per request; its host values reach the device through `transfers`."""
+        device = transfers.device
+        send = transfers.to_device
+        self.num_output = len(output_token_ids)
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if output_token_ids:
+            self.counts.index_add_(
+                0, send(list(output_token_ids)), torch.ones(len(output_token_ids), device=device)
+            )
+        self.bias: torch.Tensor | None = None
+        if spec.logit_bias:
+            ids, values = zip(*spec.logit_bias)
+            self.bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self.bias[send(list(ids))] = send(list(values), torch.float32)
+        stop_ids = [t for t in spec.stop_token_ids if t < vocab_size]  # others never sampled
+        self.stop_ids = send(stop_ids) if spec.min_tokens and stop_ids else None
+        self.prompt_seen: torch.Tensor | None = None
+        if spec.repetition_penalty != 1.0 and prompt_token_ids:
+            self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self.prompt_seen[send(list(prompt_token_ids))] = True
+
+    def record(self, token_id: int) -> None:
+        """A token of this request became final (sampled and kept)."""
+        self.counts[token_id] += 1
+        self.num_output += 1
+
+    def adjust(self, logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+        """logits [vocab] float32 -> the adjusted logits (a new tensor)."""
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.stop_ids is not None and self.num_output < spec.min_tokens:
+            logits = logits.index_fill(0, self.stop_ids, float("-inf"))
+        counts = self.counts
+        if spec.repetition_penalty != 1.0:
+            seen = counts > 0
+            if self.prompt_seen is not None:
+                seen = seen | self.prompt_seen
+            penalty = spec.repetition_penalty
+            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, penalized, logits)
+        if spec.frequency_penalty != 0.0:
+            logits = logits - spec.frequency_penalty * counts
+        if spec.presence_penalty != 0.0:
+            logits = logits - spec.presence_penalty * (counts > 0).float()
+        return logits
+
+
 class SampleBatch(NamedTuple):
     """Sampled rows on the device, not read yet: `packed` (float64; token ids are exact) holds
     the token ids, then for rows that ask for log-probabilities the chosen token's log-prob
@@ -72,14 +140,19 @@ def sample_on_device(
     specs: list[SampleSpec],
     generators: list[torch.Generator | None],
     failures: dict[int, str] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> SampleBatch:
     """Sample one token per row on the logits' device. logits [rows, vocab] in any float
-    dtype.
+    dtype; `histories[row]`: the row's `TokenHistory` when its spec adjusts logits.
 
     `failures`: when given, a row whose sampling raises is recorded there (row -> "Type:
     message") and gets the greedy token instead, so one request's values never fail the
     other rows of the call (the caller fails that request); without it the error raises."""
     logits = logits.float()
+    if histories is not None:
+        for row, history in enumerate(histories):
+            if history is not None:
+                logits[row] = history.adjust(logits[row], specs[row])
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
     for row, spec in enumerate(specs):
         if is_greedy(spec):
@@ -134,10 +207,11 @@ def sample_rows(
     generators: list[torch.Generator | None],
     transfers: Transfers | None = None,
     failures: dict[int, str] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> list[SampledToken]:
     """`sample_on_device`, read back in one copy (`transfers`): one `SampledToken` per row."""
     transfers = transfers or Transfers(logits.device)
-    batch = sample_on_device(logits, specs, generators, failures)
+    batch = sample_on_device(logits, specs, generators, failures, histories)
     token_ids, with_logprobs = read_samples(batch, transfers.to_host(batch.packed))
     return [with_logprobs.get(row) or SampledToken(t) for row, t in enumerate(token_ids)]
 

@@ -168,9 +168,13 @@ class Admission:
         self.queues.running.append(request)
         if not request.announced:
             request.announced = True
-            params = request.params
-            spec = SampleSpec(params.temperature, params.top_p, params.top_k, params.logprobs)
-            self.outbox.new_requests.append(NewRequestData(request_id, spec, params.seed))
+            spec = SampleSpec.of(request.params, request.stop_token_ids)
+            history: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+            if spec.needs_history:  # the prompt, and the outputs of a handed-off request
+                history = (tuple(request.prompt_token_ids), tuple(request.output_token_ids))
+            self.outbox.new_requests.append(
+                NewRequestData(request_id, spec, request.params.seed, *history)
+            )
 
     def grow_running(self) -> None:
         """Give every decode token about to be written a slot in every plane, oldest request

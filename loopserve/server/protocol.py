@@ -1,12 +1,12 @@
 """OpenAI-compatible request and response models (pydantic v2) for the HTTP server.
 
 Requests are strict and closed (`extra="forbid"`, no string-to-number coercion): an unknown or
-unsupported field is a 400 that names it, never silently ignored. A few OpenAI and vLLM fields
-are accepted only at their neutral value (`presence_penalty=0`, `frequency_penalty=0`,
-`repetition_penalty=1`, an empty `logit_bias`), so clients that always send them keep
-working; `stream_options.continuous_usage_stats` (vLLM's, sent by guidellm and `vllm bench
-serve`) puts the usage so far in every streamed chunk. Looped-model extensions
-(`min_loops`, `max_loops`, `exit_threshold`) and vLLM-style extras (`top_k`, `ignore_eos`,
+unsupported field is a 400 that names it, never silently ignored. The sampling controls
+`presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's: token id strings to biases)
+and vLLM's `repetition_penalty` and `min_tokens` have vLLM's semantics (`SamplingParams`);
+`stream_options.continuous_usage_stats` (vLLM's, sent by guidellm and `vllm bench serve`)
+puts the usage so far in every streamed chunk. Looped-model extensions (`min_loops`,
+`max_loops`, `exit_threshold`) and vLLM-style extras (`top_k`, `ignore_eos`,
 `stop_token_ids`, `return_token_ids`) are ordinary optional fields. Numeric ranges are checked
 once, by `SamplingParams`, not here. Responses add `exit_depths` (loops used per output token)
 to every choice.
@@ -62,32 +62,24 @@ class SamplingRequest(_Request):
     exit_threshold: float | None = None
     # Return output token ids per choice (vLLM's extension of the same name).
     return_token_ids: bool = False
-    # OpenAI fields accepted only at their neutral value.
+    # Sampling controls (ranges checked by `SamplingParams`).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's; `vllm bench serve` sends 1.0
-    logit_bias: dict[str, float] | None = None
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _neutral_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError("penalties are not supported; only 0 is accepted")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _neutral_repetition_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 1.0):
-            raise ValueError("repetition_penalty is not supported; only 1 is accepted")
-        return value
+    repetition_penalty: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias
+    min_tokens: int | None = None  # vLLM's
 
     @field_validator("logit_bias")
     @classmethod
-    def _neutral_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported; only an empty object is accepted")
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (digit strings), got {key!r}")
         return value
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:

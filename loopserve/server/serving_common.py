@@ -173,6 +173,10 @@ def sampling_params(
         "min_loops": request.min_loops,
         "exit_threshold": request.exit_threshold,
         "max_tokens": max_tokens,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "min_tokens": request.min_tokens,
     }
     try:
         params = SamplingParams(
@@ -186,6 +190,7 @@ def sampling_params(
             priority=request.priority,
             output_kind="delta" if stream else "final_only",
             prompt_logprobs=prompt_logprobs,
+            logit_bias=request.logit_bias_ids,
         )
         check_stop_strings(params.stop)
         return params

@@ -93,8 +93,16 @@ class InputProcessor:
         return ProcessedPrompt(text, token_ids)
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
-        """Prompt + `max_tokens` must fit the context; stop strings within their limits."""
+        """Prompt + `max_tokens` must fit the context; stop strings within their limits;
+        `logit_bias` names tokens of the vocabulary."""
         check_stop_strings(params.stop)
+        outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias names token ids outside the vocabulary ({self.vocab_size} tokens): "
+                f"{outside[:5]}",
+                param="logit_bias",
+            )
         num_prompt_tokens = len(prompt.token_ids)
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:

@@ -244,29 +244,57 @@ def test_a_trickled_body_gets_408_at_the_body_deadline(secured):
     assert b"within 6.0 s" in received
 
 
-def test_connections_beyond_the_cap_are_closed_unanswered(secured):
+def _exchange(port: int, request: bytes) -> bytes:
+    """Send one raw request on a new connection; everything received until it closes."""
+    received = b""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(request)
+        sock.settimeout(15.0)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(4096):
+                received += chunk
+                if b"\r\n\r\n" in received and b"Connection: close" not in received:
+                    head, _, body = received.partition(b"\r\n\r\n")
+                    length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                    if len(body) >= length:
+                        break
+    return received
+
+
+def test_a_full_server_still_answers_health_then_closes_what_is_beyond_its_reserve(secured):
     """Four connections that sent a request's headers but not its body fill
-    `--max-connections 4` (the header timeout does not apply to them); a fifth connection is
-    closed without an answer even though it sends a complete request."""
+    `--max-connections 4` (the header timeout does not apply to them). A fifth connection
+    may only ask /health: it gets its answer (a probe sees a full server as alive), anything
+    else a 503 in the OpenAI shape. Four such reserved connections at most: beyond them a
+    new connection is closed without an answer."""
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n"
     ).encode()
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     held = [socket.create_connection(("127.0.0.1", secured.port)) for _ in range(4)]
+    reserved: list[socket.socket] = []
     try:
         for sock in held:
             sock.sendall(head)
-        time.sleep(0.5)  # not a bound: the server must have read them before the fifth comes
-        with socket.create_connection(("127.0.0.1", secured.port)) as extra:
-            extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            extra.settimeout(15.0)
-            received = b""
-            with contextlib.suppress(ConnectionResetError):
-                while chunk := extra.recv(4096):
-                    received += chunk
-        assert received == b""
+        time.sleep(0.5)  # not a bound: the server must have read them before the next come
+        answer = _exchange(secured.port, health)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        refused = _exchange(
+            secured.port, head.replace(b"Content-Length: 100", b"Content-Length: 2") + b"{}"
+        )
+        assert refused.startswith(b"HTTP/1.1 503"), refused[:200]
+        error = json.loads(refused.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "too_many_connections" and set(error) == {
+            "message", "type", "param", "code",
+        }  # fmt: skip
+        reserved = [socket.create_connection(("127.0.0.1", secured.port)) for _ in range(4)]
+        for sock in reserved:  # held like the first four: a body that does not come
+            sock.sendall(head.replace(b"/v1/completions", b"/health"))
+        time.sleep(0.5)
+        assert _exchange(secured.port, health) == b""  # beyond the reserve: closed unanswered
     finally:
-        for sock in held:
+        for sock in held + reserved:
             sock.close()
     deadline_s = time.monotonic() + 20
     while True:  # the held ones are gone; service resumes

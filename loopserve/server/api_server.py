@@ -51,6 +51,7 @@ from loopserve.server.args import (
     DEFAULT_MODEL_NAME,
 )
 from loopserve.server.middleware import (
+    HEALTH_CONNECTIONS,
     BodySizeLimitMiddleware,
     HeaderTimeoutH11Protocol,
     SecurityMiddleware,
@@ -270,8 +271,9 @@ def make_server(
         log_level=args.log_level,
         http=HeaderTimeoutH11Protocol.configured(args.header_timeout_s, args.max_connections),
         # uvicorn answers 503 once connections or tasks reach this (counting the asking
-        # connection itself); connections beyond --max-connections never get this far.
-        limit_concurrency=args.max_connections + 1,
+        # connection itself); connections beyond --max-connections and the reserved health
+        # connections never get this far.
+        limit_concurrency=args.max_connections + HEALTH_CONNECTIONS + 1,
         # A backstop: streams normally end on their own once the engine aborts them.
         timeout_graceful_shutdown=args.shutdown_timeout_s + SHUTDOWN_GRACE_S,
     )

@@ -88,7 +88,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
-        help="open connections at most; further ones are closed at once",
+        help="open connections at most; 4 more may only ask /health (a probe gets through a "
+        "full server); further ones are closed at once",
     )
     group.add_argument(
         "--max-pending-requests",

@@ -133,11 +133,38 @@ class SecurityMiddleware:
         return None
 
 
+HEALTH_CONNECTIONS = 4  # connections beyond --max-connections that may only ask /health
+
+
+class HealthOnlyApp:
+    """The app of a connection opened beyond `--max-connections` (one of the reserved
+    `HEALTH_CONNECTIONS`): `/health` goes through, anything else gets a 503 in the OpenAI
+    error shape and the connection closes."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") == "/health":
+            await self.app(scope, receive, send)
+            return
+        error = ApiError(
+            503,
+            "too many open connections: this connection may only ask /health",
+            code="too_many_connections",
+        )
+        await JSONResponse(error.body, status_code=503, headers={"Connection": "close"})(
+            scope, receive, send
+        )
+
+
 class HeaderTimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, plus: a connection must finish each request's headers within
     `header_timeout_s` of connecting (or of its previous response ending), and connections
-    beyond `max_connections` are closed at once. uvicorn only times out idle keep-alive
-    connections, so without this a client sending partial headers holds a descriptor forever.
+    beyond `max_connections` may only ask `/health` (`HEALTH_CONNECTIONS` of them; any more
+    are closed at once), so a health probe gets through while ordinary connections fill the
+    cap. uvicorn only times out idle keep-alive connections, so without this a client sending
+    partial headers holds a descriptor forever.
     """
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
@@ -153,10 +180,13 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
+        open_connections = len(self.connections)
+        if open_connections > self.max_connections + HEALTH_CONNECTIONS:
             logger.warning("over %d connections; closing a new one", self.max_connections)
             transport.close()
             return
+        if open_connections > self.max_connections:
+            self.app = HealthOnlyApp(self.app)  # this connection's app (uvicorn reads it)
         self._arm_header_timer()
 
     def on_response_complete(self) -> None:

@@ -73,7 +73,8 @@ class InputProcessor:
     def process_chat(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
     ) -> ProcessedPrompt:
-        """Render `messages` with the chat template and tokenize the result."""
+        """Render `messages` with the chat template and tokenize the result (text in a
+        message that spells a special token stays plain text: `Tokenizer.encode_chat`)."""
         tokenizer = self._require_tokenizer("messages", "use /v1/completions instead")
         if not tokenizer.has_chat_template:
             raise InvalidRequestError(
@@ -86,9 +87,11 @@ class InputProcessor:
                 if isinstance(m, dict) and isinstance(m.get("content"), str)
             )
             self._check_chars(content_chars, "messages")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        self._check_chars(len(text), "messages")
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        text, token_ids = tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            check_text=lambda text: self._check_chars(len(text), "messages"),
+        )
         self._check_token_ids(token_ids, param="messages")
         return ProcessedPrompt(text, token_ids)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,12 @@ class Tokenizer:
         turn_ids = (_token_id_or_none(backend, token) for token in END_OF_TURN_TOKENS)
         self.end_of_turn_token_ids: tuple[int, ...] = tuple(i for i in turn_ids if i is not None)
         self._compiled_template: jinja2.Template | None = None
+        # The text of every special token, and a copy of the backend that encodes such text
+        # as plain text (made on first use): what message contents are encoded with.
+        self.special_texts: tuple[str, ...] = tuple(
+            t.content for t in backend.get_added_tokens_decoder().values() if t.special
+        )
+        self._plain_backend: tokenizers.Tokenizer | None = None
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> Tokenizer | None:
@@ -130,6 +138,58 @@ class Tokenizer:
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; bytes that are not valid UTF-8 become U+FFFD."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        check_text: Callable[[str], None] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The chat prompt of `messages` (text, token ids). Text in a message's content that
+        spells a special token (`<|im_end|>`, ...) is encoded as plain text, never as the
+        control token: a user cannot forge a turn. A prompt whose contents spell none is
+        encoded as a whole, as before; one whose contents do is encoded in pieces: the
+        template's text between the contents with special tokens, each content without.
+        `check_text(text)` runs on the rendered prompt before anything is encoded."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        if check_text is not None:
+            check_text(text)
+        specials = self.special_texts
+        if not any(special in m["content"] for m in messages for special in specials):
+            return text, self.encode(text)
+        marks = [_CONTENT_MARK.format(i) for i in range(len(messages))]
+        marked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        pieces = _CONTENT_MARK_PATTERN.split(rendered)  # template, index, template, index, ...
+        indices = [int(index) for index in pieces[1::2]]
+        contents = [m["content"] for m in messages]
+        in_order = indices == list(range(len(messages)))
+        if not in_order or text != "".join(
+            contents[int(p)] if i % 2 else p for i, p in enumerate(pieces)
+        ):
+            # The template dropped, repeated, reordered or rewrote (trimmed, ...) a content.
+            raise InvalidRequestError(
+                "a message spells a special token, and this model's chat template does not "
+                "place each message's content once, in order and unchanged, so it cannot be "
+                "kept plain text",
+                param="messages",
+            )
+        token_ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                token_ids += self.encode(piece) if piece else []
+            else:
+                token_ids += self._encode_plain(contents[int(piece)])
+        return text, token_ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token text taken as plain text."""
+        if self._plain_backend is None:
+            plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend.encode(text, add_special_tokens=False).ids if text else []
 
     @property
     def has_chat_template(self) -> bool:
@@ -195,6 +255,11 @@ def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
 
 def _raise_template_exception(message: str) -> None:
     raise InvalidRequestError(message, param="messages")
+
+
+# Placeholders for message contents (private-use characters no tokenizer gives meaning to).
+_CONTENT_MARK = "\ue000{}\ue001"
+_CONTENT_MARK_PATTERN = re.compile("\ue000(\\d+)\ue001")
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:

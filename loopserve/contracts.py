@@ -74,6 +74,8 @@ class SampledToken:
     logprob: float | None = None
     # The num_logprobs most likely tokens as (token_id, logprob), best first.
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    # 1 + the number of tokens more likely than this one (prompt logprobs; None elsewhere).
+    rank: int | None = None
 
 
 class ItemKind(str, enum.Enum):

@@ -43,6 +43,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + the number of more likely tokens (prompt logprobs)
 
 
 @dataclass(slots=True)

@@ -167,16 +167,25 @@ class _DenseRun:
 
 
 @torch.inference_mode()
-def prompt_logprobs(
+def prompt_logprob_rows(
     model: OuroForLoopedLM, prompt_token_ids: Sequence[int], *, layout: str = "last_exited"
-) -> list[float | None]:
-    """Log-probability of each prompt token given the ones before it, from the last loop's
-    output (the prompt at full depth, as `generate` runs it); None for the first token."""
+) -> torch.Tensor:
+    """Next-token log-probabilities [len - 1, vocab] at every prompt position but the last,
+    from the last loop's output (the prompt at full depth, as `generate` runs it)."""
     if layout not in LAYOUTS:
         raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     prompt = list(prompt_token_ids)
     run = _DenseRun(model, shared=layout == "shared", max_len=len(prompt))
     _, final = run.prompt(prompt)
-    logprobs = torch.log_softmax(model.coda(final[:-1]).float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(prompt[1:], device=run.device)[:, None])[:, 0]
+    return torch.log_softmax(model.coda(final[:-1]).float(), dim=-1)
+
+
+def prompt_logprobs(
+    model: OuroForLoopedLM, prompt_token_ids: Sequence[int], *, layout: str = "last_exited"
+) -> list[float | None]:
+    """Log-probability of each prompt token given the ones before it (`prompt_logprob_rows`);
+    None for the first token."""
+    prompt = list(prompt_token_ids)
+    rows = prompt_logprob_rows(model, prompt, layout=layout)
+    chosen = rows.gather(1, torch.tensor(prompt[1:], device=rows.device)[:, None])[:, 0]
     return [None, *chosen.tolist()]

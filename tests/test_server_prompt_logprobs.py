@@ -19,13 +19,14 @@ import httpx
 
 from loopserve.engine.async_llm import AsyncLLM
 from loopserve.engine.llm_engine import LLMEngine
-from loopserve.reference import prompt_logprobs
+from loopserve.reference import prompt_logprob_rows, prompt_logprobs
 from loopserve.server.api_server import build_app
 
 approx = partial(pytest.approx, abs=1e-4)
 
 
-def _post_all(tiny_tok_dir, bodies):
+def _post_all(tiny_tok_dir, bodies, path="/v1/completions"):
+    """Each body posted to `path`, or to its own path given as a (path, body) pair."""
     engine = LLMEngine.from_engine_args(
         model=str(tiny_tok_dir), dtype="float32", num_blocks=64, prefill_chunk_size=8
     )
@@ -37,8 +38,9 @@ def _post_all(tiny_tok_dir, bodies):
         transport = httpx.ASGITransport(app=build_app(async_llm, "tiny"))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                posts = [b if isinstance(b, tuple) else (path, b) for b in bodies]
                 return await asyncio.gather(
-                    *(client.post("/v1/completions", json=body, timeout=60) for body in bodies)
+                    *(client.post(p, json=body, timeout=60) for p, body in posts)
                 )
         finally:
             await async_llm.shutdown(1.0)
@@ -106,3 +108,59 @@ def test_score_only_returns_the_prompt_alone(tiny_tok_dir):
     expected = prompt_logprobs(engine.model, prompt_ids)
     assert choice["logprobs"]["token_logprobs"][1:] == approx(expected[1:])
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def _check_vllm_entries(engine, entries, prompt_ids, top):
+    """vLLM's `prompt_logprobs` against the dense reference: per prompt token after the first,
+    the token's logprob and rank, and the `top` most likely tokens with ranks 1..top."""
+    rows = prompt_logprob_rows(engine.model, prompt_ids)
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for p, entry in enumerate(entries[1:]):
+        row, token = rows[p], prompt_ids[p + 1]
+        best = row.topk(top).indices.tolist() if top else []
+        assert set(entry) == {str(token), *map(str, best)}
+        assert entry[str(token)]["logprob"] == approx(float(row[token]))
+        assert entry[str(token)]["rank"] == 1 + int((row > row[token]).sum())
+        for rank, token_id in enumerate(best, start=1):
+            assert entry[str(token_id)]["rank"] == rank
+            assert entry[str(token_id)]["logprob"] == approx(float(row[token_id]))
+            assert entry[str(token_id)]["decoded_token"] == engine.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
+
+
+def test_vllm_prompt_logprobs_field_on_completions_and_chat(tiny_tok_dir):
+    prompt = [17, 250, 3, 99, 41, 7, 300, 12, 88]
+    field = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+             "prompt_logprobs": 3}  # fmt: skip
+    with_echo = dict(field, echo=True, logprobs=1)  # both shapes, each with its own width
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 2, "prompt_logprobs": 0}
+    plain = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    engine, (scored, echoed, chatted, neither, streamed, too_many) = _post_all(
+        tiny_tok_dir,
+        [
+            field,
+            with_echo,
+            ("/v1/chat/completions", chat),
+            plain,
+            dict(field, stream=True),
+            dict(field, prompt_logprobs=21),
+        ],
+    )
+    assert scored.status_code == echoed.status_code == chatted.status_code == 200
+    choice = scored.json()["choices"][0]
+    _check_vllm_entries(engine, choice["prompt_logprobs"], prompt, 3)
+    assert choice["logprobs"] is None  # the legacy shape only with echo + logprobs
+    echo_choice = echoed.json()["choices"][0]
+    _check_vllm_entries(engine, echo_choice["prompt_logprobs"], prompt, 3)
+    legacy_tops = echo_choice["logprobs"]["top_logprobs"]
+    assert legacy_tops[0] is None and all(len(top) == 1 for top in legacy_tops[1:])
+    chat_ids = engine.input_processor.process_chat(messages).token_ids
+    body = chatted.json()
+    assert body["usage"]["prompt_tokens"] == len(chat_ids)
+    _check_vllm_entries(engine, body["prompt_logprobs"], list(chat_ids), 0)
+    assert neither.json()["choices"][0]["prompt_logprobs"] is None
+    for refused in (streamed, too_many):
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "prompt_logprobs"

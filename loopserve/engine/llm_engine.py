@@ -385,4 +385,4 @@ class LLMEngine:
 
 
 def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
-    return [TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs) for s in samples]
+    return [TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs, s.rank) for s in samples]

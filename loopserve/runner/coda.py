@@ -290,12 +290,14 @@ class Coda:
         logprobs = torch.log_softmax(self.coda(rows).float(), dim=-1)
         ids = [t for i in scored for t in items[i].score_ids]
         index = self.transfers.to_device(ids)
-        columns = [logprobs.gather(1, index[:, None]).double()]
+        chosen = logprobs.gather(1, index[:, None])
+        rank = (logprobs > chosen).sum(dim=1, keepdim=True) + 1
+        columns = [chosen.double(), rank.double()]
         top = max(items[i].score_top for i in scored)
         if top:
             values, indices = logprobs.topk(top, dim=-1)
             columns += [values.double(), indices.double()]
-        width = 1 + 2 * top  # per row: the chosen logprob, top values, top ids
+        width = 2 + 2 * top  # per row: the chosen logprob, its rank, top values, top ids
         flat = self.transfers.to_host(torch.cat(columns, dim=1).reshape(-1))
         scores: dict[int, tuple[SampledToken, ...]] = {}
         at = 0
@@ -304,8 +306,8 @@ class Coda:
             entries = []
             for token_id in items[i].score_ids:
                 row = flat[at : at + width]
-                alternatives = tuple((int(row[1 + top + j]), row[1 + j]) for j in range(k))
-                entries.append(SampledToken(token_id, row[0], alternatives))
+                alternatives = tuple((int(row[2 + top + j]), row[2 + j]) for j in range(k))
+                entries.append(SampledToken(token_id, row[0], alternatives, int(row[1])))
                 at += width
             scores[i] = tuple(entries)
         return scores

@@ -68,6 +68,8 @@ class SamplingRequest(_Request):
     repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> bias
     min_tokens: int | None = None  # vLLM's
+    # vLLM's: per prompt token, the log-probabilities of it and of the k most likely tokens.
+    prompt_logprobs: int | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -160,6 +162,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `Logprob`: one token's log-probability at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 + the number of more likely tokens
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs`: per prompt token, None for the first, then {token id: logprob}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -168,6 +182,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     exit_depths: list[int] = Field(default_factory=list)
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -215,6 +230,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, for the request's one prompt
 
 
 class ChatDelta(BaseModel):

@@ -48,6 +48,7 @@ from loopserve.server.serving_common import (
     submit,
     token_text,
     usage,
+    vllm_prompt_logprobs,
 )
 from loopserve.text.tokenizer import Tokenizer
 
@@ -117,6 +118,9 @@ async def create_chat_completion(
             sum(out.num_output_tokens for out in outputs),
             outputs[0].metrics.num_cached_prompt_tokens if outputs else 0,
         ),
+        prompt_logprobs=vllm_prompt_logprobs(tokenizer, outputs[0], body.prompt_logprobs)
+        if outputs
+        else None,
     )
     return JSONResponse(response.model_dump())
 

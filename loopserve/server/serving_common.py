@@ -42,6 +42,8 @@ from loopserve.server.protocol import (
     CompletionLogprobs,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
@@ -165,7 +167,16 @@ def sampling_params(
 ) -> SamplingParams:
     """`SamplingParams` for one choice; its validation errors (and the stop-string limits)
     become 400s naming the field. A streamed choice asks for "delta" outputs (per-chunk work
-    independent of the stream's length), any other for its final output only."""
+    independent of the stream's length), any other for its final output only. The engine
+    scores the prompt with the larger of `prompt_logprobs` (the caller's: completions' echo)
+    and the request's own vLLM field."""
+    if request.prompt_logprobs is not None:
+        if stream:
+            raise ApiError(
+                400, "prompt_logprobs is not supported with stream", param="prompt_logprobs"
+            )
+        own = request.prompt_logprobs  # a negative value: SamplingParams names it
+        prompt_logprobs = max(prompt_logprobs or 0, own) if own >= 0 else own
     fields: dict[str, object] = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -363,6 +374,34 @@ def completion_logprobs(
         )
         result.text_offset.append(text_offset)
         text_offset += len(text)
+    return result
+
+
+def vllm_prompt_logprobs(
+    tokenizer: Tokenizer | None, output: RequestOutput, top: int | None
+) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` of `output` when the request asked (`top`): None for the first
+    prompt token, then per token a dict of it and the `top` most likely tokens (by id)."""
+    if top is None or output.prompt_logprobs is None:
+        return None
+    result: PromptLogprobs = [None]
+    for entry in output.prompt_logprobs[1:]:
+        assert entry is not None  # only the first prompt token has no score
+        scored = {
+            str(entry.token_id): PromptLogprob(
+                logprob=entry.logprob,
+                rank=entry.rank,
+                decoded_token=token_text(tokenizer, entry.token_id),
+            )
+        }
+        for rank, (token_id, logprob) in enumerate(entry.top_logprobs[:top], start=1):
+            scored.setdefault(
+                str(token_id),
+                PromptLogprob(
+                    logprob=logprob, rank=rank, decoded_token=token_text(tokenizer, token_id)
+                ),
+            )
+        result.append(scored)
     return result
 
 

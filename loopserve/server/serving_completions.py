@@ -44,6 +44,7 @@ from loopserve.server.serving_common import (
     sse,
     submit,
     usage,
+    vllm_prompt_logprobs,
 )
 from loopserve.text.input_processor import ProcessedPrompt
 from loopserve.text.tokenizer import Tokenizer
@@ -149,7 +150,15 @@ def _echoed_entries(body: CompletionRequest, out: RequestOutput) -> list[TokenLo
     if not (body.echo and body.logprobs is not None and out.prompt_logprobs):
         return []
     first = TokenLogprob(out.prompt_token_ids[0], None)  # type: ignore[arg-type]
-    return [first, *(entry for entry in out.prompt_logprobs[1:] if entry is not None)]
+    top = body.logprobs  # the engine may have scored more alternatives (`prompt_logprobs`)
+    return [
+        first,
+        *(
+            TokenLogprob(entry.token_id, entry.logprob, entry.top_logprobs[:top], entry.rank)
+            for entry in out.prompt_logprobs[1:]
+            if entry is not None
+        ),
+    ]
 
 
 def _choice(
@@ -177,6 +186,9 @@ def _choice(
         token_ids=([] if score_only else out.new_token_ids if delta else out.token_ids)
         if body.return_token_ids
         else None,
+        prompt_logprobs=None
+        if delta
+        else vllm_prompt_logprobs(tokenizer, out, body.prompt_logprobs),
     )
 
 

@@ -173,6 +173,9 @@ def test_cors_preflight_is_answered_for_an_allowed_origin_only(secured):
     )
     assert evil.status_code == 400
     assert "access-control-allow-origin" not in evil.headers
+    assert evil.headers["content-type"] == "application/json"
+    error = evil.json()["error"]
+    assert error["code"] == "cors_rejected" and "origin" in error["message"]
 
 
 # ---- item 6: header timeout and connection cap -----------------------------------------------
@@ -259,6 +262,27 @@ def _exchange(port: int, request: bytes) -> bytes:
                     if len(body) >= length:
                         break
     return received
+
+
+MALFORMED_HTTP = {
+    "bad_chunk_size": b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    b"Transfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\nZZ\r\n{}\r\n0\r\n\r\n",
+    "bad_content_length": b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    b"Content-Length: 12abc\r\n\r\n{}",
+    "duplicate_host": b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.1\r\n\r\n",
+    "bad_request_line": b"GET /health HTTP/1.1 extra\r\nHost: 127.0.0.1\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("raw", MALFORMED_HTTP.values(), ids=MALFORMED_HTTP.keys())
+def test_requests_the_http_parser_rejects_get_an_openai_shaped_400(secured, raw):
+    answer = _exchange(secured.port, raw)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:300]
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "bad_http_request" and error["type"] == "invalid_request_error"
 
 
 def test_a_full_server_still_answers_health_then_closes_what_is_beyond_its_reserve(secured):

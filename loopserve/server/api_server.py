@@ -36,7 +36,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 
 from loopserve.engine.client import EngineClient, ModelInfo
 from loopserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -54,6 +53,7 @@ from loopserve.server.middleware import (
     HEALTH_CONNECTIONS,
     BodySizeLimitMiddleware,
     HeaderTimeoutH11Protocol,
+    OpenAICORSMiddleware,
     SecurityMiddleware,
     default_allowed_hosts,
 )
@@ -118,7 +118,7 @@ def build_app(
     )
     if allowed_origins:  # outermost, so preflights are answered before the key check
         app.add_middleware(
-            CORSMiddleware,
+            OpenAICORSMiddleware,
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type"],

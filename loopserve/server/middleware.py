@@ -20,6 +20,9 @@ import time
 
 import h11
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -193,6 +196,33 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         super().on_response_complete()
         self._arm_header_timer()
 
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a malformed request line, headers, Content-Length or
+        chunked body; a duplicate Host) gets a 400 in the OpenAI error shape, not uvicorn's
+        plain text; then the connection closes."""
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # a response has begun
+            self.transport.close()
+            return
+        error = ApiError(
+            400,
+            f"{msg.rstrip('.')}: malformed HTTP (request line, headers, Content-Length or "
+            "chunked body)",
+            code="bad_http_request",
+        )
+        body = JSONResponse(error.body).body
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
     def _arm_header_timer(self) -> None:
         self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
@@ -287,3 +317,18 @@ class BodySizeLimitMiddleware:
                 code="request_too_large",
             )
         await JSONResponse(error.body, status_code=error.status_code)(scope, receive, send)
+
+
+class OpenAICORSMiddleware(CORSMiddleware):
+    """Starlette's CORS middleware whose rejected preflight (an origin, method or header not
+    allowed) answers 400 in the OpenAI error shape instead of plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        reason = bytes(response.body).decode("utf-8", "replace")  # "Disallowed CORS origin"
+        error = ApiError(400, f"CORS preflight rejected: {reason}", code="cors_rejected")
+        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+        headers.pop("content-type", None)
+        return JSONResponse(error.body, status_code=400, headers=headers)

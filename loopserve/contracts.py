@@ -104,7 +104,9 @@ class WorkItem(NamedTuple):
     - Prompt items with `score_ids` (a request that asked for prompt logprobs, on the item
       that reaches the last depth) score their rows: row i's last-loop output gives the
       log-probability of `score_ids[i]`, the prompt token after it (the last prompt position
-      has none), with `score_top` alternatives.
+      has none), with `score_top` alternatives. With `score_rule` (on every depth's item of
+      such a chunk), the runner keeps every loop's output of the chunk's rows, and row i is
+      scored from the loop `score_rule` picks over that row's exit-gate hazards instead.
 
     A NamedTuple rather than a frozen dataclass: equally immutable and cheaper to build.
     """
@@ -128,6 +130,7 @@ class WorkItem(NamedTuple):
     trace_loops: int | None = None
     score_ids: tuple[int, ...] = ()
     score_top: int = 0
+    score_rule: ExitRule | None = None
 
     @property
     def last_depth(self) -> int:

@@ -75,7 +75,7 @@ def generate(
     run = _DenseRun(model, shared=shared, max_len=len(prompt) + params.max_tokens)
     device = run.device
     # Prompt at full depth; keep the last position's output of every loop.
-    last_outputs, _ = run.prompt(prompt)
+    last_outputs = [loop[-1:] for loop in run.prompt(prompt)]
     hazards = None
     if mode.uses_gate:
         hazards = [float(hazard_fn(h)[0]) for h in last_outputs]
@@ -142,50 +142,68 @@ class _DenseRun:
         attention = DenseAttention(self.kv, plane, positions, self.scale)
         return self.model.core(hidden, positions, attention)
 
-    def prompt(self, prompt: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Run the prompt at full depth (SHARED: position-major); returns the last position's
-        output of every loop and every position's last-loop output."""
+    def prompt(self, prompt: list[int]) -> list[torch.Tensor]:
+        """Run the prompt at full depth (SHARED: position-major); returns every loop's output
+        [len, hidden] of every position."""
         model, device = self.model, self.device
-        last_outputs: list[torch.Tensor] = []
         if self.shared:
-            finals = []
+            per_position = []
             for position, token in enumerate(prompt):
                 hidden = model.prelude(torch.tensor([token], device=device))
                 pos = torch.tensor([position], device=device)
+                outputs = []
                 for depth in range(self.num_loops):
                     hidden = self.loop(hidden, pos, depth)
-                    if position == len(prompt) - 1:
-                        last_outputs.append(hidden)
-                finals.append(hidden)
-            return last_outputs, torch.cat(finals)
+                    outputs.append(hidden)
+                per_position.append(outputs)
+            return [torch.cat(loop) for loop in zip(*per_position)]
         positions = torch.arange(len(prompt), device=device)
         hidden = model.prelude(torch.tensor(prompt, device=device))
+        loop_outputs = []
         for depth in range(self.num_loops):
             hidden = self.loop(hidden, positions, depth)
-            last_outputs.append(hidden[-1:])
-        return last_outputs, hidden
+            loop_outputs.append(hidden)
+        return loop_outputs
 
 
 @torch.inference_mode()
 def prompt_logprob_rows(
-    model: OuroForLoopedLM, prompt_token_ids: Sequence[int], *, layout: str = "last_exited"
+    model: OuroForLoopedLM,
+    prompt_token_ids: Sequence[int],
+    *,
+    layout: str = "last_exited",
+    exit_rule: ExitRule | None = None,
 ) -> torch.Tensor:
     """Next-token log-probabilities [len - 1, vocab] at every prompt position but the last,
-    from the last loop's output (the prompt at full depth, as `generate` runs it)."""
+    from the last loop's output (the prompt at full depth, as `generate` runs it), or with
+    `exit_rule` from the loop that rule picks per position over the trained gate's hazards
+    (`SamplingParams.prompt_logprobs_loop = "exit"`)."""
     if layout not in LAYOUTS:
         raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     prompt = list(prompt_token_ids)
     run = _DenseRun(model, shared=layout == "shared", max_len=len(prompt))
-    _, final = run.prompt(prompt)
-    return torch.log_softmax(model.coda(final[:-1]).float(), dim=-1)
+    loop_outputs = [output[:-1] for output in run.prompt(prompt)]
+    scored = loop_outputs[-1]
+    if exit_rule is not None:
+        hazards = [model.gate(output).float().tolist() for output in loop_outputs]
+        loops = [
+            choose_exit_from_hazards(ExitMode.OURO, exit_rule, list(column))
+            for column in zip(*hazards)
+        ]
+        scored = torch.stack([loop_outputs[loop - 1][p] for p, loop in enumerate(loops)])
+    return torch.log_softmax(model.coda(scored).float(), dim=-1)
 
 
 def prompt_logprobs(
-    model: OuroForLoopedLM, prompt_token_ids: Sequence[int], *, layout: str = "last_exited"
+    model: OuroForLoopedLM,
+    prompt_token_ids: Sequence[int],
+    *,
+    layout: str = "last_exited",
+    exit_rule: ExitRule | None = None,
 ) -> list[float | None]:
     """Log-probability of each prompt token given the ones before it (`prompt_logprob_rows`);
     None for the first token."""
     prompt = list(prompt_token_ids)
-    rows = prompt_logprob_rows(model, prompt, layout=layout)
+    rows = prompt_logprob_rows(model, prompt, layout=layout, exit_rule=exit_rule)
     chosen = rows.gather(1, torch.tensor(prompt[1:], device=rows.device)[:, None])[:, 0]
     return [None, *chosen.tolist()]

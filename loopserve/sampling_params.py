@@ -13,6 +13,7 @@ SEED_MAX = 2**64 - 1
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+PROMPT_LOGPROBS_LOOPS = ("last", "exit")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class SamplingParams:
     # (token id, bias) pairs, sorted by token id; a dict {token id: bias} is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    # Which loop's output scores a prompt position (with `prompt_logprobs`): "last", the
+    # last loop at full depth (what the Hugging Face Ouro forward returns), or "exit", the
+    # loop this request's exit rule picks for that position (the CDF threshold over the
+    # exit gate, within min/max loops; what `loopserve eval` measures).
+    prompt_logprobs_loop: str = "last"
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -113,6 +119,8 @@ class SamplingParams:
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20
         ):
             raise bad("prompt_logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs_loop not in PROMPT_LOGPROBS_LOOPS:
+            raise bad("prompt_logprobs_loop", f"must be one of {', '.join(PROMPT_LOGPROBS_LOOPS)}")
         if not _is_int(self.min_loops) or self.min_loops < 1:
             raise bad("min_loops", "must be an integer >= 1")
         if self.max_loops is not None:

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from loopserve.exit import ExitRule
 from loopserve.reference import prompt_logprobs as reference_prompt_logprobs
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, run_steps
@@ -81,3 +82,56 @@ def test_prompt_logprobs_are_validated(tiny_dir):
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def check_exit_scores(engine, output, prompt, rule) -> int:
+    """The engine's prompt logprobs equal the reference scored at the rule's loops; returns
+    how many positions the rule scores at another loop than the last."""
+    layout = engine.config.cache.layout
+    at_exit = reference_prompt_logprobs(engine.model, prompt, layout=layout, exit_rule=rule)
+    at_last = reference_prompt_logprobs(engine.model, prompt, layout=layout)
+    got = output.prompt_logprobs
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    for position, (entry, want) in enumerate(zip(got[1:], at_exit[1:]), 1):
+        assert math.isclose(entry.logprob, want, abs_tol=1e-4), (position, entry.logprob, want)
+    return sum(not math.isclose(a, b, abs_tol=1e-4) for a, b in zip(at_exit[1:], at_last[1:]))
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_prompt_scored_at_the_exit_rules_loops_equals_the_dense_reference(tiny_dir, arm, layout):
+    if layout == "shared" and arm in ("wavefront", "mixed"):
+        pytest.skip("SHARED rejects wavefront and mixed prompt work at start-up")
+    engine = make_engine(tiny_dir, layout=layout, **ARMS[arm], **CHUNKS)
+    scored = SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=1, exit_threshold=0.5,
+        prompt_logprobs_loop="exit",
+    )  # fmt: skip
+    last = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    work = [("a", PROMPTS["a"], scored, 0), ("c", PROMPTS["c"], scored, 1)]
+    work += [("a_last", PROMPTS["a"], last, 1)]  # the same prompt beside it, the default way
+    finished = run_steps(engine, work)
+    rule = ExitRule(1, engine.model.num_loops, 0.5)
+    moved = check_exit_scores(engine, finished["a"], PROMPTS["a"], rule)
+    moved += check_exit_scores(engine, finished["c"], PROMPTS["c"], rule)
+    assert moved > 0  # the rule exits before the last loop somewhere: the scores differ
+    check_against_reference(engine, finished["a_last"], PROMPTS["a"], 1)
+
+
+def test_exit_loop_scores_survive_a_swap_in_the_middle_of_the_prompt(tiny_dir):
+    engine = make_engine(
+        tiny_dir, prefill_mode="per_depth", preemption_mode="swap", swap_space=1 << 20, **CHUNKS
+    )
+    rule = ExitRule(2, engine.model.num_loops, 0.5)  # min_loops 2 changes the picks too
+    scored = SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0, min_loops=2,
+        exit_threshold=0.5, prompt_logprobs_loop="exit",
+    )  # fmt: skip
+    engine.add_request("a", PROMPTS["a"], scored)
+    engine.step()
+    engine.step()  # the first chunk is between depths: its loop outputs are in flight
+    assert engine.runner.inflight.handles_of("a")
+    engine.scheduler.preempt("a")
+    assert engine.scheduler.memory_stats.num_preemptions_swap == 1
+    finished = run_steps(engine, [])
+    assert check_exit_scores(engine, finished["a"], PROMPTS["a"], rule) > 0

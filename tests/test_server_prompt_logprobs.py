@@ -25,7 +25,7 @@ from loopserve.server.api_server import build_app
 approx = partial(pytest.approx, abs=1e-4)
 
 
-def _post_all(tiny_tok_dir, bodies, path="/v1/completions"):
+def _post_all(tiny_tok_dir, bodies, path="/v1/completions", **app_options):
     """Each body posted to `path`, or to its own path given as a (path, body) pair."""
     engine = LLMEngine.from_engine_args(
         model=str(tiny_tok_dir), dtype="float32", num_blocks=64, prefill_chunk_size=8
@@ -35,7 +35,7 @@ def _post_all(tiny_tok_dir, bodies, path="/v1/completions"):
         async_llm = AsyncLLM(engine)
         async_llm.start()
         assert await async_llm.wait_ready(timeout_s=30)
-        transport = httpx.ASGITransport(app=build_app(async_llm, "tiny"))
+        transport = httpx.ASGITransport(app=build_app(async_llm, "tiny", **app_options))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                 posts = [b if isinstance(b, tuple) else (path, b) for b in bodies]
@@ -164,3 +164,67 @@ def test_vllm_prompt_logprobs_field_on_completions_and_chat(tiny_tok_dir):
     for refused in (streamed, too_many):
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_prompt_scored_at_the_exit_rules_loops_through_the_api(tiny_tok_dir):
+    from loopserve.exit import ExitRule
+
+    prompt = [17, 250, 3, 99, 41, 7, 300, 12, 88, 5, 61, 140, 9, 33, 2, 71, 8, 19, 27]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0,
+            "exit_threshold": 0.5, "prompt_logprobs_loop": "exit"}  # fmt: skip
+    engine, (at_exit, at_last, bad) = _post_all(
+        tiny_tok_dir,
+        [body, dict(body, prompt_logprobs_loop="last"), dict(body, prompt_logprobs_loop="first")],
+    )
+    rule = ExitRule(1, engine.model.num_loops, 0.5)
+    for response, expected in (
+        (at_exit, prompt_logprobs(engine.model, prompt, exit_rule=rule)),
+        (at_last, prompt_logprobs(engine.model, prompt)),
+    ):
+        assert response.status_code == 200, response.text
+        got = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert got[0] is None and got[1:] == approx(expected[1:])
+    exit_values = at_exit.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    last_values = at_last.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert exit_values != approx(last_values)  # the threshold moves some positions' loops
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs_loop"
+
+
+def test_request_defaults_let_an_unchanged_client_score_at_the_exit_loops(tiny_tok_dir):
+    from loopserve.exit import ExitRule
+
+    prompt = [17, 250, 3, 99, 41, 7, 300, 12, 88, 5, 61, 140, 9, 33, 2, 71, 8, 19, 27]
+    lm_eval = {"model": "tiny", "prompt": [prompt], "temperature": 0, "max_tokens": 1,
+               "logprobs": 1, "seed": 1234, "echo": True}  # fmt: skip
+    defaults = {"exit_threshold": 0.5, "prompt_logprobs_loop": "exit"}
+    engine, (plain, overridden) = _post_all(
+        tiny_tok_dir,
+        [lm_eval, dict(lm_eval, prompt_logprobs_loop="last")],  # the client's own value wins
+        request_defaults=defaults,
+    )
+    rule = ExitRule(1, engine.model.num_loops, 0.5)
+    at_exit = prompt_logprobs(engine.model, prompt, exit_rule=rule)
+    at_last = prompt_logprobs(engine.model, prompt)
+    got = plain.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert got[1 : len(prompt)] == approx(at_exit[1:]) and at_exit != approx(at_last)
+    got = overridden.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert got[1 : len(prompt)] == approx(at_last[1:])
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"temperature": 0.5}', '{"exit_threshold": 2}', '[1]', "not json",
+     '{"prompt_logprobs_loop": "middle"}'],
+)  # fmt: skip
+def test_bad_request_defaults_are_a_usage_error(text):
+    import argparse
+
+    from loopserve.server.args import add_server_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--request-defaults", text])
+    assert info.value.code == 2
+    good = parser.parse_args(["--request-defaults", '{"exit_threshold": 0.6, "min_loops": 2}'])
+    assert good.request_defaults == {"exit_threshold": 0.6, "min_loops": 2}

@@ -94,8 +94,9 @@ class _DecodeRead:
 
 
 class Coda:
-    """Explicit inputs: the step rules, the exit mode, the (timed) coda function, the
-    per-request samplers, the transfer counter and the in-flight handle table."""
+    """Explicit inputs: the step rules, the exit mode, the (timed) coda and exit-signal
+    functions, the per-request samplers, the transfer counter and the in-flight handle
+    table."""
 
     def __init__(
         self,
@@ -103,6 +104,7 @@ class Coda:
         rules: StepRules,
         exit_mode: ExitMode,
         coda: Callable[[torch.Tensor], torch.Tensor],
+        hazards: Callable[[torch.Tensor], torch.Tensor],
         samplers: dict,
         transfers: Transfers,
         inflight: HandleTable[InFlight],
@@ -110,6 +112,7 @@ class Coda:
         self.rules = rules
         self.exit_mode = exit_mode
         self.coda = coda
+        self.hazards = hazards
         self.samplers = samplers
         self.transfers = transfers
         self.inflight = inflight
@@ -127,7 +130,7 @@ class Coda:
         sampling raised (each fails alone) and the decode rows' results."""
         if not items and decode is not None:
             return self.decode_only(decode)
-        scores = self._score_prompts(items, states)
+        scores = self._score_prompts(items, states, last_outputs)
         coda_rows: list[torch.Tensor] = []
         # Per coda row: (a decode row?, its index), and its request's (spec, generator).
         owners: list[tuple[bool, int]] = []
@@ -147,7 +150,7 @@ class Coda:
                 loops = choose_exit_from_hazards(
                     self.exit_mode, item.exit_rule, hazards[i] or None, item.trace_loops
                 )
-                coda_rows.append(last_outputs[i][loops - 1])
+                coda_rows.append(last_outputs[i][loops - 1][-1:])
                 owners.append((False, i))
                 pairs.append(self.samplers[item.request_id])
                 loops_used[i] = loops
@@ -256,6 +259,34 @@ class Coda:
         for row in np.flatnonzero(token_ids >= 0).tolist():  # host array
             self._record(request_ids[row], int(token_ids[row]))
 
+    def _rows_at_exit_loops(self, items, by_rule: list[int], loop_outputs) -> dict:
+        """Per item with `score_rule`: each scored row's output at the loop the rule picks
+        over that row's exit signals (the CDF threshold within min/max loops, as the first
+        output token's exit is chosen): one exit-signal call over every loop's rows of all
+        such items and one copy of the hazards to the host."""
+        if not by_rule:
+            return {}
+        stacked = {}  # item -> its rows' outputs of every loop [D, n, H]
+        for i in by_rule:
+            outputs = loop_outputs[i]
+            assert len(outputs) == self.rules.num_loops, "scored before every loop ran"
+            stacked[i] = torch.stack([o[: len(items[i].score_ids)] for o in outputs])
+        hidden = torch.cat([s.reshape(-1, s.shape[-1]) for s in stacked.values()])
+        hazards = self.transfers.to_host(self.hazards(hidden).float())
+        picked, at = {}, 0
+        for i, outputs in stacked.items():
+            num_loops, n = outputs.shape[:2]
+            table = np.array(hazards[at : at + num_loops * n]).reshape(num_loops, n)
+            at += num_loops * n
+            rule = items[i].score_rule
+            loops = [
+                choose_exit_from_hazards(ExitMode.OURO, rule, table[:, row].tolist())
+                for row in range(n)
+            ]
+            index = self.transfers.to_device([loop - 1 for loop in loops])
+            picked[i] = outputs[index, torch.arange(n, device=outputs.device)]
+        return picked
+
     def _item_results(self, items, states, hazards, last_outputs, exited, sampled):
         results = []
         for i, item in enumerate(items):
@@ -280,13 +311,18 @@ class Coda:
         logprobs = {row: token for row, token in sampled.logprobs.items() if read.exited[row]}
         return DecodeResults(read.exited, read.hazards, token_ids, logprobs)
 
-    def _score_prompts(self, items, states) -> dict[int, tuple[SampledToken, ...]]:
-        """Prompt logprobs of the items with `score_ids`, from their rows' last-loop output:
-        one coda call over all of them and one copy to the host."""
+    def _score_prompts(self, items, states, loop_outputs) -> dict[int, tuple[SampledToken, ...]]:
+        """Prompt logprobs of the items with `score_ids`, from their rows' last-loop output
+        (or, with `score_rule`, the output of the loop the rule picks per row): one coda call
+        over all of them and one copy to the host."""
         scored = [i for i, item in enumerate(items) if item.score_ids]
         if not scored:
             return {}
-        rows = torch.cat([states[i][: len(items[i].score_ids)] for i in scored])
+        by_rule = [i for i in scored if items[i].score_rule is not None]
+        picked = self._rows_at_exit_loops(items, by_rule, loop_outputs)
+        rows = torch.cat(
+            [picked[i] if i in picked else states[i][: len(items[i].score_ids)] for i in scored]
+        )
         logprobs = torch.log_softmax(self.coda(rows).float(), dim=-1)
         ids = [t for i in scored for t in items[i].score_ids]
         index = self.transfers.to_device(ids)

@@ -104,8 +104,8 @@ class EagerStep:
             if states[i] is None:
                 resumed = self.inflight.resume(item.handle)
                 states[i] = resumed.hidden
-                if item.first_token:  # the last prompt row's earlier depths
-                    hazards[i], last_outputs[i] = resumed.hazards, resumed.last_rows
+                if item.first_token or item.score_rule is not None:  # earlier depths' outputs
+                    hazards[i], last_outputs[i] = resumed.hazards, resumed.loop_outputs
         return states  # type: ignore[return-value]
 
     def _core_call(
@@ -159,7 +159,9 @@ class EagerStep:
         for i in active:
             item = items[i]
             if item.kind is ItemKind.PROMPT:
-                if item.first_token:
+                if item.score_rule is not None:  # every row's output of every loop
+                    last_outputs[i].append(states[i])
+                elif item.first_token:
                     last_outputs[i].append(states[i][-1:])
                 continue
             exited[i] = bool(item.exit_now)  # a replay row's last loop

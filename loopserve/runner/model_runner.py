@@ -137,6 +137,7 @@ class ModelRunner(Executor):
             rules=self.rules,
             exit_mode=self.exit_mode,
             coda=lambda rows: self._timed(model.coda, rows),
+            hazards=lambda rows: self._timed(self.hazard_fn, rows),
             samplers=self.samplers,
             transfers=self.transfers,
             inflight=self.inflight,

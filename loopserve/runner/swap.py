@@ -28,11 +28,12 @@ from loopserve.runner.handles import HandleTable
 @dataclass
 class InFlight:
     """Work paused between steps: hidden [rows, hidden] of its last loop, plus, for the chunk
-    holding the last prompt position, that row's hazards and outputs of every depth so far."""
+    holding the last prompt position, that row's hazards, and the outputs of every depth so
+    far: that row's, or every row's for a chunk scored at its exit loops (`score_rule`)."""
 
     hidden: torch.Tensor
     hazards: list[float] = field(default_factory=list)
-    last_rows: list[torch.Tensor] = field(default_factory=list)
+    loop_outputs: list[torch.Tensor] = field(default_factory=list)
 
 
 class SwapSpace:
@@ -172,7 +173,7 @@ class KVMoves:
             states = {h: self.inflight.resume(h) for h in handles if h in self.inflight}
             self.inflight.release(request_id)
             self.swapped_inflight[request_id] = {
-                h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.last_rows])
+                h: InFlight(s.hidden.cpu(), s.hazards, [r.cpu() for r in s.loop_outputs])
                 for h, s in states.items()
             }
             token = decode.take_state(request_id)
@@ -182,7 +183,7 @@ class KVMoves:
         device = self.kv_cache.device
         for handle, state in self.swapped_inflight.pop(request_id).items():
             hidden = state.hidden.to(device)
-            rows = [r.to(device) for r in state.last_rows]
+            rows = [r.to(device) for r in state.loop_outputs]
             self.inflight.keep(request_id, handle, InFlight(hidden, state.hazards, rows))
         token = self.swapped_decode.pop(request_id, None)
         if token is not None:

@@ -112,12 +112,11 @@ class ItemBuilder:
         # recompute after the first token re-runs the prompt, its logprobs already known).
         score_ids: tuple[int, ...] = ()
         top = request.params.prompt_logprobs
-        if (
-            top is not None
-            and not request.output_token_ids
-            and work.depth + work.num_depths == self.num_loops
-        ):
+        scores = top is not None and not request.output_token_ids
+        if scores and work.depth + work.num_depths == self.num_loops:
             score_ids = tuple(request.prompt_token_ids[chunk.start + 1 : chunk.end + 1])
+        # Scored at the loops the exit rule picks: every depth keeps its outputs.
+        by_rule = scores and request.params.prompt_logprobs_loop == "exit"
         return WorkItem(
             request_id=request.request_id,
             kind=ItemKind.PROMPT,
@@ -136,4 +135,5 @@ class ItemBuilder:
             trace_loops=request.trace_loops(0) if last else None,
             score_ids=score_ids,
             score_top=top or 0,
+            score_rule=request.exit_rule if by_rule else None,
         )

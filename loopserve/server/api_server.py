@@ -80,19 +80,22 @@ def build_app(
     allowed_origins: tuple[str, ...] = (),
     allow_client_priority: bool = False,
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    request_defaults: dict[str, object] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `client` (an `EngineClient`: one engine, or a pool of replicas)
     as `served_model_name`.
 
     Its lifespan starts the engine thread, logs one line once the model is ready and, at
     shutdown, drains the engine within `shutdown_timeout_s`. `allowed_hosts=None` accepts any
-    Host header; `api_key=None` needs no key.
+    Host header; `api_key=None` needs no key; `request_defaults` fill the looped-model fields
+    a request leaves unset (`--request-defaults`).
     """
     ctx = ServingContext(
         client,
         served_model_name,
         allow_client_priority=allow_client_priority,
         default_max_tokens_cap=default_max_tokens,
+        request_defaults=dict(request_defaults or {}),
     )
 
     @contextlib.asynccontextmanager
@@ -263,6 +266,7 @@ def make_server(
         allowed_origins=tuple(args.allowed_origins),
         allow_client_priority=args.allow_client_priority,
         default_max_tokens=args.default_max_tokens,
+        request_defaults=args.request_defaults,
     )
     config = uvicorn.Config(
         app,

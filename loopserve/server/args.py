@@ -4,6 +4,8 @@ imports neither torch nor fastapi."""
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 DEFAULT_MODEL_NAME = "loopserve-default"
@@ -13,6 +15,32 @@ DEFAULT_BODY_DEADLINE_S = 120.0
 DEFAULT_MAX_CONNECTIONS = 1000
 DEFAULT_CHAT_MAX_TOKENS = 1024
 API_KEY_ENV = "LOOPSERVE_API_KEY"
+# Request fields `--request-defaults` may set: the looped-model extensions.
+REQUEST_DEFAULT_FIELDS = ("min_loops", "max_loops", "exit_threshold", "prompt_logprobs_loop")
+
+
+def request_defaults(text: str) -> dict[str, Any]:
+    """`--request-defaults`: a JSON object of looped-model request fields, checked as
+    `SamplingParams` checks them."""
+    from loopserve.errors import InvalidRequestError
+    from loopserve.sampling_params import SamplingParams
+
+    try:
+        defaults = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(defaults, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unknown = sorted(set(defaults) - set(REQUEST_DEFAULT_FIELDS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(REQUEST_DEFAULT_FIELDS)}"
+        )
+    try:
+        SamplingParams(**defaults)
+    except (InvalidRequestError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return defaults
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +93,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CHAT_MAX_TOKENS,
         help="chat completions without max_tokens generate up to this many tokens (less when "
         "the context or KV cache holds less); completions default to 16 as in OpenAI's API",
+    )
+    group.add_argument(
+        "--request-defaults",
+        type=request_defaults,
+        default={},
+        help="JSON object of looped-model fields for requests that do not set them, e.g. "
+        '\'{"exit_threshold": 0.6, "prompt_logprobs_loop": "exit"}\' so that an unchanged '
+        "client (lm-eval) measures a threshold; fields: " + ", ".join(REQUEST_DEFAULT_FIELDS),
     )
     group.add_argument(
         "--header-timeout-s",

@@ -70,6 +70,8 @@ class SamplingRequest(_Request):
     min_tokens: int | None = None  # vLLM's
     # vLLM's: per prompt token, the log-probabilities of it and of the k most likely tokens.
     prompt_logprobs: int | None = None
+    # Looped-model extension: which loop scores a prompt position ("last" or "exit").
+    prompt_logprobs_loop: str | None = None
 
     @field_validator("logit_bias")
     @classmethod

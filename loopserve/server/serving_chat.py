@@ -56,7 +56,7 @@ from loopserve.text.tokenizer import Tokenizer
 async def create_chat_completion(
     ctx: ServingContext, raw_body: bytes, http_request: Request
 ) -> Response:
-    body = parse_body(raw_body, ChatCompletionRequest)
+    body = ctx.with_defaults(parse_body(raw_body, ChatCompletionRequest))
     ctx.check_model(body.model)
     tokenizer = ctx.tokenizer()
     processor = ctx.input_processor()

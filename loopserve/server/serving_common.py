@@ -22,7 +22,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
@@ -86,6 +86,13 @@ class ServingContext:
     served_model_name: str
     allow_client_priority: bool = False
     default_max_tokens_cap: int = DEFAULT_CHAT_MAX_TOKENS
+    # Looped-model fields for requests that leave them unset (`--request-defaults`).
+    request_defaults: dict[str, object] = field(default_factory=dict)
+
+    def with_defaults(self, body: ModelT) -> ModelT:
+        """`body` with `request_defaults` filling the fields it leaves unset."""
+        unset = {k: v for k, v in self.request_defaults.items() if getattr(body, k) is None}
+        return body.model_copy(update=unset) if unset else body
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return default_max_tokens(self.model_info(), num_prompt_tokens, self.default_max_tokens_cap)
@@ -188,6 +195,7 @@ def sampling_params(
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
         "min_tokens": request.min_tokens,
+        "prompt_logprobs_loop": request.prompt_logprobs_loop,
     }
     try:
         params = SamplingParams(

@@ -66,7 +66,7 @@ class _Choice:
 async def create_completion(
     ctx: ServingContext, raw_body: bytes, http_request: Request
 ) -> Response:
-    body = parse_body(raw_body, CompletionRequest)
+    body = ctx.with_defaults(parse_body(raw_body, CompletionRequest))
     ctx.check_model(body.model)
     prompts = _prompt_list(body.prompt)
     response_id = f"cmpl-{uuid.uuid4().hex}"

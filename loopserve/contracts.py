@@ -107,6 +107,9 @@ class WorkItem(NamedTuple):
       has none), with `score_top` alternatives. With `score_rule` (on every depth's item of
       such a chunk), the runner keeps every loop's output of the chunk's rows, and row i is
       scored from the loop `score_rule` picks over that row's exit-gate hazards instead.
+      With `score_cached` > 0 (the first chunk after prefix-cache hits), `score_ids` start at
+      position 0: positions [0, score_cached) are scored from the runner's score store (their
+      last-loop outputs, written when their page was computed), then the item's rows.
 
     A NamedTuple rather than a frozen dataclass: equally immutable and cheaper to build.
     """
@@ -131,6 +134,7 @@ class WorkItem(NamedTuple):
     score_ids: tuple[int, ...] = ()
     score_top: int = 0
     score_rule: ExitRule | None = None
+    score_cached: int = 0
 
     @property
     def last_depth(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import pytest
 
@@ -240,12 +241,18 @@ def test_abort_at_the_first_token_drops_the_kv_and_keeps_the_pair_in_order(
     assert all(len(outputs) == 1 and not outputs[0].finished for outputs in seen)
     for stats in idle:  # every KV block came back, on both sides
         assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
-    mid = _transport_stats(pool, loop)
-    num_sent = mid[PREFILL].num_sent - before[PREFILL].num_sent
-    num_received = mid[DECODE].num_received - before[DECODE].num_received
-    num_discarded = mid[DECODE].num_discarded - before[DECODE].num_discarded
     # Whether each was exported (and sent) before its abort reached the prefill replica is
-    # timing; every one that was sent left the wire, imported (then aborted) or dropped.
+    # timing; every one that was sent leaves the wire, imported (then aborted) or dropped.
+    # A hand-off can still be on the wire when both replicas are idle: wait for it to land.
+    deadline_s = time.monotonic() + 30.0
+    while True:
+        mid = _transport_stats(pool, loop)
+        num_sent = mid[PREFILL].num_sent - before[PREFILL].num_sent
+        num_received = mid[DECODE].num_received - before[DECODE].num_received
+        num_discarded = mid[DECODE].num_discarded - before[DECODE].num_discarded
+        if num_received + num_discarded == num_sent or time.monotonic() > deadline_s:
+            break
+        time.sleep(0.05)
     assert num_received + num_discarded == num_sent
     assert mid[PREFILL].num_pending_sends == 0 and mid[PREFILL].failure is None
     # A later request still pairs up.

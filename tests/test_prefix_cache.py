@@ -91,3 +91,28 @@ def test_lru_eviction_under_pressure_keeps_outputs_exact(tiny_dir):
         ref = reference_for(engine, prompt, p)
         assert cached[request_id] == (ref.token_ids, ref.exit_depths)
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_pages_filled_by_a_copy_are_not_scored_and_scored_matches_stop_there():
+    """Pages published by a request whose blocks came by copy (swap-in, KV import) have no
+    stored last-loop outputs: a scoring lookup stops at the first such page, a plain one
+    does not."""
+    from loopserve.scheduler.kv_cache import KVCacheManager
+    from loopserve.scheduler.prefix_cache import PrefixCache
+
+    kv = KVCacheManager(64, 4, 2, prefix_cache=PrefixCache(4, 2))
+    prompt = list(range(1, 14))  # 3 full pages
+    kv.match_prefix("own", prompt)
+    kv.allocate("own", len(prompt))
+    kv.publish_prompt("own", 8)  # its own prompt calls wrote pages 0 and 1
+    hits = kv.match_prefix("copied", prompt)
+    assert len(hits) == 2
+    kv.allocate("copied", len(prompt), prefix=hits)
+    kv.mark_unscored("copied")
+    kv.publish_prompt("copied", 12)  # page 2 arrives from a copy (pages 0, 1 are cached)
+    assert kv.prefix_cache is not None
+    assert len(kv.prefix_cache.pages) == 3
+    assert [len(kv.match_prefix(r, prompt)) for r in ("a", "b")] == [3, 3]
+    assert len(kv.match_prefix("c", prompt, scored_only=True)) == 2
+    kv.forget("copied")
+    assert "copied" not in kv._unscored

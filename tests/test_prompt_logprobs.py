@@ -70,9 +70,52 @@ def test_prefix_cache_and_recompute_keep_prompt_logprobs_whole(tiny_dir):
     finished = run_steps(engine, [])
     out = finished["x"]
     check_against_reference(engine, out, prompt, 1)
-    # Prompt logprobs need every position's output: no cached pages for this request.
-    assert out.metrics.num_cached_prompt_tokens == 0
+    # The warm request's pages serve 16 positions (the last prompt position always runs);
+    # their scores come from the stored last-loop outputs.
+    assert out.metrics.num_cached_prompt_tokens == 16
     assert engine.scheduler.memory_stats.num_preemptions_recompute == 1
+
+
+def test_multiple_choice_context_is_prefilled_once_for_all_its_choices(tiny_dir):
+    """lm-eval's multiple-choice shape: one context, several continuations, each a scored
+    prompt. The first computes the context; the others reuse its pages (hit counts) and
+    score the cached positions from the stored outputs: values equal the dense reference."""
+    engine = make_engine(tiny_dir, enable_prefix_caching=True, **CHUNKS)
+    context = PROMPTS["a"][:14]  # 3 full pages of 4 positions, and 2 more positions
+    choices = [[61, 140, 9], [5], [33, 2, 71, 8, 19], [300, 12]]
+    scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    first = run_steps(engine, [("q0", context + choices[0], scored, 0)])["q0"]
+    check_against_reference(engine, first, context + choices[0], 1)
+    assert first.metrics.num_cached_prompt_tokens == 0
+    work = [(f"q{i}", context + c, scored, 0) for i, c in enumerate(choices[1:], 1)]
+    finished = run_steps(engine, work)
+    for i, choice in enumerate(choices[1:], 1):
+        out = finished[f"q{i}"]
+        check_against_reference(engine, out, context + choice, 1)
+        assert out.metrics.num_cached_prompt_tokens == 12  # the context's 3 full pages
+    at_exit = SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=1, prompt_logprobs_loop="exit"
+    )
+    exit_out = run_steps(engine, [("e", context + choices[0], at_exit, 0)])["e"]
+    assert exit_out.metrics.num_cached_prompt_tokens == 0  # the store holds last loops only
+
+
+def test_a_request_still_scoring_cached_positions_recomputes_instead_of_swapping(tiny_dir):
+    engine = make_engine(
+        tiny_dir, enable_prefix_caching=True, preemption_mode="swap", swap_space=1 << 20,
+        prefill_mode="per_depth", **CHUNKS,
+    )  # fmt: skip
+    prompt = PROMPTS["a"]
+    run_steps(engine, [("warm", prompt, SamplingParams(max_tokens=1), 0)])
+    scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    engine.add_request("x", prompt, scored)
+    engine.step()  # admitted with 16 cached positions; its first chunk is not at depth 4 yet
+    request = engine.scheduler.requests["x"]
+    assert request.scores_cached_positions
+    engine.scheduler.preempt("x")
+    stats = engine.scheduler.memory_stats
+    assert (stats.num_preemptions_swap, stats.num_preemptions_recompute) == (0, 1)
+    check_against_reference(engine, run_steps(engine, [])["x"], prompt, 1)
 
 
 def test_prompt_logprobs_are_validated(tiny_dir):

@@ -327,11 +327,16 @@ def test_memory_plan_reserves_inflight_hidden_states(tiny_dir):
     rows = max_inflight_rows(engine.config, engine.num_loops)
     assert rows == 4 * (4 * 8 + 4)
     assert engine.inflight_hidden_bytes == rows * engine.model.config.hidden_size * 4
-    per_block = engine.model.config.kv_bytes_per_block(
-        4, engine.model.lm_head.weight.element_size()
-    )
+    element_size = engine.model.lm_head.weight.element_size()
+    hidden = engine.model.config.hidden_size
+    per_block = engine.model.config.kv_bytes_per_block(4, element_size)
+    assert engine.kv.prefix_cache is not None  # with it, the score store: a vector per slot
+    per_block += 4 * hidden * element_size
     expected = (DEFAULT_CPU_KV_BYTES - engine.inflight_hidden_bytes) // per_block
     assert engine.stats.kv_blocks_total == expected
+    assert engine.runner.eager.score_store.shape == (expected * 4, hidden)
+    plain = make_engine(tiny_dir, enable_prefix_caching=False, **ARMS["wavefront"], **BUDGET)
+    assert plain.runner.eager.score_store is None
 
 
 def test_request_id_reuse_starts_from_clean_runner_state(tiny_dir):

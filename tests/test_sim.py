@@ -263,7 +263,15 @@ def test_kv_blocks_come_from_simulated_hbm_left_after_weights():
     shape = sim.shape
     inflight_bytes = 128 * (1 + 4) * shape.hidden_size * 2  # atomic: one row + D last rows
     budget = int((80e9 - shape.total_weight_bytes) * 0.9) - inflight_bytes
-    assert sim.config.cache.num_blocks == budget // (shape.kv_bytes_per_token_per_depth * 16)
+    # Prefix caching is on (LAST_EXITED): each slot also keeps a hidden vector (score store).
+    per_block = (shape.kv_bytes_per_token_per_depth + shape.hidden_size * 2) * 16
+    assert sim.config.cache.num_blocks == budget // per_block
+    plain = Simulator(
+        OURO_1P4B,
+        get_device_profile("h100"),
+        {"max_num_seqs": 128, "enable_prefix_caching": False},
+    )
+    assert plain.config.cache.num_blocks == budget // (shape.kv_bytes_per_token_per_depth * 16)
 
 
 @pytest.mark.parametrize("exit_mode", ["ouro", "ouro_delayed"])

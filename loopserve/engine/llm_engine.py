@@ -26,6 +26,7 @@ from loopserve.config import (
     cuda_kv_budget,
     effective_graph_mode,
     max_inflight_rows,
+    prefix_caching_enabled,
     resolve_dtype,
     resolve_num_blocks,
 )
@@ -85,9 +86,14 @@ class LLMEngine:
         element_size = self.model.lm_head.weight.element_size()
         inflight_rows = max_inflight_rows(config, self.model.num_loops)
         self.inflight_hidden_bytes = inflight_rows * self.model.config.hidden_size * element_size
+        # With prefix caching, the runner's score store keeps one hidden vector per KV slot
+        # (prompt rows' last-loop outputs): sized with the blocks.
+        store_bytes = 0
+        if prefix_caching_enabled(config.cache):
+            store_bytes = config.cache.block_size * self.model.config.hidden_size * element_size
         cache = resolve_num_blocks(
             config.cache,
-            bytes_per_block=bytes_per_block,
+            bytes_per_block=bytes_per_block + store_bytes,
             free_bytes=None,
             reserved_bytes=self.inflight_hidden_bytes,
             budget_bytes=budget,
@@ -112,6 +118,7 @@ class LLMEngine:
                 max_num_seqs=self.config.scheduler.max_num_seqs,
                 batch_invariant=self.config.batch_invariant,
                 cascade_attention=cascade_enabled(self.config),
+                score_store=kv.prefix_cache is not None,
             ),
         )
         self.scheduler = self.core.scheduler

@@ -125,12 +125,13 @@ class Coda:
         last_outputs,
         exited,
         decode: DecodeSignals | None = None,
+        cached_rows: dict[int, torch.Tensor] | None = None,
     ) -> CodaOutput:
         """Coda and sampling of the exiting rows; the items' results, the requests whose
         sampling raised (each fails alone) and the decode rows' results."""
         if not items and decode is not None:
             return self.decode_only(decode)
-        scores = self._score_prompts(items, states, last_outputs)
+        scores = self._score_prompts(items, states, last_outputs, cached_rows or {})
         coda_rows: list[torch.Tensor] = []
         # Per coda row: (a decode row?, its index), and its request's (spec, generator).
         owners: list[tuple[bool, int]] = []
@@ -279,10 +280,8 @@ class Coda:
             table = np.array(hazards[at : at + num_loops * n]).reshape(num_loops, n)
             at += num_loops * n
             rule = items[i].score_rule
-            loops = [
-                choose_exit_from_hazards(ExitMode.OURO, rule, table[:, row].tolist())
-                for row in range(n)
-            ]
+            columns = table.T.tolist()  # host array
+            loops = [choose_exit_from_hazards(ExitMode.OURO, rule, c) for c in columns]
             index = self.transfers.to_device([loop - 1 for loop in loops])
             picked[i] = outputs[index, torch.arange(n, device=outputs.device)]
         return picked
@@ -311,18 +310,25 @@ class Coda:
         logprobs = {row: token for row, token in sampled.logprobs.items() if read.exited[row]}
         return DecodeResults(read.exited, read.hazards, token_ids, logprobs)
 
-    def _score_prompts(self, items, states, loop_outputs) -> dict[int, tuple[SampledToken, ...]]:
+    def _score_prompts(
+        self, items, states, loop_outputs, cached_rows
+    ) -> dict[int, tuple[SampledToken, ...]]:
         """Prompt logprobs of the items with `score_ids`, from their rows' last-loop output
-        (or, with `score_rule`, the output of the loop the rule picks per row): one coda call
-        over all of them and one copy to the host."""
+        (or, with `score_rule`, the output of the loop the rule picks per row), after the
+        stored outputs of the cached positions an item scores first (`score_cached`): one
+        coda call over all of them and one copy to the host."""
         scored = [i for i, item in enumerate(items) if item.score_ids]
         if not scored:
             return {}
         by_rule = [i for i in scored if items[i].score_rule is not None]
         picked = self._rows_at_exit_loops(items, by_rule, loop_outputs)
-        rows = torch.cat(
-            [picked[i] if i in picked else states[i][: len(items[i].score_ids)] for i in scored]
-        )
+        parts = []
+        for i in scored:
+            if i in cached_rows:
+                parts.append(cached_rows[i])
+            own = len(items[i].score_ids) - items[i].score_cached
+            parts.append(picked[i] if i in picked else states[i][:own])
+        rows = torch.cat(parts)
         logprobs = torch.log_softmax(self.coda(rows).float(), dim=-1)
         ids = [t for i in scored for t in items[i].score_ids]
         index = self.transfers.to_device(ids)

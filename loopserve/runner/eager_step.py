@@ -6,10 +6,12 @@ segments and positions, the attention backend's metadata, the core; then for dec
 slot write-back, hazards, device exits and finalize copies (`DecodeStep.after_call`), and for
 items the first token's hazards and replay finalize copies. Prompt and replay work resumes
 from, and is kept under, the runner's in-flight handles (`HandleTable`); the coda
-(`runner/coda.py`) ends the step. `EagerStep` is a collaborator the `ModelRunner` owns, with
-explicit inputs: the model, the timed call wrapper, the (timed) hazard function, the
-attention backend, the decode step, the coda, the transfer helper, the handle table and the
-step rules.
+(`runner/coda.py`) ends the step. With prefix caching, every prompt row's last-loop output
+is written to the score store at its slot of its plane-0 block, so that a later request
+that reuses the page can still score its positions (`WorkItem.score_cached`). `EagerStep`
+is a collaborator the `ModelRunner` owns, with explicit inputs: the model, the timed call
+wrapper, the (timed) hazard function, the attention backend, the decode step, the coda, the
+transfer helper, the handle table, the step rules and the score store.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class EagerStep:
         inflight: HandleTable[InFlight],
         rules: StepRules,
         block_size: int,
+        score_store: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.timed = timed
@@ -61,6 +64,7 @@ class EagerStep:
         self.inflight = inflight
         self.rules = rules
         self.block_size = block_size
+        self.score_store = score_store  # [slots, hidden]: prompt rows' last-loop outputs
         self._num_finalized = 0
 
     def run(self, scheduled: SchedulerOutput, groups) -> EagerResult:
@@ -74,6 +78,7 @@ class EagerStep:
         hazards: list[list[float]] = [[] for _ in items]
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
         states = self._initial_states(items, hazards, last_outputs)
+        cached_rows = self._cached_rows(items, tables)
         exited = [False] * len(items)
         rows_per_call = []
         decode_signals = None
@@ -87,7 +92,8 @@ class EagerStep:
             if decode_k is not None:
                 decode_signals = self.decode.after_call(decode_k, decode_out)
             self._signals(tables, items, active, states, hazards, last_outputs, exited)
-        coda = self.coda(items, states, hazards, last_outputs, exited, decode_signals)
+            self._store_outputs(tables, items, active, k, states)
+        coda = self.coda(items, states, hazards, last_outputs, exited, decode_signals, cached_rows)
         return EagerResult(coda, rows_per_call, self._num_finalized)
 
     def _initial_states(
@@ -107,6 +113,49 @@ class EagerStep:
                 if item.first_token or item.score_rule is not None:  # earlier depths' outputs
                     hazards[i], last_outputs[i] = resumed.hazards, resumed.loop_outputs
         return states  # type: ignore[return-value]
+
+    def _slots(self, table: list[int], start: int, count: int) -> list[int]:
+        size = self.block_size
+        return [table[p // size] * size + p % size for p in range(start, start + count)]
+
+    def _cached_rows(self, items, tables) -> dict[int, torch.Tensor]:
+        """Per item with `score_cached`: the stored last-loop outputs of the cached positions
+        it scores (one copy of all their slots, one gather)."""
+        wanted = [i for i, item in enumerate(items) if item.score_cached]
+        if not wanted:
+            return {}
+        assert self.score_store is not None, "score_cached without a score store"
+        slots = [
+            s
+            for i in wanted
+            for s in self._slots(tables[items[i].request_id][0], 0, items[i].score_cached)
+        ]
+        rows = self.score_store.index_select(0, self.transfers.to_device(slots))
+        return dict(zip(wanted, rows.split([items[i].score_cached for i in wanted])))
+
+    def _store_outputs(self, tables, items, active, k, states) -> None:
+        """Prompt rows that ran their last loop: their outputs into the score store."""
+        if self.score_store is None:
+            return
+        last = self.rules.num_loops - 1
+        done = [
+            i
+            for i in active
+            if items[i].kind is ItemKind.PROMPT
+            and k == items[i].num_depths - 1
+            and items[i].last_depth == last
+        ]
+        if not done:
+            return
+        slots = [
+            s
+            for i in done
+            for s in self._slots(
+                tables[items[i].request_id][0], items[i].token_start, items[i].token_count
+            )
+        ]
+        rows = torch.cat([states[i] for i in done]) if len(done) > 1 else states[done[0]]
+        self.score_store.index_copy_(0, self.transfers.to_device(slots), rows)
 
     def _core_call(
         self, tables, items, active, k, states, decode: DecodeInputs | None, groups

@@ -80,9 +80,12 @@ class ModelRunner(Executor):
         max_num_seqs: int = 1,
         batch_invariant: bool = False,
         cascade_attention: bool = False,
+        score_store: bool = False,
     ) -> None:
         """`graph_mode`: 'off' (eager), 'emulate' or 'capture' (`loopserve.runner.graphs`);
         with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows.
+        `score_store` (with prefix caching): keep every prompt row's last-loop output per KV
+        slot, so requests that reuse a cached page can score its positions.
         `batch_invariant`: run the model it is given row by row, in place
         (`loopserve.runner.batch_invariant`); needs graph_mode 'off'."""
         assert not (batch_invariant and graph_mode != "off"), "graphs pad rows"
@@ -174,6 +177,11 @@ class ModelRunner(Executor):
             inflight=self.inflight,
             rules=self.rules,
             block_size=block_size,
+            score_store=torch.zeros(
+                (num_blocks * block_size, config.hidden_size), dtype=self.dtype, device=self.device
+            )
+            if score_store
+            else None,
         )
         # The graphed step calls the model's functions inside the capture (late-bound, so
         # a replaced function is the one captured).

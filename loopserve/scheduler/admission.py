@@ -97,10 +97,16 @@ class Admission:
             self._start_running(request, positions, hits)
 
     def _prefix_hits(self, request: Request) -> list:
-        """Cached pages the request can reuse: none when it asked for prompt logprobs (every
-        prompt position must run through the coda then; its own pages are still published)."""
-        hits = self.kv.match_prefix(request.request_id, request.prompt_token_ids)
-        return [] if request.params.prompt_logprobs is not None else hits
+        """Cached pages the request can reuse. A request that asked for prompt logprobs
+        scores every prompt position: at the last loop it reuses scored pages only (their
+        positions are scored from the runner's score store); at the exit rule's loops none
+        (the store holds last-loop outputs only; its own pages are still published)."""
+        params = request.params
+        if params.prompt_logprobs is None:
+            return self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+        if params.prompt_logprobs_loop != "last":
+            return []
+        return self.kv.match_prefix(request.request_id, request.prompt_token_ids, scored_only=True)
 
     def _admission_positions(self, request: Request) -> int:
         if self.full_reservation:
@@ -140,6 +146,7 @@ class Admission:
             self.outbox.transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
         elif request.pending_import:
             table = self.kv.allocate(request_id, positions)
+            self.kv.mark_unscored(request_id)  # its K/V arrive by copy
             blocks = self.kv.blocks_per_plane(request.next_position)  # written positions
             moves = tuple(
                 (p * blocks + i, plane[i]) for p, plane in enumerate(table) for i in range(blocks)
@@ -151,6 +158,7 @@ class Admission:
                 # Prompt positions served by cached pages are complete at every plane.
                 cached = len(hits) * self.kv.block_size
                 request.num_prefilled_tokens = request.next_chunk_start = cached
+                request.num_hit_positions = cached
                 stats = self.kv.prefix_cache.stats
                 stats.num_queried_tokens += request.num_prompt_tokens
                 stats.num_hit_tokens += cached
@@ -199,7 +207,13 @@ class Admission:
         """Free (or swap out) the victim's KV and queue it again with its progress."""
         request_id = victim.request_id
         self.queues.running.remove(victim)
-        swap = self.swap_preemption and self.kv.can_swap_out(request_id)
+        # A request still to score prompt positions from cached pages recomputes instead:
+        # the score store rows of those pages do not travel with a swap.
+        swap = (
+            self.swap_preemption
+            and self.kv.can_swap_out(request_id)
+            and not victim.scores_cached_positions
+        )
         if swap:  # its token in flight resumes where it stopped
             self.decode.park(victim)
         self.decode.remove(request_id)

@@ -111,10 +111,16 @@ class ItemBuilder:
         # Prompt logprobs: scored once, by the item that runs the chunk's last loop (a
         # recompute after the first token re-runs the prompt, its logprobs already known).
         score_ids: tuple[int, ...] = ()
+        score_cached = 0
         top = request.params.prompt_logprobs
         scores = top is not None and not request.output_token_ids
         if scores and work.depth + work.num_depths == self.num_loops:
-            score_ids = tuple(request.prompt_token_ids[chunk.start + 1 : chunk.end + 1])
+            # The first chunk after prefix-cache hits also scores the cached positions
+            # before it (from the runner's score store).
+            if chunk.start > 0 and chunk.start == request.num_hit_positions:
+                score_cached = chunk.start
+            start = chunk.start - score_cached
+            score_ids = tuple(request.prompt_token_ids[start + 1 : chunk.end + 1])
         # Scored at the loops the exit rule picks: every depth keeps its outputs.
         by_rule = scores and request.params.prompt_logprobs_loop == "exit"
         return WorkItem(
@@ -136,4 +142,5 @@ class ItemBuilder:
             score_ids=score_ids,
             score_top=top or 0,
             score_rule=request.exit_rule if by_rule else None,
+            score_cached=score_cached,
         )

@@ -97,6 +97,7 @@ class KVCacheManager:
         # how many leading pages of its table are cache entries (hit or published by it).
         self._page_keys: dict[str, list[PageKey]] = {}
         self.num_cached_pages: dict[str, int] = {}
+        self._unscored: set[str] = set()  # requests whose pages are published unscored
         self.num_swapped_out_blocks = 0  # totals, for stats
         self.num_swapped_in_blocks = 0
         self.bytes_per_block = 0  # one block of one plane, when known (stats only)
@@ -195,16 +196,24 @@ class KVCacheManager:
 
     # ---- prefix caching ---------------------------------------------------------------------
 
-    def match_prefix(self, request_id: str, prompt_token_ids: list[int]) -> list[CachedPage]:
+    def match_prefix(
+        self, request_id: str, prompt_token_ids: list[int], *, scored_only: bool = False
+    ) -> list[CachedPage]:
         """Cached pages that can serve the start of this prompt (not yet referenced); the
-        last prompt position is always left to compute."""
+        last prompt position is always left to compute. `scored_only`: pages whose
+        positions' last-loop outputs are in the score store (prompt logprobs)."""
         if self.prefix_cache is None:
             return []
         keys = self._page_keys.get(request_id)
         if keys is None:
             keys = self._page_keys[request_id] = self.prefix_cache.page_keys(prompt_token_ids)
         max_pages = (len(prompt_token_ids) - 1) // self.block_size
-        return self.prefix_cache.match(keys, max_pages)
+        return self.prefix_cache.match(keys, max_pages, scored_only=scored_only)
+
+    def mark_unscored(self, request_id: str) -> None:
+        """The request's blocks were filled by a copy (swap-in, KV import), not by its own
+        prompt calls: the pages it publishes are not scored."""
+        self._unscored.add(request_id)
 
     def admission_blocks(self, num_positions: int, hits: list[CachedPage]) -> int:
         """Free blocks an admission consumes: its new blocks, plus its hits that are
@@ -221,15 +230,17 @@ class KVCacheManager:
         table = self.tables[request_id]
         first = self.num_cached_pages[request_id]
         last = min(len(keys), num_complete_positions // self.block_size)
+        scored = request_id not in self._unscored
         for i in range(first, last):
             blocks = tuple(plane[i] for plane in table)
-            if not self.prefix_cache.publish(*keys[i], blocks):
+            if not self.prefix_cache.publish(*keys[i], blocks, scored=scored):
                 break  # same content cached from another request: this copy stays private
             self.num_cached_pages[request_id] = i + 1
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop its page keys."""
         self._page_keys.pop(request_id, None)
+        self._unscored.discard(request_id)
 
     def blocks_to_grow(self, request_id: str, num_positions: int) -> int:
         have = len(self.tables[request_id][0])
@@ -296,6 +307,7 @@ class KVCacheManager:
         ]
         for hplane in host_table:
             self.host_pool.free(hplane)
+        self.mark_unscored(request_id)
         self.num_swapped_in_blocks += len(moves)
         return moves
 

@@ -16,7 +16,12 @@ Rules:
   always runs through all D loops (the first token's exit needs that row's hazards);
 - reference counts: a page referenced by a running request is never written (its positions
   are behind every writer's frontier) and never evicted; unreferenced pages stay cached and
-  are evicted least recently used first when the pool runs short.
+  are evicted least recently used first when the pool runs short;
+- a page is `scored` when the runner's score store holds its positions' last-loop outputs
+  (every prompt position's, written where the page's plane-0 block lies), so a request
+  that asked for prompt logprobs can reuse it and still score its positions. Pages whose
+  blocks came from a swap-in or a KV import are not (their outputs were never written
+  there); such requests match only up to the first page that is not scored.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class CachedPage:
     tokens: tuple[int, ...]
     blocks: tuple[int, ...]  # one per plane
     ref_count: int = 0
+    scored: bool = True  # the score store holds its positions' last-loop outputs
 
 
 @dataclass
@@ -89,12 +95,17 @@ class PrefixCache:
             for i, (key, parent) in enumerate(zip(hashes, parents))
         ]
 
-    def match(self, keys: list[PageKey], max_pages: int) -> list[CachedPage]:
-        """The longest run of cached pages at the start of `keys` (not yet referenced)."""
+    def match(
+        self, keys: list[PageKey], max_pages: int, *, scored_only: bool = False
+    ) -> list[CachedPage]:
+        """The longest run of cached pages at the start of `keys` (not yet referenced);
+        with `scored_only`, of scored pages."""
         hits = []
         for key, parent, tokens in keys[:max_pages]:
             page = self.pages.get(key)
             if page is None or page.parent != parent or page.tokens != tokens:
+                break
+            if scored_only and not page.scored:
                 break
             hits.append(page)
         return hits
@@ -116,13 +127,19 @@ class PrefixCache:
             self.evictable[page.key] = page  # most recently used last
 
     def publish(
-        self, key: bytes, parent: bytes, tokens: tuple[int, ...], blocks: tuple[int, ...]
+        self,
+        key: bytes,
+        parent: bytes,
+        tokens: tuple[int, ...],
+        blocks: tuple[int, ...],
+        *,
+        scored: bool = True,
     ) -> bool:
         """Make a request's complete page shareable (it keeps one reference); False when the
         same content is already cached (the request's copy stays private)."""
         if key in self.pages:
             return False
-        page = CachedPage(key, parent, tokens, blocks, ref_count=1)
+        page = CachedPage(key, parent, tokens, blocks, ref_count=1, scored=scored)
         self.pages[key] = page
         self.page_of_block[blocks[0]] = page
         self.stats.num_published_pages += 1

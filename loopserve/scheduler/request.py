@@ -133,7 +133,17 @@ class Request:
         self.announced = False
         self.replay: ReplayState | None = None
         self.num_cached_prompt_tokens = 0  # prompt positions served by the prefix cache
+        self.num_hit_positions = 0  # of them at the latest admission (scored from the store)
         self.times = RequestTimes(arrival_s=time.monotonic() if arrival_s is None else arrival_s)
+
+    @property
+    def scores_cached_positions(self) -> bool:
+        """Asked for prompt logprobs and still to score the positions its latest admission
+        took from the prefix cache (they are scored from the runner's score store)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_hit_positions
+        )
 
     def transition(self, new_state: RequestState) -> None:
         if new_state not in ALLOWED_TRANSITIONS[self.state]:

@@ -27,6 +27,7 @@ from loopserve.config import (
     EngineConfig,
     cascade_enabled,
     max_inflight_rows,
+    prefix_caching_enabled,
     resolve_num_blocks,
 )
 from loopserve.contracts import RunnerOutput, SchedulerOutput
@@ -61,12 +62,17 @@ def resolve_sim_config(
     config: EngineConfig, shape: ModelShape, device: DeviceProfile
 ) -> EngineConfig:
     """Fix `num_blocks` from the simulated HBM left after the weights, minus the in-flight
-    hidden states the runner may hold (the same memory plan as `LLMEngine`)."""
+    hidden states the runner may hold, and the score store with prefix caching (the same
+    memory plan as `LLMEngine`)."""
     free_bytes = max(0, device.hbm_bytes - shape.total_weight_bytes)
     inflight_rows = max_inflight_rows(config, shape.num_loops)
+    block_size = config.cache.block_size
+    # With prefix caching the runner's score store keeps a hidden vector per KV slot.
+    store = block_size * shape.hidden_size * shape.dtype_bytes
     cache = resolve_num_blocks(
         config.cache,
-        bytes_per_block=kv_bytes_per_block(shape, config.cache.block_size),
+        bytes_per_block=kv_bytes_per_block(shape, block_size)
+        + (store if prefix_caching_enabled(config.cache) else 0),
         free_bytes=free_bytes,
         reserved_bytes=inflight_rows * shape.hidden_size * shape.dtype_bytes,
     )

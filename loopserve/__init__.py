@@ -1,7 +1,7 @@
 """loopserve: an inference and serving engine for looped language models."""
 
 from loopserve.errors import CapacityError, ConfigError, InvalidRequestError, ModelLoadError
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingParams, StructuredOutput
 
 
 def __getattr__(name: str):
@@ -32,5 +32,6 @@ __all__ = [
     "ModelLoadError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
     "__version__",
 ]

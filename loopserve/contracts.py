@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from loopserve.exit import ExitRule
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingParams, StructuredOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,7 @@ class SampleSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    structured: StructuredOutput | None = None  # the output's grammar (a logits mask)
 
     @classmethod
     def of(cls, params: SamplingParams, stop_token_ids: Iterable[int] = ()) -> SampleSpec:
@@ -51,6 +52,7 @@ class SampleSpec:
             params.logit_bias,
             params.min_tokens,
             tuple(sorted(stop_token_ids)) if params.min_tokens else (),
+            params.structured_output,
         )
 
     @property
@@ -61,6 +63,7 @@ class SampleSpec:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or self.min_tokens > 0
+            or self.structured is not None
         )
 
     @property

@@ -15,7 +15,7 @@ Semantics (docs/architecture.md: depths, exit rules, KV layouts):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -25,9 +25,9 @@ from loopserve.errors import InvalidRequestError
 from loopserve.exit import ExitMode, ExitRule, TokenExit, choose_exit_from_hazards
 from loopserve.models.attention import DenseAttention, DenseKV
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
-from loopserve.runner.sampler import TokenHistory, make_generator, sample_rows
+from loopserve.runner.sampler import Matcher, TokenHistory, make_generator, sample_rows
 from loopserve.runner.transfers import Transfers
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingParams, StructuredOutput
 
 LAYOUTS = ("last_exited", "shared")
 
@@ -54,7 +54,10 @@ def generate(
     exit_mode: str = "ouro",
     lookahead_seed: int = 0,
     eos_token_ids: Sequence[int] | None = None,
+    make_matcher: Callable[[StructuredOutput], Matcher] | None = None,
 ) -> ReferenceOutput:
+    """One request, densely. `make_matcher`: the grammar matchers of structured output (the
+    tokenizer's `StructuredOutputs.matcher`), needed when `params` has one."""
     if layout not in LAYOUTS:
         raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mode = ExitMode(exit_mode)
@@ -88,7 +91,14 @@ def generate(
     history = None
     if spec.adjusts_logits:
         vocab_size = model.config.vocab_size
-        history = TokenHistory(spec, vocab_size, Transfers(device), prompt_token_ids=prompt)
+        matcher = None
+        if spec.structured is not None:
+            if make_matcher is None:
+                raise InvalidRequestError("structured output needs make_matcher")
+            matcher = make_matcher(spec.structured)
+        history = TokenHistory(
+            spec, vocab_size, Transfers(device), prompt_token_ids=prompt, matcher=matcher
+        )
 
     def emit(exit_hidden: torch.Tensor, loops_used: int) -> bool:
         logits = model.coda(exit_hidden)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -14,6 +15,45 @@ SEED_MAX = 2**64 - 1
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 PROMPT_LOGPROBS_LOOPS = ("last", "exit")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output (needs the `structured` extra, llguidance): exactly
+    one of a JSON schema (`json_schema`, a dict or its JSON text; `{"type": "object"}` is any
+    JSON object), a regular expression the whole output matches (`regex`), or a list of
+    strings the output is one of (`choice`)."""
+
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        def bad(why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"structured output {why}", param="response_format")
+
+        if sum(value is not None for value in (self.json_schema, self.regex, self.choice)) != 1:
+            raise bad("needs exactly one of json_schema, regex, choice")
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise bad("json_schema must be a JSON object or its text")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise bad("regex must be a string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                raise bad("choice must be a list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice:
+                raise bad("choice must not be empty")
+
+    @property
+    def kind(self) -> str:
+        if self.json_schema is not None:
+            return "JSON schema"
+        return "regex" if self.regex is not None else "choice"
 
 
 @dataclass(frozen=True)
@@ -65,6 +105,8 @@ class SamplingParams:
     # loop this request's exit rule picks for that position (the CDF threshold over the
     # exit gate, within min/max loops; what `loopserve eval` measures).
     prompt_logprobs_loop: str = "last"
+    # Constrain the output to a JSON schema, a regex or a list of choices (`StructuredOutput`).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -147,6 +189,10 @@ class SamplingParams:
             raise bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})]")
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise bad("structured_output", "must be a StructuredOutput")
 
     def resolve_loops(self, num_loops: int) -> SamplingParams:
         """Bind `max_loops` to the model depth and check both bounds against it."""

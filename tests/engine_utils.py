@@ -83,6 +83,7 @@ def reference_for(engine: LLMEngine, prompt, params):
         exit_mode=config.exit.mode,
         lookahead_seed=config.exit.lookahead_seed,
         eos_token_ids=sorted(engine.eos_token_ids),
+        make_matcher=None if engine.structured is None else engine.structured.matcher,
     )
 
 

@@ -15,6 +15,7 @@ GROUPS = {
     "ray": (("ray",), "dev or ray"),
     "hypothesis": (("hypothesis",), "dev"),
     "openai": (("openai",), "dev"),
+    "structured": (("llguidance",), "dev or structured"),
 }
 
 

@@ -44,6 +44,7 @@ from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request, RequestStatus
 from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
 from loopserve.text.output_processor import OutputProcessor
+from loopserve.text.structured import StructuredOutputs
 from loopserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,9 @@ class LLMEngine:
         )
         self.config = dataclasses.replace(config, cache=cache)
         self.num_loops = self.model.num_loops
+        self.structured = None  # structured-output checks and matchers (needs a tokenizer)
+        if self.tokenizer is not None:
+            self.structured = StructuredOutputs(self.tokenizer, self.model.config.vocab_size)
         self.core = build_engine_core(
             self.config,
             num_loops=self.num_loops,
@@ -119,6 +123,7 @@ class LLMEngine:
                 batch_invariant=self.config.batch_invariant,
                 cascade_attention=cascade_enabled(self.config),
                 score_store=kv.prefix_cache is not None,
+                make_matcher=None if self.structured is None else self.structured.matcher,
             ),
         )
         self.scheduler = self.core.scheduler
@@ -132,6 +137,7 @@ class LLMEngine:
             self.tokenizer,
             vocab_size=self.model.config.vocab_size,
             max_model_len=self.max_model_len,
+            structured=self.structured,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._tracked: dict[str, Request] = {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from loopserve.contracts import (
     SampleSpec,
     SchedulerOutput,
 )
+from loopserve.errors import InvalidRequestError
 from loopserve.execution import Executor, StepRules, run_without_failed
 from loopserve.exit import ExitMode
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
@@ -48,6 +50,7 @@ from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import (
+    Matcher,
     TokenHistory,
     generator_state,
     is_greedy,
@@ -56,6 +59,7 @@ from loopserve.runner.sampler import (
 )
 from loopserve.runner.swap import InFlight, KVMoves
 from loopserve.runner.transfers import Transfers
+from loopserve.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
 # A request's sampling state: its spec, generator (None when greedy) and logits-adjustment
@@ -81,11 +85,13 @@ class ModelRunner(Executor):
         batch_invariant: bool = False,
         cascade_attention: bool = False,
         score_store: bool = False,
+        make_matcher: Callable[[StructuredOutput], Matcher] | None = None,
     ) -> None:
         """`graph_mode`: 'off' (eager), 'emulate' or 'capture' (`loopserve.runner.graphs`);
         with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows.
         `score_store` (with prefix caching): keep every prompt row's last-loop output per KV
-        slot, so requests that reuse a cached page can score its positions.
+        slot, so requests that reuse a cached page can score its positions. `make_matcher`:
+        a fresh grammar matcher for a request with structured output (the tokenizer's).
         `batch_invariant`: run the model it is given row by row, in place
         (`loopserve.runner.batch_invariant`); needs graph_mode 'off'."""
         assert not (batch_invariant and graph_mode != "off"), "graphs pad rows"
@@ -117,6 +123,7 @@ class ModelRunner(Executor):
         if batch_invariant:
             self.hazard_fn = row_by_row(self.hazard_fn)
         self.samplers: dict[str, Sampler] = {}
+        self.make_matcher = make_matcher
         self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
@@ -234,12 +241,18 @@ class ModelRunner(Executor):
             restore_generator(generator, staged[1])
         history = None
         if new.sample_spec.adjusts_logits:
+            matcher = None
+            if new.sample_spec.structured is not None:
+                if self.make_matcher is None:
+                    raise InvalidRequestError("structured output needs the model's tokenizer")
+                matcher = self.make_matcher(new.sample_spec.structured)
             history = TokenHistory(
                 new.sample_spec,
                 self.model.config.vocab_size,
                 self.transfers,
                 prompt_token_ids=new.prompt_token_ids,
                 output_token_ids=new.output_token_ids,
+                matcher=matcher,
             )
         return new.sample_spec, generator, history
 

@@ -10,14 +10,18 @@ Logits adjustments (`SampleSpec.adjusts_logits`; vLLM's semantics and order): a 
 `TokenHistory` holds, on the device, what they read: its logit bias as a dense [vocab]
 vector, its stop tokens (for `min_tokens`), the tokens of its prompt (a mask, for the
 repetition penalty) and the counts of its output tokens, which the caller updates with
-`record` as each token becomes final. Rows without adjustments pay nothing.
+`record` as each token becomes final. Rows without adjustments pay nothing. A request with
+structured output also holds its grammar matcher (`loopserve.text.structured`, on the host):
+the logits of tokens the grammar does not allow next are set to -inf (the mask reaches the
+device once per token), and the matcher consumes each final token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from loopserve.contracts import SampledToken, SampleSpec
@@ -66,6 +70,13 @@ def _filtered_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     return torch.softmax(scaled, dim=-1)
 
 
+class Matcher(Protocol):
+    """A request's grammar state (`loopserve.text.structured.GrammarMatcher`)."""
+
+    def allowed(self) -> np.ndarray: ...  # bool [vocab]: the tokens allowed next
+    def consume(self, token_id: int) -> None: ...
+
+
 class TokenHistory:
     """One request's state for its logits adjustments (see the module docstring)."""
 
@@ -77,10 +88,17 @@ class TokenHistory:
         *,
         prompt_token_ids: Sequence[int] = (),
         output_token_ids: Sequence[int] = (),
+        matcher: Matcher | None = None,
     ) -> None:
-        """Built once per request; its host values reach the device through `transfers`."""
+        """Built once per request; its host values reach the device through `transfers`.
+        `matcher`: the grammar of a request with structured output, at its start."""
         device = transfers.device
         send = transfers.to_device
+        self.transfers = transfers
+        self.matcher = matcher
+        self._allowed: torch.Tensor | None = None  # the matcher's mask on the device
+        for token_id in output_token_ids if matcher is not None else ():
+            matcher.consume(token_id)  # a handed-off request: the outputs it already has
         self.num_output = len(output_token_ids)
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         if output_token_ids:
@@ -103,9 +121,17 @@ class TokenHistory:
         """A token of this request became final (sampled and kept)."""
         self.counts[token_id] += 1
         self.num_output += 1
+        if self.matcher is not None:
+            self.matcher.consume(token_id)
+            self._allowed = None
 
     def adjust(self, logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         """logits [vocab] float32 -> the adjusted logits (a new tensor)."""
+        if self.matcher is not None:
+            if self._allowed is None:
+                mask = self.matcher.allowed().view(np.uint8)
+                self._allowed = self.transfers.to_device(mask, torch.uint8).bool()
+            logits = logits.masked_fill(~self._allowed, float("-inf"))
         if self.bias is not None:
             logits = logits + self.bias
         if self.stop_ids is not None and self.num_output < spec.min_tokens:
@@ -152,7 +178,12 @@ def sample_on_device(
     if histories is not None:
         for row, history in enumerate(histories):
             if history is not None:
-                logits[row] = history.adjust(logits[row], specs[row])
+                try:
+                    logits[row] = history.adjust(logits[row], specs[row])
+                except RuntimeError as err:  # a grammar in its error state
+                    if failures is None:
+                        raise
+                    failures[row] = f"{type(err).__name__}: {err}"
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
     for row, spec in enumerate(specs):
         if is_greedy(spec):

@@ -7,15 +7,17 @@ and vLLM's `repetition_penalty` and `min_tokens` have vLLM's semantics (`Samplin
 `stream_options.continuous_usage_stats` (vLLM's, sent by guidellm and `vllm bench serve`)
 puts the usage so far in every streamed chunk. Looped-model extensions (`min_loops`,
 `max_loops`, `exit_threshold`) and vLLM-style extras (`top_k`, `ignore_eos`,
-`stop_token_ids`, `return_token_ids`) are ordinary optional fields. Numeric ranges are checked
-once, by `SamplingParams`, not here. Responses add `exit_depths` (loops used per output token)
+`stop_token_ids`, `return_token_ids`) are ordinary optional fields. Structured output:
+OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's `guided_json`,
+`guided_regex`, `guided_choice`. Numeric ranges are checked once, by `SamplingParams`, not
+here. Responses add `exit_depths` (loops used per output token)
 to every choice.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,6 +27,9 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from loopserve.errors import InvalidRequestError
+from loopserve.sampling_params import StructuredOutput
 
 MAX_N = 64
 
@@ -37,6 +42,29 @@ class StreamOptions(_Request):
     include_usage: bool = False
     # vLLM's extension, sent by default by guidellm: usage (tokens so far) in every chunk.
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" (JSON that follows `json_schema.schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with, and only with, type "json_schema"')
+        return self
 
 
 class SamplingRequest(_Request):
@@ -72,6 +100,42 @@ class SamplingRequest(_Request):
     prompt_logprobs: int | None = None
     # Looped-model extension: which loop scores a prompt position ("last" or "exit").
     prompt_logprobs_loop: str | None = None
+    # Structured output: OpenAI's `response_format`, or vLLM's `guided_json`,
+    # `guided_regex`, `guided_choice` (one of them).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint the request asks for (None: none); more than one is a 400
+        (`InvalidRequestError` from `StructuredOutput`)."""
+        kinds: dict[str, object] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            kinds["json_schema"] = {"type": "object"}
+        elif fmt is not None and fmt.json_schema is not None:
+            kinds["json_schema"] = fmt.json_schema.schema_ or {"type": "object"}
+        for name, value in (
+            ("json_schema", self.guided_json),
+            ("regex", self.guided_regex),
+            ("choice", self.guided_choice),
+        ):
+            if value is not None:
+                if name in kinds:
+                    raise InvalidRequestError(
+                        "give one of response_format, guided_json, guided_regex, guided_choice",
+                        param="response_format",
+                    )
+                kinds[name] = value
+        if not kinds:
+            return None
+        if len(kinds) > 1:
+            raise InvalidRequestError(
+                "give one of response_format, guided_json, guided_regex, guided_choice",
+                param="response_format",
+            )
+        return StructuredOutput(**kinds)  # type: ignore[arg-type]
 
     @field_validator("logit_bias")
     @classmethod

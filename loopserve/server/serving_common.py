@@ -198,6 +198,7 @@ def sampling_params(
         "prompt_logprobs_loop": request.prompt_logprobs_loop,
     }
     try:
+        fields["structured_output"] = request.structured_output()
         params = SamplingParams(
             **{name: value for name, value in fields.items() if value is not None},
             max_loops=request.max_loops,

@@ -23,6 +23,7 @@ from typing import Any
 
 from loopserve.errors import CapacityError, InvalidRequestError
 from loopserve.sampling_params import SamplingParams
+from loopserve.text.structured import StructuredOutputs
 from loopserve.text.tokenizer import Tokenizer
 
 # At most this many stop strings per request, with at most this many characters in all. Each
@@ -43,8 +44,16 @@ class ProcessedPrompt:
 class InputProcessor:
     """Validates and tokenizes prompts for one model; see the module docstring."""
 
-    def __init__(self, tokenizer: Tokenizer | None, *, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.structured = structured  # checks structured-output constraints (a tokenizer's)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         max_token_chars = tokenizer.max_token_chars if tokenizer is not None else 1
@@ -97,8 +106,15 @@ class InputProcessor:
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         """Prompt + `max_tokens` must fit the context; stop strings within their limits;
-        `logit_bias` names tokens of the vocabulary."""
+        `logit_bias` names tokens of the vocabulary; a structured-output constraint compiles."""
         check_stop_strings(params.stop)
+        if params.structured_output is not None:
+            if self.structured is None:
+                raise InvalidRequestError(
+                    "structured output needs the model's tokenizer; this model has none",
+                    param="response_format",
+                )
+            self.structured.check(params.structured_output)
         outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
         if outside:
             raise InvalidRequestError(

@@ -183,10 +183,14 @@ class Tokenizer:
                 token_ids += self._encode_plain(contents[int(piece)])
         return text, token_ids
 
+    def backend_json(self) -> str:
+        """The `tokenizers` backend as its JSON (what other libraries load it from)."""
+        return self._backend.to_str()
+
     def _encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` with special-token text taken as plain text."""
         if self._plain_backend is None:
-            plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            plain = tokenizers.Tokenizer.from_str(self.backend_json())
             plain.encode_special_tokens = True
             self._plain_backend = plain
         return self._plain_backend.encode(text, add_special_tokens=False).ids if text else []

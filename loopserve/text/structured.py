@@ -1,0 +1,127 @@
+"""Structured output: a request's output constrained to a JSON schema, a regular expression or
+a list of choices, with llguidance (the optional `structured` extra).
+
+llguidance (used by vLLM, SGLang and llama.cpp; a Rust library with CPU wheels and no torch
+dependency) compiles the constraint into a grammar, and a per-request matcher gives, before
+each sampled token, the set of tokens that keep the output inside the grammar (a bit mask
+over the vocabulary; when the output is complete, only the end tokens). The runner masks the
+logits with it (`TokenHistory`) and the matcher consumes each token once it is final (never
+a decode candidate that does not exit). This module is torch-free: the mask is a numpy array.
+
+`StructuredOutputs` belongs to a model's tokenizer: it checks a request's constraint when the
+request arrives (an invalid schema or regex is a 400 naming `response_format`) and makes the
+matchers the runner asks for.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from loopserve.errors import InvalidRequestError
+from loopserve.sampling_params import StructuredOutput
+from loopserve.text.tokenizer import Tokenizer
+
+INSTALL_HINT = "structured output needs llguidance: pip install 'loopserve[structured]'"
+PARAM = "response_format"
+
+
+# JSON is written as `json.dumps` writes it (", " between items, ": " after keys, no other
+# whitespace): a schema's output is then one text per value, and a small model cannot loop
+# on whitespace (with any whitespace allowed, the demo model writes newlines until
+# max_tokens). A schema may still ask for other settings in its "x-guidance" key.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
+def grammar_of(constraint: StructuredOutput) -> str:
+    """The llguidance grammar of a constraint (no tokenizer needed; checked by `check`)."""
+    llguidance = _llguidance()
+    if constraint.json_schema is not None:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            constraint.json_schema, defaults=JSON_OPTIONS
+        )
+    if constraint.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
+    assert constraint.choice is not None
+    alternatives = " | ".join(json.dumps(choice) for choice in constraint.choice)
+    return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: the tokens allowed next (cached until the next
+    token is consumed) and the tokens consumed so far."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._allowed: np.ndarray | None = None
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab_size]: the tokens that keep the output inside the grammar. Raises
+        `RuntimeError` if the matcher is in an error state (no token is allowed then)."""
+        if self._allowed is None:
+            if self._matcher.is_error():
+                raise RuntimeError(f"structured output: {self._matcher.get_error()}")
+            bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+            self._allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        return self._allowed
+
+    def consume(self, token_id: int) -> None:
+        """A token became final. One the grammar does not allow (a stop token the request
+        asked for, say) puts the matcher in its error state, reported by `allowed`."""
+        self._matcher.consume_token(token_id)
+        self._allowed = None
+
+    @property
+    def is_accepting(self) -> bool:
+        return bool(self._matcher.is_accepting())
+
+
+class StructuredOutputs:
+    """Constraint checks and matchers for one tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._lltokenizer: Any = None  # built on first use (needs llguidance)
+
+    def _tokenizer(self) -> Any:
+        if self._lltokenizer is None:
+            llguidance = _llguidance()
+            end_ids = (*self.tokenizer.eos_token_ids, *self.tokenizer.end_of_turn_token_ids)
+            self._lltokenizer = llguidance.LLTokenizer(
+                self.tokenizer.backend_json(),
+                n_vocab=self.vocab_size,
+                eos_token=list(dict.fromkeys(end_ids)),
+            )
+        return self._lltokenizer
+
+    def check(self, constraint: StructuredOutput) -> None:
+        """Raise `InvalidRequestError` (param `response_format`) unless the constraint
+        compiles for this tokenizer."""
+        llguidance = _llguidance()
+        try:
+            grammar = grammar_of(constraint)
+        except ValueError as err:  # not valid JSON
+            raise InvalidRequestError(f"invalid JSON schema: {err}", param=PARAM) from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
+        if error:
+            raise InvalidRequestError(f"invalid {constraint.kind}: {error}", param=PARAM)
+
+    def matcher(self, constraint: StructuredOutput) -> GrammarMatcher:
+        """A fresh matcher at the start of the output."""
+        llguidance = _llguidance()
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_of(constraint), log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"invalid {constraint.kind}: {matcher.get_error()}", PARAM)
+        return GrammarMatcher(matcher, self.vocab_size)
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise InvalidRequestError(INSTALL_HINT, param=PARAM) from None
+    return llguidance

@@ -1,0 +1,111 @@
+"""Structured output through the API: OpenAI's `response_format` (json_object, json_schema)
+on chat and completions, vLLM's guided_json / guided_regex / guided_choice, and 400s for a
+schema that does not compile or for two constraints at once."""
+
+from __future__ import annotations
+
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
+import asyncio
+import json
+import re
+
+from tests.optional import require
+
+require("serve", "structured")
+import httpx
+
+from loopserve.engine.async_llm import AsyncLLM
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.server.api_server import build_app
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
+
+
+def _post_all(tiny_tok_dir, posts):
+    engine = LLMEngine.from_engine_args(model=str(tiny_tok_dir), dtype="float32", num_blocks=64)
+
+    async def main():
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        assert await async_llm.wait_ready(timeout_s=30)
+        transport = httpx.ASGITransport(app=build_app(async_llm, "tiny"))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                return await asyncio.gather(
+                    *(client.post(path, json=body, timeout=60) for path, body in posts)
+                )
+        finally:
+            await async_llm.shutdown(1.0)
+
+    return asyncio.run(main())
+
+
+def test_response_format_and_guided_fields_constrain_the_output(tiny_tok_dir):
+    schema_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA}}
+    chat = {"model": "tiny", "messages": MESSAGES, "max_tokens": 40, "temperature": 0.8,
+            "seed": 3, "response_format": schema_format}  # fmt: skip
+    completion = {"model": "tiny", "prompt": "Verdict:", "max_tokens": 40, "temperature": 0,
+                  "response_format": schema_format}  # fmt: skip
+    any_object = dict(chat, response_format={"type": "json_object"}, max_tokens=60)
+    text_format = dict(chat, response_format={"type": "text"}, max_tokens=8)
+    choice = {"model": "tiny", "prompt": "Colour:", "max_tokens": 8,
+              "guided_choice": ["red", "green", "blue"]}  # fmt: skip
+    regex = {"model": "tiny", "prompt": "Code:", "max_tokens": 12, "temperature": 0.9,
+             "seed": 5, "guided_regex": "[0-9]{3}-[a-f]{2}"}  # fmt: skip
+    guided_json = dict(completion, response_format=None, guided_json=SCHEMA)
+    responses = _post_all(
+        tiny_tok_dir,
+        [
+            ("/v1/chat/completions", chat),
+            ("/v1/completions", completion),
+            ("/v1/chat/completions", any_object),
+            ("/v1/chat/completions", text_format),
+            ("/v1/completions", choice),
+            ("/v1/completions", regex),
+            ("/v1/completions", guided_json),
+        ],
+    )
+    assert [r.status_code for r in responses] == [200] * 7, [r.text for r in responses]
+    chat_text = responses[0].json()["choices"][0]["message"]["content"]
+    completion_text = responses[1].json()["choices"][0]["text"]
+    for text in (chat_text, completion_text, responses[6].json()["choices"][0]["text"]):
+        value = json.loads(text)
+        assert set(value) == {"answer", "score"} and value["answer"] in ("yes", "no")
+    obj = responses[2].json()["choices"][0]
+    if obj["finish_reason"] == "stop":
+        assert isinstance(json.loads(obj["message"]["content"]), dict)
+    else:
+        assert obj["message"]["content"].startswith("{")
+    assert responses[4].json()["choices"][0]["text"] in ("red", "green", "blue")
+    assert re.fullmatch("[0-9]{3}-[a-f]{2}", responses[5].json()["choices"][0]["text"])
+
+
+def test_constraints_that_cannot_apply_are_400s(tiny_tok_dir):
+    bad_schema = {"type": "json_schema",
+                  "json_schema": {"name": "x", "schema": {"type": "object",
+                                                          "properties": {"a": {"type": "nope"}}}}}  # fmt: skip
+    base = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+    responses = _post_all(
+        tiny_tok_dir,
+        [
+            ("/v1/chat/completions", dict(base, response_format=bad_schema)),
+            ("/v1/chat/completions", dict(base, guided_regex="(ab")),
+            ("/v1/chat/completions",
+             dict(base, response_format={"type": "json_object"}, guided_choice=["a"])),
+            ("/v1/chat/completions", dict(base, response_format={"type": "json_schema"})),
+            ("/v1/chat/completions", dict(base, response_format={"type": "xml"})),
+        ],
+    )  # fmt: skip
+    assert [r.status_code for r in responses] == [400] * 5, [r.text for r in responses]
+    for response in responses[:4]:
+        assert response.json()["error"]["param"] == "response_format", response.text
+    assert "nope" in responses[0].json()["error"]["message"]

@@ -17,16 +17,8 @@ import httpx
 from loopserve.engine.async_llm import AsyncLLM
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.server.api_server import build_app
+from tests.test_structured_output import SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "answer": {"type": "string", "enum": ["yes", "no"]},
-        "score": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["answer", "score"],
-    "additionalProperties": False,
-}
 MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
 
 

@@ -65,8 +65,10 @@ def check_tokens_allowed(engine, constraint, token_ids) -> bool:
         {},
         {"prefill_mode": "wavefront", "mixed_prefill_decode": True},
         {"mode": "no_refill"},
+        {"graph_mode": "emulate", "max_num_seqs": 8},
+        {"preemption_mode": "recompute", "num_blocks": 40},
     ],
-    ids=["refill", "wavefront_mixed", "no_refill"],
+    ids=["refill", "wavefront_mixed", "no_refill", "graphs", "preemption"],
 )
 def test_constrained_outputs_follow_the_grammar_and_equal_the_reference(tiny_tok_dir, name, arm):
     engine = make_engine(tiny_tok_dir, **arm)
@@ -94,6 +96,8 @@ def test_constrained_outputs_follow_the_grammar_and_equal_the_reference(tiny_tok
         if out.finish_reason == "stop":
             assert accepting and whole_match(constraint, text), text
     assert min(depths) < 4 == max(depths)  # early exits happened beside full-depth tokens
+    if "num_blocks" in arm and name != "choice":  # a tight pool (choices are too short
+        assert engine.scheduler.memory_stats.num_preemptions > 0  # to fill it): recomputed
     assert sum(finished[f"r{i}"].finish_reason == "stop" for i in range(3)) >= 2
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
@@ -114,9 +115,11 @@ class EagerStep:
                     hazards[i], last_outputs[i] = resumed.hazards, resumed.loop_outputs
         return states  # type: ignore[return-value]
 
-    def _slots(self, table: list[int], start: int, count: int) -> list[int]:
+    def _slots(self, table: list[int], start: int, count: int) -> np.ndarray:
+        """KV slots of positions [start, start + count) in `table` (one plane's blocks)."""
         size = self.block_size
-        return [table[p // size] * size + p % size for p in range(start, start + count)]
+        positions = np.arange(start, start + count)
+        return np.asarray(table, dtype=np.int64)[positions // size] * size + positions % size
 
     def _cached_rows(self, items, tables) -> dict[int, torch.Tensor]:
         """Per item with `score_cached`: the stored last-loop outputs of the cached positions
@@ -125,11 +128,9 @@ class EagerStep:
         if not wanted:
             return {}
         assert self.score_store is not None, "score_cached without a score store"
-        slots = [
-            s
-            for i in wanted
-            for s in self._slots(tables[items[i].request_id][0], 0, items[i].score_cached)
-        ]
+        slots = np.concatenate(
+            [self._slots(tables[items[i].request_id][0], 0, items[i].score_cached) for i in wanted]
+        )
         rows = self.score_store.index_select(0, self.transfers.to_device(slots))
         return dict(zip(wanted, rows.split([items[i].score_cached for i in wanted])))
 
@@ -147,13 +148,14 @@ class EagerStep:
         ]
         if not done:
             return
-        slots = [
-            s
-            for i in done
-            for s in self._slots(
-                tables[items[i].request_id][0], items[i].token_start, items[i].token_count
-            )
-        ]
+        slots = np.concatenate(
+            [
+                self._slots(
+                    tables[items[i].request_id][0], items[i].token_start, items[i].token_count
+                )
+                for i in done
+            ]
+        )
         rows = torch.cat([states[i] for i in done]) if len(done) > 1 else states[done[0]]
         self.score_store.index_copy_(0, self.transfers.to_device(slots), rows)
 

@@ -79,6 +79,8 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     # 1 + the number of tokens more likely than this one (prompt logprobs; None elsewhere).
     rank: int | None = None
+    # The loop whose output scored this prompt position (prompt logprobs; None elsewhere).
+    loops: int | None = None
 
 
 class ItemKind(str, enum.Enum):

@@ -44,6 +44,7 @@ class TokenLogprob:
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
     rank: int | None = None  # 1 + the number of more likely tokens (prompt logprobs)
+    loops: int | None = None  # the loop whose output scored this prompt position
 
 
 @dataclass(slots=True)

@@ -188,20 +188,41 @@ def prompt_logprob_rows(
     from the last loop's output (the prompt at full depth, as `generate` runs it), or with
     `exit_rule` from the loop that rule picks per position over the trained gate's hazards
     (`SamplingParams.prompt_logprobs_loop = "exit"`)."""
+    loop_outputs = _prompt_loop_outputs(model, prompt_token_ids, layout)
+    scored = loop_outputs[-1]
+    if exit_rule is not None:
+        loops = _exit_loops(model, loop_outputs, exit_rule)
+        scored = torch.stack([loop_outputs[loop - 1][p] for p, loop in enumerate(loops)])
+    return torch.log_softmax(model.coda(scored).float(), dim=-1)
+
+
+@torch.inference_mode()
+def prompt_exit_loops(
+    model: OuroForLoopedLM,
+    prompt_token_ids: Sequence[int],
+    exit_rule: ExitRule,
+    *,
+    layout: str = "last_exited",
+) -> list[int]:
+    """The loop `exit_rule` picks for every prompt position but the last (what scores it
+    with `prompt_logprobs_loop = "exit"`)."""
+    return _exit_loops(model, _prompt_loop_outputs(model, prompt_token_ids, layout), exit_rule)
+
+
+def _prompt_loop_outputs(model, prompt_token_ids, layout: str) -> list[torch.Tensor]:
+    """Every loop's output at every prompt position but the last (full depth)."""
     if layout not in LAYOUTS:
         raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     prompt = list(prompt_token_ids)
     run = _DenseRun(model, shared=layout == "shared", max_len=len(prompt))
-    loop_outputs = [output[:-1] for output in run.prompt(prompt)]
-    scored = loop_outputs[-1]
-    if exit_rule is not None:
-        hazards = [model.gate(output).float().tolist() for output in loop_outputs]
-        loops = [
-            choose_exit_from_hazards(ExitMode.OURO, exit_rule, list(column))
-            for column in zip(*hazards)
-        ]
-        scored = torch.stack([loop_outputs[loop - 1][p] for p, loop in enumerate(loops)])
-    return torch.log_softmax(model.coda(scored).float(), dim=-1)
+    return [output[:-1] for output in run.prompt(prompt)]
+
+
+def _exit_loops(model, loop_outputs: list[torch.Tensor], exit_rule: ExitRule) -> list[int]:
+    hazards = [model.gate(output).float().tolist() for output in loop_outputs]
+    return [
+        choose_exit_from_hazards(ExitMode.OURO, exit_rule, list(column)) for column in zip(*hazards)
+    ]
 
 
 def prompt_logprobs(

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from loopserve.exit import ExitRule
+from loopserve.reference import prompt_exit_loops as reference_exit_loops
 from loopserve.reference import prompt_logprobs as reference_prompt_logprobs
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, run_steps
@@ -137,6 +138,8 @@ def check_exit_scores(engine, output, prompt, rule) -> int:
     assert got is not None and len(got) == len(prompt) and got[0] is None
     for position, (entry, want) in enumerate(zip(got[1:], at_exit[1:]), 1):
         assert math.isclose(entry.logprob, want, abs_tol=1e-4), (position, entry.logprob, want)
+    loops = reference_exit_loops(engine.model, prompt, rule, layout=layout)
+    assert [entry.loops for entry in got[1:]] == loops
     return sum(not math.isclose(a, b, abs_tol=1e-4) for a, b in zip(at_exit[1:], at_last[1:]))
 
 
@@ -159,6 +162,14 @@ def test_prompt_scored_at_the_exit_rules_loops_equals_the_dense_reference(tiny_d
     moved += check_exit_scores(engine, finished["c"], PROMPTS["c"], rule)
     assert moved > 0  # the rule exits before the last loop somewhere: the scores differ
     check_against_reference(engine, finished["a_last"], PROMPTS["a"], 1)
+    last_entries = finished["a_last"].prompt_logprobs[1:]
+    assert {entry.loops for entry in last_entries} == {engine.model.num_loops}
+    # The engine counts every scored position and the loops that scored it.
+    entries = [e for r in ("a", "c", "a_last") for e in finished[r].prompt_logprobs[1:]]
+    stats = engine.stats
+    assert stats.num_scored_prompt_positions == len(entries)
+    assert stats.num_scored_prompt_loops == sum(entry.loops for entry in entries)
+    assert stats.mean_loops_per_scored_position < engine.model.num_loops
 
 
 def test_exit_loop_scores_survive_a_swap_in_the_middle_of_the_prompt(tiny_dir):

@@ -251,6 +251,22 @@ def test_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, clie
     assert values['loopserve_preemptions_total{mode="recompute"}'] == 0
 
 
+def test_scored_prompt_positions_and_their_loops_are_counted_in_metrics(server):
+    before = metrics(server.base_url)
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog", "echo": True,
+            "logprobs": 0, "max_tokens": 0, "exit_threshold": 0.5,
+            "prompt_logprobs_loop": "exit"}  # fmt: skip
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    depths = response.json()["choices"][0]["prompt_exit_depths"][1:]
+    assert depths and all(1 <= d <= 4 for d in depths)
+    values = metrics(server.base_url)  # the snapshot is taken after every step
+    positions = values["loopserve_prompt_positions_scored_total"]
+    loops = values["loopserve_prompt_scored_loops_total"]
+    assert positions - before["loopserve_prompt_positions_scored_total"] == len(depths)
+    assert loops - before["loopserve_prompt_scored_loops_total"] == sum(depths)
+
+
 # ---- load ----------------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import httpx
 
 from loopserve.engine.async_llm import AsyncLLM
 from loopserve.engine.llm_engine import LLMEngine
-from loopserve.reference import prompt_logprob_rows, prompt_logprobs
+from loopserve.reference import prompt_exit_loops, prompt_logprob_rows, prompt_logprobs
 from loopserve.server.api_server import build_app
 
 approx = partial(pytest.approx, abs=1e-4)
@@ -187,6 +187,11 @@ def test_prompt_scored_at_the_exit_rules_loops_through_the_api(tiny_tok_dir):
     exit_values = at_exit.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
     last_values = at_last.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
     assert exit_values != approx(last_values)  # the threshold moves some positions' loops
+    # Each choice says which loop scored each prompt token.
+    loops = prompt_exit_loops(engine.model, prompt, rule)
+    assert at_exit.json()["choices"][0]["prompt_exit_depths"] == [None, *loops]
+    depth = engine.model.num_loops
+    assert at_last.json()["choices"][0]["prompt_exit_depths"] == [None] + [depth] * len(loops)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs_loop"
 
 

@@ -166,6 +166,12 @@ class EngineCore:
         counters.num_loops += sum(request.exit_depths[-1] for request in touched)
         counters.num_early_exits += output.num_early_exits
         counters.num_finalize_copies += output.num_finalize_copies
+        for result in output.results:
+            if result.prompt_logprobs:
+                counters.num_scored_prompt_positions += len(result.prompt_logprobs)
+                counters.num_scored_prompt_loops += sum(
+                    s.loops or 0 for s in result.prompt_logprobs
+                )
         counters.num_graph_calls += output.num_graph_calls
         counters.num_padded_rows += output.num_padded_rows
         counters.num_h2d_transfers += output.num_h2d_transfers
@@ -212,6 +218,8 @@ class EngineCore:
             num_loops=counters.num_loops,
             num_early_exits=counters.num_early_exits,
             num_finalize_copies=counters.num_finalize_copies,
+            num_scored_prompt_positions=counters.num_scored_prompt_positions,
+            num_scored_prompt_loops=counters.num_scored_prompt_loops,
             num_failed_steps=counters.num_failed_steps,
             num_graph_calls=counters.num_graph_calls,
             num_padded_rows=counters.num_padded_rows,

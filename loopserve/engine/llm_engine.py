@@ -398,4 +398,6 @@ class LLMEngine:
 
 
 def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
-    return [TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs, s.rank) for s in samples]
+    return [
+        TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs, s.rank, s.loops) for s in samples
+    ]

@@ -79,6 +79,17 @@ class _EngineCollector:
                 g.num_prefix_cache_hit_tokens,
             ),
             (
+                "loopserve_prompt_positions_scored",
+                "Prompt positions scored for prompt logprobs (echo + logprobs, prompt_logprobs).",
+                g.num_scored_prompt_positions,
+            ),
+            (
+                "loopserve_prompt_scored_loops",
+                "Sum of the loops whose outputs scored those positions (the last loop, or the "
+                "exit rule's with prompt_logprobs_loop=exit).",
+                g.num_scored_prompt_loops,
+            ),
+            (
                 "loopserve_kv_swapped_bytes",
                 "KV bytes copied between device and host by swap preemption (both ways).",
                 g.num_swapped_bytes,

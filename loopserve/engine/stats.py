@@ -23,6 +23,8 @@ class StepCounters:
     num_loops: int = 0
     num_early_exits: int = 0
     num_finalize_copies: int = 0
+    num_scored_prompt_positions: int = 0
+    num_scored_prompt_loops: int = 0
     num_failed_steps: int = 0
     num_graph_calls: int = 0
     num_padded_rows: int = 0
@@ -55,6 +57,10 @@ class EngineStats:
     num_loops: int = 0  # sum of loops used over output tokens
     num_early_exits: int = 0  # output tokens that exited before the last loop
     num_finalize_copies: int = 0  # LAST_EXITED decode tokens copied into deeper planes
+    # Prompt positions scored for prompt logprobs, and the sum of the loops that scored them
+    # (the last loop, or the one the exit rule picked: `prompt_logprobs_loop`).
+    num_scored_prompt_positions: int = 0
+    num_scored_prompt_loops: int = 0
     num_failed_steps: int = 0  # steps whose execution raised (their requests failed)
     # Decode core calls run through the static, row-bucketed buffers (CUDA graph replays, or
     # their eager emulation), and the padding rows they added to reach their bucket.
@@ -111,6 +117,11 @@ class EngineStats:
     @property
     def mean_loops_per_token(self) -> float:
         return self.num_loops / self.num_output_tokens if self.num_output_tokens else 0.0
+
+    @property
+    def mean_loops_per_scored_position(self) -> float:
+        positions = self.num_scored_prompt_positions
+        return self.num_scored_prompt_loops / positions if positions else 0.0
 
     @property
     def host_overhead_share(self) -> float:

@@ -260,13 +260,13 @@ class Coda:
         for row in np.flatnonzero(token_ids >= 0).tolist():  # host array
             self._record(request_ids[row], int(token_ids[row]))
 
-    def _rows_at_exit_loops(self, items, by_rule: list[int], loop_outputs) -> dict:
+    def _rows_at_exit_loops(self, items, by_rule: list[int], loop_outputs) -> tuple[dict, dict]:
         """Per item with `score_rule`: each scored row's output at the loop the rule picks
         over that row's exit signals (the CDF threshold within min/max loops, as the first
-        output token's exit is chosen): one exit-signal call over every loop's rows of all
-        such items and one copy of the hazards to the host."""
+        output token's exit is chosen), and those loops: one exit-signal call over every
+        loop's rows of all such items and one copy of the hazards to the host."""
         if not by_rule:
-            return {}
+            return {}, {}
         stacked = {}  # item -> its rows' outputs of every loop [D, n, H]
         for i in by_rule:
             outputs = loop_outputs[i]
@@ -274,7 +274,7 @@ class Coda:
             stacked[i] = torch.stack([o[: len(items[i].score_ids)] for o in outputs])
         hidden = torch.cat([s.reshape(-1, s.shape[-1]) for s in stacked.values()])
         hazards = self.transfers.to_host(self.hazards(hidden).float())
-        picked, at = {}, 0
+        picked, picked_loops, at = {}, {}, 0
         for i, outputs in stacked.items():
             num_loops, n = outputs.shape[:2]
             table = np.array(hazards[at : at + num_loops * n]).reshape(num_loops, n)
@@ -284,7 +284,8 @@ class Coda:
             loops = [choose_exit_from_hazards(ExitMode.OURO, rule, c) for c in columns]
             index = self.transfers.to_device([loop - 1 for loop in loops])
             picked[i] = outputs[index, torch.arange(n, device=outputs.device)]
-        return picked
+            picked_loops[i] = loops
+        return picked, picked_loops
 
     def _item_results(self, items, states, hazards, last_outputs, exited, sampled):
         results = []
@@ -321,7 +322,7 @@ class Coda:
         if not scored:
             return {}
         by_rule = [i for i in scored if items[i].score_rule is not None]
-        picked = self._rows_at_exit_loops(items, by_rule, loop_outputs)
+        picked, picked_loops = self._rows_at_exit_loops(items, by_rule, loop_outputs)
         parts = []
         for i in scored:
             if i in cached_rows:
@@ -346,10 +347,11 @@ class Coda:
         for i in scored:
             k = items[i].score_top
             entries = []
-            for token_id in items[i].score_ids:
+            loops = picked_loops.get(i) or [self.rules.num_loops] * len(items[i].score_ids)
+            for token_id, loop in zip(items[i].score_ids, loops):
                 row = flat[at : at + width]
                 alternatives = tuple((int(row[2 + top + j]), row[2 + j]) for j in range(k))
-                entries.append(SampledToken(token_id, row[0], alternatives, int(row[1])))
+                entries.append(SampledToken(token_id, row[0], alternatives, int(row[1]), loop))
                 at += width
             scores[i] = tuple(entries)
         return scores

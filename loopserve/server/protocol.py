@@ -249,6 +249,8 @@ class CompletionChoice(BaseModel):
     exit_depths: list[int] = Field(default_factory=list)
     token_ids: list[int] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # With a scored prompt: per prompt token, the loop whose output scored it (None first).
+    prompt_exit_depths: list[int | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -297,6 +299,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, for the request's one prompt
+    prompt_exit_depths: list[int | None] | None = None  # the loops that scored it
 
 
 class ChatDelta(BaseModel):

@@ -43,6 +43,7 @@ from loopserve.server.serving_common import (
     new_logprobs,
     parse_body,
     process_text,
+    prompt_exit_depths,
     sampling_params,
     sse,
     submit,
@@ -121,6 +122,7 @@ async def create_chat_completion(
         prompt_logprobs=vllm_prompt_logprobs(tokenizer, outputs[0], body.prompt_logprobs)
         if outputs
         else None,
+        prompt_exit_depths=prompt_exit_depths(outputs[0]) if outputs else None,
     )
     return JSONResponse(response.model_dump())
 

@@ -414,6 +414,14 @@ def vllm_prompt_logprobs(
     return result
 
 
+def prompt_exit_depths(output: RequestOutput) -> list[int | None] | None:
+    """Per prompt token, the loop whose output scored it (None for the first); None when
+    the prompt was not scored."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None, *(entry.loops for entry in output.prompt_logprobs[1:] if entry is not None)]
+
+
 def new_logprobs(output: RequestOutput) -> list[TokenLogprob]:
     """The logprobs of this step's new tokens."""
     if output.logprobs is None or not output.new_token_ids:

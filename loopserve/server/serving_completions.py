@@ -40,6 +40,7 @@ from loopserve.server.serving_common import (
     new_logprobs,
     parse_body,
     process_text,
+    prompt_exit_depths,
     sampling_params,
     sse,
     submit,
@@ -189,6 +190,7 @@ def _choice(
         prompt_logprobs=None
         if delta
         else vllm_prompt_logprobs(tokenizer, out, body.prompt_logprobs),
+        prompt_exit_depths=None if delta else prompt_exit_depths(out),
     )
 
 

@@ -35,7 +35,8 @@ from loopserve.engine.build import build_engine_core
 from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
-from loopserve.models import load_model
+from loopserve.models import load_model, resolve_model_path
+from loopserve.models.registry import read_config, require_engine_family
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
 from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.memory_profile import profile_cuda_memory
@@ -55,6 +56,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config = resolve_dtype(config)
         model_path = config.model or str(DEFAULT_MODEL_DIR)
+        require_engine_family(read_config(resolve_model_path(model_path))[0])
         self.model = load_model(model_path, dtype=config.dtype, device=config.device)
         self.tokenizer = Tokenizer.from_dir(self.model.checkpoint_dir)
         bytes_per_block = self.model.config.kv_bytes_per_block(

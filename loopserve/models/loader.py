@@ -1,8 +1,9 @@
 """Native checkpoint loading: Hugging Face directories of safetensors, no remote code.
 
 `load_model(path_or_id)` resolves a local directory or a Hub id (through the local Hugging
-Face cache; downloading only with an explicit opt-in), reads `config.json`, checks every
-tensor name strictly and returns an `OuroForLoopedLM` in the requested dtype and device.
+Face cache; downloading only with an explicit opt-in), reads `config.json`, picks the model
+family from it (`models/registry.py`), checks every tensor name strictly and returns the
+family's model (`OuroForLoopedLM`, `HuginnForLoopedLM`) in the requested dtype and device.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 from safetensors import safe_open
 
 from loopserve.errors import ModelLoadError
-from loopserve.models.config import OuroConfig
 from loopserve.models.ouro import OuroForLoopedLM, RotaryEmbedding
 
 DTYPES = {
@@ -114,11 +114,13 @@ def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_names(model: OuroForLoopedLM, tensors: dict[str, torch.Tensor]) -> None:
+def _check_names(model, tensors: dict[str, torch.Tensor], family, tied: bool) -> None:
     expected = set(model.state_dict().keys())
-    if model.config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-        tensors.pop("lm_head.weight", None)
+    for name in family.ignored_tensors:
+        tensors.pop(name, None)
+    if tied:
+        expected.discard(family.tied_head[0])
+        tensors.pop(family.tied_head[0], None)
     missing = sorted(expected - tensors.keys())
     unexpected = sorted(tensors.keys() - expected)
     if missing or unexpected:
@@ -127,7 +129,9 @@ def _check_names(model: OuroForLoopedLM, tensors: dict[str, torch.Tensor]) -> No
             parts.append(f"missing tensors: {', '.join(missing[:20])}")
         if unexpected:
             parts.append(f"unexpected tensors: {', '.join(unexpected[:20])}")
-        raise ModelLoadError("checkpoint does not match the Ouro architecture; " + "; ".join(parts))
+        raise ModelLoadError(
+            f"checkpoint does not match the {family.name} architecture; " + "; ".join(parts)
+        )
 
 
 def load_model(
@@ -136,18 +140,21 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
     allow_download: bool | None = None,
-) -> OuroForLoopedLM:
-    """Load an Ouro checkpoint into an `OuroForLoopedLM` (eval mode, no grad)."""
+):
+    """Load a checkpoint of any registered family into its model (eval mode, no grad)."""
+    from loopserve.models.registry import read_config
+
     directory = resolve_model_path(name_or_path, allow_download=allow_download)
-    config = OuroConfig.from_file(directory / "config.json")
+    family, config = read_config(directory / "config.json")
+    tied = config.tie_word_embeddings
     torch_dtype = parse_dtype(dtype)
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' requested but CUDA is not available")
     with torch.device("meta"):
-        model = OuroForLoopedLM(config)
+        model = family.model_class(config)
     tensors = read_state_dict(directory)
-    _check_names(model, tensors)
+    _check_names(model, tensors, family, tied)
     for name, tensor in tensors.items():
         expected_shape = model.get_parameter(name).shape
         if tensor.shape != expected_shape:
@@ -155,17 +162,16 @@ def load_model(
                 f"tensor {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected_shape)}"
             )
     tensors = {k: v.to(device=device, dtype=torch_dtype) for k, v in tensors.items()}
-    model.load_state_dict(tensors, strict=not config.tie_word_embeddings, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
+    model.load_state_dict(tensors, strict=not tied, assign=True)
+    if tied:
+        model.lm_head.weight = model.get_parameter(family.tied_head[1])
+    if isinstance(model, OuroForLoopedLM):
+        model.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(device)
     model.checkpoint_dir = directory
     return model.eval().requires_grad_(False)
 
 
-def save_model(
-    model: OuroForLoopedLM, directory: str | os.PathLike, *, max_shard_bytes: int = 0
-) -> None:
+def save_model(model, directory: str | os.PathLike, *, max_shard_bytes: int = 0) -> None:
     """Write `config.json` and safetensors (sharded with an index when `max_shard_bytes` > 0)."""
     from safetensors.torch import save_file
 

@@ -1,0 +1,360 @@
+"""Huginn-0125 (tomg-group-umd), the second looped family: prelude, a recurrent core with
+input injection run r times, coda.
+
+Math follows the authors' `raven_modeling_minimal.py`:
+- the embedding is scaled by sqrt(n_embd); every layer is a "sandwich" block: RMSNorm before
+  the sublayer and again after the residual add (`norm_2(attn(norm_1(x)) + x)`, then
+  `norm_4(mlp(norm_3(x)) + x)`);
+- attention has one fused `Wqkv`, a learned per-head bias on q and k before RoPE, RoPE on
+  interleaved pairs (GPT-J style, base 50,000) computed in float32, no GQA by default;
+- the MLP is one `fc` producing both halves: `proj(silu(a) * b)`;
+- a core step is `adapter(cat([state, e]))` then the core layers, where `e` is the prelude's
+  output for the same position (input injection at every step);
+- the coda reads `ln_f(state)`, runs its layers and `ln_f` again before the LM head;
+- the initial state is truncated-normal noise scaled by sqrt(n_embd), or zeros at
+  `init_scale=0`.
+
+Rows are flat ([rows, hidden]) and carry their own positions, as for Ouro. K/V belongs to the
+`AttentionBackend` argument. Layer indices are global: prelude layers first, then the core
+layers, then the coda layers (`HuginnConfig.layer_groups`). Prelude and coda layers keep one
+K/V entry per position; core layers keep one per position and recurrence step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from loopserve.errors import ModelLoadError
+from loopserve.models.attention import AttentionBackend
+
+HUGINN_MODEL_TYPE = "huginn_raven"
+
+# Parts of the authors' config that select code paths; loopserve implements one value of each.
+_FIXED_CHOICES = {
+    "block_class_name": "SandwichBlock",
+    "norm_class_name": "RMSNorm_llama",
+    "mlp_class_name": "GatedMLP",
+    "nonlin_name": "SiLU",
+    "injection_type": "linear",
+}
+
+
+@dataclass(frozen=True)
+class HuginnConfig:
+    vocab_size: int
+    n_embd: int
+    n_heads: int
+    intermediate_size: int
+    n_layers_in_prelude: int = 2
+    n_layers_in_recurrent_block: int = 4
+    n_layers_in_coda: int = 2
+    mean_recurrence: int = 32
+    norm_eps: float = 1e-6
+    rope_base: float = 50_000.0
+    block_size: int = 4096
+    tie_embeddings: bool = True
+    qk_bias: bool = True
+    bias: bool = False
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    model_type: str = HUGINN_MODEL_TYPE
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_heads:
+            raise ModelLoadError(f"n_embd ({self.n_embd}) must be a multiple of n_heads")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if min(self.n_layers_in_prelude, self.n_layers_in_recurrent_block) < 1:
+            raise ModelLoadError("Huginn needs at least one prelude and one core layer")
+        if self.mean_recurrence < 1:
+            raise ModelLoadError(f"mean_recurrence must be >= 1, got {self.mean_recurrence}")
+
+    # The names the rest of loopserve reads from any family's config.
+    @property
+    def hidden_size(self) -> int:
+        return self.n_embd
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_heads
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.tie_embeddings
+
+    @property
+    def num_loops(self) -> int:
+        """The default recurrence r (`mean_recurrence`); a request may ask for another."""
+        return self.mean_recurrence
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.block_size
+
+    @property
+    def num_core_layers(self) -> int:
+        return self.n_layers_in_recurrent_block
+
+    @property
+    def num_once_layers(self) -> int:
+        """Layers with one K/V entry per position: prelude and coda."""
+        return self.n_layers_in_prelude + self.n_layers_in_coda
+
+    @property
+    def layer_groups(self) -> dict[str, range]:
+        """Global layer indices of each part, as the attention backend sees them."""
+        p, c, k = self.n_layers_in_prelude, self.n_layers_in_recurrent_block, self.n_layers_in_coda
+        return {"prelude": range(p), "core": range(p, p + c), "coda": range(p + c, p + c + k)}
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.n_embd)
+
+    @property
+    def init_std(self) -> float:
+        return math.sqrt(2 / (5 * self.n_embd))
+
+    def kv_elements_per_token(self, planes: int) -> int:
+        """K and V elements one position stores with `planes` core planes."""
+        layers = self.num_once_layers + planes * self.num_core_layers
+        return 2 * layers * self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> HuginnConfig:
+        if raw.get("model_type") != HUGINN_MODEL_TYPE:
+            raise ModelLoadError(
+                f"config.json has model_type {raw.get('model_type')!r}, not {HUGINN_MODEL_TYPE!r}"
+            )
+        for key, value in _FIXED_CHOICES.items():
+            if raw.get(key, value) != value:
+                raise ModelLoadError(f"Huginn {key}={raw[key]!r} is not supported (only {value!r})")
+        heads = raw.get("n_heads", raw.get("num_attention_heads"))
+        if raw.get("num_key_value_heads", heads) != heads:
+            raise ModelLoadError("Huginn checkpoints with grouped K/V heads are not supported")
+        eos = raw.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        known = (
+            "vocab_size", "n_embd", "intermediate_size", "n_layers_in_prelude",
+            "n_layers_in_recurrent_block", "n_layers_in_coda", "mean_recurrence", "norm_eps",
+            "rope_base", "block_size", "tie_embeddings", "qk_bias", "bias", "bos_token_id",
+            "pad_token_id",
+        )  # fmt: skip
+        kwargs = {k: raw[k] for k in known if raw.get(k) is not None}
+        kwargs["n_heads"] = heads
+        kwargs.setdefault("n_embd", raw.get("hidden_size"))
+        extra = {k: v for k, v in raw.items() if k not in known and k != "eos_token_id"}
+        try:
+            return cls(**kwargs, eos_token_id=eos_ids, extra=extra)
+        except TypeError as err:
+            raise ModelLoadError(f"config.json is missing a required field: {err}") from err
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> HuginnConfig:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict:
+        raw = asdict(self)
+        raw.pop("extra")
+        raw["eos_token_id"] = list(self.eos_token_id)
+        raw["num_attention_heads"] = raw["num_key_value_heads"] = raw.pop("n_heads")
+        raw["n_layers"] = self.num_once_layers + self.n_layers_in_recurrent_block
+        raw["architectures"] = ["RavenForCausalLM"]
+        return {**self.extra, **raw, **_FIXED_CHOICES}
+
+    def save(self, directory: str | os.PathLike) -> None:
+        from pathlib import Path
+
+        Path(directory, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+class HuginnRMSNorm(nn.Module):
+    """Normalizes in float32, casts back, then scales (the authors' order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def interleaved_rope_tables(
+    positions: torch.Tensor, head_dim: int, base: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [rows, head_dim / 2] in float32 for pairs (2i, 2i+1)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / (base ** (exponents / head_dim))
+    freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+    return torch.cos(freqs), torch.sin(freqs)
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, head_dim]; rotates each pair (x[2i], x[2i+1]) in float32."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class HuginnAttention(nn.Module):
+    def __init__(self, config: HuginnConfig) -> None:
+        super().__init__()
+        self.num_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.Wqkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        if config.qk_bias:
+            self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.num_heads, self.head_dim))
+        else:
+            self.qk_bias = None
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        shape = (rows, self.num_heads, self.head_dim)
+        query, key, value = (part.reshape(shape) for part in self.Wqkv(x).chunk(3, dim=-1))
+        if self.qk_bias is not None:
+            query = (query + self.qk_bias[0, 0]).to(query.dtype)
+            key = (key + self.qk_bias[1, 0]).to(query.dtype)
+        query, key = apply_interleaved_rope(query, *rope), apply_interleaved_rope(key, *rope)
+        out = attn.attend(layer_idx, query, key, value)
+        return self.proj(out.reshape(rows, self.num_heads * self.head_dim))
+
+
+class HuginnMLP(nn.Module):
+    def __init__(self, config: HuginnConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 2 * config.intermediate_size, bias=False)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+        self.nonlin = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.proj(self.nonlin(gate) * up)
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, config: HuginnConfig, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.norm_eps
+        self.layer_idx = layer_idx
+        self.norm_1 = HuginnRMSNorm(config.n_embd, eps)
+        self.attn = HuginnAttention(config)
+        self.norm_2 = HuginnRMSNorm(config.n_embd, eps)
+        self.mlp = HuginnMLP(config)
+        self.norm_3 = HuginnRMSNorm(config.n_embd, eps)
+        self.norm_4 = HuginnRMSNorm(config.n_embd, eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = self.norm_2(self.attn(self.norm_1(x), rope, attn, self.layer_idx) + x)
+        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+
+
+class HuginnTransformer(nn.Module):
+    """Holds the checkpoint's `transformer.*` tensors."""
+
+    def __init__(self, config: HuginnConfig) -> None:
+        super().__init__()
+        groups = config.layer_groups
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.prelude = nn.ModuleList(SandwichBlock(config, i) for i in groups["prelude"])
+        self.adapter = nn.Linear(2 * config.n_embd, config.n_embd, bias=config.bias)
+        self.core_block = nn.ModuleList(SandwichBlock(config, i) for i in groups["core"])
+        self.coda = nn.ModuleList(SandwichBlock(config, i) for i in groups["coda"])
+        self.ln_f = HuginnRMSNorm(config.n_embd, config.norm_eps)
+
+
+class HuginnForLoopedLM(nn.Module):
+    """Huginn with a per-step API. Parameter names equal the published checkpoint's."""
+
+    def __init__(self, config: HuginnConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = HuginnTransformer(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    @property
+    def num_loops(self) -> int:
+        return self.config.mean_recurrence
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return interleaved_rope_tables(positions, self.config.head_dim, self.config.rope_base)
+
+    def prelude(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """token_ids [rows] -> e [rows, hidden]: scaled embedding through the prelude layers.
+        `e` is injected into every core step of the same position."""
+        x = self.transformer.wte(token_ids) * self.config.embed_scale
+        rope = self.rope(positions)
+        for block in self.transformer.prelude:
+            x = block(x, rope, attn)
+        return x
+
+    def initial_state(
+        self, e: torch.Tensor, *, init_scale: float = 1.0, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """The state before the first step, drawn as the authors draw it: normal noise (then
+        overwritten by truncated normal noise, which is what consumes the generator twice),
+        times sqrt(n_embd); zeros at `init_scale=0`. `generator` None uses the global RNG."""
+        std = self.config.init_std * init_scale
+        if std <= 0:
+            return torch.zeros_like(e)
+        x = torch.empty_like(e).normal_(generator=generator)
+        nn.init.trunc_normal_(x, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+        return x * self.config.embed_scale
+
+    def core(
+        self,
+        state: torch.Tensor,
+        e: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """One recurrence step: adapter over [state, e], then the core layers. Returns the new
+        (un-normed) state; the coda and the latent exit criteria read it."""
+        x = self.transformer.adapter(torch.cat([state, e.to(state.device)], dim=-1))
+        rope = self.rope(positions)
+        for block in self.transformer.core_block:
+            x = block(x, rope, attn)
+        return x
+
+    def coda(
+        self, state: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """ln_f(state) -> coda layers -> ln_f -> LM head: logits [rows, vocab] in float32."""
+        x = self.transformer.ln_f(state)
+        rope = self.rope(positions)
+        for block in self.transformer.coda:
+            x = block(x, rope, attn)
+        return self.lm_head(self.transformer.ln_f(x)).float()

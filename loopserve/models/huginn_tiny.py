@@ -1,0 +1,69 @@
+"""Small random Huginn checkpoints in the published layout, for tests and golden files.
+
+Same layout as Huginn-0125 (2 prelude, 4 core, 2 coda layers, tied embeddings, q/k bias, the
+`transformer.*` tensor names), tiny widths. The weights are seeded; the adapter's half that
+reads the previous state is scaled down so the recurrence settles within a few steps, which
+gives the convergence exit criteria something to decide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from loopserve.models.huginn import HuginnConfig, HuginnForLoopedLM
+from loopserve.models.loader import save_model
+
+
+def tiny_huginn_config(**overrides) -> HuginnConfig:
+    fields = {
+        "vocab_size": 128, "n_embd": 32, "n_heads": 4, "intermediate_size": 64,
+        "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
+        "mean_recurrence": 8, "block_size": 256, "extra": {"torch_dtype": "float32"},
+    }  # fmt: skip
+    return HuginnConfig(**{**fields, **overrides})
+
+
+def init_huginn_weights(model: HuginnForLoopedLM, seed: int, *, state_gain: float) -> None:
+    """Seeded weights in sorted-name order (anyone can rebuild them from the seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = model.config.n_embd
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=generator)
+            if ".norm_" in name or name.endswith("ln_f.weight"):
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("qk_bias"):
+                param.copy_(0.1 * noise)
+            elif name.endswith("wte.weight"):
+                param.copy_(noise / width**0.5)
+            elif name.endswith("adapter.weight"):
+                scaled = noise / (2 * width) ** 0.5
+                scaled[:, :width] *= state_gain  # the previous state's half
+                param.copy_(scaled)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+
+
+def make_tiny_huginn_checkpoint(
+    path: str | os.PathLike, *, seed: int = 1, state_gain: float = 0.5, **overrides
+) -> Path:
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model = HuginnForLoopedLM(tiny_huginn_config(**overrides))
+    init_huginn_weights(model, seed, state_gain=state_gain)
+    save_model(model, out)
+    return out
+
+
+def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over sorted names and float32 bytes: ties a golden file to the weights it was
+    made from (scripts/huginn_golden.py computes the same)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].to(torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,91 @@
+"""Model families, chosen from a checkpoint's `config.json`.
+
+A family is a config class, a model class and what loopserve can do with it. The loader and
+the engine ask the registry which family a checkpoint belongs to (`model_type` first, then
+`architectures`); adding a family means a `models/<family>.py` and one entry here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from loopserve.errors import ConfigError, ModelLoadError
+from loopserve.models.config import OuroConfig
+from loopserve.models.huginn import HUGINN_MODEL_TYPE, HuginnConfig, HuginnForLoopedLM
+from loopserve.models.ouro import OuroForLoopedLM
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    config_class: type
+    model_class: type[nn.Module]
+    tied_head: tuple[str, str]  # (LM head, embedding) tensor names when embeddings are tied
+    ignored_tensors: tuple[str, ...]  # checkpoint tensors that are derived, not weights
+    engine: bool  # the batched engine serves it
+    runs_on: str  # where it runs today, for error messages and docs
+
+
+OURO = ModelFamily(
+    name="Ouro",
+    model_types=("ouro",),
+    architectures=("OuroForCausalLM",),
+    config_class=OuroConfig,
+    model_class=OuroForLoopedLM,
+    tied_head=("lm_head.weight", "model.embed_tokens.weight"),
+    ignored_tensors=(),
+    engine=True,
+    runs_on="the engine (LLM, generate, serve, bench, eval, sim)",
+)
+HUGINN = ModelFamily(
+    name="Huginn-0125",
+    model_types=(HUGINN_MODEL_TYPE,),
+    architectures=("RavenForCausalLM",),
+    config_class=HuginnConfig,
+    model_class=HuginnForLoopedLM,
+    tied_head=("lm_head.weight", "transformer.wte.weight"),
+    ignored_tensors=("freqs_cis",),
+    engine=False,
+    runs_on="the dense reference (loopserve.models.huginn_dense) and the simulator",
+)
+FAMILIES = (OURO, HUGINN)
+
+
+def family_of(raw: dict) -> ModelFamily:
+    model_type = raw.get("model_type")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    architectures = set(raw.get("architectures") or ())
+    for family in FAMILIES:
+        if model_type is None and architectures & set(family.architectures):
+            return family
+    known = ", ".join(t for family in FAMILIES for t in family.model_types)
+    raise ModelLoadError(f"config.json has model_type {model_type!r}; loopserve supports {known}")
+
+
+def read_config(path: str | os.PathLike):
+    """The family and parsed config of a `config.json` (or of a checkpoint directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    family = family_of(raw)
+    return family, family.config_class.from_dict(raw)
+
+
+def require_engine_family(family: ModelFamily) -> None:
+    """A clear start-up error for a family the batched engine does not run yet."""
+    if not family.engine:
+        raise ConfigError(
+            f"{family.name} checkpoints load, but the batched engine does not serve this family "
+            f"yet; it runs on {family.runs_on}. See docs/model_families.md."
+        )

@@ -30,12 +30,15 @@ def build_engine_core(
     make_executor: Callable[[KVCacheManager], Executor],
     async_scheduling: bool | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    extra_planes: int = 0,
 ) -> EngineCore:
     """The engine core for `config` (its `cache.num_blocks` resolved) over the executor
-    `make_executor` builds; `core.scheduler.kv` is the KV manager."""
+    `make_executor` builds; `core.scheduler.kv` is the KV manager. `extra_planes`: planes
+    beyond the layout's that every request holds (a family's once-per-position K/V, e.g.
+    Huginn's prelude and coda layers)."""
     kv = KVCacheManager.from_config(
         config,
-        num_planes=num_planes(config.cache.layout, num_loops),
+        num_planes=num_planes(config.cache.layout, num_loops) + extra_planes,
         bytes_per_block=bytes_per_block,
     )
     scheduler = Scheduler(config, num_loops=num_loops, kv=kv)

@@ -56,7 +56,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--device-profile); None: the datasheet profile",
     )
     parser.add_argument(
-        "--model-config", default=None, help="an Ouro config.json (default: Ouro-1.4B)"
+        "--model-config",
+        default=None,
+        help="a checkpoint's config.json (Ouro or Huginn), or a preset: ouro-1.4b (default), "
+        "ouro-2.6b, huginn-0125",
+    )
+    parser.add_argument(
+        "--coda-every-loop",
+        action="store_true",
+        help="price an exit criterion that runs the coda after every loop (Huginn's kl, "
+        "entropy-diff, minp-kl, argmax-stability); off: the coda runs at exits only",
     )
     parser.add_argument(
         "--dataset",

@@ -20,7 +20,7 @@ from loopserve.models.config import OuroConfig
 from loopserve.sim.args import SIM_ENGINE_ARGS
 from loopserve.sim.args import add_cli_args as add_cli_args  # noqa: F401  (re-export)
 from loopserve.sim.calibration import load_calibrated_profile
-from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
+from loopserve.sim.cost_model import CostModel, ModelShape, sim_model_config
 from loopserve.sim.hardware import get_device_profile
 from loopserve.sim.host_model import load_host_model
 from loopserve.sim.report import (
@@ -132,9 +132,7 @@ def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int
 def main_from_args(args: argparse.Namespace) -> int:
     if args.sched_bench:
         return _sched_bench(args)
-    model_config = (
-        OURO_1P4B if args.model_config is None else OuroConfig.from_file(args.model_config)
-    )
+    model_config = sim_model_config(args.model_config)
     device = (
         get_device_profile(args.device_profile)
         if args.calibration is None
@@ -169,6 +167,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         on_finish=bar.update,
         client_max_tokens=args.client_max_tokens,
         host_model=load_host_model(args.host_model),
+        coda_every_loop=args.coda_every_loop,
     )
     slo_s = args.slo_ms / 1e3
     start = time.perf_counter()

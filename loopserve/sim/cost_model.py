@@ -19,6 +19,13 @@ Core call over `rows` rows (each row: a position of one request at one depth):
 Coda: the lm_head is read once if any row exits, `2 · vocab · hidden` FLOPs per row, logits
 written in float32. Sampling: logits read once, ~5 FLOPs per vocab entry per row.
 
+Families with attention outside the core (Huginn: a prelude and a coda of transformer
+layers, one K/V entry per position) add, per prelude row, those layers' weights (once per
+call), FLOPs and attention over the row's context; the coda of each exiting row does the same
+before the lm_head. With `coda_every_loop` (an exit criterion that reads the next-token
+distribution after every step, like Huginn's KL) every core call also runs the coda and the
+lm_head over all its rows.
+
 Not modelled (documented in docs/simulator.md): activation traffic between kernels, the exit
 gate (`hidden + 1` weights, negligible) and attention-kernel inefficiency at short contexts.
 This module is pure arithmetic: no tensors, no scheduler.
@@ -26,10 +33,12 @@ This module is pure arithmetic: no tensors, no scheduler.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
+from loopserve.models.huginn import HuginnConfig
 from loopserve.sim.hardware import DeviceProfile
 
 ROOFLINES = ("call", "phase")
@@ -51,11 +60,44 @@ OURO_1P4B = OuroConfig(
     tie_word_embeddings=False,
     eos_token_id=(0,),
 )
+# Ouro-2.6B: Ouro-1.4B's shape with 48 layers (the published 2.6B config.json was not
+# available to this project; the 48-layer count is the public model card's).
+OURO_2P6B = OuroConfig(**{**OURO_1P4B.__dict__, "num_hidden_layers": 48})
+# Huginn-0125 (the authors' recpre/raven_config_minimal.json): 2 prelude + 4 core (r = 32)
+# + 2 coda layers of width 5280, 55 heads, tied 65,536-token embedding.
+HUGINN_0125 = HuginnConfig(
+    vocab_size=65536,
+    n_embd=5280,
+    n_heads=55,
+    intermediate_size=17920,
+    n_layers_in_prelude=2,
+    n_layers_in_recurrent_block=4,
+    n_layers_in_coda=2,
+    mean_recurrence=32,
+    block_size=4096,
+    tie_embeddings=True,
+)
+PRESETS = {"ouro-1.4b": OURO_1P4B, "ouro-2.6b": OURO_2P6B, "huginn-0125": HUGINN_0125}
+
+
+def sim_model_config(name_or_path: str | None) -> OuroConfig | HuginnConfig:
+    """A preset name, a config.json path (any registered family) or None (Ouro-1.4B)."""
+    if name_or_path is None:
+        return OURO_1P4B
+    if name_or_path.lower() in PRESETS:
+        return PRESETS[name_or_path.lower()]
+    from loopserve.models.registry import read_config
+
+    return read_config(name_or_path)[1]
 
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The numbers of an Ouro-style model the cost model needs, with derived byte counts."""
+    """The numbers of a looped model the cost model needs, with derived byte counts.
+    `num_layers` are the core's (run once per loop); `prelude_layers` / `coda_layers` run once
+    per position with K/V of their own (0 for Ouro, whose prelude is the embedding and coda
+    the lm_head); `step_extra_params` are read once per loop besides the layers (Ouro's final
+    norm, Huginn's adapter)."""
 
     num_layers: int
     hidden_size: int
@@ -66,9 +108,32 @@ class ModelShape:
     vocab_size: int
     num_loops: int
     dtype_bytes: int = 2  # BF16
+    prelude_layers: int = 0
+    coda_layers: int = 0
+    step_extra_params: int | None = None  # None: the final norm (hidden_size)
+    tied_embeddings: bool = False
+    name: str = "ouro"
 
     @classmethod
-    def from_config(cls, config: OuroConfig, dtype_bytes: int = 2) -> ModelShape:
+    def from_config(cls, config: OuroConfig | HuginnConfig, dtype_bytes: int = 2) -> ModelShape:
+        if isinstance(config, HuginnConfig):
+            width = config.n_embd
+            return cls(
+                num_layers=config.n_layers_in_recurrent_block,
+                hidden_size=width,
+                num_heads=config.n_heads,
+                num_kv_heads=config.n_heads,
+                head_dim=config.head_dim,
+                intermediate_size=config.intermediate_size,
+                vocab_size=config.vocab_size,
+                num_loops=config.mean_recurrence,
+                dtype_bytes=dtype_bytes,
+                prelude_layers=config.n_layers_in_prelude,
+                coda_layers=config.n_layers_in_coda,
+                step_extra_params=2 * width * width + (width if config.bias else 0),
+                tied_embeddings=config.tie_embeddings,
+                name="huginn",
+            )
         assert config.head_dim is not None
         return cls(
             num_layers=config.num_hidden_layers,
@@ -93,8 +158,35 @@ class ModelShape:
 
     @property
     def core_params(self) -> int:
-        """Weights one loop reads: every layer plus the final `model.norm`."""
-        return self.num_layers * self.layer_params + self.hidden_size
+        """Weights one loop reads: every core layer plus the final `model.norm` (Ouro) or
+        the adapter (Huginn)."""
+        extra = self.hidden_size if self.step_extra_params is None else self.step_extra_params
+        return self.num_layers * self.layer_params + extra
+
+    @property
+    def prelude_params(self) -> int:
+        return self.prelude_layers * self.layer_params
+
+    @property
+    def coda_params(self) -> int:
+        """The coda's transformer layers and final norm (without the lm_head)."""
+        return self.coda_layers * self.layer_params + (self.hidden_size if self.coda_layers else 0)
+
+    @property
+    def vectors_per_row(self) -> int:
+        """Hidden vectors a row in flight keeps between loops: its state, plus the prelude
+        output a family injects at every step (Huginn)."""
+        return 2 if self.prelude_layers else 1
+
+    @property
+    def once_layers(self) -> int:
+        """Layers with one K/V entry per position (prelude and coda)."""
+        return self.prelude_layers + self.coda_layers
+
+    @property
+    def extra_kv_planes(self) -> int:
+        """Planes of `num_layers` layers each that hold the once-per-position K/V."""
+        return math.ceil(self.once_layers / self.num_layers)
 
     @property
     def core_weight_bytes(self) -> int:
@@ -110,9 +202,10 @@ class ModelShape:
 
     @property
     def total_weight_bytes(self) -> int:
-        """Resident weights: embedding, core, lm_head (counted even if tied), gate."""
-        gate = self.hidden_size + 1
-        params = self.core_params + 2 * self.embedding_params + gate
+        """Resident weights: embedding, prelude, core, coda, lm_head (once when tied), gate."""
+        gate = 0 if self.name == "huginn" else self.hidden_size + 1
+        embeddings = (1 if self.tied_embeddings else 2) * self.embedding_params
+        params = self.core_params + self.prelude_params + self.coda_params + embeddings + gate
         return params * self.dtype_bytes
 
     @property
@@ -120,9 +213,21 @@ class ModelShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
+    def kv_bytes_per_token_once(self) -> int:
+        """K/V one position stores in the prelude and coda layers (not per loop)."""
+        return 2 * self.once_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
     def attention_flops_per_pair(self) -> int:
         """FLOPs of one (query row, key position) pair over all layers: QKᵀ + PV."""
         return 4 * self.num_layers * self.num_heads * self.head_dim
+
+    def layer_pair_flops(self, layers: int) -> int:
+        return 4 * layers * self.num_heads * self.head_dim
+
+    def layer_kv_bytes(self, layers: int) -> int:
+        """K/V bytes of one position in `layers` layers."""
+        return 2 * layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,14 +272,25 @@ class CostModel:
         kv_read_positions: int = 0,
         attention_pairs: int = 0,
         finalize_copies: int = 0,
+        prelude_kv_read: int = 0,
+        prelude_pairs: int = 0,
     ) -> CallCost:
         """One core call. `kv_read_positions`: positions of KV read, summed over items;
         `attention_pairs`: Σ over rows of their context length; `finalize_copies`:
-        (position, plane) copies of early-exited decode tokens."""
-        linear_bytes = self.shape.core_weight_bytes + prelude_rows * self._embed_row_bytes
+        (position, plane) copies of early-exited decode tokens; `prelude_kv_read` /
+        `prelude_pairs`: the same for the prelude rows' prelude layers (families with one)."""
+        shape = self.shape
+        linear_bytes = shape.core_weight_bytes + prelude_rows * self._embed_row_bytes
         kv_bytes = (kv_read_positions + rows + 2 * finalize_copies) * self._kv
         linear_flops = self._linear_flops_per_row * rows
         attention_flops = self._pair_flops * attention_pairs
+        if shape.prelude_layers and prelude_rows:
+            linear_bytes += shape.prelude_params * shape.dtype_bytes
+            linear_flops += 2 * shape.prelude_params * prelude_rows
+            kv_bytes += (prelude_kv_read + prelude_rows) * shape.layer_kv_bytes(
+                shape.prelude_layers
+            )
+            attention_flops += shape.layer_pair_flops(shape.prelude_layers) * prelude_pairs
         if not self.split_phases:
             return self._price(linear_bytes + kv_bytes, linear_flops + attention_flops)
         # Linear layers and attention are separate kernels: each pays its own roofline, so
@@ -188,17 +304,35 @@ class CostModel:
             linear.compute_bound,
         )
 
-    def coda(self, rows: int) -> CallCost:
-        """lm_head over the exiting rows (zero cost when no row exits)."""
-        if rows == 0:
-            return NO_COST
+    def coda(
+        self,
+        rows: int,
+        *,
+        layer_rows: int | None = None,
+        kv_read_positions: int = 0,
+        attention_pairs: int = 0,
+    ) -> CallCost:
+        """lm_head over `rows` exiting rows (zero cost when nothing runs). A family with coda
+        layers runs them first over `layer_rows` rows (default `rows`: a prompt's coda runs
+        over every position, for their K/V, and the lm_head only on the last), reading
+        `kv_read_positions` and attending over `attention_pairs`."""
         shape = self.shape
+        layer_rows = rows if layer_rows is None else layer_rows
+        if rows == 0 and (layer_rows == 0 or not shape.coda_layers):
+            return NO_COST
         bytes_moved = (
             shape.lm_head_weight_bytes
             + rows * shape.hidden_size * shape.dtype_bytes
             + rows * shape.vocab_size * LOGIT_BYTES
         )
         flops = 2 * shape.vocab_size * shape.hidden_size * rows
+        if shape.coda_layers and layer_rows:
+            bytes_moved += shape.coda_params * shape.dtype_bytes
+            bytes_moved += (kv_read_positions + layer_rows) * shape.layer_kv_bytes(
+                shape.coda_layers
+            )
+            flops += 2 * shape.coda_params * layer_rows
+            flops += shape.layer_pair_flops(shape.coda_layers) * attention_pairs
         return self._price(bytes_moved, flops)
 
     def sampling(self, rows: int) -> CallCost:

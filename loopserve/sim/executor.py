@@ -110,10 +110,15 @@ class SimExecutor(Executor):
         kv_block_bytes: int = 0,
         cascade: bool = False,
         block_size: int = 16,
+        coda_every_loop: bool = False,
     ) -> None:
         """`kv_block_bytes`: one block of one plane, to price swap copies over the host link;
-        `cascade`: price cascade attention (groups over `block_size`-position blocks)."""
+        `cascade`: price cascade attention (groups over `block_size`-position blocks);
+        `coda_every_loop`: decode rows run the coda and lm_head after every loop (an exit
+        criterion that reads the next-token distribution, e.g. Huginn's KL)."""
         self.cost = cost_model
+        self.coda_every_loop = coda_every_loop
+        self._coda = _CodaTally()
         self.cascade = cascade
         self.block_size = block_size
         self.num_loops = cost_model.shape.num_loops
@@ -186,6 +191,7 @@ class SimExecutor(Executor):
         results = []
         coda_rows = num_early = 0
         self._step_finalized = 0
+        self._coda = coda = _CodaTally()
         decode_results = None
         if scheduled.decode is not None:
             decode_results, coda_rows, num_early = self._run_decode(scheduled.decode, tallies[1])
@@ -196,7 +202,15 @@ class SimExecutor(Executor):
                 coda_rows += 1
                 num_early += result.loops_used < self.num_loops  # type: ignore[operator]
         rows_per_call, core_s = self._price_calls(tallies, scheduled.block_tables)
-        coda_s = self.cost.coda(coda_rows).time_s
+        coda_s = (
+            coda.checks_s
+            + self.cost.coda(
+                coda.head_rows,
+                layer_rows=coda.layer_rows,
+                kv_read_positions=coda.kv_read,
+                attention_pairs=coda.pairs,
+            ).time_s
+        )
         sampling_s = self.cost.sampling(coda_rows).time_s
         stats = self.stats
         stats.num_steps += 1
@@ -228,10 +242,18 @@ class SimExecutor(Executor):
                 decoding.add(request_id)
         tally.has_decode = True
         tally.rows += n
-        tally.prelude_rows += int(np.count_nonzero(depths == 0))
+        first = depths == 0
+        tally.prelude_rows += int(np.count_nonzero(first))
+        first_context = int(rows.positions[first].sum()) + int(np.count_nonzero(first))
+        tally.prelude_kv_read += first_context
+        tally.prelude_pairs += first_context
         context = int(rows.positions.sum()) + n  # each row reads positions 0..its own
         tally.kv_read += context
         tally.pairs += context
+        if self.coda_every_loop:  # the criterion's coda over every row, every loop
+            self._coda.checks_s += self.cost.coda(
+                n, kv_read_positions=context, attention_pairs=context
+            ).time_s
         if self.cascade:
             tally.singles += zip(rows.request_ids, depths.tolist(), rows.positions.tolist())
         hazards = np.full(n, np.nan)
@@ -254,6 +276,9 @@ class SimExecutor(Executor):
             self._num_sampled[request_id] += 1
         token_ids = np.where(exited, SYNTHETIC_TOKEN.token_id, -1).astype(np.int64)
         num_exits = int(np.count_nonzero(exited))
+        if not self.coda_every_loop:
+            exit_context = int(rows.positions[exited].sum()) + num_exits
+            self._coda.add(num_exits, num_exits, exit_context, exit_context)
         num_early = int(np.count_nonzero(exited & (depths + 1 < self.num_loops)))
         return DecodeResults(exited, hazards, token_ids), num_exits, num_early
 
@@ -263,6 +288,10 @@ class SimExecutor(Executor):
         request_id, handle = item.request_id, item.handle
         if item.needs_prelude:
             tally.prelude_rows += item.token_count
+            tally.prelude_kv_read += item.token_start + item.token_count
+            tally.prelude_pairs += (
+                item.token_count * item.token_start + item.token_count * (item.token_count + 1) // 2
+            )
         else:
             assert handle in self._kept, (
                 f"{request_id}: resumes from handle {handle} the runner never kept"
@@ -278,11 +307,16 @@ class SimExecutor(Executor):
             result = ItemResult(request_id, handle, (), bool(item.exit_now))
             if self.rules.finalizes(item.depth, result.exited):
                 tally.finalize += self.num_loops - 1 - item.depth
+            if result.exited:  # the known token's coda layers (their K/V), no lm_head
+                self._coda.add(0, 1, start + 1, start + 1)
         else:
             tally.has_prompt = True
             tally.kv_read += start + count  # the chunk streams its context once
             tally.pairs += count * start + count * (count + 1) // 2
             result = self._prompt_result(item)
+            if item.last_depth == self.num_loops - 1:  # every position's coda layers
+                pairs = count * start + count * (count + 1) // 2
+                self._coda.add(0, count, start + count, pairs)
         # No hidden state to carry: a handle stays kept (None) from its first loop until its
         # work completes, instead of the runner's resume-then-keep each step.
         if self.rules.releases_handle(item, result.exited, result.sampled is not None):
@@ -291,6 +325,9 @@ class SimExecutor(Executor):
             self._handles.keep(request_id, handle, None)
         if result.sampled is None:
             return result, 0
+        self._coda.head_rows += 1  # the sampled position's lm_head
+        if result.loops_used is not None and result.loops_used < self.num_loops:
+            self._coda.add(0, 1, start + count, start + count)  # an early-exit first token
         self._targets.pop((request_id, self._num_sampled[request_id]), None)
         self._num_sampled[request_id] += 1
         return result, 1
@@ -350,6 +387,8 @@ class SimExecutor(Executor):
                 kv_read_positions=kv_read,
                 attention_pairs=call.pairs,
                 finalize_copies=call.finalize,
+                prelude_kv_read=call.prelude_kv_read if k == 1 else 0,
+                prelude_pairs=call.prelude_pairs if k == 1 else 0,
             )
             rows_per_call.append(call.rows)
             total_s += cost.time_s
@@ -371,9 +410,29 @@ class SimExecutor(Executor):
 
 
 @dataclass(slots=True)
+class _CodaTally:
+    """A step's coda work: lm_head rows, coda-layer rows with their context, and the
+    criterion checks' coda time (`coda_every_loop`)."""
+
+    head_rows: int = 0
+    layer_rows: int = 0
+    kv_read: int = 0
+    pairs: int = 0
+    checks_s: float = 0.0
+
+    def add(self, head_rows: int, layer_rows: int, kv_read: int, pairs: int) -> None:
+        self.head_rows += head_rows
+        self.layer_rows += layer_rows
+        self.kv_read += kv_read
+        self.pairs += pairs
+
+
+@dataclass(slots=True)
 class _CallTally:
     rows: int = 0
     prelude_rows: int = 0
+    prelude_kv_read: int = 0
+    prelude_pairs: int = 0
     kv_read: int = 0
     pairs: int = 0
     finalize: int = 0
@@ -386,6 +445,8 @@ class _CallTally:
         self.singles += other.singles
         self.rows += other.rows
         self.prelude_rows += other.prelude_rows
+        self.prelude_kv_read += other.prelude_kv_read
+        self.prelude_pairs += other.prelude_pairs
         self.kv_read += other.kv_read
         self.pairs += other.pairs
         self.finalize += other.finalize

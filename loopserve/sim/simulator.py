@@ -33,6 +33,7 @@ from loopserve.config import (
 from loopserve.contracts import RunnerOutput, SchedulerOutput
 from loopserve.engine.build import build_engine_core
 from loopserve.models.config import OuroConfig
+from loopserve.models.huginn import HuginnConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request
 from loopserve.scheduler.scheduler import Scheduler
@@ -65,7 +66,8 @@ def resolve_sim_config(
     hidden states the runner may hold, and the score store with prefix caching (the same
     memory plan as `LLMEngine`)."""
     free_bytes = max(0, device.hbm_bytes - shape.total_weight_bytes)
-    inflight_rows = max_inflight_rows(config, shape.num_loops)
+    # A row in flight keeps its state (and, for Huginn, the injected prelude output).
+    inflight_rows = max_inflight_rows(config, shape.num_loops) * shape.vectors_per_row
     block_size = config.cache.block_size
     # With prefix caching the runner's score store keeps a hidden vector per KV slot.
     store = block_size * shape.hidden_size * shape.dtype_bytes
@@ -84,7 +86,7 @@ class Simulator:
 
     def __init__(
         self,
-        model_config: OuroConfig,
+        model_config: OuroConfig | HuginnConfig,
         device: DeviceProfile,
         engine_args: dict[str, object] | None = None,
         *,
@@ -95,10 +97,13 @@ class Simulator:
         roofline: str = "call",
         client_max_tokens: int | None = None,
         host_model: HostModel | None = None,
+        coda_every_loop: bool = False,
     ) -> None:
         """`exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
         draws hazards from the distribution; requests get the threshold); trace mode replays
-        each request's `exit_trace`. `roofline`: see `CostModel`."""
+        each request's `exit_trace`. `roofline`: see `CostModel`. `coda_every_loop`: price
+        an exit criterion that runs the coda after every loop (Huginn's KL, entropy and
+        argmax criteria)."""
         self.exit_threshold = exit_threshold
         self.shape = ModelShape.from_config(model_config)
         self.device = device
@@ -125,9 +130,11 @@ class Simulator:
                 kv_block_bytes=block_bytes,
                 cascade=cascade_enabled(self.config),
                 block_size=cache.block_size,
+                coda_every_loop=coda_every_loop,
             ),
             async_scheduling=False,
             clock=time.process_time,
+            extra_planes=self.shape.extra_kv_planes,
         )
         self.scheduler = self.core.scheduler
         self.kv = self.scheduler.kv

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
+from loopserve.models.huginn import HuginnConfig
 from loopserve.sim.hardware import DeviceProfile
 from loopserve.sim.host_model import HostModel
 from loopserve.sim.metrics import SimResult, summarize
@@ -62,7 +63,7 @@ class PointResult:
 class SweepSetup:
     """Everything fixed across the points of a sweep."""
 
-    model_config: OuroConfig
+    model_config: OuroConfig | HuginnConfig
     device: DeviceProfile
     spec: WorkloadSpec
     engine_args: dict[str, object]
@@ -73,6 +74,7 @@ class SweepSetup:
     on_finish: Callable[[int], None] | None = None
     client_max_tokens: int | None = None  # see `Simulator`
     host_model: HostModel | None = None  # host time per core call (`sim.host_model`)
+    coda_every_loop: bool = False  # see `Simulator`
 
 
 def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
@@ -96,6 +98,7 @@ def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
             roofline=setup.roofline,
             client_max_tokens=setup.client_max_tokens,
             host_model=setup.host_model,
+            coda_every_loop=setup.coda_every_loop,
         )
     except ConfigError as err:
         return PointResult(arm.name, request_rate, None, f"pending: {err}")

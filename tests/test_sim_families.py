@@ -1,0 +1,87 @@
+"""The simulator prices every registered family: Huginn's prelude, coda and adapter, its
+once-per-position K/V plane, and exit criteria that run the coda after every loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+from loopserve.sim.cost_model import (
+    HUGINN_0125,
+    OURO_1P4B,
+    OURO_2P6B,
+    CostModel,
+    ModelShape,
+    sim_model_config,
+)
+from loopserve.sim.hardware import get_device_profile
+from loopserve.sim.metrics import summarize
+from loopserve.sim.simulator import Simulator
+from loopserve.sim.workload import WorkloadSpec, build_workload
+
+H200 = get_device_profile("h200")
+
+
+def test_huginn_0125_shape_matches_its_published_size():
+    shape = ModelShape.from_config(HUGINN_0125)
+    params = shape.total_weight_bytes / shape.dtype_bytes
+    assert 3.4e9 < params < 3.7e9  # "3.5B parameters"
+    # The model card's guideline: about 1.5B recurrent parameters per step.
+    assert 1.4e9 < shape.core_params < 1.7e9
+    # K/V per position: 4 core layers x 55 heads x 96 dims x K and V x 2 bytes per plane, and
+    # the 2 prelude + 2 coda layers once: one extra plane of the same size.
+    assert shape.kv_bytes_per_token_per_depth == 2 * 4 * 55 * 96 * 2 == 84_480
+    assert shape.kv_bytes_per_token_once == 84_480 and shape.extra_kv_planes == 1
+    assert shape.vectors_per_row == 2  # the state and the injected prelude output
+    ouro = ModelShape.from_config(OURO_1P4B)
+    assert ouro.extra_kv_planes == 0 and ouro.vectors_per_row == 1
+    assert ModelShape.from_config(OURO_2P6B).core_params > 1.9 * ouro.core_params
+
+
+def test_huginn_prelude_and_coda_layers_cost_what_a_core_layer_costs():
+    shape = ModelShape.from_config(HUGINN_0125)
+    cost = CostModel(shape, H200)
+    base = cost.core_call(rows=64, kv_read_positions=64 * 100, attention_pairs=64 * 100)
+    with_prelude = cost.core_call(rows=64, prelude_rows=64, kv_read_positions=64 * 100,
+                                  attention_pairs=64 * 100, prelude_kv_read=64 * 100,
+                                  prelude_pairs=64 * 100)  # fmt: skip
+    # Two prelude layers over the same rows: about half a core step's bytes more.
+    extra = with_prelude.bytes_moved - base.bytes_moved
+    assert 0.4 < extra / base.bytes_moved < 0.6
+    head_only = CostModel(ModelShape.from_config(OURO_1P4B), H200).coda(8)
+    assert cost.coda(8, kv_read_positions=800, attention_pairs=800).bytes_moved > (
+        ModelShape.from_config(HUGINN_0125).lm_head_weight_bytes
+    )
+    assert head_only.bytes_moved > 0
+
+
+@pytest.mark.parametrize("layout, planes", [("last_exited", 33), ("shared", 2)])
+def test_huginn_requests_hold_one_plane_per_step_plus_the_once_plane(layout, planes):
+    spec = WorkloadSpec(num_requests=12, dataset="synthetic", input_len=64, output_len=16,
+                        exit_dist="uniform")  # fmt: skip
+    workload = build_workload(spec, HUGINN_0125.num_loops)
+    sim = Simulator(HUGINN_0125, H200, {"max_num_seqs": 4, "layout": layout})
+    assert sim.kv.num_planes == planes
+    result = summarize(sim.run(workload, on_step=lambda s: s.check_invariants()))
+    assert result.num_finished == 12
+    assert result.num_output_tokens == sum(r.output_len for r in workload)
+
+
+def test_a_criterion_that_reads_logits_every_loop_costs_coda_time():
+    spec = WorkloadSpec(num_requests=16, dataset="synthetic", input_len=64, output_len=16,
+                        exit_dist="uniform")  # fmt: skip
+    workload = build_workload(spec, HUGINN_0125.num_loops)
+    runs = {}
+    for every_loop in (False, True):
+        sim = Simulator(HUGINN_0125, H200, {"max_num_seqs": 8}, coda_every_loop=every_loop)
+        sim.run(workload)
+        runs[every_loop] = sim.executor.stats
+    assert runs[True].core_time_s == pytest.approx(runs[False].core_time_s)
+    assert runs[True].coda_time_s > 2 * runs[False].coda_time_s
+
+
+def test_sim_model_config_reads_presets_and_any_family_config(tmp_path):
+    assert sim_model_config(None) is OURO_1P4B
+    assert sim_model_config("Huginn-0125") is HUGINN_0125
+    tiny = sim_model_config(str(make_tiny_huginn_checkpoint(tmp_path / "h") / "config.json"))
+    assert tiny.mean_recurrence == 8 and tiny.n_embd == 32

@@ -67,6 +67,7 @@ class SchedulerConfig:
 class ExitConfig:
     mode: str = default("exit_mode")
     lookahead_seed: int = default("lookahead_seed")
+    criterion: str = default("exit_criterion")
 
 
 @dataclass(frozen=True)

@@ -280,13 +280,16 @@ class DecodeResults:
 class NewRequestData:
     """Announces a request to the runner once, before its first item. When its sampling reads
     its tokens (`SampleSpec.needs_history`), the prompt and the outputs it already has (a
-    handed-off request) come along."""
+    handed-off request) come along. `max_loops`: the request's loop bound (0: the model's
+    depth); a family whose prompt positions keep state beyond the core (Huginn's coda K/V)
+    reads it."""
 
     request_id: str
     sample_spec: SampleSpec
     seed: int | None
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+    max_loops: int = 0
 
 
 class SwapKind(str, enum.Enum):

@@ -86,6 +86,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "against exit_threshold), ouro_delayed, random_lookahead, or trace (replay "
               "SamplingParams.exit_trace)", choices=EXIT_MODES),
     EngineArg("lookahead_seed", "exit", "lookahead_seed", 0, "seed of random_lookahead exits", int),
+    EngineArg("exit_criterion", "exit", "criterion", "kl", "Huginn: the convergence criterion "
+              "a request with exit_threshold < 1 exits by, its exit_threshold the criterion's "
+              "threshold (argmax-stability: 5 stable steps); ignored for Ouro",
+              choices=("kl", "minp-kl", "entropy-diff", "latent-diff", "cosine",
+                       "argmax-stability")),
     EngineArg("kv_reservation", "cache", "kv_reservation", "incremental", "incremental: prompt "
               "blocks at admission, grow as positions are written, preempt when short; full: "
               "reserve prompt + max_tokens - 1 positions up front", choices=KV_RESERVATIONS),

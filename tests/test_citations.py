@@ -14,7 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Upstream files named on purpose, never copied here.
-UPSTREAM = {"modeling_ouro.py": "the Hugging Face Ouro modelling code the model is checked against"}
+UPSTREAM = {
+    "modeling_ouro.py": "the Hugging Face Ouro modelling code the model is checked against",
+    "raven_modeling_minimal.py": "the Huginn authors' modelling code the golden file comes from",
+    "raven_config_minimal.py": "the Huginn authors' config class, beside their modelling code",
+}
 
 _NAME = r"(?<![\w/.-])([\w][\w./-]*\.{ext})\b"
 _SECTION = re.compile(r"\b([A-Z][A-Za-z_]*[A-Z])\s*§\s*\d")

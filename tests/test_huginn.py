@@ -4,6 +4,7 @@ scripts/huginn_golden.py), the loader, the family registry and the exit criteria
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,7 +18,13 @@ from loopserve.models import load_model
 from loopserve.models.huginn import HuginnConfig, HuginnForLoopedLM
 from loopserve.models.huginn_dense import generate, teacher_forced_logits
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint, weights_digest
-from loopserve.models.registry import HUGINN, OURO, family_of, read_config
+from loopserve.models.registry import (
+    HUGINN,
+    OURO,
+    family_of,
+    read_config,
+    require_engine_family,
+)
 
 GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "huginn_golden.json").read_text())
 
@@ -133,11 +140,11 @@ def test_registry_picks_the_family_from_config():
         family_of({"model_type": "llama", "architectures": ["RavenForCausalLM"]})
 
 
-def test_engine_refuses_huginn_at_start_up_with_the_reason(huginn_dir):
-    from loopserve import LLM
-
+def test_a_family_the_engine_does_not_serve_is_a_start_up_error():
+    family = dataclasses.replace(HUGINN, engine=False, runs_on="the dense reference")
     with pytest.raises(ConfigError, match="Huginn-0125 checkpoints load, but the batched engine"):
-        LLM(model=str(huginn_dir))
+        require_engine_family(family)
+    require_engine_family(HUGINN)  # served
 
 
 @pytest.mark.parametrize("name", CRITERIA)

@@ -36,9 +36,10 @@ from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import InvalidRequestError
 from loopserve.models import load_model, resolve_model_path
-from loopserve.models.registry import read_config, require_engine_family
+from loopserve.models.registry import HUGINN, read_config, require_engine_family
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
 from loopserve.runner.attention.registry import resolve_attention_backend
+from loopserve.runner.huginn_runner import HuginnRunner, check_huginn_config
 from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
@@ -56,7 +57,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config = resolve_dtype(config)
         model_path = config.model or str(DEFAULT_MODEL_DIR)
-        require_engine_family(read_config(resolve_model_path(model_path))[0])
+        family = read_config(resolve_model_path(model_path))[0]
+        require_engine_family(family)
+        self.family = family
+        if family is HUGINN:
+            check_huginn_config(config)
         self.model = load_model(model_path, dtype=config.dtype, device=config.device)
         self.tokenizer = Tokenizer.from_dir(self.model.checkpoint_dir)
         bytes_per_block = self.model.config.kv_bytes_per_block(
@@ -110,22 +115,34 @@ class LLMEngine:
             self.config,
             num_loops=self.num_loops,
             bytes_per_block=bytes_per_block,
-            make_executor=lambda kv: ModelRunner(
-                self.model,
-                num_blocks=cache.num_blocks,
-                block_size=cache.block_size,
-                layout=cache.layout,
-                exit_mode=self.config.exit.mode,
-                lookahead_seed=self.config.exit.lookahead_seed,
-                num_host_blocks=kv.host_pool.num_blocks,
-                attention_backend=self.config.attention_backend,
-                graph_mode=effective_graph_mode(self.config),
-                max_model_len=self.max_model_len,
-                max_num_seqs=self.config.scheduler.max_num_seqs,
-                batch_invariant=self.config.batch_invariant,
-                cascade_attention=cascade_enabled(self.config),
-                score_store=kv.prefix_cache is not None,
-                make_matcher=None if self.structured is None else self.structured.matcher,
+            extra_planes=1 if family is HUGINN else 0,
+            prefix_key_by_max_loops=family is HUGINN,
+            make_executor=lambda kv: (
+                HuginnRunner(
+                    self.model,  # type: ignore[arg-type]
+                    num_blocks=cache.num_blocks,
+                    block_size=cache.block_size,
+                    layout=cache.layout,
+                    criterion=self.config.exit.criterion,
+                )
+                if family is HUGINN
+                else ModelRunner(
+                    self.model,
+                    num_blocks=cache.num_blocks,
+                    block_size=cache.block_size,
+                    layout=cache.layout,
+                    exit_mode=self.config.exit.mode,
+                    lookahead_seed=self.config.exit.lookahead_seed,
+                    num_host_blocks=kv.host_pool.num_blocks,
+                    attention_backend=self.config.attention_backend,
+                    graph_mode=effective_graph_mode(self.config),
+                    max_model_len=self.max_model_len,
+                    max_num_seqs=self.config.scheduler.max_num_seqs,
+                    batch_invariant=self.config.batch_invariant,
+                    cascade_attention=cascade_enabled(self.config),
+                    score_store=kv.prefix_cache is not None,
+                    make_matcher=None if self.structured is None else self.structured.matcher,
+                )
             ),
         )
         self.scheduler = self.core.scheduler

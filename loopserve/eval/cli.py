@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from loopserve.errors import LoopserveError
 from loopserve.threads import add_threads_arg
-from loopserve.workloads.args import int_list
+from loopserve.workloads.args import add_progress_arg, int_list
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +31,18 @@ def _floats(text: str) -> list[float]:
         ) from None
     if not values or any(not 0.0 <= v <= 1.0 for v in values):
         raise argparse.ArgumentTypeError(f"thresholds must be in [0, 1], got {text!r}")
+    return values
+
+
+def _positive_floats(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"thresholds must be > 0, got {text!r}")
     return values
 
 
@@ -50,7 +62,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="windows per forward")
     parser.add_argument("--dtype", default="float32", help="model dtype for scoring")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-depth control")
+    parser.add_argument("--criterion", default="kl", help="Huginn: the exit criterion "
+                        "(kl, minp-kl, entropy-diff, latent-diff, cosine, argmax-stability)")  # fmt: skip
+    parser.add_argument("--criterion-thresholds", type=_positive_floats, default=[1e-3, 1e-2, 1e-1],
+                        help="Huginn: comma-separated criterion thresholds to sweep")  # fmt: skip
+    parser.add_argument("--steps", type=int_list, default=None,
+                        help="Huginn: fixed step counts to score (default: 1, 2, 4, ... and r)")  # fmt: skip
     add_threads_arg(parser)
+    add_progress_arg(parser)
     parser.add_argument("--output-json", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="PNG of CE versus mean loops")
 
@@ -102,6 +121,7 @@ def main_from_args(args: argparse.Namespace) -> int:
 
     from loopserve.eval.quality import evaluate, format_table, plot_report
     from loopserve.eval.scoring import SequenceScores, score_sequences
+    from loopserve.models.huginn import HuginnForLoopedLM
     from loopserve.models.loader import load_model
     from loopserve.models.tiny import DEFAULT_MODEL_DIR
     from loopserve.text.tokenizer import Tokenizer
@@ -110,6 +130,8 @@ def main_from_args(args: argparse.Namespace) -> int:
     apply_cpu_threads("cpu", args.threads)  # eval runs on the CPU: the policy of threads.py
     model_dir = args.model or str(DEFAULT_MODEL_DIR)
     model = load_model(model_dir, dtype=args.dtype)
+    if isinstance(model, HuginnForLoopedLM):
+        return _eval_huginn(args, model, model_dir)
     if max(args.min_loops) > model.num_loops:
         raise LoopserveError(f"--min-loops must be <= {model.num_loops} (the model's loops)")
     tokenizer = Tokenizer.from_dir(model.checkpoint_dir)
@@ -132,6 +154,31 @@ def main_from_args(args: argparse.Namespace) -> int:
         Path(args.output_json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     if args.plot:
         plot_report(report, args.plot)
+    return 0
+
+
+def _eval_huginn(args: argparse.Namespace, model, model_dir: str) -> int:
+    from loopserve.eval.huginn import default_steps, evaluate_huginn, format_huginn_table
+    from loopserve.exit.criteria import CRITERIA
+    from loopserve.text.tokenizer import Tokenizer
+    from loopserve.workloads.progress import progress_bar
+
+    if args.criterion not in CRITERIA or args.criterion == "none":
+        raise LoopserveError(f"--criterion must be one of {', '.join(CRITERIA[1:])}")
+    steps = args.steps or default_steps(model.num_loops)
+    if max(steps) > model.num_loops or min(steps) < 1:
+        raise LoopserveError(f"--steps must be in 1..{model.num_loops} (the config's r)")
+    windows, source = load_token_windows(args, Tokenizer.from_dir(model.checkpoint_dir))
+    total = len(windows) * len(args.criterion_thresholds)
+    bar = progress_bar(args, total=total, desc="eval", unit="window")
+    report = evaluate_huginn(
+        model, windows, criterion=args.criterion, thresholds=args.criterion_thresholds,
+        steps=steps, seed=args.seed, model_name=model_dir, source=source, on_window=bar.update,
+    )  # fmt: skip
+    bar.close()
+    print(format_huginn_table(report))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return 0
 
 

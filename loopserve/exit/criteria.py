@@ -37,6 +37,9 @@ class ExitCriterion(Protocol):
     name: str
     needs_logits: bool
     threshold: float
+    # The attributes that carry a token's state from one check to the next, each with the
+    # token as its first dimension (a batched executor stores them per token between calls).
+    state_fields: tuple[str, ...]
 
     def init(self, initial_latents: torch.Tensor) -> None: ...
 
@@ -49,6 +52,7 @@ class ExitCriterion(Protocol):
 
 class NoExit:
     name, needs_logits, threshold = "none", False, 0.0
+    state_fields: tuple[str, ...] = ()
 
     def init(self, initial_latents: torch.Tensor) -> None:
         pass
@@ -60,6 +64,7 @@ class NoExit:
 
 class EntropyDiff:
     name, needs_logits = "entropy-diff", True
+    state_fields = ("prev",)
 
     def __init__(self, threshold: float = 1e-3) -> None:
         self.threshold = threshold
@@ -77,6 +82,7 @@ class EntropyDiff:
 
 class LatentDiff:
     name, needs_logits = "latent-diff", False
+    state_fields = ("prev",)
 
     def __init__(self, threshold: float = 0.03) -> None:
         self.threshold = threshold
@@ -92,6 +98,7 @@ class LatentDiff:
 
 class Cosine:
     name, needs_logits = "cosine", False
+    state_fields = ("prev",)
 
     def __init__(self, threshold: float = 1e-3) -> None:
         self.threshold = threshold
@@ -111,6 +118,7 @@ class KLDivergence:
     """KL(p_{t-1} ‖ p_t) of successive next-token distributions."""
 
     name, needs_logits = "kl", True
+    state_fields = ("prev",)
 
     def __init__(self, vocab_size: int, threshold: float = 1e-3) -> None:
         self.vocab_size = vocab_size
@@ -149,6 +157,7 @@ class MinPKLDivergence(KLDivergence):
 
 class ArgmaxStability:
     name, needs_logits = "argmax-stability", True
+    state_fields = ("prev", "stable")
 
     def __init__(self, threshold: float = 5) -> None:
         self.threshold = int(threshold)

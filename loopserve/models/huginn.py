@@ -130,6 +130,12 @@ class HuginnConfig:
     def init_std(self) -> float:
         return math.sqrt(2 / (5 * self.n_embd))
 
+    def kv_bytes_per_block(self, block_size: int, element_size: int) -> int:
+        """Bytes of one K/V block of one plane. Every plane has max(core, prelude + coda)
+        layers: the step planes use the core layers, the once plane the others."""
+        layers = max(self.num_core_layers, self.num_once_layers)
+        return 2 * layers * self.num_key_value_heads * self.head_dim * block_size * element_size
+
     def kv_elements_per_token(self, planes: int) -> int:
         """K and V elements one position stores with `planes` core planes."""
         layers = self.num_once_layers + planes * self.num_core_layers

@@ -198,3 +198,35 @@ def teacher_forced_logits(
                            criterion=make_criterion("none", vocab_size=1), may_exit=False,
                            init_scale=0.0, generator=None)  # fmt: skip
     return logits
+
+
+@torch.no_grad()
+def score_tokens(
+    model: HuginnForLoopedLM,
+    token_ids: list[int],
+    *,
+    criterion: str = "none",
+    threshold: float | None = None,
+    min_steps: int = 0,
+    num_steps: int | None = None,
+    steps: list[int] | None = None,
+    lookup: str = "last_exited",
+) -> tuple[torch.Tensor, list[int]]:
+    """Teacher forcing one position at a time, each exiting by `criterion` (the authors'
+    `_prefill_with_varied_exit_steps`), or after `steps[i]` steps when given (a control).
+    Returns the log-probability of every next token [len - 1] and the steps each used."""
+    max_steps = num_steps or model.config.mean_recurrence
+    kv = HuginnDenseKV(model, max_len=len(token_ids), max_steps=max_steps, lookup=lookup)
+    vocab = model.config.vocab_size
+    logprobs, used = [], []
+    for i in range(len(token_ids) - 1):
+        fixed = steps is not None
+        rule = make_criterion("none" if fixed else criterion, vocab_size=vocab,
+                              threshold=threshold)  # fmt: skip
+        logits, count, _ = _run_token(
+            model, kv, [token_ids[i]], i, max_steps=steps[i] if fixed else max_steps,
+            min_steps=min_steps, criterion=rule, may_exit=True, init_scale=0.0, generator=None,
+        )  # fmt: skip
+        logprobs.append(torch.log_softmax(logits[-1].float(), dim=-1)[token_ids[i + 1]])
+        used.append(count)
+    return torch.stack(logprobs), used

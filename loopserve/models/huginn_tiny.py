@@ -49,13 +49,24 @@ def init_huginn_weights(model: HuginnForLoopedLM, seed: int, *, state_gain: floa
 
 
 def make_tiny_huginn_checkpoint(
-    path: str | os.PathLike, *, seed: int = 1, state_gain: float = 0.5, **overrides
+    path: str | os.PathLike,
+    *,
+    seed: int = 1,
+    state_gain: float = 0.5,
+    with_tokenizer: bool = False,
+    **overrides,
 ) -> Path:
+    """`with_tokenizer`: also write a byte-level BPE tokenizer of the model's vocabulary
+    (at least 259 tokens: pass `vocab_size`)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model = HuginnForLoopedLM(tiny_huginn_config(**overrides))
     init_huginn_weights(model, seed, state_gain=state_gain)
     save_model(model, out)
+    if with_tokenizer:
+        from loopserve.text.toy_tokenizer import write_byte_level_bpe_tokenizer
+
+        write_byte_level_bpe_tokenizer(out, vocab_size=model.config.vocab_size)
     return out
 
 

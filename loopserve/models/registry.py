@@ -52,8 +52,9 @@ HUGINN = ModelFamily(
     model_class=HuginnForLoopedLM,
     tied_head=("lm_head.weight", "transformer.wte.weight"),
     ignored_tensors=("freqs_cis",),
-    engine=False,
-    runs_on="the dense reference (loopserve.models.huginn_dense) and the simulator",
+    engine=True,
+    runs_on="the engine on CPU (eager, LAST_EXITED; runner/huginn_runner.py), the dense "
+    "reference (loopserve.models.huginn_dense) and the simulator",
 )
 FAMILIES = (OURO, HUGINN)
 

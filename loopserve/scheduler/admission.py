@@ -103,10 +103,19 @@ class Admission:
         (the store holds last-loop outputs only; its own pages are still published)."""
         params = request.params
         if params.prompt_logprobs is None:
-            return self.kv.match_prefix(request.request_id, request.prompt_token_ids)
+            return self.kv.match_prefix(
+                request.request_id,
+                request.prompt_token_ids,
+                max_loops=request.exit_rule.max_loops,
+            )
         if params.prompt_logprobs_loop != "last":
             return []
-        return self.kv.match_prefix(request.request_id, request.prompt_token_ids, scored_only=True)
+        return self.kv.match_prefix(
+            request.request_id,
+            request.prompt_token_ids,
+            scored_only=True,
+            max_loops=request.exit_rule.max_loops,
+        )
 
     def _admission_positions(self, request: Request) -> int:
         if self.full_reservation:
@@ -181,7 +190,9 @@ class Admission:
             if spec.needs_history:  # the prompt, and the outputs of a handed-off request
                 history = (tuple(request.prompt_token_ids), tuple(request.output_token_ids))
             self.outbox.new_requests.append(
-                NewRequestData(request_id, spec, request.params.seed, *history)
+                NewRequestData(
+                    request_id, spec, request.params.seed, *history, request.exit_rule.max_loops
+                )
             )
 
     def grow_running(self) -> None:

@@ -101,6 +101,7 @@ class KVCacheManager:
         self.num_swapped_out_blocks = 0  # totals, for stats
         self.num_swapped_in_blocks = 0
         self.bytes_per_block = 0  # one block of one plane, when known (stats only)
+        self.key_by_max_loops = False  # see `match_prefix`
 
     @classmethod
     def from_config(
@@ -197,16 +198,26 @@ class KVCacheManager:
     # ---- prefix caching ---------------------------------------------------------------------
 
     def match_prefix(
-        self, request_id: str, prompt_token_ids: list[int], *, scored_only: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        scored_only: bool = False,
+        max_loops: int = 0,
     ) -> list[CachedPage]:
         """Cached pages that can serve the start of this prompt (not yet referenced); the
         last prompt position is always left to compute. `scored_only`: pages whose
-        positions' last-loop outputs are in the score store (prompt logprobs)."""
+        positions' last-loop outputs are in the score store (prompt logprobs). With
+        `key_by_max_loops` (a family whose prompt K/V depends on the request's loop bound,
+        like Huginn's coda), pages are shared only between requests of the same
+        `max_loops`."""
         if self.prefix_cache is None:
             return []
         keys = self._page_keys.get(request_id)
         if keys is None:
-            keys = self._page_keys[request_id] = self.prefix_cache.page_keys(prompt_token_ids)
+            salt = f"/r{max_loops}".encode() if self.key_by_max_loops else b""
+            keys = self.prefix_cache.page_keys(prompt_token_ids, salt)
+            self._page_keys[request_id] = keys
         max_pages = (len(prompt_token_ids) - 1) // self.block_size
         return self.prefix_cache.match(keys, max_pages, scored_only=scored_only)
 

@@ -85,11 +85,14 @@ class PrefixCache:
     def num_evictable_blocks(self) -> int:
         return len(self.evictable) * self.num_planes
 
-    def page_keys(self, token_ids: list[int]) -> list[PageKey]:
-        """(key, parent, tokens) of every full page of `token_ids`, in order."""
+    def page_keys(self, token_ids: list[int], salt: bytes = b"") -> list[PageKey]:
+        """(key, parent, tokens) of every full page of `token_ids`, in order. `salt` keys
+        pages apart that hold the same tokens but different K/V (a request setting that
+        changes what its prompt computes)."""
         size = self.block_size
-        hashes = prefix_block_hashes(token_ids, size, self.root)
-        parents = [self.root, *hashes[:-1]]
+        root = self.root + salt
+        hashes = prefix_block_hashes(token_ids, size, root)
+        parents = [root, *hashes[:-1]]
         return [
             (key, parent, tuple(token_ids[i * size : (i + 1) * size]))
             for i, (key, parent) in enumerate(zip(hashes, parents))

@@ -135,6 +135,7 @@ class Simulator:
             async_scheduling=False,
             clock=time.process_time,
             extra_planes=self.shape.extra_kv_planes,
+            prefix_key_by_max_loops=self.shape.coda_layers > 0,
         )
         self.scheduler = self.core.scheduler
         self.kv = self.scheduler.kv

@@ -1,0 +1,526 @@
+"""The Huginn executor: continuous depth batching for a model with a prelude and a coda of
+attention layers, input injection at every step, and convergence exit criteria.
+
+It executes the same `SchedulerOutput` as `ModelRunner` (decode rows as columns, prompt and
+replay items, refill and no_refill, every prompt arm) with eager calls on the paged torch
+attention backend. Rows of different requests at different recurrence steps share each core
+call. What is particular to the family:
+
+- K/V: every request holds the layout's planes for the core layers (one per step under
+  LAST_EXITED) plus one more, the *once plane* (the last of its block tables), whose layers
+  hold the prelude's and the coda's K/V, one entry per position. The cache tensor has
+  max(core, prelude + coda) layers; `_Router` sends each global layer index to the plane
+  and local layer it uses.
+- A row carries two vectors between steps: its state and `e`, the prelude's output that
+  every step injects.
+- Exits: the request's criterion (`exit/criteria.py`) is checked after every loop the
+  scheduler plans as GATE (loops from `min_loops` on) and reported as a hazard of 1 (it
+  fired) or 0, so the scheduler's CDF rule exits exactly when the criterion fires (any
+  threshold in (0, 1]); rows before `min_loops` report 0 and their criterion state stays
+  as it was at the token's start, as in the authors' code. Criteria that read the
+  next-token distribution run the coda (writing the position's coda K/V, overwritten by
+  each check) at every checked loop.
+- Prompts run at full depth and their first token uses all of the request's loops
+  (`max_loops`, its r; the authors' `do_not_exit_in_prefill=True`): the state of every
+  prompt row at the request's last loop is kept, and at the chunk's last depth the coda
+  runs over all its rows from those states, so later tokens find every position's coda
+  K/V as a run at r steps leaves it.
+- The initial state is zeros (`init_scale=0`).
+
+Not supported (start-up errors in `LLMEngine`): CUDA graphs, the SHARED layout, swap
+preemption, prompt log-probabilities, batch-invariant mode, PD hand-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from loopserve.contracts import (
+    DecodeResults,
+    ItemKind,
+    ItemResult,
+    NewRequestData,
+    RequestFailure,
+    RunnerOutput,
+    SampledToken,
+    SchedulerOutput,
+)
+from loopserve.errors import ConfigError, InvalidRequestError
+from loopserve.execution import Executor, StepRules, run_without_failed
+from loopserve.exit import ExitMode, choose_exit_from_hazards
+from loopserve.exit.columns import GATE, decide_exits
+from loopserve.exit.criteria import ExitCriterion, make_criterion
+from loopserve.models.huginn import HuginnForLoopedLM
+from loopserve.runner.attention.base import RowSegment, finalize_slots
+from loopserve.runner.attention.registry import make_attention_backend
+from loopserve.runner.handles import HandleTable
+from loopserve.runner.sampler import TokenHistory, is_greedy, make_generator, sample_rows
+from loopserve.runner.transfers import Transfers
+
+logger = logging.getLogger(__name__)
+
+
+def check_huginn_config(config) -> None:
+    """Start-up errors for the engine options the Huginn executor does not run (an
+    `EngineConfig`; CPU, eager, LAST_EXITED, recompute preemption, the `ouro` exit mode)."""
+    graph = config.graph_mode if not config.enforce_eager else "off"
+    problems = []
+    if config.cache.layout != "last_exited":
+        problems.append(f"layout={config.cache.layout!r} (Huginn runs under last_exited)")
+    if graph not in ("off", "auto") or (graph == "auto" and config.device.startswith("cuda")):
+        problems.append(f"graph_mode={config.graph_mode!r} (Huginn runs eagerly: graph_mode='off')")
+    if config.scheduler.preemption_mode != "recompute":
+        problems.append("preemption_mode='swap' (Huginn preempts by recompute)")
+    if config.exit.mode != "ouro":
+        problems.append(f"exit_mode={config.exit.mode!r} (Huginn exits by its criterion: 'ouro')")
+    if config.batch_invariant:
+        problems.append("batch_invariant=True")
+    if config.async_scheduling:
+        problems.append("async_scheduling=True")
+    if problems:
+        raise ConfigError("Huginn-0125 does not run with " + "; ".join(problems))
+
+
+class _Router:
+    """The attention backend a Huginn call hands the model: core layers go to the rows'
+    step planes, prelude and coda layers to their once plane."""
+
+    def __init__(self, groups: dict[str, range], core=None, once=None) -> None:
+        self.core, self.once = core, once
+        self.core_start = groups["core"].start
+        self.core_layers = groups["core"]
+        prelude, coda = groups["prelude"], groups["coda"]
+        self.once_index = {layer: i for i, layer in enumerate([*prelude, *coda])}
+
+    def attend(self, layer_idx: int, query, key, value):
+        if layer_idx in self.core_layers:
+            return self.core.attend(layer_idx - self.core_start, query, key, value)
+        return self.once.attend(self.once_index[layer_idx], query, key, value)
+
+
+class _Token:
+    """A decode token in flight: its state, its injected prelude output and its criterion
+    state (one tensor per `state_fields` entry, without the token dimension)."""
+
+    __slots__ = ("state", "e", "criterion")
+
+    def __init__(self, state: torch.Tensor, e: torch.Tensor, criterion: list[torch.Tensor]):
+        self.state, self.e, self.criterion = state, e, criterion
+
+
+class HuginnRunner(Executor):
+    def __init__(
+        self,
+        model: HuginnForLoopedLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        layout: str,
+        criterion: str,
+        criterion_threshold: float | None = None,
+    ) -> None:
+        config = model.config
+        self.model = model
+        self.num_loops = model.num_loops
+        self.block_size = block_size
+        self.rules = StepRules.of(layout, self.num_loops)
+        assert not self.rules.shared, "Huginn runs under LAST_EXITED only"
+        self.once_plane = self.rules.num_planes  # the extra plane after the step planes
+        self.groups = config.layer_groups
+        param = model.lm_head.weight
+        self.device, self.dtype = param.device, param.dtype
+        layers = max(config.num_core_layers, config.num_once_layers)
+        self.kv_cache = torch.zeros(
+            (layers, 2, num_blocks * block_size, config.num_key_value_heads, config.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.transfers = Transfers(self.device)
+        self.attention = make_attention_backend(
+            "torch", self.kv_cache, block_size=block_size, scale=config.head_dim**-0.5,
+            transfers=self.transfers,
+        )  # fmt: skip
+        self.vocab_size = config.vocab_size
+        self.criterion_name = criterion
+        self.criterion_threshold = criterion_threshold
+        make_criterion(criterion, vocab_size=config.vocab_size, threshold=criterion_threshold)
+        self.samplers: dict[str, tuple] = {}
+        self.max_loops: dict[str, int] = {}  # per request: its r
+        self.decoding: dict[str, _Token] = {}
+        # Prompt and replay work between steps: (state, e, state at the request's last loop).
+        self.inflight: HandleTable[tuple] = HandleTable()
+        self._forward_s = 0.0
+
+    def _criterion(self) -> ExitCriterion:
+        return make_criterion(
+            self.criterion_name, vocab_size=self.vocab_size, threshold=self.criterion_threshold
+        )
+
+    # ---- bookkeeping -------------------------------------------------------------------
+
+    def setup_request(self, new: NewRequestData) -> tuple:
+        generator = None if is_greedy(new.sample_spec) else make_generator(new.seed, self.device)
+        history = None
+        if new.sample_spec.adjusts_logits:
+            if new.sample_spec.structured is not None:
+                raise InvalidRequestError("structured output is not supported for Huginn yet")
+            history = TokenHistory(
+                new.sample_spec, self.vocab_size, self.transfers,
+                prompt_token_ids=new.prompt_token_ids, output_token_ids=new.output_token_ids,
+            )  # fmt: skip
+        return new.sample_spec, generator, history
+
+    def _drop(self, request_id: str) -> None:
+        self.samplers.pop(request_id, None)
+        self.max_loops.pop(request_id, None)
+        self.decoding.pop(request_id, None)
+        self.inflight.release(request_id)
+
+    def _bookkeeping(self, scheduled: SchedulerOutput) -> tuple[RequestFailure, ...]:
+        for request_id in scheduled.finished_request_ids:
+            self._drop(request_id)
+        failures = []
+        for new in scheduled.new_requests:
+            try:
+                self.samplers[new.request_id] = self.setup_request(new)
+                self.max_loops[new.request_id] = new.max_loops or self.num_loops
+            except Exception as err:  # fails this request only
+                logger.exception("setup of request %s failed", new.request_id)
+                self._drop(new.request_id)
+                failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
+        assert not scheduled.kv_transfers, "Huginn runs without swap preemption"
+        for request_id in scheduled.preempted_request_ids:
+            self.inflight.release(request_id)
+            self.decoding.pop(request_id, None)
+        return tuple(failures)
+
+    @property
+    def num_live_handles(self) -> int:
+        return len(self.inflight) + len(self.decoding)
+
+    # ---- execution ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        failures = self._bookkeeping(scheduled)
+        unsupported = {
+            item.request_id
+            for item in scheduled.items
+            if item.score_ids or item.score_rule is not None
+        } - {failure.request_id for failure in failures}
+        if unsupported:  # fails those requests alone, with the reason
+            for request_id in unsupported:
+                self._drop(request_id)
+            reason = "InvalidRequestError: prompt logprobs are not supported for Huginn yet"
+            failures += tuple(RequestFailure(rid, reason) for rid in sorted(unsupported))
+        if failures:
+            return run_without_failed(scheduled, failures, self._run)
+        return self._run(scheduled)
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        out = fn(*args)
+        self._forward_s += time.perf_counter() - start
+        return out
+
+    def _run(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        if scheduled.is_empty:
+            return RunnerOutput(scheduled.step_id, ())
+        start_s, self._forward_s = time.perf_counter(), 0.0
+        items, tables, decode = scheduled.items, scheduled.block_tables, scheduled.decode
+        num_calls = max([item.num_depths for item in items] + [1])
+        states: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
+        # Prompt rows' states at their request's last loop (None until it ran).
+        loop_states: list[torch.Tensor | None] = [None] * len(items)
+        exited_items = [False] * len(items)
+        rows_per_call = []
+        decode_out = None
+        num_finalized = 0
+        for k in range(num_calls):
+            active = [i for i, item in enumerate(items) if k < item.num_depths]
+            rows = decode if (k == 0 and decode is not None) else None
+            out = self._call(k, rows, items, active, tables, states, loop_states)
+            rows_per_call.append(
+                sum(items[i].token_count for i in active) + (0 if rows is None else len(rows))
+            )
+            if rows is not None:
+                decode_out = out
+            num_finalized += self._replays(k, items, active, tables, states, exited_items)
+        failed: list[RequestFailure] = []
+        decode_results = None
+        num_early = 0
+        if decode is not None:
+            decode_results, early, finalized = self._decode_exits(
+                decode, decode_out, tables, failed
+            )
+            num_early += early
+            num_finalized += finalized
+        results = self._item_results(items, tables, states, loop_states, exited_items, failed)
+        return RunnerOutput(
+            scheduled.step_id,
+            tuple(results),
+            tuple(rows_per_call),
+            model_time_s=time.perf_counter() - start_s,
+            forward_time_s=self._forward_s,
+            num_early_exits=num_early,
+            num_finalize_copies=num_finalized,
+            failed_requests=tuple(failed),
+            decode=decode_results,
+        )
+
+    def _call(self, k, decode, items, active, tables, states, loop_states):
+        """Core call k: decode rows (call 0) and the active items; the prelude first for rows
+        that start here. Returns the decode rows' (input state, output state, e)."""
+        positions: list[int] = []
+        parts, first = [], []  # (request, depth, start, count); rows needing the prelude
+        first_ids: list[int] = []
+        if decode is not None:
+            for i, rid in enumerate(decode.request_ids):
+                depth, pos = int(decode.depths[i]), int(decode.positions[i])
+                parts.append((rid, depth, pos, 1))
+                if depth == 0:
+                    first.append((rid, pos, 1))
+                    first_ids.append(int(decode.token_ids[i]))
+        for i in active:
+            item = items[i]
+            parts.append((item.request_id, item.depth + k, item.token_start, item.token_count))
+            if k == 0 and item.needs_prelude:
+                first.append((item.request_id, item.token_start, item.token_count))
+                first_ids.extend(item.token_ids)
+        for _, _, start, count in parts:
+            positions.extend(range(start, start + count))
+        started = self._prelude(first, first_ids, tables) if first else None
+        # Inputs in row order: decode rows, then items.
+        state_parts, e_parts, at = [], [], 0
+        if decode is not None:
+            for i, rid in enumerate(decode.request_ids):
+                if int(decode.depths[i]) == 0:
+                    state_parts.append(started[0][at : at + 1])
+                    e_parts.append(started[1][at : at + 1])
+                    at += 1
+                else:
+                    token = self.decoding[rid]
+                    state_parts.append(token.state[None])
+                    e_parts.append(token.e[None])
+        for i in active:
+            item = items[i]
+            if k == 0 and item.needs_prelude:
+                n = item.token_count
+                states[i] = (started[0][at : at + n], started[1][at : at + n])
+                at += n
+            elif states[i] is None:
+                resumed = self.inflight.resume(item.handle)
+                states[i], loop_states[i] = resumed[:2], resumed[2]
+            state_parts.append(states[i][0])
+            e_parts.append(states[i][1])
+        state_in = torch.cat(state_parts)
+        e = torch.cat(e_parts)
+        pos = self.transfers.to_device(positions)
+        core = self.attention.prepare(
+            [RowSegment(tables[rid][depth], start, count) for rid, depth, start, count in parts]
+        )
+        state_out = self._timed(self.model.core, state_in, e, pos, _Router(self.groups, core=core))
+        at = 0 if decode is None else len(decode)
+        for i in active:
+            n = items[i].token_count
+            states[i] = (state_out[at : at + n], e[at : at + n])
+            item = items[i]
+            if (
+                item.kind is ItemKind.PROMPT
+                and item.depth + k == self.max_loops[item.request_id] - 1
+            ):
+                loop_states[i] = states[i][0]
+            at += n
+        if decode is None:
+            return None
+        n = len(decode)
+        return state_in[:n], state_out[:n], e[:n], pos[:n]
+
+    def _prelude(self, first, token_ids, tables):
+        """Prelude of the rows that start a token or a prompt chunk: their `e` and initial
+        state (zeros), in the order given."""
+        positions = [p for _, start, count in first for p in range(start, start + count)]
+        once = self.attention.prepare(
+            [RowSegment(tables[rid][self.once_plane], start, count) for rid, start, count in first]
+        )
+        ids = self.transfers.to_device(token_ids)
+        pos = self.transfers.to_device(positions)
+        e = self._timed(self.model.prelude, ids, pos, _Router(self.groups, once=once))
+        return self.model.initial_state(e, init_scale=0.0), e
+
+    def _coda(self, state, segments, positions):
+        once = self.attention.prepare(segments)
+        pos = self.transfers.to_device(positions)
+        return self._timed(self.model.coda, state, pos, _Router(self.groups, once=once))
+
+    # ---- decode rows -------------------------------------------------------------------
+
+    def _decode_exits(self, decode, out, tables, failed):
+        state_in, state_out, e, pos = out
+        n = len(decode)
+        depths = decode.depths
+        hazards = np.full(n, np.nan)
+        hazards[decode.needs_gate] = 0.0
+        gate = np.flatnonzero(decode.exit_code == GATE)
+        rule = self._criterion()
+        fields = rule.state_fields
+        # Tokens that start here: their criterion state from their initial state.
+        starting = np.flatnonzero(depths == 0)
+        start_state = {}
+        if len(starting):
+            rule.init(state_in[starting].unsqueeze(1))
+            for j, row in enumerate(starting.tolist()):
+                start_state[row] = [getattr(rule, f)[j] for f in fields]
+        criterion_state = {}
+        for row, rid in enumerate(decode.request_ids):
+            criterion_state[row] = start_state.get(row) or self.decoding[rid].criterion
+        logits = None
+        logit_rows: list[int] = []
+        if len(gate):
+            rows = gate.tolist()
+            if rule.needs_logits:
+                logit_rows = rows
+                logits = self._decode_coda(decode, rows, state_out, tables)
+            for f, name in enumerate(fields):
+                setattr(rule, name, torch.stack([criterion_state[r][f] for r in rows]))
+            if rule.name != "argmax-stability":  # the request's (argmax: the engine's steps)
+                rule.threshold = torch.from_numpy(decode.threshold[gate]).to(self.device)
+            fire, _ = rule.check(state_out[gate].unsqueeze(1), logits)
+            hazards[gate] = fire.cpu().numpy().astype(np.float64)
+            for j, r in enumerate(rows):
+                criterion_state[r] = [getattr(rule, name)[j] for name in fields]
+        exited = decide_exits(
+            decode.exit_code, decode.cdf_before, decode.survival_before, hazards, decode.threshold
+        )
+        # Keep the tokens that go on; finalize and sample the ones that exit.
+        for row, rid in enumerate(decode.request_ids):
+            if exited[row]:
+                self.decoding.pop(rid, None)
+            else:
+                self.decoding[rid] = _Token(state_out[row], e[row], criterion_state[row])
+        exit_rows = np.flatnonzero(exited).tolist()
+        finalized = 0
+        if exit_rows:
+            finalized = self._finalize(
+                [(tables[decode.request_ids[r]], int(decode.positions[r]), int(depths[r]))
+                 for r in exit_rows]
+            )  # fmt: skip
+        token_ids = np.full(n, -1, np.int64)
+        logprobs: dict[int, SampledToken] = {}
+        if exit_rows:
+            have = {r: j for j, r in enumerate(logit_rows)}
+            missing = [r for r in exit_rows if r not in have]
+            extra = self._decode_coda(decode, missing, state_out, tables) if missing else None
+            picked = [
+                logits[have[r]] if r in have else extra[missing.index(r)]  # type: ignore[index]
+                for r in exit_rows
+            ]
+            requests = [decode.request_ids[r] for r in exit_rows]
+            sampled = self._sample(torch.stack(picked), requests, failed)
+            for r, token in zip(exit_rows, sampled, strict=True):
+                if token is None:
+                    continue
+                token_ids[r] = token.token_id
+                if token.logprob is not None:
+                    logprobs[r] = token
+        early = int(np.count_nonzero(exited & (depths + 1 < self.num_loops)))
+        return DecodeResults(exited, hazards, token_ids, logprobs), early, finalized
+
+    def _decode_coda(self, decode, rows, state_out, tables):
+        segments = [
+            RowSegment(tables[decode.request_ids[r]][self.once_plane], int(decode.positions[r]), 1)
+            for r in rows
+        ]
+        positions = [int(decode.positions[r]) for r in rows]
+        index = self.transfers.to_device(rows)
+        return self._coda(state_out.index_select(0, index), segments, positions)
+
+    def _finalize(self, exits) -> int:
+        """LAST_EXITED copies of tokens exiting below full depth; returns how many tokens."""
+        src, dst = finalize_slots(exits, self.block_size, self.rules.num_planes)
+        if src:
+            slots = self.transfers.to_device(src + dst)
+            self.attention.finalize(slots[: len(src)], slots[len(src) :])
+        return sum(1 for _, _, depth in exits if depth < self.num_loops - 1)
+
+    def _sample(self, logits, request_ids, failed) -> list[SampledToken | None]:
+        specs, generators, histories = [], [], []
+        for rid in request_ids:
+            spec, generator, history = self.samplers[rid]
+            specs.append(spec)
+            generators.append(generator)
+            histories.append(history)
+        failures: dict[int, str] = {}
+        tokens = sample_rows(logits, specs, generators, self.transfers, failures, histories)
+        out: list[SampledToken | None] = []
+        for row, (rid, token) in enumerate(zip(request_ids, tokens, strict=True)):
+            if row in failures:
+                failed.append(RequestFailure(rid, failures[row]))
+                out.append(None)
+                continue
+            if histories[row] is not None:
+                histories[row].record(token.token_id)
+            out.append(token)
+        return out
+
+    # ---- items -------------------------------------------------------------------------
+
+    def _replays(self, k, items, active, tables, states, exited_items) -> int:
+        """Replay rows at their recorded exit: their coda K/V and their finalize copies."""
+        done = [i for i in active if items[i].kind is ItemKind.REPLAY and items[i].exit_now]
+        if not done:
+            return 0
+        for i in done:
+            exited_items[i] = True
+        state = torch.cat([states[i][0] for i in done])
+        segments = [RowSegment(tables[items[i].request_id][self.once_plane],
+                               items[i].token_start, 1) for i in done]  # fmt: skip
+        self._coda(state, segments, [items[i].token_start for i in done])
+        return self._finalize(
+            [(tables[items[i].request_id], items[i].token_start, items[i].depth + k)
+             for i in done]
+        )  # fmt: skip
+
+    def _item_results(self, items, tables, states, loop_states, exited_items, failed):
+        results: list[ItemResult] = []
+        last = self.num_loops - 1
+        for i, item in enumerate(items):
+            hazards = (0.0,) * item.num_depths if item.needs_gate else ()
+            if item.kind is ItemKind.REPLAY:
+                if not exited_items[i]:
+                    self.inflight.keep(item.request_id, item.handle, (*states[i], None))
+                else:
+                    self.inflight.done(item.request_id, item.handle)
+                results.append(ItemResult(item.request_id, item.handle, (), exited_items[i]))
+                continue
+            if item.last_depth < last:
+                self.inflight.keep(item.request_id, item.handle, (*states[i], loop_states[i]))
+                results.append(ItemResult(item.request_id, item.handle, hazards))
+                continue
+            self.inflight.done(item.request_id, item.handle)
+            state = loop_states[i]  # every row at the request's last loop
+            loops = None
+            if self.rules.samples_first_token(item):
+                assert item.exit_rule is not None
+                loops = choose_exit_from_hazards(
+                    ExitMode.OURO, item.exit_rule, [0.0] * self.num_loops, item.trace_loops
+                )
+                assert loops == self.max_loops[item.request_id], "a first token uses r loops"
+            table = tables[item.request_id][self.once_plane]
+            logits = self._coda(
+                state,
+                [RowSegment(table, item.token_start, item.token_count)],
+                list(range(item.token_start, item.token_start + item.token_count)),
+            )
+            if loops is None:
+                results.append(ItemResult(item.request_id, item.handle, hazards))
+                continue
+            token = self._sample(logits[-1:], [item.request_id], failed)[0]
+            results.append(
+                ItemResult(item.request_id, item.handle, hazards, token is not None, loops, token)
+            )
+        return results

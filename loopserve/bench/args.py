@@ -122,7 +122,14 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         "--exit-threshold",
         type=float,
         default=None,
-        help="instead of traces, the gate exits at this cumulative probability (1.0: never early)",
+        help="instead of traces, the gate exits at this cumulative probability (1.0: never early; "
+        "Huginn: the criterion's threshold)",
+    )
+    work.add_argument(
+        "--exit-criterion",
+        default="kl",
+        help="Huginn checkpoints: the convergence criterion requests exit by (with "
+        "--exit-threshold); ignored for Ouro",
     )
     work.add_argument("--seed", type=int, default=0, help="workload seed")
     add_model_args(

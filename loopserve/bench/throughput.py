@@ -43,8 +43,8 @@ from loopserve.bench.throughput_workload import (  # noqa: F401  (make_workload:
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError
-from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
+from loopserve.models.registry import read_config
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
 from loopserve.workloads.arms import ARMS as ALL_ARMS
@@ -140,12 +140,13 @@ def build_engine(
         prefill_chunk_size=min(args.prefill_chunk_size, args.max_num_batched_tokens),
         mode=arm.mode,
         exit_mode="ouro" if args.exit_threshold is not None else "trace",
+        exit_criterion=args.exit_criterion,
     )
 
 
 def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
     """Warm up, run the arms interleaved for `--repeats` rounds, then the host-overhead run."""
-    model_config = OuroConfig.from_file(model_dir / "config.json")
+    model_config = read_config(model_dir)[1]
     num_loops, gate = model_config.num_loops, args.exit_threshold is not None
     requests = make_workload(
         args.num_requests,

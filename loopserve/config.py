@@ -82,6 +82,7 @@ class EngineConfig:
     async_scheduling: bool = default("async_scheduling")
     batch_invariant: bool = default("batch_invariant")
     cascade_attention: bool | None = default("cascade_attention")  # None: see cascade_enabled
+    init_scale: float = default("init_scale")
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)

@@ -290,6 +290,7 @@ class NewRequestData:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     max_loops: int = 0
+    prompt_len: int = 0
 
 
 class SwapKind(str, enum.Enum):

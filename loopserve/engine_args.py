@@ -115,6 +115,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("async_scheduling", "top", "async_scheduling", False, "choose step n+1's rows "
               "while step n executes (needs exit_mode ouro_delayed, random_lookahead or trace)",
               bool),
+    EngineArg("init_scale", "top", "init_scale", 0.0, "Huginn: scale of the random initial "
+              "state (the authors' default is 1.0), drawn per request from its seed as their "
+              "code draws it after torch.manual_seed(seed); 0: zeros", float),
     EngineArg("batch_invariant", "top", "batch_invariant", False, "every row of a core call "
               "gets bits that depend only on its own inputs, never on the other rows of the call "
               "(per-row linears and attention; slower; torch attention, no CUDA graphs)", bool),

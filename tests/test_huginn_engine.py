@@ -97,6 +97,7 @@ def assert_matches_reference(engine, work, finished, criterion, aborted=()):
 def assert_released(engine):
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
     assert engine.runner.num_live_handles == 0 and engine.runner.samplers == {}
+    assert engine.runner.latents == {} and engine.runner.max_loops == {}
 
 
 @pytest.mark.parametrize("criterion, mode, arm", CASES, ids=["-".join(c) for c in CASES])
@@ -209,3 +210,34 @@ def test_engine_equals_the_authors_code(huginn_dir, case):
     finished = run_steps(engine, [("golden", GOLDEN["prompt"], params, 1), *others])
     out = finished["golden"]
     assert (out.token_ids, out.exit_depths) == (case["tokens"], case["steps"])
+
+
+def test_random_initial_states_are_the_authors_draws_through_chunks_and_preemption(huginn_dir):
+    """`init_scale=1`: each request draws its initial states from its seed as the authors'
+    code does (the dense reference's draws, golden-checked in test_huginn.py), also when its
+    prompt is chunked and when it is preempted and recomputed."""
+    engine = make_engine(huginn_dir, init_scale=1.0, exit_criterion="kl", prefill_chunk_size=5,
+                         num_blocks=9 * 10, enable_prefix_caching=False)  # fmt: skip
+    rng = random.Random(3)
+    work = [
+        (f"r{i}", [rng.randrange(128) for _ in range(rng.choice([3, 9, 12]))],
+         SamplingParams(max_tokens=10, temperature=0.0, seed=100 + i, exit_threshold=0.01,
+                        ignore_eos=True), 0)
+        for i in range(5)
+    ]  # fmt: skip
+    finished = run_steps(engine, work)
+    assert engine.scheduler.memory_stats.num_replayed_rows > 0
+    steps = []
+    for request_id, prompt, params, _ in work:
+        ref = generate(
+            engine.model, prompt, max_new_tokens=10, criterion="kl", threshold=0.01,
+            lookup="last_exited", exit_in_prompt=False, init_scale=1.0, latent_seed=params.seed,
+        )  # fmt: skip
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+        steps += out.exit_depths
+    zeros = generate(engine.model, work[2][1], max_new_tokens=10, criterion="kl",
+                     threshold=0.01, lookup="last_exited", exit_in_prompt=False)  # fmt: skip
+    assert finished["r2"].exit_depths != zeros.steps  # the random state changed the run
+    assert min(steps) < 8
+    assert_released(engine)

@@ -124,6 +124,7 @@ class LLMEngine:
                     block_size=cache.block_size,
                     layout=cache.layout,
                     criterion=self.config.exit.criterion,
+                    init_scale=self.config.init_scale,
                 )
                 if family is HUGINN
                 else ModelRunner(

@@ -25,7 +25,10 @@ call. What is particular to the family:
   prompt row at the request's last loop is kept, and at the chunk's last depth the coda
   runs over all its rows from those states, so later tokens find every position's coda
   K/V as a run at r steps leaves it.
-- The initial state is zeros (`init_scale=0`).
+- The initial state: zeros (`init_scale=0`), or the authors' random state (`init_scale` >
+  0) drawn from a generator seeded with the request's seed in their order: the whole
+  prompt's block at once, then one row per generated token; draws are kept per position
+  so recompute after preemption and chunked prompts reuse them.
 
 Not supported (start-up errors in `LLMEngine`): CUDA graphs, the SHARED layout, swap
 preemption, prompt log-probabilities, batch-invariant mode, PD hand-off.
@@ -34,6 +37,7 @@ preemption, prompt log-probabilities, batch-invariant mode, PD hand-off.
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import numpy as np
@@ -112,6 +116,18 @@ class _Token:
         self.state, self.e, self.criterion = state, e, criterion
 
 
+class _Latents:
+    """A request's random initial states: its generator, the prompt's block (drawn whole at
+    the first chunk) and each generated position's row."""
+
+    __slots__ = ("generator", "prompt_len", "prompt", "drawn")
+
+    def __init__(self, generator: torch.Generator, prompt_len: int) -> None:
+        self.generator, self.prompt_len = generator, prompt_len
+        self.prompt: torch.Tensor | None = None
+        self.drawn: dict[int, torch.Tensor] = {}
+
+
 class HuginnRunner(Executor):
     def __init__(
         self,
@@ -122,6 +138,7 @@ class HuginnRunner(Executor):
         layout: str,
         criterion: str,
         criterion_threshold: float | None = None,
+        init_scale: float = 0.0,
     ) -> None:
         config = model.config
         self.model = model
@@ -148,6 +165,8 @@ class HuginnRunner(Executor):
         self.criterion_name = criterion
         self.criterion_threshold = criterion_threshold
         make_criterion(criterion, vocab_size=config.vocab_size, threshold=criterion_threshold)
+        self.init_scale = init_scale
+        self.latents: dict[str, _Latents] = {}  # with init_scale > 0
         self.samplers: dict[str, tuple] = {}
         self.max_loops: dict[str, int] = {}  # per request: its r
         self.decoding: dict[str, _Token] = {}
@@ -177,6 +196,7 @@ class HuginnRunner(Executor):
     def _drop(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
         self.max_loops.pop(request_id, None)
+        self.latents.pop(request_id, None)
         self.decoding.pop(request_id, None)
         self.inflight.release(request_id)
 
@@ -188,6 +208,10 @@ class HuginnRunner(Executor):
             try:
                 self.samplers[new.request_id] = self.setup_request(new)
                 self.max_loops[new.request_id] = new.max_loops or self.num_loops
+                if self.init_scale > 0:
+                    seed = new.seed if new.seed is not None else random.getrandbits(63)
+                    generator = torch.Generator().manual_seed(seed)
+                    self.latents[new.request_id] = _Latents(generator, new.prompt_len)
             except Exception as err:  # fails this request only
                 logger.exception("setup of request %s failed", new.request_id)
                 self._drop(new.request_id)
@@ -350,7 +374,30 @@ class HuginnRunner(Executor):
         ids = self.transfers.to_device(token_ids)
         pos = self.transfers.to_device(positions)
         e = self._timed(self.model.prelude, ids, pos, _Router(self.groups, once=once))
-        return self.model.initial_state(e, init_scale=0.0), e
+        if self.init_scale <= 0:
+            return self.model.initial_state(e, init_scale=0.0), e
+        rows = [self._latent(rid, start, count) for rid, start, count in first]
+        return torch.cat(rows).to(device=e.device, dtype=e.dtype), e
+
+    def _latent(self, request_id: str, start: int, count: int) -> torch.Tensor:
+        """Initial states of positions [start, start + count) of a request."""
+        latents = self.latents[request_id]
+        width = self.model.config.n_embd
+
+        def draw(rows: int) -> torch.Tensor:
+            blank = torch.empty(rows, width, dtype=self.dtype)
+            return self.model.initial_state(
+                blank, init_scale=self.init_scale, generator=latents.generator
+            )
+
+        if start < latents.prompt_len:
+            if latents.prompt is None:
+                latents.prompt = draw(latents.prompt_len)
+            return latents.prompt[start : start + count]
+        assert count == 1, "generated positions start one at a time"
+        if start not in latents.drawn:
+            latents.drawn[start] = draw(1)
+        return latents.drawn[start]
 
     def _coda(self, state, segments, positions):
         once = self.attention.prepare(segments)

@@ -191,7 +191,12 @@ class Admission:
                 history = (tuple(request.prompt_token_ids), tuple(request.output_token_ids))
             self.outbox.new_requests.append(
                 NewRequestData(
-                    request_id, spec, request.params.seed, *history, request.exit_rule.max_loops
+                    request_id,
+                    spec,
+                    request.params.seed,
+                    *history,
+                    request.exit_rule.max_loops,
+                    len(request.prompt_token_ids),
                 )
             )
 

@@ -68,6 +68,7 @@ class ExitConfig:
     mode: str = default("exit_mode")
     lookahead_seed: int = default("lookahead_seed")
     criterion: str = default("exit_criterion")
+    prompt_exits: bool = default("prompt_exits")
 
 
 @dataclass(frozen=True)

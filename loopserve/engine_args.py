@@ -91,6 +91,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "threshold (argmax-stability: 5 stable steps); ignored for Ouro",
               choices=("kl", "minp-kl", "entropy-diff", "latent-diff", "cosine",
                        "argmax-stability")),
+    EngineArg("prompt_exits", "exit", "prompt_exits", False, "Huginn: a request's whole prompt "
+              "exits as one token at the loop its criterion fires (the authors' prompt rule; "
+              "needs prefill_mode atomic, whole-prompt chunks and no prefix caching); off: "
+              "prompts run all of the request's loops", bool),
     EngineArg("kv_reservation", "cache", "kv_reservation", "incremental", "incremental: prompt "
               "blocks at admission, grow as positions are written, preempt when short; full: "
               "reserve prompt + max_tokens - 1 positions up front", choices=KV_RESERVATIONS),

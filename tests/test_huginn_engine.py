@@ -241,3 +241,49 @@ def test_random_initial_states_are_the_authors_draws_through_chunks_and_preempti
     assert finished["r2"].exit_depths != zeros.steps  # the random state changed the run
     assert min(steps) < 8
     assert_released(engine)
+
+
+PROMPT_EXIT_CASES = [  # the authors' own prompt rule: the prompt exits as one token
+    case for case in GOLDEN["adaptive"]
+    if case["lookup"] == "last_exited" and case["exit_in_prompt"]
+    and case["criterion"] not in ("argmax-stability", "none")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    PROMPT_EXIT_CASES,
+    ids=[f"{c['criterion']}-min{c['min_steps']}-seed{c['latent_seed']}" for c in PROMPT_EXIT_CASES],
+)
+def test_prompt_exits_reproduce_the_authors_adaptive_generation(huginn_dir, case):
+    """With `prompt_exits` the engine runs the authors' `generate_with_adaptive_compute`
+    rule (the prompt exits as one token, `latest-m4`), with other requests in its calls."""
+    engine = make_engine(
+        huginn_dir, exit_criterion=case["criterion"], prompt_exits=True,
+        enable_prefix_caching=False, init_scale=case["init_scale"],
+    )  # fmt: skip
+    params = SamplingParams(
+        max_tokens=GOLDEN["max_new_tokens"], temperature=0.0, exit_threshold=case["threshold"],
+        min_loops=case["min_steps"] + 1, seed=case["latent_seed"], ignore_eos=True,
+    )  # fmt: skip
+    others = [(f"o{i}", [i + 1, 2 * i + 3, 7], params, i) for i in range(3)]
+    finished = run_steps(engine, [("golden", GOLDEN["prompt"], params, 0), *others])
+    out = finished["golden"]
+    assert (out.token_ids, out.exit_depths) == (case["tokens"], case["steps"])
+    assert out.exit_depths[0] < 8  # the prompt itself exited early
+    assert_released(engine)
+
+
+def test_prompt_exits_need_the_whole_prompt_in_one_chunk(huginn_dir):
+    with pytest.raises(ConfigError, match="prompt_exits=True with prefix caching"):
+        make_engine(huginn_dir, prompt_exits=True)
+    with pytest.raises(ConfigError, match="prompt_exits=True outside prefill_mode='atomic'"):
+        make_engine(huginn_dir, prompt_exits=True, enable_prefix_caching=False,
+                    prefill_mode="per_depth")  # fmt: skip
+    engine = make_engine(huginn_dir, prompt_exits=True, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=3, temperature=0.0, exit_threshold=0.01)
+    finished = run_steps(engine, [("long", list(range(30)), params, 0),
+                                  ("short", [1, 2, 3], params, 0)])  # fmt: skip
+    assert "the whole prompt must be one chunk" in finished["long"].error
+    assert len(finished["short"].token_ids) == 3 and finished["short"].error is None
+    assert_released(engine)

@@ -125,6 +125,7 @@ class LLMEngine:
                     layout=cache.layout,
                     criterion=self.config.exit.criterion,
                     init_scale=self.config.init_scale,
+                    prompt_exits=self.config.exit.prompt_exits,
                 )
                 if family is HUGINN
                 else ModelRunner(

@@ -30,6 +30,13 @@ call. What is particular to the family:
   prompt's block at once, then one row per generated token; draws are kept per position
   so recompute after preemption and chunked prompts reuse them.
 
+With `prompt_exits` (the authors' prompt semantics): a request's whole prompt, one atomic
+chunk, exits as one token: after every loop from `min_loops` on the criterion reads the
+prompt's states (latent criteria average over its positions) or its last position's
+next-token distribution, and at the loop it fires the prompt stops, its K/V of that loop is
+copied into every deeper plane (LAST_EXITED, the authors' `latest-m4`), its coda runs over
+all positions, and the first token is sampled with those loops.
+
 Not supported (start-up errors in `LLMEngine`): CUDA graphs, the SHARED layout, swap
 preemption, prompt log-probabilities, batch-invariant mode, PD hand-off.
 """
@@ -85,6 +92,11 @@ def check_huginn_config(config) -> None:
         problems.append("batch_invariant=True")
     if config.async_scheduling:
         problems.append("async_scheduling=True")
+    if config.exit.prompt_exits:
+        if config.scheduler.prefill_mode != "atomic" or config.scheduler.mixed_prefill_decode:
+            problems.append("prompt_exits=True outside prefill_mode='atomic' without mixing")
+        if config.cache.enable_prefix_caching is not False:
+            problems.append("prompt_exits=True with prefix caching (pass it off)")
     if problems:
         raise ConfigError("Huginn-0125 does not run with " + "; ".join(problems))
 
@@ -139,6 +151,7 @@ class HuginnRunner(Executor):
         criterion: str,
         criterion_threshold: float | None = None,
         init_scale: float = 0.0,
+        prompt_exits: bool = False,
     ) -> None:
         config = model.config
         self.model = model
@@ -166,6 +179,7 @@ class HuginnRunner(Executor):
         self.criterion_threshold = criterion_threshold
         make_criterion(criterion, vocab_size=config.vocab_size, threshold=criterion_threshold)
         self.init_scale = init_scale
+        self.prompt_exits = prompt_exits
         self.latents: dict[str, _Latents] = {}  # with init_scale > 0
         self.samplers: dict[str, tuple] = {}
         self.max_loops: dict[str, int] = {}  # per request: its r
@@ -231,16 +245,28 @@ class HuginnRunner(Executor):
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         failures = self._bookkeeping(scheduled)
-        unsupported = {
-            item.request_id
-            for item in scheduled.items
-            if item.score_ids or item.score_rule is not None
-        } - {failure.request_id for failure in failures}
-        if unsupported:  # fails those requests alone, with the reason
-            for request_id in unsupported:
+        reasons = {}
+        for item in scheduled.items:
+            if item.score_ids or item.score_rule is not None:
+                reasons[item.request_id] = "prompt logprobs are not supported for Huginn yet"
+            elif (
+                self.prompt_exits
+                and item.kind is ItemKind.PROMPT
+                and (item.token_start > 0 or not item.first_token)
+            ):
+                reasons[item.request_id] = (
+                    "with prompt_exits the whole prompt must be one chunk: raise "
+                    "prefill_chunk_size and max_num_batched_tokens above its length"
+                )
+        for failure in failures:
+            reasons.pop(failure.request_id, None)
+        if reasons:  # fails those requests alone, with the reason
+            for request_id in reasons:
                 self._drop(request_id)
-            reason = "InvalidRequestError: prompt logprobs are not supported for Huginn yet"
-            failures += tuple(RequestFailure(rid, reason) for rid in sorted(unsupported))
+            failures += tuple(
+                RequestFailure(rid, f"InvalidRequestError: {reasons[rid]}")
+                for rid in sorted(reasons)
+            )
         if failures:
             return run_without_failed(scheduled, failures, self._run)
         return self._run(scheduled)
@@ -264,10 +290,21 @@ class HuginnRunner(Executor):
         rows_per_call = []
         decode_out = None
         num_finalized = 0
+        # Prompt exits: item -> its criterion while it runs, then (loops used, logits).
+        self._prompt_rules: dict[int, ExitCriterion] = {}
+        self._prompt_exited: dict[int, tuple[int, torch.Tensor]] = {}
         for k in range(num_calls):
-            active = [i for i, item in enumerate(items) if k < item.num_depths]
+            active = [
+                i
+                for i, item in enumerate(items)
+                if k < item.num_depths and i not in self._prompt_exited
+            ]
             rows = decode if (k == 0 and decode is not None) else None
+            if not active and rows is None:
+                break
             out = self._call(k, rows, items, active, tables, states, loop_states)
+            if self.prompt_exits:
+                num_finalized += self._prompt_checks(k, items, active, tables, states)
             rows_per_call.append(
                 sum(items[i].token_count for i in active) + (0 if rows is None else len(rows))
             )
@@ -349,6 +386,15 @@ class HuginnRunner(Executor):
         )
         state_out = self._timed(self.model.core, state_in, e, pos, _Router(self.groups, core=core))
         at = 0 if decode is None else len(decode)
+        if self.prompt_exits and k == 0:  # the prompts' criteria start from their states
+            for i in active:
+                n, item = items[i].token_count, items[i]
+                if item.first_token and item.kind is ItemKind.PROMPT and item.needs_prelude:
+                    rule = self._criterion()
+                    rule.init(state_in[at : at + n].unsqueeze(0))
+                    self._prompt_rules[i] = rule
+                at += n
+            at = 0 if decode is None else len(decode)
         for i in active:
             n = items[i].token_count
             states[i] = (state_out[at : at + n], e[at : at + n])
@@ -532,6 +578,40 @@ class HuginnRunner(Executor):
              for i in done]
         )  # fmt: skip
 
+    def _prompt_checks(self, k, items, active, tables, states) -> int:
+        """After call k: the criterion of each whole prompt that may exit; a prompt that exits
+        gets its finalize copies and its coda now. Returns the finalize copies made."""
+        copies = 0
+        for i in active:
+            rule = self._prompt_rules.get(i)
+            if rule is None:
+                continue
+            item, request_id = items[i], items[i].request_id
+            loop = item.depth + k  # 0-based
+            state = states[i][0]
+            assert item.exit_rule is not None and item.token_start == 0
+            r = self.max_loops[request_id]
+            positions = list(range(item.token_start, item.token_start + item.token_count))
+            segment = [RowSegment(tables[request_id][self.once_plane], 0, item.token_count)]
+            exits, logits = loop == r - 1, None
+            checks = item.exit_rule.threshold < 1.0 and loop + 1 >= item.exit_rule.min_loops
+            if checks and loop < r - 1:
+                if rule.needs_logits:
+                    logits = self._coda(state, segment, positions)
+                if rule.name != "argmax-stability":
+                    rule.threshold = item.exit_rule.threshold
+                fired, _ = rule.check(state.unsqueeze(0), None if logits is None else logits[-1:])
+                exits = bool(fired[0])
+            if not exits:
+                continue
+            if logits is None:
+                logits = self._coda(state, segment, positions)
+            self._prompt_exited[i] = (loop + 1, logits)
+            del self._prompt_rules[i]
+            table = tables[request_id]
+            copies += self._finalize([(table, p, loop) for p in positions])
+        return copies
+
     def _item_results(self, items, tables, states, loop_states, exited_items, failed):
         results: list[ItemResult] = []
         last = self.num_loops - 1
@@ -549,6 +629,13 @@ class HuginnRunner(Executor):
                 results.append(ItemResult(item.request_id, item.handle, hazards))
                 continue
             self.inflight.done(item.request_id, item.handle)
+            if i in self._prompt_exited:  # its coda ran at its exit
+                loops, logits = self._prompt_exited[i]
+                token = self._sample(logits[-1:], [item.request_id], failed)[0]
+                results.append(
+                    ItemResult(item.request_id, item.handle, (), token is not None, loops, token)
+                )
+                continue
             state = loop_states[i]  # every row at the request's last loop
             loops = None
             if self.rules.samples_first_token(item):

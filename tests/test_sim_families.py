@@ -57,13 +57,13 @@ def test_huginn_prelude_and_coda_layers_cost_what_a_core_layer_costs():
 
 @pytest.mark.parametrize("layout, planes", [("last_exited", 33), ("shared", 2)])
 def test_huginn_requests_hold_one_plane_per_step_plus_the_once_plane(layout, planes):
-    spec = WorkloadSpec(num_requests=12, dataset="synthetic", input_len=64, output_len=16,
+    spec = WorkloadSpec(num_requests=6, dataset="synthetic", input_len=16, output_len=12,
                         exit_dist="uniform")  # fmt: skip
     workload = build_workload(spec, HUGINN_0125.num_loops)
     sim = Simulator(HUGINN_0125, H200, {"max_num_seqs": 4, "layout": layout})
     assert sim.kv.num_planes == planes
     result = summarize(sim.run(workload, on_step=lambda s: s.check_invariants()))
-    assert result.num_finished == 12
+    assert result.num_finished == 6
     assert result.num_output_tokens == sum(r.output_len for r in workload)
 
 

@@ -287,3 +287,17 @@ def test_prompt_exits_need_the_whole_prompt_in_one_chunk(huginn_dir):
     assert "the whole prompt must be one chunk" in finished["long"].error
     assert len(finished["short"].token_ids) == 3 and finished["short"].error is None
     assert_released(engine)
+
+
+def test_prefill_decode_disaggregation_is_refused_for_huginn(huginn_dir):
+    from loopserve.distributed.args import PDSpec
+    from loopserve.distributed.pd_pool import PDReplicaPool
+    from loopserve.distributed.pool_replicas import PoolConfig
+
+    with pytest.raises(ConfigError, match="not supported for Huginn-0125"):
+        PDReplicaPool({"model": str(huginn_dir)}, PoolConfig(num_replicas=2), PDSpec(1, 1))
+    engine = make_engine(huginn_dir)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()
+    with pytest.raises(ConfigError, match="cannot be handed off"):
+        engine.export_request("r")

@@ -23,6 +23,7 @@ from loopserve.distributed.transport import (
     connect_kv_transport,
     resolve_kv_transport,
 )
+from loopserve.models.registry import require_handoff
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 
@@ -112,6 +113,7 @@ class DisaggregatedEngines:
     ) -> None:
         import ray
 
+        require_handoff(engine_args.get("model"))  # type: ignore[arg-type]
         device = str(engine_args.get("device") or "cpu")
         transport_kind = resolve_kv_transport(kv_transport, device)
         on_cuda = device.startswith("cuda")

@@ -50,6 +50,7 @@ from loopserve.distributed.transport import (
     resolve_kv_transport,
 )
 from loopserve.engine.async_llm import EngineNotReadyError
+from loopserve.models.registry import require_handoff
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class PDReplicaPool(ReplicaPool):
             raise ValueError(f"--pd needs >= 1 replica per role, got {spec}")
         if engine_args.get("async_scheduling"):  # no request could ever be handed off
             raise ValueError("prefill/decode disaggregation needs async_scheduling off")
+        require_handoff(engine_args.get("model"))  # type: ignore[arg-type]
         config = dataclasses.replace(config, num_replicas=spec.num_prefill + spec.num_decode)
         super().__init__(engine_args, config, on_load_error=on_load_error, roles=PDRoles(spec))
         self.spec = spec

@@ -34,7 +34,7 @@ from loopserve.contracts import SampledToken
 from loopserve.engine.build import build_engine_core
 from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
-from loopserve.errors import InvalidRequestError
+from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.models import load_model, resolve_model_path
 from loopserve.models.registry import HUGINN, read_config, require_engine_family
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
@@ -241,6 +241,8 @@ class LLMEngine:
         times) and finish it here without an output (its blocks and sampler are released;
         the client's stream continues on the importing engine). `to_host=False` leaves the
         K/V copy on the engine's device (for a transport that sends device memory)."""
+        if not self.family.handoff:
+            raise ConfigError(f"{self.family.name} requests cannot be handed off yet")
         if not self.can_export(request_id):
             raise InvalidRequestError(f"request {request_id!r} cannot be handed off now")
         request = self.scheduler.requests[request_id]

@@ -30,6 +30,7 @@ class ModelFamily:
     tied_head: tuple[str, str]  # (LM head, embedding) tensor names when embeddings are tied
     ignored_tensors: tuple[str, ...]  # checkpoint tensors that are derived, not weights
     engine: bool  # the batched engine serves it
+    handoff: bool  # its requests can be handed off between engines (PD disaggregation)
     runs_on: str  # where it runs today, for error messages and docs
 
 
@@ -42,6 +43,7 @@ OURO = ModelFamily(
     tied_head=("lm_head.weight", "model.embed_tokens.weight"),
     ignored_tensors=(),
     engine=True,
+    handoff=True,
     runs_on="the engine (LLM, generate, serve, bench, eval, sim)",
 )
 HUGINN = ModelFamily(
@@ -53,6 +55,7 @@ HUGINN = ModelFamily(
     tied_head=("lm_head.weight", "transformer.wte.weight"),
     ignored_tensors=("freqs_cis",),
     engine=True,
+    handoff=False,
     runs_on="the engine on CPU (eager, LAST_EXITED; runner/huginn_runner.py), the dense "
     "reference (loopserve.models.huginn_dense) and the simulator",
 )
@@ -81,6 +84,18 @@ def read_config(path: str | os.PathLike):
         raw = json.load(f)
     family = family_of(raw)
     return family, family.config_class.from_dict(raw)
+
+
+def require_handoff(model: str | os.PathLike | None) -> None:
+    """A clear error for prefill/decode disaggregation of a family without hand-off (None:
+    the embedded default model, an Ouro checkpoint)."""
+    if model is None:
+        return
+    from loopserve.models.loader import resolve_model_path
+
+    family = read_config(resolve_model_path(model))[0]
+    if not family.handoff:
+        raise ConfigError(f"prefill/decode disaggregation is not supported for {family.name} yet")
 
 
 def require_engine_family(family: ModelFamily) -> None:

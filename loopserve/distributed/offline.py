@@ -23,7 +23,7 @@ from loopserve.distributed.transport import (
     connect_kv_transport,
     resolve_kv_transport,
 )
-from loopserve.models.registry import require_handoff
+from loopserve.models.loader import require_handoff
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 

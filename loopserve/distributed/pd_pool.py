@@ -50,7 +50,7 @@ from loopserve.distributed.transport import (
     resolve_kv_transport,
 )
 from loopserve.engine.async_llm import EngineNotReadyError
-from loopserve.models.registry import require_handoff
+from loopserve.models.loader import require_handoff
 
 logger = logging.getLogger(__name__)
 

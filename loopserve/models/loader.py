@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loopserve.errors import ModelLoadError
+from loopserve.errors import ConfigError, ModelLoadError
 from loopserve.models.ouro import OuroForLoopedLM, RotaryEmbedding
 
 DTYPES = {
@@ -201,3 +201,15 @@ def save_model(model, directory: str | os.PathLike, *, max_shard_bytes: int = 0)
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
              "weight_map": weight_map}  # fmt: skip
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def require_handoff(model: str | os.PathLike | None) -> None:
+    """A clear error for prefill/decode disaggregation of a family without hand-off (None:
+    the embedded default model, an Ouro checkpoint)."""
+    if model is None:
+        return
+    from loopserve.models.registry import read_config
+
+    family = read_config(resolve_model_path(model))[0]
+    if not family.handoff:
+        raise ConfigError(f"prefill/decode disaggregation is not supported for {family.name} yet")

@@ -86,18 +86,6 @@ def read_config(path: str | os.PathLike):
     return family, family.config_class.from_dict(raw)
 
 
-def require_handoff(model: str | os.PathLike | None) -> None:
-    """A clear error for prefill/decode disaggregation of a family without hand-off (None:
-    the embedded default model, an Ouro checkpoint)."""
-    if model is None:
-        return
-    from loopserve.models.loader import resolve_model_path
-
-    family = read_config(resolve_model_path(model))[0]
-    if not family.handoff:
-        raise ConfigError(f"prefill/decode disaggregation is not supported for {family.name} yet")
-
-
 def require_engine_family(family: ModelFamily) -> None:
     """A clear start-up error for a family the batched engine does not run yet."""
     if not family.engine:

@@ -112,11 +112,13 @@ def test_engine_equals_the_dense_reference(huginn_dir, criterion, mode, arm):
     assert_released(engine)
 
 
-def test_preempted_requests_recompute_to_the_same_tokens(huginn_dir):
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_preempted_requests_resume_to_the_same_tokens(huginn_dir, preemption):
     # 9 planes (8 steps + the once plane) x 10 blocks of 4 positions: the pool holds one
     # request of 10 + 14 positions and part of another, so requests preempt mid-output.
     engine = make_engine(huginn_dir, num_blocks=9 * 10, exit_criterion="kl",
-                         enable_prefix_caching=False)  # fmt: skip
+                         enable_prefix_caching=False, preemption_mode=preemption,
+                         swap_space=9 * 10 * 2048)  # fmt: skip
     rng = random.Random(5)
     work = [
         (f"p{i}", [rng.randrange(128) for _ in range(10)],
@@ -125,10 +127,15 @@ def test_preempted_requests_recompute_to_the_same_tokens(huginn_dir):
         for i in range(4)
     ]  # fmt: skip
     finished = run_steps(engine, work)
-    assert engine.scheduler.memory_stats.num_preemptions > 0
-    assert engine.scheduler.memory_stats.num_replayed_rows > 0
+    stats = engine.scheduler.memory_stats
+    assert stats.num_preemptions > 0
+    if preemption == "swap":
+        assert stats.num_preemptions_swap > 0 and engine.kv.num_swapped_in_blocks > 0
+    else:
+        assert stats.num_replayed_rows > 0
     assert_matches_reference(engine, work, finished, "kl")
     assert_released(engine)
+    assert engine.runner.swapped == {}
 
 
 def test_seeded_sampling_is_reproducible(huginn_dir):
@@ -147,7 +154,6 @@ def test_seeded_sampling_is_reproducible(huginn_dir):
     "args, named",
     [
         ({"layout": "shared"}, "layout='shared'"),
-        ({"preemption_mode": "swap"}, "preemption_mode='swap'"),
         ({"graph_mode": "emulate"}, "graph_mode='emulate'"),
         ({"exit_mode": "trace"}, "exit_mode='trace'"),
         ({"async_scheduling": True, "exit_mode": "ouro_delayed"}, "async_scheduling=True"),

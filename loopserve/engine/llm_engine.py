@@ -126,6 +126,7 @@ class LLMEngine:
                     criterion=self.config.exit.criterion,
                     init_scale=self.config.init_scale,
                     prompt_exits=self.config.exit.prompt_exits,
+                    num_host_blocks=kv.host_pool.num_blocks,
                 )
                 if family is HUGINN
                 else ModelRunner(

@@ -37,8 +37,8 @@ next-token distribution, and at the loop it fires the prompt stops, its K/V of t
 copied into every deeper plane (LAST_EXITED, the authors' `latest-m4`), its coda runs over
 all positions, and the first token is sampled with those loops.
 
-Not supported (start-up errors in `LLMEngine`): CUDA graphs, the SHARED layout, swap
-preemption, prompt log-probabilities, batch-invariant mode, PD hand-off.
+Not supported (start-up errors in `LLMEngine`): CUDA graphs, the SHARED layout, prompt
+log-probabilities, batch-invariant mode, PD hand-off.
 """
 
 from __future__ import annotations
@@ -54,11 +54,13 @@ from loopserve.contracts import (
     DecodeResults,
     ItemKind,
     ItemResult,
+    KVTransfer,
     NewRequestData,
     RequestFailure,
     RunnerOutput,
     SampledToken,
     SchedulerOutput,
+    SwapKind,
 )
 from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.execution import Executor, StepRules, run_without_failed
@@ -70,6 +72,7 @@ from loopserve.runner.attention.base import RowSegment, finalize_slots
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import TokenHistory, is_greedy, make_generator, sample_rows
+from loopserve.runner.swap import SwapSpace
 from loopserve.runner.transfers import Transfers
 
 logger = logging.getLogger(__name__)
@@ -84,8 +87,6 @@ def check_huginn_config(config) -> None:
         problems.append(f"layout={config.cache.layout!r} (Huginn runs under last_exited)")
     if graph not in ("off", "auto") or (graph == "auto" and config.device.startswith("cuda")):
         problems.append(f"graph_mode={config.graph_mode!r} (Huginn runs eagerly: graph_mode='off')")
-    if config.scheduler.preemption_mode != "recompute":
-        problems.append("preemption_mode='swap' (Huginn preempts by recompute)")
     if config.exit.mode != "ouro":
         problems.append(f"exit_mode={config.exit.mode!r} (Huginn exits by its criterion: 'ouro')")
     if config.batch_invariant:
@@ -152,6 +153,7 @@ class HuginnRunner(Executor):
         criterion_threshold: float | None = None,
         init_scale: float = 0.0,
         prompt_exits: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
         config = model.config
         self.model = model
@@ -170,6 +172,10 @@ class HuginnRunner(Executor):
             device=self.device,
         )
         self.transfers = Transfers(self.device)
+        # Swap preemption: blocks of every plane (the once plane too) go to host memory; the
+        # request's paused work waits here, on the device, until it swaps back in.
+        self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
+        self.swapped: dict[str, tuple[dict, _Token | None]] = {}
         self.attention = make_attention_backend(
             "torch", self.kv_cache, block_size=block_size, scale=config.head_dim**-0.5,
             transfers=self.transfers,
@@ -211,6 +217,7 @@ class HuginnRunner(Executor):
         self.samplers.pop(request_id, None)
         self.max_loops.pop(request_id, None)
         self.latents.pop(request_id, None)
+        self.swapped.pop(request_id, None)
         self.decoding.pop(request_id, None)
         self.inflight.release(request_id)
 
@@ -230,11 +237,28 @@ class HuginnRunner(Executor):
                 logger.exception("setup of request %s failed", new.request_id)
                 self._drop(new.request_id)
                 failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
-        assert not scheduled.kv_transfers, "Huginn runs without swap preemption"
+        for transfer in scheduled.kv_transfers:  # in order, before the step's calls
+            self._move(transfer)
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)
             self.decoding.pop(request_id, None)
         return tuple(failures)
+
+    def _move(self, transfer: KVTransfer) -> None:
+        assert transfer.kind is not SwapKind.IMPORT, "Huginn requests are not handed off"
+        self.swap.copy(transfer)
+        request_id = transfer.request_id
+        if transfer.kind is SwapKind.OUT:
+            handles = [h for h in self.inflight.handles_of(request_id) if h in self.inflight]
+            states = {h: self.inflight.resume(h) for h in handles}
+            self.inflight.release(request_id)
+            self.swapped[request_id] = (states, self.decoding.pop(request_id, None))
+            return
+        states, token = self.swapped.pop(request_id)
+        for handle, state in states.items():
+            self.inflight.keep(request_id, handle, state)
+        if token is not None:
+            self.decoding[request_id] = token
 
     @property
     def num_live_handles(self) -> int:

@@ -43,7 +43,7 @@ CRITERIA = (
     ("minp-kl", 0.01),
     ("argmax-stability", 2),
 )
-LOOKUPS = {"full": "full", "latest-m4": "last_exited"}
+LOOKUPS = {"full": "full", "latest-m4": "last_exited", "always-last-m4": "always_last"}
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -5,6 +5,7 @@ chunked prompts, prefix-cache hits, aborts and preemption."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -71,13 +72,13 @@ def workload(seed: int, criterion: str, count: int = 7):
     return work
 
 
-def reference(model, prompt, params, criterion):
+def reference(model, prompt, params, criterion, lookup="last_exited", **extra):
     early = params.exit_threshold < 1.0
     threshold = params.exit_threshold if criterion != "argmax-stability" else None
     return generate(
         model, prompt, max_new_tokens=params.max_tokens, num_steps=params.max_loops,
         criterion=criterion if early else "none", threshold=threshold,
-        min_steps=params.min_loops - 1, lookup="last_exited", exit_in_prompt=False,
+        min_steps=params.min_loops - 1, lookup=lookup, exit_in_prompt=False, **extra,
     )  # fmt: skip
 
 
@@ -150,10 +151,47 @@ def test_seeded_sampling_is_reproducible(huginn_dir):
     assert first["s0"][0] != first["s1"][0]  # other seed, other tokens
 
 
+SHARED_CASES = [("kl", "refill", "atomic"), ("latent-diff", "no_refill", "per_depth"),
+                ("entropy-diff", "refill", "per_depth")]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "criterion, mode, arm", SHARED_CASES, ids=["-".join(c) for c in SHARED_CASES]
+)
+def test_shared_layout_equals_the_dense_reference(huginn_dir, criterion, mode, arm):
+    """SHARED: one step plane per position, overwritten by each step, so later tokens read
+    past positions at their last step, and prompts run one position at a time (the dense
+    reference's `shared` lookup with `prompt_by_position`)."""
+    engine = make_engine(huginn_dir, layout="shared", mode=mode, exit_criterion=criterion,
+                         prefill_chunk_size=64, max_num_batched_tokens=256,
+                         fill_prompt_chunks=False, **PROMPT_ARMS[arm])  # fmt: skip
+    assert engine.kv.num_planes == 2  # the step plane and the once plane
+    work = [  # the model's r for every request (SHARED runs prompts all r steps)
+        (request_id, prompt, dataclasses.replace(params, max_loops=8), arrival)
+        for request_id, prompt, params, arrival in workload(
+            SHARED_CASES.index((criterion, mode, arm)) + 50, criterion
+        )
+    ]
+    finished = run_steps(engine, work)
+    steps = []
+    for request_id, prompt, params, _ in work:
+        ref = reference(engine.model, prompt, params, criterion, lookup="shared",
+                        prompt_by_position=True)  # fmt: skip
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+        steps += out.exit_depths
+    assert min(steps) < 8
+    last_exited = [reference(engine.model, p, q, criterion) for _, p, q, _ in work]
+    assert any(  # the layouts differ: this workload can tell them apart
+        (ref.tokens, ref.steps) != (finished[r].token_ids, finished[r].exit_depths)
+        for ref, (r, _, _, _) in zip(last_exited, work, strict=True)
+    )
+    assert_released(engine)
+
+
 @pytest.mark.parametrize(
     "args, named",
     [
-        ({"layout": "shared"}, "layout='shared'"),
         ({"graph_mode": "emulate"}, "graph_mode='emulate'"),
         ({"exit_mode": "trace"}, "exit_mode='trace'"),
         ({"async_scheduling": True, "exit_mode": "ouro_delayed"}, "async_scheduling=True"),
@@ -307,3 +345,12 @@ def test_prefill_decode_disaggregation_is_refused_for_huginn(huginn_dir):
     engine.step()
     with pytest.raises(ConfigError, match="cannot be handed off"):
         engine.export_request("r")
+
+
+def test_shared_layout_refuses_a_smaller_r_per_request(huginn_dir):
+    engine = make_engine(huginn_dir, layout="shared")
+    params = {r: SamplingParams(max_tokens=3, temperature=0.0, max_loops=r) for r in (6, None)}
+    finished = run_steps(engine, [("small_r", [1, 2, 3], params[6], 0),
+                                  ("full_r", [4, 5, 6], params[None], 0)])  # fmt: skip
+    assert "max_loops below it needs the last_exited layout" in finished["small_r"].error
+    assert len(finished["full_r"].token_ids) == 3 and finished["full_r"].error is None

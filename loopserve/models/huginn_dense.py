@@ -6,7 +6,11 @@ position). When a past position exited before step t, two lookups exist:
 
 - `full` (the authors' default `lookup_strategy`): that position is invisible to step t;
 - `last_exited` (the authors' `latest-m4`, loopserve's LAST_EXITED layout): step t reads
-  that position's last step, for the same core layer.
+  that position's last step, for the same core layer;
+- `always_last` (the authors' `always-last-m4`): when every position ran step t, step t;
+  otherwise every position at the last step it ran, whatever the current step;
+- `shared` (loopserve's SHARED layout: one entry per position, overwritten by each step):
+  every position at the last step it ran so far (the current call's rows at this step).
 
 Both are exact only for one request: with adaptive compute, the authors' batched cache holds
 entries every row of the batch computed, so tokens see states they would not have alone.
@@ -30,7 +34,7 @@ from loopserve.exit.criteria import ExitCriterion, make_criterion
 from loopserve.models.attention import attention_reference
 from loopserve.models.huginn import HuginnForLoopedLM
 
-LOOKUPS = ("full", "last_exited")
+LOOKUPS = ("full", "last_exited", "always_last", "shared")
 
 
 class HuginnDenseKV:
@@ -89,9 +93,15 @@ class HuginnDenseAttention:
             keys, values = kv.core_k[step, layer, :n], kv.core_v[step, layer, :n]
             allowed = self.causal & kv.present[step, :n].unsqueeze(0)
             return attention_reference(query, keys, values, allowed, kv.scale)
-        # last_exited: each position's last step <= this one (every position ran step 0).
-        steps = torch.arange(step + 1, device=pos.device).unsqueeze(1)
-        last = (kv.present[: step + 1, :n] * steps).amax(dim=0)  # [n]
+        # last_exited: each position's last step <= this one (every position ran step 0);
+        # shared, and always_last unless every position ran this step: its last step of all.
+        bound = step + 1
+        if kv.lookup == "shared" or (
+            kv.lookup == "always_last" and not bool(kv.present[step, :n].all())
+        ):
+            bound = kv.present.shape[0]
+        steps = torch.arange(bound, device=pos.device).unsqueeze(1)
+        last = (kv.present[:bound, :n] * steps).amax(dim=0)  # [n]
         span = torch.arange(n, device=pos.device)
         keys, values = kv.core_k[last, layer, span], kv.core_v[last, layer, span]
         return attention_reference(query, keys, values, self.causal, kv.scale)
@@ -117,6 +127,7 @@ def _run_token(
     may_exit: bool,
     init_scale: float,
     generator: torch.Generator | None,
+    initial: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, list[float]]:
     """One generation step over positions start.. (one token, or the whole prompt). Returns
     the logits of every position [S, vocab] at the exit step, the steps used and the
@@ -125,7 +136,11 @@ def _run_token(
     ids = torch.tensor(token_ids, device=device)
     pos = torch.arange(start, start + len(token_ids), device=device)
     e = model.prelude(ids, pos, kv.attention(pos, None))
-    state = model.initial_state(e, init_scale=init_scale, generator=generator)
+    state = (
+        model.initial_state(e, init_scale=init_scale, generator=generator)
+        if initial is None
+        else initial
+    )
     criterion.init(state.unsqueeze(0))
     logits, checked = None, []
     for step in range(max_steps):
@@ -161,7 +176,11 @@ def generate(
     init_scale: float = 0.0,
     latent_seed: int | None = None,
     eos_token_ids: tuple[int, ...] = (),
+    prompt_by_position: bool = False,
 ) -> HuginnGeneration:
+    """`prompt_by_position`: run the prompt one position at a time, each through all its
+    steps before the next starts (loopserve's SHARED layout runs prompts that way); the
+    initial states are still drawn as one block for the whole prompt."""
     max_steps = num_steps or model.config.mean_recurrence
     kv = HuginnDenseKV(model, max_len=len(prompt) + max_new_tokens, max_steps=max_steps,
                        lookup=lookup)  # fmt: skip
@@ -171,9 +190,26 @@ def generate(
               "init_scale": init_scale, "generator": generator}  # fmt: skip
     out = HuginnGeneration([], [], [], [])
     chunk, start = list(prompt), 0
+    if prompt_by_position:
+        block = None
+        if init_scale > 0:
+            width = model.config.n_embd
+            blank = torch.empty(len(prompt), width, dtype=model.lm_head.weight.dtype)
+            block = model.initial_state(blank, init_scale=init_scale, generator=generator)
+            block = block.to(model.lm_head.weight.device)
+        for i in range(len(prompt)):
+            initial = None if block is None else block[i : i + 1]
+            kwargs_i = {**kwargs, "initial": initial}
+            if i < len(prompt) - 1:
+                _run_token(model, kv, [prompt[i]], i, may_exit=False, **kwargs_i)
+        chunk, start = [prompt[-1]], len(prompt) - 1
+        kwargs["initial_last"] = None if block is None else block[-1:]
     for index in range(max_new_tokens):
         may_exit = exit_in_prompt or index > 0
-        logits, steps, checked = _run_token(model, kv, chunk, start, may_exit=may_exit, **kwargs)
+        first = kwargs.pop("initial_last", None) if index == 0 else None
+        logits, steps, checked = _run_token(
+            model, kv, chunk, start, may_exit=may_exit, initial=first, **kwargs
+        )
         token = int(logits[-1].argmax())
         out.tokens.append(token)
         out.steps.append(steps)

@@ -56,7 +56,7 @@ HUGINN = ModelFamily(
     ignored_tensors=("freqs_cis",),
     engine=True,
     handoff=False,
-    runs_on="the engine on CPU (eager, LAST_EXITED; runner/huginn_runner.py), the dense "
+    runs_on="the engine on CPU (eager; runner/huginn_runner.py), the dense "
     "reference (loopserve.models.huginn_dense) and the simulator",
 )
 FAMILIES = (OURO, HUGINN)

@@ -37,8 +37,13 @@ next-token distribution, and at the loop it fires the prompt stops, its K/V of t
 copied into every deeper plane (LAST_EXITED, the authors' `latest-m4`), its coda runs over
 all positions, and the first token is sampled with those loops.
 
-Not supported (start-up errors in `LLMEngine`): CUDA graphs, the SHARED layout, prompt
-log-probabilities, batch-invariant mode, PD hand-off.
+Under the SHARED layout a request holds one step plane (overwritten by every step) and the
+once plane: a later token reads each past position at the last step it ran (the dense
+reference's `shared` lookup; the authors' `always-last-m4` differs only while every
+position ran the current step).
+
+Not supported (start-up errors in `LLMEngine`): CUDA graphs, prompt log-probabilities,
+batch-invariant mode, PD hand-off.
 """
 
 from __future__ import annotations
@@ -83,8 +88,6 @@ def check_huginn_config(config) -> None:
     `EngineConfig`; CPU, eager, LAST_EXITED, recompute preemption, the `ouro` exit mode)."""
     graph = config.graph_mode if not config.enforce_eager else "off"
     problems = []
-    if config.cache.layout != "last_exited":
-        problems.append(f"layout={config.cache.layout!r} (Huginn runs under last_exited)")
     if graph not in ("off", "auto") or (graph == "auto" and config.device.startswith("cuda")):
         problems.append(f"graph_mode={config.graph_mode!r} (Huginn runs eagerly: graph_mode='off')")
     if config.exit.mode != "ouro":
@@ -160,7 +163,6 @@ class HuginnRunner(Executor):
         self.num_loops = model.num_loops
         self.block_size = block_size
         self.rules = StepRules.of(layout, self.num_loops)
-        assert not self.rules.shared, "Huginn runs under LAST_EXITED only"
         self.once_plane = self.rules.num_planes  # the extra plane after the step planes
         self.groups = config.layer_groups
         param = model.lm_head.weight
@@ -202,6 +204,11 @@ class HuginnRunner(Executor):
     # ---- bookkeeping -------------------------------------------------------------------
 
     def setup_request(self, new: NewRequestData) -> tuple:
+        if self.rules.shared and 0 < new.max_loops < self.num_loops:
+            raise InvalidRequestError(
+                "under the shared layout a Huginn request runs the model's r steps "
+                f"({self.num_loops}); max_loops below it needs the last_exited layout"
+            )
         generator = None if is_greedy(new.sample_spec) else make_generator(new.seed, self.device)
         history = None
         if new.sample_spec.adjusts_logits:
@@ -406,7 +413,10 @@ class HuginnRunner(Executor):
         e = torch.cat(e_parts)
         pos = self.transfers.to_device(positions)
         core = self.attention.prepare(
-            [RowSegment(tables[rid][depth], start, count) for rid, depth, start, count in parts]
+            [
+                RowSegment(tables[rid][0 if self.rules.shared else depth], start, count)
+                for rid, depth, start, count in parts
+            ]
         )
         state_out = self._timed(self.model.core, state_in, e, pos, _Router(self.groups, core=core))
         at = 0 if decode is None else len(decode)
@@ -558,6 +568,8 @@ class HuginnRunner(Executor):
 
     def _finalize(self, exits) -> int:
         """LAST_EXITED copies of tokens exiting below full depth; returns how many tokens."""
+        if self.rules.shared:  # one step plane: nothing deeper to fill
+            return 0
         src, dst = finalize_slots(exits, self.block_size, self.rules.num_planes)
         if src:
             slots = self.transfers.to_device(src + dst)

@@ -151,8 +151,7 @@ def test_seeded_sampling_is_reproducible(huginn_dir):
     assert first["s0"][0] != first["s1"][0]  # other seed, other tokens
 
 
-SHARED_CASES = [("kl", "refill", "atomic"), ("latent-diff", "no_refill", "per_depth"),
-                ("entropy-diff", "refill", "per_depth")]  # fmt: skip
+SHARED_CASES = [("latent-diff", "no_refill", "per_depth"), ("entropy-diff", "refill", "atomic")]
 
 
 @pytest.mark.parametrize(
@@ -169,7 +168,7 @@ def test_shared_layout_equals_the_dense_reference(huginn_dir, criterion, mode, a
     work = [  # the model's r for every request (SHARED runs prompts all r steps)
         (request_id, prompt, dataclasses.replace(params, max_loops=8), arrival)
         for request_id, prompt, params, arrival in workload(
-            SHARED_CASES.index((criterion, mode, arm)) + 50, criterion
+            SHARED_CASES.index((criterion, mode, arm)) + 51, criterion, count=5
         )
     ]
     finished = run_steps(engine, work)
@@ -354,3 +353,20 @@ def test_shared_layout_refuses_a_smaller_r_per_request(huginn_dir):
                                   ("full_r", [4, 5, 6], params[None], 0)])  # fmt: skip
     assert "max_loops below it needs the last_exited layout" in finished["small_r"].error
     assert len(finished["full_r"].token_ids) == 3 and finished["full_r"].error is None
+
+
+def test_the_triton_attention_kernels_serve_huginn(tmp_path, monkeypatch):
+    """The paged Triton kernels (under the interpreter on CPU) in the Huginn executor: the
+    once plane and the step planes through the same kernels, equal to the dense reference.
+    r = 3 keeps the interpreter's kernel launches few."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model_dir = make_tiny_huginn_checkpoint(tmp_path / "r3", mean_recurrence=3)
+    engine = make_engine(model_dir, attention_backend="triton", exit_criterion="kl")
+    assert engine.runner.attention.name == "triton"
+    work = [(f"t{i}", [3 * i + 1, 7, 11], SamplingParams(
+        max_tokens=3, temperature=0.0, exit_threshold=0.05, ignore_eos=True), i)
+        for i in range(2)]  # fmt: skip
+    finished = run_steps(engine, work)
+    steps = assert_matches_reference(engine, work, finished, "kl")
+    assert min(steps) < 3  # early exits too

@@ -127,6 +127,7 @@ class LLMEngine:
                     init_scale=self.config.init_scale,
                     prompt_exits=self.config.exit.prompt_exits,
                     num_host_blocks=kv.host_pool.num_blocks,
+                    attention_backend=self.config.attention_backend,
                 )
                 if family is HUGINN
                 else ModelRunner(

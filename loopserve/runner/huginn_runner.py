@@ -2,8 +2,8 @@
 attention layers, input injection at every step, and convergence exit criteria.
 
 It executes the same `SchedulerOutput` as `ModelRunner` (decode rows as columns, prompt and
-replay items, refill and no_refill, every prompt arm) with eager calls on the paged torch
-attention backend. Rows of different requests at different recurrence steps share each core
+replay items, refill and no_refill, every prompt arm) with eager calls on a paged attention
+backend (torch, or the Triton kernels on CUDA). Rows of different requests at different recurrence steps share each core
 call. What is particular to the family:
 
 - K/V: every request holds the layout's planes for the core layers (one per step under
@@ -157,7 +157,10 @@ class HuginnRunner(Executor):
         init_scale: float = 0.0,
         prompt_exits: bool = False,
         num_host_blocks: int = 0,
+        attention_backend: str = "torch",
     ) -> None:
+        """`attention_backend`: a name of `runner.attention.registry` (the Triton kernels on
+        CUDA; the same calls, eagerly, as for the torch path)."""
         config = model.config
         self.model = model
         self.num_loops = model.num_loops
@@ -179,8 +182,8 @@ class HuginnRunner(Executor):
         self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
         self.swapped: dict[str, tuple[dict, _Token | None]] = {}
         self.attention = make_attention_backend(
-            "torch", self.kv_cache, block_size=block_size, scale=config.head_dim**-0.5,
-            transfers=self.transfers,
+            attention_backend, self.kv_cache, block_size=block_size,
+            scale=config.head_dim**-0.5, transfers=self.transfers,
         )  # fmt: skip
         self.vocab_size = config.vocab_size
         self.criterion_name = criterion

@@ -69,6 +69,7 @@ class ExitConfig:
     lookahead_seed: int = default("lookahead_seed")
     criterion: str = default("exit_criterion")
     prompt_exits: bool = default("prompt_exits")
+    lookup: str = default("kv_lookup")
 
 
 @dataclass(frozen=True)

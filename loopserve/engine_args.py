@@ -95,6 +95,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "exits as one token at the loop its criterion fires (the authors' prompt rule; "
               "needs prefill_mode atomic, whole-prompt chunks and no prefix caching); off: "
               "prompts run all of the request's loops", bool),
+    EngineArg("kv_lookup", "exit", "lookup", "last_exited", "Huginn under last_exited: how a "
+              "token's step t reads earlier positions that exited before t: last_exited (the "
+              "authors' latest-m4: their last step) or full (the authors' default: not at all; "
+              "torch attention only)", choices=("last_exited", "full")),
     EngineArg("kv_reservation", "cache", "kv_reservation", "incremental", "incremental: prompt "
               "blocks at admission, grow as positions are written, preempt when short; full: "
               "reserve prompt + max_tokens - 1 positions up front", choices=KV_RESERVATIONS),

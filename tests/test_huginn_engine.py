@@ -370,3 +370,63 @@ def test_the_triton_attention_kernels_serve_huginn(tmp_path, monkeypatch):
     finished = run_steps(engine, work)
     steps = assert_matches_reference(engine, work, finished, "kl")
     assert min(steps) < 3  # early exits too
+
+
+FULL_LOOKUP_CASES = [  # the authors' default lookup, under both prompt rules
+    case for case in GOLDEN["adaptive"]
+    if case["lookup"] == "full" and case["criterion"] in ("kl", "entropy-diff", "latent-diff")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    FULL_LOOKUP_CASES,
+    ids=[
+        f"{c['criterion']}-{'prompt-exits' if c['exit_in_prompt'] else 'prompt-full'}"
+        f"-seed{c['latent_seed']}"
+        for c in FULL_LOOKUP_CASES
+    ],
+)
+def test_full_lookup_reproduces_the_authors_default(huginn_dir, case):
+    """`kv_lookup='full'`: an earlier position that did not run step t is invisible to a
+    token's step t (no finalize copies; the torch backend masks it). With `prompt_exits` this
+    is the authors' default `generate_with_adaptive_compute`."""
+    engine = make_engine(
+        huginn_dir, kv_lookup="full", exit_criterion=case["criterion"],
+        prompt_exits=case["exit_in_prompt"], enable_prefix_caching=False,
+        init_scale=case["init_scale"],
+    )  # fmt: skip
+    params = SamplingParams(
+        max_tokens=GOLDEN["max_new_tokens"], temperature=0.0, exit_threshold=case["threshold"],
+        seed=case["latent_seed"], ignore_eos=True,
+    )  # fmt: skip
+    others = [(f"o{i}", [i + 1, 2 * i + 3, 7], params, i) for i in range(3)]
+    finished = run_steps(engine, [("golden", GOLDEN["prompt"], params, 0), *others])
+    out = finished["golden"]
+    assert (out.token_ids, out.exit_depths) == (case["tokens"], case["steps"])
+    assert engine.runner.steps_run == {}
+    assert_released(engine)
+
+
+def test_full_lookup_equals_the_dense_reference_under_preemption(huginn_dir):
+    engine = make_engine(huginn_dir, kv_lookup="full", exit_criterion="kl", num_blocks=9 * 10,
+                         enable_prefix_caching=False)  # fmt: skip
+    rng = random.Random(8)
+    work = [
+        (f"f{i}", [rng.randrange(128) for _ in range(10)],
+         SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=rng.choice([0.01, 0.1]),
+                        ignore_eos=True), i)
+        for i in range(4)
+    ]  # fmt: skip
+    finished = run_steps(engine, work)
+    assert engine.scheduler.memory_stats.num_replayed_rows > 0
+    differs = False
+    for request_id, prompt, params, _ in work:
+        ref = reference(engine.model, prompt, params, "kl", lookup="full")
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+        latest = reference(engine.model, prompt, params, "kl")
+        differs |= (latest.tokens, latest.steps) != (ref.tokens, ref.steps)
+    assert differs  # the lookups disagree on this workload
+    with pytest.raises(ConfigError, match="kv_lookup='full' outside layout='last_exited'"):
+        make_engine(huginn_dir, kv_lookup="full", layout="shared")

@@ -128,6 +128,7 @@ class LLMEngine:
                     prompt_exits=self.config.exit.prompt_exits,
                     num_host_blocks=kv.host_pool.num_blocks,
                     attention_backend=self.config.attention_backend,
+                    lookup=self.config.exit.lookup,
                 )
                 if family is HUGINN
                 else ModelRunner(

@@ -74,7 +74,7 @@ from loopserve.exit.columns import GATE, decide_exits
 from loopserve.exit.criteria import ExitCriterion, make_criterion
 from loopserve.models.huginn import HuginnForLoopedLM
 from loopserve.runner.attention.base import RowSegment, finalize_slots
-from loopserve.runner.attention.registry import make_attention_backend
+from loopserve.runner.attention.registry import make_attention_backend, resolve_attention_backend
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import TokenHistory, is_greedy, make_generator, sample_rows
 from loopserve.runner.swap import SwapSpace
@@ -96,6 +96,12 @@ def check_huginn_config(config) -> None:
         problems.append("batch_invariant=True")
     if config.async_scheduling:
         problems.append("async_scheduling=True")
+    if config.exit.lookup == "full":
+        if config.cache.layout != "last_exited":
+            problems.append("kv_lookup='full' outside layout='last_exited'")
+        backend = resolve_attention_backend(config.attention_backend, config.device)
+        if backend != "torch":
+            problems.append(f"kv_lookup='full' on the {backend} attention backend (torch only)")
     if config.exit.prompt_exits:
         if config.scheduler.prefill_mode != "atomic" or config.scheduler.mixed_prefill_decode:
             problems.append("prompt_exits=True outside prefill_mode='atomic' without mixing")
@@ -158,6 +164,7 @@ class HuginnRunner(Executor):
         prompt_exits: bool = False,
         num_host_blocks: int = 0,
         attention_backend: str = "torch",
+        lookup: str = "last_exited",
     ) -> None:
         """`attention_backend`: a name of `runner.attention.registry` (the Triton kernels on
         CUDA; the same calls, eagerly, as for the torch path)."""
@@ -191,6 +198,10 @@ class HuginnRunner(Executor):
         make_criterion(criterion, vocab_size=config.vocab_size, threshold=criterion_threshold)
         self.init_scale = init_scale
         self.prompt_exits = prompt_exits
+        # lookup "full" (the authors' default): no finalize copies; a one-row item at step t
+        # does not attend to earlier positions that ran t steps or fewer (`steps_run`).
+        self.full = lookup == "full"
+        self.steps_run: dict[str, dict[int, int]] = {}  # request -> position -> steps
         self.latents: dict[str, _Latents] = {}  # with init_scale > 0
         self.samplers: dict[str, tuple] = {}
         self.max_loops: dict[str, int] = {}  # per request: its r
@@ -227,6 +238,7 @@ class HuginnRunner(Executor):
         self.samplers.pop(request_id, None)
         self.max_loops.pop(request_id, None)
         self.latents.pop(request_id, None)
+        self.steps_run.pop(request_id, None)
         self.swapped.pop(request_id, None)
         self.decoding.pop(request_id, None)
         self.inflight.release(request_id)
@@ -417,7 +429,12 @@ class HuginnRunner(Executor):
         pos = self.transfers.to_device(positions)
         core = self.attention.prepare(
             [
-                RowSegment(tables[rid][0 if self.rules.shared else depth], start, count)
+                RowSegment(
+                    tables[rid][0 if self.rules.shared else depth],
+                    start,
+                    count,
+                    self._hidden(rid, start, depth) if self.full and count == 1 else (),
+                )
                 for rid, depth, start, count in parts
             ]
         )
@@ -446,6 +463,17 @@ class HuginnRunner(Executor):
             return None
         n = len(decode)
         return state_in[:n], state_out[:n], e[:n], pos[:n]
+
+    def _hidden(self, request_id: str, position: int, step: int) -> tuple[int, ...]:
+        """Earlier positions that did not run step `step` (lookup "full")."""
+        steps = self.steps_run.get(request_id, {})
+        return tuple(p for p in range(position) if steps.get(p, self.num_loops) <= step)
+
+    def _ran(self, request_id: str, positions, steps: int) -> None:
+        if self.full:
+            table = self.steps_run.setdefault(request_id, {})
+            for position in positions:
+                table[position] = steps
 
     def _prelude(self, first, token_ids, tables):
         """Prelude of the rows that start a token or a prompt chunk: their `e` and initial
@@ -533,6 +561,8 @@ class HuginnRunner(Executor):
             else:
                 self.decoding[rid] = _Token(state_out[row], e[row], criterion_state[row])
         exit_rows = np.flatnonzero(exited).tolist()
+        for r in exit_rows:
+            self._ran(decode.request_ids[r], [int(decode.positions[r])], int(depths[r]) + 1)
         finalized = 0
         if exit_rows:
             finalized = self._finalize(
@@ -571,7 +601,7 @@ class HuginnRunner(Executor):
 
     def _finalize(self, exits) -> int:
         """LAST_EXITED copies of tokens exiting below full depth; returns how many tokens."""
-        if self.rules.shared:  # one step plane: nothing deeper to fill
+        if self.rules.shared or self.full:  # nothing deeper to fill (or to be read)
             return 0
         src, dst = finalize_slots(exits, self.block_size, self.rules.num_planes)
         if src:
@@ -608,6 +638,7 @@ class HuginnRunner(Executor):
             return 0
         for i in done:
             exited_items[i] = True
+            self._ran(items[i].request_id, [items[i].token_start], items[i].depth + k + 1)
         state = torch.cat([states[i][0] for i in done])
         segments = [RowSegment(tables[items[i].request_id][self.once_plane],
                                items[i].token_start, 1) for i in done]  # fmt: skip
@@ -646,6 +677,7 @@ class HuginnRunner(Executor):
             if logits is None:
                 logits = self._coda(state, segment, positions)
             self._prompt_exited[i] = (loop + 1, logits)
+            self._ran(request_id, positions, loop + 1)
             del self._prompt_rules[i]
             table = tables[request_id]
             copies += self._finalize([(table, p, loop) for p in positions])

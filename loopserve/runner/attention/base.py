@@ -38,11 +38,15 @@ from loopserve.runner.transfers import Transfers
 
 @dataclass(frozen=True, slots=True)
 class RowSegment:
-    """Consecutive rows of one item: positions [start, start+count) in one plane."""
+    """Consecutive rows of one item: positions [start, start+count) in one plane. `hidden`:
+    earlier positions a one-row item may not attend although they are in its context (a
+    family whose lookup hides positions that never ran this step; only the torch backend
+    reads it)."""
 
     block_table: list[int]
     start: int
     count: int
+    hidden: tuple[int, ...] = ()
 
 
 class PagedAttentionBackend(ABC):

@@ -85,6 +85,10 @@ class PaddedGroup:
 
         positions = as_tensor(query_positions).view(len(segments), 1, max_queries, 1)
         span = torch.arange(max_blocks * block_size, device=device)
+        mask = span <= positions  # [n, 1, Q, max_blocks * block_size]
+        for i, (_, seg) in enumerate(segments):
+            if seg.hidden:
+                mask[i, :, :, as_tensor(list(seg.hidden))] = False
         return cls(
             num_items=len(segments),
             max_queries=max_queries,
@@ -92,7 +96,7 @@ class PaddedGroup:
             out_index=as_tensor(out_index),
             out_rows=as_tensor(out_rows),
             blocks=as_tensor(blocks),
-            mask=span <= positions,  # [n, 1, Q, max_blocks * block_size]
+            mask=mask,
         )
 
 

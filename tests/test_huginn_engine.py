@@ -11,9 +11,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from loopserve.errors import ConfigError
-from loopserve.models.huginn_dense import generate
+from loopserve.models.huginn_dense import generate, teacher_forced_logits
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, run_steps
@@ -201,15 +202,32 @@ def test_unsupported_combinations_are_start_up_errors(huginn_dir, args, named):
         make_engine(huginn_dir, **args)
 
 
-def test_prompt_logprobs_fail_the_request_alone(huginn_dir):
-    engine = make_engine(huginn_dir)
+def test_prompt_logprobs_are_the_teacher_forced_logprobs_at_r_steps(huginn_dir):
+    """Prompt logprobs (what lm-eval's loglikelihood reads): every prompt position's coda at
+    the request's r steps, in chunks and with a cached prefix in the pool; the exit-loop
+    rule fails the request with the reason."""
+    engine = make_engine(huginn_dir, prefill_chunk_size=5)
+    prompt = SHARED_PREFIX + [4, 5, 6, 9]
     work = [
-        ("plain", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0), 0),
-        ("scored", [4, 5, 6], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1), 0),
-    ]
+        ("warm", prompt, SamplingParams(max_tokens=2, temperature=0.0), 0),
+        ("scored", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2), 6),
+        ("r6", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                      max_loops=6), 6),
+        ("by_exit", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1,
+                                              prompt_logprobs_loop="exit"), 0),
+    ]  # fmt: skip
     finished = run_steps(engine, work)
-    assert "prompt logprobs are not supported for Huginn" in finished["scored"].error
-    assert len(finished["plain"].token_ids) == 3 and finished["plain"].error is None
+    for request_id, steps in (("scored", 8), ("r6", 6)):
+        out = finished[request_id]
+        assert out.error is None and out.prompt_logprobs[0] is None
+        expected = torch.log_softmax(teacher_forced_logits(engine.model, prompt, num_steps=steps),
+                                     dim=-1)  # fmt: skip
+        for position, entry in enumerate(out.prompt_logprobs[1:]):
+            token = prompt[position + 1]
+            assert entry.logprob == pytest.approx(float(expected[position, token]), abs=1e-4)
+            assert entry.loops == steps
+    assert len(finished["scored"].prompt_logprobs[1].top_logprobs) == 2
+    assert "prompt logprobs at the exit loop are not supported" in finished["by_exit"].error
 
 
 def test_cached_prompt_pages_are_shared_only_at_the_same_step_count(huginn_dir):

@@ -32,18 +32,22 @@ def build_engine_core(
     clock: Callable[[], float] = time.perf_counter,
     extra_planes: int = 0,
     prefix_key_by_max_loops: bool = False,
+    score_store: bool = True,
 ) -> EngineCore:
     """The engine core for `config` (its `cache.num_blocks` resolved) over the executor
     `make_executor` builds; `core.scheduler.kv` is the KV manager. `extra_planes`: planes
     beyond the layout's that every request holds (a family's once-per-position K/V, e.g.
     Huginn's prelude and coda layers); `prefix_key_by_max_loops`: cached prompt pages are
-    shared only between requests with the same loop bound (`KVCacheManager.match_prefix`)."""
+    shared only between requests with the same loop bound (`KVCacheManager.match_prefix`);
+    `score_store`: the executor keeps prompt rows' outputs for cached pages (else no page is
+    published as scored)."""
     kv = KVCacheManager.from_config(
         config,
         num_planes=num_planes(config.cache.layout, num_loops) + extra_planes,
         bytes_per_block=bytes_per_block,
     )
     kv.key_by_max_loops = prefix_key_by_max_loops
+    kv.score_store = score_store
     scheduler = Scheduler(config, num_loops=num_loops, kv=kv)
     use_async = config.async_scheduling if async_scheduling is None else async_scheduling
     core_class = AsyncEngineCore if use_async else EngineCore

@@ -117,6 +117,7 @@ class LLMEngine:
             bytes_per_block=bytes_per_block,
             extra_planes=1 if family is HUGINN else 0,
             prefix_key_by_max_loops=family is HUGINN,
+            score_store=family is not HUGINN,
             make_executor=lambda kv: (
                 HuginnRunner(
                     self.model,  # type: ignore[arg-type]

@@ -66,6 +66,7 @@ from loopserve.contracts import (
     SampledToken,
     SchedulerOutput,
     SwapKind,
+    WorkItem,
 )
 from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.execution import Executor, StepRules, run_without_failed
@@ -293,8 +294,11 @@ class HuginnRunner(Executor):
         failures = self._bookkeeping(scheduled)
         reasons = {}
         for item in scheduled.items:
-            if item.score_ids or item.score_rule is not None:
-                reasons[item.request_id] = "prompt logprobs are not supported for Huginn yet"
+            if item.score_rule is not None:
+                reasons[item.request_id] = (
+                    "prompt logprobs at the exit loop are not supported for Huginn yet "
+                    "(prompt_logprobs_loop='last' is)"
+                )
             elif (
                 self.prompt_exits
                 and item.kind is ItemKind.PROMPT
@@ -703,9 +707,11 @@ class HuginnRunner(Executor):
             if i in self._prompt_exited:  # its coda ran at its exit
                 loops, logits = self._prompt_exited[i]
                 token = self._sample(logits[-1:], [item.request_id], failed)[0]
+                scores = self._score(item, logits, loops)
                 results.append(
-                    ItemResult(item.request_id, item.handle, (), token is not None, loops, token)
-                )
+                    ItemResult(item.request_id, item.handle, (), token is not None, loops, token,
+                               prompt_logprobs=scores)
+                )  # fmt: skip
                 continue
             state = loop_states[i]  # every row at the request's last loop
             loops = None
@@ -721,11 +727,37 @@ class HuginnRunner(Executor):
                 [RowSegment(table, item.token_start, item.token_count)],
                 list(range(item.token_start, item.token_start + item.token_count)),
             )
+            scores = self._score(item, logits, self.max_loops[item.request_id])
             if loops is None:
-                results.append(ItemResult(item.request_id, item.handle, hazards))
+                results.append(
+                    ItemResult(item.request_id, item.handle, hazards, prompt_logprobs=scores)
+                )
                 continue
             token = self._sample(logits[-1:], [item.request_id], failed)[0]
             results.append(
-                ItemResult(item.request_id, item.handle, hazards, token is not None, loops, token)
-            )
+                ItemResult(item.request_id, item.handle, hazards, token is not None, loops, token,
+                           prompt_logprobs=scores)
+            )  # fmt: skip
         return results
+
+    def _score(self, item: WorkItem, logits: torch.Tensor, loops: int) -> tuple:
+        """Prompt logprobs of an item with `score_ids`: row i's coda at the request's r steps
+        (its exit loops under `prompt_exits`) scores `score_ids[i]`; one copy to the host."""
+        if not item.score_ids:
+            return ()
+        assert not item.score_cached, "Huginn publishes no scored pages"
+        count, top = len(item.score_ids), item.score_top
+        logprobs = torch.log_softmax(logits[:count].float(), dim=-1)
+        chosen = logprobs.gather(1, self.transfers.to_device(list(item.score_ids))[:, None])
+        rank = (logprobs > chosen).sum(dim=1, keepdim=True) + 1
+        columns = [chosen.double(), rank.double()]
+        if top:
+            values, indices = logprobs.topk(top, dim=-1)
+            columns += [values.double(), indices.double()]
+        flat = self.transfers.to_host(torch.cat(columns, dim=1).reshape(-1))
+        width, entries = 2 + 2 * top, []
+        for row, token_id in enumerate(item.score_ids):
+            values = flat[row * width : (row + 1) * width]
+            alternatives = tuple((int(values[2 + top + j]), values[2 + j]) for j in range(top))
+            entries.append(SampledToken(token_id, values[0], alternatives, int(values[1]), loops))
+        return tuple(entries)

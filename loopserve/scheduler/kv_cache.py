@@ -102,6 +102,9 @@ class KVCacheManager:
         self.num_swapped_in_blocks = 0
         self.bytes_per_block = 0  # one block of one plane, when known (stats only)
         self.key_by_max_loops = False  # see `match_prefix`
+        # Whether the executor keeps a score store (prompt rows' last-loop outputs per slot):
+        # without one no page is published scored.
+        self.score_store = True
 
     @classmethod
     def from_config(
@@ -241,7 +244,7 @@ class KVCacheManager:
         table = self.tables[request_id]
         first = self.num_cached_pages[request_id]
         last = min(len(keys), num_complete_positions // self.block_size)
-        scored = request_id not in self._unscored
+        scored = self.score_store and request_id not in self._unscored
         for i in range(first, last):
             blocks = tuple(plane[i] for plane in table)
             if not self.prefix_cache.publish(*keys[i], blocks, scored=scored):

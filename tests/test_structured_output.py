@@ -168,3 +168,27 @@ def test_a_handed_off_request_resumes_its_grammar_where_it_was(tiny_tok_dir):
     assert allowed and allowed <= set(engine.eos_token_ids) | set(
         engine.tokenizer.end_of_turn_token_ids
     )
+
+
+def test_huginn_follows_the_grammar_too(tmp_path):
+    """The Huginn executor masks logits with the same matchers: every emitted token is one
+    the grammar allows, with criterion exits beside an unconstrained request."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    model_dir = make_tiny_huginn_checkpoint(tmp_path / "h", vocab_size=512, with_tokenizer=True)
+    engine = make_engine(model_dir, exit_criterion="kl")
+    work = [
+        (name, PROMPTS[i], SamplingParams(max_tokens=24, temperature=0.0 if i else 0.9, seed=i,
+                                          exit_threshold=0.1, structured_output=constraint), i)
+        for i, (name, constraint) in enumerate(CONSTRAINTS.items())
+    ]  # fmt: skip
+    work.append(("plain", PROMPTS[0], SamplingParams(max_tokens=8, exit_threshold=0.1), 0))
+    finished = run_steps(engine, work)
+    for name, _, params, _ in work[:-1]:
+        out = finished[name]
+        accepting = check_tokens_allowed(engine, params.structured_output, out.token_ids)
+        if out.finish_reason == "stop":
+            text = engine.tokenizer.decode(out.token_ids)
+            assert accepting and whole_match(params.structured_output, text), text
+    assert sum(finished[name].finish_reason == "stop" for name in CONSTRAINTS) >= 2
+    assert min(d for out in finished.values() for d in out.exit_depths) < 8

@@ -130,6 +130,7 @@ class LLMEngine:
                     num_host_blocks=kv.host_pool.num_blocks,
                     attention_backend=self.config.attention_backend,
                     lookup=self.config.exit.lookup,
+                    make_matcher=None if self.structured is None else self.structured.matcher,
                 )
                 if family is HUGINN
                 else ModelRunner(

@@ -166,6 +166,7 @@ class HuginnRunner(Executor):
         num_host_blocks: int = 0,
         attention_backend: str = "torch",
         lookup: str = "last_exited",
+        make_matcher=None,
     ) -> None:
         """`attention_backend`: a name of `runner.attention.registry` (the Triton kernels on
         CUDA; the same calls, eagerly, as for the torch path)."""
@@ -199,6 +200,7 @@ class HuginnRunner(Executor):
         make_criterion(criterion, vocab_size=config.vocab_size, threshold=criterion_threshold)
         self.init_scale = init_scale
         self.prompt_exits = prompt_exits
+        self.make_matcher = make_matcher  # a fresh grammar matcher (structured output)
         # lookup "full" (the authors' default): no finalize copies; a one-row item at step t
         # does not attend to earlier positions that ran t steps or fewer (`steps_run`).
         self.full = lookup == "full"
@@ -227,11 +229,15 @@ class HuginnRunner(Executor):
         generator = None if is_greedy(new.sample_spec) else make_generator(new.seed, self.device)
         history = None
         if new.sample_spec.adjusts_logits:
+            matcher = None
             if new.sample_spec.structured is not None:
-                raise InvalidRequestError("structured output is not supported for Huginn yet")
+                if self.make_matcher is None:
+                    raise InvalidRequestError("structured output needs the model's tokenizer")
+                matcher = self.make_matcher(new.sample_spec.structured)
             history = TokenHistory(
                 new.sample_spec, self.vocab_size, self.transfers,
                 prompt_token_ids=new.prompt_token_ids, output_token_ids=new.output_token_ids,
+                matcher=matcher,
             )  # fmt: skip
         return new.sample_spec, generator, history
 

@@ -39,7 +39,8 @@ from loopserve.models import load_model, resolve_model_path
 from loopserve.models.registry import HUGINN, read_config, require_engine_family
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
 from loopserve.runner.attention.registry import resolve_attention_backend
-from loopserve.runner.huginn_runner import HuginnRunner, check_huginn_config
+from loopserve.runner.huginn_parts import check_huginn_config
+from loopserve.runner.huginn_runner import HuginnRunner
 from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams

@@ -1,0 +1,116 @@
+"""The prompt and replay items of the Huginn executor (`runner/huginn_runner.py`): replay rows
+at their recorded exit (their coda K/V and finalize copies), and each item's result at the
+end of a step: paused work kept under its handle, or a prompt chunk's coda over all its rows
+at the request's r-th step (its first token sampled, its prompt logprobs scored)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from loopserve.contracts import ItemKind, ItemResult
+from loopserve.execution import StepRules
+from loopserve.exit import ExitMode, choose_exit_from_hazards
+from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.handles import HandleTable
+from loopserve.runner.huginn_exits import PromptExits
+from loopserve.runner.huginn_parts import score_prompt_rows
+from loopserve.runner.transfers import Transfers
+
+
+class PromptItems:
+    """Inputs: the handle table of paused work, the step rules, the once plane's index, the
+    requests' r, the prompt exits, the coda, the finalize copies, the sampler, the steps
+    record and the transfer counter."""
+
+    def __init__(
+        self,
+        *,
+        inflight: HandleTable,
+        rules: StepRules,
+        once_plane: int,
+        max_loops: dict,
+        prompts: PromptExits,
+        coda: Callable,
+        finalize: Callable,
+        sample: Callable,
+        ran: Callable,
+        transfers: Transfers,
+    ) -> None:
+        self.inflight, self.rules, self.once_plane = inflight, rules, once_plane
+        self.max_loops, self.prompts, self.coda = max_loops, prompts, coda
+        self.finalize, self.sample, self.ran, self.transfers = finalize, sample, ran, transfers
+        self.num_loops = rules.num_loops
+
+    def replays(self, k, items, active, tables, states, exited_items) -> int:
+        """Replay rows at their recorded exit: their coda K/V and their finalize copies."""
+        done = [i for i in active if items[i].kind is ItemKind.REPLAY and items[i].exit_now]
+        if not done:
+            return 0
+        for i in done:
+            exited_items[i] = True
+            self.ran(items[i].request_id, [items[i].token_start], items[i].depth + k + 1)
+        state = torch.cat([states[i][0] for i in done])
+        segments = [RowSegment(tables[items[i].request_id][self.once_plane],
+                               items[i].token_start, 1) for i in done]  # fmt: skip
+        self.coda(state, segments, [items[i].token_start for i in done])
+        return self.finalize(
+            [(tables[items[i].request_id], items[i].token_start, items[i].depth + k)
+             for i in done]
+        )  # fmt: skip
+
+    def results(self, items, tables, states, loop_states, exited_items, failed):
+        results: list[ItemResult] = []
+        last = self.num_loops - 1
+        for i, item in enumerate(items):
+            hazards = (0.0,) * item.num_depths if item.needs_gate else ()
+            if item.kind is ItemKind.REPLAY:
+                if not exited_items[i]:
+                    self.inflight.keep(item.request_id, item.handle, (*states[i], None))
+                else:
+                    self.inflight.done(item.request_id, item.handle)
+                results.append(ItemResult(item.request_id, item.handle, (), exited_items[i]))
+                continue
+            if item.last_depth < last:
+                self.inflight.keep(item.request_id, item.handle, (*states[i], loop_states[i]))
+                results.append(ItemResult(item.request_id, item.handle, hazards))
+                continue
+            self.inflight.done(item.request_id, item.handle)
+            if i in self.prompts.exited:  # its coda ran at its exit
+                loops, logits = self.prompts.exited[i]
+                token = self.sample(logits[-1:], [item.request_id], failed)[0]
+                scores = score_prompt_rows(item, logits, loops, self.transfers)
+                results.append(
+                    ItemResult(item.request_id, item.handle, (), token is not None, loops, token,
+                               prompt_logprobs=scores)
+                )  # fmt: skip
+                continue
+            state = loop_states[i]  # every row at the request's last loop
+            loops = None
+            if self.rules.samples_first_token(item):
+                assert item.exit_rule is not None
+                loops = choose_exit_from_hazards(
+                    ExitMode.OURO, item.exit_rule, [0.0] * self.num_loops, item.trace_loops
+                )
+                assert loops == self.max_loops[item.request_id], "a first token uses r loops"
+            table = tables[item.request_id][self.once_plane]
+            logits = self.coda(
+                state,
+                [RowSegment(table, item.token_start, item.token_count)],
+                list(range(item.token_start, item.token_start + item.token_count)),
+            )
+            scores = score_prompt_rows(
+                item, logits, self.max_loops[item.request_id], self.transfers
+            )
+            if loops is None:
+                results.append(
+                    ItemResult(item.request_id, item.handle, hazards, prompt_logprobs=scores)
+                )
+                continue
+            token = self.sample(logits[-1:], [item.request_id], failed)[0]
+            results.append(
+                ItemResult(item.request_id, item.handle, hazards, token is not None, loops, token,
+                           prompt_logprobs=scores)
+            )  # fmt: skip
+        return results

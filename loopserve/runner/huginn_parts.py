@@ -1,0 +1,137 @@
+"""Pieces of the Huginn executor (`runner/huginn_runner.py`): its start-up checks, the
+attention router between step planes and the once plane, the per-request state it keeps
+(a decode token in flight, the random initial states) and prompt scoring."""
+
+from __future__ import annotations
+
+import torch
+
+from loopserve.contracts import ItemKind, SampledToken, WorkItem
+from loopserve.errors import ConfigError
+from loopserve.runner.attention.registry import resolve_attention_backend
+from loopserve.runner.transfers import Transfers
+
+
+def check_huginn_config(config) -> None:
+    """Start-up errors for the engine options the Huginn executor does not run (an
+    `EngineConfig`; CPU, eager, LAST_EXITED, recompute preemption, the `ouro` exit mode)."""
+    graph = config.graph_mode if not config.enforce_eager else "off"
+    problems = []
+    if graph not in ("off", "auto") or (graph == "auto" and config.device.startswith("cuda")):
+        problems.append(f"graph_mode={config.graph_mode!r} (Huginn runs eagerly: graph_mode='off')")
+    if config.exit.mode != "ouro":
+        problems.append(f"exit_mode={config.exit.mode!r} (Huginn exits by its criterion: 'ouro')")
+    if config.batch_invariant:
+        problems.append("batch_invariant=True")
+    if config.async_scheduling:
+        problems.append("async_scheduling=True")
+    if config.exit.lookup == "full":
+        if config.cache.layout != "last_exited":
+            problems.append("kv_lookup='full' outside layout='last_exited'")
+        backend = resolve_attention_backend(config.attention_backend, config.device)
+        if backend != "torch":
+            problems.append(f"kv_lookup='full' on the {backend} attention backend (torch only)")
+    if config.exit.prompt_exits:
+        if config.scheduler.prefill_mode != "atomic" or config.scheduler.mixed_prefill_decode:
+            problems.append("prompt_exits=True outside prefill_mode='atomic' without mixing")
+        if config.cache.enable_prefix_caching is not False:
+            problems.append("prompt_exits=True with prefix caching (pass it off)")
+    if problems:
+        raise ConfigError("Huginn-0125 does not run with " + "; ".join(problems))
+
+
+class LayerRouter:
+    """The attention backend a Huginn call hands the model: core layers go to the rows'
+    step planes, prelude and coda layers to their once plane."""
+
+    def __init__(self, groups: dict[str, range], core=None, once=None) -> None:
+        self.core, self.once = core, once
+        self.core_start = groups["core"].start
+        self.core_layers = groups["core"]
+        prelude, coda = groups["prelude"], groups["coda"]
+        self.once_index = {layer: i for i, layer in enumerate([*prelude, *coda])}
+
+    def attend(self, layer_idx: int, query, key, value):
+        if layer_idx in self.core_layers:
+            return self.core.attend(layer_idx - self.core_start, query, key, value)
+        return self.once.attend(self.once_index[layer_idx], query, key, value)
+
+
+class DecodeToken:
+    """A decode token in flight: its state, its injected prelude output and its criterion
+    state (one tensor per `state_fields` entry, without the token dimension)."""
+
+    __slots__ = ("state", "e", "criterion")
+
+    def __init__(self, state: torch.Tensor, e: torch.Tensor, criterion: list[torch.Tensor]):
+        self.state, self.e, self.criterion = state, e, criterion
+
+
+class Latents:
+    """A request's random initial states: its generator, the prompt's block (drawn whole at
+    the first chunk) and each generated position's row."""
+
+    __slots__ = ("generator", "prompt_len", "prompt", "drawn")
+
+    def __init__(self, generator: torch.Generator, prompt_len: int) -> None:
+        self.generator, self.prompt_len = generator, prompt_len
+        self.prompt: torch.Tensor | None = None
+        self.drawn: dict[int, torch.Tensor] = {}
+
+    def rows(self, start: int, count: int, draw) -> torch.Tensor:
+        """Initial states of positions [start, start + count); `draw(rows)` draws new ones
+        from this request's generator."""
+        if start < self.prompt_len:
+            if self.prompt is None:
+                self.prompt = draw(self.prompt_len)
+            return self.prompt[start : start + count]
+        assert count == 1, "generated positions start one at a time"
+        if start not in self.drawn:
+            self.drawn[start] = draw(1)
+        return self.drawn[start]
+
+
+def score_prompt_rows(
+    item: WorkItem, logits: torch.Tensor, loops: int, transfers: Transfers
+) -> tuple[SampledToken, ...]:
+    """Prompt logprobs of an item with `score_ids`: row i's coda at the request's r steps
+    (its exit loops under `prompt_exits`) scores `score_ids[i]`; one copy to the host."""
+    if not item.score_ids:
+        return ()
+    assert not item.score_cached, "Huginn publishes no scored pages"
+    count, top = len(item.score_ids), item.score_top
+    logprobs = torch.log_softmax(logits[:count].float(), dim=-1)
+    chosen = logprobs.gather(1, transfers.to_device(list(item.score_ids))[:, None])
+    rank = (logprobs > chosen).sum(dim=1, keepdim=True) + 1
+    columns = [chosen.double(), rank.double()]
+    if top:
+        values, indices = logprobs.topk(top, dim=-1)
+        columns += [values.double(), indices.double()]
+    flat = transfers.to_host(torch.cat(columns, dim=1).reshape(-1))
+    width, entries = 2 + 2 * top, []
+    for row, token_id in enumerate(item.score_ids):
+        values = flat[row * width : (row + 1) * width]
+        alternatives = tuple((int(values[2 + top + j]), values[2 + j]) for j in range(top))
+        entries.append(SampledToken(token_id, values[0], alternatives, int(values[1]), loops))
+    return tuple(entries)
+
+
+def refused_items(items, prompt_exits: bool) -> dict[str, str]:
+    """Requests whose items this executor cannot run, with the reason (each fails alone)."""
+    reasons = {}
+    for item in items:
+        if item.score_rule is not None:
+            reasons[item.request_id] = (
+                "prompt logprobs at the exit loop are not supported for Huginn yet "
+                "(prompt_logprobs_loop='last' is)"
+            )
+        elif (
+            prompt_exits
+            and item.kind is ItemKind.PROMPT
+            and (item.token_start > 0 or not item.first_token)
+        ):
+            reasons[item.request_id] = (
+                "with prompt_exits the whole prompt must be one chunk: raise "
+                "prefill_chunk_size and max_num_batched_tokens above its length"
+            )
+    return reasons

@@ -1,0 +1,179 @@
+"""The per-request state of the Huginn executor (`runner/huginn_runner.py`): samplers, each
+request's r, its random initial states, the steps each position ran (the `full` lookup), the
+decode token in flight, paused prompt and replay work under its handles, and what a swap-out
+set aside. `HuginnRequests` sets requests up (each failing alone), drops them and moves their
+paused work with swaps."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+
+import torch
+
+from loopserve.contracts import (
+    KVTransfer,
+    NewRequestData,
+    RequestFailure,
+    SampledToken,
+    SchedulerOutput,
+    SwapKind,
+)
+from loopserve.errors import InvalidRequestError
+from loopserve.runner.handles import HandleTable
+from loopserve.runner.huginn_parts import DecodeToken, Latents
+from loopserve.runner.sampler import TokenHistory, is_greedy, make_generator, sample_rows
+from loopserve.runner.swap import SwapSpace
+from loopserve.runner.transfers import Transfers
+
+logger = logging.getLogger(__name__)
+
+
+class HuginnRequests:
+    """Inputs: the model's r, the layout (SHARED?), the vocabulary size, the device and its
+    transfer counter, the swap space, a grammar matcher factory (None without a tokenizer),
+    the lookup (`full`), the initial-state scale and `draw(rows, generator)`."""
+
+    def __init__(
+        self,
+        *,
+        num_loops: int,
+        shared: bool,
+        vocab_size: int,
+        device: torch.device,
+        transfers: Transfers,
+        swap: SwapSpace,
+        make_matcher: Callable | None,
+        full: bool,
+        init_scale: float,
+        draw: Callable[[int, torch.Generator], torch.Tensor],
+    ) -> None:
+        self.num_loops, self.shared, self.vocab_size = num_loops, shared, vocab_size
+        self.device, self.transfers, self.swap = device, transfers, swap
+        self.make_matcher, self.full, self.init_scale, self.draw = (
+            make_matcher,
+            full,
+            init_scale,
+            draw,
+        )
+        self.samplers: dict[str, tuple] = {}
+        self.max_loops: dict[str, int] = {}  # per request: its r
+        self.latents: dict[str, Latents] = {}  # with init_scale > 0
+        self.steps_run: dict[str, dict[int, int]] = {}  # request -> position -> steps
+        self.decoding: dict[str, DecodeToken] = {}
+        # Prompt and replay work between steps: (state, e, state at the request's last loop).
+        self.inflight: HandleTable[tuple] = HandleTable()
+        self.swapped: dict[str, tuple[dict, DecodeToken | None]] = {}
+
+    def setup_request(self, new: NewRequestData) -> tuple:
+        if self.shared and 0 < new.max_loops < self.num_loops:
+            raise InvalidRequestError(
+                "under the shared layout a Huginn request runs the model's r steps "
+                f"({self.num_loops}); max_loops below it needs the last_exited layout"
+            )
+        generator = None if is_greedy(new.sample_spec) else make_generator(new.seed, self.device)
+        history = None
+        if new.sample_spec.adjusts_logits:
+            matcher = None
+            if new.sample_spec.structured is not None:
+                if self.make_matcher is None:
+                    raise InvalidRequestError("structured output needs the model's tokenizer")
+                matcher = self.make_matcher(new.sample_spec.structured)
+            history = TokenHistory(
+                new.sample_spec, self.vocab_size, self.transfers,
+                prompt_token_ids=new.prompt_token_ids, output_token_ids=new.output_token_ids,
+                matcher=matcher,
+            )  # fmt: skip
+        return new.sample_spec, generator, history
+
+    def drop(self, request_id: str) -> None:
+        self.samplers.pop(request_id, None)
+        self.max_loops.pop(request_id, None)
+        self.latents.pop(request_id, None)
+        self.steps_run.pop(request_id, None)
+        self.swapped.pop(request_id, None)
+        self.decoding.pop(request_id, None)
+        self.inflight.release(request_id)
+
+    def bookkeeping(self, scheduled: SchedulerOutput) -> tuple[RequestFailure, ...]:
+        for request_id in scheduled.finished_request_ids:
+            self.drop(request_id)
+        failures = []
+        for new in scheduled.new_requests:
+            try:
+                self.samplers[new.request_id] = self.setup_request(new)
+                self.max_loops[new.request_id] = new.max_loops or self.num_loops
+                if self.init_scale > 0:
+                    seed = new.seed if new.seed is not None else random.getrandbits(63)
+                    generator = torch.Generator().manual_seed(seed)
+                    self.latents[new.request_id] = Latents(generator, new.prompt_len)
+            except Exception as err:  # fails this request only
+                logger.exception("setup of request %s failed", new.request_id)
+                self.drop(new.request_id)
+                failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
+        for transfer in scheduled.kv_transfers:  # in order, before the step's calls
+            self.move(transfer)
+        for request_id in scheduled.preempted_request_ids:
+            self.inflight.release(request_id)
+            self.decoding.pop(request_id, None)
+        return tuple(failures)
+
+    def move(self, transfer: KVTransfer) -> None:
+        assert transfer.kind is not SwapKind.IMPORT, "Huginn requests are not handed off"
+        self.swap.copy(transfer)
+        request_id = transfer.request_id
+        if transfer.kind is SwapKind.OUT:
+            handles = [h for h in self.inflight.handles_of(request_id) if h in self.inflight]
+            states = {h: self.inflight.resume(h) for h in handles}
+            self.inflight.release(request_id)
+            self.swapped[request_id] = (states, self.decoding.pop(request_id, None))
+            return
+        states, token = self.swapped.pop(request_id)
+        for handle, state in states.items():
+            self.inflight.keep(request_id, handle, state)
+        if token is not None:
+            self.decoding[request_id] = token
+
+    @property
+    def num_live_handles(self) -> int:
+        return len(self.inflight) + len(self.decoding)
+
+    def hidden(self, request_id: str, position: int, step: int) -> tuple[int, ...]:
+        """Earlier positions that did not run step `step` (lookup "full")."""
+        steps = self.steps_run.get(request_id, {})
+        return tuple(p for p in range(position) if steps.get(p, self.num_loops) <= step)
+
+    def ran(self, request_id: str, positions, steps: int) -> None:
+        if self.full:
+            table = self.steps_run.setdefault(request_id, {})
+            for position in positions:
+                table[position] = steps
+
+    def initial_rows(self, request_id: str, start: int, count: int) -> torch.Tensor:
+        """Initial states of positions [start, start + count) of a request (`init_scale` >
+        0): the authors' draws from its seed, kept per position."""
+        latents = self.latents[request_id]
+        return latents.rows(start, count, lambda rows: self.draw(rows, latents.generator))
+
+    def sample(self, logits, request_ids, failed) -> list[SampledToken | None]:
+        """One token per row from its request's sampler; a request whose sampling raises gets
+        None and a `RequestFailure` in `failed` (it fails alone)."""
+        specs, generators, histories = [], [], []
+        for rid in request_ids:
+            spec, generator, history = self.samplers[rid]
+            specs.append(spec)
+            generators.append(generator)
+            histories.append(history)
+        failures: dict[int, str] = {}
+        tokens = sample_rows(logits, specs, generators, self.transfers, failures, histories)
+        out: list[SampledToken | None] = []
+        for row, (rid, token) in enumerate(zip(request_ids, tokens, strict=True)):
+            if row in failures:
+                failed.append(RequestFailure(rid, failures[row]))
+                out.append(None)
+                continue
+            if histories[row] is not None:
+                histories[row].record(token.token_id)
+            out.append(token)
+        return out

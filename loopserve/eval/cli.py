@@ -22,28 +22,24 @@ if TYPE_CHECKING:
     import torch
 
 
-def _floats(text: str) -> list[float]:
+def _number_list(text: str, ok, requirement: str) -> list[float]:
     try:
         values = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated numbers, got {text!r}"
         ) from None
-    if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise argparse.ArgumentTypeError(f"thresholds must be in [0, 1], got {text!r}")
+    if not values or not all(ok(v) for v in values):
+        raise argparse.ArgumentTypeError(f"thresholds must be {requirement}, got {text!r}")
     return values
+
+
+def _floats(text: str) -> list[float]:
+    return _number_list(text, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 
 
 def _positive_floats(text: str) -> list[float]:
-    try:
-        values = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"thresholds must be > 0, got {text!r}")
-    return values
+    return _number_list(text, lambda v: v > 0, "> 0")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from loopserve.contracts import (
 from loopserve.errors import InvalidRequestError
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.huginn_parts import DecodeToken, Latents
-from loopserve.runner.sampler import TokenHistory, is_greedy, make_generator, sample_rows
+from loopserve.runner.sampler import is_greedy, make_generator, sample_rows, token_history
 from loopserve.runner.swap import SwapSpace
 from loopserve.runner.transfers import Transfers
 
@@ -73,18 +73,7 @@ class HuginnRequests:
                 f"({self.num_loops}); max_loops below it needs the last_exited layout"
             )
         generator = None if is_greedy(new.sample_spec) else make_generator(new.seed, self.device)
-        history = None
-        if new.sample_spec.adjusts_logits:
-            matcher = None
-            if new.sample_spec.structured is not None:
-                if self.make_matcher is None:
-                    raise InvalidRequestError("structured output needs the model's tokenizer")
-                matcher = self.make_matcher(new.sample_spec.structured)
-            history = TokenHistory(
-                new.sample_spec, self.vocab_size, self.transfers,
-                prompt_token_ids=new.prompt_token_ids, output_token_ids=new.output_token_ids,
-                matcher=matcher,
-            )  # fmt: skip
+        history = token_history(new, self.vocab_size, self.transfers, self.make_matcher)
         return new.sample_spec, generator, history
 
     def drop(self, request_id: str) -> None:

@@ -37,7 +37,6 @@ from loopserve.contracts import (
     SampleSpec,
     SchedulerOutput,
 )
-from loopserve.errors import InvalidRequestError
 from loopserve.execution import Executor, StepRules, run_without_failed
 from loopserve.exit import ExitMode
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
@@ -56,6 +55,7 @@ from loopserve.runner.sampler import (
     is_greedy,
     make_generator,
     restore_generator,
+    token_history,
 )
 from loopserve.runner.swap import InFlight, KVMoves
 from loopserve.runner.transfers import Transfers
@@ -239,21 +239,9 @@ class ModelRunner(Executor):
         staged = self.staged_imports.get(new.request_id)
         if generator is not None and staged is not None:  # continue the exporter's stream
             restore_generator(generator, staged[1])
-        history = None
-        if new.sample_spec.adjusts_logits:
-            matcher = None
-            if new.sample_spec.structured is not None:
-                if self.make_matcher is None:
-                    raise InvalidRequestError("structured output needs the model's tokenizer")
-                matcher = self.make_matcher(new.sample_spec.structured)
-            history = TokenHistory(
-                new.sample_spec,
-                self.model.config.vocab_size,
-                self.transfers,
-                prompt_token_ids=new.prompt_token_ids,
-                output_token_ids=new.output_token_ids,
-                matcher=matcher,
-            )
+        history = token_history(
+            new, self.model.config.vocab_size, self.transfers, self.make_matcher
+        )
         return new.sample_spec, generator, history
 
     # ---- hand-off (prefill/decode disaggregation) -------------------------------------------

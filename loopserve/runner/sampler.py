@@ -18,14 +18,16 @@ device once per token), and the matcher consumes each final token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from loopserve.contracts import SampledToken, SampleSpec
+from loopserve.contracts import NewRequestData, SampledToken, SampleSpec
+from loopserve.errors import InvalidRequestError
 from loopserve.runner.transfers import Transfers
+from loopserve.sampling_params import StructuredOutput
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -256,3 +258,25 @@ def restore_generator(generator: torch.Generator, state: bytes | None) -> None:
     """Continue the random stream `generator_state` saved (no-op for None)."""
     if state is not None:
         generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+def token_history(
+    new: NewRequestData,
+    vocab_size: int,
+    transfers: Transfers,
+    make_matcher: Callable[[StructuredOutput], Matcher] | None,
+) -> TokenHistory | None:
+    """A new request's logits-adjustment history (None when its sampling adjusts nothing),
+    with a fresh grammar matcher for structured output (`make_matcher`: the tokenizer's)."""
+    spec = new.sample_spec
+    if not spec.adjusts_logits:
+        return None
+    matcher = None
+    if spec.structured is not None:
+        if make_matcher is None:
+            raise InvalidRequestError("structured output needs the model's tokenizer")
+        matcher = make_matcher(spec.structured)
+    return TokenHistory(
+        spec, vocab_size, transfers, prompt_token_ids=new.prompt_token_ids,
+        output_token_ids=new.output_token_ids, matcher=matcher,
+    )  # fmt: skip

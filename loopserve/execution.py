@@ -5,12 +5,13 @@ executor promises about it (`Executor`: bookkeeping first, one result per item a
 decode row, per-request setup failures) and the rules both executors (`ModelRunner`,
 `SimExecutor`) apply the same way, once: the plane count, the plane of a call, finalize,
 the first token and handle lifetime (`StepRules`), and the setup-failure contract
-(`run_without_failed`). Torch-free.
+(`set_up_each`, `run_without_failed`). Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from loopserve.contracts import (
     DecodeResults,
     ItemKind,
     ItemResult,
+    NewRequestData,
     RequestFailure,
     RunnerOutput,
     SchedulerOutput,
@@ -142,3 +144,22 @@ def run_without_failed(
         decode=decode_results,
         failed_requests=failures + output.failed_requests,
     )
+
+
+def set_up_each(
+    new_requests,
+    setup: Callable[[NewRequestData], None],
+    drop: Callable[[str], None],
+    log: logging.Logger,
+) -> tuple[RequestFailure, ...]:
+    """Run an executor's per-request `setup` for each new request; a request whose setup
+    raises is dropped (`drop`: none of its state kept), logged and reported, alone."""
+    failures = []
+    for new in new_requests:
+        try:
+            setup(new)
+        except Exception as err:  # fails this request only; reported, not swallowed
+            log.exception("setup of request %s failed", new.request_id)
+            drop(new.request_id)
+            failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
+    return tuple(failures)

@@ -116,9 +116,9 @@ class LLMEngine:
             self.config,
             num_loops=self.num_loops,
             bytes_per_block=bytes_per_block,
-            extra_planes=1 if family is HUGINN else 0,
-            prefix_key_by_max_loops=family is HUGINN,
-            score_store=family is not HUGINN,
+            extra_planes=family.extra_kv_planes,
+            prefix_key_by_max_loops=family.prefix_keyed_by_max_loops,
+            score_store=family.score_store,
             make_executor=lambda kv: (
                 HuginnRunner(
                     self.model,  # type: ignore[arg-type]

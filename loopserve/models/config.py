@@ -12,6 +12,22 @@ from loopserve.errors import ModelLoadError
 SUPPORTED_MODEL_TYPES = ("ouro",)
 
 
+def read_config_json(path: str | os.PathLike) -> dict:
+    """A checkpoint's `config.json` as read (any family)."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_config_json(directory: str | os.PathLike, raw: dict) -> None:
+    Path(directory, "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+
+
+def eos_token_ids(raw: dict) -> tuple[int, ...]:
+    """`eos_token_id` of a config as a tuple (absent, one id or a list)."""
+    eos = raw.get("eos_token_id")
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
 @dataclass(frozen=True)
 class OuroConfig:
     vocab_size: int
@@ -74,8 +90,7 @@ class OuroConfig:
         scaling = raw.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ModelLoadError(f"rope_scaling {scaling!r} is not supported yet")
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos_ids = eos_token_ids(raw)
         known = {
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "total_ut_steps", "head_dim",
@@ -92,8 +107,7 @@ class OuroConfig:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> OuroConfig:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_config_json(path))
 
     def to_dict(self) -> dict:
         raw = asdict(self)
@@ -103,4 +117,4 @@ class OuroConfig:
         return {**self.extra, **raw}
 
     def save(self, directory: str | os.PathLike) -> None:
-        Path(directory, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_config_json(directory, self.to_dict())

@@ -22,7 +22,6 @@ K/V entry per position; core layers keep one per position and recurrence step.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ from torch import nn
 
 from loopserve.errors import ModelLoadError
 from loopserve.models.attention import AttentionBackend
+from loopserve.models.config import eos_token_ids, read_config_json, write_config_json
 
 HUGINN_MODEL_TYPE = "huginn_raven"
 
@@ -153,8 +153,7 @@ class HuginnConfig:
         heads = raw.get("n_heads", raw.get("num_attention_heads"))
         if raw.get("num_key_value_heads", heads) != heads:
             raise ModelLoadError("Huginn checkpoints with grouped K/V heads are not supported")
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos_ids = eos_token_ids(raw)
         known = (
             "vocab_size", "n_embd", "intermediate_size", "n_layers_in_prelude",
             "n_layers_in_recurrent_block", "n_layers_in_coda", "mean_recurrence", "norm_eps",
@@ -172,8 +171,7 @@ class HuginnConfig:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> HuginnConfig:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(read_config_json(path))
 
     def to_dict(self) -> dict:
         raw = asdict(self)
@@ -185,9 +183,7 @@ class HuginnConfig:
         return {**self.extra, **raw, **_FIXED_CHOICES}
 
     def save(self, directory: str | os.PathLike) -> None:
-        from pathlib import Path
-
-        Path(directory, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_config_json(directory, self.to_dict())
 
 
 class HuginnRMSNorm(nn.Module):

@@ -7,7 +7,6 @@ the engine ask the registry which family a checkpoint belongs to (`model_type` f
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from loopserve.errors import ConfigError, ModelLoadError
-from loopserve.models.config import OuroConfig
+from loopserve.models.config import OuroConfig, read_config_json
 from loopserve.models.huginn import HUGINN_MODEL_TYPE, HuginnConfig, HuginnForLoopedLM
 from loopserve.models.ouro import OuroForLoopedLM
 
@@ -32,6 +31,13 @@ class ModelFamily:
     engine: bool  # the batched engine serves it
     handoff: bool  # its requests can be handed off between engines (PD disaggregation)
     runs_on: str  # where it runs today, for error messages and docs
+    # What its K/V needs from the KV manager: planes per request beyond the layout's (the
+    # prelude's and coda's once-per-position K/V), prompt pages keyed by the request's loop
+    # bound (its prompt K/V depends on it), and whether its executor keeps a score store
+    # (prompt rows' outputs for cached pages).
+    extra_kv_planes: int = 0
+    prefix_keyed_by_max_loops: bool = False
+    score_store: bool = True
 
 
 OURO = ModelFamily(
@@ -56,6 +62,9 @@ HUGINN = ModelFamily(
     ignored_tensors=("freqs_cis",),
     engine=True,
     handoff=False,
+    extra_kv_planes=1,
+    prefix_keyed_by_max_loops=True,
+    score_store=False,
     runs_on="the engine on CPU (eager; runner/huginn_runner.py), the dense "
     "reference (loopserve.models.huginn_dense) and the simulator",
 )
@@ -80,8 +89,7 @@ def read_config(path: str | os.PathLike):
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = read_config_json(path)
     family = family_of(raw)
     return family, family.config_class.from_dict(raw)
 

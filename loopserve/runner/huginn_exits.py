@@ -56,9 +56,10 @@ class DecodeExits:
             rule.init(state_in[starting].unsqueeze(1))
             for j, row in enumerate(starting.tolist()):
                 start_state[row] = [getattr(rule, f)[j] for f in fields]
-        criterion_state = {}
-        for row, rid in enumerate(decode.request_ids):
-            criterion_state[row] = start_state.get(row) or self.decoding[rid].criterion
+        criterion_state = {
+            row: start_state[row] if row in start_state else self.decoding[rid].criterion
+            for row, rid in enumerate(decode.request_ids)
+        }
         logits = None
         logit_rows: list[int] = []
         if len(gate):
@@ -95,13 +96,14 @@ class DecodeExits:
         token_ids = np.full(n, -1, np.int64)
         logprobs: dict[int, SampledToken] = {}
         if exit_rows:
-            have = {r: j for j, r in enumerate(logit_rows)}
-            missing = [r for r in exit_rows if r not in have]
-            extra = self.decode_coda(decode, missing, state_out, tables) if missing else None
-            picked = [
-                logits[have[r]] if r in have else extra[missing.index(r)]  # type: ignore[index]
-                for r in exit_rows
-            ]
+            # The checks' logits where they ran this loop; the coda for the other exits.
+            row_logits = dict(zip(logit_rows, logits)) if logits is not None else {}
+            missing = [r for r in exit_rows if r not in row_logits]
+            if missing:
+                row_logits.update(
+                    zip(missing, self.decode_coda(decode, missing, state_out, tables))
+                )
+            picked = [row_logits[r] for r in exit_rows]
             requests = [decode.request_ids[r] for r in exit_rows]
             sampled = self.sample(torch.stack(picked), requests, failed)
             for r, token in zip(exit_rows, sampled, strict=True):

@@ -21,6 +21,7 @@ from loopserve.contracts import (
     SwapKind,
 )
 from loopserve.errors import InvalidRequestError
+from loopserve.execution import set_up_each
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.huginn_parts import DecodeToken, Latents
 from loopserve.runner.sampler import is_greedy, make_generator, sample_rows, token_history
@@ -88,25 +89,21 @@ class HuginnRequests:
     def bookkeeping(self, scheduled: SchedulerOutput) -> tuple[RequestFailure, ...]:
         for request_id in scheduled.finished_request_ids:
             self.drop(request_id)
-        failures = []
-        for new in scheduled.new_requests:
-            try:
-                self.samplers[new.request_id] = self.setup_request(new)
-                self.max_loops[new.request_id] = new.max_loops or self.num_loops
-                if self.init_scale > 0:
-                    seed = new.seed if new.seed is not None else random.getrandbits(63)
-                    generator = torch.Generator().manual_seed(seed)
-                    self.latents[new.request_id] = Latents(generator, new.prompt_len)
-            except Exception as err:  # fails this request only
-                logger.exception("setup of request %s failed", new.request_id)
-                self.drop(new.request_id)
-                failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
+        failures = set_up_each(scheduled.new_requests, self._install, self.drop, logger)
         for transfer in scheduled.kv_transfers:  # in order, before the step's calls
             self.move(transfer)
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)
             self.decoding.pop(request_id, None)
-        return tuple(failures)
+        return failures
+
+    def _install(self, new: NewRequestData) -> None:
+        self.samplers[new.request_id] = self.setup_request(new)
+        self.max_loops[new.request_id] = new.max_loops or self.num_loops
+        if self.init_scale > 0:
+            seed = new.seed if new.seed is not None else random.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
+            self.latents[new.request_id] = Latents(generator, new.prompt_len)
 
     def move(self, transfer: KVTransfer) -> None:
         assert transfer.kind is not SwapKind.IMPORT, "Huginn requests are not handed off"
@@ -130,8 +127,8 @@ class HuginnRequests:
 
     def hidden(self, request_id: str, position: int, step: int) -> tuple[int, ...]:
         """Earlier positions that did not run step `step` (lookup "full")."""
-        steps = self.steps_run.get(request_id, {})
-        return tuple(p for p in range(position) if steps.get(p, self.num_loops) <= step)
+        steps = self.steps_run.get(request_id, {})  # positions not in it ran every step
+        return tuple(p for p, ran in steps.items() if p < position and ran <= step)
 
     def ran(self, request_id: str, positions, steps: int) -> None:
         if self.full:

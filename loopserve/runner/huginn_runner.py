@@ -308,7 +308,7 @@ class HuginnRunner(Executor):
 
     def _prelude(self, first, token_ids, tables):
         """Prelude of the rows that start a token or a prompt chunk: their `e` and initial
-        state (zeros), in the order given."""
+        state (zeros, or the request's random draws with `init_scale` > 0), in order."""
         positions = [p for _, start, count in first for p in range(start, start + count)]
         once = self.attention.prepare(
             [RowSegment(tables[rid][self.once_plane], start, count) for rid, start, count in first]

@@ -37,7 +37,7 @@ from loopserve.contracts import (
     SampleSpec,
     SchedulerOutput,
 )
-from loopserve.execution import Executor, StepRules, run_without_failed
+from loopserve.execution import Executor, StepRules, run_without_failed, set_up_each
 from loopserve.exit import ExitMode
 from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
@@ -216,20 +216,16 @@ class ModelRunner(Executor):
         requests whose setup raised (none of their state is kept)."""
         for request_id in scheduled.finished_request_ids:
             self._drop_request(request_id)
-        failures = []
-        for new in scheduled.new_requests:
-            try:
-                self.samplers[new.request_id] = self.setup_request(new)
-            except Exception as err:  # fails this request only; reported, not swallowed
-                logger.exception("setup of request %s failed", new.request_id)
-                self._drop_request(new.request_id)
-                failures.append(RequestFailure(new.request_id, f"{type(err).__name__}: {err}"))
+        failures = set_up_each(scheduled.new_requests, self._install, self._drop_request, logger)
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
             self.moves.apply(transfer, self.decode_slots)
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
             self.decode_slots.release(request_id)
-        return tuple(failures)
+        return failures
+
+    def _install(self, new: NewRequestData) -> None:
+        self.samplers[new.request_id] = self.setup_request(new)
 
     def setup_request(self, new: NewRequestData) -> Sampler:
         """Build one new request's per-request state (its sampler); the caller installs it

@@ -55,6 +55,8 @@ class SchedulerConfig:
     max_prefill_batches_before_decode: int = default("max_prefill_batches_before_decode")
     preemption_mode: str = default("preemption_mode")
     scheduling_policy: str = default("scheduling_policy")
+    speculative_tokens: int = default("speculative_tokens")
+    draft_loops: int = default("draft_loops")
 
     def __post_init__(self) -> None:
         # One meaning of "mixed": prompt rows ride in decode calls one depth at a time, so an
@@ -157,6 +159,7 @@ def validate(config: EngineConfig) -> None:
         _positive_int(name, getattr(sched, name))
     if config.max_model_len is not None:
         _positive_int("max_model_len", config.max_model_len)
+    _check_speculation(config)
     _choice("mode", sched.mode, MODES)
     _choice("prefill_mode", sched.prefill_mode, PREFILL_MODES)
     _choice("exit_mode", exit_.mode, EXIT_MODES)
@@ -197,6 +200,39 @@ def validate(config: EngineConfig) -> None:
                 f"= {needed} > {sched.max_num_batched_tokens}; set max_num_batched_tokens >= {needed} "
                 f"or lower prefill_chunk_size / max_num_seqs"
             )
+
+
+def _check_speculation(config: EngineConfig) -> None:
+    sched = config.scheduler
+    tokens, loops = sched.speculative_tokens, sched.draft_loops
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ConfigError(f"speculative_tokens must be an integer >= 0, got {tokens!r}")
+    _positive_int("draft_loops", loops)
+    if not tokens:
+        return
+    if config.cache.layout == "shared":
+        raise ConfigError(
+            "speculative_tokens > 0 needs layout='last_exited': a draft position's early loops "
+            "would overwrite the one SHARED plane that later positions read as its final K/V, "
+            "so drafted and verified tokens would differ from plain decoding; use "
+            "layout='last_exited' or speculative_tokens=0"
+        )
+    if tokens + 1 > sched.max_num_batched_tokens:
+        raise ConfigError(
+            f"speculative_tokens + 1 ({tokens + 1}) rows of one request must fit in "
+            f"max_num_batched_tokens ({sched.max_num_batched_tokens})"
+        )
+
+
+def check_draft_loops(config: EngineConfig, num_loops: int) -> None:
+    """Self-speculative decoding drafts after `draft_loops` of the model's D loops: at least
+    one loop must be left to verify."""
+    sched = config.scheduler
+    if sched.speculative_tokens and sched.draft_loops >= num_loops:
+        raise ConfigError(
+            f"draft_loops ({sched.draft_loops}) must be below the model's loops ({num_loops}): "
+            "a draft is verified by the loops after it"
+        )
 
 
 def _check_batch_invariant(config: EngineConfig) -> None:
@@ -263,13 +299,15 @@ def max_inflight_rows(config: EngineConfig, num_loops: int) -> int:
 
     Per running request: one decode token, or its in-flight prompt chunks (wavefront: up to
     D chunks at different depths; per-depth/mixed: one), plus D last-row outputs of the
-    chunk holding the last prompt position.
+    chunk holding the last prompt position; with self-speculative decoding, its drafted
+    positions too.
     """
     sched = config.scheduler
     chunks = num_loops if sched.prefill_mode == "wavefront" else 1
     if sched.prefill_mode == "atomic":  # never with mixed_prefill_decode (SchedulerConfig)
         chunks = 0  # atomic chunks finish inside their step
-    return sched.max_num_seqs * (max(1, chunks * sched.prefill_chunk_size) + num_loops)
+    per_request = max(1, chunks * sched.prefill_chunk_size) + num_loops
+    return sched.max_num_seqs * (per_request + sched.speculative_tokens)
 
 
 def cuda_kv_budget(

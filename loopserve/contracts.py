@@ -91,6 +91,12 @@ class ItemKind(str, enum.Enum):
     # the loops it really used (`exit_now` True at its exit depth), finalize included, with
     # no coda and no sampling (the token is known).
     REPLAY = "replay"
+    # Self-speculative decoding: one decode position of a request whose next positions may
+    # already run on drafted tokens. It runs one loop per step; its exit follows the plan
+    # fields (`exit_now` True: exit, False: continue, None: the gate decides with
+    # `cdf_before`, `survival_before`, `threshold`); the coda samples it at its exit, and
+    # with `draft` at this loop when it does not exit (the draft of the next token).
+    SPEC = "spec"
 
 
 class WorkItem(NamedTuple):
@@ -140,6 +146,11 @@ class WorkItem(NamedTuple):
     score_top: int = 0
     score_rule: ExitRule | None = None
     score_cached: int = 0
+    # SPEC items: sample a draft of the next token after this loop unless the row exits;
+    # `verify_token` (>= 0): the token the next position already runs on, drafted from this
+    # row (sampling: the row's exit sample is the speculative-sampling accept/reject test).
+    draft: bool = False
+    verify_token: int = -1
 
     @property
     def last_depth(self) -> int:

@@ -82,6 +82,12 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("max_prefill_batches_before_decode", "scheduler",
               "max_prefill_batches_before_decode", 1,
               "prompt steps in a row before one decode step (when not mixed)", int),
+    EngineArg("speculative_tokens", "scheduler", "speculative_tokens", 0, "self-speculative "
+              "decoding: up to this many drafted positions in flight per request ahead of "
+              "the verified one (0: off)", int),
+    EngineArg("draft_loops", "scheduler", "draft_loops", 2, "self-speculative decoding: a "
+              "token's draft of the next token is sampled from the coda after this many "
+              "loops; the deeper loops verify it", int),
     EngineArg("exit_mode", "exit", "mode", "ouro", "exit rule: ouro (the trained gate's CDF "
               "against exit_threshold), ouro_delayed, random_lookahead, or trace (replay "
               "SamplingParams.exit_trace)", choices=EXIT_MODES),

@@ -99,7 +99,9 @@ class StepRules:
     def releases_handle(self, item: WorkItem, exited: bool, sampled: bool) -> bool:
         """The item's work ends this step (its handle is released, not kept): a first token
         was sampled, a prompt chunk ran its last depth, or a replay row reached its loop
-        count."""
+        count; a speculative row exited."""
+        if item.kind is ItemKind.SPEC:  # a draft sample keeps the row's state for its loops
+            return exited
         return (
             sampled
             or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)

@@ -23,6 +23,17 @@ class RequestMetrics:
     token_times_s: tuple[float, ...] = ()
     num_cached_prompt_tokens: int = 0  # prompt positions served by the prefix cache
     num_preemptions: int = 0
+    # Self-speculative decoding: drafts made, drafts the real token confirmed, drafts it
+    # rejected (rolled back). Zero for a request that did not speculate.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_rejected: int = 0
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        """Accepted over verified drafts (None: no draft verified)."""
+        verified = self.spec_accepted + self.spec_rejected
+        return self.spec_accepted / verified if verified else None
 
     @property
     def ttft_s(self) -> float | None:
@@ -109,3 +120,4 @@ class RequestDelta(NamedTuple):
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     new_prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first output
+    spec: tuple[int, int, int] = (0, 0, 0)  # drafted, accepted, rejected so far

@@ -107,6 +107,9 @@ class SamplingParams:
     prompt_logprobs_loop: str = "last"
     # Constrain the output to a JSON schema, a regex or a list of choices (`StructuredOutput`).
     structured_output: StructuredOutput | None = None
+    # Self-speculative decoding for this request when the engine runs it
+    # (`speculative_tokens` > 0); False decodes it plainly in the same engine.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -189,6 +192,8 @@ class SamplingParams:
             raise bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})]")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "must be true or false")
         if self.structured_output is not None and not isinstance(
             self.structured_output, StructuredOutput
         ):

@@ -179,14 +179,14 @@ def test_a_failure_inside_sampling_fails_only_its_request(tiny_dir, monkeypatch)
     of the same coda calls are sampled, and every other request equals the reference."""
     from loopserve.runner import sampler
 
-    real = sampler._filtered_probs
+    real = sampler.filtered_probs
 
     def faulty(logits, spec):
         if spec.top_k == 13:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(logits, spec)
 
-    monkeypatch.setattr(sampler, "_filtered_probs", faulty)
+    monkeypatch.setattr(sampler, "filtered_probs", faulty)
     engine = make_engine(tiny_dir, **BUDGET)
     steps = []
     engine.core.add_observer(lambda scheduled, output: steps.append(output))

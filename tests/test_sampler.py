@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loopserve.contracts import SampleSpec
-from loopserve.runner.sampler import _filtered_probs, make_generator, sample_rows
+from loopserve.runner.sampler import filtered_probs, make_generator, sample_rows
 
 
 def reference_filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
@@ -43,7 +43,7 @@ def reference_filtered_probs(logits: np.ndarray, temperature: float, top_k: int,
 
 def torch_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     spec = SampleSpec(temperature=temperature, top_p=top_p, top_k=top_k)
-    return _filtered_probs(torch.tensor(logits, dtype=torch.float32), spec).double().numpy()
+    return filtered_probs(torch.tensor(logits, dtype=torch.float32), spec).double().numpy()
 
 
 RANDOM_CASES = [

@@ -23,6 +23,7 @@ from pathlib import Path
 from loopserve.config import (
     EngineConfig,
     cascade_enabled,
+    check_draft_loops,
     cuda_kv_budget,
     effective_graph_mode,
     max_inflight_rows,
@@ -64,6 +65,7 @@ class LLMEngine:
         if family is HUGINN:
             check_huginn_config(config)
         self.model = load_model(model_path, dtype=config.dtype, device=config.device)
+        check_draft_loops(config, self.model.num_loops)
         self.tokenizer = Tokenizer.from_dir(self.model.checkpoint_dir)
         bytes_per_block = self.model.config.kv_bytes_per_block(
             config.cache.block_size, self.model.lm_head.weight.element_size()
@@ -408,6 +410,7 @@ class LLMEngine:
             request.num_cached_prompt_tokens,
             request.num_preemptions,
             prompt_logprobs,
+            _spec_counts(request),
         )
 
     def _track(self, request: Request, prompt_text: str | None) -> None:
@@ -430,3 +433,8 @@ def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
     return [
         TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs, s.rank, s.loops) for s in samples
     ]
+
+
+def _spec_counts(request: Request) -> tuple[int, int, int]:
+    stats = request.spec_stats
+    return stats.drafted, stats.accepted, stats.rejected

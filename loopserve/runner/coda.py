@@ -24,13 +24,26 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from loopserve.contracts import DecodeResults, ItemResult, RequestFailure, SampledToken, SampleSpec
+from loopserve.contracts import (
+    DecodeResults,
+    ItemKind,
+    ItemResult,
+    RequestFailure,
+    SampledToken,
+    SampleSpec,
+)
 from loopserve.execution import StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
 from loopserve.exit.columns import EXIT
 from loopserve.runner.decode_rows import DecodeSignals
 from loopserve.runner.handles import HandleTable
-from loopserve.runner.sampler import is_greedy, read_samples, sample_on_device
+from loopserve.runner.sampler import (
+    filtered_probs,
+    is_greedy,
+    read_samples,
+    sample_on_device,
+    speculative_sample,
+)
 from loopserve.runner.swap import InFlight
 from loopserve.runner.transfers import Transfers
 
@@ -116,6 +129,8 @@ class Coda:
         self.samplers = samplers
         self.transfers = transfers
         self.inflight = inflight
+        # (request id, handle) -> a speculative row's draft distribution q, until its exit.
+        self.drafts: dict[tuple[str, int], torch.Tensor] = {}
 
     def __call__(
         self,
@@ -175,6 +190,9 @@ class Coda:
                 else:
                     sampled[index] = with_logprobs.get(row) or SampledToken(token_id)
                     self._record(request_ids[row], token_id)
+        spec_sampled, spec_failed = self._spec_samples(items, states, exited)
+        sampled.update(spec_sampled)
+        failed += spec_failed
         self.transfers.flush()  # hazards and exits not read yet (no coda this step)
         results = self._item_results(items, states, hazards, last_outputs, exited, sampled)
         for i, result in enumerate(results):
@@ -238,6 +256,47 @@ class Coda:
         has_history = any(pair[2] is not None for pair in pairs)
         return _DecodeBatch(read, candidates, rows, pairs, has_history)
 
+    def drop(self, request_id: str) -> None:
+        """Forget a request's stored draft distributions (released or preempted)."""
+        for key in [key for key in self.drafts if key[0] == request_id]:
+            del self.drafts[key]
+
+    def _spec_samples(self, items, states, exited) -> tuple[dict[int, SampledToken], list]:
+        """Speculative rows that exit (their real next token) or draft (a draft of it): one
+        coda call and one copy of the tokens. Greedy rows take the argmax. A sampling row's
+        draft is drawn from its filtered distribution q, kept under its handle; at its exit,
+        with a next position running on that draft, its token is the speculative-sampling
+        test (`speculative_sample`: the draft with probability min(1, p/q), else a draw
+        from the normalized max(0, p - q)), so the token follows p, its exit distribution."""
+        wanted = [
+            i
+            for i, item in enumerate(items)
+            if item.kind is ItemKind.SPEC and (exited[i] or item.draft)
+        ]
+        if not wanted:
+            return {}, []
+        logits = self.coda(torch.cat([states[i] for i in wanted])).float()
+        tokens = torch.argmax(logits, dim=-1)
+        failed = []
+        for row, i in enumerate(wanted):
+            item = items[i]
+            spec, generator, _ = self.samplers[item.request_id]
+            if is_greedy(spec):
+                continue
+            key = (item.request_id, item.handle)
+            try:
+                probs = filtered_probs(logits[row], spec)
+                if not exited[i]:  # a draft
+                    tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+                    self.drafts[key] = probs
+                else:
+                    draft = self.drafts.pop(key, None)
+                    tokens[row] = speculative_sample(probs, draft, item.verify_token, generator)
+            except (RuntimeError, ValueError) as err:
+                failed.append(_failure(item.request_id, f"{type(err).__name__}: {err}"))
+        token_ids = self.transfers.to_host(tokens)
+        return {i: SampledToken(int(t)) for i, t in zip(wanted, token_ids)}, failed
+
     def _sample(self, rows: torch.Tensor, samplers: list[tuple]):
         """One coda call and one sampling pass: (token ids, row -> `SampledToken` with
         log-probabilities, row -> sampling error)."""
@@ -297,7 +356,7 @@ class Coda:
                 state = InFlight(states[i], hazards[i], last_outputs[i])
                 self.inflight.keep(item.request_id, item.handle, state)
             item_hazards = tuple(hazards[i][-item.num_depths :]) if item.needs_gate else ()
-            exited_now = bool(exited[i]) or token is not None
+            exited_now = bool(exited[i]) or (token is not None and item.kind is not ItemKind.SPEC)
             results.append(
                 ItemResult(item.request_id, item.handle, item_hazards, exited_now, None, token)
             )

@@ -24,6 +24,7 @@ import torch
 
 from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
 from loopserve.execution import StepRules
+from loopserve.exit.policies import GateState, loop_exits
 from loopserve.models.ouro import OuroForLoopedLM
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, finalize_slots
 from loopserve.runner.coda import Coda, CodaOutput
@@ -192,9 +193,12 @@ class EagerStep:
         return out[:num_decode] if decode is not None else None
 
     def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
-        """Hazards of the first-token prompt rows that need them; replay exits and their
-        finalize copies."""
-        gated = [i for i in active if items[i].needs_gate]
+        """Hazards of the first-token prompt rows that need them; replay and speculative
+        exits and their finalize copies."""
+        spec = [i for i in active if items[i].kind is ItemKind.SPEC]
+        if spec:
+            self._spec_exits(tables, items, spec, states, hazards, exited)
+        gated = [i for i in active if items[i].needs_gate and items[i].kind is not ItemKind.SPEC]
         if gated:
             rows = torch.cat([states[i][-1:] for i in gated])
             values = self.hazards(rows).float()  # [gated], on the device
@@ -209,6 +213,8 @@ class EagerStep:
         finalize = []
         for i in active:
             item = items[i]
+            if item.kind is ItemKind.SPEC:
+                continue
             if item.kind is ItemKind.PROMPT:
                 if item.score_rule is not None:  # every row's output of every loop
                     last_outputs[i].append(states[i])
@@ -222,8 +228,30 @@ class EagerStep:
             self._finalize(tables, finalize)
             self._num_finalized += len(finalize)
 
+    def _spec_exits(self, tables, items, spec, states, hazards, exited) -> None:
+        """Speculative rows (`ItemKind.SPEC`): their hazards (read now: the coda of this step
+        samples the rows that exit), exits by their plan (`loop_exits`, as decode rows decide
+        them), and the finalize copies of those that exit below full depth."""
+        gated = [i for i in spec if items[i].needs_gate]
+        values: dict[int, float] = {}
+        if gated:
+            rows = torch.cat([states[i] for i in gated])
+            for i, value in zip(gated, self.transfers.to_host(self.hazards(rows).float())):
+                hazards[i].append(value)
+                values[i] = value
+        finalize = []
+        for i in spec:
+            item = items[i]
+            before = GateState(item.cdf_before, item.survival_before)
+            exited[i] = loop_exits(item.exit_now, before, values.get(i), item.threshold)
+            if self.rules.finalizes(item.depth, exited[i]):
+                finalize.append(item)
+        if finalize:
+            self._finalize(tables, finalize)
+            self._num_finalized += len(finalize)
+
     def _finalize(self, tables, items: list[WorkItem]) -> None:
-        """Copy each exited replay token's K/V of its exit depth into every deeper plane."""
+        """Copy each exited replay or speculative token's K/V of its exit depth into every deeper plane."""
         exits = [(tables[item.request_id], item.token_start, item.depth) for item in items]
         src, dst = finalize_slots(exits, self.block_size, self.rules.num_loops)
         slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations

@@ -25,6 +25,8 @@ def check_huginn_config(config) -> None:
         problems.append("batch_invariant=True")
     if config.async_scheduling:
         problems.append("async_scheduling=True")
+    if config.scheduler.speculative_tokens:
+        problems.append("speculative_tokens > 0 (self-speculative decoding is Ouro-only)")
     if config.exit.lookup == "full":
         if config.cache.layout != "last_exited":
             problems.append("kv_lookup='full' outside layout='last_exited'")

@@ -222,6 +222,7 @@ class ModelRunner(Executor):
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
             self.decode_slots.release(request_id)
+            self.coda.drop(request_id)
         return failures
 
     def _install(self, new: NewRequestData) -> None:
@@ -264,6 +265,7 @@ class ModelRunner(Executor):
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
         self.moves.drop(request_id)
+        self.coda.drop(request_id)
 
     @property
     def num_live_handles(self) -> int:

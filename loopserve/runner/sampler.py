@@ -51,7 +51,7 @@ def is_greedy(spec: SampleSpec) -> bool:
     return spec.temperature < GREEDY_BELOW_TEMPERATURE
 
 
-def _filtered_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
     """logits [vocab] float32 -> probabilities after temperature, top-k and top-p."""
     scaled = logits / spec.temperature
     vocab = scaled.shape[-1]
@@ -70,6 +70,23 @@ def _filtered_probs(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.softmax(scaled, dim=-1)
+
+
+def speculative_sample(
+    probs: torch.Tensor, draft: torch.Tensor | None, draft_token: int, generator
+) -> torch.Tensor:
+    """A token from `probs` (p) given a draft `draft_token` drawn from `draft` (q): keep the
+    draft with probability min(1, p/q), else draw from max(0, p - q) normalized (the
+    speculative-sampling rule; the result follows p). Without a draft, a plain draw from p."""
+    if draft is None or draft_token < 0:
+        return torch.multinomial(probs, 1, generator=generator)[0]
+    accept = torch.rand((), generator=generator, device=probs.device) * draft[draft_token]
+    if bool(accept <= probs[draft_token]):
+        return torch.tensor(draft_token, device=probs.device)
+    residual = (probs - draft).clamp_min(0.0)
+    if not bool(residual.sum() > 0):  # p == q: rejection has probability 0
+        return torch.multinomial(probs, 1, generator=generator)[0]
+    return torch.multinomial(residual, 1, generator=generator)[0]
 
 
 class Matcher(Protocol):
@@ -191,7 +208,7 @@ def sample_on_device(
         if is_greedy(spec):
             continue
         try:
-            probs = _filtered_probs(logits[row], spec)
+            probs = filtered_probs(logits[row], spec)
             token_ids[row : row + 1] = torch.multinomial(probs, 1, generator=generators[row])
         except (RuntimeError, ValueError) as err:
             if failures is None:

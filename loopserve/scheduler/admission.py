@@ -176,7 +176,7 @@ class Admission:
         importing = request.pending_import
         request.transition(RequestState.REPLAYING if request.replay else RequestState.RUNNING)
         self.decode.add(request)
-        if importing:  # its next token decodes from loop 0
+        if importing and not request.speculative:  # its next token decodes from loop 0
             self.decode.start_token(request)
         else:  # swapped out between two loops of a token: it resumes there
             self.decode.unpark(request)
@@ -232,6 +232,9 @@ class Admission:
         )
         if swap:  # its token in flight resumes where it stopped
             self.decode.park(victim)
+        # Speculative positions in flight are dropped: the last final token restarts at loop 0
+        # when the request runs again (the scheduler starts it).
+        victim.spec = None
         self.decode.remove(request_id)
         if swap:
             moves = self.kv.swap_out(request_id)

@@ -61,11 +61,12 @@ class ItemBuilder:
         self.memory_stats = memory_stats
         self.prompt_steps_in_a_row = 0
 
-    def alternating(self, prompt_requests, replay_requests) -> StepWork:
+    def alternating(self, prompt_requests, replay_requests, spec_requests=()) -> StepWork:
         """A prompt step or a decode step; alternate when both kinds of work are ready.
-        Replay rows (recompute after preemption) ride in decode steps."""
+        Replay rows (recompute after preemption) and speculative positions ride in decode
+        steps."""
         limit = self.max_prompt_steps_in_a_row
-        decode_ready = self.decode.num_ready > 0 or bool(replay_requests)
+        decode_ready = self.decode.num_ready > 0 or bool(replay_requests) or bool(spec_requests)
         if prompt_requests and (not decode_ready or self.prompt_steps_in_a_row < limit):
             work = self.prompt_policy.select(prompt_requests, self.max_rows)
             if work:
@@ -74,20 +75,35 @@ class ItemBuilder:
         self.prompt_steps_in_a_row = 0
         decode = self.decode_rows(self.decode_policy.select(self.decode, self.max_rows))
         rows = 0 if decode is None else len(decode)
-        return StepWork(self._replay_items(replay_requests, self.max_rows - rows), decode)
+        items = self._spec_items(spec_requests, self.max_rows - rows)
+        items += self._replay_items(replay_requests, self.max_rows - rows - len(items))
+        return StepWork(items, decode)
 
-    def mixed(self, prompt_requests, replay_requests) -> StepWork:
-        """Every ready decode row first, then replay rows, then whole prompt items until the
-        row budget."""
+    def mixed(self, prompt_requests, replay_requests, spec_requests=()) -> StepWork:
+        """Every ready decode row first, then speculative positions, replay rows, then whole
+        prompt items until the row budget."""
         decode = self.decode_rows(self.decode_policy.select(self.decode, self.max_rows))
         rows = 0 if decode is None else len(decode)
-        items = self._replay_items(replay_requests, self.max_rows - rows)
+        items = self._spec_items(spec_requests, self.max_rows - rows)
+        items += self._replay_items(replay_requests, self.max_rows - rows - len(items))
         work = self.prompt_policy.select(prompt_requests, self.max_rows - rows - len(items))
         return StepWork(items + [self._prompt_item(w) for w in work], decode)
 
     def decode_rows(self, rows: np.ndarray) -> DecodeRows | None:
         """One loop of these rows' decode tokens, as columns (None for no row)."""
         return self.decode.decode_rows(rows) if len(rows) else None
+
+    def _spec_items(self, spec_requests, rows: int) -> list[WorkItem]:
+        """One loop of each speculating request's positions that may run, oldest request
+        first; a request's positions run together or wait (a younger position must not
+        overtake the loops of an older one)."""
+        items: list[WorkItem] = []
+        for request in spec_requests:
+            assert request.spec is not None
+            mine = request.spec.items(request.request_id, request.max_positions - 1)
+            if len(mine) <= rows - len(items):
+                items += mine
+        return items
 
     def _replay_items(self, replay_requests: list[Request], rows: int) -> list[WorkItem]:
         items: list[WorkItem] = []

@@ -273,6 +273,18 @@ class KVCacheManager:
             plane.extend(fresh[p * step : (p + 1) * step])
         return True
 
+    def shrink(self, request_id: str, num_positions: int) -> int:
+        """Free the blocks of every plane beyond those covering `num_positions` (positions a
+        speculative rollback dropped; never cached pages); returns the blocks freed."""
+        keep = max(self.blocks_per_plane(num_positions), self.num_cached_pages[request_id])
+        freed = 0
+        for plane in self.tables[request_id]:
+            if len(plane) > keep:
+                self.pool.free(plane[keep:])
+                freed += len(plane) - keep
+                del plane[keep:]
+        return freed
+
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)
         num_cached = self.num_cached_pages.pop(request_id, 0)

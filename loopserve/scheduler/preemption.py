@@ -41,6 +41,7 @@ def reset_for_recompute(request: Request) -> None:
     request.next_chunk_start = 0
     request.prompt_chunks = []
     request.replay = None
+    request.spec = None  # its positions in flight restart from the last final token
     request.num_hit_positions = 0
     if not request.output_token_ids:  # preempted mid-prompt: its prompt is scored again
         request.prompt_logprobs.clear()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from loopserve.contracts import ItemKind, SampledToken, WorkItem
 from loopserve.exit import ExitRule
 from loopserve.sampling_params import SamplingParams
+from loopserve.scheduler.speculation import SpecStats, Speculation
 
 
 @dataclass(slots=True)
@@ -132,6 +133,11 @@ class Request:
         self.num_preemptions = 0
         self.announced = False
         self.replay: ReplayState | None = None
+        # Self-speculative decoding (scheduler/speculation.py): whether this request runs it,
+        # its positions in flight while decoding, and its draft statistics.
+        self.speculative = False
+        self.spec: Speculation | None = None
+        self.spec_stats = SpecStats()
         self.num_cached_prompt_tokens = 0  # prompt positions served by the prefix cache
         self.num_hit_positions = 0  # of them at the latest admission (scored from the store)
         self.times = RequestTimes(arrival_s=time.monotonic() if arrival_s is None else arrival_s)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -27,11 +27,13 @@ from loopserve.contracts import (
     ItemKind,
     KVHandle,
     RunnerOutput,
+    SampleSpec,
     SchedulerOutput,
     WorkItem,
 )
 from loopserve.errors import CapacityError, InvalidRequestError
 from loopserve.exit import ExitMode
+from loopserve.exit.policies import TokenExit
 from loopserve.scheduler.admission import Admission, MemoryStats, admission_key
 from loopserve.scheduler.ahead import AheadPlanner
 from loopserve.scheduler.decode_table import DecodeTable
@@ -44,6 +46,7 @@ from loopserve.scheduler.policies import (
     PromptPolicy,
     RefillPolicy,
 )
+from loopserve.scheduler.preemption import pick_victim
 from loopserve.scheduler.queues import Queues, StepOutbox
 from loopserve.scheduler.request import (
     FinishReason,
@@ -52,6 +55,7 @@ from loopserve.scheduler.request import (
     RequestState,
     RequestStatus,
 )
+from loopserve.scheduler.speculation import Speculation
 
 
 class Scheduler:
@@ -76,6 +80,10 @@ class Scheduler:
         self.prompt_policy: PromptPolicy = PROMPT_POLICIES[sched.prefill_mode](
             chunk_size, num_loops, self._handle, fill=sched.fill_prompt_chunks
         )
+        # Self-speculative decoding (scheduler/speculation.py): drafted positions in flight per
+        # request (0: off) and the loops after which a draft is sampled.
+        self.speculative_tokens = sched.speculative_tokens
+        self.draft_loops = sched.draft_loops
         self.queues = Queues()
         self.requests, self.waiting, self.running = (
             self.queues.requests,
@@ -136,6 +144,7 @@ class Scheduler:
                 "shorten the prompt or max_tokens, or raise num_blocks",
                 param="max_tokens",
             )
+        request.speculative = self.speculative_tokens > 0 and speculates(request)
         self.requests[request.request_id] = request
         # Kept sorted on insertion: admission order is (priority, arrival).
         bisect.insort(self.waiting, request, key=admission_key)
@@ -228,19 +237,107 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.admission.admit()
         self.admission.grow_running()
+        if self.speculative_tokens:
+            self._grow_spec()
         prompt_requests: list[Request] = []
         replay_requests: list[Request] = []
+        spec_requests: list[Request] = []
         if len(self.running) > self.decode.num_ready:  # not every request is decoding
             for request in self.running:  # one pass; the lists keep admission order
                 if request.num_prefilled_tokens < request.num_prompt_tokens:
                     prompt_requests.append(request)
                 elif request.replay is not None:
                     replay_requests.append(request)
+                elif request.speculative:
+                    spec_requests.append(request)
         if self.mixed:
-            work = self.items.mixed(prompt_requests, replay_requests)
+            work = self.items.mixed(prompt_requests, replay_requests, spec_requests)
         else:
-            work = self.items.alternating(prompt_requests, replay_requests)
+            work = self.items.alternating(prompt_requests, replay_requests, spec_requests)
         return self._output(work)
+
+    # ---- self-speculative decoding ---------------------------------------------------------
+
+    def _start_decoding(self, request: Request) -> None:
+        """The request's next token (its last output, fed back) starts at loop 0: a decode row
+        of the table, or a fresh speculative pipeline."""
+        if request.speculative:
+            self._start_spec(request)
+        else:
+            self.decode.start_token(request)
+
+    def _token_exit(self, request: Request) -> Callable[[int], TokenExit]:
+        """The exit state machine of the request's token at a decode position."""
+        offset = request.num_prompt_tokens - 1
+
+        def exit_of(position: int) -> TokenExit:
+            return TokenExit(
+                self.exit_mode, request.exit_rule, request.trace_loops(position - offset)
+            )
+
+        return exit_of
+
+    def _start_spec(self, request: Request) -> None:
+        spec = Speculation(self.speculative_tokens, self.draft_loops, self.exit_mode)
+        spec.start(
+            request.next_position,
+            request.output_token_ids[-1],
+            self._token_exit(request),
+            self._handle(),
+        )
+        request.spec = spec
+
+    def _grow_spec(self) -> None:
+        """K/V for every position in flight of each speculating request, oldest request first
+        (a request swapped in or handed off starts its pipeline here): drafted positions are
+        dropped rather than preempt anyone; the verified one grows like a decode token
+        (preempting when the pool runs dry)."""
+        kv = self.kv
+        decoding = [
+            r for r in self.running if r.speculative and r.replay is None and not r.in_prompt_phase
+        ]
+        for request in decoding:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted while an older request grew
+            if request.spec is None:  # swapped in, or handed off: restart at loop 0
+                self._start_spec(request)
+            spec = request.spec
+            assert spec is not None
+            request_id = request.request_id
+            if not kv.grow(request_id, spec.max_position + 1):
+                spec.positions[0].child = False
+                del spec.positions[1:]  # roll back the drafts
+                while not kv.grow(request_id, spec.max_position + 1):
+                    victim = pick_victim(self.running)
+                    self.admission.preempt(victim)
+                    if victim is request:
+                        break
+            if request.status is RequestStatus.RUNNING and not self.admission.full_reservation:
+                kv.shrink(request_id, spec.max_position + 1)
+
+    def _apply_spec(
+        self, request: Request, results: list, now: float, touched: list[Request]
+    ) -> None:
+        spec = request.spec
+        if spec is None:
+            return  # preempted since
+        emitted = spec.apply(
+            results,
+            exit_of=self._token_exit(request),
+            new_handle=self._handle,
+            max_position=request.max_positions - 1,
+            stop_token_ids=request.stop_token_ids,
+            stats=request.spec_stats,
+        )
+        if not emitted:
+            return
+        touched.append(request)
+        for sampled, loops_used in emitted:
+            reason = request.append_token(sampled.token_id, loops_used, now, sampled)
+            if reason is not None:
+                self.finish(request, reason)
+                return
+        assert spec.positions, f"{request.request_id}: speculation ran dry before it finished"
 
     # ---- applying results -----------------------------------------------------------------
 
@@ -257,6 +354,7 @@ class Scheduler:
             if output.decode is None or len(output.decode.exited) != len(scheduled.decode):
                 raise RuntimeError(f"step {scheduled.step_id}: decode rows without results")
             self._apply_decode(scheduled.decode, output.decode, now, touched)
+        spec_results: dict[str, list] = {}
         for item, result in zip(scheduled.items, output.results):  # results come in item order
             if result.handle != item.handle:
                 raise RuntimeError(f"step {scheduled.step_id}: results out of item order")
@@ -265,6 +363,9 @@ class Scheduler:
                 continue  # aborted while the step ran; released with the next output
             if item.kind is ItemKind.REPLAY:
                 self._advance_replay(request, item)
+                continue
+            if item.kind is ItemKind.SPEC:
+                spec_results.setdefault(request.request_id, []).append((item, result))
                 continue
             if result.prompt_logprobs:  # chunks reach the last depth in position order
                 request.prompt_logprobs.extend(result.prompt_logprobs)
@@ -277,7 +378,7 @@ class Scheduler:
                     if request.replay is not None:
                         request.transition(RequestState.REPLAYING)
                     else:  # nothing to replay: the token in flight starts at loop 0
-                        self.decode.start_token(request)
+                        self._start_decoding(request)
                 continue
             assert result.sampled is not None and result.loops_used is not None
             sampled = result.sampled
@@ -290,7 +391,11 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
             else:
-                self.decode.start_token(request)
+                self._start_decoding(request)
+        for request_id, results in spec_results.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._apply_spec(request, results, now, touched)
         return touched
 
     def _apply_decode(
@@ -329,7 +434,7 @@ class Scheduler:
         if replay.finished:
             request.replay = None  # the token in flight starts at loop 0 next step
             request.transition(RequestState.RUNNING)
-            self.decode.start_token(request)
+            self._start_decoding(request)
 
     def token_depth(self, request_id: str) -> int | None:
         """The loop the request's decode token in flight runs next (None: no token in
@@ -367,6 +472,16 @@ class Scheduler:
             assert all(chunk.start >= cached_end for chunk in request.prompt_chunks)
             depth = self.decode.depth_of(request.request_id)
             decoding = request.replay is None and not request.in_prompt_phase
+            if request.speculative and decoding:
+                spec = request.spec
+                assert depth is None and spec is not None and spec.positions
+                assert spec.positions[0].verified and spec.positions[0].out is None
+                # Positions that ran a loop have their slot (new ones get it when scheduled).
+                ran = [p.position for p in spec.positions if p.exit.depth > 0]
+                assert covered >= max(ran, default=-1) + 1, f"{request.request_id} lacks KV"
+                positions = [p.position for p in spec.positions]
+                assert positions == list(range(positions[0], positions[0] + len(positions)))
+                continue
             assert (depth is not None) == decoding, f"{request.request_id}: token in flight?"
             if depth is not None:
                 # The token in flight has a slot in every plane before it is written.
@@ -396,3 +511,12 @@ class Scheduler:
     def complete_ahead(self, request_ids: list[str]) -> SchedulerOutput | None:
         """See `AheadPlanner.complete_ahead`."""
         return self.ahead.complete_ahead(request_ids)
+
+
+def speculates(request: Request) -> bool:
+    """Whether a request may decode speculatively: it asked for it (`SamplingParams.speculative`)
+    and its sampling reads nothing but its logits (no penalties, bias, min_tokens, grammar or
+    log-probabilities: a draft would have to read tokens that are not final yet)."""
+    params = request.params
+    spec = SampleSpec.of(params, request.stop_token_ids)
+    return params.speculative and not spec.adjusts_logits and params.logprobs is None

@@ -149,6 +149,7 @@ class OutputProcessor:
             tuple(state.token_times_s) if final or state.kind == "cumulative" else (),
             delta.num_cached_prompt_tokens,
             delta.num_preemptions,
+            *delta.spec,
         )
         if state.kind == "delta":
             token_ids, text, exit_depths = delta.new_token_ids, new_text, delta.new_exit_depths

@@ -1,0 +1,195 @@
+"""Self-speculative decoding: a request's decode positions as a pipeline of drafted tokens.
+
+A looped model carries its own draft model, its first loops. Loop j of position p reads only
+plane j of positions <= p (LAST_EXITED) and p's token id, so once a position has run `d`
+loops (`draft_loops`), the coda of its loop d-1 output gives a draft of the next token, and
+the next position can start its loop 0 on that draft in the next step, while this position
+runs its deeper loops: the two rows share core calls, one depth apart, like the chunks of a
+wavefront prompt. When this position exits (its own exit rule, unchanged), its sample is the
+real next token: if it equals the draft (greedy), or passes the speculative-sampling test
+(`runner/coda.py`), every loop the next position ran on the draft is exactly a loop it would
+run anyway, and it goes on; otherwise that position and everything after it is dropped
+(rolled back) and the next position restarts at loop 0 on the real token.
+
+`Speculation` keeps a request's positions in flight, oldest first. The oldest is always
+verified (its token is final); up to `num_tokens` younger positions run on drafts (or on
+samples of positions that are themselves unverified). A position that exits before loop d
+needs no draft: its sample is its real next token, as in plain decoding. Tokens are emitted
+in order as their positions exit and become verified, several in one step when younger
+positions already exited. Outputs equal plain decoding (greedy: tokens and exit depths) or
+its distribution (sampling).
+
+Rolled-back positions need no clean-up in the K/V: a restarted position writes each plane
+before any later position reads it (the lag above), and the scheduler frees blocks beyond
+the positions still in flight. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loopserve.contracts import ItemKind, ItemResult, SampledToken, WorkItem
+from loopserve.exit import ExitMode
+from loopserve.exit.policies import TokenExit
+
+
+@dataclass(slots=True)
+class SpecPosition:
+    """One decode position in flight: it runs `token_id` through its loops."""
+
+    position: int
+    token_id: int
+    verified: bool  # its token is final (else a draft, or the sample of an unverified one)
+    exit: TokenExit
+    handle: int
+    drafted: bool  # its token is a draft (counted as accepted when verified)
+    child: bool = False  # the next position runs on this one's draft or sample
+    out: SampledToken | None = None  # its sample, once it exited
+    loops: int = 0
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Per request: drafts made, drafts verified equal to the real token, drafts rejected."""
+
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class Speculation:
+    num_tokens: int  # K: unverified positions in flight at most
+    draft_loops: int  # d
+    exit_mode: ExitMode
+    positions: list[SpecPosition] = field(default_factory=list)
+
+    def start(
+        self, position: int, token_id: int, exit_of: Callable[[int], TokenExit], handle: int
+    ) -> None:
+        """The request's next decode token (final) starts at loop 0 (a fresh pipeline)."""
+        self.positions = [SpecPosition(position, token_id, True, exit_of(position), handle, False)]
+
+    @property
+    def num_unverified(self) -> int:
+        return sum(not p.verified for p in self.positions)
+
+    def items(self, request_id: str, max_position: int) -> list[WorkItem]:
+        """One loop of every position that may run now: a position runs loop j once every
+        older position still running has run it (so what it reads of them exists).
+        `max_position`: the last position the request may feed."""
+        items: list[WorkItem] = []
+        frontier = None  # min next loop over older positions still running
+        for i, pos in enumerate(self.positions):
+            if pos.out is not None:
+                continue
+            depth = pos.exit.depth
+            if frontier is not None and depth >= frontier:
+                break
+            frontier = depth if frontier is None else min(frontier, depth)
+            plan = pos.exit.plan()
+            can_draft = (
+                depth == self.draft_loops - 1
+                and not pos.child
+                and plan.exit_now is not True
+                and pos.position + 1 <= max_position
+                and self.num_unverified < self.num_tokens
+            )
+            child = self.positions[i + 1] if pos.child else None
+            items.append(
+                WorkItem(
+                    request_id,
+                    ItemKind.SPEC,
+                    pos.position,
+                    1,
+                    depth,
+                    1,
+                    pos.handle,
+                    depth == 0,
+                    (pos.token_id,) if depth == 0 else (),
+                    plan.needs_gate,
+                    plan.exit_now,
+                    plan.state_before.cdf,
+                    plan.state_before.survival,
+                    plan.threshold,
+                    draft=can_draft,
+                    verify_token=-1 if child is None else child.token_id,
+                )
+            )
+        return items
+
+    def apply(
+        self,
+        results: list[tuple[WorkItem, ItemResult]],
+        *,
+        exit_of: Callable[[int], TokenExit],
+        new_handle: Callable[[], int],
+        max_position: int,
+        stop_token_ids: frozenset[int],
+        stats: SpecStats,
+    ) -> list[tuple[SampledToken, int]]:
+        """Apply one step's results of this request's positions (in position order); returns
+        the tokens that became final, in order, with their loops used."""
+        index = {pos.handle: pos for pos in self.positions}
+        for item, result in results:
+            pos = index.get(item.handle)
+            if pos is None or pos not in self.positions:
+                continue  # rolled back earlier in this step
+            hazard = result.hazards[0] if result.hazards else None
+            pos.exit.record(hazard, result.exited)
+            sampled = result.sampled
+            if sampled is None:
+                continue
+            at = self.positions.index(pos)
+            if result.exited:
+                pos.out, pos.loops = sampled, pos.exit.loops_used
+                if pos.child:
+                    child = self.positions[at + 1]
+                    if child.token_id == sampled.token_id:
+                        continue  # the next position ran on the right token
+                    if child.drafted:
+                        stats.rejected += 1
+                    del self.positions[at + 1 :]  # roll back
+                    pos.child = False
+                if sampled.token_id in stop_token_ids or pos.position + 1 > max_position:
+                    continue  # nothing after it, if it is final
+                verified = pos.verified
+                drafted = False
+            else:  # a draft of the next token
+                if self.num_unverified >= self.num_tokens or sampled.token_id in stop_token_ids:
+                    continue  # (a drafted stop token: the real one ends the request, or not)
+                verified, drafted = False, True
+                stats.drafted += 1
+            pos.child = True
+            self.positions.append(
+                SpecPosition(
+                    pos.position + 1,
+                    sampled.token_id,
+                    verified,
+                    exit_of(pos.position + 1),
+                    new_handle(),
+                    drafted,
+                )
+            )
+        return self._emit(stats)
+
+    def _emit(self, stats: SpecStats) -> list[tuple[SampledToken, int]]:
+        """Pop the verified positions that exited, in order; their children become verified."""
+        emitted = []
+        while self.positions and self.positions[0].out is not None:
+            pos = self.positions.pop(0)
+            assert pos.verified, "the oldest position in flight runs on a final token"
+            emitted.append((pos.out, pos.loops))
+            if self.positions:
+                child = self.positions[0]
+                if not child.verified:
+                    child.verified = True
+                    stats.accepted += child.drafted
+        # Unverified children of verified positions are verified only by their parent's exit.
+        return emitted
+
+    @property
+    def max_position(self) -> int:
+        """The furthest position in flight (-1: none)."""
+        return self.positions[-1].position if self.positions else -1

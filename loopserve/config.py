@@ -57,6 +57,7 @@ class SchedulerConfig:
     scheduling_policy: str = default("scheduling_policy")
     speculative_tokens: int = default("speculative_tokens")
     draft_loops: int = default("draft_loops")
+    speculative_max_seqs: int = default("speculative_max_seqs")
 
     def __post_init__(self) -> None:
         # One meaning of "mixed": prompt rows ride in decode calls one depth at a time, so an
@@ -208,6 +209,7 @@ def _check_speculation(config: EngineConfig) -> None:
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
         raise ConfigError(f"speculative_tokens must be an integer >= 0, got {tokens!r}")
     _positive_int("draft_loops", loops)
+    _positive_int("speculative_max_seqs", sched.speculative_max_seqs)
     if not tokens:
         return
     if config.cache.layout == "shared":

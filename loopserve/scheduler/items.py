@@ -48,6 +48,8 @@ class ItemBuilder:
         shared: bool,
         new_handle: Callable[[], int],
         memory_stats: MemoryStats,
+        num_running: Callable[[], int] = lambda: 0,
+        speculative_max_seqs: int = 0,
     ) -> None:
         self.prompt_policy = prompt_policy
         self.decode_policy = decode_policy
@@ -59,6 +61,8 @@ class ItemBuilder:
         self.shared = shared
         self._handle = new_handle
         self.memory_stats = memory_stats
+        self.num_running = num_running
+        self.speculative_max_seqs = speculative_max_seqs
         self.prompt_steps_in_a_row = 0
 
     def alternating(self, prompt_requests, replay_requests, spec_requests=()) -> StepWork:
@@ -98,9 +102,12 @@ class ItemBuilder:
         first; a request's positions run together or wait (a younger position must not
         overtake the loops of an older one)."""
         items: list[WorkItem] = []
+        # Drafts only while few requests run: in a fuller call they would take rows (and
+        # compute) from real work.
+        drafts = self.num_running() <= self.speculative_max_seqs
         for request in spec_requests:
             assert request.spec is not None
-            mine = request.spec.items(request.request_id, request.max_positions - 1)
+            mine = request.spec.items(request.request_id, request.max_positions - 1, drafts)
             if len(mine) <= rows - len(items):
                 items += mine
         return items

@@ -114,6 +114,8 @@ class Scheduler:
             shared=config.cache.layout == "shared",
             new_handle=self._handle,
             memory_stats=self.memory_stats,
+            num_running=lambda: len(self.running),
+            speculative_max_seqs=sched.speculative_max_seqs,
         )
         self.ahead = AheadPlanner(
             exit_mode=self.exit_mode,

@@ -75,10 +75,13 @@ class Speculation:
     def num_unverified(self) -> int:
         return sum(not p.verified for p in self.positions)
 
-    def items(self, request_id: str, max_position: int) -> list[WorkItem]:
+    def items(
+        self, request_id: str, max_position: int, allow_drafts: bool = True
+    ) -> list[WorkItem]:
         """One loop of every position that may run now: a position runs loop j once every
         older position still running has run it (so what it reads of them exists).
-        `max_position`: the last position the request may feed."""
+        `max_position`: the last position the request may feed; `allow_drafts`: False lets
+        the positions in flight finish without new drafts."""
         items: list[WorkItem] = []
         frontier = None  # min next loop over older positions still running
         for i, pos in enumerate(self.positions):
@@ -90,7 +93,8 @@ class Speculation:
             frontier = depth if frontier is None else min(frontier, depth)
             plan = pos.exit.plan()
             can_draft = (
-                depth == self.draft_loops - 1
+                allow_drafts
+                and depth == self.draft_loops - 1
                 and not pos.child
                 and plan.exit_now is not True
                 and pos.position + 1 <= max_position

@@ -30,6 +30,9 @@ SIM_ENGINE_ARGS = (
     "scheduling_policy",
     "enable_prefix_caching",
     "cascade_attention",
+    "speculative_tokens",
+    "draft_loops",
+    "speculative_max_seqs",
 )
 
 
@@ -66,6 +69,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="price an exit criterion that runs the coda after every loop (Huginn's kl, "
         "entropy-diff, minp-kl, argmax-stability); off: the coda runs at exits only",
+    )
+    parser.add_argument(
+        "--spec-acceptance",
+        type=float,
+        default=0.7,
+        help="with --speculative-tokens > 0: the probability that a verified draft is the "
+        "real next token (measure it on the model: `loopserve bench throughput "
+        "--speculative-tokens K --draft-loops d` reports it)",
     )
     parser.add_argument(
         "--dataset",

@@ -53,13 +53,15 @@ from loopserve.contracts import (
 from loopserve.execution import Executor, StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
 from loopserve.exit.columns import EXIT, GATE, decide_exits
+from loopserve.exit.policies import GateState, loop_exits
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.handles import HandleTable
 from loopserve.sim.cost_model import CostModel
 from loopserve.sim.workload import ExitDistribution
 
 SYNTHETIC_TOKEN = SampledToken(1)
-PROMPT, REPLAY = ItemKind.PROMPT, ItemKind.REPLAY
+PROMPT, REPLAY, SPEC = ItemKind.PROMPT, ItemKind.REPLAY, ItemKind.SPEC
+DRAFT_TOKEN = SampledToken(2)  # a draft; a rejected one is answered with another id
 
 
 @dataclass
@@ -111,13 +113,17 @@ class SimExecutor(Executor):
         cascade: bool = False,
         block_size: int = 16,
         coda_every_loop: bool = False,
+        spec_acceptance: float = 0.0,
     ) -> None:
-        """`kv_block_bytes`: one block of one plane, to price swap copies over the host link;
+        """`spec_acceptance`: the probability that a verified draft equals the real token
+        (self-speculative decoding; each drawn once per position, seeded). `kv_block_bytes`: one block of one plane, to price swap copies over the host link;
         `cascade`: price cascade attention (groups over `block_size`-position blocks);
         `coda_every_loop`: decode rows run the coda and lm_head after every loop (an exit
         criterion that reads the next-token distribution, e.g. Huginn's KL)."""
         self.cost = cost_model
         self.coda_every_loop = coda_every_loop
+        self.spec_acceptance = spec_acceptance
+        self._prompt_len: dict[str, int] = {}
         self._coda = _CodaTally()
         self.cascade = cascade
         self.block_size = block_size
@@ -146,8 +152,10 @@ class SimExecutor(Executor):
             self._handles.release(request_id)
             self._decoding.discard(request_id)
             self._targets.pop((request_id, self._num_sampled.pop(request_id, 0)), None)
+            self._prompt_len.pop(request_id, None)
         for new in scheduled.new_requests:
             self._num_sampled[new.request_id] = 0
+            self._prompt_len[new.request_id] = new.prompt_len
         for request_id in scheduled.preempted_request_ids:  # recompute: hidden states dropped
             self._handles.release(request_id)
             self._decoding.discard(request_id)
@@ -300,6 +308,20 @@ class SimExecutor(Executor):
         tally.rows += count
         if count == 1 and self.cascade:
             tally.singles.append((request_id, item.depth, start))
+        if item.kind is SPEC:  # a speculative decode position, one loop
+            tally.has_decode = True
+            tally.kv_read += start + 1
+            tally.pairs += start + 1
+            result = self._spec_result(item)
+            if self.rules.finalizes(item.depth, result.exited):
+                tally.finalize += self.num_loops - 1 - item.depth
+            if result.sampled is not None:  # its lm_head (and coda layers at an exit)
+                self._coda.add(1, int(result.exited), start + 1, start + 1)
+            if self.rules.releases_handle(item, result.exited, False):
+                self._handles.drop(request_id, handle)
+            elif item.needs_prelude:
+                self._handles.keep(request_id, handle, None)
+            return result, int(result.exited)
         if item.kind is REPLAY:  # recompute: a known token through its recorded loops
             tally.has_decode = True
             tally.kv_read += start + 1
@@ -331,6 +353,28 @@ class SimExecutor(Executor):
         self._targets.pop((request_id, self._num_sampled[request_id]), None)
         self._num_sampled[request_id] += 1
         return result, 1
+
+    def _spec_result(self, item: WorkItem) -> ItemResult:
+        """A speculative position's loop: its exit by its plan over the synthetic hazards (its
+        token index from its position), a draft token when it drafts, and at its exit the
+        drafted token with probability `spec_acceptance` (another id otherwise)."""
+        request_id, position = item.request_id, item.token_start
+        index = position - self._prompt_len[request_id] + 1
+        hazard = self._hazard(request_id, index, item.depth) if item.needs_gate else None
+        exited = loop_exits(
+            item.exit_now, GateState(item.cdf_before, item.survival_before), hazard, item.threshold
+        )
+        hazards = () if hazard is None else (hazard,)
+        if not exited:
+            sampled = DRAFT_TOKEN if item.draft else None
+            return ItemResult(request_id, item.handle, hazards, False, None, sampled)
+        self._targets.pop((request_id, index), None)
+        token = SYNTHETIC_TOKEN
+        if item.verify_token >= 0:
+            rng = random.Random(f"{self.seed}:spec:{request_id}:{position}")
+            accepted = rng.random() < self.spec_acceptance
+            token = SampledToken(item.verify_token if accepted else item.verify_token + 1)
+        return ItemResult(request_id, item.handle, hazards, True, item.depth + 1, token)
 
     def _prompt_result(self, item: WorkItem) -> ItemResult:
         depths = range(item.depth, item.last_depth + 1)

@@ -75,6 +75,7 @@ class SweepSetup:
     client_max_tokens: int | None = None  # see `Simulator`
     host_model: HostModel | None = None  # host time per core call (`sim.host_model`)
     coda_every_loop: bool = False  # see `Simulator`
+    spec_acceptance: float = 0.0  # see `Simulator`
 
 
 def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
@@ -99,6 +100,7 @@ def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
             client_max_tokens=setup.client_max_tokens,
             host_model=setup.host_model,
             coda_every_loop=setup.coda_every_loop,
+            spec_acceptance=setup.spec_acceptance,
         )
     except ConfigError as err:
         return PointResult(arm.name, request_rate, None, f"pending: {err}")

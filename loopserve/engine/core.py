@@ -162,8 +162,8 @@ class EngineCore:
         rows = output.rows_per_core_call
         counters.num_core_calls += len(rows)
         counters.num_rows += sum(rows)
-        counters.num_output_tokens += len(touched)
-        counters.num_loops += sum(request.exit_depths[-1] for request in touched)
+        counters.num_output_tokens += self.scheduler.step_tokens
+        counters.num_loops += self.scheduler.step_loops
         counters.num_early_exits += output.num_early_exits
         counters.num_finalize_copies += output.num_finalize_copies
         for result in output.results:

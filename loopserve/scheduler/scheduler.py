@@ -83,6 +83,7 @@ class Scheduler:
         # Self-speculative decoding (scheduler/speculation.py): drafted positions in flight per
         # request (0: off) and the loops after which a draft is sampled.
         self.speculative_tokens = sched.speculative_tokens
+        self.step_tokens = self.step_loops = 0  # appended by the last `update`
         self.draft_loops = sched.draft_loops
         self.queues = Queues()
         self.requests, self.waiting, self.running = (
@@ -336,6 +337,8 @@ class Scheduler:
         touched.append(request)
         for sampled, loops_used in emitted:
             reason = request.append_token(sampled.token_id, loops_used, now, sampled)
+            self.step_tokens += 1
+            self.step_loops += loops_used
             if reason is not None:
                 self.finish(request, reason)
                 return
@@ -347,6 +350,9 @@ class Scheduler:
         """Apply one step's results; returns the requests that produced a token or finished."""
         now = time.monotonic()
         touched: list[Request] = []
+        # Tokens appended this step and their loops (a speculating request may append
+        # several in one step): the engine's counters read them.
+        self.step_tokens = self.step_loops = 0
         if len(output.results) != len(scheduled.items):
             raise RuntimeError(
                 f"step {scheduled.step_id}: {len(scheduled.items)} items, "
@@ -385,10 +391,14 @@ class Scheduler:
             assert result.sampled is not None and result.loops_used is not None
             sampled = result.sampled
             reason = request.append_token(sampled.token_id, result.loops_used, now, sampled)
+            self.step_tokens += 1
+            self.step_loops += result.loops_used
             for sampled, loops_used in result.more_sampled:  # several tokens from one item
                 if reason is not None:
                     break
                 reason = request.append_token(sampled.token_id, loops_used, now, sampled)
+                self.step_tokens += 1
+                self.step_loops += loops_used
             touched.append(request)
             if reason is not None:
                 self.finish(request, reason)
@@ -413,6 +423,8 @@ class Scheduler:
         if not len(exits):
             return
         self.decode_policy.on_token_exits(decode, rows[exits])
+        self.step_tokens += len(exits)
+        self.step_loops += int(rows_run.depths[exits].sum()) + len(exits)
         continuing: list[int] = []
         continuing_requests: list[Request] = []
         token_ids, depths = results.token_ids, rows_run.depths

@@ -299,7 +299,9 @@ class _Clients:
         finished = 0
         for request in touched:
             record = self.records[request.request_id]
-            record.token_times_s.append(self.clock)
+            # Every token this step appended (a speculating request may append several).
+            new = len(request.output_token_ids) - len(record.token_times_s)
+            record.token_times_s.extend([self.clock] * max(new, 1))
             if request.is_finished:
                 record.finished_s = self.clock
                 record.exit_depths = request.exit_depths

@@ -88,7 +88,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("draft_loops", "scheduler", "draft_loops", 2, "self-speculative decoding: a "
               "token's draft of the next token is sampled from the coda after this many "
               "loops; the deeper loops verify it", int),
-    EngineArg("speculative_max_seqs", "scheduler", "speculative_max_seqs", 8,
+    EngineArg("speculative_max_seqs", "scheduler", "speculative_max_seqs", 32,
               "self-speculative decoding drafts only while at most this many requests run "
               "(a fuller core call has fewer idle rows for drafts to use)", int),
     EngineArg("exit_mode", "exit", "mode", "ouro", "exit rule: ouro (the trained gate's CDF "

@@ -28,6 +28,7 @@ class RequestMetrics:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_rejected: int = 0
+    spec_redrafted: int = 0  # drafts a deeper loop replaced before verification
 
     @property
     def spec_acceptance(self) -> float | None:
@@ -120,4 +121,4 @@ class RequestDelta(NamedTuple):
     num_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     new_prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first output
-    spec: tuple[int, int, int] = (0, 0, 0)  # drafted, accepted, rejected so far
+    spec: tuple[int, int, int, int] = (0, 0, 0, 0)  # drafted, accepted, rejected, redrafted

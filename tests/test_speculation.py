@@ -201,7 +201,8 @@ def test_rolled_back_positions_leave_planes_as_plain_decoding(calm_dir):
         written = len(prompt) + 11  # the positions of the prompt and 11 fed-back tokens
         planes.append(kv_planes(engine, "a", written))
         if tokens:
-            assert request.spec_stats.rejected > 0 and request.spec_stats.accepted > 0
+            stats = request.spec_stats
+            assert stats.rejected + stats.redrafted > 0 and stats.accepted > 0
             assert len(request.output_token_ids) >= 12
     assert torch.equal(planes[0], planes[1])
 
@@ -276,3 +277,52 @@ def test_speculation_start_up_errors(tiny_dir):
         make_engine(tiny_dir, speculative_tokens=2, draft_loops=4)
     with pytest.raises(ConfigError, match="speculative_tokens"):
         make_engine(tiny_dir, speculative_tokens=-1)
+
+
+def test_server_streams_speculative_and_plain_requests_alike(tmp_path):
+    """One server, the extension field switching speculation per request: a streamed
+    speculative completion equals the plain one, and /metrics counts the drafts."""
+    pytest.importorskip("httpx")
+    import asyncio
+
+    import httpx
+
+    from loopserve.engine.async_llm import AsyncLLM
+    from loopserve.engine.llm_engine import LLMEngine
+    from loopserve.server.api_server import build_app
+    from tests.server_utils import prometheus_values, sse_payloads
+
+    engine = LLMEngine.from_engine_args(
+        model=str(DEFAULT_MODEL_DIR), dtype="float32", speculative_tokens=3, draft_loops=1
+    )
+    body = {
+        "model": "m",
+        "prompt": "Once upon a time there was",
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+
+    async def main():
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        assert await async_llm.wait_ready(timeout_s=30)
+        transport = httpx.ASGITransport(app=build_app(async_llm, "m"))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                plain = await client.post("/v1/completions", json={**body, "speculative": False})
+                streamed = await client.post("/v1/completions", json={**body, "stream": True})
+                bad = await client.post("/v1/completions", json={**body, "speculative": "yes"})
+                scraped = await client.get("/metrics")
+                return plain, streamed, bad, scraped
+        finally:
+            await async_llm.shutdown(1.0)
+
+    plain, streamed, bad, scraped = asyncio.run(main())
+    assert plain.status_code == 200, plain.text
+    chunks = [p for p in sse_payloads(streamed.text.splitlines()) if isinstance(p, dict)]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == plain.json()["choices"][0]["text"]
+    assert bad.status_code == 400
+    values = prometheus_values(scraped.text)
+    assert values["loopserve_spec_drafted_total"] > 0
+    assert values["loopserve_spec_accepted_total"] > 0

@@ -45,6 +45,12 @@ COMMANDS: list[Command] = [
         "loopserve.bench.throughput:main_from_args",
     ),
     Command(
+        ("bench", "speculative"),
+        "self-speculative decoding beside plain decoding: acceptance, tok/s, core calls",
+        "loopserve.bench.speculative:add_cli_args",
+        "loopserve.bench.speculative:main_from_args",
+    ),
+    Command(
         ("bench", "serve"),
         "replay a dataset against an OpenAI-compatible endpoint",
         "loopserve.bench.args:add_serve_args",

@@ -205,6 +205,10 @@ class EngineCore:
             num_preemptions_swap=memory.num_preemptions_swap,
             num_swapped_bytes=(kv.num_swapped_out_blocks + kv.num_swapped_in_blocks)
             * kv.bytes_per_block,
+            num_spec_drafted=scheduler.spec_stats.drafted,
+            num_spec_accepted=scheduler.spec_stats.accepted,
+            num_spec_rejected=scheduler.spec_stats.rejected,
+            num_spec_redrafted=scheduler.spec_stats.redrafted,
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             kv_blocks_used=kv.num_used_blocks,

@@ -435,6 +435,6 @@ def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
     ]
 
 
-def _spec_counts(request: Request) -> tuple[int, int, int]:
+def _spec_counts(request: Request) -> tuple[int, int, int, int]:
     stats = request.spec_stats
-    return stats.drafted, stats.accepted, stats.rejected
+    return stats.drafted, stats.accepted, stats.rejected, stats.redrafted

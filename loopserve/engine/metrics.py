@@ -90,6 +90,26 @@ class _EngineCollector:
                 g.num_scored_prompt_loops,
             ),
             (
+                "loopserve_spec_drafted",
+                "Self-speculative decoding: drafts of a next token made.",
+                g.num_spec_drafted,
+            ),
+            (
+                "loopserve_spec_accepted",
+                "Self-speculative decoding: drafts the real token confirmed.",
+                g.num_spec_accepted,
+            ),
+            (
+                "loopserve_spec_rejected",
+                "Self-speculative decoding: drafts the real token rejected (rolled back).",
+                g.num_spec_rejected,
+            ),
+            (
+                "loopserve_spec_redrafted",
+                "Self-speculative decoding: drafts a deeper loop's different draft replaced.",
+                g.num_spec_redrafted,
+            ),
+            (
                 "loopserve_kv_swapped_bytes",
                 "KV bytes copied between device and host by swap preemption (both ways).",
                 g.num_swapped_bytes,

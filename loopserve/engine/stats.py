@@ -80,6 +80,12 @@ class EngineStats:
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
     num_swapped_bytes: int = 0
+    # Self-speculative decoding, since construction: drafts made, drafts the real token
+    # confirmed, drafts it rejected, drafts a deeper loop replaced.
+    num_spec_drafted: int = 0
+    num_spec_accepted: int = 0
+    num_spec_rejected: int = 0
+    num_spec_redrafted: int = 0
     model_time_s: float = 0.0  # the executor's whole `execute` (as it reports it)
     forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
     # Host time of whole core steps (schedule, execute, update, observers, releases) on the

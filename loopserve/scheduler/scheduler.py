@@ -55,7 +55,7 @@ from loopserve.scheduler.request import (
     RequestState,
     RequestStatus,
 )
-from loopserve.scheduler.speculation import Speculation
+from loopserve.scheduler.speculation import SpecStats, Speculation
 
 
 class Scheduler:
@@ -84,6 +84,7 @@ class Scheduler:
         # request (0: off) and the loops after which a draft is sampled.
         self.speculative_tokens = sched.speculative_tokens
         self.step_tokens = self.step_loops = 0  # appended by the last `update`
+        self.spec_stats = SpecStats()  # every request's draft statistics, summed
         self.draft_loops = sched.draft_loops
         self.queues = Queues()
         self.requests, self.waiting, self.running = (
@@ -324,14 +325,21 @@ class Scheduler:
         spec = request.spec
         if spec is None:
             return  # preempted since
+        mine = request.spec_stats
+        before = (mine.drafted, mine.accepted, mine.rejected, mine.redrafted)
         emitted = spec.apply(
             results,
             exit_of=self._token_exit(request),
             new_handle=self._handle,
             max_position=request.max_positions - 1,
             stop_token_ids=request.stop_token_ids,
-            stats=request.spec_stats,
+            stats=mine,
         )
+        total = self.spec_stats
+        total.drafted += mine.drafted - before[0]
+        total.accepted += mine.accepted - before[1]
+        total.rejected += mine.rejected - before[2]
+        total.redrafted += mine.redrafted - before[3]
         if not emitted:
             return
         touched.append(request)

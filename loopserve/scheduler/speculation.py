@@ -11,6 +11,11 @@ real next token: if it equals the draft (greedy), or passes the speculative-samp
 run anyway, and it goes on; otherwise that position and everything after it is dropped
 (rolled back) and the next position restarts at loop 0 on the real token.
 
+Progressive drafts: every later loop of the drafting position that does not exit drafts
+again; when a deeper loop's draft differs, the next position restarts on it at once instead
+of at the exit. The draft the exit verifies is then the deepest one, drawn afresh from its
+loop's distribution (sampling: the test uses that distribution, so the rule stays exact).
+
 `Speculation` keeps a request's positions in flight, oldest first. The oldest is always
 verified (its token is final); up to `num_tokens` younger positions run on drafts (or on
 samples of positions that are themselves unverified). A position that exits before loop d
@@ -51,11 +56,13 @@ class SpecPosition:
 
 @dataclass(slots=True)
 class SpecStats:
-    """Per request: drafts made, drafts verified equal to the real token, drafts rejected."""
+    """Per request: drafts made, drafts verified equal to the real token, drafts rejected at
+    verification, and drafts replaced by a deeper loop's different draft before it."""
 
     drafted: int = 0
     accepted: int = 0
     rejected: int = 0
+    redrafted: int = 0
 
 
 @dataclass
@@ -92,13 +99,14 @@ class Speculation:
                 break
             frontier = depth if frontier is None else min(frontier, depth)
             plan = pos.exit.plan()
+            # From loop d-1 on, every loop that does not exit drafts again (a deeper loop's
+            # draft is likelier right); a changed draft replaces the next position.
             can_draft = (
                 allow_drafts
-                and depth == self.draft_loops - 1
-                and not pos.child
+                and depth >= self.draft_loops - 1
                 and plan.exit_now is not True
                 and pos.position + 1 <= max_position
-                and self.num_unverified < self.num_tokens
+                and (pos.child or self.num_unverified < self.num_tokens)
             )
             child = self.positions[i + 1] if pos.child else None
             items.append(
@@ -161,6 +169,12 @@ class Speculation:
                 verified = pos.verified
                 drafted = False
             else:  # a draft of the next token
+                if pos.child:
+                    if self.positions[at + 1].token_id == sampled.token_id:
+                        continue  # the draft stands
+                    stats.redrafted += 1
+                    del self.positions[at + 1 :]  # a deeper loop changed its mind
+                    pos.child = False
                 if self.num_unverified >= self.num_tokens or sampled.token_id in stop_token_ids:
                     continue  # (a drafted stop token: the real one ends the request, or not)
                 verified, drafted = False, True

@@ -88,6 +88,8 @@ class SamplingRequest(_Request):
     min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = None
+    # Self-speculative decoding for this request when the server runs it (None: on).
+    speculative: bool | None = None
     # Return output token ids per choice (vLLM's extension of the same name).
     return_token_ids: bool = False
     # Sampling controls (ranges checked by `SamplingParams`).

@@ -196,6 +196,7 @@ def sampling_params(
         "repetition_penalty": request.repetition_penalty,
         "min_tokens": request.min_tokens,
         "prompt_logprobs_loop": request.prompt_logprobs_loop,
+        "speculative": request.speculative,
     }
     try:
         fields["structured_output"] = request.structured_output()

@@ -36,6 +36,22 @@ SIM_ENGINE_ARGS = (
 )
 
 
+# The embedded default model, greedy, 780 positions at full depth (docs/speculative.md).
+EMBEDDED_STABLE_DIST = (0.349, 0.308, 0.215, 0.128)
+
+
+def _probs(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated probabilities, got {text}"
+        ) from None
+    if not values or min(values) < 0 or sum(values) <= 0:
+        raise argparse.ArgumentTypeError(f"probabilities must be >= 0 with a positive sum: {text}")
+    return values
+
+
 def _rate(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -71,12 +87,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "entropy-diff, minp-kl, argmax-stability); off: the coda runs at exits only",
     )
     parser.add_argument(
-        "--spec-acceptance",
-        type=float,
-        default=0.7,
-        help="with --speculative-tokens > 0: the probability that a verified draft is the "
-        "real next token (measure it on the model: `loopserve bench throughput "
-        "--speculative-tokens K --draft-loops d` reports it)",
+        "--draft-stable-dist",
+        type=_probs,
+        default=EMBEDDED_STABLE_DIST,
+        help="with --speculative-tokens > 0: P(s = j) for j = 0..D-1, s the first loop from "
+        "which the coda's argmax stays the emitted token (a draft after loop j is right iff "
+        "j >= s); default: measured on the embedded model (docs/speculative.md; `loopserve "
+        "bench speculative` measures it)",
     )
     parser.add_argument(
         "--dataset",

@@ -168,7 +168,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         client_max_tokens=args.client_max_tokens,
         host_model=load_host_model(args.host_model),
         coda_every_loop=args.coda_every_loop,
-        spec_acceptance=args.spec_acceptance,
+        draft_stable_dist=args.draft_stable_dist,
     )
     slo_s = args.slo_ms / 1e3
     start = time.perf_counter()

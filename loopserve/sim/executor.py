@@ -61,7 +61,7 @@ from loopserve.sim.workload import ExitDistribution
 
 SYNTHETIC_TOKEN = SampledToken(1)
 PROMPT, REPLAY, SPEC = ItemKind.PROMPT, ItemKind.REPLAY, ItemKind.SPEC
-DRAFT_TOKEN = SampledToken(2)  # a draft; a rejected one is answered with another id
+DRAFT_TOKEN_BASE = 100  # a wrong draft after loop j is id 100 + j (the emitted token is 1)
 
 
 @dataclass
@@ -113,21 +113,28 @@ class SimExecutor(Executor):
         cascade: bool = False,
         block_size: int = 16,
         coda_every_loop: bool = False,
-        spec_acceptance: float = 0.0,
+        draft_stable_dist: tuple[float, ...] | None = None,
     ) -> None:
-        """`spec_acceptance`: the probability that a verified draft equals the real token
-        (self-speculative decoding; each drawn once per position, seeded). `kv_block_bytes`: one block of one plane, to price swap copies over the host link;
+        """`draft_stable_dist` (self-speculative decoding): P(s = j), j = 0..D-1, where s is the
+        first loop from which the coda's argmax stays the token the position emits; a draft
+        sampled after loop j is right iff j >= s (s is drawn once per position, seeded, and
+        not capped at an early exit: pessimistic for exits before it). `kv_block_bytes`: one block of one plane, to price swap copies over the host link;
         `cascade`: price cascade attention (groups over `block_size`-position blocks);
         `coda_every_loop`: decode rows run the coda and lm_head after every loop (an exit
         criterion that reads the next-token distribution, e.g. Huginn's KL)."""
         self.cost = cost_model
         self.coda_every_loop = coda_every_loop
-        self.spec_acceptance = spec_acceptance
         self._prompt_len: dict[str, int] = {}
         self._coda = _CodaTally()
         self.cascade = cascade
         self.block_size = block_size
         self.num_loops = cost_model.shape.num_loops
+        if draft_stable_dist is not None and len(draft_stable_dist) != self.num_loops:
+            raise ValueError(
+                f"draft_stable_dist has {len(draft_stable_dist)} entries; the model has "
+                f"{self.num_loops} loops"
+            )
+        self.draft_stable_dist = draft_stable_dist
         self.rules = StepRules.of(layout, self.num_loops)
         self.shared = self.rules.shared
         self.exit_mode = ExitMode(exit_mode)
@@ -356,8 +363,9 @@ class SimExecutor(Executor):
 
     def _spec_result(self, item: WorkItem) -> ItemResult:
         """A speculative position's loop: its exit by its plan over the synthetic hazards (its
-        token index from its position), a draft token when it drafts, and at its exit the
-        drafted token with probability `spec_acceptance` (another id otherwise)."""
+        token index from its position); a draft when it drafts: the emitted token (id 1) if
+        the loop is at or past the position's stable loop, else an id of that loop (100 + j:
+        a deeper wrong draft differs too); at its exit, id 1."""
         request_id, position = item.request_id, item.token_start
         index = position - self._prompt_len[request_id] + 1
         hazard = self._hazard(request_id, index, item.depth) if item.needs_gate else None
@@ -365,16 +373,19 @@ class SimExecutor(Executor):
             item.exit_now, GateState(item.cdf_before, item.survival_before), hazard, item.threshold
         )
         hazards = () if hazard is None else (hazard,)
-        if not exited:
-            sampled = DRAFT_TOKEN if item.draft else None
-            return ItemResult(request_id, item.handle, hazards, False, None, sampled)
-        self._targets.pop((request_id, index), None)
-        token = SYNTHETIC_TOKEN
-        if item.verify_token >= 0:
+        if exited:
+            self._targets.pop((request_id, index), None)
+            return ItemResult(
+                request_id, item.handle, hazards, True, item.depth + 1, SYNTHETIC_TOKEN
+            )
+        sampled = None
+        if item.draft:
+            assert self.draft_stable_dist is not None, "speculation needs draft_stable_dist"
             rng = random.Random(f"{self.seed}:spec:{request_id}:{position}")
-            accepted = rng.random() < self.spec_acceptance
-            token = SampledToken(item.verify_token if accepted else item.verify_token + 1)
-        return ItemResult(request_id, item.handle, hazards, True, item.depth + 1, token)
+            stable = rng.choices(range(self.num_loops), weights=self.draft_stable_dist)[0]
+            right = item.depth >= stable
+            sampled = SYNTHETIC_TOKEN if right else SampledToken(DRAFT_TOKEN_BASE + item.depth)
+        return ItemResult(request_id, item.handle, hazards, False, None, sampled)
 
     def _prompt_result(self, item: WorkItem) -> ItemResult:
         depths = range(item.depth, item.last_depth + 1)

@@ -98,10 +98,10 @@ class Simulator:
         client_max_tokens: int | None = None,
         host_model: HostModel | None = None,
         coda_every_loop: bool = False,
-        spec_acceptance: float = 0.0,
+        draft_stable_dist: tuple[float, ...] | None = None,
     ) -> None:
-        """`spec_acceptance`: with `speculative_tokens` > 0, the probability a verified draft
-        is the real token. `exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
+        """`draft_stable_dist`: with `speculative_tokens` > 0, the distribution of the loop
+        from which a position's draft is right (`SimExecutor`). `exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
         draws hazards from the distribution; requests get the threshold); trace mode replays
         each request's `exit_trace`. `roofline`: see `CostModel`. `coda_every_loop`: price
         an exit criterion that runs the coda after every loop (Huginn's KL, entropy and
@@ -133,7 +133,7 @@ class Simulator:
                 cascade=cascade_enabled(self.config),
                 block_size=cache.block_size,
                 coda_every_loop=coda_every_loop,
-                spec_acceptance=spec_acceptance,
+                draft_stable_dist=draft_stable_dist,
             ),
             async_scheduling=False,
             clock=time.process_time,

@@ -75,7 +75,7 @@ class SweepSetup:
     client_max_tokens: int | None = None  # see `Simulator`
     host_model: HostModel | None = None  # host time per core call (`sim.host_model`)
     coda_every_loop: bool = False  # see `Simulator`
-    spec_acceptance: float = 0.0  # see `Simulator`
+    draft_stable_dist: tuple[float, ...] | None = None  # see `Simulator`
 
 
 def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
@@ -100,7 +100,7 @@ def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
             client_max_tokens=setup.client_max_tokens,
             host_model=setup.host_model,
             coda_every_loop=setup.coda_every_loop,
-            spec_acceptance=setup.spec_acceptance,
+            draft_stable_dist=setup.draft_stable_dist,
         )
     except ConfigError as err:
         return PointResult(arm.name, request_rate, None, f"pending: {err}")

@@ -340,6 +340,8 @@ class Scheduler:
         total.accepted += mine.accepted - before[1]
         total.rejected += mine.rejected - before[2]
         total.redrafted += mine.redrafted - before[3]
+        if not self.admission.full_reservation:  # rolled-back positions' blocks go back now
+            self.kv.shrink(request.request_id, spec.max_position + 1)
         if not emitted:
             return
         touched.append(request)
@@ -501,6 +503,12 @@ class Scheduler:
                 # Positions that ran a loop have their slot (new ones get it when scheduled).
                 ran = [p.position for p in spec.positions if p.exit.depth > 0]
                 assert covered >= max(ran, default=-1) + 1, f"{request.request_id} lacks KV"
+                if not self.admission.full_reservation:  # no block beyond those in flight
+                    keep = max(
+                        self.kv.blocks_per_plane(spec.max_position + 1),
+                        self.kv.num_cached_pages[request.request_id],
+                    )
+                    assert covered <= keep * block_size, f"{request.request_id} kept blocks"
                 positions = [p.position for p in spec.positions]
                 assert positions == list(range(positions[0], positions[0] + len(positions)))
                 continue

@@ -267,7 +267,10 @@ class Coda:
         draft is drawn from its filtered distribution q, kept under its handle; at its exit,
         with a next position running on that draft, its token is the speculative-sampling
         test (`speculative_sample`: the draft with probability min(1, p/q), else a draw
-        from the normalized max(0, p - q)), so the token follows p, its exit distribution."""
+        from the normalized max(0, p - q)), so the token follows p, its exit distribution.
+        A deeper loop's draft of a row that already drafted passes the earlier draft through
+        the same rule from the earlier q to its own: the draft then follows the deepest q
+        (which the exit's test uses) and changes only when the rule rejects it."""
         wanted = [
             i
             for i, item in enumerate(items)
@@ -286,8 +289,9 @@ class Coda:
             key = (item.request_id, item.handle)
             try:
                 probs = filtered_probs(logits[row], spec)
-                if not exited[i]:  # a draft
-                    tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+                if not exited[i]:  # a draft; a deeper loop's keeps the last one by the rule
+                    earlier = self.drafts.get(key)
+                    tokens[row] = speculative_sample(probs, earlier, item.verify_token, generator)
                     self.drafts[key] = probs
                 else:
                     draft = self.drafts.pop(key, None)

@@ -13,8 +13,9 @@ run anyway, and it goes on; otherwise that position and everything after it is d
 
 Progressive drafts: every later loop of the drafting position that does not exit drafts
 again; when a deeper loop's draft differs, the next position restarts on it at once instead
-of at the exit. The draft the exit verifies is then the deepest one, drawn afresh from its
-loop's distribution (sampling: the test uses that distribution, so the rule stays exact).
+of at the exit. Sampling: a deeper loop keeps the draft by the speculative-sampling rule
+from the earlier loop's distribution to its own (`runner/coda.py`), so the draft the exit
+verifies follows the deepest loop's distribution, which the exit's test uses: exact.
 
 `Speculation` keeps a request's positions in flight, oldest first. The oldest is always
 verified (its token is final); up to `num_tokens` younger positions run on drafts (or on

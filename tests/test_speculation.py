@@ -351,3 +351,98 @@ def test_server_streams_speculative_and_plain_requests_alike(tmp_path):
     values = prometheus_values(scraped.text)
     assert values["loopserve_spec_drafted_total"] > 0
     assert values["loopserve_spec_accepted_total"] > 0
+
+
+def test_a_decode_replica_speculates_on_handed_off_requests(calm_dir):
+    """Prefill/decode hand-off: the importing engine starts each request's pipeline from
+    the handed-off token; greedy outputs equal the reference, streamed exactly once."""
+    from tests.test_pd_handoff import assert_clean, handoff_workload, run_disaggregated
+
+    prefill = make_engine(calm_dir)
+    decode = make_engine(calm_dir, num_blocks=300, speculative_tokens=3, draft_loops=1)
+    work = handoff_workload(5, 6, 64)
+    finished, exported, streamed = run_disaggregated(prefill, decode, work)
+    assert sorted(exported) == sorted(r for r, *_ in work)
+    for request_id, prompt, params, _ in work:
+        output = finished[request_id]
+        assert streamed[request_id] == output.token_ids
+        if params.temperature == 0:
+            expected = reference_for(prefill, prompt, params)
+            assert (output.token_ids, output.exit_depths) == (
+                expected.token_ids,
+                expected.exit_depths,
+            ), request_id
+    assert decode.stats.num_spec_drafted > 0 and decode.stats.num_spec_accepted > 0
+    assert_clean(prefill)
+    assert_clean(decode)
+
+
+@pytest.mark.parametrize("stable", [(1.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 1.0)])
+def test_the_simulator_runs_speculation_through_the_same_scheduler(stable):
+    """Drafts always right from loop 0: about one core call per token at one stream (four
+    without speculation); never right before the last loop: no gain, still every token."""
+    from loopserve.sim.cost_model import OURO_1P4B
+    from loopserve.sim.hardware import get_device_profile
+    from loopserve.sim.metrics import summarize
+    from loopserve.sim.simulator import Simulator
+    from loopserve.sim.workload import WorkloadSpec, build_workload
+
+    workload = build_workload(
+        WorkloadSpec(4, dataset="synthetic", input_len=16, output_len=40, exit_dist="full"), 4
+    )
+    results = {}
+    for tokens in (0, 3):
+        sim = Simulator(
+            OURO_1P4B,
+            get_device_profile("h200"),
+            {"max_num_seqs": 1, "num_blocks": 256, "speculative_tokens": tokens, "draft_loops": 1},
+            draft_stable_dist=stable,
+        )
+        run = sim.run(workload, on_step=lambda s: s.check_invariants())
+        result = summarize(run)
+        assert result.num_output_tokens == sum(r.output_len for r in workload)
+        assert sim.core.stats().kv_blocks_used == 0 and sim.executor.num_live_handles == 0
+        results[tokens] = (result.output_throughput, sim.core.stats())
+    plain, spec = results[0], results[3]
+    calls = [stats.num_core_calls / stats.num_output_tokens for _, stats in (plain, spec)]
+    if stable[0] == 1.0:
+        assert calls[1] < 0.5 * calls[0] and spec[0] > 2 * plain[0]
+        assert spec[1].num_spec_accepted > 0 and spec[1].num_spec_rejected == 0
+    else:
+        assert calls[1] >= calls[0] and spec[0] < plain[0]
+        assert spec[1].num_spec_accepted == 0
+
+
+def test_bench_speculative_runs_side_by_side(tmp_path):
+    from loopserve.cli.main import main
+
+    out = tmp_path / "spec.json"
+    assert (
+        main(
+            [
+                "bench",
+                "speculative",
+                "--streams",
+                "1",
+                "--temperatures",
+                "0",
+                "--configs",
+                "2:1",
+                "--repeats",
+                "1",
+                "--output-len",
+                "8",
+                "--no-progress",
+                "--output-json",
+                str(out),
+            ]  # fmt: skip
+        )
+        == 0
+    )
+    import json
+
+    (row,) = json.loads(out.read_text())["results"]
+    plain, spec = row["configs"]
+    assert (plain["K"], spec["K"], spec["d"]) == (0, 2, 1)
+    assert spec["drafted"] > 0 and spec["core_calls_per_token"] < plain["core_calls_per_token"]
+    assert abs(sum(row["stable_loop_dist"]) - 1) < 1e-9

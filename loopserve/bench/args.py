@@ -205,3 +205,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     add_output_args(out, default_dir="bench_results/serve")
     add_progress_arg(out)
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `loopserve bench speculative`."""
+    parser.add_argument("--model", default=None, help="checkpoint (None: the embedded model)")
+    parser.add_argument(
+        "--configs", default="1:1,3:1,1:2,3:2", help="K:d pairs (speculative tokens : draft loops)"
+    )
+    parser.add_argument("--streams", default="1,8", help="requests in flight, comma-separated")
+    parser.add_argument("--temperatures", default="0,0.7", help="comma-separated")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens per request")
+    parser.add_argument(
+        "--rounds-of-requests", type=int, default=2, help="requests per run = streams x this"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    add_output_args(parser, default_json="bench_results/speculative.json")
+    add_progress_arg(parser)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from loopserve.bench.args import add_speculative_args as add_cli_args  # noqa: F401
 from loopserve.bench.common import machine_info
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
@@ -47,23 +48,6 @@ PROMPTS = (
     "He said that the",
     "Scientists have found",
 )
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint (None: the embedded model)")
-    parser.add_argument(
-        "--configs", default="1:1,3:1,1:2,3:2", help="K:d pairs (speculative tokens : draft loops)"
-    )
-    parser.add_argument("--streams", default="1,8", help="requests in flight, comma-separated")
-    parser.add_argument("--temperatures", default="0,0.7", help="comma-separated")
-    parser.add_argument("--output-len", type=int, default=64, help="tokens per request")
-    parser.add_argument(
-        "--rounds-of-requests", type=int, default=2, help="requests = streams x this"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--output-json", default="bench_results/speculative.json")
-    parser.add_argument("--no-progress", action="store_true", help="no progress output")
 
 
 def _configs(text: str) -> list[tuple[int, int]]:

@@ -47,7 +47,7 @@ COMMANDS: list[Command] = [
     Command(
         ("bench", "speculative"),
         "self-speculative decoding beside plain decoding: acceptance, tok/s, core calls",
-        "loopserve.bench.speculative:add_cli_args",
+        "loopserve.bench.args:add_speculative_args",
         "loopserve.bench.speculative:main_from_args",
     ),
     Command(

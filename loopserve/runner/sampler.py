@@ -77,16 +77,18 @@ def speculative_sample(
 ) -> torch.Tensor:
     """A token from `probs` (p) given a draft `draft_token` drawn from `draft` (q): keep the
     draft with probability min(1, p/q), else draw from max(0, p - q) normalized (the
-    speculative-sampling rule; the result follows p). Without a draft, a plain draw from p."""
+    speculative-sampling rule; the result follows p). Without a draft, a plain draw from p.
+    On the device, without a sync: the residual draw is made either way (fresh randomness,
+    discarded when the draft is kept)."""
     if draft is None or draft_token < 0:
         return torch.multinomial(probs, 1, generator=generator)[0]
-    accept = torch.rand((), generator=generator, device=probs.device) * draft[draft_token]
-    if bool(accept <= probs[draft_token]):
-        return torch.tensor(draft_token, device=probs.device)
+    keep = torch.rand((), generator=generator, device=probs.device) * draft[draft_token]
+    keep = keep <= probs[draft_token]
     residual = (probs - draft).clamp_min(0.0)
-    if not bool(residual.sum() > 0):  # p == q: rejection has probability 0
-        return torch.multinomial(probs, 1, generator=generator)[0]
-    return torch.multinomial(residual, 1, generator=generator)[0]
+    # p == q leaves no residual, and then the draft is always kept: any valid row will do.
+    residual = torch.where(residual.sum() > 0, residual, probs)
+    resampled = torch.multinomial(residual, 1, generator=generator)[0]
+    return torch.where(keep, resampled.new_full((), draft_token), resampled)
 
 
 class Matcher(Protocol):

@@ -97,3 +97,19 @@ def test_gate_exits_run_through_the_cli(tmp_path) -> None:
     assert arms["no_refill"]["median"]["mean_loops_per_token"] == 1.0
     tokens = {name: arm["median"]["output_tokens"] for name, arm in arms.items()}
     assert len(set(tokens.values())) == 1 and tokens["refill"] > 0
+
+
+def test_speculative_tokens_add_a_refill_spec_arm_with_equal_tokens(tmp_path) -> None:
+    out = tmp_path / "spec.json"
+    argv = [*TINY, "--exit-dist", "full", "--speculative-tokens", "2", "--draft-loops", "1"]
+    assert main_from_args(_parse([*argv, "--out", str(out)])) == 0
+    result = json.loads(out.read_text())
+    arms = result["arms"]
+    assert set(arms) == {arm.name for arm in ARMS} | {"refill_spec"}
+    tokens = {name: arm["median"]["output_tokens"] for name, arm in arms.items()}
+    assert len(set(tokens.values())) == 1
+    spec, refill = arms["refill_spec"]["median"], arms["refill"]["median"]
+    assert spec["mean_loops_per_token"] == 4.0  # speculation changes no exit
+    assert result["speculation"]["drafted"] > 0
+    assert "refill_spec_over_refill" in result["ratios"]
+    assert spec["mean_rows_per_core_call"] > refill["mean_rows_per_core_call"]

@@ -8,6 +8,7 @@ target distribution (exactly enumerated and by chi-square), and seeded runs repe
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -41,16 +42,27 @@ def calm_dir(tmp_path_factory):
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 PROMPT_ARMS = {
     "atomic": {"prefill_mode": "atomic"},
+    "per_depth": {"prefill_mode": "per_depth"},
     "wavefront": {"prefill_mode": "wavefront"},
     "mixed": {"prefill_mode": "per_depth", "mixed_prefill_decode": True},
 }
-# (decode mode, exit mode, (K, d), prompt arm): every exit mode under both decode modes, each
-# pair with one (K, d) and one prompt arm in turn (pairwise, not the full product: time).
-CASES = [
-    (mode, exit_mode, ((1, 1), (3, 2))[(i + j) % 2], list(PROMPT_ARMS)[(i + 2 * j) % 3])
-    for i, mode in enumerate(("refill", "no_refill"))
-    for j, exit_mode in enumerate(EXIT_MODES)
-]
+# (decode mode, exit mode, (K, d), prompt arm). CI runs every exit mode under both decode
+# modes, each pair with one (K, d) and one prompt arm in turn (pairwise: time);
+# LOOPSERVE_FULL_SPEC_MATRIX=1 runs the full product (96 cases; docs/speculative.md).
+if os.environ.get("LOOPSERVE_FULL_SPEC_MATRIX") == "1":
+    CASES = [
+        (mode, exit_mode, kd, arm)
+        for mode in ("refill", "no_refill")
+        for exit_mode in EXIT_MODES
+        for kd in ((1, 1), (1, 2), (3, 1), (3, 2))
+        for arm in PROMPT_ARMS
+    ]
+else:
+    CASES = [
+        (mode, exit_mode, ((1, 1), (3, 2))[(i + j) % 2], list(PROMPT_ARMS)[(i + 2 * j) % 4])
+        for i, mode in enumerate(("refill", "no_refill"))
+        for j, exit_mode in enumerate(EXIT_MODES)
+    ]
 
 
 def spec_workload(seed: int, num_requests: int, vocab: int, *, sampled: bool = False):
@@ -133,6 +145,26 @@ def test_greedy_speculation_equals_plain_decoding(calm_dir, mode, exit_mode, kd,
     assert drafted > 0 and accepted > 0 and rejected > 0, (drafted, accepted, rejected)
     assert max(speculated_rows) > 1  # positions ran on drafts beside the verified one
     assert_released(engine)
+
+
+@pytest.mark.parametrize("loops", [1, 2, 3])
+def test_tokens_that_exit_within_the_draft_loops_need_no_draft(calm_dir, loops):
+    """d = 2: a token that exits after one or two loops is final at its exit (no draft, no
+    verification, a token costs its loops); one that runs three loops drafts."""
+    engine = make_engine(
+        calm_dir, exit_mode="trace", speculative_tokens=3, draft_loops=2, max_num_seqs=1
+    )
+    params = SamplingParams(max_tokens=10, temperature=0.0, exit_trace=(loops,), ignore_eos=True)
+    work = [("a", [5, 9, 2], params, 0)]
+    finished = run_steps(engine, work)
+    check_outputs(engine, work, finished)
+    drafted = finished["a"].metrics.spec_drafted
+    if loops <= 2:
+        assert drafted == 0
+        # The prompt's 4 loops (one atomic step), then 9 decode tokens of `loops` calls each.
+        assert engine.stats.num_core_calls == 4 + 9 * loops
+    else:
+        assert drafted > 0 and engine.stats.num_core_calls < 4 + 9 * loops
 
 
 def test_one_loop_drafts_of_the_trained_default_model_are_accepted_and_exact():

@@ -142,8 +142,15 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
             "max_num_seqs": 64,
             "max_num_batched_tokens": 2048,
             "prefill_chunk_size": 512,
+            "speculative_tokens": 0,
+            "draft_loops": 2,
+            "speculative_max_seqs": 32,
         },
-        engine_helps={"num_blocks": "KV blocks (None: enough for the workload's largest requests)"},
+        engine_helps={
+            "num_blocks": "KV blocks (None: enough for the workload's largest requests)",
+            "speculative_tokens": "> 0: a fourth arm, refill with self-speculative decoding "
+            "(K drafted positions per request), beside the others",
+        },
     )
     run = parser.add_argument_group("run")
     run.add_argument("--repeats", type=int, default=5, help="interleaved rounds (median)")

@@ -57,6 +57,8 @@ NUM_WARMUP_REQUESTS = 4
 
 ARMS = tuple(ALL_ARMS[name] for name in DECODE_ARMS)  # full_depth, no_refill, refill
 REFILL = ARMS[-1]
+# With --speculative-tokens K > 0: refill with self-speculative decoding, the same workload.
+SPEC_ARM = Arm("refill_spec", {"mode": "refill"})
 
 
 def _drive(
@@ -141,6 +143,9 @@ def build_engine(
         mode=arm.mode,
         exit_mode="ouro" if args.exit_threshold is not None else "trace",
         exit_criterion=args.exit_criterion,
+        speculative_tokens=args.speculative_tokens if arm is SPEC_ARM else 0,
+        draft_loops=args.draft_loops,
+        speculative_max_seqs=args.speculative_max_seqs,
     )
 
 
@@ -158,18 +163,20 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         seed=args.seed,
     )
     threshold = args.exit_threshold if gate else 1.0
-    params = {a.name: [sampling_params(r, a, num_loops, threshold) for r in requests] for a in ARMS}
-    runs: dict[str, list[RunResult]] = {arm.name: [] for arm in ARMS}
+    arms = ARMS + ((SPEC_ARM,) if args.speculative_tokens else ())
+    params = {a.name: [sampling_params(r, a, num_loops, threshold) for r in requests] for a in arms}
+    runs: dict[str, list[RunResult]] = {arm.name: [] for arm in arms}
     num_blocks = args.num_blocks or blocks_for(  # LAST_EXITED: one KV plane per depth
         requests, args.max_num_seqs, args.block_size, num_loops
     )
-    total = len(ARMS) * (args.repeats + 1) + 1 + len(args.cost_rows)
+    total = len(arms) * (args.repeats + 1) + 1 + len(args.cost_rows)
+    speculation = None
     with progress_bar(args, total=total, desc="bench throughput", unit="run") as bar:
         engines = {
-            a.name: build_engine(args, model_dir, a, args.max_num_seqs, num_blocks) for a in ARMS
+            a.name: build_engine(args, model_dir, a, args.max_num_seqs, num_blocks) for a in arms
         }
         for round_idx in range(-1, args.repeats):  # round -1 is the warm-up
-            for arm in ARMS:  # interleaved: drift on the machine hits every arm alike
+            for arm in arms:  # interleaved: drift on the machine hits every arm alike
                 label = "warm-up" if round_idx < 0 else f"round {round_idx + 1}"
                 bar.set_postfix_str(f"{label} {arm.name}")
                 n = NUM_WARMUP_REQUESTS if round_idx < 0 else len(requests)
@@ -178,6 +185,16 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
                 if round_idx >= 0:
                     runs[arm.name].append(result)
                 bar.update(1)
+        if args.speculative_tokens:  # every round's drafts, the warm-up's included
+            spec = engines[SPEC_ARM.name].core.stats()
+            verified = spec.num_spec_accepted + spec.num_spec_rejected
+            speculation = {
+                "drafted": spec.num_spec_drafted,
+                "accepted": spec.num_spec_accepted,
+                "rejected": spec.num_spec_rejected,
+                "redrafted": spec.num_spec_redrafted,
+                "acceptance": spec.num_spec_accepted / verified if verified else None,
+            }
         del engines  # free their KV before the host-overhead engine allocates its own
         bar.set_postfix_str(f"host overhead @ {args.host_rows} rows")
         # The first `host_rows` requests together: steps of that many rows until one finishes.
@@ -212,7 +229,21 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
                 "cpu_per_round": [x.cpu_s / y.cpu_s for x, y in zip(runs[b], runs[REFILL.name])],
             }
             for b in ("full_depth", "no_refill")
-        },
+        }
+        | (
+            {
+                "refill_spec_over_refill": {
+                    "wall": m[REFILL.name].wall_s / m[SPEC_ARM.name].wall_s,
+                    "cpu": m[REFILL.name].cpu_s / m[SPEC_ARM.name].cpu_s,
+                    "cpu_per_round": [
+                        x.cpu_s / y.cpu_s for x, y in zip(runs[REFILL.name], runs[SPEC_ARM.name])
+                    ],
+                }
+            }
+            if args.speculative_tokens
+            else {}
+        ),
+        "speculation": speculation,
         "host_overhead_at_rows": asdict(host),
         "cost_curve": cost_curve_summary(curve, m) if curve else None,
     }

@@ -79,6 +79,14 @@ def format_report(result: dict) -> str:
             f"(medians); per round, CPU time: {rounds} (median "
             f"{statistics.median(r['cpu_per_round']):.2f}x)"
         )
+    spec = result.get("speculation")
+    if spec:
+        acceptance = "-" if spec["acceptance"] is None else f"{spec['acceptance']:.3f}"
+        lines.append(
+            f"refill_spec drafts: {spec['drafted']} drafted, {spec['accepted']} accepted, "
+            f"{spec['rejected']} rejected (acceptance {acceptance}), {spec['redrafted']} "
+            "replaced by a deeper loop's"
+        )
     host = HostOverhead(**result["host_overhead_at_rows"])
     curve = result.get("cost_curve")
     if curve:

@@ -196,12 +196,14 @@ class Cluster:
             for request in result.touched:
                 rid = request.request_id
                 record = records[rid]
-                record.token_times_s.append(now)
+                # Every token this step appended (a speculating request may append several).
+                new = max(len(request.output_token_ids) - len(record.token_times_s), 1)
+                record.token_times_s.extend([now] * new)
                 runs = produced[rid]
                 if runs and runs[-1][:2] == (replica.kind, replica.index):
-                    runs[-1] = (replica.kind, replica.index, runs[-1][2] + 1)
+                    runs[-1] = (replica.kind, replica.index, runs[-1][2] + new)
                 else:
-                    runs.append((replica.kind, replica.index, 1))
+                    runs.append((replica.kind, replica.index, new))
                 if not request.is_finished:
                     continue
                 if replica.kind == "prefill" and record.output_len > 1:

@@ -85,3 +85,27 @@ def test_sim_model_config_reads_presets_and_any_family_config(tmp_path):
     assert sim_model_config("Huginn-0125") is HUGINN_0125
     tiny = sim_model_config(str(make_tiny_huginn_checkpoint(tmp_path / "h") / "config.json"))
     assert tiny.mean_recurrence == 8 and tiny.n_embd == 32
+
+
+def test_ouro_2p6b_public_config_loads_and_is_the_simulator_preset(tmp_path):
+    """The fields of a public copy of Ouro-2.6B's config.json: the engine's config class and
+    family registry read it, and its shape is the simulator's `ouro-2.6b` preset."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from loopserve.models.config import OuroConfig
+    from loopserve.models.registry import OURO, read_config
+
+    fixture = Path(__file__).parent / "fixtures" / "ouro_2p6b_config.json"
+    shutil.copy(fixture, tmp_path / "config.json")
+    family, config = read_config(tmp_path)
+    assert family is OURO and isinstance(config, OuroConfig)
+    assert config.num_hidden_layers == 48 and config.num_loops == 4
+    assert config.eos_token_id == (2,)
+    shape = ModelShape.from_config(config)
+    assert shape == ModelShape.from_config(OURO_2P6B)
+    assert 2.6e9 < shape.total_weight_bytes / shape.dtype_bytes < 2.7e9  # "2.6B"
+    # K/V per position per plane in bf16: 48 layers x 16 KV heads x 128 x K and V x 2 bytes.
+    assert config.kv_bytes_per_block(1, 2) == 48 * 16 * 128 * 2 * 2 == 393_216
+    assert json.loads(fixture.read_text())["total_ut_steps"] == 4

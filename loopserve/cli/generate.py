@@ -115,6 +115,14 @@ def main_from_args(args: argparse.Namespace) -> int:
                 "exit_depths": output.exit_depths,
                 "finish_reason": output.finish_reason,
             }
+            metrics = output.metrics
+            if metrics.spec_drafted:
+                record["speculation"] = {
+                    "drafted": metrics.spec_drafted,
+                    "accepted": metrics.spec_accepted,
+                    "rejected": metrics.spec_rejected,
+                    "redrafted": metrics.spec_redrafted,
+                }
             print(json.dumps(record))
         else:
             shown = output.prompt if output.prompt is not None else output.prompt_token_ids
@@ -122,5 +130,14 @@ def main_from_args(args: argparse.Namespace) -> int:
             print(f"output: {output.text!r}")
             print(f"tokens: {output.token_ids}")
             print(f"loops:  {output.exit_depths} (mean {output.mean_loops:.2f})")
+            metrics = output.metrics
+            if metrics.spec_drafted:  # self-speculative decoding ran
+                acceptance = metrics.spec_acceptance
+                shown_rate = "-" if acceptance is None else f"{acceptance:.2f}"
+                print(
+                    f"drafts: {metrics.spec_drafted} made, {metrics.spec_accepted} accepted, "
+                    f"{metrics.spec_rejected} rejected (acceptance {shown_rate}), "
+                    f"{metrics.spec_redrafted} replaced by a deeper loop's"
+                )
             print(f"finish: {output.finish_reason}\n")
     return 0

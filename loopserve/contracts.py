@@ -350,6 +350,9 @@ class SchedulerOutput:
     # their sampling generators (the request resumes later under the same id).
     preempted_request_ids: tuple[str, ...] = ()
     kv_transfers: tuple[KVTransfer, ...] = ()
+    # (request_id, handle) of speculative positions rolled back since the last output: the
+    # executor drops their hidden states (and draft distributions) before running `items`.
+    dropped_handles: tuple[tuple[str, int], ...] = ()
     # The decode rows of the step's first core call (they come before `items` in it).
     decode: DecodeRows | None = None
 

@@ -134,11 +134,18 @@ def test_greedy_speculation_equals_plain_decoding(calm_dir, mode, exit_mode, kd,
     speculated_rows = []
 
     def on_step(engine) -> None:
-        # Invariants after every step (run_steps also checks the scheduler's): positions in
-        # flight of a request are consecutive and covered by its K/V.
+        # After every step (run_steps also checks the scheduler's invariants): the runner
+        # keeps hidden states and draft distributions only of positions in flight (or rolled
+        # back and announced to it in the next output), never of older rollbacks.
+        pending = set(engine.scheduler.outbox.dropped_handles)
         for request in engine.scheduler.running:
             if request.spec is not None:
                 speculated_rows.append(len(request.spec.positions))
+                rid = request.request_id
+                live = {p.handle for p in request.spec.positions}
+                live |= {h for r, h in pending if r == rid}
+                assert engine.runner.inflight.handles_of(rid) <= live
+                assert {h for r, h in engine.runner.coda.drafts if r == rid} <= live
 
     finished = run_steps(engine, work, abort_at={"r2": 12}, on_step=on_step)
     drafted, accepted, rejected = check_outputs(engine, work, finished, aborted={"r2"})

@@ -234,7 +234,9 @@ class Admission:
             self.decode.park(victim)
         # Speculative positions in flight are dropped: the last final token restarts at loop 0
         # when the request runs again (the scheduler starts it).
-        victim.spec = None
+        if victim.spec is not None:
+            self.outbox.dropped_handles += [(request_id, p.handle) for p in victim.spec.positions]
+            victim.spec = None
         self.decode.remove(request_id)
         if swap:
             moves = self.kv.swap_out(request_id)

@@ -33,6 +33,8 @@ class StepOutbox:
     gone_request_ids: list[str] = field(default_factory=list)  # left RUNNING (or staged)
     preempted_ids: list[str] = field(default_factory=list)  # recompute: hidden states go
     transfers: list[KVTransfer] = field(default_factory=list)  # swap / import block moves
+    # Rolled-back speculative positions whose runner state goes: (request_id, handle).
+    dropped_handles: list[tuple[str, int]] = field(default_factory=list)
 
     def take(
         self,
@@ -53,10 +55,12 @@ class StepOutbox:
             finished_request_ids=tuple(self.gone_request_ids),
             preempted_request_ids=tuple(self.preempted_ids),
             kv_transfers=tuple(self.transfers),
+            dropped_handles=tuple(self.dropped_handles),
             decode=decode,
         )
         self.new_requests.clear()
         self.gone_request_ids.clear()
         self.preempted_ids.clear()
         self.transfers.clear()
+        self.dropped_handles.clear()
         return out

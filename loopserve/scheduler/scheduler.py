@@ -309,8 +309,8 @@ class Scheduler:
             assert spec is not None
             request_id = request.request_id
             if not kv.grow(request_id, spec.max_position + 1):
-                spec.positions[0].child = False
-                del spec.positions[1:]  # roll back the drafts
+                spec.roll_back(1)  # the drafts
+                self._collect_dropped(request)
                 while not kv.grow(request_id, spec.max_position + 1):
                     victim = pick_victim(self.running)
                     self.admission.preempt(victim)
@@ -318,6 +318,14 @@ class Scheduler:
                         break
             if request.status is RequestStatus.RUNNING and not self.admission.full_reservation:
                 kv.shrink(request_id, spec.max_position + 1)
+
+    def _collect_dropped(self, request: Request) -> None:
+        """Hand the handles of the request's rolled-back positions to the executor."""
+        spec = request.spec
+        if spec is not None and spec.dropped:
+            rid = request.request_id
+            self.outbox.dropped_handles.extend((rid, handle) for handle in spec.dropped)
+            spec.dropped.clear()
 
     def _apply_spec(
         self, request: Request, results: list, now: float, touched: list[Request]
@@ -340,6 +348,7 @@ class Scheduler:
         total.accepted += mine.accepted - before[1]
         total.rejected += mine.rejected - before[2]
         total.redrafted += mine.redrafted - before[3]
+        self._collect_dropped(request)
         if not self.admission.full_reservation:  # rolled-back positions' blocks go back now
             self.kv.shrink(request.request_id, spec.max_position + 1)
         if not emitted:
@@ -462,7 +471,12 @@ class Scheduler:
 
     def token_depth(self, request_id: str) -> int | None:
         """The loop the request's decode token in flight runs next (None: no token in
-        flight: waiting, in its prompt, replaying, or finished)."""
+        flight: waiting, in its prompt, replaying, or finished; or a speculating request with
+        more than its verified position in flight)."""
+        request = self.requests.get(request_id)
+        spec = None if request is None else request.spec
+        if spec is not None:
+            return spec.positions[0].exit.depth if len(spec.positions) == 1 else None
         return self.decode.depth_of(request_id)
 
     def fail_requests(self, request_ids: Iterable[str]) -> list[Request]:

@@ -72,6 +72,9 @@ class Speculation:
     draft_loops: int  # d
     exit_mode: ExitMode
     positions: list[SpecPosition] = field(default_factory=list)
+    # Handles of positions rolled back since the scheduler last collected them: the
+    # executor drops their state (`SchedulerOutput.dropped_handles`).
+    dropped: list[int] = field(default_factory=list)
 
     def start(
         self, position: int, token_id: int, exit_of: Callable[[int], TokenExit], handle: int
@@ -163,8 +166,7 @@ class Speculation:
                         continue  # the next position ran on the right token
                     if child.drafted:
                         stats.rejected += 1
-                    del self.positions[at + 1 :]  # roll back
-                    pos.child = False
+                    self.roll_back(at + 1)
                 if sampled.token_id in stop_token_ids or pos.position + 1 > max_position:
                     continue  # nothing after it, if it is final
                 verified = pos.verified
@@ -174,8 +176,7 @@ class Speculation:
                     if self.positions[at + 1].token_id == sampled.token_id:
                         continue  # the draft stands
                     stats.redrafted += 1
-                    del self.positions[at + 1 :]  # a deeper loop changed its mind
-                    pos.child = False
+                    self.roll_back(at + 1)  # a deeper loop changed its mind
                 if self.num_unverified >= self.num_tokens or sampled.token_id in stop_token_ids:
                     continue  # (a drafted stop token: the real one ends the request, or not)
                 verified, drafted = False, True
@@ -192,6 +193,13 @@ class Speculation:
                 )
             )
         return self._emit(stats)
+
+    def roll_back(self, start: int) -> None:
+        """Drop the positions from index `start` on (their handles go to `dropped`)."""
+        self.dropped += [pos.handle for pos in self.positions[start:]]
+        del self.positions[start:]
+        if start > 0:
+            self.positions[start - 1].child = False
 
     def _emit(self, stats: SpecStats) -> list[tuple[SampledToken, int]]:
         """Pop the verified positions that exited, in order; their children become verified."""

@@ -160,6 +160,8 @@ class SimExecutor(Executor):
             self._decoding.discard(request_id)
             self._targets.pop((request_id, self._num_sampled.pop(request_id, 0)), None)
             self._prompt_len.pop(request_id, None)
+        for request_id, handle in scheduled.dropped_handles:  # rolled-back speculation
+            self._handles.drop(request_id, handle)
         for new in scheduled.new_requests:
             self._num_sampled[new.request_id] = 0
             self._prompt_len[new.request_id] = new.prompt_len

@@ -525,6 +525,8 @@ class Scheduler:
                     assert covered <= keep * block_size, f"{request.request_id} kept blocks"
                 positions = [p.position for p in spec.positions]
                 assert positions == list(range(positions[0], positions[0] + len(positions)))
+                # At most K positions on unconfirmed tokens: K + 1 rows fit every call.
+                assert spec.num_unverified <= self.speculative_tokens
                 continue
             assert (depth is not None) == decoding, f"{request.request_id}: token in flight?"
             if depth is not None:

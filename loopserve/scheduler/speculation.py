@@ -169,6 +169,8 @@ class Speculation:
                     self.roll_back(at + 1)
                 if sampled.token_id in stop_token_ids or pos.position + 1 > max_position:
                     continue  # nothing after it, if it is final
+                if not pos.verified and self.num_unverified >= self.num_tokens:
+                    continue  # its next position starts when it becomes final (`_emit`)
                 verified = pos.verified
                 drafted = False
             else:  # a draft of the next token
@@ -192,7 +194,7 @@ class Speculation:
                     drafted,
                 )
             )
-        return self._emit(stats)
+        return self._emit(stats, exit_of, new_handle, max_position, stop_token_ids)
 
     def roll_back(self, start: int) -> None:
         """Drop the positions from index `start` on (their handles go to `dropped`)."""
@@ -201,18 +203,27 @@ class Speculation:
         if start > 0:
             self.positions[start - 1].child = False
 
-    def _emit(self, stats: SpecStats) -> list[tuple[SampledToken, int]]:
-        """Pop the verified positions that exited, in order; their children become verified."""
+    def _emit(
+        self, stats: SpecStats, exit_of, new_handle, max_position: int, stop_token_ids
+    ) -> list[tuple[SampledToken, int]]:
+        """Pop the verified positions that exited, in order; their children become verified
+        (a position whose next one was held back by the K bound starts it now)."""
         emitted = []
         while self.positions and self.positions[0].out is not None:
             pos = self.positions.pop(0)
             assert pos.verified, "the oldest position in flight runs on a final token"
-            emitted.append((pos.out, pos.loops))
+            out = pos.out
+            emitted.append((out, pos.loops))
             if self.positions:
                 child = self.positions[0]
                 if not child.verified:
                     child.verified = True
                     stats.accepted += child.drafted
+            elif out.token_id not in stop_token_ids and pos.position + 1 <= max_position:
+                nxt = pos.position + 1
+                self.positions.append(
+                    SpecPosition(nxt, out.token_id, True, exit_of(nxt), new_handle(), False)
+                )
         # Unverified children of verified positions are verified only by their parent's exit.
         return emitted
 

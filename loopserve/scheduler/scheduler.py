@@ -282,7 +282,7 @@ class Scheduler:
         return exit_of
 
     def _start_spec(self, request: Request) -> None:
-        spec = Speculation(self.speculative_tokens, self.draft_loops, self.exit_mode)
+        spec = Speculation(self.speculative_tokens, self.draft_loops)
         spec.start(
             request.next_position,
             request.output_token_ids[-1],

@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loopserve.contracts import ItemKind, ItemResult, SampledToken, WorkItem
-from loopserve.exit import ExitMode
 from loopserve.exit.policies import TokenExit
 
 
@@ -70,7 +69,6 @@ class SpecStats:
 class Speculation:
     num_tokens: int  # K: unverified positions in flight at most
     draft_loops: int  # d
-    exit_mode: ExitMode
     positions: list[SpecPosition] = field(default_factory=list)
     # Handles of positions rolled back since the scheduler last collected them: the
     # executor drops their state (`SchedulerOutput.dropped_handles`).

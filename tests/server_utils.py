@@ -117,3 +117,25 @@ def wait_all_blocks_free(base_url: str, timeout_s: float = 15.0) -> dict[str, fl
         if time.monotonic() > deadline_s:
             raise AssertionError(f"KV blocks still held after {timeout_s} s: {values}")
         time.sleep(0.05)
+
+
+def in_process_calls(engine, model_name: str, calls):
+    """Serve `engine` in-process (its `AsyncLLM` behind the OpenAI app, over an ASGI
+    transport) and return `await calls(client)`, an httpx client at "http://t"."""
+    import asyncio
+
+    from loopserve.engine.async_llm import AsyncLLM
+    from loopserve.server.api_server import build_app
+
+    async def main():
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        assert await async_llm.wait_ready(timeout_s=30)
+        transport = httpx.ASGITransport(app=build_app(async_llm, model_name))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                return await calls(client)
+        finally:
+            await async_llm.shutdown(1.0)
+
+    return asyncio.run(main())

@@ -12,11 +12,9 @@ import re
 from tests.optional import require
 
 require("serve", "structured")
-import httpx
 
-from loopserve.engine.async_llm import AsyncLLM
 from loopserve.engine.llm_engine import LLMEngine
-from loopserve.server.api_server import build_app
+from tests.server_utils import in_process_calls
 from tests.test_structured_output import SCHEMA
 
 MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
@@ -25,20 +23,12 @@ MESSAGES = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
 def _post_all(tiny_tok_dir, posts):
     engine = LLMEngine.from_engine_args(model=str(tiny_tok_dir), dtype="float32", num_blocks=64)
 
-    async def main():
-        async_llm = AsyncLLM(engine)
-        async_llm.start()
-        assert await async_llm.wait_ready(timeout_s=30)
-        transport = httpx.ASGITransport(app=build_app(async_llm, "tiny"))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-                return await asyncio.gather(
-                    *(client.post(path, json=body, timeout=60) for path, body in posts)
-                )
-        finally:
-            await async_llm.shutdown(1.0)
+    async def calls(client):
+        return await asyncio.gather(
+            *(client.post(path, json=body, timeout=60) for path, body in posts)
+        )
 
-    return asyncio.run(main())
+    return in_process_calls(engine, "tiny", calls)
 
 
 def test_response_format_and_guided_fields_constrain_the_output(tiny_tok_dir):

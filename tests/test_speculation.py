@@ -347,14 +347,8 @@ def test_server_streams_speculative_and_plain_requests_alike(tmp_path):
     """One server, the extension field switching speculation per request: a streamed
     speculative completion equals the plain one, and /metrics counts the drafts."""
     pytest.importorskip("httpx")
-    import asyncio
-
-    import httpx
-
-    from loopserve.engine.async_llm import AsyncLLM
     from loopserve.engine.llm_engine import LLMEngine
-    from loopserve.server.api_server import build_app
-    from tests.server_utils import prometheus_values, sse_payloads
+    from tests.server_utils import in_process_calls, prometheus_values, sse_payloads
 
     engine = LLMEngine.from_engine_args(
         model=str(DEFAULT_MODEL_DIR), dtype="float32", speculative_tokens=3, draft_loops=1
@@ -366,22 +360,13 @@ def test_server_streams_speculative_and_plain_requests_alike(tmp_path):
         "temperature": 0,
     }
 
-    async def main():
-        async_llm = AsyncLLM(engine)
-        async_llm.start()
-        assert await async_llm.wait_ready(timeout_s=30)
-        transport = httpx.ASGITransport(app=build_app(async_llm, "m"))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-                plain = await client.post("/v1/completions", json={**body, "speculative": False})
-                streamed = await client.post("/v1/completions", json={**body, "stream": True})
-                bad = await client.post("/v1/completions", json={**body, "speculative": "yes"})
-                scraped = await client.get("/metrics")
-                return plain, streamed, bad, scraped
-        finally:
-            await async_llm.shutdown(1.0)
+    async def calls(client):
+        plain = await client.post("/v1/completions", json={**body, "speculative": False})
+        streamed = await client.post("/v1/completions", json={**body, "stream": True})
+        bad = await client.post("/v1/completions", json={**body, "speculative": "yes"})
+        return plain, streamed, bad, await client.get("/metrics")
 
-    plain, streamed, bad, scraped = asyncio.run(main())
+    plain, streamed, bad, scraped = in_process_calls(engine, "m", calls)
     assert plain.status_code == 200, plain.text
     chunks = [p for p in sse_payloads(streamed.text.splitlines()) if isinstance(p, dict)]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])

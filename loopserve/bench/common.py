@@ -72,12 +72,18 @@ def pyplot():
     return plt
 
 
+def write_json(result: object, path: str | os.PathLike) -> Path:
+    """Write a benchmark's JSON result (parent directories made); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return out
+
+
 def write_outputs(result: dict, args: argparse.Namespace, plot) -> None:
     """Write the JSON result and the figure `plot(result)` next to it."""
     result["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
-    out = Path(args.output_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_json(result, args.output_json)
     path = Path(args.figure) if args.figure else out.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig = plot(result)

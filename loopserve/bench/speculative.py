@@ -17,16 +17,14 @@ decoding's. `docs/speculative.md` records results.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from loopserve.bench.args import add_speculative_args as add_cli_args  # noqa: F401
-from loopserve.bench.common import machine_info
+from loopserve.bench.common import machine_info, write_json
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.models.tiny import DEFAULT_MODEL_DIR
@@ -217,8 +215,5 @@ def main_from_args(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
     print(format_report(result))
-    out = Path(args.output_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(result, args.output_json)}")
     return 0

@@ -16,7 +16,6 @@ It does not serve HTTP and does not judge targets; `docs/benchmarks.md` records 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from loopserve.bench.args import add_throughput_args as add_cli_args  # noqa: F401
-from loopserve.bench.common import machine_info, median_of
+from loopserve.bench.common import machine_info, median_of, write_json
 from loopserve.bench.throughput_report import (
     HostOverhead,
     RunResult,
@@ -288,8 +287,5 @@ def main_from_args(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads_before)
     print(format_report(result))
-    out = Path(args.output_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(result, args.output_json)}")
     return 0

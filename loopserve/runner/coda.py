@@ -256,8 +256,12 @@ class Coda:
         has_history = any(pair[2] is not None for pair in pairs)
         return _DecodeBatch(read, candidates, rows, pairs, has_history)
 
-    def drop(self, request_id: str) -> None:
-        """Forget a request's stored draft distributions (released or preempted)."""
+    def drop(self, request_id: str, handle: int | None = None) -> None:
+        """Forget a request's stored draft distributions (released or preempted), or only
+        that of `handle` (a rolled-back speculative position)."""
+        if handle is not None:
+            self.drafts.pop((request_id, handle), None)
+            return
         for key in [key for key in self.drafts if key[0] == request_id]:
             del self.drafts[key]
 

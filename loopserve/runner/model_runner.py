@@ -219,7 +219,7 @@ class ModelRunner(Executor):
         failures = set_up_each(scheduled.new_requests, self._install, self._drop_request, logger)
         for request_id, handle in scheduled.dropped_handles:  # rolled-back speculation
             self.inflight.drop(request_id, handle)
-            self.coda.drafts.pop((request_id, handle), None)
+            self.coda.drop(request_id, handle)
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
             self.moves.apply(transfer, self.decode_slots)
         for request_id in scheduled.preempted_request_ids:

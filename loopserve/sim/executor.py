@@ -317,28 +317,19 @@ class SimExecutor(Executor):
         tally.rows += count
         if count == 1 and self.cascade:
             tally.singles.append((request_id, item.depth, start))
-        if item.kind is SPEC:  # a speculative decode position, one loop
+        if item.kind in (REPLAY, SPEC):  # one decode position, one loop
             tally.has_decode = True
             tally.kv_read += start + 1
             tally.pairs += start + 1
-            result = self._spec_result(item)
+            if item.kind is SPEC:  # a speculative position: its own exit, drafts
+                result = self._spec_result(item)
+            else:  # recompute: a known token through its recorded loops
+                result = ItemResult(request_id, handle, (), bool(item.exit_now))
             if self.rules.finalizes(item.depth, result.exited):
                 tally.finalize += self.num_loops - 1 - item.depth
             if result.sampled is not None:  # its lm_head (and coda layers at an exit)
                 self._coda.add(1, int(result.exited), start + 1, start + 1)
-            if self.rules.releases_handle(item, result.exited, False):
-                self._handles.drop(request_id, handle)
-            elif item.needs_prelude:
-                self._handles.keep(request_id, handle, None)
-            return result, int(result.exited)
-        if item.kind is REPLAY:  # recompute: a known token through its recorded loops
-            tally.has_decode = True
-            tally.kv_read += start + 1
-            tally.pairs += start + 1
-            result = ItemResult(request_id, handle, (), bool(item.exit_now))
-            if self.rules.finalizes(item.depth, result.exited):
-                tally.finalize += self.num_loops - 1 - item.depth
-            if result.exited:  # the known token's coda layers (their K/V), no lm_head
+            elif result.exited:  # a replayed token's coda layers (their K/V), no lm_head
                 self._coda.add(0, 1, start + 1, start + 1)
         else:
             tally.has_prompt = True
@@ -354,6 +345,8 @@ class SimExecutor(Executor):
             self._handles.drop(request_id, handle)  # (kept unless it started this step)
         elif item.needs_prelude:
             self._handles.keep(request_id, handle, None)
+        if item.kind is SPEC:  # its tokens are counted as the scheduler emits them
+            return result, int(result.exited)
         if result.sampled is None:
             return result, 0
         self._coda.head_rows += 1  # the sampled position's lm_head

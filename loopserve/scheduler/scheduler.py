@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -27,13 +27,11 @@ from loopserve.contracts import (
     ItemKind,
     KVHandle,
     RunnerOutput,
-    SampleSpec,
     SchedulerOutput,
     WorkItem,
 )
 from loopserve.errors import CapacityError, InvalidRequestError
 from loopserve.exit import ExitMode
-from loopserve.exit.policies import TokenExit
 from loopserve.scheduler.admission import Admission, MemoryStats, admission_key
 from loopserve.scheduler.ahead import AheadPlanner
 from loopserve.scheduler.decode_table import DecodeTable
@@ -46,7 +44,6 @@ from loopserve.scheduler.policies import (
     PromptPolicy,
     RefillPolicy,
 )
-from loopserve.scheduler.preemption import pick_victim
 from loopserve.scheduler.queues import Queues, StepOutbox
 from loopserve.scheduler.request import (
     FinishReason,
@@ -55,7 +52,7 @@ from loopserve.scheduler.request import (
     RequestState,
     RequestStatus,
 )
-from loopserve.scheduler.speculation import SpecStats, Speculation
+from loopserve.scheduler.speculator import Speculator, speculates
 
 
 class Scheduler:
@@ -80,12 +77,7 @@ class Scheduler:
         self.prompt_policy: PromptPolicy = PROMPT_POLICIES[sched.prefill_mode](
             chunk_size, num_loops, self._handle, fill=sched.fill_prompt_chunks
         )
-        # Self-speculative decoding (scheduler/speculation.py): drafted positions in flight per
-        # request (0: off) and the loops after which a draft is sampled.
-        self.speculative_tokens = sched.speculative_tokens
         self.step_tokens = self.step_loops = 0  # appended by the last `update`
-        self.spec_stats = SpecStats()  # every request's draft statistics, summed
-        self.draft_loops = sched.draft_loops
         self.queues = Queues()
         self.requests, self.waiting, self.running = (
             self.queues.requests,
@@ -119,6 +111,17 @@ class Scheduler:
             num_running=lambda: len(self.running),
             speculative_max_seqs=sched.speculative_max_seqs,
         )
+        # Self-speculative decoding (scheduler/speculator.py); K = 0: off.
+        self.speculator = Speculator(
+            num_tokens=sched.speculative_tokens,
+            draft_loops=sched.draft_loops,
+            exit_mode=self.exit_mode,
+            kv=kv,
+            queues=self.queues,
+            admission=self.admission,
+            outbox=self.outbox,
+            new_handle=self._handle,
+        )
         self.ahead = AheadPlanner(
             exit_mode=self.exit_mode,
             queues=self.queues,
@@ -148,7 +151,7 @@ class Scheduler:
                 "shorten the prompt or max_tokens, or raise num_blocks",
                 param="max_tokens",
             )
-        request.speculative = self.speculative_tokens > 0 and speculates(request)
+        request.speculative = self.speculator.num_tokens > 0 and speculates(request)
         self.requests[request.request_id] = request
         # Kept sorted on insertion: admission order is (priority, arrival).
         bisect.insort(self.waiting, request, key=admission_key)
@@ -241,8 +244,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.admission.admit()
         self.admission.grow_running()
-        if self.speculative_tokens:
-            self._grow_spec()
+        if self.speculator.num_tokens:
+            self.speculator.grow()
         prompt_requests: list[Request] = []
         replay_requests: list[Request] = []
         spec_requests: list[Request] = []
@@ -266,91 +269,15 @@ class Scheduler:
         """The request's next token (its last output, fed back) starts at loop 0: a decode row
         of the table, or a fresh speculative pipeline."""
         if request.speculative:
-            self._start_spec(request)
+            self.speculator.start(request)
         else:
             self.decode.start_token(request)
-
-    def _token_exit(self, request: Request) -> Callable[[int], TokenExit]:
-        """The exit state machine of the request's token at a decode position."""
-        offset = request.num_prompt_tokens - 1
-
-        def exit_of(position: int) -> TokenExit:
-            return TokenExit(
-                self.exit_mode, request.exit_rule, request.trace_loops(position - offset)
-            )
-
-        return exit_of
-
-    def _start_spec(self, request: Request) -> None:
-        spec = Speculation(self.speculative_tokens, self.draft_loops)
-        spec.start(
-            request.next_position,
-            request.output_token_ids[-1],
-            self._token_exit(request),
-            self._handle(),
-        )
-        request.spec = spec
-
-    def _grow_spec(self) -> None:
-        """K/V for every position in flight of each speculating request, oldest request first
-        (a request swapped in or handed off starts its pipeline here): drafted positions are
-        dropped rather than preempt anyone; the verified one grows like a decode token
-        (preempting when the pool runs dry)."""
-        kv = self.kv
-        decoding = [
-            r for r in self.running if r.speculative and r.replay is None and not r.in_prompt_phase
-        ]
-        for request in decoding:
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted while an older request grew
-            if request.spec is None:  # swapped in, or handed off: restart at loop 0
-                self._start_spec(request)
-            spec = request.spec
-            assert spec is not None
-            request_id = request.request_id
-            if not kv.grow(request_id, spec.max_position + 1):
-                spec.roll_back(1)  # the drafts
-                self._collect_dropped(request)
-                while not kv.grow(request_id, spec.max_position + 1):
-                    victim = pick_victim(self.running)
-                    self.admission.preempt(victim)
-                    if victim is request:
-                        break
-            if request.status is RequestStatus.RUNNING and not self.admission.full_reservation:
-                kv.shrink(request_id, spec.max_position + 1)
-
-    def _collect_dropped(self, request: Request) -> None:
-        """Hand the handles of the request's rolled-back positions to the executor."""
-        spec = request.spec
-        if spec is not None and spec.dropped:
-            rid = request.request_id
-            self.outbox.dropped_handles.extend((rid, handle) for handle in spec.dropped)
-            spec.dropped.clear()
 
     def _apply_spec(
         self, request: Request, results: list, now: float, touched: list[Request]
     ) -> None:
-        spec = request.spec
-        if spec is None:
-            return  # preempted since
-        mine = request.spec_stats
-        before = (mine.drafted, mine.accepted, mine.rejected, mine.redrafted)
-        emitted = spec.apply(
-            results,
-            exit_of=self._token_exit(request),
-            new_handle=self._handle,
-            max_position=request.max_positions - 1,
-            stop_token_ids=request.stop_token_ids,
-            stats=mine,
-        )
-        total = self.spec_stats
-        total.drafted += mine.drafted - before[0]
-        total.accepted += mine.accepted - before[1]
-        total.rejected += mine.rejected - before[2]
-        total.redrafted += mine.redrafted - before[3]
-        self._collect_dropped(request)
-        if not self.admission.full_reservation:  # rolled-back positions' blocks go back now
-            self.kv.shrink(request.request_id, spec.max_position + 1)
+        """Append the tokens a speculating request's positions made final this step."""
+        emitted = self.speculator.apply(request, results)
         if not emitted:
             return
         touched.append(request)
@@ -361,7 +288,7 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
                 return
-        assert spec.positions, f"{request.request_id}: speculation ran dry before it finished"
+        assert request.spec is not None and request.spec.positions, "speculation ran dry"
 
     # ---- applying results -----------------------------------------------------------------
 
@@ -511,22 +438,8 @@ class Scheduler:
             depth = self.decode.depth_of(request.request_id)
             decoding = request.replay is None and not request.in_prompt_phase
             if request.speculative and decoding:
-                spec = request.spec
-                assert depth is None and spec is not None and spec.positions
-                assert spec.positions[0].verified and spec.positions[0].out is None
-                # Positions that ran a loop have their slot (new ones get it when scheduled).
-                ran = [p.position for p in spec.positions if p.exit.depth > 0]
-                assert covered >= max(ran, default=-1) + 1, f"{request.request_id} lacks KV"
-                if not self.admission.full_reservation:  # no block beyond those in flight
-                    keep = max(
-                        self.kv.blocks_per_plane(spec.max_position + 1),
-                        self.kv.num_cached_pages[request.request_id],
-                    )
-                    assert covered <= keep * block_size, f"{request.request_id} kept blocks"
-                positions = [p.position for p in spec.positions]
-                assert positions == list(range(positions[0], positions[0] + len(positions)))
-                # At most K positions on unconfirmed tokens: K + 1 rows fit every call.
-                assert spec.num_unverified <= self.speculative_tokens
+                assert depth is None
+                self.speculator.check(request, covered)
                 continue
             assert (depth is not None) == decoding, f"{request.request_id}: token in flight?"
             if depth is not None:
@@ -557,12 +470,3 @@ class Scheduler:
     def complete_ahead(self, request_ids: list[str]) -> SchedulerOutput | None:
         """See `AheadPlanner.complete_ahead`."""
         return self.ahead.complete_ahead(request_ids)
-
-
-def speculates(request: Request) -> bool:
-    """Whether a request may decode speculatively: it asked for it (`SamplingParams.speculative`)
-    and its sampling reads nothing but its logits (no penalties, bias, min_tokens, grammar or
-    log-probabilities: a draft would have to read tokens that are not final yet)."""
-    params = request.params
-    spec = SampleSpec.of(params, request.stop_token_ids)
-    return params.speculative and not spec.adjusts_logits and params.logprobs is None

@@ -17,6 +17,8 @@ from loopserve.errors import ConfigError
 from loopserve.models.huginn_dense import generate, teacher_forced_logits
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sampling_params import SamplingParams
+from loopserve.sim.cost_model import ModelShape
+from loopserve.sim.simulator import kv_bytes_per_block
 from tests.engine_utils import make_engine, run_steps
 
 PROMPT_ARMS = {
@@ -150,6 +152,36 @@ def test_seeded_sampling_is_reproducible(huginn_dir):
     first, again = run(), run()
     assert first == again
     assert first["s0"][0] != first["s1"][0]  # other seed, other tokens
+
+
+def test_more_once_layers_than_core_layers_fill_several_once_planes(tmp_path):
+    """2 prelude + 1 coda layers beside 2 core layers: every plane has the core's 2 layers,
+    so the once-per-position K/V takes ceil(3 / 2) = 2 planes (the second half full), the
+    sizing the simulator plans with; outputs equal the dense reference under preemption."""
+    model_dir = make_tiny_huginn_checkpoint(
+        tmp_path / "wide", n_layers_in_recurrent_block=2, n_layers_in_coda=1
+    )
+    engine = make_engine(model_dir, exit_criterion="kl", num_blocks=10 * 8, block_size=4,
+                         enable_prefix_caching=False, prefill_chunk_size=5,
+                         prefill_mode="wavefront")  # fmt: skip
+    config = engine.model.config
+    assert config.extra_kv_planes == 2 and engine.kv.num_planes == 8 + 2
+    assert engine.runner.kv_cache.shape[0] == 2  # layers per plane: the core's
+    shape = ModelShape.from_config(config, dtype_bytes=4)
+    assert shape.extra_kv_planes == config.extra_kv_planes
+    assert engine.kv.bytes_per_block == kv_bytes_per_block(shape, 4)
+    rng = random.Random(8)
+    work = [
+        (f"w{i}", [rng.randrange(128) for _ in range(9)],
+         SamplingParams(max_tokens=10, temperature=0.0, exit_threshold=rng.choice([0.01, 0.1]),
+                        ignore_eos=True), i)
+        for i in range(4)
+    ]  # fmt: skip
+    finished = run_steps(engine, work)
+    assert engine.scheduler.memory_stats.num_preemptions > 0
+    steps = assert_matches_reference(engine, work, finished, "kl")
+    assert min(steps) < 8
+    assert_released(engine)
 
 
 SHARED_CASES = [("latent-diff", "no_refill", "per_depth"), ("entropy-diff", "refill", "atomic")]

@@ -118,7 +118,7 @@ class LLMEngine:
             self.config,
             num_loops=self.num_loops,
             bytes_per_block=bytes_per_block,
-            extra_planes=family.extra_kv_planes,
+            extra_planes=self.model.config.extra_kv_planes,
             prefix_key_by_max_loops=family.prefix_keyed_by_max_loops,
             score_store=family.score_store,
             make_executor=lambda kv: (

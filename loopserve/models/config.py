@@ -22,6 +22,21 @@ def write_config_json(directory: str | os.PathLike, raw: dict) -> None:
     Path(directory, "config.json").write_text(json.dumps(raw, indent=2) + "\n")
 
 
+def once_kv_planes(once_layers: int, layers_per_plane: int) -> int:
+    """Planes a request holds beyond its step planes for the layers that keep one K/V entry
+    per position (a prelude's and coda's attention layers): every plane has the core's
+    `layers_per_plane` layers, so `once_layers` of them fill ceil(once / core) planes, the
+    last partly. The one formula the engine (cache tensor, KV manager) and the simulator
+    (memory plan) size K/V by; `once_layer_slot` maps a layer onto it."""
+    return -(-once_layers // layers_per_plane) if once_layers else 0
+
+
+def once_layer_slot(once_index: int, layers_per_plane: int) -> tuple[int, int]:
+    """(plane offset among the once planes, layer within the plane) of the `once_index`-th
+    once-per-position layer (prelude layers first, then coda layers)."""
+    return divmod(once_index, layers_per_plane)
+
+
 def eos_token_ids(raw: dict) -> tuple[int, ...]:
     """`eos_token_id` of a config as a tuple (absent, one id or a list)."""
     eos = raw.get("eos_token_id")
@@ -77,6 +92,11 @@ class OuroConfig:
     def kv_bytes_per_block(self, block_size: int, element_size: int) -> int:
         """Bytes of one KV block of one plane: `block_size` positions of every layer's K and V."""
         return self.kv_elements_per_token_per_depth * block_size * element_size
+
+    @property
+    def extra_kv_planes(self) -> int:
+        """Planes beyond the layout's: none (Ouro's prelude and coda have no attention)."""
+        return 0
 
     @classmethod
     def from_dict(cls, raw: dict) -> OuroConfig:

@@ -31,7 +31,12 @@ from torch import nn
 
 from loopserve.errors import ModelLoadError
 from loopserve.models.attention import AttentionBackend
-from loopserve.models.config import eos_token_ids, read_config_json, write_config_json
+from loopserve.models.config import (
+    eos_token_ids,
+    once_kv_planes,
+    read_config_json,
+    write_config_json,
+)
 
 HUGINN_MODEL_TYPE = "huginn_raven"
 
@@ -130,10 +135,17 @@ class HuginnConfig:
     def init_std(self) -> float:
         return math.sqrt(2 / (5 * self.n_embd))
 
+    @property
+    def extra_kv_planes(self) -> int:
+        """Planes every request holds beyond the layout's step planes: the prelude's and
+        coda's K/V, one entry per position, in planes of the core's layer count
+        (`once_kv_planes`; one for Huginn-0125's 2 + 2 layers beside its 4 core layers)."""
+        return once_kv_planes(self.num_once_layers, self.num_core_layers)
+
     def kv_bytes_per_block(self, block_size: int, element_size: int) -> int:
-        """Bytes of one K/V block of one plane. Every plane has max(core, prelude + coda)
-        layers: the step planes use the core layers, the once plane the others."""
-        layers = max(self.num_core_layers, self.num_once_layers)
+        """Bytes of one K/V block of one plane: every plane has the core's layers (a step
+        plane holds one step of them; the once planes hold the prelude and coda layers)."""
+        layers = self.num_core_layers
         return 2 * layers * self.num_key_value_heads * self.head_dim * block_size * element_size
 
     def kv_elements_per_token(self, planes: int) -> int:

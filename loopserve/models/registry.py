@@ -31,11 +31,10 @@ class ModelFamily:
     engine: bool  # the batched engine serves it
     handoff: bool  # its requests can be handed off between engines (PD disaggregation)
     runs_on: str  # where it runs today, for error messages and docs
-    # What its K/V needs from the KV manager: planes per request beyond the layout's (the
-    # prelude's and coda's once-per-position K/V), prompt pages keyed by the request's loop
-    # bound (its prompt K/V depends on it), and whether its executor keeps a score store
-    # (prompt rows' outputs for cached pages).
-    extra_kv_planes: int = 0
+    # What its K/V needs from the KV manager besides the planes its config asks for
+    # (`config.extra_kv_planes`, the prelude's and coda's once-per-position K/V): prompt pages
+    # keyed by the request's loop bound (its prompt K/V depends on it), and whether its
+    # executor keeps a score store (prompt rows' outputs for cached pages).
     prefix_keyed_by_max_loops: bool = False
     score_store: bool = True
 
@@ -62,7 +61,6 @@ HUGINN = ModelFamily(
     ignored_tensors=("freqs_cis",),
     engine=True,
     handoff=False,
-    extra_kv_planes=1,
     prefix_keyed_by_max_loops=True,
     score_store=False,
     runs_on="the engine on CPU (eager; runner/huginn_runner.py), the dense "

@@ -13,7 +13,6 @@ import torch
 from loopserve.contracts import DecodeResults, SampledToken
 from loopserve.exit.columns import GATE, decide_exits
 from loopserve.exit.criteria import ExitCriterion
-from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.huginn_parts import DecodeToken
 
 
@@ -117,7 +116,7 @@ class DecodeExits:
 
 
 class PromptExits:
-    """Inputs: a fresh criterion, the requests' r (`max_loops`), the once plane's index, the
+    """Inputs: a fresh criterion, the requests' r (`max_loops`), the
     coda, the finalize copies and the steps record. Per step: `begin`, `start` a prompt's
     criterion from its initial state, `check` after each call; `exited` maps an item to its
     (loops used, logits)."""
@@ -127,12 +126,11 @@ class PromptExits:
         *,
         criterion: Callable[[], ExitCriterion],
         max_loops: dict,
-        once_plane: int,
         coda: Callable,
         finalize: Callable,
         ran: Callable,
     ) -> None:
-        self.criterion, self.max_loops, self.once_plane = criterion, max_loops, once_plane
+        self.criterion, self.max_loops = criterion, max_loops
         self.coda, self.finalize, self.ran = coda, finalize, ran
         self.rules: dict[int, ExitCriterion] = {}
         self.exited: dict[int, tuple[int, torch.Tensor]] = {}
@@ -159,7 +157,7 @@ class PromptExits:
             assert item.exit_rule is not None and item.token_start == 0
             r = self.max_loops[request_id]
             positions = list(range(item.token_start, item.token_start + item.token_count))
-            segment = [RowSegment(tables[request_id][self.once_plane], 0, item.token_count)]
+            segment = [(tables[request_id], 0, item.token_count)]
             exits, logits = loop == r - 1, None
             checks = item.exit_rule.threshold < 1.0 and loop + 1 >= item.exit_rule.min_loops
             if checks and loop < r - 1:

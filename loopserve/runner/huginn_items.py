@@ -12,7 +12,6 @@ import torch
 from loopserve.contracts import ItemKind, ItemResult
 from loopserve.execution import StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
-from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.huginn_exits import PromptExits
 from loopserve.runner.huginn_parts import score_prompt_rows
@@ -20,7 +19,7 @@ from loopserve.runner.transfers import Transfers
 
 
 class PromptItems:
-    """Inputs: the handle table of paused work, the step rules, the once plane's index, the
+    """Inputs: the handle table of paused work, the step rules, the
     requests' r, the prompt exits, the coda, the finalize copies, the sampler, the steps
     record and the transfer counter."""
 
@@ -29,7 +28,6 @@ class PromptItems:
         *,
         inflight: HandleTable,
         rules: StepRules,
-        once_plane: int,
         max_loops: dict,
         prompts: PromptExits,
         coda: Callable,
@@ -38,7 +36,7 @@ class PromptItems:
         ran: Callable,
         transfers: Transfers,
     ) -> None:
-        self.inflight, self.rules, self.once_plane = inflight, rules, once_plane
+        self.inflight, self.rules = inflight, rules
         self.max_loops, self.prompts, self.coda = max_loops, prompts, coda
         self.finalize, self.sample, self.ran, self.transfers = finalize, sample, ran, transfers
         self.num_loops = rules.num_loops
@@ -52,9 +50,8 @@ class PromptItems:
             exited_items[i] = True
             self.ran(items[i].request_id, [items[i].token_start], items[i].depth + k + 1)
         state = torch.cat([states[i][0] for i in done])
-        segments = [RowSegment(tables[items[i].request_id][self.once_plane],
-                               items[i].token_start, 1) for i in done]  # fmt: skip
-        self.coda(state, segments, [items[i].token_start for i in done])
+        spans = [(tables[items[i].request_id], items[i].token_start, 1) for i in done]
+        self.coda(state, spans, [items[i].token_start for i in done])
         return self.finalize(
             [(tables[items[i].request_id], items[i].token_start, items[i].depth + k)
              for i in done]
@@ -94,10 +91,9 @@ class PromptItems:
                     ExitMode.OURO, item.exit_rule, [0.0] * self.num_loops, item.trace_loops
                 )
                 assert loops == self.max_loops[item.request_id], "a first token uses r loops"
-            table = tables[item.request_id][self.once_plane]
             logits = self.coda(
                 state,
-                [RowSegment(table, item.token_start, item.token_count)],
+                [(tables[item.request_id], item.token_start, item.token_count)],
                 list(range(item.token_start, item.token_start + item.token_count)),
             )
             scores = score_prompt_rows(

@@ -1,5 +1,5 @@
 """Pieces of the Huginn executor (`runner/huginn_runner.py`): its start-up checks, the
-attention router between step planes and the once plane, the per-request state it keeps
+attention router between step planes and the once planes, the per-request state it keeps
 (a decode token in flight, the random initial states) and prompt scoring."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import torch
 
 from loopserve.contracts import ItemKind, SampledToken, WorkItem
 from loopserve.errors import ConfigError
+from loopserve.models.config import once_layer_slot
+from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.transfers import Transfers
 
@@ -44,19 +46,38 @@ def check_huginn_config(config) -> None:
 
 class LayerRouter:
     """The attention backend a Huginn call hands the model: core layers go to the rows'
-    step planes, prelude and coda layers to their once plane."""
+    step planes, prelude and coda layers to their once planes (`once`: one prepared call
+    per once plane; the i-th prelude-or-coda layer is layer i % L of once plane i // L,
+    where L is the core's layer count, `once_layer_slot`)."""
 
-    def __init__(self, groups: dict[str, range], core=None, once=None) -> None:
+    def __init__(self, groups: dict[str, range], core=None, once=()) -> None:
         self.core, self.once = core, once
         self.core_start = groups["core"].start
         self.core_layers = groups["core"]
         prelude, coda = groups["prelude"], groups["coda"]
-        self.once_index = {layer: i for i, layer in enumerate([*prelude, *coda])}
+        per_plane = len(self.core_layers)
+        self.once_slot = {
+            layer: once_layer_slot(i, per_plane) for i, layer in enumerate([*prelude, *coda])
+        }
 
     def attend(self, layer_idx: int, query, key, value):
         if layer_idx in self.core_layers:
             return self.core.attend(layer_idx - self.core_start, query, key, value)
-        return self.once.attend(self.once_index[layer_idx], query, key, value)
+        plane, layer = self.once_slot[layer_idx]
+        return self.once[plane].attend(layer, query, key, value)
+
+
+OnceSpan = tuple  # (a request's block tables, first position, count): rows of a prelude/coda
+
+
+def prepare_once(attention, planes: range, spans) -> list:
+    """One prepared attention call per once plane over `spans` (`OnceSpan`s)."""
+    return [
+        attention.prepare(
+            [RowSegment(tables[plane], start, count) for tables, start, count in spans]
+        )
+        for plane in planes
+    ]
 
 
 class DecodeToken:

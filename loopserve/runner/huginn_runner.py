@@ -5,7 +5,7 @@ It executes the same `SchedulerOutput` as `ModelRunner` (decode rows as columns,
 replay items, refill and no_refill, every prompt arm) with eager calls on a paged attention
 backend (torch, or the Triton kernels on CUDA); rows of different requests at different
 recurrence steps share each core call. Every request holds the layout's step planes plus
-the *once plane* (the last of its block tables) for the prelude's and coda's K/V, one entry
+the *once planes* (the last of its block tables) for the prelude's and coda's K/V, one entry
 per position; `LayerRouter` sends each layer to its plane. A row carries its state and `e`,
 the prelude output every step injects. Exits are the request's criterion reported as a 0/1
 hazard on the loops the scheduler plans as GATE (`DecodeExits`); prompts run at full depth
@@ -36,10 +36,7 @@ from loopserve.runner.attention.base import RowSegment, finalize_slots
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.huginn_exits import DecodeExits, PromptExits
 from loopserve.runner.huginn_items import PromptItems
-from loopserve.runner.huginn_parts import (
-    LayerRouter,
-    refused_items,
-)
+from loopserve.runner.huginn_parts import LayerRouter, prepare_once, refused_items
 from loopserve.runner.huginn_requests import HuginnRequests
 from loopserve.runner.swap import SwapSpace
 from loopserve.runner.transfers import Transfers
@@ -71,18 +68,26 @@ class HuginnRunner(Executor):
         self.num_loops = model.num_loops
         self.block_size = block_size
         self.rules = StepRules.of(layout, self.num_loops)
-        self.once_plane = self.rules.num_planes  # the extra plane after the step planes
+        # The once planes (prelude and coda K/V) follow the step planes in every request's
+        # block tables; every plane has the core's layers (`HuginnConfig.extra_kv_planes`).
+        first_once = self.rules.num_planes
+        self.once_planes = range(first_once, first_once + config.extra_kv_planes)
         self.groups = config.layer_groups
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
-        layers = max(config.num_core_layers, config.num_once_layers)
         self.kv_cache = torch.zeros(
-            (layers, 2, num_blocks * block_size, config.num_key_value_heads, config.head_dim),
+            (
+                config.num_core_layers,
+                2,
+                num_blocks * block_size,
+                config.num_key_value_heads,
+                config.head_dim,
+            ),
             dtype=self.dtype,
             device=self.device,
         )
         self.transfers = Transfers(self.device)
-        # Swap preemption: blocks of every plane (the once plane too) go to host memory; the
+        # Swap preemption: blocks of every plane (the once planes too) go to host memory; the
         # request's paused work waits here, on the device, until it swaps back in.
         self.swap = SwapSpace(self.kv_cache, num_host_blocks, block_size)
         self.attention = make_attention_backend(
@@ -117,12 +122,10 @@ class HuginnRunner(Executor):
             num_loops=self.num_loops, device=self.device,
         )  # fmt: skip
         self.prompts = PromptExits(
-            criterion=self._criterion, max_loops=self.max_loops, once_plane=self.once_plane,
-            coda=self._coda, finalize=self._finalize, ran=self.requests.ran,
+            criterion=self._criterion, max_loops=self.max_loops, coda=self._coda, finalize=self._finalize, ran=self.requests.ran,
         )  # fmt: skip
         self.items = PromptItems(
-            inflight=self.inflight, rules=self.rules, once_plane=self.once_plane,
-            max_loops=self.max_loops, prompts=self.prompts, coda=self._coda,
+            inflight=self.inflight, rules=self.rules, max_loops=self.max_loops, prompts=self.prompts, coda=self._coda,
             finalize=self._finalize, sample=self.requests.sample, ran=self.requests.ran,
             transfers=self.transfers,
         )  # fmt: skip
@@ -310,8 +313,8 @@ class HuginnRunner(Executor):
         """Prelude of the rows that start a token or a prompt chunk: their `e` and initial
         state (zeros, or the request's random draws with `init_scale` > 0), in order."""
         positions = [p for _, start, count in first for p in range(start, start + count)]
-        once = self.attention.prepare(
-            [RowSegment(tables[rid][self.once_plane], start, count) for rid, start, count in first]
+        once = prepare_once(
+            self.attention, self.once_planes, [(tables[rid], s, c) for rid, s, c in first]
         )
         ids = self.transfers.to_device(token_ids)
         pos = self.transfers.to_device(positions)
@@ -321,21 +324,19 @@ class HuginnRunner(Executor):
         rows = [self.requests.initial_rows(rid, start, count) for rid, start, count in first]
         return torch.cat(rows).to(device=e.device, dtype=e.dtype), e
 
-    def _coda(self, state, segments, positions):
-        once = self.attention.prepare(segments)
+    def _coda(self, state, spans, positions):
+        """The coda of `state` rows at `positions`; `spans`: their `OnceSpan`s, in order."""
+        once = prepare_once(self.attention, self.once_planes, spans)
         pos = self.transfers.to_device(positions)
         return self._timed(self.model.coda, state, pos, LayerRouter(self.groups, once=once))
 
     # ---- decode rows -------------------------------------------------------------------
 
     def _decode_coda(self, decode, rows, state_out, tables):
-        segments = [
-            RowSegment(tables[decode.request_ids[r]][self.once_plane], int(decode.positions[r]), 1)
-            for r in rows
-        ]
+        spans = [(tables[decode.request_ids[r]], int(decode.positions[r]), 1) for r in rows]
         positions = [int(decode.positions[r]) for r in rows]
         index = self.transfers.to_device(rows)
-        return self._coda(state_out.index_select(0, index), segments, positions)
+        return self._coda(state_out.index_select(0, index), spans, positions)
 
     def _finalize(self, exits) -> int:
         """LAST_EXITED copies of tokens exiting below full depth; returns how many tokens."""

@@ -33,11 +33,10 @@ This module is pure arithmetic: no tensors, no scheduler.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from loopserve.errors import ConfigError
-from loopserve.models.config import OuroConfig
+from loopserve.models.config import OuroConfig, once_kv_planes
 from loopserve.models.huginn import HuginnConfig
 from loopserve.sim.hardware import DeviceProfile
 
@@ -185,8 +184,9 @@ class ModelShape:
 
     @property
     def extra_kv_planes(self) -> int:
-        """Planes of `num_layers` layers each that hold the once-per-position K/V."""
-        return math.ceil(self.once_layers / self.num_layers)
+        """Planes of `num_layers` layers each that hold the once-per-position K/V: the
+        engine's formula (`once_kv_planes`), so both plan memory alike."""
+        return once_kv_planes(self.once_layers, self.num_layers)
 
     @property
     def core_weight_bytes(self) -> int:

@@ -133,6 +133,7 @@ class LLMEngine:
                     num_host_blocks=kv.host_pool.num_blocks,
                     attention_backend=self.config.attention_backend,
                     lookup=self.config.exit.lookup,
+                    batch_invariant=self.config.batch_invariant,
                     make_matcher=None if self.structured is None else self.structured.matcher,
                 )
                 if family is HUGINN

@@ -11,20 +11,25 @@ from loopserve.errors import ConfigError
 from loopserve.models.config import once_layer_slot
 from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.attention.registry import resolve_attention_backend
+from loopserve.runner.batch_invariant import make_batch_invariant
 from loopserve.runner.transfers import Transfers
 
 
 def check_huginn_config(config) -> None:
     """Start-up errors for the engine options the Huginn executor does not run (an
-    `EngineConfig`; CPU, eager, LAST_EXITED, recompute preemption, the `ouro` exit mode)."""
+    `EngineConfig`): graphs, other exit modes, async scheduling, speculation, and the option
+    pairs named below."""
     graph = config.graph_mode if not config.enforce_eager else "off"
     problems = []
     if graph not in ("off", "auto") or (graph == "auto" and config.device.startswith("cuda")):
         problems.append(f"graph_mode={config.graph_mode!r} (Huginn runs eagerly: graph_mode='off')")
     if config.exit.mode != "ouro":
         problems.append(f"exit_mode={config.exit.mode!r} (Huginn exits by its criterion: 'ouro')")
-    if config.batch_invariant:
-        problems.append("batch_invariant=True")
+    if config.batch_invariant and config.exit.lookup == "full":
+        problems.append(
+            "batch_invariant=True with kv_lookup='full' (row-invariant attention has no "
+            "per-step masks)"
+        )
     if config.async_scheduling:
         problems.append("async_scheduling=True")
     if config.scheduler.speculative_tokens:
@@ -42,6 +47,27 @@ def check_huginn_config(config) -> None:
             problems.append("prompt_exits=True with prefix caching (pass it off)")
     if problems:
         raise ConfigError("Huginn-0125 does not run with " + "; ".join(problems))
+
+
+def make_huginn_batch_invariant(model) -> None:
+    """Batch-invariant mode for a Huginn model, in place: its linears and SiLUs row by row
+    (`runner.batch_invariant.make_batch_invariant`), and its RoPE tables computed one row at
+    a time. The tables are a guard, not a measured fix: cos/sin over [rows, head_dim / 2] are
+    elementwise transcendental calls like SiLU, whose vector/scalar split moves with the row
+    count on some CPUs; on this project's AMD EPYC (AVX-512) host they measured row-invariant
+    at head_dim 8, 96 and 128. Everything else Huginn runs is row-invariant as it is (RMSNorm's
+    sqrt and division round exactly in either code; softmax and the criteria reduce per row),
+    which tests/test_huginn_batch_invariant.py checks bit for bit."""
+    make_batch_invariant(model)
+    tables = model.rope
+
+    def rope_row_by_row(positions: torch.Tensor):
+        if positions.shape[0] == 0:
+            return tables(positions)
+        rows = [tables(positions[i : i + 1]) for i in range(positions.shape[0])]
+        return torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])
+
+    model.rope = rope_row_by_row
 
 
 class LayerRouter:

@@ -36,7 +36,12 @@ from loopserve.runner.attention.base import RowSegment, finalize_slots
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.huginn_exits import DecodeExits, PromptExits
 from loopserve.runner.huginn_items import PromptItems
-from loopserve.runner.huginn_parts import LayerRouter, prepare_once, refused_items
+from loopserve.runner.huginn_parts import (
+    LayerRouter,
+    make_huginn_batch_invariant,
+    prepare_once,
+    refused_items,
+)
 from loopserve.runner.huginn_requests import HuginnRequests
 from loopserve.runner.swap import SwapSpace
 from loopserve.runner.transfers import Transfers
@@ -59,11 +64,16 @@ class HuginnRunner(Executor):
         num_host_blocks: int = 0,
         attention_backend: str = "torch",
         lookup: str = "last_exited",
+        batch_invariant: bool = False,
         make_matcher=None,
     ) -> None:
         """`attention_backend`: a name of `runner.attention.registry` (the Triton kernels on
-        CUDA; the same calls, eagerly, as for the torch path)."""
+        CUDA; the same calls, eagerly, as for the torch path). `batch_invariant`: the model
+        it is given runs row by row, in place (`make_huginn_batch_invariant`), and attention
+        is the row-invariant torch path."""
         config = model.config
+        if batch_invariant:
+            make_huginn_batch_invariant(model)
         self.model = model
         self.num_loops = model.num_loops
         self.block_size = block_size
@@ -93,6 +103,7 @@ class HuginnRunner(Executor):
         self.attention = make_attention_backend(
             attention_backend, self.kv_cache, block_size=block_size,
             scale=config.head_dim**-0.5, transfers=self.transfers,
+            batch_invariant=batch_invariant,
         )  # fmt: skip
         self.vocab_size = config.vocab_size
         self.criterion_name = criterion

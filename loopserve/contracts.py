@@ -109,6 +109,9 @@ class WorkItem(NamedTuple):
       runner resumes from the hidden state stored under `handle`.
     - Replay rows: `exit_now` says whether this is the token's last loop (its finalize copy
       follows); the gate fields are unused.
+    - Prompt items run `prompt_loops` loops in all (0: the model's D; a family whose prompt
+      K/V depends on the request's loop bound, Huginn, runs the request's r): their final
+      depth is `prompt_loops - 1`.
     - Prompt items with `first_token` hold the last prompt position: after the final depth the
       runner picks the first output token's loops with `exit_rule` over that row's loop
       outputs (or `trace_loops`), then samples it.
@@ -151,6 +154,7 @@ class WorkItem(NamedTuple):
     # row (sampling: the row's exit sample is the speculative-sampling accept/reject test).
     draft: bool = False
     verify_token: int = -1
+    prompt_loops: int = 0
 
     @property
     def last_depth(self) -> int:

@@ -91,10 +91,18 @@ class StepRules:
         K/V of that depth into every deeper plane (LAST_EXITED only)."""
         return exited and not self.shared and depth < self.num_loops - 1
 
+    def final_prompt_depth(self, item: WorkItem) -> int:
+        """The last depth a prompt item's positions run (D - 1, or its request's r - 1)."""
+        return (item.prompt_loops or self.num_loops) - 1
+
+    def completes_prompt(self, item: WorkItem) -> bool:
+        """A prompt item that runs its positions' final depth this step."""
+        return item.kind is ItemKind.PROMPT and item.last_depth == self.final_prompt_depth(item)
+
     def samples_first_token(self, item: WorkItem) -> bool:
         """The item is its request's last prompt chunk and reaches the last depth this step:
-        the first token's exit is chosen from the last position's D hazards and sampled."""
-        return item.first_token and item.last_depth == self.num_loops - 1
+        the first token's exit is chosen from the last position's hazards and sampled."""
+        return item.first_token and item.last_depth == self.final_prompt_depth(item)
 
     def releases_handle(self, item: WorkItem, exited: bool, sampled: bool) -> bool:
         """The item's work ends this step (its handle is released, not kept): a first token
@@ -104,7 +112,7 @@ class StepRules:
             return exited
         return (
             sampled
-            or (item.kind is ItemKind.PROMPT and item.last_depth == self.num_loops - 1)
+            or self.completes_prompt(item)
             or (item.kind is ItemKind.REPLAY and exited)
         )
 

@@ -184,6 +184,46 @@ def test_more_once_layers_than_core_layers_fill_several_once_planes(tmp_path):
     assert_released(engine)
 
 
+@pytest.mark.parametrize("arm", ["atomic", "wavefront", "mixed"])
+def test_a_prompt_runs_its_requests_r_steps_not_the_models(huginn_dir, arm):
+    """A request with r = 3 < 8 runs its prompt positions through 3 steps (the coda and its
+    first token read step 3; deeper steps would be waste), in every arm, and a preempted one
+    recomputes its prompt at r steps too; tokens and steps equal the dense reference."""
+    engine = make_engine(huginn_dir, exit_criterion="kl", prefill_chunk_size=5,
+                         num_blocks=99, enable_prefix_caching=False,
+                         **PROMPT_ARMS[arm])  # fmt: skip
+    rows: dict[str, int] = {}
+    depths: dict[str, set] = {}
+
+    def count(scheduled, _output) -> None:
+        for group in scheduled.row_groups():
+            if group.kind == "prompt":
+                rows[group.request_id] = rows.get(group.request_id, 0) + (
+                    group.token_count * group.num_depths
+                )
+                last = group.depth + group.num_depths - 1
+                depths.setdefault(group.request_id, set()).update(range(group.depth, last + 1))
+
+    engine.core.add_observer(count)
+    work = [
+        (f"q{i}", [(13 * i + 7 * j) % 128 for j in range(11)],
+         SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=0.1,
+                        max_loops=3 if i % 2 else None, ignore_eos=True), i)
+        for i in range(4)
+    ]  # fmt: skip
+    finished = run_steps(engine, work)
+    assert_matches_reference(engine, work, finished, "kl")
+    preempted = engine.scheduler.memory_stats.num_preemptions > 0
+    for request_id, _, params, _ in work:
+        r = params.max_loops or 8
+        assert depths[request_id] == set(range(r)), request_id
+        if finished[request_id].metrics.num_preemptions == 0:
+            assert rows[request_id] == 11 * r, request_id  # every position, r steps, once
+    assert preempted and any(finished[r].metrics.num_preemptions for r in finished)
+    assert any(not finished[r].metrics.num_preemptions for r in ("q1", "q3"))
+    assert_released(engine)
+
+
 SHARED_CASES = [("latent-diff", "no_refill", "per_depth"), ("entropy-diff", "refill", "atomic")]
 
 

@@ -32,6 +32,7 @@ def build_engine_core(
     clock: Callable[[], float] = time.perf_counter,
     extra_planes: int = 0,
     prefix_key_by_max_loops: bool = False,
+    prompt_loops_by_request: bool = False,
     score_store: bool = True,
 ) -> EngineCore:
     """The engine core for `config` (its `cache.num_blocks` resolved) over the executor
@@ -39,6 +40,7 @@ def build_engine_core(
     beyond the layout's that every request holds (a family's once-per-position K/V, e.g.
     Huginn's prelude and coda layers); `prefix_key_by_max_loops`: cached prompt pages are
     shared only between requests with the same loop bound (`KVCacheManager.match_prefix`);
+    `prompt_loops_by_request`: a request's prompt runs its loop bound, not all D loops;
     `score_store`: the executor keeps prompt rows' outputs for cached pages (else no page is
     published as scored)."""
     kv = KVCacheManager.from_config(
@@ -48,7 +50,9 @@ def build_engine_core(
     )
     kv.key_by_max_loops = prefix_key_by_max_loops
     kv.score_store = score_store
-    scheduler = Scheduler(config, num_loops=num_loops, kv=kv)
+    scheduler = Scheduler(
+        config, num_loops=num_loops, kv=kv, prompt_loops_by_request=prompt_loops_by_request
+    )
     use_async = config.async_scheduling if async_scheduling is None else async_scheduling
     core_class = AsyncEngineCore if use_async else EngineCore
     return core_class(scheduler, make_executor(kv), clock=clock)

@@ -120,6 +120,7 @@ class LLMEngine:
             bytes_per_block=bytes_per_block,
             extra_planes=self.model.config.extra_kv_planes,
             prefix_key_by_max_loops=family.prefix_keyed_by_max_loops,
+            prompt_loops_by_request=family.prompt_loops_by_request,
             score_store=family.score_store,
             make_executor=lambda kv: (
                 HuginnRunner(

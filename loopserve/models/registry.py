@@ -36,6 +36,9 @@ class ModelFamily:
     # keyed by the request's loop bound (its prompt K/V depends on it), and whether its
     # executor keeps a score store (prompt rows' outputs for cached pages).
     prefix_keyed_by_max_loops: bool = False
+    # Its prompts run the request's loop bound rather than the model's D (the prompt's
+    # outputs at that bound are what its first token and coda read; deeper loops are waste).
+    prompt_loops_by_request: bool = False
     score_store: bool = True
 
 
@@ -62,6 +65,7 @@ HUGINN = ModelFamily(
     engine=True,
     handoff=False,
     prefix_keyed_by_max_loops=True,
+    prompt_loops_by_request=True,
     score_store=False,
     runs_on="the engine on CPU (eager; runner/huginn_runner.py), the dense "
     "reference (loopserve.models.huginn_dense) and the simulator",

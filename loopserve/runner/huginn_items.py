@@ -59,7 +59,6 @@ class PromptItems:
 
     def results(self, items, tables, states, loop_states, exited_items, failed):
         results: list[ItemResult] = []
-        last = self.num_loops - 1
         for i, item in enumerate(items):
             hazards = (0.0,) * item.num_depths if item.needs_gate else ()
             if item.kind is ItemKind.REPLAY:
@@ -69,7 +68,7 @@ class PromptItems:
                     self.inflight.done(item.request_id, item.handle)
                 results.append(ItemResult(item.request_id, item.handle, (), exited_items[i]))
                 continue
-            if item.last_depth < last:
+            if item.last_depth < self.rules.final_prompt_depth(item):
                 self.inflight.keep(item.request_id, item.handle, (*states[i], loop_states[i]))
                 results.append(ItemResult(item.request_id, item.handle, hazards))
                 continue

@@ -137,7 +137,7 @@ class ItemBuilder:
         score_cached = 0
         top = request.params.prompt_logprobs
         scores = top is not None and not request.output_token_ids
-        if scores and work.depth + work.num_depths == self.num_loops:
+        if scores and work.depth + work.num_depths == (request.prompt_loops or self.num_loops):
             # The first chunk after prefix-cache hits also scores the cached positions
             # before it (from the runner's score store).
             if chunk.start > 0 and chunk.start == request.num_hit_positions:
@@ -166,4 +166,5 @@ class ItemBuilder:
             score_top=top or 0,
             score_rule=request.exit_rule if by_rule else None,
             score_cached=score_cached,
+            prompt_loops=request.prompt_loops,
         )

@@ -113,11 +113,13 @@ class PromptPolicy(ABC):
             for chunk in self.ready_chunks(request, max_rows - rows):
                 if chunk is None:
                     return work
-                work.append(PromptWork(request, chunk, self.depths_per_step))
+                work.append(PromptWork(request, chunk, self.depths_per_step(request)))
                 rows += chunk.count
         return work
 
-    depths_per_step = 1
+    def depths_per_step(self, request: Request) -> int:
+        """Loops a chunk of `request` runs in one step."""
+        return 1
 
     @abstractmethod
     def ready_chunks(self, request: Request, rows_left: int) -> list[PromptChunk | None]:
@@ -143,9 +145,9 @@ class PromptPolicy(ABC):
 
 
 class AtomicPromptPolicy(PromptPolicy):
-    @property
-    def depths_per_step(self) -> int:  # type: ignore[override]
-        return self.num_loops
+    def depths_per_step(self, request: Request) -> int:
+        """Every loop its prompt positions run (the model's D, or the request's r)."""
+        return request.prompt_loops or self.num_loops
 
     def ready_chunks(self, request: Request, rows_left: int) -> list[PromptChunk | None]:
         assert not request.prompt_chunks, "atomic chunks complete within their step"

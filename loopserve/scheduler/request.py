@@ -112,6 +112,9 @@ class Request:
         self.params = params
         self.arrival_order = arrival_order
         self.exit_rule = ExitRule(params.min_loops, params.max_loops, params.exit_threshold)
+        # Loops every prompt position runs: the model's D, unless the scheduler's family runs
+        # prompts at the request's loop bound (`Scheduler.add_request`).
+        self.prompt_loops = 0
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= eos_token_ids
@@ -218,7 +221,7 @@ class Request:
 
     def advance_chunk(self, item: WorkItem, num_loops: int) -> bool:
         """Record the depths a prompt chunk ran (`item`); True when it completed its final
-        depth (the prompt's complete prefix then extends over it)."""
+        depth, `num_loops - 1` (the prompt's complete prefix then extends over it)."""
         chunks = self.prompt_chunks
         chunk = chunks[0] if chunks[0].handle == item.handle else None
         if chunk is None:

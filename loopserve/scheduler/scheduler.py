@@ -61,9 +61,19 @@ class Scheduler:
     `AheadPlanner` (ahead.py: async planning). They share the `Queues` and the `StepOutbox`
     (queues.py); this class applies results (`update`), finishes requests and builds outputs."""
 
-    def __init__(self, config: EngineConfig, *, num_loops: int, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        num_loops: int,
+        kv: KVCacheManager,
+        prompt_loops_by_request: bool = False,
+    ) -> None:
+        """`prompt_loops_by_request`: prompts run the request's loop bound (`max_loops`)
+        instead of the model's D (a family whose prompt K/V depends on it: Huginn)."""
         self.config = config
         self.num_loops = num_loops
+        self.prompt_loops_by_request = prompt_loops_by_request
         self.kv = kv
         self.exit_mode = ExitMode(config.exit.mode)
         sched = config.scheduler
@@ -152,6 +162,9 @@ class Scheduler:
                 param="max_tokens",
             )
         request.speculative = self.speculator.num_tokens > 0 and speculates(request)
+        request.prompt_loops = self.num_loops
+        if self.prompt_loops_by_request:
+            request.prompt_loops = min(self.num_loops, request.exit_rule.max_loops)
         self.requests[request.request_id] = request
         # Kept sorted on insertion: admission order is (priority, arrival).
         bisect.insort(self.waiting, request, key=admission_key)
@@ -323,7 +336,7 @@ class Scheduler:
                 continue
             if result.prompt_logprobs:  # chunks reach the last depth in position order
                 request.prompt_logprobs.extend(result.prompt_logprobs)
-            if not request.advance_chunk(item, self.num_loops):
+            if not request.advance_chunk(item, request.prompt_loops):
                 continue
             self.kv.publish_prompt(request.request_id, request.num_prefilled_tokens)
             if not item.first_token:

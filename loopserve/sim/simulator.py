@@ -139,6 +139,7 @@ class Simulator:
             clock=time.process_time,
             extra_planes=self.shape.extra_kv_planes,
             prefix_key_by_max_loops=self.shape.coda_layers > 0,
+            prompt_loops_by_request=self.shape.coda_layers > 0,
         )
         self.scheduler = self.core.scheduler
         self.kv = self.scheduler.kv

@@ -110,11 +110,7 @@ class StepRules:
         count; a speculative row exited."""
         if item.kind is ItemKind.SPEC:  # a draft sample keeps the row's state for its loops
             return exited
-        return (
-            sampled
-            or self.completes_prompt(item)
-            or (item.kind is ItemKind.REPLAY and exited)
-        )
+        return sampled or self.completes_prompt(item) or (item.kind is ItemKind.REPLAY and exited)
 
 
 def run_without_failed(

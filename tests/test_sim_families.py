@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from loopserve.errors import ConfigError
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sim.cost_model import (
     HUGINN_0125,
@@ -109,3 +110,28 @@ def test_ouro_2p6b_public_config_loads_and_is_the_simulator_preset(tmp_path):
     # K/V per position per plane in bf16: 48 layers x 16 KV heads x 128 x K and V x 2 bytes.
     assert config.kv_bytes_per_block(1, 2) == 48 * 16 * 128 * 2 * 2 == 393_216
     assert json.loads(fixture.read_text())["total_ut_steps"] == 4
+
+
+def test_simulate_cli_runs_huginn_on_its_authors_recorded_steps(tmp_path):
+    """`loopserve simulate --model-config huginn-0125` with a step distribution its authors
+    recorded (32 steps; the speculative drafts' 4-loop default is not read without
+    speculation): every policy runs, and refill's tokens use the distribution's steps."""
+    import json
+
+    from loopserve.cli.main import main
+    from loopserve.workloads.exits import exit_distribution
+
+    argv = ["simulate", "--model-config", "huginn-0125", "--dataset", "synthetic"]
+    argv += ["--num-requests", "12", "--input-len", "32", "--output-len", "16"]
+    argv += ["--policies", "refill", "full_depth", "--exit-dist", "huginn_0125_argmax10"]
+    argv += ["--output-dir", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    assert records, "the run wrote its results"
+    text = json.dumps(records)
+    assert "refill" in text and "full_depth" in text
+    dist = exit_distribution("huginn_0125_argmax10", 32)
+    assert dist.probs[10] == 56 / 130 and sum(dist.probs[:10]) == 0  # 11 steps at least
+    assert exit_distribution("huginn_0125_latent_diff", 32).mean_loops == pytest.approx(4000 / 154)
+    with pytest.raises(ConfigError, match="defined for 32 steps"):
+        exit_distribution("huginn_0125_latent_diff", 4)

@@ -121,7 +121,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exit-dist",
         default="ouro_1p4b_t0.5",
-        help="ouro_1p4b_t0.5 | uniform | full | probs:p1,..,pD | trace:l1,l2,..",
+        help="ouro_1p4b_t0.5 | huginn_0125_latent_diff | huginn_0125_argmax10 | uniform | full | "
+        "probs:p1,..,pD | trace:l1,l2,..",
     )
     add_engine_args(parser, names=SIM_ENGINE_ARGS, title="engine (simulated)")
     parser.add_argument(

@@ -168,7 +168,8 @@ def main_from_args(args: argparse.Namespace) -> int:
         client_max_tokens=args.client_max_tokens,
         host_model=load_host_model(args.host_model),
         coda_every_loop=args.coda_every_loop,
-        draft_stable_dist=args.draft_stable_dist,
+        # Only speculation reads it (its default is the embedded 4-loop model's).
+        draft_stable_dist=args.draft_stable_dist if args.speculative_tokens else None,
     )
     slo_s = args.slo_ms / 1e3
     start = time.perf_counter()

@@ -1,7 +1,8 @@
 """Exit distributions shared by the tools: how many loops each generated token uses.
 
 `OURO_1P4B_T05` is Ouro-1.4B's trained exit gate at threshold 0.5, measured on GSM8K decode
-tokens: P(exit after 1, 2, 3, 4 loops) = (0.0, 0.043, 0.877, 0.080). `exit_distribution`
+tokens: P(exit after 1, 2, 3, 4 loops) = (0.0, 0.043, 0.877, 0.080). The Huginn-0125 ones are
+step counts its authors recorded (see `HUGINN_0125_LATENT_DIFF_COUNTS`). `exit_distribution`
 parses the names the benchmarks and the simulator accept; `exit_probabilities` is the
 probability vector of a named distribution (what `bench throughput` samples traces from).
 """
@@ -16,7 +17,22 @@ from loopserve.errors import ConfigError
 
 # Trained Ouro-1.4B gate at threshold 0.5 (GSM8K decode tokens): P(loops = 1..4).
 OURO_1P4B_T05 = (0.0, 0.043, 0.877, 0.080)
-NAMED_EXIT_DISTRIBUTIONS = ("ouro_1p4b_t0.5", "uniform", "full")
+# Huginn-0125 at r = 32: how many generated tokens used 1..32 steps, as its authors recorded
+# them in the output cells of their demo notebook (`examples/inference_demo.ipynb` of the
+# public repository seal-rg/recurrent-pretraining, commit bafbb14): one greedy chat answer to
+# a GSM8K-style question, lookup latest-m4, their adaptive generation. A token recorded as 0
+# never fired its criterion (the notebook's code leaves 0 then): it ran all 32 steps. The
+# prompt's own entry (the first) is left out. latent-diff at its default threshold 0.03: 154
+# tokens, mean 25.97 steps; argmax-stability at 10 stable steps: 130 tokens, mean 13.80.
+HUGINN_0125_LATENT_DIFF_COUNTS = (0,) * 19 + (2, 7, 17, 27, 10, 11, 10, 10, 18, 15, 13, 4, 10)
+HUGINN_0125_ARGMAX10_COUNTS = (0,) * 10 + (
+    56, 17, 10, 8, 11, 6, 2, 6, 1, 2, 1, 2, 2, 1, 2, 1, 1, 0, 0, 0, 0, 1,
+)  # fmt: skip
+MEASURED_COUNTS = {
+    "huginn_0125_latent_diff": HUGINN_0125_LATENT_DIFF_COUNTS,
+    "huginn_0125_argmax10": HUGINN_0125_ARGMAX10_COUNTS,
+}
+NAMED_EXIT_DISTRIBUTIONS = ("ouro_1p4b_t0.5", "uniform", "full", *MEASURED_COUNTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +65,21 @@ class ExitDistribution:
 def exit_distribution(spec: str, num_loops: int) -> ExitDistribution:
     """Parse a distribution name.
 
-    `ouro_1p4b_t0.5` (needs D = 4), `uniform` (1..D equally likely), `full` (always D),
+    `ouro_1p4b_t0.5` (needs D = 4), `huginn_0125_latent_diff` and `huginn_0125_argmax10`
+    (need D = 32), `uniform` (1..D equally likely), `full` (always D),
     `probs:p1,p2,...,pD` (explicit, normalised), `trace:l1,l2,...` (replayed cyclically).
     """
     if spec == "ouro_1p4b_t0.5":
         if num_loops != len(OURO_1P4B_T05):
             raise ConfigError(f"{spec} is defined for 4 loops; this model has {num_loops}")
         return ExitDistribution(spec, OURO_1P4B_T05)
+    if spec in MEASURED_COUNTS:
+        counts = MEASURED_COUNTS[spec]
+        if num_loops != len(counts):
+            raise ConfigError(
+                f"{spec} is defined for {len(counts)} steps; this model has {num_loops}"
+            )
+        return ExitDistribution(spec, tuple(c / sum(counts) for c in counts))
     if spec == "uniform":
         return ExitDistribution(spec, tuple(1.0 / num_loops for _ in range(num_loops)))
     if spec == "full":

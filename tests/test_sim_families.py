@@ -3,6 +3,8 @@ once-per-position K/V plane, and exit criteria that run the coda after every loo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from loopserve.errors import ConfigError
@@ -110,6 +112,26 @@ def test_ouro_2p6b_public_config_loads_and_is_the_simulator_preset(tmp_path):
     # K/V per position per plane in bf16: 48 layers x 16 KV heads x 128 x K and V x 2 bytes.
     assert config.kv_bytes_per_block(1, 2) == 48 * 16 * 128 * 2 * 2 == 393_216
     assert json.loads(fixture.read_text())["total_ut_steps"] == 4
+
+
+def test_a_full_depth_arm_prices_no_criterion_coda():
+    """full_depth never turns a criterion on, so `coda_every_loop` leaves it unchanged, while
+    refill under the same flag pays the criterion's codas."""
+    from loopserve.sim.sweep import ARMS, SweepSetup, run_point
+
+    spec = WorkloadSpec(num_requests=8, dataset="synthetic", input_len=32, output_len=8,
+                        exit_dist="huginn_0125_argmax10")  # fmt: skip
+    lengths = [(r.prompt_len, r.output_len) for r in build_workload(spec, 32)]
+    results = {}
+    for every_loop in (False, True):
+        setup = SweepSetup(HUGINN_0125, H200, spec, {"max_num_seqs": 8}, lengths,
+                           coda_every_loop=every_loop)  # fmt: skip
+        for arm in ("full_depth", "refill"):
+            results[arm, every_loop] = run_point(setup, ARMS[arm], math.inf).result
+    full, full_every = results["full_depth", False], results["full_depth", True]
+    assert full_every.output_throughput == pytest.approx(full.output_throughput)
+    refill, refill_every = results["refill", False], results["refill", True]
+    assert refill_every.output_throughput < 0.95 * refill.output_throughput
 
 
 def test_simulate_cli_runs_huginn_on_its_authors_recorded_steps(tmp_path):

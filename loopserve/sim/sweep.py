@@ -99,7 +99,8 @@ def run_point(setup: SweepSetup, arm: Arm, request_rate: float) -> PointResult:
             roofline=setup.roofline,
             client_max_tokens=setup.client_max_tokens,
             host_model=setup.host_model,
-            coda_every_loop=setup.coda_every_loop,
+            # A full-depth arm never turns a criterion on: no coda before the last loop.
+            coda_every_loop=setup.coda_every_loop and exit_dist != "full",
             draft_stable_dist=setup.draft_stable_dist,
         )
     except ConfigError as err:

@@ -114,6 +114,43 @@ def test_ouro_2p6b_public_config_loads_and_is_the_simulator_preset(tmp_path):
     assert json.loads(fixture.read_text())["total_ut_steps"] == 4
 
 
+def test_ouro_2p6b_config_with_every_documented_field_loads(tmp_path):
+    """The fixture plus the fields a published Ouro config.json carries beyond it (as its
+    model documentation lists them: `architectures`, `auto_map`, `layer_types` x 48,
+    `use_sliding_window`, `early_exit_threshold`, ...) loads to the same config; a sliding
+    layer type is refused by name."""
+    import json
+    from pathlib import Path
+
+    from loopserve.errors import ModelLoadError
+    from loopserve.models.config import OuroConfig
+
+    fixture = json.loads((Path(__file__).parent / "fixtures" / "ouro_2p6b_config.json").read_text())
+    documented = {
+        "architectures": ["OuroForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_ouro.OuroConfig",
+            "AutoModel": "modeling_ouro.OuroModel",
+            "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+        },
+        "layer_types": ["full_attention"] * 48,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 48,
+        "early_exit_threshold": 1.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+    full = OuroConfig.from_dict({**fixture, **documented})
+    assert full == OuroConfig.from_dict(fixture)
+    assert full.extra["early_exit_threshold"] == 1.0 and full.num_loops == 4
+    with pytest.raises(ModelLoadError, match="sliding-window"):
+        OuroConfig.from_dict({**fixture, "layer_types": ["sliding_attention"] * 48})
+
+
 def test_a_full_depth_arm_prices_no_criterion_coda():
     """full_depth never turns a criterion on, so `coda_every_loop` leaves it unchanged, while
     refill under the same flag pays the criterion's codas."""

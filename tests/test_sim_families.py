@@ -25,6 +25,18 @@ from loopserve.sim.workload import WorkloadSpec, build_workload
 H200 = get_device_profile("h200")
 
 
+def test_both_families_configs_are_the_looped_config_seam():
+    """The cost model, the KV manager and the memory plan read a family only through
+    `LoopedConfig`: both configs provide it, and their once-per-position layers differ."""
+    from loopserve.models.family import LoopedConfig
+
+    for config in (OURO_1P4B, HUGINN_0125):
+        assert isinstance(config, LoopedConfig)
+    assert (OURO_1P4B.num_prelude_layers, OURO_1P4B.num_coda_layers) == (0, 0)
+    assert (HUGINN_0125.num_prelude_layers, HUGINN_0125.num_coda_layers) == (2, 2)
+    assert OURO_1P4B.exit_gate_params == 2048 + 1 and HUGINN_0125.exit_gate_params == 0
+
+
 def test_huginn_0125_shape_matches_its_published_size():
     shape = ModelShape.from_config(HUGINN_0125)
     params = shape.total_weight_bytes / shape.dtype_bytes

@@ -93,10 +93,33 @@ class OuroConfig:
         """Bytes of one KV block of one plane: `block_size` positions of every layer's K and V."""
         return self.kv_elements_per_token_per_depth * block_size * element_size
 
+    # The `LoopedConfig` seam (models/family.py).
+    @property
+    def num_core_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def num_prelude_layers(self) -> int:
+        return 0  # the embedding only
+
+    @property
+    def num_coda_layers(self) -> int:
+        return 0  # the lm_head only
+
     @property
     def extra_kv_planes(self) -> int:
         """Planes beyond the layout's: none (Ouro's prelude and coda have no attention)."""
         return 0
+
+    @property
+    def step_extra_params(self) -> int:
+        """Read once per loop besides the layers: the final `model.norm`."""
+        return self.hidden_size
+
+    @property
+    def exit_gate_params(self) -> int:
+        """`model.early_exit_gate`: Linear(hidden, 1) with bias."""
+        return self.hidden_size + 1
 
     @classmethod
     def from_dict(cls, raw: dict) -> OuroConfig:

@@ -117,6 +117,23 @@ class HuginnConfig:
         return self.n_layers_in_recurrent_block
 
     @property
+    def num_prelude_layers(self) -> int:
+        return self.n_layers_in_prelude
+
+    @property
+    def num_coda_layers(self) -> int:
+        return self.n_layers_in_coda
+
+    @property
+    def step_extra_params(self) -> int:
+        """Read once per step besides the core layers: the adapter over [state, e]."""
+        return 2 * self.n_embd * self.n_embd + (self.n_embd if self.bias else 0)
+
+    @property
+    def exit_gate_params(self) -> int:
+        return 0  # convergence criteria: no learned exit head
+
+    @property
     def num_once_layers(self) -> int:
         """Layers with one K/V entry per position: prelude and coda."""
         return self.n_layers_in_prelude + self.n_layers_in_coda

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig, once_kv_planes
+from loopserve.models.family import LoopedConfig
 from loopserve.models.huginn import HuginnConfig
 from loopserve.sim.hardware import DeviceProfile
 
@@ -79,7 +80,7 @@ HUGINN_0125 = HuginnConfig(
 PRESETS = {"ouro-1.4b": OURO_1P4B, "ouro-2.6b": OURO_2P6B, "huginn-0125": HUGINN_0125}
 
 
-def sim_model_config(name_or_path: str | None) -> OuroConfig | HuginnConfig:
+def sim_model_config(name_or_path: str | None) -> LoopedConfig:
     """A preset name, a config.json path (any registered family) or None (Ouro-1.4B)."""
     if name_or_path is None:
         return OURO_1P4B
@@ -111,39 +112,26 @@ class ModelShape:
     coda_layers: int = 0
     step_extra_params: int | None = None  # None: the final norm (hidden_size)
     tied_embeddings: bool = False
-    name: str = "ouro"
+    gate_params: int | None = None  # a learned exit head's; None: Ouro's (hidden_size + 1)
 
     @classmethod
-    def from_config(cls, config: OuroConfig | HuginnConfig, dtype_bytes: int = 2) -> ModelShape:
-        if isinstance(config, HuginnConfig):
-            width = config.n_embd
-            return cls(
-                num_layers=config.n_layers_in_recurrent_block,
-                hidden_size=width,
-                num_heads=config.n_heads,
-                num_kv_heads=config.n_heads,
-                head_dim=config.head_dim,
-                intermediate_size=config.intermediate_size,
-                vocab_size=config.vocab_size,
-                num_loops=config.mean_recurrence,
-                dtype_bytes=dtype_bytes,
-                prelude_layers=config.n_layers_in_prelude,
-                coda_layers=config.n_layers_in_coda,
-                step_extra_params=2 * width * width + (width if config.bias else 0),
-                tied_embeddings=config.tie_embeddings,
-                name="huginn",
-            )
-        assert config.head_dim is not None
+    def from_config(cls, config: LoopedConfig, dtype_bytes: int = 2) -> ModelShape:
+        """The shape of any family's config, read through the `LoopedConfig` seam."""
         return cls(
-            num_layers=config.num_hidden_layers,
+            num_layers=config.num_core_layers,
             hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size,
-            num_loops=config.total_ut_steps,
+            num_loops=config.num_loops,
             dtype_bytes=dtype_bytes,
+            prelude_layers=config.num_prelude_layers,
+            coda_layers=config.num_coda_layers,
+            step_extra_params=config.step_extra_params,
+            tied_embeddings=config.tie_word_embeddings,
+            gate_params=config.exit_gate_params,
         )
 
     @property
@@ -203,7 +191,7 @@ class ModelShape:
     @property
     def total_weight_bytes(self) -> int:
         """Resident weights: embedding, prelude, core, coda, lm_head (once when tied), gate."""
-        gate = 0 if self.name == "huginn" else self.hidden_size + 1
+        gate = self.hidden_size + 1 if self.gate_params is None else self.gate_params
         embeddings = (1 if self.tied_embeddings else 2) * self.embedding_params
         params = self.core_params + self.prelude_params + self.coda_params + embeddings + gate
         return params * self.dtype_bytes

@@ -32,8 +32,7 @@ from loopserve.config import (
 )
 from loopserve.contracts import RunnerOutput, SchedulerOutput
 from loopserve.engine.build import build_engine_core
-from loopserve.models.config import OuroConfig
-from loopserve.models.huginn import HuginnConfig
+from loopserve.models.family import LoopedConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request
 from loopserve.scheduler.scheduler import Scheduler
@@ -86,7 +85,7 @@ class Simulator:
 
     def __init__(
         self,
-        model_config: OuroConfig | HuginnConfig,
+        model_config: LoopedConfig,
         device: DeviceProfile,
         engine_args: dict[str, object] | None = None,
         *,
@@ -314,7 +313,7 @@ class _Clients:
 
 
 def simulate(
-    model_config: OuroConfig,
+    model_config: LoopedConfig,
     device: DeviceProfile,
     workload: list[SimRequest],
     engine_args: dict[str, object] | None = None,

@@ -17,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loopserve.errors import ConfigError
-from loopserve.models.config import OuroConfig
-from loopserve.models.huginn import HuginnConfig
+from loopserve.models.family import LoopedConfig
 from loopserve.sim.hardware import DeviceProfile
 from loopserve.sim.host_model import HostModel
 from loopserve.sim.metrics import SimResult, summarize
@@ -63,7 +62,7 @@ class PointResult:
 class SweepSetup:
     """Everything fixed across the points of a sweep."""
 
-    model_config: OuroConfig | HuginnConfig
+    model_config: LoopedConfig
     device: DeviceProfile
     spec: WorkloadSpec
     engine_args: dict[str, object]

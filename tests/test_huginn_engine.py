@@ -422,18 +422,87 @@ def test_prompt_exits_need_the_whole_prompt_in_one_chunk(huginn_dir):
     assert_released(engine)
 
 
-def test_prefill_decode_disaggregation_is_refused_for_huginn(huginn_dir):
-    from loopserve.distributed.args import PDSpec
-    from loopserve.distributed.pd_pool import PDReplicaPool
-    from loopserve.distributed.pool_replicas import PoolConfig
+def test_a_recomputed_prompt_that_exited_rebuilds_its_planes(huginn_dir):
+    """Under prompt_exits the prompt exits as one token after e < r steps and its step-e K/V
+    fills the deeper planes. A recompute preemption replays it through e steps and the same
+    copies: every plane of every prompt position equals what it was (the cache is zeroed in
+    between, so nothing stale can stand in), and the tokens equal an uninterrupted run."""
+    from tests.engine_utils import kv_planes
 
-    with pytest.raises(ConfigError, match="not supported for Huginn-0125"):
-        PDReplicaPool({"model": str(huginn_dir)}, PoolConfig(num_replicas=2), PDSpec(1, 1))
-    engine = make_engine(huginn_dir)
-    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
-    engine.step()
-    with pytest.raises(ConfigError, match="cannot be handed off"):
-        engine.export_request("r")
+    args = dict(exit_criterion="kl", prompt_exits=True, enable_prefix_caching=False)
+    prompt = [12, 85, 3, 40, 7, 99, 64, 21, 5]
+    params = SamplingParams(max_tokens=8, temperature=0.0, exit_threshold=0.3, ignore_eos=True)
+    alone = run_steps(make_engine(huginn_dir, **args), [("p", prompt, params, 0)])["p"]
+    assert alone.exit_depths[0] < 8  # the prompt exited early
+    engine = make_engine(huginn_dir, **args)
+    snapshots = {}
+
+    def on_step(engine) -> None:
+        request = engine.scheduler.requests.get("p")
+        if request is None or request.in_prompt_phase or request.replay is not None:
+            return
+        if engine.scheduler.token_depth("p") != 0 or "p" not in engine.kv.tables:
+            return
+        planes = kv_planes(engine, "p", len(prompt))
+        if not snapshots and len(request.output_token_ids) >= 3:
+            snapshots["before"] = planes
+            engine.scheduler.preempt("p")
+            engine.runner.kv_cache.zero_()  # the freed blocks hold nothing of the request now
+        elif "before" in snapshots and "after" not in snapshots:
+            snapshots["after"] = planes
+
+    out = run_steps(engine, [("p", prompt, params, 0)], on_step=on_step)["p"]
+    assert engine.scheduler.memory_stats.num_preemptions_recompute == 1
+    assert torch.equal(snapshots["after"], snapshots["before"])
+    assert (out.token_ids, out.exit_depths) == (alone.token_ids, alone.exit_depths)
+
+
+PD_CASES = {
+    "last_exited-random-init": dict(init_scale=1.0),
+    "prompt-exits": dict(prompt_exits=True, enable_prefix_caching=False, init_scale=1.0),
+    "full-lookup-prompt-exits": dict(kv_lookup="full", prompt_exits=True,
+                                     enable_prefix_caching=False),
+    "shared": dict(layout="shared", prefill_chunk_size=64, max_num_batched_tokens=256),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PD_CASES))
+def test_handed_off_requests_decode_to_the_single_engines_tokens(huginn_dir, case):
+    """Prefill/decode disaggregation: each request leaves the prefill engine after 1 or 3
+    tokens with its K/V (step planes and once planes), sampler and runner state (random
+    initial states, the steps each position ran) and finishes on a decode engine whose
+    small pool preempts by recompute; tokens and steps equal one engine's, and both
+    engines end clean."""
+    from tests.test_pd_handoff import run_disaggregated
+
+    args = dict(exit_criterion="kl", **PD_CASES[case])
+    rng = random.Random(21)
+    work = [
+        (f"h{i}", [rng.randrange(128) for _ in range(rng.choice([3, 9]))],
+         SamplingParams(max_tokens=rng.randrange(5, 10), temperature=rng.choice([0.0, 0.8]),
+                        seed=40 + i, exit_threshold=rng.choice([0.1, 0.3]),
+                        ignore_eos=True), rng.choice([1, 3]))
+        for i in range(5)
+    ]  # fmt: skip
+    single = run_steps(make_engine(huginn_dir, **args), [(r, p, q, 0) for r, p, q, _ in work])
+    prefill = make_engine(huginn_dir, **args)
+    decode_blocks = 9 * 8 if case != "shared" else 2 * 8
+    decode = make_engine(huginn_dir, num_blocks=decode_blocks, **args)
+    finished, exported, _ = run_disaggregated(prefill, decode, work)
+    assert sorted(exported) == sorted(r for r, *_ in work)
+    steps = []
+    for request_id, *_ in work:
+        out, alone = finished[request_id], single[request_id]
+        assert (out.token_ids, out.exit_depths) == (alone.token_ids, alone.exit_depths), request_id
+        steps += out.exit_depths
+    assert min(steps) < 8
+    if case != "shared":
+        assert decode.scheduler.memory_stats.num_preemptions > 0
+    for engine in (prefill, decode):
+        assert not engine.has_unfinished_requests()
+        assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+        assert engine.runner.staged_imports == {}
+        assert_released(engine)
 
 
 def test_shared_layout_refuses_a_smaller_r_per_request(huginn_dir):

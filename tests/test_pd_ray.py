@@ -62,3 +62,31 @@ def test_one_prefill_one_decode_equals_colocated(tiny_dir, ray_cluster, layout, 
         assert output.finish_reason == expected.finish_reason
     assert [len(o.token_ids) for o in outputs][:3] == [9, 7, 1]
     assert min(d for o in outputs for d in o.exit_depths[1:]) < 4  # decode tokens exited early
+
+
+def test_huginn_requests_hand_off_through_ray_to_the_colocated_tokens(ray_cluster, tmp_path):
+    """Huginn's hand-off through Ray's object store: K/V of every step plane and the once
+    plane, the sampler, and its runner state (seeded random initial states); the outputs
+    equal one colocated engine's."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    model = str(make_tiny_huginn_checkpoint(tmp_path / "huginn"))
+    engine_args = {**ENGINE_ARGS, "exit_criterion": "kl", "init_scale": 1.0}
+    prompts = [[(5 * k + 11 * i) % 120 + 1 for i in range(n)] for k, n in enumerate([3, 9, 14])]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, seed=7, exit_threshold=0.3,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, seed=8, exit_threshold=0.1,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=1.0, seed=9, ignore_eos=True),
+    ]  # fmt: skip
+    colocated = LLM(model, **engine_args).generate(prompts, params)
+    engines = DisaggregatedEngines({"model": model, **engine_args}, 1, 1)
+    try:
+        outputs = engines.generate([f"h{i}" for i in range(len(prompts))], prompts, params)
+        assert engines.last_num_handed_off == 3
+    finally:
+        engines.shutdown()
+    for output, expected in zip(outputs, colocated, strict=True):
+        assert (output.token_ids, output.exit_depths) == (expected.token_ids, expected.exit_depths)
+    assert min(d for o in outputs for d in o.exit_depths[1:]) < 8  # early exits after hand-off

@@ -27,6 +27,9 @@ class HandoffState:
       A device tensor when exported with `to_host=False`; None inside a transport's
       descriptor while the bytes travel separately (`loopserve.distributed.transport`).
     - `generator_state`: the request's `torch.Generator.get_state()` bytes; None when greedy.
+    - `runner_state`: what a family's executor keeps per request beyond K/V and sampler
+      (Huginn: its random initial states and, under the `full` lookup, the steps each
+      position ran); None for Ouro. Opaque here, small, picklable (CPU tensors).
     - The importing engine must have the same model, layout, number of planes and block size.
     """
 
@@ -47,3 +50,4 @@ class HandoffState:
     token_times_s: list[float] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
     prompt_logprobs: list[SampledToken] = field(default_factory=list)  # when asked for
+    runner_state: object = None

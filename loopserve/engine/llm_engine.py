@@ -258,6 +258,7 @@ class LLMEngine:
         request = self.scheduler.requests[request_id]
         handle = self.scheduler.kv_handle(request_id)
         kv, generator_state = self.runner.export_request(handle, to_host=to_host)
+        runner_state = self.runner.export_runner_state(request_id)
         times = request.times
         state = HandoffState(
             request_id=request_id,
@@ -277,6 +278,7 @@ class LLMEngine:
             first_token_s=times.first_token_s,
             token_times_s=list(times.token_times_s),
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
+            runner_state=runner_state,
         )
         # Finished internally as an abort, never reported: the request lives on elsewhere.
         self._untrack(request_id)
@@ -316,7 +318,12 @@ class LLMEngine:
             token_times_s=state.token_times_s,
         )
         assert state.num_kv_positions == request.next_position, "hand-off K/V does not match"
-        self.runner.stage_import(state.request_id, state.kv, state.generator_state)  # type: ignore[arg-type]
+        self.runner.stage_import(
+            state.request_id,
+            state.kv,  # type: ignore[arg-type]
+            state.generator_state,
+            runner_state=state.runner_state,
+        )
         try:
             self.core.add_imported(request)
         except Exception:

@@ -63,12 +63,12 @@ HUGINN = ModelFamily(
     tied_head=("lm_head.weight", "transformer.wte.weight"),
     ignored_tensors=("freqs_cis",),
     engine=True,
-    handoff=False,
+    handoff=True,
     prefix_keyed_by_max_loops=True,
     prompt_loops_by_request=True,
     score_store=False,
-    runs_on="the engine on CPU (eager; runner/huginn_runner.py), the dense "
-    "reference (loopserve.models.huginn_dense) and the simulator",
+    runs_on="the engine (eager; runner/huginn_runner.py), the dense reference "
+    "(loopserve.models.huginn_dense) and the simulator",
 )
 FAMILIES = (OURO, HUGINN)
 

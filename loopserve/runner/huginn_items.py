@@ -20,8 +20,8 @@ from loopserve.runner.transfers import Transfers
 
 class PromptItems:
     """Inputs: the handle table of paused work, the step rules, the
-    requests' r, the prompt exits, the coda, the finalize copies, the sampler, the steps
-    record and the transfer counter."""
+    requests' r, the prompt exits (and whether prompts exit as one token, `prompt_exits`),
+    the coda, the finalize copies, the sampler, the steps record and the transfer counter."""
 
     def __init__(
         self,
@@ -35,8 +35,9 @@ class PromptItems:
         sample: Callable,
         ran: Callable,
         transfers: Transfers,
+        prompt_exits: bool = False,
     ) -> None:
-        self.inflight, self.rules = inflight, rules
+        self.inflight, self.rules, self.prompt_exits = inflight, rules, prompt_exits
         self.max_loops, self.prompts, self.coda = max_loops, prompts, coda
         self.finalize, self.sample, self.ran, self.transfers = finalize, sample, ran, transfers
         self.num_loops = rules.num_loops
@@ -95,6 +96,13 @@ class PromptItems:
                 [(tables[item.request_id], item.token_start, item.token_count)],
                 list(range(item.token_start, item.token_start + item.token_count)),
             )
+            if self.prompt_exits and not item.first_token:
+                # A recomputed prompt that exited as one token ran the loops it used then:
+                # its K/V of that loop fills the deeper planes, as on its first pass.
+                used = self.rules.final_prompt_depth(item) + 1
+                positions = range(item.token_start, item.token_start + item.token_count)
+                self.ran(item.request_id, positions, used)
+                self.finalize([(tables[item.request_id], p, used - 1) for p in positions])
             scores = score_prompt_rows(
                 item, logits, self.max_loops[item.request_id], self.transfers
             )

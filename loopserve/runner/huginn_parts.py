@@ -165,8 +165,10 @@ def score_prompt_rows(
     return tuple(entries)
 
 
-def refused_items(items, prompt_exits: bool) -> dict[str, str]:
-    """Requests whose items this executor cannot run, with the reason (each fails alone)."""
+def refused_items(items, prompt_exits: bool, prompt_lens: dict[str, int]) -> dict[str, str]:
+    """Requests whose items this executor cannot run, with the reason (each fails alone).
+    Under `prompt_exits` a prompt item must hold the whole prompt (`prompt_lens`): on its
+    first pass and when it is recomputed after a preemption."""
     reasons = {}
     for item in items:
         if item.score_rule is not None:
@@ -177,7 +179,7 @@ def refused_items(items, prompt_exits: bool) -> dict[str, str]:
         elif (
             prompt_exits
             and item.kind is ItemKind.PROMPT
-            and (item.token_start > 0 or not item.first_token)
+            and (item.token_start > 0 or item.token_count != prompt_lens[item.request_id])
         ):
             reasons[item.request_id] = (
                 "with prompt_exits the whole prompt must be one chunk: raise "

@@ -1,8 +1,9 @@
 """The per-request state of the Huginn executor (`runner/huginn_runner.py`): samplers, each
 request's r, its random initial states, the steps each position ran (the `full` lookup), the
-decode token in flight, paused prompt and replay work under its handles, and what a swap-out
-set aside. `HuginnRequests` sets requests up (each failing alone), drops them and moves their
-paused work with swaps."""
+decode token in flight, paused prompt and replay work under its handles, what a swap-out
+set aside and handed-off requests waiting for admission. `HuginnRequests` sets requests up
+(each failing alone), drops them, moves their paused work with swaps, and exports and
+restores what a prefill/decode hand-off carries."""
 
 from __future__ import annotations
 
@@ -24,7 +25,13 @@ from loopserve.errors import InvalidRequestError
 from loopserve.execution import set_up_each
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.huginn_parts import DecodeToken, Latents
-from loopserve.runner.sampler import is_greedy, make_generator, sample_rows, token_history
+from loopserve.runner.sampler import (
+    is_greedy,
+    make_generator,
+    restore_generator,
+    sample_rows,
+    token_history,
+)
 from loopserve.runner.swap import SwapSpace
 from loopserve.runner.transfers import Transfers
 
@@ -60,12 +67,16 @@ class HuginnRequests:
         )
         self.samplers: dict[str, tuple] = {}
         self.max_loops: dict[str, int] = {}  # per request: its r
+        self.prompt_lens: dict[str, int] = {}
         self.latents: dict[str, Latents] = {}  # with init_scale > 0
         self.steps_run: dict[str, dict[int, int]] = {}  # request -> position -> steps
         self.decoding: dict[str, DecodeToken] = {}
         # Prompt and replay work between steps: (state, e, state at the request's last loop).
         self.inflight: HandleTable[tuple] = HandleTable()
         self.swapped: dict[str, tuple[dict, DecodeToken | None]] = {}
+        # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state,
+        # runner state from `export_state`).
+        self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None, dict | None]] = {}
 
     def setup_request(self, new: NewRequestData) -> tuple:
         if self.shared and 0 < new.max_loops < self.num_loops:
@@ -74,15 +85,20 @@ class HuginnRequests:
                 f"({self.num_loops}); max_loops below it needs the last_exited layout"
             )
         generator = None if is_greedy(new.sample_spec) else make_generator(new.seed, self.device)
+        staged = self.staged_imports.get(new.request_id)
+        if generator is not None and staged is not None:  # continue the exporter's stream
+            restore_generator(generator, staged[1])
         history = token_history(new, self.vocab_size, self.transfers, self.make_matcher)
         return new.sample_spec, generator, history
 
     def drop(self, request_id: str) -> None:
         self.samplers.pop(request_id, None)
         self.max_loops.pop(request_id, None)
+        self.prompt_lens.pop(request_id, None)
         self.latents.pop(request_id, None)
         self.steps_run.pop(request_id, None)
         self.swapped.pop(request_id, None)
+        self.staged_imports.pop(request_id, None)
         self.decoding.pop(request_id, None)
         self.inflight.release(request_id)
 
@@ -100,15 +116,53 @@ class HuginnRequests:
     def _install(self, new: NewRequestData) -> None:
         self.samplers[new.request_id] = self.setup_request(new)
         self.max_loops[new.request_id] = new.max_loops or self.num_loops
-        if self.init_scale > 0:
+        self.prompt_lens[new.request_id] = new.prompt_len
+        staged = self.staged_imports.get(new.request_id)
+        if staged is not None and staged[2] is not None:  # a hand-off: the exporter's state
+            self._restore(new.request_id, staged[2])
+        elif self.init_scale > 0:
             seed = new.seed if new.seed is not None else random.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
             self.latents[new.request_id] = Latents(generator, new.prompt_len)
 
+    # ---- hand-off (prefill/decode disaggregation) ---------------------------------------
+
+    def export_state(self, request_id: str) -> dict:
+        """What this executor keeps of a request between tokens, besides K/V and sampler:
+        its random initial states (generator state, the prompt's block, each generated
+        position's row) and, under the `full` lookup, the steps each position ran. CPU
+        tensors and plain values (it travels pickled)."""
+        state: dict = {"steps_run": dict(self.steps_run.get(request_id, {}))}
+        latents = self.latents.get(request_id)
+        if latents is not None:
+            state["latents"] = {
+                "generator": latents.generator.get_state(),
+                "prompt_len": latents.prompt_len,
+                "prompt": None if latents.prompt is None else latents.prompt.cpu(),
+                "drawn": {p: row.cpu() for p, row in latents.drawn.items()},
+            }
+        return state
+
+    def _restore(self, request_id: str, state: dict) -> None:
+        if state["steps_run"]:
+            self.steps_run[request_id] = dict(state["steps_run"])
+        saved = state.get("latents")
+        if saved is None:
+            return
+        generator = torch.Generator()
+        generator.set_state(saved["generator"])
+        latents = Latents(generator, saved["prompt_len"])
+        latents.prompt = saved["prompt"]
+        latents.drawn = dict(saved["drawn"])
+        self.latents[request_id] = latents
+
     def move(self, transfer: KVTransfer) -> None:
-        assert transfer.kind is not SwapKind.IMPORT, "Huginn requests are not handed off"
-        self.swap.copy(transfer)
         request_id = transfer.request_id
+        if transfer.kind is SwapKind.IMPORT:  # a handed-off request's blocks, every plane
+            kv = self.staged_imports.pop(request_id)[0]
+            self.swap.import_blocks(kv, transfer)
+            return
+        self.swap.copy(transfer)
         if transfer.kind is SwapKind.OUT:
             handles = [h for h in self.inflight.handles_of(request_id) if h in self.inflight]
             states = {h: self.inflight.resume(h) for h in handles}

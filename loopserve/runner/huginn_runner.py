@@ -24,6 +24,7 @@ import torch
 
 from loopserve.contracts import (
     ItemKind,
+    KVHandle,
     NewRequestData,
     RequestFailure,
     RunnerOutput,
@@ -43,6 +44,7 @@ from loopserve.runner.huginn_parts import (
     refused_items,
 )
 from loopserve.runner.huginn_requests import HuginnRequests
+from loopserve.runner.sampler import generator_state
 from loopserve.runner.swap import SwapSpace
 from loopserve.runner.transfers import Transfers
 
@@ -125,6 +127,7 @@ class HuginnRunner(Executor):
             requests.latents,
         )
         self.steps_run, self.swapped = requests.steps_run, requests.swapped
+        self.staged_imports = requests.staged_imports
         self.decoding, self.inflight = requests.decoding, requests.inflight
         self._forward_s = 0.0
         self.decode_exits = DecodeExits(
@@ -138,7 +141,7 @@ class HuginnRunner(Executor):
         self.items = PromptItems(
             inflight=self.inflight, rules=self.rules, max_loops=self.max_loops, prompts=self.prompts, coda=self._coda,
             finalize=self._finalize, sample=self.requests.sample, ran=self.requests.ran,
-            transfers=self.transfers,
+            transfers=self.transfers, prompt_exits=prompt_exits,
         )  # fmt: skip
 
     def _draw(self, rows: int, generator: torch.Generator) -> torch.Tensor:
@@ -153,6 +156,37 @@ class HuginnRunner(Executor):
     def setup_request(self, new: NewRequestData) -> tuple:
         return self.requests.setup_request(new)
 
+    # ---- hand-off (prefill/decode disaggregation) ---------------------------------------
+
+    def export_request(
+        self, handle: KVHandle, *, to_host: bool = True
+    ) -> tuple[torch.Tensor, bytes | None]:
+        """A copy of the K/V `handle` names (every plane, the once planes included) and the
+        request's sampler state; nothing of it may be in flight."""
+        request_id = handle.request_id
+        assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
+        assert request_id not in self.decoding, f"{request_id} has a token in flight"
+        kv = self.swap.export_blocks(handle.block_tables, handle.num_positions, to_host=to_host)
+        return kv, generator_state(self.samplers[request_id][1])
+
+    def export_runner_state(self, request_id: str) -> dict:
+        return self.requests.export_state(request_id)
+
+    def stage_import(
+        self,
+        request_id: str,
+        kv: torch.Tensor,
+        generator_state: bytes | None,
+        *,
+        runner_state: object = None,
+    ) -> None:
+        """Hold a handed-off request's K/V, sampler and runner state until the scheduler
+        admits it (`NewRequestData`, then `KVTransfer(IMPORT)`), or releases it."""
+        self.swap.check_import(kv)
+        if not isinstance(runner_state, dict):
+            raise ValueError("a Huginn hand-off carries its runner state (export_runner_state)")
+        self.requests.staged_imports[request_id] = (kv, generator_state, runner_state)
+
     def _criterion(self) -> ExitCriterion:
         return make_criterion(
             self.criterion_name, vocab_size=self.vocab_size, threshold=self.criterion_threshold
@@ -163,7 +197,7 @@ class HuginnRunner(Executor):
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         failures = self.requests.bookkeeping(scheduled)
-        reasons = refused_items(scheduled.items, self.prompt_exits)
+        reasons = refused_items(scheduled.items, self.prompt_exits, self.requests.prompt_lens)
         for failure in failures:
             reasons.pop(failure.request_id, None)
         if reasons:  # fails those requests alone, with the reason
@@ -309,10 +343,9 @@ class HuginnRunner(Executor):
             n = items[i].token_count
             states[i] = (state_out[at : at + n], e[at : at + n])
             item = items[i]
-            if (
-                item.kind is ItemKind.PROMPT
-                and item.depth + k == self.max_loops[item.request_id] - 1
-            ):
+            if item.kind is ItemKind.PROMPT and item.depth + k == self.rules.final_prompt_depth(
+                item
+            ):  # every row's state at its last prompt loop (the request's r, or its exit)
                 loop_states[i] = states[i][0]
             at += n
         if decode is None:

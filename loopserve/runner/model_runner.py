@@ -256,11 +256,21 @@ class ModelRunner(Executor):
         kv = self.moves.export(handle.block_tables, handle.num_positions, to_host=to_host)
         return kv, generator_state(self.samplers[request_id][1])
 
+    def export_runner_state(self, request_id: str) -> None:
+        """Ouro's runner keeps nothing per request beyond K/V and the sampler."""
+        return None
+
     def stage_import(
-        self, request_id: str, kv: torch.Tensor, generator_state: bytes | None
+        self,
+        request_id: str,
+        kv: torch.Tensor,
+        generator_state: bytes | None,
+        *,
+        runner_state: object = None,
     ) -> None:
         """Hold a handed-off request's K/V and generator state until the scheduler admits it
         (`KVTransfer(IMPORT)` and its `NewRequestData`), or releases it (aborted first)."""
+        assert runner_state is None, "an Ouro hand-off carries no runner state"
         self.moves.stage_import(request_id, kv, generator_state)
 
     def _drop_request(self, request_id: str) -> None:

@@ -102,6 +102,36 @@ class SwapSpace:
         self._blocks(self.device_cache)[:, :, dst_index] = moved
         self.num_bytes_in += moved.numel() * moved.element_size()
 
+    def export_blocks(
+        self, table: tuple[list[int], ...], num_positions: int, *, to_host: bool = True
+    ) -> torch.Tensor:
+        """A copy of the K/V of positions [0, num_positions) of every plane of `table`
+        (whole blocks, plane-major), on the CPU or, with `to_host=False`, on the cache's
+        device (a gathered tensor of its own, for a transport that sends device memory)."""
+        blocks = -(-num_positions // self.block_size)
+        ids = [plane[i] for plane in table for i in range(blocks)]
+        index = torch.tensor(ids, dtype=torch.int64, device=self.device_cache.device)
+        kv = self._blocks(self.device_cache)[:, :, index]  # advanced indexing: a new tensor
+        return kv.to("cpu", copy=True) if to_host else kv
+
+    def check_import(self, kv: torch.Tensor) -> None:
+        """A handed-off K/V tensor must have this cache's layers, block size, heads, dtype."""
+        cache = self.device_cache
+        expected = (*cache.shape[:2], self.block_size, *cache.shape[3:])
+        shape = (*kv.shape[:2], *kv.shape[3:])
+        if shape != expected or kv.dtype != cache.dtype:
+            raise ValueError(f"hand-off K/V {tuple(kv.shape)} {kv.dtype} does not fit this cache")
+
+    def import_blocks(self, kv: torch.Tensor, transfer: KVTransfer) -> None:
+        """Write a handed-off request's blocks (`kv`, as `export_blocks` made it) into the
+        device blocks `transfer` names."""
+        if not transfer.block_moves:
+            return
+        src_ids, dst_ids = zip(*transfer.block_moves)
+        src = kv[:, :, torch.tensor(src_ids, dtype=torch.int64)].to(self.device_cache.device)
+        dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=self.device_cache.device)
+        self._blocks(self.device_cache)[:, :, dst_index] = src
+
     def settle(self) -> None:
         """Finish pending swap-outs: wait for each one's copy (long done by now) and scatter
         its staging tensor into the host cache."""
@@ -138,21 +168,13 @@ class KVMoves:
         self, table: tuple[list[int], ...], num_positions: int, *, to_host: bool = True
     ) -> torch.Tensor:
         """A copy of the K/V of positions [0, num_positions) of every plane of `table`
-        (whole blocks, plane-major), on the CPU or, with `to_host=False`, on the cache's
-        device (a gathered tensor of its own, for a transport that sends device memory)."""
-        blocks = -(-num_positions // self.block_size)
-        ids = [plane[i] for plane in table for i in range(blocks)]
-        index = torch.tensor(ids, dtype=torch.int64, device=self.kv_cache.device)
-        kv = self.swap._blocks(self.kv_cache)[:, :, index]  # advanced indexing: a new tensor
-        return kv.to("cpu", copy=True) if to_host else kv
+        (`SwapSpace.export_blocks`)."""
+        return self.swap.export_blocks(table, num_positions, to_host=to_host)
 
     def stage_import(
         self, request_id: str, kv: torch.Tensor, generator_state: bytes | None
     ) -> None:
-        expected = (*self.kv_cache.shape[:2], self.block_size, *self.kv_cache.shape[3:])
-        shape = (*kv.shape[:2], *kv.shape[3:])
-        if shape != expected or kv.dtype != self.kv_cache.dtype:
-            raise ValueError(f"hand-off K/V {tuple(kv.shape)} {kv.dtype} does not fit this cache")
+        self.swap.check_import(kv)
         self.staged_imports[request_id] = (kv, generator_state)
 
     def drop(self, request_id: str) -> None:
@@ -191,9 +213,4 @@ class KVMoves:
 
     def _import(self, transfer: KVTransfer) -> None:
         kv, _ = self.staged_imports.pop(transfer.request_id)
-        if not transfer.block_moves:
-            return
-        src_ids, dst_ids = zip(*transfer.block_moves)
-        src = kv[:, :, torch.tensor(src_ids, dtype=torch.int64)].to(self.kv_cache.device)
-        dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=self.kv_cache.device)
-        self.swap._blocks(self.kv_cache)[:, :, dst_index] = src
+        self.swap.import_blocks(kv, transfer)

@@ -68,6 +68,9 @@ class Admission:
         self.full_reservation = config.cache.kv_reservation == "full"
         self.swap_preemption = sched.preemption_mode == "swap"
         self.priority_preemption = sched.scheduling_policy == "priority"
+        # The prompt exits as one token (Huginn's `prompt_exits`): recompute replays it
+        # through the loops it used.
+        self.prompt_exits = config.exit.prompt_exits
 
     def admit(self) -> None:
         """Admit waiting requests in (priority, arrival) order while seats and KV allow; stop
@@ -247,6 +250,8 @@ class Admission:
             self.kv.free(request_id)
             self.outbox.preempted_ids.append(request_id)
             reset_for_recompute(victim)
+            if self.prompt_exits and victim.exit_depths:
+                victim.prompt_loops = victim.exit_depths[0]
             victim.transition(RequestState.WAITING)
             self.memory_stats.num_preemptions_recompute += 1
         victim.num_preemptions += 1

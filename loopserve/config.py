@@ -81,6 +81,7 @@ class EngineConfig:
     dtype: str = default("dtype")
     device: str = default("device")
     max_model_len: int | None = default("max_model_len")
+    num_loops: int | None = default("num_loops")  # None: the checkpoint's D
     attention_backend: str = default("attention_backend")
     graph_mode: str = default("graph_mode")
     enforce_eager: bool = default("enforce_eager")
@@ -160,6 +161,8 @@ def validate(config: EngineConfig) -> None:
         _positive_int(name, getattr(sched, name))
     if config.max_model_len is not None:
         _positive_int("max_model_len", config.max_model_len)
+    if config.num_loops is not None:
+        _positive_int("num_loops", config.num_loops)
     _check_speculation(config)
     _choice("mode", sched.mode, MODES)
     _choice("prefill_mode", sched.prefill_mode, PREFILL_MODES)

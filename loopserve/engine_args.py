@@ -50,6 +50,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("device", "top", "device", "cpu", "cpu or cuda[:N]"),
     EngineArg("max_model_len", "top", "max_model_len", None, "longest prompt + output in tokens "
               "(None: the model's max_position_embeddings)", int),
+    EngineArg("num_loops", "top", "num_loops", None, "loops per token the engine runs at most, "
+              "D (None: the checkpoint's, Ouro's total_ut_steps or Huginn's mean_recurrence); "
+              "requests ask for fewer with max_loops. Every request holds a K/V plane per loop "
+              "under last_exited, so a smaller D holds less; Huginn runs more steps than its "
+              "default with a larger one", int),
     EngineArg("attention_backend", "top", "attention_backend", "auto", "paged attention "
               "implementation; auto: triton on CUDA, torch elsewhere (triton on CPU needs "
               "TRITON_INTERPRET=1)", choices=ATTENTION_BACKENDS),

@@ -589,3 +589,32 @@ def test_full_lookup_equals_the_dense_reference_under_preemption(huginn_dir):
     assert differs  # the lookups disagree on this workload
     with pytest.raises(ConfigError, match="kv_lookup='full' outside layout='last_exited'"):
         make_engine(huginn_dir, kv_lookup="full", layout="shared")
+
+
+@pytest.mark.parametrize("num_loops", [4, 12])
+def test_the_engine_runs_huginn_at_another_step_bound(huginn_dir, num_loops):
+    """`num_loops` sets the engine's D: fewer steps than the config's r = 8 (one plane per
+    step fewer to hold) or more (Huginn's authors report gains up to 64 steps at r = 32);
+    requests default to it and equal the dense reference at that step count."""
+    engine = make_engine(huginn_dir, exit_criterion="kl", num_loops=num_loops)
+    assert engine.num_loops == num_loops and engine.kv.num_planes == num_loops + 1
+    rng = random.Random(num_loops)
+    work = [
+        (f"n{i}", [rng.randrange(128) for _ in range(rng.choice([3, 9]))],
+         SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=rng.choice([0.1, 1.0]),
+                        ignore_eos=True), i)
+        for i in range(4)
+    ]  # fmt: skip
+    finished = run_steps(engine, work)
+    steps = []
+    for request_id, prompt, params, _ in work:
+        ref = generate(
+            engine.model, prompt, max_new_tokens=6, num_steps=num_loops,
+            criterion="kl" if params.exit_threshold < 1 else "none",
+            threshold=params.exit_threshold, lookup="last_exited", exit_in_prompt=False,
+        )  # fmt: skip
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+        steps += out.exit_depths
+    assert max(steps) == num_loops and min(steps) < num_loops
+    assert_released(engine)

@@ -110,3 +110,27 @@ def test_cli_reports_user_errors_without_traceback(tiny_tok_dir, capsys):
     )
     assert code == 2
     assert "max_loops" in capsys.readouterr().err
+
+
+def test_num_loops_runs_an_ouro_checkpoint_at_another_depth(tiny_dir):
+    """`num_loops=3` runs the 4-loop checkpoint at D = 3: three planes per position, no token
+    past 3 loops, outputs equal the dense reference of the same weights at that depth; 0 is
+    refused by name."""
+    from loopserve.errors import ConfigError
+    from loopserve.models.loader import load_model
+    from tests.engine_utils import make_engine, run_steps
+
+    engine = make_engine(tiny_dir, num_loops=3)
+    assert engine.num_loops == 3 and engine.kv.num_planes == 3
+    prompts = [[5, 17, 99, 3], [42, 7, 8, 9, 10, 11, 1]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, exit_threshold=0.9, ignore_eos=True)
+    finished = run_steps(engine, [(f"o{i}", p, params, i) for i, p in enumerate(prompts)])
+    shallow = load_model(tiny_dir, dtype="float32", num_loops=3)  # independent of the engine
+    depths = []
+    for i, prompt in enumerate(prompts):
+        tokens, exits = generate(shallow, prompt, params)
+        assert (finished[f"o{i}"].token_ids, finished[f"o{i}"].exit_depths) == (tokens, exits)
+        depths += exits
+    assert max(depths) == 3
+    with pytest.raises(ConfigError, match="num_loops"):
+        make_engine(tiny_dir, num_loops=0)

@@ -64,7 +64,9 @@ class LLMEngine:
         self.family = family
         if family is HUGINN:
             check_huginn_config(config)
-        self.model = load_model(model_path, dtype=config.dtype, device=config.device)
+        self.model = load_model(
+            model_path, dtype=config.dtype, device=config.device, num_loops=config.num_loops
+        )
         check_draft_loops(config, self.model.num_loops)
         self.tokenizer = Tokenizer.from_dir(self.model.checkpoint_dir)
         bytes_per_block = self.model.config.kv_bytes_per_block(

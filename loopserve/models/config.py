@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from loopserve.errors import ModelLoadError
@@ -94,6 +94,10 @@ class OuroConfig:
         return self.kv_elements_per_token_per_depth * block_size * element_size
 
     # The `LoopedConfig` seam (models/family.py).
+    def with_loops(self, num_loops: int) -> OuroConfig:
+        """The same model run `num_loops` loops per token (`total_ut_steps`)."""
+        return replace(self, total_ut_steps=num_loops)
+
     @property
     def num_core_layers(self) -> int:
         return self.num_hidden_layers

@@ -30,7 +30,8 @@ class LoopedConfig(Protocol):
       `extra_kv_planes` planes of `num_core_layers` layers each.
     - Weights a loop reads besides its layers: `step_extra_params` (Ouro's final norm,
       Huginn's adapter); `exit_gate_params`: a learned exit head's (0 without one).
-    - `kv_bytes_per_block(block_size, element_size)`: one block of one plane.
+    - `kv_bytes_per_block(block_size, element_size)`: one block of one plane;
+      `with_loops(n)`: the same model at D = n.
     - `eos_token_id`: a tuple of ids.
     """
 
@@ -83,3 +84,8 @@ class LoopedConfig(Protocol):
     def eos_token_id(self) -> tuple[int, ...]: ...
 
     def kv_bytes_per_block(self, block_size: int, element_size: int) -> int: ...
+
+    def with_loops(self, num_loops: int) -> LoopedConfig:
+        """The same config run at most `num_loops` loops per token (the engine's
+        `num_loops`; the weights do not depend on it)."""
+        ...

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -115,6 +115,10 @@ class HuginnConfig:
     @property
     def num_core_layers(self) -> int:
         return self.n_layers_in_recurrent_block
+
+    def with_loops(self, num_loops: int) -> HuginnConfig:
+        """The same model with default and largest r `num_loops` (`mean_recurrence`)."""
+        return replace(self, mean_recurrence=num_loops)
 
     @property
     def num_prelude_layers(self) -> int:

@@ -140,12 +140,17 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
     allow_download: bool | None = None,
+    num_loops: int | None = None,
 ):
-    """Load a checkpoint of any registered family into its model (eval mode, no grad)."""
+    """Load a checkpoint of any registered family into its model (eval mode, no grad).
+    `num_loops`: run the core at most this many loops per token instead of the config's D
+    (`LoopedConfig.with_loops`; the weights are the same for any loop count)."""
     from loopserve.models.registry import read_config
 
     directory = resolve_model_path(name_or_path, allow_download=allow_download)
     family, config = read_config(directory / "config.json")
+    if num_loops is not None:
+        config = config.with_loops(num_loops)
     tied = config.tie_word_embeddings
     torch_dtype = parse_dtype(dtype)
     device = torch.device(device)

@@ -75,6 +75,18 @@ def workload(seed: int, criterion: str, count: int = 7):
     return work
 
 
+def staggered_greedy(prefix: str, seed: int, prompt_len: int, max_tokens: int):
+    """Four greedy kl requests of one prompt length, arriving one step apart, thresholds
+    0.01 or 0.1: enough K/V to preempt in a small pool."""
+    rng = random.Random(seed)
+    return [
+        (f"{prefix}{i}", [rng.randrange(128) for _ in range(prompt_len)],
+         SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                        exit_threshold=rng.choice([0.01, 0.1]), ignore_eos=True), i)
+        for i in range(4)
+    ]  # fmt: skip
+
+
 def reference(model, prompt, params, criterion, lookup="last_exited", **extra):
     early = params.exit_threshold < 1.0
     threshold = params.exit_threshold if criterion != "argmax-stability" else None
@@ -123,13 +135,7 @@ def test_preempted_requests_resume_to_the_same_tokens(huginn_dir, preemption):
     engine = make_engine(huginn_dir, num_blocks=9 * 10, exit_criterion="kl",
                          enable_prefix_caching=False, preemption_mode=preemption,
                          swap_space=9 * 10 * 2048)  # fmt: skip
-    rng = random.Random(5)
-    work = [
-        (f"p{i}", [rng.randrange(128) for _ in range(10)],
-         SamplingParams(max_tokens=14, temperature=0.0, exit_threshold=rng.choice([0.01, 0.1]),
-                        ignore_eos=True), i)
-        for i in range(4)
-    ]  # fmt: skip
+    work = staggered_greedy("p", 5, 10, 14)
     finished = run_steps(engine, work)
     stats = engine.scheduler.memory_stats
     assert stats.num_preemptions > 0
@@ -170,13 +176,7 @@ def test_more_once_layers_than_core_layers_fill_several_once_planes(tmp_path):
     shape = ModelShape.from_config(config, dtype_bytes=4)
     assert shape.extra_kv_planes == config.extra_kv_planes
     assert engine.kv.bytes_per_block == kv_bytes_per_block(shape, 4)
-    rng = random.Random(8)
-    work = [
-        (f"w{i}", [rng.randrange(128) for _ in range(9)],
-         SamplingParams(max_tokens=10, temperature=0.0, exit_threshold=rng.choice([0.01, 0.1]),
-                        ignore_eos=True), i)
-        for i in range(4)
-    ]  # fmt: skip
+    work = staggered_greedy("w", 8, 9, 10)
     finished = run_steps(engine, work)
     assert engine.scheduler.memory_stats.num_preemptions > 0
     steps = assert_matches_reference(engine, work, finished, "kl")
@@ -570,13 +570,7 @@ def test_full_lookup_reproduces_the_authors_default(huginn_dir, case):
 def test_full_lookup_equals_the_dense_reference_under_preemption(huginn_dir):
     engine = make_engine(huginn_dir, kv_lookup="full", exit_criterion="kl", num_blocks=9 * 10,
                          enable_prefix_caching=False)  # fmt: skip
-    rng = random.Random(8)
-    work = [
-        (f"f{i}", [rng.randrange(128) for _ in range(10)],
-         SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=rng.choice([0.01, 0.1]),
-                        ignore_eos=True), i)
-        for i in range(4)
-    ]  # fmt: skip
+    work = staggered_greedy("f", 8, 10, 12)
     finished = run_steps(engine, work)
     assert engine.scheduler.memory_stats.num_replayed_rows > 0
     differs = False

@@ -1,7 +1,7 @@
 """Batch-invariant mode for Huginn: a request run alone and the same request sharing every
 core call with other requests (staggered arrivals, other criteria thresholds, other steps,
 a recompute preemption of the target in between) get bit-identical logprobs, tokens, steps
-and K/V planes, in every prompt arm and both decode modes. A control shows the default
+and K/V planes, in every prompt arm, both decode modes and both layouts. A control shows the default
 path does change bits in the same situation (where this host's kernels show it)."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ ARMS = {
     "per_depth-no_refill": dict(prefill_mode="per_depth", mode="no_refill"),
     "wavefront-refill": dict(prefill_mode="wavefront"),
     "mixed-refill": dict(prefill_mode="per_depth", mixed_prefill_decode=True),
+    "shared-atomic": dict(layout="shared", prefill_mode="atomic"),
 }
 
 
@@ -35,7 +36,8 @@ def huginn_dir(tmp_path_factory):
     return make_tiny_huginn_checkpoint(tmp_path_factory.mktemp("huginn-bi"))
 
 
-def others():
+def others(shared: bool = False):
+    """Five requests beside the target (under SHARED at the model's r: it runs no other)."""
     rng = random.Random(4)
     work = []
     for i in range(5):
@@ -45,7 +47,7 @@ def others():
             seed=200 + i,
             exit_threshold=rng.choice([0.1, 0.3, 1.0]),
             min_loops=rng.choice([1, 3]),
-            max_loops=rng.choice([None, 6]),
+            max_loops=None if shared else rng.choice([None, 6]),
             ignore_eos=True,
         )
         prompt = [rng.randrange(128) for _ in range(rng.choice([2, 6, 13]))]
@@ -57,7 +59,8 @@ def run(huginn_dir, args, *, busy: bool, preempt_after: int | None = None):
     """The target alone or among `others()`; its planes after every token (by position)."""
     engine = make_engine(huginn_dir, exit_criterion="kl", prefill_chunk_size=5,
                          enable_prefix_caching=False, **args)  # fmt: skip
-    work = [("t", TARGET_PROMPT, TARGET, 2 if busy else 0)] + (others() if busy else [])
+    shared = args.get("layout") == "shared"
+    work = [("t", TARGET_PROMPT, TARGET, 2 if busy else 0)] + (others(shared) if busy else [])
     snapshots: dict[int, torch.Tensor] = {}
     shared = []
     preempted = []

@@ -3,7 +3,8 @@ through Ray's object store and the outputs equal one colocated engine's.
 
 Two configurations, one per KV layout (LAST_EXITED with `ouro_delayed`, SHARED with `trace`):
 each starts its own two replica actors, so the full layout x exit-mode matrix is left to
-tests/test_pd_serving.py (serving) and tests/test_pd_handoff.py (in-process).
+tests/test_pd_serving.py (serving) and tests/test_pd_handoff.py (in-process). Huginn: a 1P1D
+hand-off and two data-parallel replicas, each equal to one engine.
 Skipped when Ray is not installed (it is the optional `ray` extra)."""
 
 from __future__ import annotations
@@ -90,3 +91,30 @@ def test_huginn_requests_hand_off_through_ray_to_the_colocated_tokens(ray_cluste
     for output, expected in zip(outputs, colocated, strict=True):
         assert (output.token_ids, output.exit_depths) == (expected.token_ids, expected.exit_depths)
     assert min(d for o in outputs for d in o.exit_depths[1:]) < 8  # early exits after hand-off
+
+
+def test_huginn_data_parallel_replicas_return_one_engines_tokens(ray_cluster, tmp_path):
+    """`LLM(huginn, data_parallel_size=2)`: both replicas run requests and every request's
+    tokens and steps equal one engine's."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    model = str(make_tiny_huginn_checkpoint(tmp_path / "huginn-dp"))
+    engine_args = {**ENGINE_ARGS, "exit_criterion": "kl", "init_scale": 1.0}
+    prompts = [[(3 * k + 7 * i) % 120 + 1 for i in range(4 + 3 * k)] for k in range(4)]
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.8, seed=60 + i, exit_threshold=0.3,
+                       ignore_eos=True)
+        for i in range(4)
+    ]  # fmt: skip
+    expected = LLM(model, **engine_args).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, data_parallel_size=2, **engine_args)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        split = llm._replicas.last_split
+    finally:
+        llm._replicas.shutdown()
+    assert [(o.token_ids, o.exit_depths) for o in outputs] == [
+        (e.token_ids, e.exit_depths) for e in expected
+    ]
+    assert sorted(split) != [0, 4] and sum(split) == 4, split  # both replicas ran requests
+    assert min(d for o in outputs for d in o.exit_depths) < 8

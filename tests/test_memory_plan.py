@@ -84,3 +84,25 @@ def test_dummy_forward_of_the_profile_runs_the_whole_model(tiny_model, monkeypat
             block_size=4,
             graphs=False,
         )
+
+
+def test_the_profile_runs_every_part_of_a_huginn_model(tmp_path, monkeypatch):
+    """The memory plan's dummy pass goes through `LoopedModel.profile_forward`, so a Huginn
+    model (prelude and coda attention, a state injected at every step) is profiled like an
+    Ouro one: both are `LoopedModel`s, and the stubbed-CUDA peak measurement runs."""
+    import torch
+
+    from loopserve.models.family import LoopedModel
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopserve.models.loader import load_model
+    from loopserve.runner import memory_profile
+
+    model = load_model(make_tiny_huginn_checkpoint(tmp_path / "h"), dtype="float32")
+    assert isinstance(model, LoopedModel)
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 512)
+    assert memory_profile._forward_peak(model, 19, torch.device("cpu")) == 512
+    logits = memory_profile.dummy_forward(model, 19, torch.device("cpu"))
+    assert logits.shape == (19, model.config.vocab_size) and torch.isfinite(logits).all()

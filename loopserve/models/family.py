@@ -14,7 +14,10 @@ their own and a state injected at every step).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @runtime_checkable
@@ -89,3 +92,26 @@ class LoopedConfig(Protocol):
         """The same config run at most `num_loops` loops per token (the engine's
         `num_loops`; the weights do not depend on it)."""
         ...
+
+
+@runtime_checkable
+class LoopedModel(Protocol):
+    """What the engine reads of a loaded model of any family (`LLMEngine`, the memory plan):
+    its `config` (`LoopedConfig`), `num_loops`, `lm_head` (its weight's dtype and device are
+    the model's), the `checkpoint_dir` it was loaded from, and `profile_forward`, one pass of
+    every part over rows (prelude, one loop, exit signal, coda) for the memory plan's
+    activation peak. The per-loop API that serving runs (prelude, a core step at a loop over a
+    set of rows, the exit signal, the coda) is the family's own, run by the family's executor
+    in `runner/`: Ouro's prelude is an embedding and its coda an lm_head, Huginn's are
+    attention layers with K/V of their own around a state injected at every step."""
+
+    config: Any
+    checkpoint_dir: Path
+
+    @property
+    def num_loops(self) -> int: ...
+
+    @property
+    def lm_head(self) -> Any: ...
+
+    def profile_forward(self, token_ids: Any, positions: Any, attn: Any) -> Any: ...

@@ -384,6 +384,15 @@ class HuginnForLoopedLM(nn.Module):
             x = block(x, rope, attn)
         return x
 
+    def profile_forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """Every part of one step over `token_ids` [rows]: prelude, one core step from the
+        zero state, coda (the memory plan's activation peak, `LoopedModel`). [rows, vocab]."""
+        e = self.prelude(token_ids, positions, attn)
+        state = self.core(self.initial_state(e, init_scale=0.0), e, positions, attn)
+        return self.coda(state, positions, attn)
+
     def coda(
         self, state: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:

@@ -172,6 +172,15 @@ class OuroForLoopedLM(nn.Module):
         """lm_head on the exit loop's normed state. [rows, vocab]."""
         return self.lm_head(hidden)
 
+    def profile_forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """Every part of one loop over `token_ids` [rows]: prelude, core, gate, coda (the
+        memory plan's activation peak, `LoopedModel`). [rows, vocab]."""
+        hidden = self.core(self.prelude(token_ids), positions, attn)
+        self.gate(hidden)
+        return self.coda(hidden)
+
 
 def float32_hazards(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """sigmoid(head(hidden)) [rows] computed in float32 whatever the model dtype: a bf16 gate

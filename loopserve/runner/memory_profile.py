@@ -1,7 +1,8 @@
 """The CUDA memory plan: profile what the engine needs before the KV cache is sized.
 
-`profile_cuda_peak` runs, with the weights loaded and no KV cache yet, one dummy core loop
-plus gate and coda over `max_num_batched_tokens` rows (a single causal sequence, attention
+`profile_cuda_peak` runs, with the weights loaded and no KV cache yet, one dummy pass of
+every part of the model (`LoopedModel.profile_forward`: Ouro's embedding, core loop, gate and
+lm_head; Huginn's prelude, core step and coda) over `max_num_batched_tokens` rows (a single causal sequence, attention
 on the rows themselves) and reads torch's allocator peak; memory outside torch's allocator
 (CUDA context, cuBLAS workspaces) is `used by the device - reserved by torch`. The torch
 attention backend's prompt-chunk scores (`[heads, chunk, context]` in float32, up to
@@ -13,7 +14,7 @@ that bucket over the graphs' context bound (`min(max_model_len, GRAPH_MAX_CONTEX
 Triton backend (`paged_attention=True`) keeps scores and K/V tiles inside its kernels, so
 neither the prompt-chunk scores nor a gather workspace is added for it.
 `loopserve.config.cuda_kv_budget` turns these into the KV byte budget (pure arithmetic,
-unit-tested on CPU). Every function here needs CUDA.
+unit-tested on CPU). Every function here but `dummy_forward` needs CUDA.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loopserve.models.ouro import OuroForLoopedLM
+from loopserve.models.family import LoopedModel
 from loopserve.runner.graphs import GRAPH_MAX_CONTEXT
 
 
@@ -50,23 +51,28 @@ class CudaMemoryProfile:
     graph_bytes: int  # estimate of the CUDA graphs' pool (0 when graphs are off)
 
 
-def _forward_peak(model: OuroForLoopedLM, rows: int, device: torch.device) -> int:
+def dummy_forward(model: LoopedModel, rows: int, device: torch.device) -> torch.Tensor:
+    """One pass of every part of `model` over `rows` dummy rows, one causal sequence
+    attending to itself (`LoopedModel.profile_forward`): [rows, vocab] logits. Runs on any
+    device; `_forward_peak` measures it on CUDA."""
+    with torch.inference_mode():
+        token_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        positions = torch.arange(rows, device=device)
+        attn = _SelfAttention(model.config.head_dim**-0.5)
+        return model.profile_forward(token_ids, positions, attn)
+
+
+def _forward_peak(model: LoopedModel, rows: int, device: torch.device) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    with torch.inference_mode():
-        token_ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        hidden = model.prelude(token_ids)
-        positions = torch.arange(rows, device=device)
-        hidden = model.core(hidden, positions, _SelfAttention(model.config.head_dim**-0.5))
-        model.gate(hidden)
-        model.coda(hidden[:rows])
+    dummy_forward(model, rows, device)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
 
 
 def profile_cuda_memory(
-    model: OuroForLoopedLM,
+    model: LoopedModel,
     *,
     max_num_batched_tokens: int,
     prefill_chunk_size: int,

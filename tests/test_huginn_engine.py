@@ -612,3 +612,20 @@ def test_the_engine_runs_huginn_at_another_step_bound(huginn_dir, num_loops):
         steps += out.exit_depths
     assert max(steps) == num_loops and min(steps) < num_loops
     assert_released(engine)
+
+
+def test_graph_mode_auto_starts_huginn_eagerly_on_cuda_and_emulate_is_refused():
+    """No graphed path for Huginn: `auto` (the default) resolves to eager on every device,
+    so a CUDA engine starts without naming it; asking for graphs is a start-up error."""
+    from loopserve.config import EngineConfig, effective_graph_mode
+    from loopserve.runner.huginn_parts import check_huginn_config, resolve_huginn_config
+
+    cuda = EngineConfig.from_engine_args(device="cuda")
+    assert effective_graph_mode(cuda) == "capture"  # what Ouro gets
+    resolved = resolve_huginn_config(cuda)
+    assert effective_graph_mode(resolved) == "off"
+    check_huginn_config(resolved)  # no error
+    with pytest.raises(ConfigError, match="graph_mode='emulate'"):
+        check_huginn_config(
+            resolve_huginn_config(EngineConfig.from_engine_args(graph_mode="emulate"))
+        )

@@ -40,7 +40,7 @@ from loopserve.models import load_model, resolve_model_path
 from loopserve.models.registry import HUGINN, read_config, require_engine_family
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
 from loopserve.runner.attention.registry import resolve_attention_backend
-from loopserve.runner.huginn_parts import check_huginn_config
+from loopserve.runner.huginn_parts import check_huginn_config, resolve_huginn_config
 from loopserve.runner.huginn_runner import HuginnRunner
 from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
@@ -63,6 +63,7 @@ class LLMEngine:
         require_engine_family(family)
         self.family = family
         if family is HUGINN:
+            config = resolve_huginn_config(config)
             check_huginn_config(config)
         self.model = load_model(
             model_path, dtype=config.dtype, device=config.device, num_loops=config.num_loops

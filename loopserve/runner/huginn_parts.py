@@ -4,6 +4,8 @@ attention router between step planes and the once planes, the per-request state 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from loopserve.contracts import ItemKind, SampledToken, WorkItem
@@ -13,6 +15,14 @@ from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant
 from loopserve.runner.transfers import Transfers
+
+
+def resolve_huginn_config(config):
+    """`config` with what `auto` means for Huginn: `graph_mode` auto runs eagerly (the
+    family has no graphed path), so a CUDA engine starts without naming it."""
+    if config.graph_mode == "auto":
+        return dataclasses.replace(config, graph_mode="off")
+    return config
 
 
 def check_huginn_config(config) -> None:

@@ -86,6 +86,14 @@ def family_of(raw: dict) -> ModelFamily:
     raise ModelLoadError(f"config.json has model_type {model_type!r}; loopserve supports {known}")
 
 
+def family_of_config(config) -> ModelFamily:
+    """The family a parsed config belongs to (its config class)."""
+    for family in FAMILIES:
+        if isinstance(config, family.config_class):
+            return family
+    raise ModelLoadError(f"no registered family parses {type(config).__name__}")
+
+
 def read_config(path: str | os.PathLike):
     """The family and parsed config of a `config.json` (or of a checkpoint directory)."""
     path = Path(path)

@@ -116,8 +116,8 @@ class DecodeExits:
 
 
 class PromptExits:
-    """Inputs: a fresh criterion, the requests' r (`max_loops`), the
-    coda, the finalize copies and the steps record. Per step: `begin`, `start` a prompt's
+    """Inputs: a fresh criterion, the requests' r (`max_loops`), the coda, the finalize
+    copies and the steps record. Per step: `begin`, `start` a prompt's
     criterion from its initial state, `check` after each call; `exited` maps an item to its
     (loops used, logits)."""
 
@@ -157,12 +157,12 @@ class PromptExits:
             assert item.exit_rule is not None and item.token_start == 0
             r = self.max_loops[request_id]
             positions = list(range(item.token_start, item.token_start + item.token_count))
-            segment = [(tables[request_id], 0, item.token_count)]
+            spans = [(tables[request_id], 0, item.token_count)]
             exits, logits = loop == r - 1, None
             checks = item.exit_rule.threshold < 1.0 and loop + 1 >= item.exit_rule.min_loops
             if checks and loop < r - 1:
                 if rule.needs_logits:
-                    logits = self.coda(state, segment, positions)
+                    logits = self.coda(state, spans, positions)
                 if rule.name != "argmax-stability":
                     rule.threshold = item.exit_rule.threshold
                 fired, _ = rule.check(state.unsqueeze(0), None if logits is None else logits[-1:])
@@ -170,7 +170,7 @@ class PromptExits:
             if not exits:
                 continue
             if logits is None:
-                logits = self.coda(state, segment, positions)
+                logits = self.coda(state, spans, positions)
             self.exited[i] = (loop + 1, logits)
             self.ran(request_id, positions, loop + 1)
             del self.rules[i]

@@ -19,9 +19,9 @@ from loopserve.runner.transfers import Transfers
 
 
 class PromptItems:
-    """Inputs: the handle table of paused work, the step rules, the
-    requests' r, the prompt exits (and whether prompts exit as one token, `prompt_exits`),
-    the coda, the finalize copies, the sampler, the steps record and the transfer counter."""
+    """Inputs: the handle table of paused work, the step rules, the requests' r, the prompt
+    exits (and whether prompts exit as one token, `prompt_exits`), the coda, the finalize
+    copies, the sampler, the steps record and the transfer counter."""
 
     def __init__(
         self,

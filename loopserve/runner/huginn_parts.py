@@ -31,7 +31,7 @@ def check_huginn_config(config) -> None:
     pairs named below."""
     graph = config.graph_mode if not config.enforce_eager else "off"
     problems = []
-    if graph not in ("off", "auto") or (graph == "auto" and config.device.startswith("cuda")):
+    if graph not in ("off", "auto"):  # `auto` is eager for Huginn (`resolve_huginn_config`)
         problems.append(f"graph_mode={config.graph_mode!r} (Huginn runs eagerly: graph_mode='off')")
     if config.exit.mode != "ouro":
         problems.append(f"exit_mode={config.exit.mode!r} (Huginn exits by its criterion: 'ouro')")

@@ -343,9 +343,9 @@ class HuginnRunner(Executor):
             n = items[i].token_count
             states[i] = (state_out[at : at + n], e[at : at + n])
             item = items[i]
-            if item.kind is ItemKind.PROMPT and item.depth + k == self.rules.final_prompt_depth(
-                item
-            ):  # every row's state at its last prompt loop (the request's r, or its exit)
+            # Every row's state at its last prompt loop (the request's r, or its exit).
+            final = self.rules.final_prompt_depth(item)
+            if item.kind is ItemKind.PROMPT and item.depth + k == final:
                 loop_states[i] = states[i][0]
             at += n
         if decode is None:

@@ -1,9 +1,9 @@
 """The CUDA memory plan: profile what the engine needs before the KV cache is sized.
 
 `profile_cuda_peak` runs, with the weights loaded and no KV cache yet, one dummy pass of
-every part of the model (`LoopedModel.profile_forward`: Ouro's embedding, core loop, gate and
-lm_head; Huginn's prelude, core step and coda) over `max_num_batched_tokens` rows (a single causal sequence, attention
-on the rows themselves) and reads torch's allocator peak; memory outside torch's allocator
+every part of the model (`LoopedModel.profile_forward`: Ouro's embedding, core loop, gate
+and lm_head; Huginn's prelude, core step and coda) over `max_num_batched_tokens` rows (a
+single causal sequence, attention on the rows themselves) and reads torch's allocator peak; memory outside torch's allocator
 (CUDA context, cuBLAS workspaces) is `used by the device - reserved by torch`. The torch
 attention backend's prompt-chunk scores (`[heads, chunk, context]` in float32, up to
 `max_model_len` context) are added analytically, since the dummy sequence has no cached

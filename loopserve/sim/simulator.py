@@ -33,6 +33,7 @@ from loopserve.config import (
 from loopserve.contracts import RunnerOutput, SchedulerOutput
 from loopserve.engine.build import build_engine_core
 from loopserve.models.family import LoopedConfig
+from loopserve.models.registry import family_of_config
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request
 from loopserve.scheduler.scheduler import Scheduler
@@ -107,6 +108,7 @@ class Simulator:
         argmax criteria)."""
         self.exit_threshold = exit_threshold
         self.shape = ModelShape.from_config(model_config)
+        family = family_of_config(model_config)  # its K/V and prompt rules, as the engine's
         self.device = device
         self.cost_model = CostModel(self.shape, device, roofline)
         config = build_engine_config(engine_args or {})
@@ -137,8 +139,8 @@ class Simulator:
             async_scheduling=False,
             clock=time.process_time,
             extra_planes=self.shape.extra_kv_planes,
-            prefix_key_by_max_loops=self.shape.coda_layers > 0,
-            prompt_loops_by_request=self.shape.coda_layers > 0,
+            prefix_key_by_max_loops=family.prefix_keyed_by_max_loops,
+            prompt_loops_by_request=family.prompt_loops_by_request,
         )
         self.scheduler = self.core.scheduler
         self.kv = self.scheduler.kv

@@ -22,7 +22,9 @@ def free_port() -> int:
 
 class ServerProcess:
     """`python -m loopserve.cli.serve` with the given flags, logging to a file
-    (`module` names another entry point with the same flags, e.g. `tests.fault_runner`)."""
+    (`module` names another entry point with the same flags, e.g. `tests.fault_runner`;
+    `console_script=True` runs the installed `loopserve serve` command instead, as a user
+    starts it)."""
 
     def __init__(
         self,
@@ -32,6 +34,7 @@ class ServerProcess:
         torch_threads: int = 1,
         env: dict[str, str] | None = None,
         module: str = "loopserve.cli.serve",
+        console_script: bool = False,
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -43,6 +46,8 @@ class ServerProcess:
             root = str(Path(__file__).resolve().parents[1])
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         command = [sys.executable, "-m", module]
+        if console_script:  # the venv's `loopserve` beside this interpreter
+            command = [str(Path(sys.executable).parent / "loopserve"), "serve"]
         command += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(

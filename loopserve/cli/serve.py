@@ -68,8 +68,8 @@ def main_from_args(args: argparse.Namespace) -> int:
             on_load_error=stop_server,
         )
     server = make_server(client, args, served_model_name)
-    if isinstance(client, ReplicaPool):
-        client.init_ray()  # in the main thread, before uvicorn takes the signals
+    if isinstance(client, ReplicaPool):  # PDReplicaPool too
+        client.replica_set.init_ray()  # in the main thread, before uvicorn takes the signals
     server.run()
     if client.load_error is not None:
         logger.error("the model failed to load: %s", client.load_error)

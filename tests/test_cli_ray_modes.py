@@ -1,0 +1,130 @@
+"""Every Ray mode of `loopserve serve` starts from its command line and answers a completion.
+
+Each test runs the installed `loopserve serve` console script as a subprocess on loopback,
+as a user starts it (the in-process pool tests never go through the command, which is how
+`--data-parallel-size`, `--pd` and `--ray-address` all crashed at start-up with an
+AttributeError while the suite stayed green). The answer is compared with one in-process
+engine's greedy tokens for the same prompt, so a replica that served something else fails.
+"""
+
+from __future__ import annotations
+
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.optional import require
+
+require("ray", "serve")
+import httpx
+
+from loopserve.llm import LLM
+from loopserve.sampling_params import SamplingParams
+from tests.server_utils import ServerProcess
+
+pytestmark = pytest.mark.slow
+ENGINE_FLAGS = ["--dtype", "float32", "--num-blocks", "256", "--block-size", "4"]
+PROMPT_IDS = [5, 17, 42, 99, 3]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_dir) -> list[int]:
+    """One in-process engine's greedy tokens for the prompt."""
+    llm = LLM(str(tiny_dir), dtype="float32", num_blocks=256, block_size=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return llm.generate([PROMPT_IDS], params)[0].token_ids
+
+
+def _complete(server: ServerProcess) -> dict:
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT_IDS,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120.0)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _serve_and_complete(
+    args: list[str], tmp_path: Path, expected: list[int], env: dict[str, str] | None = None
+) -> dict:
+    server = ServerProcess(
+        [*args, *ENGINE_FLAGS, "--served-model-name", "tiny", "--torch-threads", "1"],
+        tmp_path / "server.log",
+        console_script=True,
+        env=env,
+    )
+    try:
+        server.wait_healthy(timeout_s=180.0)
+        health = httpx.get(server.base_url + "/health", timeout=5.0).json()
+        body = _complete(server)
+    finally:
+        code = server.stop()
+    log = server.log()
+    assert "Traceback" not in log, log
+    assert code == 0, log
+    assert body["choices"][0]["token_ids"] == expected
+    return health
+
+
+def test_data_parallel_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
+    health = _serve_and_complete(
+        ["--model", str(tiny_dir), "--data-parallel-size", "2"], tmp_path, expected
+    )
+    assert health["replicas"] == 2
+
+
+def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
+    health = _serve_and_complete(
+        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1"], tmp_path, expected
+    )
+    assert health["replicas"] == 2
+
+
+def _start_ray_head(log_path: Path) -> tuple[subprocess.Popen, str]:
+    """A Ray cluster on loopback in a process of its own (`tests/ray_head.py`) and its GCS
+    address."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
+    log = open(log_path, "w")  # noqa: SIM115 - the child holds it
+    head = subprocess.Popen(
+        [sys.executable, "-m", "tests.ray_head"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True,
+    )  # fmt: skip
+    address = head.stdout.readline().strip()  # type: ignore[union-attr]
+    assert address, f"the Ray head printed no address:\n{log_path.read_text()}"
+    return head, address
+
+
+def test_serve_joins_an_existing_ray_cluster_from_the_command_line(tiny_dir, tmp_path, expected):
+    head, gcs_address = _start_ray_head(tmp_path / "ray_head.log")
+    # The GCS names the host's interface but listens on every one: join it on loopback.
+    address = "127.0.0.1:" + gcs_address.rsplit(":", 1)[1]
+    try:
+        health = _serve_and_complete(
+            ["--model", str(tiny_dir), "--ray-address", address],
+            tmp_path,
+            expected,
+            # Ray 2.60's `ray.init()` clusters use token auth; a process joining one by
+            # address sends the token (~/.ray/auth_token) only in this mode.
+            env={"RAY_AUTH_MODE": "token"},
+        )
+        assert health["replicas"] == 1
+    finally:
+        head.stdin.close()  # type: ignore[union-attr]
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()

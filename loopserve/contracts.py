@@ -410,10 +410,6 @@ class ItemResult(NamedTuple):
     exited: bool = False
     loops_used: int | None = None
     sampled: SampledToken | None = None
-    # Further tokens the item produced after `sampled`, each with its loops used, in order
-    # (the seam for self-speculative rounds, where one verified item yields several tokens);
-    # empty from every executor today. The scheduler appends them as it appends `sampled`.
-    more_sampled: tuple[tuple[SampledToken, int], ...] = ()
     # Prompt logprobs of an item with `score_ids`: one per score id, in position order.
     prompt_logprobs: tuple[SampledToken, ...] = ()
 
@@ -429,18 +425,16 @@ class RequestFailure:
 
 
 @dataclass(frozen=True, slots=True)
-class RunnerOutput:
-    step_id: int
-    results: tuple[ItemResult, ...]
+class RunnerStats:
+    """What one step cost its executor: telemetry, kept apart from the results the scheduler
+    applies (the engine core adds it to its counters; observers and tools read it)."""
+
     # Rows of each core call this step ran (atomic prompt steps run several calls).
-    rows_per_core_call: tuple[int, ...] = field(default_factory=tuple)
+    rows_per_core_call: tuple[int, ...] = ()
     model_time_s: float = 0.0  # the whole `execute` (tensor building, finalize, sampling too)
     forward_time_s: float = 0.0  # inside the model's prelude / core / gate / coda calls only
     num_early_exits: int = 0  # tokens sampled this step after fewer than D loops
     num_finalize_copies: int = 0  # LAST_EXITED: decode tokens whose K/V was finalized
-    # Requests that failed alone this step: new requests whose setup raised (their items got
-    # empty results), and requests whose sampling raised (their rows ran; no token).
-    failed_requests: tuple[RequestFailure, ...] = ()
     num_graph_calls: int = 0  # core calls run through the static bucketed buffers (graphs)
     num_padded_rows: int = 0  # padding rows those calls added to reach their bucket
     # Host<->device copies of the step (`runner.transfers`; counted on CPU too).
@@ -448,8 +442,18 @@ class RunnerOutput:
     num_d2h_transfers: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    step_id: int
+    results: tuple[ItemResult, ...]
+    # Requests that failed alone this step: new requests whose setup raised (their items got
+    # empty results), and requests whose sampling raised (their rows ran; no token).
+    failed_requests: tuple[RequestFailure, ...] = ()
     # One result per row of `SchedulerOutput.decode` (None when it had no decode rows).
     decode: DecodeResults | None = None
+    stats: RunnerStats = RunnerStats()
 
 
 @dataclass(frozen=True, slots=True)

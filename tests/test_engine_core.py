@@ -29,7 +29,7 @@ def test_observer_sees_every_step_and_releases_ride_on_the_next_output():
     sim = make_sim()
     core = sim.core
     seen: list[tuple[SchedulerOutput, int]] = []
-    remove = core.add_observer(lambda s, o: seen.append((s, sum(o.rows_per_core_call))))
+    remove = core.add_observer(lambda s, o: seen.append((s, sum(o.stats.rows_per_core_call))))
     submit(sim, "short", 5, 1, (4,))
     submit(sim, "long", 6, 3, (1, 2, 3))
     while core.has_unfinished_requests():

@@ -211,7 +211,7 @@ def test_a_long_table_beyond_the_buffers_entries_is_written_apart_and_decodes_ex
     )  # fmt: skip
     copies = []
     engine.core.add_observer(
-        lambda s, o: copies.append(o.num_h2d_transfers) if o.num_graph_calls else None
+        lambda s, o: copies.append(o.stats.num_h2d_transfers) if o.stats.num_graph_calls else None
     )
     params = SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.5)
     prompt = [(7 * j + 3) % 200 + 1 for j in range(100)]  # 25 blocks of 4 per plane

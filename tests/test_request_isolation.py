@@ -79,7 +79,7 @@ def test_failed_setup_fails_only_that_request_and_the_rest_match_the_reference(f
     assert others
     if ARMS[arm].get("mixed_prefill_decode"):  # running decode rows shared the core call
         assert {"a", "b"} & {item.request_id for item in others if item.kind == "decode"}
-    assert output.rows_per_core_call[0] == sum(item.token_count for item in others)
+    assert output.stats.rows_per_core_call[0] == sum(item.token_count for item in others)
     for item, result in zip(scheduled.items, output.results):
         assert result.handle == item.handle
         if item.request_id == "bad":

@@ -177,23 +177,3 @@ def test_a_result_of_a_row_whose_request_left_is_skipped():
     touched = scheduler.update(scheduled, decode_reply(scheduled, (None, True, 6), (None, True, 8)))
     assert touched == [b] and b.output_token_ids == [5, 8]
     scheduler.check_invariants()
-
-
-def test_an_item_result_with_several_tokens_appends_them_in_order_up_to_max_tokens():
-    """The multi-token seam: a result's `more_sampled` tokens follow `sampled`, each with its
-    own loop count; the request finishes at max_tokens and later ones are dropped."""
-    scheduler = make_scheduler("trace")
-    request = add(scheduler, "a", max_tokens=4, exit_trace=(4,))
-    scheduled = scheduler.schedule()
-    (item,) = scheduled.items  # the prompt, which samples the first token
-    extra = (
-        (SampledToken(9), 2),
-        (SampledToken(10), 3),
-        (SampledToken(11), 4),
-        (SampledToken(12), 1),
-    )
-    done = result(item, [0.0] * NUM_LOOPS, True, 4, 8)._replace(more_sampled=extra)
-    assert scheduler.update(scheduled, reply(scheduled, done)) == [request]
-    assert request.output_token_ids == [8, 9, 10, 11] and request.exit_depths == [4, 2, 3, 4]
-    assert request.is_finished and request.finish_reason.value == "length"
-    scheduler.check_invariants()

@@ -165,9 +165,9 @@ def test_first_token_uses_its_trace_and_atomic_prompt_runs_d_calls():
     out = executor.execute(
         SchedulerOutput(1, (item,), {}, (NewRequestData("r", SampleSpec(), None),))
     )
-    assert out.rows_per_core_call == (32, 32, 32, 32)
+    assert out.stats.rows_per_core_call == (32, 32, 32, 32)
     assert out.results[0].loops_used == 2 and out.results[0].sampled is not None
-    assert out.model_time_s > 4 * cost.core_call(rows=32).time_s * 0.99
+    assert out.stats.model_time_s > 4 * cost.core_call(rows=32).time_s * 0.99
 
 
 # ---- simulator vs the real engine ------------------------------------------------------------

@@ -74,7 +74,7 @@ def _decode_steps(engine, work):
     def watch(scheduled, output):
         if scheduled.decode is not None and not scheduled.items:
             gated = bool((scheduled.decode.exit_code == GATE).any())
-            per_step.append((output.num_d2h_transfers, output.num_h2d_transfers, gated))
+            per_step.append((output.stats.num_d2h_transfers, output.stats.num_h2d_transfers, gated))
 
     engine.core.add_observer(watch)
     finished = run_steps(engine, work)

@@ -159,27 +159,28 @@ class EngineCore:
         for observer in self._observers:
             observer(scheduled, output)
         counters.num_steps += 1
-        rows = output.rows_per_core_call
+        stats = output.stats
+        rows = stats.rows_per_core_call
         counters.num_core_calls += len(rows)
         counters.num_rows += sum(rows)
         counters.num_output_tokens += self.scheduler.step_tokens
         counters.num_loops += self.scheduler.step_loops
-        counters.num_early_exits += output.num_early_exits
-        counters.num_finalize_copies += output.num_finalize_copies
+        counters.num_early_exits += stats.num_early_exits
+        counters.num_finalize_copies += stats.num_finalize_copies
         for result in output.results:
             if result.prompt_logprobs:
                 counters.num_scored_prompt_positions += len(result.prompt_logprobs)
                 counters.num_scored_prompt_loops += sum(
                     s.loops or 0 for s in result.prompt_logprobs
                 )
-        counters.num_graph_calls += output.num_graph_calls
-        counters.num_padded_rows += output.num_padded_rows
-        counters.num_h2d_transfers += output.num_h2d_transfers
-        counters.num_d2h_transfers += output.num_d2h_transfers
-        counters.h2d_bytes += output.h2d_bytes
-        counters.d2h_bytes += output.d2h_bytes
-        counters.model_time_s += output.model_time_s
-        counters.forward_time_s += output.forward_time_s
+        counters.num_graph_calls += stats.num_graph_calls
+        counters.num_padded_rows += stats.num_padded_rows
+        counters.num_h2d_transfers += stats.num_h2d_transfers
+        counters.num_d2h_transfers += stats.num_d2h_transfers
+        counters.h2d_bytes += stats.h2d_bytes
+        counters.d2h_bytes += stats.d2h_bytes
+        counters.model_time_s += stats.model_time_s
+        counters.forward_time_s += stats.forward_time_s
         self._flush_if_idle()
         return AppliedStep(touched, failed, errors)
 

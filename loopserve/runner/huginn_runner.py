@@ -28,6 +28,7 @@ from loopserve.contracts import (
     NewRequestData,
     RequestFailure,
     RunnerOutput,
+    RunnerStats,
     SchedulerOutput,
 )
 from loopserve.execution import Executor, StepRules, run_without_failed
@@ -257,17 +258,14 @@ class HuginnRunner(Executor):
             num_early += early
             num_finalized += finalized
         results = self.items.results(items, tables, states, loop_states, exited_items, failed)
-        return RunnerOutput(
-            scheduled.step_id,
-            tuple(results),
+        stats = RunnerStats(
             tuple(rows_per_call),
             model_time_s=time.perf_counter() - start_s,
             forward_time_s=self._forward_s,
             num_early_exits=num_early,
             num_finalize_copies=num_finalized,
-            failed_requests=tuple(failed),
-            decode=decode_results,
         )
+        return RunnerOutput(scheduled.step_id, tuple(results), tuple(failed), decode_results, stats)
 
     def _call(self, k, decode, items, active, tables, states, loop_states):
         """Core call k: decode rows (call 0) and the active items; the prelude first for rows

@@ -34,6 +34,7 @@ from loopserve.contracts import (
     NewRequestData,
     RequestFailure,
     RunnerOutput,
+    RunnerStats,
     SampleSpec,
     SchedulerOutput,
 )
@@ -350,9 +351,7 @@ class ModelRunner(Executor):
         graph_calls = padded = 0
         if self.graphs is not None:
             graph_calls, padded = self.graphs.num_calls - calls0, self.graphs.num_padded_rows - pad0
-        return RunnerOutput(
-            scheduled.step_id,
-            tuple(coda.results),
+        stats = RunnerStats(
             tuple(rows_per_call),
             model_time_s=time.perf_counter() - start_s,
             forward_time_s=self._forward_s,
@@ -360,13 +359,12 @@ class ModelRunner(Executor):
             num_finalize_copies=self._num_finalized,
             num_graph_calls=graph_calls,
             num_padded_rows=padded,
-            failed_requests=coda.failed,
             num_h2d_transfers=h2d,
             num_d2h_transfers=d2h,
             h2d_bytes=h2d_bytes,
             d2h_bytes=d2h_bytes,
-            decode=coda.decode,
         )
+        return RunnerOutput(scheduled.step_id, tuple(coda.results), coda.failed, coda.decode, stats)
 
     def _timed(self, fn, *args) -> torch.Tensor:
         """Call a model function, adding its duration to this step's forward time.

@@ -352,12 +352,6 @@ class Scheduler:
             reason = request.append_token(sampled.token_id, result.loops_used, now, sampled)
             self.step_tokens += 1
             self.step_loops += result.loops_used
-            for sampled, loops_used in result.more_sampled:  # several tokens from one item
-                if reason is not None:
-                    break
-                reason = request.append_token(sampled.token_id, loops_used, now, sampled)
-                self.step_tokens += 1
-                self.step_loops += loops_used
             touched.append(request)
             if reason is not None:
                 self.finish(request, reason)

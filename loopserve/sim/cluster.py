@@ -190,7 +190,7 @@ class Cluster:
                 raise result.error
             if result.scheduled.is_empty:
                 raise RuntimeError("the scheduler planned an empty step with work pending")
-            replica.free_s += result.output.model_time_s + replica.sim.host_time_s
+            replica.free_s += result.output.stats.model_time_s + replica.sim.host_time_s
             now = replica.free_s
             clock = max(clock, now)
             for request in result.touched:

@@ -23,7 +23,7 @@ trace drawn from the workload's distribution), so no gate runs. For gated modes 
 draws a target loop count per token from `exit_dist` and emits hazards 0 before it and 1 from
 it on (one loop earlier for the delayed modes), so the exit rule lands on the target.
 
-`model_time_s` of the `RunnerOutput` is simulated GPU seconds from the `CostModel`.
+`model_time_s` of the `RunnerOutput`'s `stats` is simulated GPU seconds from the `CostModel`.
 
 Cascade attention (`cascade=True`, the engine's `cascade_attention` resolved): the runner's
 attention backend groups the one-row items of a core call whose block tables (of the plane they
@@ -46,6 +46,7 @@ from loopserve.contracts import (
     ItemKind,
     ItemResult,
     RunnerOutput,
+    RunnerStats,
     SampledToken,
     SchedulerOutput,
     WorkItem,
@@ -200,7 +201,7 @@ class SimExecutor(Executor):
         self._apply_bookkeeping(scheduled)
         items = scheduled.items
         if scheduled.is_empty:
-            return RunnerOutput(scheduled.step_id, (), model_time_s=self._swap_s)
+            return RunnerOutput(scheduled.step_id, (), stats=RunnerStats(model_time_s=self._swap_s))
         num_calls = max([item.num_depths for item in items] + [1])
         # Per-call totals by item depth count: an item with n depths runs in calls 0..n-1, and
         # its rows, context and KV traffic are the same at every depth (prelude only at 0).
@@ -237,15 +238,15 @@ class SimExecutor(Executor):
         stats.coda_rows += coda_rows
         stats.num_early_exits += num_early
         stats.num_finalize_copies += self._step_finalized
-        return RunnerOutput(
-            scheduled.step_id,
-            tuple(results),
+        step_stats = RunnerStats(
             rows_per_call,
             model_time_s=core_s + coda_s + sampling_s + self._swap_s,
             forward_time_s=core_s + coda_s,
             num_early_exits=num_early,
             num_finalize_copies=self._step_finalized,
-            decode=decode_results,
+        )
+        return RunnerOutput(
+            scheduled.step_id, tuple(results), decode=decode_results, stats=step_stats
         )
 
     def _run_decode(self, rows: DecodeRows, tally: _CallTally) -> tuple[DecodeResults, int, int]:

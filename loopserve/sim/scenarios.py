@@ -162,9 +162,9 @@ def run_interference(
                 f"the simulated KV cache ({stats.kv_blocks_total} blocks) cannot hold the whole "
                 f"decode population; lower num_decode or decode_max_tokens"
             )
-        clock += output.model_time_s
+        clock += output.stats.model_time_s
         if arrivals:  # inside the window
-            calls += len(output.rows_per_core_call)
+            calls += len(output.stats.rows_per_core_call)
             mixed += executor.stats.mixed_calls - mixed_before
             decode_rows += scheduled.num_decode_rows
             for item in scheduled.items:

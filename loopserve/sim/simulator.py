@@ -159,10 +159,10 @@ class Simulator:
     def _step_s(self, output: RunnerOutput) -> float:
         """A step's wall time: device time, plus the host model's time for its core calls
         (overlapped, ideally, under async scheduling)."""
-        device_s = output.model_time_s
+        device_s = output.stats.model_time_s
         if self.host_model is None:
             return device_s
-        host_s = self.host_model.step_s(output.rows_per_core_call)
+        host_s = self.host_model.step_s(output.stats.rows_per_core_call)
         self.host_s += host_s
         self.host_bound_steps += host_s > device_s
         return step_time_s(device_s, host_s, overlap=self.config.async_scheduling)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -84,52 +84,26 @@ class SampledToken:
 
 
 class ItemKind(str, enum.Enum):
-    """Kinds of `WorkItem` (decode tokens are not items: they are `DecodeRows` columns)."""
+    """Kinds of work item: one small type each (`PromptChunk`, `ReplayRow`, `SpecRow`);
+    decode tokens are not items: they are `DecodeRows` columns."""
 
     PROMPT = "prompt"
-    # Recompute after preemption: one already-generated token re-run at its position through
-    # the loops it really used (`exit_now` True at its exit depth), finalize included, with
-    # no coda and no sampling (the token is known).
     REPLAY = "replay"
-    # Self-speculative decoding: one decode position of a request whose next positions may
-    # already run on drafted tokens. It runs one loop per step; its exit follows the plan
-    # fields (`exit_now` True: exit, False: continue, None: the gate decides with
-    # `cdf_before`, `survival_before`, `threshold`); the coda samples it at its exit, and
-    # with `draft` at this loop when it does not exit (the draft of the next token).
     SPEC = "spec"
 
 
-class WorkItem(NamedTuple):
-    """Rows of one request at consecutive positions, run at `depth` (and following depths): a
-    prompt chunk or a replay row (decode tokens are the columns of `DecodeRows`).
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """What every item kind has: rows of one request at consecutive positions, run at
+    `depth` (and following depths).
 
     - `num_depths` consecutive loops run inside this step (atomic prompt chunks run all D;
       everything else runs 1). Each loop is one core call shared with the other items.
     - `token_ids` are embedded (prelude) at the first loop when `needs_prelude`; otherwise the
       runner resumes from the hidden state stored under `handle`.
-    - Replay rows: `exit_now` says whether this is the token's last loop (its finalize copy
-      follows); the gate fields are unused.
-    - Prompt items run `prompt_loops` loops in all (0: the model's D; a family whose prompt
-      K/V depends on the request's loop bound, Huginn, runs the request's r): their final
-      depth is `prompt_loops - 1`.
-    - Prompt items with `first_token` hold the last prompt position: after the final depth the
-      runner picks the first output token's loops with `exit_rule` over that row's loop
-      outputs (or `trace_loops`), then samples it.
-    - Prompt items with `score_ids` (a request that asked for prompt logprobs, on the item
-      that reaches the last depth) score their rows: row i's last-loop output gives the
-      log-probability of `score_ids[i]`, the prompt token after it (the last prompt position
-      has none), with `score_top` alternatives. With `score_rule` (on every depth's item of
-      such a chunk), the runner keeps every loop's output of the chunk's rows, and row i is
-      scored from the loop `score_rule` picks over that row's exit-gate hazards instead.
-      With `score_cached` > 0 (the first chunk after prefix-cache hits), `score_ids` start at
-      position 0: positions [0, score_cached) are scored from the runner's score store (their
-      last-loop outputs, written when their page was computed), then the item's rows.
-
-    A NamedTuple rather than a frozen dataclass: equally immutable and cheaper to build.
-    """
+    - `needs_gate`: the runner reports this loop's exit signal for the item."""
 
     request_id: str
-    kind: ItemKind
     token_start: int
     token_count: int
     depth: int
@@ -138,10 +112,33 @@ class WorkItem(NamedTuple):
     needs_prelude: bool
     token_ids: tuple[int, ...] = ()
     needs_gate: bool = False
-    exit_now: bool | None = False
-    cdf_before: float = 0.0
-    survival_before: float = 1.0
-    threshold: float = 1.0
+
+    @property
+    def last_depth(self) -> int:
+        return self.depth + self.num_depths - 1
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChunk(_Rows):
+    """A chunk of prompt positions.
+
+    - It runs `prompt_loops` loops in all (0: the model's D; a family whose prompt K/V
+      depends on the request's loop bound, Huginn, runs the request's r): its final depth
+      is `prompt_loops - 1`.
+    - With `first_token` it holds the last prompt position: after the final depth the runner
+      picks the first output token's loops with `exit_rule` over that row's loop outputs (or
+      `trace_loops`), then samples it.
+    - With `score_ids` (a request that asked for prompt logprobs, on the item that reaches
+      the last depth) it scores its rows: row i's last-loop output gives the log-probability
+      of `score_ids[i]`, the prompt token after it (the last prompt position has none), with
+      `score_top` alternatives. With `score_rule` (on every depth's item of such a chunk), the
+      runner keeps every loop's output of the chunk's rows, and row i is scored from the loop
+      `score_rule` picks over that row's exit signals instead. With `score_cached` > 0 (the
+      first chunk after prefix-cache hits), `score_ids` start at position 0: positions
+      [0, score_cached) are scored from the runner's score store (their last-loop outputs,
+      written when their page was computed), then the item's rows."""
+
+    kind: ClassVar[ItemKind] = ItemKind.PROMPT
     first_token: bool = False
     exit_rule: ExitRule | None = None
     trace_loops: int | None = None
@@ -149,16 +146,40 @@ class WorkItem(NamedTuple):
     score_top: int = 0
     score_rule: ExitRule | None = None
     score_cached: int = 0
-    # SPEC items: sample a draft of the next token after this loop unless the row exits;
-    # `verify_token` (>= 0): the token the next position already runs on, drafted from this
-    # row (sampling: the row's exit sample is the speculative-sampling accept/reject test).
-    draft: bool = False
-    verify_token: int = -1
     prompt_loops: int = 0
 
-    @property
-    def last_depth(self) -> int:
-        return self.depth + self.num_depths - 1
+
+@dataclass(frozen=True, slots=True)
+class ReplayRow(_Rows):
+    """Recompute after preemption: one already-generated token re-run at its position through
+    the loops it really used, finalize included, with no coda and no sampling (the token is
+    known). `exit_now`: this is the token's last loop (its finalize copy follows)."""
+
+    kind: ClassVar[ItemKind] = ItemKind.REPLAY
+    exit_now: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SpecRow(_Rows):
+    """Self-speculative decoding: one decode position of a request whose next positions may
+    already run on drafted tokens. It runs one loop per step; its exit follows the plan
+    fields (`exit_now` True: exit, False: continue, None: the gate decides with
+    `cdf_before`, `survival_before`, `threshold`); the coda samples it at its exit, and with
+    `draft` at this loop when it does not exit (the draft of the next token).
+    `verify_token` (>= 0): the token the next position already runs on, drafted from this
+    row (sampling: the row's exit sample is the speculative-sampling accept/reject test)."""
+
+    kind: ClassVar[ItemKind] = ItemKind.SPEC
+    exit_now: bool | None = False
+    cdf_before: float = 0.0
+    survival_before: float = 1.0
+    threshold: float = 1.0
+    draft: bool = False
+    verify_token: int = -1
+
+
+# A unit of schedulable work other than a decode row: one of the three kinds.
+WorkItem = PromptChunk | ReplayRow | SpecRow
 
 
 class DecodeRow(NamedTuple):
@@ -398,7 +419,7 @@ class SchedulerOutput:
 
 
 class ItemResult(NamedTuple):
-    """One item's result (a NamedTuple, like `WorkItem`)."""
+    """One item's result (a NamedTuple: built once per item per step)."""
 
     request_id: str
     handle: int

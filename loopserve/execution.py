@@ -23,6 +23,7 @@ from loopserve.contracts import (
     ItemKind,
     ItemResult,
     NewRequestData,
+    PromptChunk,
     RequestFailure,
     RunnerOutput,
     SchedulerOutput,
@@ -91,7 +92,7 @@ class StepRules:
         K/V of that depth into every deeper plane (LAST_EXITED only)."""
         return exited and not self.shared and depth < self.num_loops - 1
 
-    def final_prompt_depth(self, item: WorkItem) -> int:
+    def final_prompt_depth(self, item: PromptChunk) -> int:
         """The last depth a prompt item's positions run (D - 1, or its request's r - 1)."""
         return (item.prompt_loops or self.num_loops) - 1
 
@@ -102,7 +103,11 @@ class StepRules:
     def samples_first_token(self, item: WorkItem) -> bool:
         """The item is its request's last prompt chunk and reaches the last depth this step:
         the first token's exit is chosen from the last position's hazards and sampled."""
-        return item.first_token and item.last_depth == self.final_prompt_depth(item)
+        return (
+            item.kind is ItemKind.PROMPT
+            and item.first_token
+            and item.last_depth == self.final_prompt_depth(item)
+        )
 
     def releases_handle(self, item: WorkItem, exited: bool, sampled: bool) -> bool:
         """The item's work ends this step (its handle is released, not kept): a first token

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loopserve.contracts import DecodeRows
+from loopserve.contracts import DecodeRows, ItemKind
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.reference import generate
 from loopserve.sampling_params import SamplingParams
@@ -154,6 +154,7 @@ def step_rows(scheduled) -> StepRows:
                 )  # fmt: skip
             )
     for item in scheduled.items:
+        prompt = item.kind is ItemKind.PROMPT
         rows.append(
             StepRow(
                 item.request_id,
@@ -163,8 +164,8 @@ def step_rows(scheduled) -> StepRows:
                 item.depth,
                 item.num_depths,
                 item.needs_gate,
-                item.exit_now,
-                item.first_token,
+                False if prompt else item.exit_now,
+                prompt and item.first_token,
             )  # fmt: skip
         )
     return rows

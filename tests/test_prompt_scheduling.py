@@ -8,6 +8,7 @@ import zlib
 import pytest
 
 from loopserve.config import max_inflight_rows
+from loopserve.contracts import ItemKind
 from loopserve.errors import ConfigError
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import (
@@ -163,7 +164,7 @@ def test_mixed_selects_every_ready_decode_row(tiny_dir):
         in_decode.difference_update(scheduled.finished_request_ids)
         pre_decode[scheduled.step_id] = set(in_decode)
         for item, result in zip(scheduled.items, output.results):
-            if item.first_token and result.sampled is not None:
+            if item.kind is ItemKind.PROMPT and item.first_token and result.sampled is not None:
                 in_decode.add(item.request_id)
 
     engine.core.add_observer(observe)

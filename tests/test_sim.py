@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 
-from loopserve.contracts import DecodeRow, ItemKind, SchedulerOutput, WorkItem
+from loopserve.contracts import DecodeRow, PromptChunk, SchedulerOutput
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.exit import ExitRule
@@ -148,7 +148,7 @@ def test_resuming_from_an_unknown_handle_fails_loudly():
     executor = SimExecutor(cost)
     with pytest.raises(AssertionError, match="never kept"):
         executor.execute(_decode_step(1, depth=1))
-    item = WorkItem("r", ItemKind.PROMPT, 0, 8, 1, 1, 7, False)  # a chunk at depth 1
+    item = PromptChunk("r", 0, 8, 1, 1, 7, False)  # a chunk at depth 1
     with pytest.raises(AssertionError, match="never kept"):
         executor.execute(SchedulerOutput(2, (item,), {}))
 
@@ -158,8 +158,8 @@ def test_first_token_uses_its_trace_and_atomic_prompt_runs_d_calls():
     executor = SimExecutor(cost)
     from loopserve.contracts import NewRequestData, SampleSpec
 
-    item = WorkItem(
-        "r", ItemKind.PROMPT, 0, 32, 0, 4, 7, True, (1,) * 32,
+    item = PromptChunk(
+        "r", 0, 32, 0, 4, 7, True, (1,) * 32,
         first_token=True, exit_rule=ExitRule(1, 4, 1.0), trace_loops=2,
     )  # fmt: skip
     out = executor.execute(

@@ -103,6 +103,26 @@ class Roles:
         return {}
 
 
+async def _first_info(calls: list) -> ModelInfo:
+    """The result of whichever `info` call finishes first (a success before a failure that
+    finished with it). The others are left to finish on their own; their failures (a replica
+    killed at shutdown before it ever loaded) are retrieved, so none is logged as an
+    exception nobody read."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.add_done_callback(_retrieve)
+    for task in done:
+        _retrieve(task)
+    finished = sorted(done, key=lambda task: task.exception() is not None)
+    return finished[0].result()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # marks the exception as read; the probes report replica failures
+
+
 class ReplicaSet:
     """The replicas of a pool and their states; see the module docstring."""
 
@@ -216,10 +236,7 @@ class ReplicaSet:
             # The first replica to load decides: its info serves all (they share the engine
             # arguments); if it failed, the model cannot load. The others join through their
             # probes whenever they are up (a replica waiting for a free GPU does not block).
-            first_loaded = next(
-                asyncio.as_completed([r.actor.info.remote() for r in self.replicas])
-            )
-            info = await first_loaded
+            info = await _first_info([r.actor.info.remote() for r in self.replicas])
         except Exception as err:
             logger.exception("starting the replicas failed")
             self.load_error = err

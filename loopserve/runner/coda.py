@@ -385,7 +385,9 @@ class Coda:
         (or, with `score_rule`, the output of the loop the rule picks per row), after the
         stored outputs of the cached positions an item scores first (`score_cached`): one
         coda call over all of them and one copy to the host."""
-        scored = [i for i, item in enumerate(items) if item.score_ids]
+        scored = [
+            i for i, item in enumerate(items) if item.kind is ItemKind.PROMPT and item.score_ids
+        ]
         if not scored:
             return {}
         by_rule = [i for i in scored if items[i].score_rule is not None]

@@ -8,7 +8,7 @@ items the first token's hazards and replay finalize copies. Prompt and replay wo
 from, and is kept under, the runner's in-flight handles (`HandleTable`); the coda
 (`runner/coda.py`) ends the step. With prefix caching, every prompt row's last-loop output
 is written to the score store at its slot of its plane-0 block, so that a later request
-that reuses the page can still score its positions (`WorkItem.score_cached`). `EagerStep`
+that reuses the page can still score its positions (`PromptChunk.score_cached`). `EagerStep`
 is a collaborator the `ModelRunner` owns, with explicit inputs: the model, the timed call
 wrapper, the (timed) hazard function, the attention backend, the decode step, the coda, the
 transfer helper, the handle table, the step rules and the score store.
@@ -112,7 +112,8 @@ class EagerStep:
             if states[i] is None:
                 resumed = self.inflight.resume(item.handle)
                 states[i] = resumed.hidden
-                if item.first_token or item.score_rule is not None:  # earlier depths' outputs
+                if item.kind is ItemKind.PROMPT and (item.first_token or item.score_rule):
+                    # the first token's, or every row's for scoring: earlier depths' outputs
                     hazards[i], last_outputs[i] = resumed.hazards, resumed.loop_outputs
         return states  # type: ignore[return-value]
 
@@ -125,7 +126,9 @@ class EagerStep:
     def _cached_rows(self, items, tables) -> dict[int, torch.Tensor]:
         """Per item with `score_cached`: the stored last-loop outputs of the cached positions
         it scores (one copy of all their slots, one gather)."""
-        wanted = [i for i, item in enumerate(items) if item.score_cached]
+        wanted = [
+            i for i, item in enumerate(items) if item.kind is ItemKind.PROMPT and item.score_cached
+        ]
         if not wanted:
             return {}
         assert self.score_store is not None, "score_cached without a score store"

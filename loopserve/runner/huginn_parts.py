@@ -181,7 +181,7 @@ def refused_items(items, prompt_exits: bool, prompt_lens: dict[str, int]) -> dic
     first pass and when it is recomputed after a preemption."""
     reasons = {}
     for item in items:
-        if item.score_rule is not None:
+        if item.kind is ItemKind.PROMPT and item.score_rule is not None:
             reasons[item.request_id] = (
                 "prompt logprobs at the exit loop are not supported for Huginn yet "
                 "(prompt_logprobs_loop='last' is)"

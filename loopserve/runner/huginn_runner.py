@@ -333,7 +333,7 @@ class HuginnRunner(Executor):
         if self.prompt_exits and k == 0:  # the prompts' criteria start from their states
             for i in active:
                 n, item = items[i].token_count, items[i]
-                if item.first_token and item.kind is ItemKind.PROMPT and item.needs_prelude:
+                if item.kind is ItemKind.PROMPT and item.first_token and item.needs_prelude:
                     self.prompts.start(i, state_in[at : at + n])
                 at += n
             at = 0 if decode is None else len(decode)
@@ -342,8 +342,9 @@ class HuginnRunner(Executor):
             states[i] = (state_out[at : at + n], e[at : at + n])
             item = items[i]
             # Every row's state at its last prompt loop (the request's r, or its exit).
-            final = self.rules.final_prompt_depth(item)
-            if item.kind is ItemKind.PROMPT and item.depth + k == final:
+            if item.kind is ItemKind.PROMPT and item.depth + k == self.rules.final_prompt_depth(
+                item
+            ):
                 loop_states[i] = states[i][0]
             at += n
         if decode is None:

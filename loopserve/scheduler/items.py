@@ -4,7 +4,8 @@ recompute replay rows, alternating prompt and decode steps or mixing them in one
 `ItemBuilder` is a collaborator the `Scheduler` owns, with explicit inputs: the prompt and
 decode policies, the row budget, the exit mode, the handle allocator and the `MemoryStats`
 it counts recompute rows into; its one piece of state is how many prompt steps ran in a row.
-Prompt and replay work are `WorkItem`s (`loopserve.contracts`); decode tokens are rows of
+Prompt, replay and speculative work are items (`PromptChunk`, `ReplayRow`, `SpecRow` in
+`loopserve.contracts`); decode tokens are rows of
 the scheduler's `DecodeTable`, planned as `DecodeRows` columns (the hot path: every running
 request, every loop).
 Torch-free.
@@ -17,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loopserve.contracts import DecodeRows, ItemKind, WorkItem
+from loopserve.contracts import DecodeRows, PromptChunk, WorkItem
 from loopserve.exit import ExitMode
 from loopserve.scheduler.admission import MemoryStats
 from loopserve.scheduler.decode_table import DecodeTable
@@ -124,7 +125,7 @@ class ItemBuilder:
         self.memory_stats.num_replayed_rows += len(items)
         return items
 
-    def _prompt_item(self, work: PromptWork) -> WorkItem:
+    def _prompt_item(self, work: PromptWork) -> PromptChunk:
         request, chunk = work.request, work.chunk
         # The last prompt position samples the first token, unless this prompt is recomputed
         # after a preemption (the first token is known).
@@ -146,9 +147,8 @@ class ItemBuilder:
             score_ids = tuple(request.prompt_token_ids[start + 1 : chunk.end + 1])
         # Scored at the loops the exit rule picks: every depth keeps its outputs.
         by_rule = scores and request.params.prompt_logprobs_loop == "exit"
-        return WorkItem(
+        return PromptChunk(
             request_id=request.request_id,
-            kind=ItemKind.PROMPT,
             token_start=chunk.start,
             token_count=chunk.count,
             depth=work.depth,

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loopserve.contracts import ItemKind, SampledToken, WorkItem
+from loopserve.contracts import ReplayRow, SampledToken, WorkItem
 from loopserve.exit import ExitRule
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.speculation import SpecStats, Speculation
@@ -311,9 +311,8 @@ class ReplayState:
             if depth == 0:
                 self.handles[i] = new_handle()
             items.append(
-                WorkItem(
+                ReplayRow(
                     request_id,
-                    ItemKind.REPLAY,
                     self.start + i,
                     1,
                     depth,

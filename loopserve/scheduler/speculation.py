@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loopserve.contracts import ItemKind, ItemResult, SampledToken, WorkItem
+from loopserve.contracts import ItemResult, SampledToken, SpecRow, WorkItem
 from loopserve.exit.policies import TokenExit
 
 
@@ -112,9 +112,8 @@ class Speculation:
             )
             child = self.positions[i + 1] if pos.child else None
             items.append(
-                WorkItem(
+                SpecRow(
                     request_id,
-                    ItemKind.SPEC,
                     pos.position,
                     1,
                     depth,

@@ -78,6 +78,8 @@ class ExitConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = default("model")  # None: the embedded default model
+    revision: str | None = default("revision")  # a Hub id's revision (None: main)
+    download_dir: str | None = default("download_dir")  # None: the Hugging Face cache
     dtype: str = default("dtype")
     device: str = default("device")
     max_model_len: int | None = default("max_model_len")

@@ -45,6 +45,10 @@ class EngineArg:
 
 ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("model", "top", "model", None, "checkpoint dir or Hub id (None: the embedded model)"),
+    EngineArg("revision", "top", "revision", None, "a Hub id's branch, tag or commit (None: "
+              "main)"),
+    EngineArg("download_dir", "top", "download_dir", None, "the Hugging Face cache a Hub id is "
+              "looked up in and downloaded to (None: HF_HUB_CACHE or HF_HOME/hub)"),
     EngineArg("dtype", "top", "dtype", "auto", "weights/activations dtype; auto: bfloat16 on CUDA, "
               "float32 on CPU", choices=DTYPES),
     EngineArg("device", "top", "device", "cpu", "cpu or cuda[:N]"),
@@ -183,6 +187,9 @@ def add_engine_args(
             group.add_argument(arg.flag, action=action, default=value, help=text)
             continue
         group.add_argument(arg.flag, type=arg.type, default=value, choices=arg.choices, help=text)
+
+
+MODEL_ID_ARGS = ("revision", "download_dir")  # what a tool with its own --model also takes
 
 
 def engine_args_from(

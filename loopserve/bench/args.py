@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from loopserve.engine_args import add_engine_args
+from loopserve.engine_args import MODEL_ID_ARGS, add_engine_args
 from loopserve.workloads.args import add_output_args, add_progress_arg, arm_list, int_list
 from loopserve.workloads.exits import NAMED_EXIT_DISTRIBUTIONS
 
@@ -26,6 +26,7 @@ def add_model_args(
     """The synthetic-model group and the engine group shared by the offline benchmarks."""
     model = parser.add_argument_group("model (synthetic unless --model)")
     model.add_argument("--model", default=None, help="checkpoint dir or Hub id")
+    add_engine_args(model, names=MODEL_ID_ARGS)
     model.add_argument("--hidden-size", type=int, default=512, help="synthetic model width")
     model.add_argument("--num-layers", type=int, default=4, help="synthetic model layers")
     model.add_argument("--num-heads", type=int, default=8, help="synthetic attention heads")

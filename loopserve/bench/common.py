@@ -24,7 +24,9 @@ T = TypeVar("T")
 def model_dir_for(args: argparse.Namespace, tmp: str, max_positions: int) -> Path:
     """A synthetic checkpoint in `tmp` (or the `--model` checkpoint)."""
     if args.model is not None:
-        return resolve_model_path(args.model)
+        return resolve_model_path(
+            args.model, revision=args.revision, download_dir=args.download_dir
+        )
     names = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size", "seed")
     sizes = {name: getattr(args, name) for name in names}
     positions = max(4096, max_positions)

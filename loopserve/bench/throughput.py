@@ -277,7 +277,9 @@ def main_from_args(args: argparse.Namespace) -> int:
     try:  # a synthetic checkpoint lives in a temporary directory for the whole run
         with tempfile.TemporaryDirectory(prefix="loopserve-bench-") as tmp:
             if args.model:
-                model_dir = resolve_model_path(args.model)
+                model_dir = resolve_model_path(
+                    args.model, revision=args.revision, download_dir=args.download_dir
+                )
             else:
                 shape = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")
                 model_dir = make_tiny_checkpoint(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from pathlib import Path
 
 from loopserve.distributed.args import (
     add_distributed_args,
@@ -33,25 +32,36 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if the model failed to load,
-    2 (with a one-line error) if the model directory does not exist."""
+    2 (with a one-line error) if `--model` is neither a checkpoint directory nor a Hub id that
+    is cached (or, with downloads allowed, can be downloaded)."""
     check_distributed_args(args)  # flag combinations first: a usage error costs nothing
-    if args.model is not None and not Path(args.model).exists():
-        print(f"loopserve serve: error: model directory not found: {args.model}", file=sys.stderr)
-        return 2
     # lazy: keeps `loopserve --help` fast
+    from loopserve.errors import ModelLoadError
+    from loopserve.models.loader import resolve_model_path
+    from loopserve.server.api_server import default_model_name
+
+    served_model_name = args.served_model_name or default_model_name(args.model)
+    if args.model is not None:  # resolved once, here: every replica loads the same directory
+        try:
+            model_dir = resolve_model_path(
+                args.model, revision=args.revision, download_dir=args.download_dir
+            )
+        except ModelLoadError as err:
+            print(f"loopserve serve: error: {err}", file=sys.stderr)
+            return 2
+        args.model = str(model_dir)
     from loopserve.distributed.launch import build_pool
     from loopserve.distributed.pool import ReplicaPool
     from loopserve.engine.async_llm import AsyncLLM
     from loopserve.engine.client import EngineClient
     from loopserve.engine.llm_engine import LLMEngine
-    from loopserve.server.api_server import GracefulServer, default_model_name, make_server
+    from loopserve.server.api_server import GracefulServer, make_server
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     apply_cpu_threads(args.device, args.torch_threads)  # the CPU thread policy (threads.py)
     engine_args = engine_args_from(args)
-    served_model_name = args.served_model_name or default_model_name(args.model)
     server: GracefulServer | None = None
 
     def stop_server(_err: BaseException) -> None:

@@ -58,8 +58,12 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config = resolve_dtype(config)
-        model_path = config.model or str(DEFAULT_MODEL_DIR)
-        family = read_config(resolve_model_path(model_path))[0]
+        model_path = resolve_model_path(
+            config.model or DEFAULT_MODEL_DIR,
+            revision=config.revision,
+            download_dir=config.download_dir,
+        )
+        family = read_config(model_path)[0]
         require_engine_family(family)
         self.family = family
         if family is HUGINN:

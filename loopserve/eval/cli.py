@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loopserve.engine_args import MODEL_ID_ARGS, add_engine_args
 from loopserve.errors import LoopserveError
 from loopserve.threads import add_threads_arg
 from loopserve.workloads.args import add_progress_arg, int_list
@@ -43,7 +44,9 @@ def _positive_floats(text: str) -> list[float]:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
+    parser.add_argument("--model", default=None, help="checkpoint directory or Hub id "
+                        "(default: embedded)")  # fmt: skip
+    add_engine_args(parser, names=MODEL_ID_ARGS, title="model id")
     parser.add_argument("--text-file", default=None, help="plain text to score (default: "
                         "the held-out ShareGPT split)")  # fmt: skip
     parser.add_argument("--data-file", default=None, help="ShareGPT-format JSON for the split")
@@ -118,13 +121,17 @@ def main_from_args(args: argparse.Namespace) -> int:
     from loopserve.eval.quality import evaluate, format_table, plot_report
     from loopserve.eval.scoring import SequenceScores, score_sequences
     from loopserve.models.huginn import HuginnForLoopedLM
-    from loopserve.models.loader import load_model
+    from loopserve.models.loader import load_model, resolve_model_path
     from loopserve.models.tiny import DEFAULT_MODEL_DIR
     from loopserve.text.tokenizer import Tokenizer
     from loopserve.threads import apply_cpu_threads
 
     apply_cpu_threads("cpu", args.threads)  # eval runs on the CPU: the policy of threads.py
-    model_dir = args.model or str(DEFAULT_MODEL_DIR)
+    model_dir = str(
+        resolve_model_path(
+            args.model or DEFAULT_MODEL_DIR, revision=args.revision, download_dir=args.download_dir
+        )
+    )
     model = load_model(model_dir, dtype=args.dtype)
     if isinstance(model, HuginnForLoopedLM):
         return _eval_huginn(args, model, model_dir)

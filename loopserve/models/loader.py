@@ -50,8 +50,10 @@ def _hub_cache_dir() -> Path:
     return Path(hf_home) / "hub"
 
 
-def _cached_snapshot(repo_id: str, revision: str) -> Path | None:
-    repo_dir = _hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+def _cached_snapshot(cache_dir: Path, repo_id: str, revision: str) -> Path | None:
+    """The snapshot of `repo_id` at `revision` (a branch or tag under refs/, or a commit) in a
+    cache laid out as huggingface_hub lays it out: models--ORG--NAME/{refs,snapshots}."""
+    repo_dir = cache_dir / ("models--" + repo_id.replace("/", "--"))
     ref_file = repo_dir / "refs" / revision
     commit = ref_file.read_text().strip() if ref_file.is_file() else revision
     snapshot = repo_dir / "snapshots" / commit
@@ -59,33 +61,64 @@ def _cached_snapshot(repo_id: str, revision: str) -> Path | None:
 
 
 def resolve_model_path(
-    name_or_path: str | os.PathLike, *, revision: str = "main", allow_download: bool | None = None
+    name_or_path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    download_dir: str | os.PathLike | None = None,
+    allow_download: bool | None = None,
 ) -> Path:
-    """A local checkpoint directory for a path or a Hub id such as `ByteDance/Ouro-1.4B`."""
+    """A local checkpoint directory for a path or a Hub id such as `ByteDance/Ouro-1.4B`.
+
+    A Hub id is looked up at `revision` (None: `main`) in `download_dir` (None: the Hugging
+    Face cache, `HF_HUB_CACHE` or `HF_HOME/hub`); when it is not there it is downloaded into
+    that cache only when downloads are allowed (`allow_download`, or `LOOPSERVE_ALLOW_DOWNLOAD=1`
+    when None). Every failure is a `ModelLoadError` with one line that says what to do."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json; is it a Hugging Face checkpoint?")
         return path
     name = str(name_or_path)
-    if name.count("/") != 1 or name.startswith((".", "/")):
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
         raise ModelLoadError(f"model {name!r} is neither a local directory nor a Hub id")
-    snapshot = _cached_snapshot(name, revision)
+    revision = revision or "main"
+    cache_dir = Path(download_dir).expanduser() if download_dir is not None else _hub_cache_dir()
+    snapshot = _cached_snapshot(cache_dir, name, revision)
     if snapshot is not None:
         return snapshot
+    at = "" if revision == "main" else f" at revision {revision!r}"
     if allow_download is None:
         allow_download = os.environ.get(DOWNLOAD_ENV, "") not in ("", "0", "false")
     if not allow_download:
         raise ModelLoadError(
-            f"{name!r} is not in the local Hugging Face cache ({_hub_cache_dir()}). "
-            f"Download it first (huggingface-cli download {name}) or opt in with "
-            f"{DOWNLOAD_ENV}=1 / allow_download=True."
+            f"{name!r}{at} is not in the local Hugging Face cache ({cache_dir}). "
+            f"Download it first (hf download {name}) or opt in with {DOWNLOAD_ENV}=1 / "
+            "allow_download=True."
         )
+    return _download(name, revision, cache_dir, at)
+
+
+def _download(name: str, revision: str, cache_dir: Path, at: str) -> Path:
+    """`snapshot_download` into `cache_dir`; any failure (offline, unknown id or revision, a
+    gated repository, no network) is one `ModelLoadError` line, never a traceback."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
     try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ModelLoadError("downloading needs `pip install huggingface_hub`") from None
-    return Path(snapshot_download(name, revision=revision))
+        directory = Path(snapshot_download(name, revision=revision, cache_dir=cache_dir))
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(
+            f"{name!r}{at} is not in {cache_dir} and could not be downloaded "
+            "(offline: HF_HUB_OFFLINE is set or the Hub cannot be reached)"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelLoadError(
+            f"could not download {name!r}{at}: {type(err).__name__}: {first_line}"
+        ) from None
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{name!r}{at} has no config.json; is it a looped LM checkpoint?")
+    return directory
 
 
 def _safetensor_files(directory: Path) -> list[Path]:

@@ -289,9 +289,12 @@ def make_server(
 
 
 def default_model_name(model: str | None) -> str:
-    """The directory's base name: the API never shows a local filesystem path."""
+    """A Hub id as given (`ByteDance/Ouro-1.4B`), else the directory's base name: the API never
+    shows a local filesystem path."""
     if model is None:
         return DEFAULT_MODEL_NAME
+    if not Path(model).expanduser().exists() and model.count("/") == 1:
+        return model  # a Hub id (resolved from the cache, not a path of this machine)
     return Path(model).resolve().name or DEFAULT_MODEL_NAME
 
 

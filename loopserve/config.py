@@ -172,12 +172,13 @@ def validate(config: EngineConfig) -> None:
     _choice("device", config.device.split(":")[0], ("cpu", "cuda"))
     _choice("attention_backend", config.attention_backend, ATTENTION_BACKENDS)
     _choice("graph_mode", config.graph_mode, GRAPH_MODES)
-    if config.async_scheduling and exit_.mode == "ouro":
+    if config.async_scheduling and exit_.mode in ("ouro", "criterion"):
         raise ConfigError(
-            "async_scheduling needs an exit rule known one loop ahead, but exit_mode='ouro' "
-            "decides each exit from the gate of the loop just run, so step n+1's rows would "
-            "depend on step n's results; use exit_mode='ouro_delayed' (same CDF, exit one loop "
-            "later), 'random_lookahead' or 'trace', or turn async_scheduling off"
+            "async_scheduling needs an exit rule known one loop ahead, but "
+            f"exit_mode={exit_.mode!r} decides each exit from the signal of the loop just run, "
+            "so step n+1's rows would depend on step n's results; use exit_mode='ouro_delayed' "
+            "(same CDF, exit one loop later), 'random_lookahead' or 'trace', or turn "
+            "async_scheduling off"
         )
     if config.batch_invariant:
         _check_batch_invariant(config)

@@ -15,7 +15,7 @@ from typing import Any
 LAYOUTS = ("last_exited", "shared")
 MODES = ("refill", "no_refill")
 PREFILL_MODES = ("atomic", "per_depth", "wavefront")
-EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "criterion")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_RESERVATIONS = ("incremental", "full")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -101,8 +101,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "self-speculative decoding drafts only while at most this many requests run "
               "(a fuller core call has fewer idle rows for drafts to use)", int),
     EngineArg("exit_mode", "exit", "mode", "ouro", "exit rule: ouro (the trained gate's CDF "
-              "against exit_threshold), ouro_delayed, random_lookahead, or trace (replay "
-              "SamplingParams.exit_trace)", choices=EXIT_MODES),
+              "against exit_threshold), ouro_delayed, random_lookahead, trace (replay "
+              "SamplingParams.exit_trace), or criterion (a convergence criterion's score "
+              "against exit_threshold each loop: Huginn's, which the default means for it)",
+              choices=EXIT_MODES),
     EngineArg("lookahead_seed", "exit", "lookahead_seed", 0, "seed of random_lookahead exits", int),
     EngineArg("exit_criterion", "exit", "criterion", "kl", "Huginn: the convergence criterion "
               "a request with exit_threshold < 1 exits by, its exit_threshold the criterion's "

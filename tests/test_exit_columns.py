@@ -11,8 +11,15 @@ import random
 import numpy as np
 import pytest
 
-from loopserve.exit import ExitMode, ExitRule, TokenExit, loop_exits
-from loopserve.exit.columns import CONTINUE, EXIT, GATE, ExitColumns, decide_exits
+from loopserve.exit import ExitMode, ExitRule, TokenExit, criterion_exits, loop_exits
+from loopserve.exit.columns import (
+    CONTINUE,
+    EXIT,
+    GATE,
+    ExitColumns,
+    decide_criterion_exits,
+    decide_exits,
+)
 
 NUM_LOOPS = 4
 CODE = {True: EXIT, False: CONTINUE, None: GATE}
@@ -38,10 +45,13 @@ def _run(mode: ExitMode, seed: int, num_tokens: int) -> dict[str, int]:
     while len(live):
         plan = columns.plan(live)
         hazards = np.array([rng.choice([0.0, 0.1, 0.35, 0.6, 0.95, 1.0]) for _ in live])
-        exited = decide_exits(
-            plan.exit_code, plan.cdf_before, plan.survival_before,
-            np.where(plan.needs_gate, hazards, np.nan), plan.threshold,
-        )  # fmt: skip
+        if mode is ExitMode.CRITERION:  # a signal of 1.0 stands for "the criterion fired"
+            exited = decide_criterion_exits(plan.exit_code, plan.needs_gate & (hazards >= 1.0))
+        else:
+            exited = decide_exits(
+                plan.exit_code, plan.cdf_before, plan.survival_before,
+                np.where(plan.needs_gate, hazards, np.nan), plan.threshold,
+            )  # fmt: skip
         for i, row in enumerate(live):
             token = tokens[row]
             expected = token.plan()
@@ -51,9 +61,16 @@ def _run(mode: ExitMode, seed: int, num_tokens: int) -> dict[str, int]:
             assert plan.cdf_before[i] == expected.state_before.cdf
             assert plan.survival_before[i] == expected.state_before.survival
             hazard = float(hazards[i]) if expected.needs_gate else None
-            decided = loop_exits(
-                expected.exit_now, expected.state_before, hazard, expected.threshold
-            )
+            if mode is ExitMode.CRITERION:
+                fired = None if hazard is None else hazard >= 1.0
+                decided = criterion_exits(expected.exit_now, fired)
+                # a criterion reads no signal below min_loops and folds nothing
+                assert not expected.needs_gate or token.depth + 1 >= rules[row].min_loops
+                assert expected.state_before.cdf == 0.0
+            else:
+                decided = loop_exits(
+                    expected.exit_now, expected.state_before, hazard, expected.threshold
+                )
             assert bool(exited[i]) == decided
             token.record(hazard, decided)
             seen["gated"] += expected.needs_gate
@@ -75,7 +92,7 @@ def test_column_rules_equal_token_exit_in_every_mode(mode):
         assert seen["gated"] == 0
     else:
         assert seen["gated"] > 50  # the gate really ran
-    if mode is ExitMode.OURO:
+    if mode in (ExitMode.OURO, ExitMode.CRITERION):
         assert seen["gate_decided"] > 20  # and really decided exits
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loopserve.exit import ExitMode, ExitRule, TokenExit, choose_exit_from_hazards
+from loopserve.exit import ExitMode, ExitRule, GateState, TokenExit, choose_exit_from_hazards
 
 
 def run_token(mode: ExitMode, rule: ExitRule, hazards: list[float], trace=None) -> int:
@@ -77,3 +77,25 @@ def test_ouro_plan_is_conditional_only_from_min_loops():
     second = token.plan()
     assert second.needs_gate and second.exit_now is None
     assert second.state_before.cdf == pytest.approx(0.1)
+
+
+def test_criterion_mode_reads_from_min_loops_folds_nothing_and_exits_where_it_fires():
+    """`criterion`: no signal below min_loops; from there each loop's check decides alone
+    (1.0 stands for "fired"); the CDF never moves."""
+    token = TokenExit(ExitMode.CRITERION, ExitRule(2, 6, 0.5))
+    plans = []
+    for fired in (None, 0.0, 0.0, 1.0):
+        plan = token.plan()
+        plans.append((plan.needs_gate, plan.exit_now))
+        exited = token.observe(fired)
+        assert token.state == GateState()
+    assert plans == [(False, False), (True, None), (True, None), (True, None)]
+    assert exited and token.loops_used == 4
+
+
+def test_criterion_mode_without_a_fire_runs_max_loops_and_a_first_token_takes_max_loops():
+    token = TokenExit(ExitMode.CRITERION, ExitRule(1, 3, 0.5))
+    while not token.observe(0.0 if token.plan().needs_gate else None):
+        pass
+    assert token.loops_used == 3
+    assert choose_exit_from_hazards(ExitMode.CRITERION, ExitRule(1, 5, 0.1), None) == 5

@@ -10,10 +10,12 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from loopserve.errors import ConfigError
+from loopserve.exit.columns import GATE
 from loopserve.models.huginn_dense import generate, teacher_forced_logits
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sampling_params import SamplingParams
@@ -264,14 +266,23 @@ def test_shared_layout_equals_the_dense_reference(huginn_dir, criterion, mode, a
 @pytest.mark.parametrize(
     "args, named",
     [
-        ({"graph_mode": "emulate"}, "graph_mode='emulate'"),
-        ({"exit_mode": "trace"}, "exit_mode='trace'"),
-        ({"async_scheduling": True, "exit_mode": "ouro_delayed"}, "async_scheduling=True"),
+        ({"graph_mode": "emulate"}, "Huginn-0125 does not run with .*graph_mode='emulate'"),
+        ({"exit_mode": "trace"}, "Huginn-0125 does not run exit_mode='trace'.*'criterion'"),
+        ({"exit_mode": "ouro_delayed"}, "Huginn-0125 does not run exit_mode='ouro_delayed'"),
+        (
+            {"async_scheduling": True, "exit_mode": "criterion"},
+            "async_scheduling needs an exit rule known one loop ahead.*'criterion'",
+        ),
     ],
 )
 def test_unsupported_combinations_are_start_up_errors(huginn_dir, args, named):
-    with pytest.raises(ConfigError, match=f"Huginn-0125 does not run with .*{named}"):
+    with pytest.raises(ConfigError, match=named):
         make_engine(huginn_dir, **args)
+
+
+def test_ouro_refuses_the_criterion_exit_mode(tiny_dir):
+    with pytest.raises(ConfigError, match="Ouro does not run exit_mode='criterion'"):
+        make_engine(tiny_dir, exit_mode="criterion")
 
 
 def test_prompt_logprobs_are_the_teacher_forced_logprobs_at_r_steps(huginn_dir):
@@ -629,3 +640,40 @@ def test_graph_mode_auto_starts_huginn_eagerly_on_cuda_and_emulate_is_refused():
         check_huginn_config(
             resolve_huginn_config(EngineConfig.from_engine_args(graph_mode="emulate"))
         )
+
+
+def test_decode_rows_report_the_criterions_score_and_exit_where_it_crosses(huginn_dir):
+    """Under the `criterion` exit mode a decode row's signal is its criterion's score (here
+    latent-diff: the relative change of the state), read only on the loops the plan lets the
+    criterion decide (GATE: from min_loops on); a row exits there iff its score is below the
+    request's threshold. Nothing is folded into a CDF: plans carry cdf 0, survival 1."""
+    engine = make_engine(huginn_dir, exit_criterion="latent-diff")
+    assert engine.config.exit.mode == "criterion"  # what the default 'ouro' means for Huginn
+    threshold = 0.2
+    params = SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=threshold,
+                            min_loops=3, ignore_eos=True)  # fmt: skip
+    work = [(f"s{i}", [5 + i, 9, 30 + 2 * i], params, i) for i in range(3)]
+    seen = {"checked": 0, "exited_by_score": 0, "continued": 0}
+
+    def watch(scheduled, output):
+        rows, results = scheduled.decode, output.decode
+        if rows is None:
+            return
+        gate = rows.exit_code == GATE
+        assert (rows.needs_gate == gate).all()  # no signal outside GATE rows
+        assert (rows.depths[gate] + 1 >= params.min_loops).all()
+        assert (rows.cdf_before == 0.0).all() and (rows.survival_before == 1.0).all()
+        assert np.isnan(results.hazards[~gate]).all()
+        scores = results.hazards[gate]
+        assert np.isfinite(scores).all() and (scores >= 0.0).all()
+        exited = results.exited[gate]
+        assert (exited == (scores < threshold)).all()
+        seen["checked"] += int(gate.sum())
+        seen["exited_by_score"] += int(exited.sum())
+        seen["continued"] += int((~exited).sum())
+
+    engine.core.add_observer(watch)
+    finished = run_steps(engine, work)
+    assert_matches_reference(engine, work, finished, "latent-diff")
+    # the criterion both stopped tokens early and let others go on
+    assert seen["exited_by_score"] > 0 and seen["continued"] > 0

@@ -351,3 +351,26 @@ def test_simulate_cli_runs_a_scenario(tmp_path, capsys):
     record = json.loads((tmp_path / "scenario_wcpb.json").read_text())
     assert [r["arm"] for r in record["results"]] == ["atomic", "wavefront"]
     assert "wavefront" in capsys.readouterr().out
+
+
+def test_the_criterion_exit_mode_follows_the_exit_distribution_on_huginn():
+    """`criterion` in the simulator (Huginn-0125, 32 steps): a row's synthetic check fires at
+    its drawn step, decided by `decide_criterion_exits`; steps follow the distribution."""
+    from loopserve.sim.cost_model import HUGINN_0125
+
+    probs = [0.0] * 32
+    probs[9] = probs[19] = 0.5  # exits after 10 or 20 steps
+    dist = exit_distribution("probs:" + ",".join(str(p) for p in probs), 32)
+    spec = WorkloadSpec(
+        16, dataset="synthetic", input_len=16, output_len=24, seed=3, exit_dist="full"
+    )  # fmt: skip (traces unused here)
+    sim = Simulator(
+        HUGINN_0125,
+        H200,
+        {"exit_mode": "criterion", "max_num_seqs": 8, "num_blocks": 512},
+        exit_dist=dist,
+    )
+    run = sim.run(build_workload(spec, 32), on_step=lambda s: s.check_invariants())
+    steps = np.concatenate([r.exit_depths[1:] for r in run.records])  # decode tokens
+    assert set(steps.tolist()) == {10, 20}
+    assert abs(steps.mean() - 15) < 1.5

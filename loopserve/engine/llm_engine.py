@@ -37,7 +37,12 @@ from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.models import load_model, resolve_model_path
-from loopserve.models.registry import HUGINN, read_config, require_engine_family
+from loopserve.models.registry import (
+    HUGINN,
+    read_config,
+    require_engine_family,
+    resolve_exit_mode,
+)
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
 from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.huginn_parts import check_huginn_config, resolve_huginn_config
@@ -66,6 +71,8 @@ class LLMEngine:
         family = read_config(model_path)[0]
         require_engine_family(family)
         self.family = family
+        exit_mode = resolve_exit_mode(family, config.exit.mode)
+        config = dataclasses.replace(config, exit=dataclasses.replace(config.exit, mode=exit_mode))
         if family is HUGINN:
             config = resolve_huginn_config(config)
             check_huginn_config(config)

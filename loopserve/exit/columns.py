@@ -8,8 +8,9 @@ plan, CDF and exit bit for bit): the float arithmetic is the same float64 operat
 same order. Torch-free.
 
 Plan codes (`ExitPlan.exit_code`): `EXIT` (run the coda after this loop), `CONTINUE`, or
-`GATE` (this loop's gate decides: exit iff the CDF folded with its hazard reaches the
-threshold).
+`GATE` (this loop's signal decides: under the CDF modes, exit iff the CDF folded with its
+hazard reaches the threshold, `decide_exits`; under `criterion`, exit iff the family's
+criterion fired, `decide_criterion_exits`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def decide_exits(
     with np.errstate(invalid="ignore"):  # hazards of rows that read none are NaN
         crossed = cdf_before + hazards * survival_before >= threshold
     return (exit_code == EXIT) | ((exit_code == GATE) & crossed)
+
+
+def decide_criterion_exits(exit_code: np.ndarray, fired: np.ndarray) -> np.ndarray:
+    """`criterion_exits` over columns: EXIT rows exit, GATE rows exit iff their criterion
+    fired this loop (`fired`, read only there), CONTINUE rows do not."""
+    return (exit_code == EXIT) | ((exit_code == GATE) & fired)
 
 
 @dataclass
@@ -114,14 +121,17 @@ class ExitColumns:
                 # The gate of this loop can only commit an exit after the next one.
                 needs_gate &= exit_after == NO_EXIT_AFTER
             else:
+                allowed = loops >= self.min_loops[rows]
+                if not self.mode.folds_hazards:  # a criterion reads nothing below min_loops
+                    needs_gate &= allowed
                 # Below min_loops the CDF still accumulates, but the gate cannot exit yet.
-                code[needs_gate & (loops >= self.min_loops[rows])] = GATE
+                code[needs_gate & allowed] = GATE
         return ExitPlan(code, needs_gate, self.cdf[rows], self.survival[rows], self.threshold[rows])
 
     def record(self, rows: np.ndarray, needs_gate: np.ndarray, hazards: np.ndarray) -> None:
         """`TokenExit.record` for the loop each row just ran: fold the hazards of the rows
         that read one, commit delayed crossings, advance the depth."""
-        gated = rows[needs_gate]
+        gated = rows[needs_gate] if self.mode.folds_hazards else rows[:0]  # criterion: no CDF
         if len(gated):
             hazard = hazards[needs_gate]
             survival = self.survival[gated]

@@ -11,6 +11,11 @@ of loop `d` is read as the hazard `λ_d`; `p_exit_d = λ_d · Π_{j<d}(1-λ_j)` 
 - `random_lookahead`: identical rule to `ouro_delayed`, but the hazards come from a seeded,
   untrained lookahead head instead of the trained gate (the runner picks the head).
 - `trace`: loops replayed from a per-request list; no gate is computed.
+- `criterion`: a convergence criterion's score (Huginn's, `criteria.py`) checked after every
+  loop from `min_loops` on against the request's threshold (`criterion_exits`); each loop's
+  check stands alone (nothing is folded across loops) and a token that never fires runs
+  `max_loops`. No signal is read below `min_loops`, and none for prompts: a first token whose
+  loop outputs exist uses `max_loops` (the family runs its prompts to the request's bound).
 
 This module is the single source of exit decisions. An exit is decided once, by whoever
 holds the hazard: the executor (`ModelRunner`, `SimExecutor`) calls `loop_exits` for a decode
@@ -31,6 +36,7 @@ class ExitMode(str, enum.Enum):
     OURO_DELAYED = "ouro_delayed"
     RANDOM_LOOKAHEAD = "random_lookahead"
     TRACE = "trace"
+    CRITERION = "criterion"
 
     @property
     def delayed(self) -> bool:
@@ -38,7 +44,13 @@ class ExitMode(str, enum.Enum):
 
     @property
     def uses_gate(self) -> bool:
+        """Some loop reads an exit signal (a hazard, or a criterion's score)."""
         return self is not ExitMode.TRACE
+
+    @property
+    def folds_hazards(self) -> bool:
+        """The signal is a hazard folded into the exit CDF (`next_gate_state`)."""
+        return self in (ExitMode.OURO, ExitMode.OURO_DELAYED, ExitMode.RANDOM_LOOKAHEAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +101,16 @@ def loop_exits(
         return exit_now
     assert hazard is not None, "a gate-decided loop needs its hazard"
     return next_gate_state(before, hazard).cdf >= threshold
+
+
+def criterion_exits(exit_now: bool | None, fired: bool | None) -> bool:
+    """The exit decision of one decode loop under `criterion`: `exit_now` when the plan
+    decided it, else whether this loop's criterion fired (its score crossed the request's
+    threshold: the criterion's own comparison, `criteria.py`)."""
+    if exit_now is not None:
+        return exit_now
+    assert fired is not None, "a criterion-decided loop needs its check"
+    return fired
 
 
 class LoopPlan(NamedTuple):
@@ -149,8 +171,9 @@ class TokenExit:
                 return LoopPlan(False, False, self.state, self.rule.threshold)
             return LoopPlan(True, False, self.state, self.rule.threshold)
         if loops < self.rule.min_loops:
-            # Below min_loops the CDF still accumulates, so the gate is still needed.
-            return LoopPlan(True, False, self.state, self.rule.threshold)
+            # Below min_loops the CDF still accumulates, so the gate is still needed; a
+            # criterion reads nothing there.
+            return LoopPlan(self.mode.folds_hazards, False, self.state, self.rule.threshold)
         return LoopPlan(True, None, self.state, self.rule.threshold)
 
     def record(self, hazard: float | None, exited: bool) -> None:
@@ -158,7 +181,7 @@ class TokenExit:
         executor decided. Advances the CDF and commits a delayed exit; never re-decides."""
         assert not self.exited, "token already exited"
         plan = self.plan()
-        if plan.needs_gate:
+        if plan.needs_gate and self.mode.folds_hazards:
             assert hazard is not None, "plan needed a gate value"
             self.state = next_gate_state(self.state, hazard)
             # Delayed modes: a crossing at this loop commits the exit after the next one.
@@ -172,7 +195,10 @@ class TokenExit:
         """Decide this loop's exit with `loop_exits` and record it (for callers that hold the
         hazard themselves: the dense reference and `choose_exit_from_hazards`)."""
         plan = self.plan()
-        exited = loop_exits(plan.exit_now, plan.state_before, hazard, plan.threshold)
+        if self.mode is ExitMode.CRITERION:  # `hazard`: 1.0 where the criterion fired
+            exited = criterion_exits(plan.exit_now, None if hazard is None else hazard >= 1.0)
+        else:
+            exited = loop_exits(plan.exit_now, plan.state_before, hazard, plan.threshold)
         self.record(hazard, exited)
         return exited
 
@@ -187,8 +213,11 @@ def choose_exit_from_hazards(
 ) -> int:
     """Loops used by a token whose every loop output already exists (the first output token).
 
-    Runs the same state machine over precomputed hazards, so prefill and decode agree.
+    Runs the same state machine over precomputed hazards, so prefill and decode agree. Under
+    `criterion` prompts read no signal (`hazards` None): the token uses `max_loops`.
     """
+    if mode is ExitMode.CRITERION and hazards is None:
+        return rule.max_loops
     token = TokenExit(mode, rule, trace_loops)
     while True:
         plan = token.plan()

@@ -40,6 +40,9 @@ class ModelFamily:
     # outputs at that bound are what its first token and coda read; deeper loops are waste).
     prompt_loops_by_request: bool = False
     score_store: bool = True
+    # The exit modes (`loopserve.exit.ExitMode`) its exit signal supports; the first is what
+    # the engine's default `exit_mode` ('ouro') means for it.
+    exit_modes: tuple[str, ...] = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 
 
 OURO = ModelFamily(
@@ -67,6 +70,7 @@ HUGINN = ModelFamily(
     prefix_keyed_by_max_loops=True,
     prompt_loops_by_request=True,
     score_store=False,
+    exit_modes=("criterion",),  # a convergence criterion's score, not a hazard
     runs_on="the engine (eager; runner/huginn_runner.py), the dense reference "
     "(loopserve.models.huginn_dense) and the simulator",
 )
@@ -102,6 +106,23 @@ def read_config(path: str | os.PathLike):
     raw = read_config_json(path)
     family = family_of(raw)
     return family, family.config_class.from_dict(raw)
+
+
+DEFAULT_EXIT_MODE = "ouro"  # the engine argument's default
+
+
+def resolve_exit_mode(family: ModelFamily, mode: str) -> str:
+    """The exit mode an engine of `family` runs for the `exit_mode` it was given: the default
+    stands for the family's own rule (Huginn: `criterion`); a mode its signal cannot drive
+    is a start-up error naming the ones it can."""
+    if mode == DEFAULT_EXIT_MODE and mode not in family.exit_modes:
+        return family.exit_modes[0]
+    if mode not in family.exit_modes:
+        raise ConfigError(
+            f"{family.name} does not run exit_mode={mode!r}; its exit signal supports "
+            + ", ".join(repr(m) for m in family.exit_modes)
+        )
+    return mode
 
 
 def require_engine_family(family: ModelFamily) -> None:

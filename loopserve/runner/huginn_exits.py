@@ -1,6 +1,7 @@
 """The exits of the Huginn executor (`runner/huginn_runner.py`), as collaborators with
 explicit inputs: `DecodeExits` checks the criterion of every decode row the scheduler lets
-exit, decides exits with the scheduler's rule, finalizes and samples; `PromptExits` runs the
+exit (GATE), decides exits with the `criterion` rule (`exit.columns.decide_criterion_exits`),
+reports the criterion's scores as the rows' signals, finalizes and samples; `PromptExits` runs the
 authors' prompt rule (`prompt_exits`: a whole prompt exits as one token)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 from loopserve.contracts import DecodeResults, SampledToken
-from loopserve.exit.columns import GATE, decide_exits
+from loopserve.exit.columns import GATE, decide_criterion_exits
 from loopserve.exit.criteria import ExitCriterion
 from loopserve.runner.huginn_parts import DecodeToken
 
@@ -43,8 +44,10 @@ class DecodeExits:
         state_in, state_out, e, pos = out
         n = len(decode)
         depths = decode.depths
-        hazards = np.full(n, np.nan)
-        hazards[decode.needs_gate] = 0.0
+        # The criterion's score where it was checked (the rows the plan lets it decide,
+        # GATE: under `criterion` no other row reads a signal), and whether it fired there.
+        scores = np.full(n, np.nan)
+        fired = np.zeros(n, bool)
         gate = np.flatnonzero(decode.exit_code == GATE)
         rule = self.criterion()
         fields = rule.state_fields
@@ -70,13 +73,13 @@ class DecodeExits:
                 setattr(rule, name, torch.stack([criterion_state[r][f] for r in rows]))
             if rule.name != "argmax-stability":  # the request's (argmax: the engine's steps)
                 rule.threshold = torch.from_numpy(decode.threshold[gate]).to(self.device)
-            fire, _ = rule.check(state_out[gate].unsqueeze(1), logits)
-            hazards[gate] = fire.cpu().numpy().astype(np.float64)
+            fire, values = rule.check(state_out[gate].unsqueeze(1), logits)
+            read = torch.stack([fire.double(), values.double()]).cpu().numpy()  # one read
+            fired[gate] = read[0] != 0.0
+            scores[gate] = read[1]
             for j, r in enumerate(rows):
                 criterion_state[r] = [getattr(rule, name)[j] for name in fields]
-        exited = decide_exits(
-            decode.exit_code, decode.cdf_before, decode.survival_before, hazards, decode.threshold
-        )
+        exited = decide_criterion_exits(decode.exit_code, fired)
         # Keep the tokens that go on; finalize and sample the ones that exit.
         for row, rid in enumerate(decode.request_ids):
             if exited[row]:
@@ -112,7 +115,7 @@ class DecodeExits:
                 if token.logprob is not None:
                     logprobs[r] = token
         early = int(np.count_nonzero(exited & (depths + 1 < self.num_loops)))
-        return DecodeResults(exited, hazards, token_ids, logprobs), early, finalized
+        return DecodeResults(exited, scores, token_ids, logprobs), early, finalized
 
 
 class PromptExits:

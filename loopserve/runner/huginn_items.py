@@ -61,7 +61,7 @@ class PromptItems:
     def results(self, items, tables, states, loop_states, exited_items, failed):
         results: list[ItemResult] = []
         for i, item in enumerate(items):
-            hazards = (0.0,) * item.num_depths if item.needs_gate else ()
+            hazards: tuple[float, ...] = ()  # `criterion` reads no signal on prompts
             if item.kind is ItemKind.REPLAY:
                 if not exited_items[i]:
                     self.inflight.keep(item.request_id, item.handle, (*states[i], None))
@@ -87,10 +87,8 @@ class PromptItems:
             loops = None
             if self.rules.samples_first_token(item):
                 assert item.exit_rule is not None
-                loops = choose_exit_from_hazards(
-                    ExitMode.OURO, item.exit_rule, [0.0] * self.num_loops, item.trace_loops
-                )
-                assert loops == self.max_loops[item.request_id], "a first token uses r loops"
+                # Its prompt ran the request's r loops, and reads no criterion: r loops.
+                loops = choose_exit_from_hazards(ExitMode.CRITERION, item.exit_rule, None)
             logits = self.coda(
                 state,
                 [(tables[item.request_id], item.token_start, item.token_count)],

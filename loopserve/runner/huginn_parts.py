@@ -33,8 +33,6 @@ def check_huginn_config(config) -> None:
     problems = []
     if graph not in ("off", "auto"):  # `auto` is eager for Huginn (`resolve_huginn_config`)
         problems.append(f"graph_mode={config.graph_mode!r} (Huginn runs eagerly: graph_mode='off')")
-    if config.exit.mode != "ouro":
-        problems.append(f"exit_mode={config.exit.mode!r} (Huginn exits by its criterion: 'ouro')")
     if config.batch_invariant and config.exit.lookup == "full":
         problems.append(
             "batch_invariant=True with kv_lookup='full' (row-invariant attention has no "

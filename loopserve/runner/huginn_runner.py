@@ -7,8 +7,9 @@ backend (torch, or the Triton kernels on CUDA); rows of different requests at di
 recurrence steps share each core call. Every request holds the layout's step planes plus
 the *once planes* (the last of its block tables) for the prelude's and coda's K/V, one entry
 per position; `LayerRouter` sends each layer to its plane. A row carries its state and `e`,
-the prelude output every step injects. Exits are the request's criterion reported as a 0/1
-hazard on the loops the scheduler plans as GATE (`DecodeExits`); prompts run at full depth
+the prelude output every step injects. Exits follow the `criterion` exit mode: the
+request's criterion is checked on the loops the scheduler plans as GATE and its score is
+reported as the row's signal (`DecodeExits`); prompts run at full depth
 and their coda runs at the request's r-th step (or exit as one token with `prompt_exits`:
 `PromptExits`); with the `full` lookup nothing is finalized and one-row items do not attend
 to positions that did not run their step. docs/model_families.md has the rules and what

@@ -158,7 +158,9 @@ class ItemBuilder:
             token_ids=tuple(request.prompt_token_ids[chunk.start : chunk.end])
             if work.depth == 0
             else (),
-            needs_gate=last and self.exit_mode.uses_gate,
+            # the CDF modes read the last position's hazard at every depth; a criterion
+            # reads nothing on prompts (the first token runs the request's loop bound)
+            needs_gate=last and self.exit_mode.folds_hazards,
             first_token=last,
             exit_rule=request.exit_rule if last else None,
             trace_loops=request.trace_loops(0) if last else None,

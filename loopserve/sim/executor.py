@@ -53,7 +53,7 @@ from loopserve.contracts import (
 )
 from loopserve.execution import Executor, StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
-from loopserve.exit.columns import EXIT, GATE, decide_exits
+from loopserve.exit.columns import EXIT, GATE, decide_criterion_exits, decide_exits
 from loopserve.exit.policies import GateState, loop_exits
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.handles import HandleTable
@@ -280,7 +280,10 @@ class SimExecutor(Executor):
             index = self._num_sampled[request_id]
             hazards[i] = self._hazard(request_id, index, int(depths[i]))
         exited = rows.exit_code == EXIT
-        if (rows.exit_code == GATE).any():
+        if (rows.exit_code == GATE).any() and self.exit_mode is ExitMode.CRITERION:
+            # the synthetic signal is a step function: 1.0 stands for "the criterion fired"
+            exited = decide_criterion_exits(rows.exit_code, hazards >= 1.0)
+        elif (rows.exit_code == GATE).any():
             exited = decide_exits(
                 rows.exit_code, rows.cdf_before, rows.survival_before, hazards, rows.threshold
             )

@@ -17,6 +17,9 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 PROMPT_LOGPROBS_LOOPS = ("last", "exit")
 
 
+MIN_REPETITION_PENALTY = 1e-4  # see `_validate`
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on a request's output (needs the `structured` extra, llguidance): exactly
@@ -183,8 +186,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, "must be in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
-            raise bad("repetition_penalty", "must be in (0, 100]")
+        # A floor above zero: logits are divided by it in float32, where a value as small as
+        # 1e-300 is 0 and the division makes infinities (the request then failed with a 500).
+        if (
+            not _is_number(self.repetition_penalty)
+            or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100.0
+        ):
+            raise bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 100]")
         if not all(
             _is_int(token) and token >= 0 and _is_number(value) and -100.0 <= value <= 100.0
             for token, value in self.logit_bias

@@ -3,9 +3,13 @@ first (no Ray needed: the calls are plain awaitables here)."""
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
 import gc
 
+from tests.optional import require
+
+require("serve")  # the pool's metrics module imports prometheus_client
 from loopserve.distributed.pool_replicas import _first_info
 
 

@@ -346,6 +346,32 @@ BAD_INPUTS = {
         400,
         "logit_bias",
     ),  # fmt: skip
+    # D11: Unicode digits passed str.isdigit() ("١٢" was read as 12), a 5,000-digit key
+    # overflowed int(), and a penalty of 1e-300 is 0 in float32: each was a 500.
+    "logit_bias_superscript_digit": (
+        "/v1/completions",
+        GOOD | {"logit_bias": {"\u00b2": 1.0}},
+        400,
+        "logit_bias",
+    ),
+    "logit_bias_arabic_indic_digits": (
+        "/v1/completions",
+        GOOD | {"logit_bias": {"\u0661\u0662": 1.0}},
+        400,
+        "logit_bias",
+    ),
+    "logit_bias_5000_digit_key": (
+        "/v1/completions",
+        GOOD | {"logit_bias": {"9" * 5000: 1.0}},
+        400,
+        "logit_bias",
+    ),
+    "repetition_penalty_below_float32": (
+        "/v1/completions",
+        GOOD | {"repetition_penalty": 1e-300},
+        400,
+        "repetition_penalty",
+    ),
     "logit_bias_outside_vocabulary": (
         "/v1/completions",
         GOOD | {"logit_bias": {"99999999": 1.0}},

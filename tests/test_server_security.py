@@ -11,6 +11,7 @@ from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
 import contextlib
+import http.client
 import json
 import socket
 import subprocess
@@ -203,6 +204,31 @@ def test_partial_headers_are_cut_off_after_the_header_timeout(secured):
     assert httpx.get(secured.base_url + "/health", timeout=10.0).status_code == 200
 
 
+def test_a_keep_alive_connection_in_use_outlives_the_header_timeout(secured):
+    """A client without retries (http.client) sends a request every 0.3 s on one keep-alive
+    connection for four times the 1 s header timeout: every request succeeds on the same
+    socket. (The header timers were never cancelled: the one armed at connecting cut the
+    connection at 1 s, between two requests.)"""
+    conn = http.client.HTTPConnection("127.0.0.1", secured.port, timeout=10.0)
+    try:
+        sock = None
+        deadline_s = time.monotonic() + 4.0
+        sent = 0
+        while time.monotonic() < deadline_s:
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            response.read()
+            assert response.status == 200
+            if sock is None:
+                sock = conn.sock
+            assert conn.sock is sock, f"reconnected after {sent} requests"
+            sent += 1
+            time.sleep(0.3)
+        assert sent >= 10
+    finally:
+        conn.close()
+
+
 def test_a_body_that_stops_arriving_gets_408_and_the_connection_closes(secured):
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -382,7 +408,7 @@ def test_serve_with_a_missing_model_prints_one_line_and_exits_2(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"loopserve serve: error: model directory not found: {missing}"
+        f"loopserve serve: error: model '{missing}' is neither a local directory nor a Hub id"
     ]
     assert "Traceback" not in result.stderr + result.stdout
 

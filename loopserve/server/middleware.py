@@ -181,6 +181,8 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             {"header_timeout_s": header_timeout_s, "max_connections": max_connections},
         )
 
+    _header_timer: asyncio.TimerHandle | None = None
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         open_connections = len(self.connections)
@@ -195,6 +197,10 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (a malformed request line, headers, Content-Length or
@@ -224,9 +230,20 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         self.transport.close()
 
     def _arm_header_timer(self) -> None:
-        self.loop.call_later(self.header_timeout_s, self._header_timeout)
+        """One timer per connection, from now: the one armed at connecting or at the previous
+        response is cancelled, so a keep-alive connection in use is never cut by a timer that
+        started before its latest response ended (each fired at its own deadline: a client
+        sending a request every 0.3 s lost its connection about every 10 s)."""
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
 
     def _header_timeout(self) -> None:
+        self._header_timer = None
         waiting_for_headers = self.conn.their_state is h11.IDLE and (
             self.cycle is None or self.cycle.response_complete
         )

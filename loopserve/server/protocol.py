@@ -16,6 +16,7 @@ to every choice.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -32,6 +33,9 @@ from loopserve.errors import InvalidRequestError
 from loopserve.sampling_params import StructuredOutput
 
 MAX_N = 64
+
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a `logit_bias` key
 
 
 class _Request(BaseModel):
@@ -143,8 +147,12 @@ class SamplingRequest(_Request):
     @classmethod
     def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids (digit strings), got {key!r}")
+            # ASCII digits only (str.isdigit takes "²" and "١٢"), and few enough that int()
+            # stays cheap and the id fits the vocabulary's integer type.
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(
+                    f"keys must be token ids (strings of at most 10 ASCII digits), got {key[:40]!r}"
+                )
         return value
 
     @property

@@ -23,6 +23,38 @@ class InvalidRequestError(LoopserveError, ValueError):
         self.param = param
 
 
+# A request that fails inside the engine carries its error as text ("Type: message") through
+# the executor, the engine core, Ray and the output stream. When the request's own input was
+# to blame (its grammar met a limit of the structured-output library while the output was
+# being generated), the text says so in this one form, so that the server can answer 400
+# naming the field instead of a 500.
+_CLIENT_ERROR = "InvalidRequestError(param={param}): "
+
+
+def describe_failure(err: BaseException) -> str:
+    """The text of a request's failure: `InvalidRequestError(param=P): message` for the
+    request's own invalid input, else `Type: message`."""
+    if isinstance(err, InvalidRequestError):
+        return _CLIENT_ERROR.format(param=err.param or "") + err.message
+    return f"{type(err).__name__}: {err}"
+
+
+def client_error_in(text: str | None) -> InvalidRequestError | None:
+    """The `InvalidRequestError` a failure text (`describe_failure`, possibly behind a prefix
+    such as "sampling failed: ") reports, or None when the failure was the engine's."""
+    if not text:
+        return None
+    start = text.find("InvalidRequestError(param=")
+    if start < 0:
+        return None
+    param_start = start + len("InvalidRequestError(param=")
+    param_end = text.find("): ", param_start)
+    if param_end < 0:
+        return None
+    param = text[param_start:param_end] or None
+    return InvalidRequestError(text[param_end + 3 :], param=param)
+
+
 class CapacityError(InvalidRequestError):
     """A request can never fit (context length or KV blocks)."""
 

@@ -91,3 +91,27 @@ def test_constraints_that_cannot_apply_are_400s(tiny_tok_dir):
     for response in responses[:4]:
         assert response.json()["error"]["param"] == "response_format", response.text
     assert "nope" in responses[0].json()["error"]["message"]
+
+
+def test_grammars_that_meet_a_limit_while_generating_are_400s_naming_the_field(tiny_tok_dir):
+    """Grammars that compile but meet llguidance's limits only as the output grows (2,001
+    choices in a row, a recursive required `$ref`, nested regex repeats) fail their request
+    alone, as a 400 naming `response_format` (they were 500s); a sound request in the same
+    batch is served."""
+    recursive = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    base = {"model": "tiny", "prompt": "Say:", "max_tokens": 12, "temperature": 0}
+    responses = _post_all(
+        tiny_tok_dir,
+        [
+            ("/v1/completions", dict(base, guided_choice=[f"option {i}" for i in range(2001)])),
+            ("/v1/completions", dict(base, guided_json=recursive)),
+            ("/v1/completions", dict(base, guided_regex="a{1000}{1000}")),
+            ("/v1/completions", dict(base, guided_choice=["red", "green"])),
+        ],
+    )
+    assert [r.status_code for r in responses] == [400, 400, 400, 200], [r.text for r in responses]
+    for response in responses[:3]:
+        error = response.json()["error"]
+        assert error["param"] == "response_format" and error["type"] == "invalid_request_error"
+        assert error["message"].startswith("structured output:"), error
+    assert responses[3].json()["choices"][0]["text"] in ("red", "green")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from loopserve.contracts import NewRequestData, SampledToken, SampleSpec
-from loopserve.errors import InvalidRequestError
+from loopserve.errors import InvalidRequestError, describe_failure
 from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import StructuredOutput
 
@@ -201,10 +201,10 @@ def sample_on_device(
             if history is not None:
                 try:
                     logits[row] = history.adjust(logits[row], specs[row])
-                except RuntimeError as err:  # a grammar in its error state
+                except (RuntimeError, InvalidRequestError) as err:  # a grammar in error
                     if failures is None:
                         raise
-                    failures[row] = f"{type(err).__name__}: {err}"
+                    failures[row] = describe_failure(err)
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
     for row, spec in enumerate(specs):
         if is_greedy(spec):

@@ -34,6 +34,7 @@ from loopserve.errors import (
     EngineNotReadyError,
     InvalidRequestError,
     QueueFullError,
+    client_error_in,
 )
 from loopserve.outputs import RequestOutput, TokenLogprob
 from loopserve.sampling_params import SamplingParams
@@ -271,7 +272,13 @@ async def submit(ctx: ServingContext, requests: list[GenerateRequest]) -> Engine
 
 
 def failed_output_error(output: RequestOutput) -> ApiError:
-    """A generic 500 for a request the engine failed; the details go to the log only."""
+    """A 400 naming the field when the request's own input made it fail while it ran (its
+    grammar met a structured-output limit: `errors.client_error_in`); otherwise a generic
+    500, the details in the log only."""
+    client_error = client_error_in(output.error)
+    if client_error is not None:
+        logger.info("request %s failed on its input: %s", output.request_id, output.error)
+        return ApiError(400, client_error.message, param=client_error.param)
     error_id = uuid.uuid4().hex[:16]
     logger.error(
         "the engine failed request %s (error id %s): %s", output.request_id, error_id, output.error

@@ -60,10 +60,16 @@ class GrammarMatcher:
 
     def allowed(self) -> np.ndarray:
         """bool [vocab_size]: the tokens that keep the output inside the grammar. Raises
-        `RuntimeError` if the matcher is in an error state (no token is allowed then)."""
+        `InvalidRequestError` (param `response_format`) if the matcher is in an error state
+        (no token is allowed then)."""
         if self._allowed is None:
             if self._matcher.is_error():
-                raise RuntimeError(f"structured output: {self._matcher.get_error()}")
+                # Grammars that compile can still meet llguidance's limits while the output
+                # grows (2,001 choices in a row, a recursive required `$ref`, nested regex
+                # repeats): the request's own input, reported as such (a 400, not a 500).
+                raise InvalidRequestError(
+                    f"structured output: {self._matcher.get_error()}", param=PARAM
+                )
             bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
             self._allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         return self._allowed

@@ -115,3 +115,22 @@ def test_grammars_that_meet_a_limit_while_generating_are_400s_naming_the_field(t
         assert error["param"] == "response_format" and error["type"] == "invalid_request_error"
         assert error["message"].startswith("structured output:"), error
     assert responses[3].json()["choices"][0]["text"] in ("red", "green")
+
+
+def test_a_grammar_that_must_end_before_min_tokens_is_a_400_naming_min_tokens(tiny_tok_dir):
+    """`guided_choice` of one-token answers with `min_tokens` 8: once the answer is out the
+    grammar allows only the end, which `min_tokens` forbids; no token can be sampled (a 500
+    before)."""
+    base = {"model": "tiny", "prompt": "Answer:", "max_tokens": 12, "min_tokens": 8}
+    responses = _post_all(
+        tiny_tok_dir,
+        [
+            ("/v1/completions", dict(base, guided_choice=["yes", "no"], temperature=0)),
+            ("/v1/completions", dict(base, guided_choice=["yes", "no"], temperature=0.8)),
+            ("/v1/completions", dict(base, min_tokens=0, guided_choice=["yes", "no"])),
+        ],
+    )
+    assert [r.status_code for r in responses] == [400, 400, 200], [r.text for r in responses]
+    for response in responses[:2]:
+        error = response.json()["error"]
+        assert error["param"] == "min_tokens" and "before min_tokens (8)" in error["message"]

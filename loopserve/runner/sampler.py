@@ -133,6 +133,7 @@ class TokenHistory:
             self.bias[send(list(ids))] = send(list(values), torch.float32)
         stop_ids = [t for t in spec.stop_token_ids if t < vocab_size]  # others never sampled
         self.stop_ids = send(stop_ids) if spec.min_tokens and stop_ids else None
+        self._stop_ids_host = np.array(stop_ids, np.int64)
         self.prompt_seen: torch.Tensor | None = None
         if spec.repetition_penalty != 1.0 and prompt_token_ids:
             self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
@@ -146,11 +147,26 @@ class TokenHistory:
             self.matcher.consume(token_id)
             self._allowed = None
 
+    def _check_grammar_reaches_min_tokens(self, allowed: np.ndarray, min_tokens: int) -> None:
+        """On the host mask: the grammar must allow some token that is not a stop token while
+        `min_tokens` forbids those; otherwise no token can be sampled (a 400, not a 500)."""
+        open_ids = allowed.copy()
+        open_ids[self._stop_ids_host] = False
+        if not open_ids.any():
+            raise InvalidRequestError(
+                f"structured output: the grammar ends after {self.num_output} tokens, before "
+                f"min_tokens ({min_tokens})",
+                param="min_tokens",
+            )
+
     def adjust(self, logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
         """logits [vocab] float32 -> the adjusted logits (a new tensor)."""
         if self.matcher is not None:
             if self._allowed is None:
-                mask = self.matcher.allowed().view(np.uint8)
+                allowed = self.matcher.allowed()
+                if self.stop_ids is not None and self.num_output < spec.min_tokens:
+                    self._check_grammar_reaches_min_tokens(allowed, spec.min_tokens)
+                mask = allowed.view(np.uint8)
                 self._allowed = self.transfers.to_device(mask, torch.uint8).bool()
             logits = logits.masked_fill(~self._allowed, float("-inf"))
         if self.bias is not None:

@@ -338,6 +338,7 @@ def test_a_full_server_still_answers_health_then_closes_what_is_beyond_its_reser
         assert error["code"] == "too_many_connections" and set(error) == {
             "message", "type", "param", "code",
         }  # fmt: skip
+        assert error["type"] == "server_error"  # a 5xx: not the client's request at fault
         reserved = [socket.create_connection(("127.0.0.1", secured.port)) for _ in range(4)]
         for sock in reserved:  # held like the first four: a body that does not come
             sock.sendall(head.replace(b"/v1/completions", b"/health"))

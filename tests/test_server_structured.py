@@ -134,3 +134,27 @@ def test_a_grammar_that_must_end_before_min_tokens_is_a_400_naming_min_tokens(ti
     for response in responses[:2]:
         error = response.json()["error"]
         assert error["param"] == "min_tokens" and "before min_tokens (8)" in error["message"]
+
+
+def test_a_schema_that_admits_no_json_value_is_a_400_and_endpoints_not_served_are_named(
+    tiny_tok_dir,
+):
+    """`{"$ref": "#"}` compiles to an empty language: the output could only be empty text
+    (it was served as "", finish_reason stop). An OpenAI endpoint loopserve does not serve is
+    a 404 in the OpenAI shape that names it (it was a bare "Not Found")."""
+    base = {"model": "tiny", "prompt": "Say:", "max_tokens": 4}
+    responses = _post_all(
+        tiny_tok_dir,
+        [
+            ("/v1/completions", dict(base, guided_json={"$ref": "#"})),
+            ("/v1/completions", dict(base, guided_json={"type": "object"})),
+            ("/v1/embeddings", {"model": "tiny", "input": "hi"}),
+            ("/v1/responses", {"model": "tiny", "input": "hi"}),
+        ],
+    )
+    assert [r.status_code for r in responses] == [400, 200, 404, 404], [r.text for r in responses]
+    assert "admits no JSON value" in responses[0].json()["error"]["message"]
+    for response, path in zip(responses[2:], ("/v1/embeddings", "/v1/responses")):
+        error = response.json()["error"]
+        assert error["type"] == "not_found_error" and error["code"] == "unsupported_endpoint"
+        assert f"POST {path}" in error["message"] and "/v1/chat/completions" in error["message"]

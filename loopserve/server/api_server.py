@@ -28,7 +28,6 @@ import logging
 import os
 import signal
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -53,6 +52,7 @@ from loopserve.server.middleware import (
     HEALTH_CONNECTIONS,
     BodySizeLimitMiddleware,
     HeaderTimeoutH11Protocol,
+    InternalErrorMiddleware,
     OpenAICORSMiddleware,
     SecurityMiddleware,
     default_allowed_hosts,
@@ -64,6 +64,12 @@ from loopserve.server.serving_completions import create_completion
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to end
+
+
+SERVED_ENDPOINTS = (
+    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, "
+    "POST /detokenize, GET /tokenizer_info, GET /health and GET /metrics"
+)
 
 
 def build_app(
@@ -107,6 +113,7 @@ def build_app(
         await client.shutdown(shutdown_timeout_s)
 
     app = FastAPI(title="loopserve", lifespan=lifespan)
+    app.add_middleware(InternalErrorMiddleware)  # innermost: around the routes only
     app.add_middleware(
         BodySizeLimitMiddleware,
         max_body_bytes=max_body_bytes,
@@ -138,22 +145,17 @@ def build_app(
         return JSONResponse(err.body, status_code=err.status_code, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        error = ApiError(err.status_code, str(err.detail), type=kind)
+        message, code = str(err.detail), None
+        if err.status_code == 404:  # name the endpoint, and what is served instead
+            message = (
+                f"loopserve does not serve {request.method} {request.url.path}; it serves "
+                f"{SERVED_ENDPOINTS}"
+            )
+            code = "unsupported_endpoint"
+        error = ApiError(err.status_code, message, type=kind, code=code)
         return JSONResponse(error.body, status_code=err.status_code, headers=err.headers)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Request, err: Exception) -> JSONResponse:
-        error_id = uuid.uuid4().hex[:16]
-        logger.error("unhandled error (error id %s)", error_id, exc_info=err)
-        error = ApiError(
-            500,
-            f"internal server error (error id {error_id}; details are in the server log)",
-            type="server_error",
-            code="internal_error",
-        )
-        return JSONResponse(error.body, status_code=500)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

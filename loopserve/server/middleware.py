@@ -17,6 +17,7 @@ import hmac
 import ipaddress
 import logging
 import time
+import uuid
 
 import h11
 from fastapi.responses import JSONResponse
@@ -139,6 +140,43 @@ class SecurityMiddleware:
 HEALTH_CONNECTIONS = 4  # connections beyond --max-connections that may only ask /health
 
 
+class InternalErrorMiddleware:
+    """A route that raises unexpectedly gets one 500 in the OpenAI shape with an error id,
+    and its traceback is logged once, here. (As a FastAPI exception handler for `Exception`
+    the 500 was sent and the exception then re-raised to the server, which logged the same
+    traceback a second time.) After a response has begun nothing can be sent: the exception
+    goes on to the server, which logs it and closes the connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as err:
+            if started:
+                raise
+            error_id = uuid.uuid4().hex[:16]
+            logger.error("unhandled error (error id %s)", error_id, exc_info=err)
+            error = ApiError(
+                500,
+                f"internal server error (error id {error_id}; details are in the server log)",
+                type="server_error",
+                code="internal_error",
+            )
+            await JSONResponse(error.body, status_code=500)(scope, receive, send)
+
+
 class HealthOnlyApp:
     """The app of a connection opened beyond `--max-connections` (one of the reserved
     `HEALTH_CONNECTIONS`): `/health` goes through, anything else gets a 503 in the OpenAI
@@ -154,6 +192,7 @@ class HealthOnlyApp:
         error = ApiError(
             503,
             "too many open connections: this connection may only ask /health",
+            type="server_error",
             code="too_many_connections",
         )
         await JSONResponse(error.body, status_code=503, headers={"Connection": "close"})(

@@ -115,6 +115,18 @@ class StructuredOutputs:
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
         if error:
             raise InvalidRequestError(f"invalid {constraint.kind}: {error}", param=PARAM)
+        if constraint.json_schema is not None:
+            # A schema whose language is empty (`{"$ref": "#"}` refers only to itself) lets
+            # the output stop at once: an empty text, which is no JSON value.
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+            matcher.compute_bitmask()  # the first token's mask tells whether it can go on
+            if matcher.is_stopped():
+                raise InvalidRequestError(
+                    "invalid json_schema: it admits no JSON value (the only output it allows "
+                    "is empty; a schema that refers only to itself, such as {\"$ref\": \"#\"}, "
+                    "does this)",
+                    param=PARAM,
+                )
 
     def matcher(self, constraint: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher at the start of the output."""

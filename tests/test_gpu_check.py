@@ -144,7 +144,12 @@ def test_torch_backend_runs_the_engine_in_bfloat16_on_cpu(tiny_dir):
     params = SamplingParams(max_tokens=5, temperature=0.0, exit_threshold=0.5, ignore_eos=True)
     outputs = llm.generate([[5, 6, 7], [9, 10, 11, 12, 13]], params, use_tqdm=False)
     assert [len(o.token_ids) for o in outputs] == [5, 5]
-    assert all(1 <= d <= 4 for o in outputs for d in o.exit_depths)
+    vocab = llm.engine.model.config.vocab_size
+    assert all(0 <= t < vocab for o in outputs for t in o.token_ids)
+    # Threshold 1.0 never exits early, even where a bf16 sigmoid rounds to 1: 4 loops each.
+    full = SamplingParams(max_tokens=5, temperature=0.0, exit_threshold=1.0, ignore_eos=True)
+    outputs = llm.generate([[5, 6, 7], [9, 10, 11, 12, 13]], full, use_tqdm=False)
+    assert [o.exit_depths for o in outputs] == [[4] * 5, [4] * 5]
 
 
 def test_simulate_with_a_calibration_file_runs_slower_when_bandwidth_efficiency_is_lower(tmp_path):

@@ -23,7 +23,9 @@ import httpx
 import openai
 import torch
 
+from loopserve.exit import ExitRule
 from loopserve.llm import LLM
+from loopserve.reference import prompt_exit_loops
 from loopserve.sampling_params import SamplingParams
 from tests.server_utils import ServerProcess, metrics, sse_payloads, wait_all_blocks_free
 
@@ -251,7 +253,7 @@ def test_repeated_prompt_reports_cached_tokens_in_usage_and_metrics(server, clie
     assert values['loopserve_preemptions_total{mode="recompute"}'] == 0
 
 
-def test_scored_prompt_positions_and_their_loops_are_counted_in_metrics(server):
+def test_scored_prompt_positions_and_their_loops_are_counted_in_metrics(server, llm):
     before = metrics(server.base_url)
     body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog", "echo": True,
             "logprobs": 0, "max_tokens": 0, "exit_threshold": 0.5,
@@ -259,7 +261,9 @@ def test_scored_prompt_positions_and_their_loops_are_counted_in_metrics(server):
     response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
     depths = response.json()["choices"][0]["prompt_exit_depths"][1:]
-    assert depths and all(1 <= d <= 4 for d in depths)
+    # the loops the exit rule picks per position, from the dense oracle
+    prompt_ids = llm.engine.tokenizer.encode(body["prompt"])
+    assert depths == prompt_exit_loops(llm.engine.model, prompt_ids, ExitRule(1, 4, 0.5))
     values = metrics(server.base_url)  # the snapshot is taken after every step
     positions = values["loopserve_prompt_positions_scored_total"]
     loops = values["loopserve_prompt_scored_loops_total"]
@@ -510,7 +514,6 @@ def test_sigterm_finishes_or_aborts_in_flight_and_exits_zero(tiny_tok_dir, tmp_p
         with httpx.stream("POST", proc.base_url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
-            start_s = time.monotonic()
             proc.terminate()
             try:  # new work is refused: the socket is closed, or the engine answers 503
                 late = httpx.post(proc.base_url + "/v1/completions", json=GOOD, timeout=5)
@@ -520,12 +523,11 @@ def test_sigterm_finishes_or_aborts_in_flight_and_exits_zero(tiny_tok_dir, tmp_p
             events = sse_payloads(list(lines))  # finished in time, or aborted at the timeout
         assert events[-1] == "[DONE]"
         assert events[-2]["choices"][0]["finish_reason"] in ("length", "abort")
+        # the wait bounds how long a hung shutdown may hold the test; no speed is asserted
         returncode = proc.process.wait(timeout=shutdown_timeout_s + 15)
-        elapsed_s = time.monotonic() - start_s
     finally:
         proc.stop()
     assert returncode == 0, proc.log()
-    assert elapsed_s < shutdown_timeout_s + 10
 
 
 # ---- payloads mainstream benchmark clients send (guidellm, vllm bench serve) -------------

@@ -14,6 +14,7 @@ import torch
 from loopserve.eval.data import in_heldout, is_prose, iter_records, prose_conversations
 from loopserve.llm import LLM
 from loopserve.models import load_model
+from loopserve.reference import generate as reference_generate
 from loopserve.sampling_params import SamplingParams
 from loopserve.text.tokenizer import SPECIAL_TOKENS, Tokenizer
 
@@ -91,7 +92,11 @@ def test_training_script_tiny_run_writes_a_checkpoint_the_engine_loads(tmp_path)
     (result,) = LLM(str(out), dtype="float32", num_blocks=64, block_size=8).generate(
         ["Tell me something"], out_params, use_tqdm=False
     )
-    assert len(result.token_ids) == 4 and all(1 <= d <= 4 for d in result.exit_depths)
+    # the trained checkpoint equals the dense oracle (tokens and loops: the default threshold
+    # 1.0 runs all 4 loops per token)
+    ref = reference_generate(load_model(out, dtype="float32"), result.prompt_token_ids, out_params)
+    assert (result.token_ids, result.exit_depths) == (ref.token_ids, ref.exit_depths)
+    assert result.exit_depths == [4] * 4
 
     # Gate-only phase from that checkpoint: only `early_exit_gate` may change.
     gated = tmp_path / "gated"

@@ -76,13 +76,6 @@ def _serve_and_complete(
     return health
 
 
-def test_data_parallel_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
-    health = _serve_and_complete(
-        ["--model", str(tiny_dir), "--data-parallel-size", "2"], tmp_path, expected
-    )
-    assert health["replicas"] == 2
-
-
 def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
     health = _serve_and_complete(
         ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1"], tmp_path, expected
@@ -107,20 +100,24 @@ def _start_ray_head(log_path: Path) -> tuple[subprocess.Popen, str]:
     return head, address
 
 
-def test_serve_joins_an_existing_ray_cluster_from_the_command_line(tiny_dir, tmp_path, expected):
+def test_data_parallel_serve_joins_an_existing_ray_cluster_from_the_command_line(
+    tiny_dir, tmp_path, expected
+):
+    """`--data-parallel-size 2 --ray-address HOST:PORT`: two replicas on a cluster another
+    process started (the embedded cluster's start is the `--pd` test's)."""
     head, gcs_address = _start_ray_head(tmp_path / "ray_head.log")
     # The GCS names the host's interface but listens on every one: join it on loopback.
     address = "127.0.0.1:" + gcs_address.rsplit(":", 1)[1]
     try:
         health = _serve_and_complete(
-            ["--model", str(tiny_dir), "--ray-address", address],
+            ["--model", str(tiny_dir), "--data-parallel-size", "2", "--ray-address", address],
             tmp_path,
             expected,
             # Ray 2.60's `ray.init()` clusters use token auth; a process joining one by
             # address sends the token (~/.ray/auth_token) only in this mode.
             env={"RAY_AUTH_MODE": "token"},
         )
-        assert health["replicas"] == 1
+        assert health["replicas"] == 2
     finally:
         head.stdin.close()  # type: ignore[union-attr]
         try:

@@ -123,7 +123,7 @@ class StructuredOutputs:
             if matcher.is_stopped():
                 raise InvalidRequestError(
                     "invalid json_schema: it admits no JSON value (the only output it allows "
-                    "is empty; a schema that refers only to itself, such as {\"$ref\": \"#\"}, "
+                    'is empty; a schema that refers only to itself, such as {"$ref": "#"}, '
                     "does this)",
                     param=PARAM,
                 )

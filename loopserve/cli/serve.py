@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from loopserve.distributed.args import (
     add_distributed_args,
@@ -50,6 +51,14 @@ def main_from_args(args: argparse.Namespace) -> int:
             print(f"loopserve serve: error: {err}", file=sys.stderr)
             return 2
         args.model = str(model_dir)
+    from loopserve.models.config import read_config_json
+    from loopserve.models.tiny import DEFAULT_MODEL_DIR
+    from loopserve.server.args import with_checkpoint_defaults
+
+    config_path = Path(args.model or DEFAULT_MODEL_DIR) / "config.json"
+    args.request_defaults = with_checkpoint_defaults(
+        args.request_defaults, read_config_json(config_path)
+    )
     from loopserve.distributed.launch import build_pool
     from loopserve.distributed.pool import ReplicaPool
     from loopserve.engine.async_llm import AsyncLLM

@@ -19,6 +19,16 @@ API_KEY_ENV = "LOOPSERVE_API_KEY"
 REQUEST_DEFAULT_FIELDS = ("min_loops", "max_loops", "exit_threshold", "prompt_logprobs_loop")
 
 
+def with_checkpoint_defaults(defaults: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """`--request-defaults` completed from the checkpoint's `config.json`: its exit threshold
+    (Ouro's `early_exit_threshold`) for requests that send none, unless the flag names one.
+    A checkpoint without it keeps the engine's default (1.0: no early exit)."""
+    threshold = config.get("early_exit_threshold")
+    if "exit_threshold" in defaults or threshold is None:
+        return defaults
+    return {**defaults, "exit_threshold": float(threshold)}
+
+
 def request_defaults(text: str) -> dict[str, Any]:
     """`--request-defaults`: a JSON object of looped-model request fields, checked as
     `SamplingParams` checks them."""

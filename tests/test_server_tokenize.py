@@ -120,3 +120,51 @@ def test_tokenizer_routes_and_api_docs_need_the_key_when_one_is_set(tiny_tok_dir
     assert [r.status_code for r in responses] == [401, 401, 401, 401, 200, 200]
     _, (open_docs,) = _calls(tiny_tok_dir, [("GET", "/openapi.json", {})])
     assert open_docs.status_code == 200  # no key configured: nothing to check
+
+
+def test_tokenize_is_capped_like_a_prompt_and_runs_apart_from_prompt_tokenizing(
+    tiny_tok_dir, monkeypatch
+):
+    """D9: a `/tokenize` prompt that cannot fit the context is a 400 before it is tokenized
+    (it was tokenized whole, megabytes at a time), and `/tokenize` work (`return_token_strs`'
+    decoding included) runs in its own worker pool, not in the one that tokenizes completion
+    prompts (six huge `/tokenize` bodies made a trivial completion wait 99 s)."""
+    import threading
+
+    from loopserve.text.tokenizer import Tokenizer
+
+    threads: dict[str, set[str]] = {"encode": set(), "decode": set()}
+    encode, decode = Tokenizer.encode, Tokenizer.decode
+
+    def recording_encode(self, *args, **kwargs):
+        threads["encode"].add(threading.current_thread().name)
+        return encode(self, *args, **kwargs)
+
+    def recording_decode(self, *args, **kwargs):
+        threads["decode"].add(threading.current_thread().name)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", recording_encode)
+    monkeypatch.setattr(Tokenizer, "decode", recording_decode)
+    engine, (huge, tokenized) = _calls(
+        tiny_tok_dir,
+        [
+            ("POST", "/tokenize", {"json": {"prompt": "x" * 3_000_000}}),
+            ("POST", "/tokenize", {"json": {"prompt": "a red fox", "return_token_strs": True}}),
+        ],
+    )
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt", huge.text
+    assert "characters" in huge.json()["error"]["message"]
+    assert tokenized.status_code == 200 and tokenized.json()["token_strs"]
+    endpoint_threads = threads["encode"] | threads["decode"]
+    assert endpoint_threads and all(n.startswith("tokenize-endpoint") for n in endpoint_threads)
+    # a completion's prompt is tokenized elsewhere
+    threads["encode"].clear()
+    _, (completion,) = _calls(
+        tiny_tok_dir,
+        [("POST", "/v1/completions", {"json": {"prompt": "a red fox", "max_tokens": 1}})],
+    )
+    assert completion.status_code == 200
+    assert threads["encode"] and not any(
+        n.startswith("tokenize-endpoint") for n in threads["encode"]
+    )

@@ -111,6 +111,7 @@ def build_app(
         yield
         ready_log.cancel()
         await client.shutdown(shutdown_timeout_s)
+        ctx.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="loopserve", lifespan=lifespan)
     app.add_middleware(InternalErrorMiddleware)  # innermost: around the routes only

@@ -22,6 +22,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -89,6 +90,11 @@ class ServingContext:
     default_max_tokens_cap: int = DEFAULT_CHAT_MAX_TOKENS
     # Looped-model fields for requests that leave them unset (`--request-defaults`).
     request_defaults: dict[str, object] = field(default_factory=dict)
+    # `/tokenize` and `/detokenize` work runs here, apart from the pool that tokenizes the
+    # prompts of generation requests: huge `/tokenize` bodies cannot hold those up.
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize-endpoint")
+    )
 
     def with_defaults(self, body: ModelT) -> ModelT:
         """`body` with `request_defaults` filling the fields it leaves unset."""
@@ -122,11 +128,14 @@ class ServingContext:
         return self.model_info().input_processor
 
 
-async def process_text(work: Callable[[], T]) -> T:
-    """Run prompt text work (templating, tokenization) in a worker thread; its rejections
-    (`InvalidRequestError`, including `CapacityError`) become 400s."""
+async def process_text(work: Callable[[], T], pool: ThreadPoolExecutor | None = None) -> T:
+    """Run prompt text work (templating, tokenization) in a worker thread (of `pool`, else the
+    event loop's default executor); its rejections (`InvalidRequestError`, including
+    `CapacityError`) become 400s."""
     try:
-        return await asyncio.to_thread(work)
+        if pool is None:
+            return await asyncio.to_thread(work)
+        return await asyncio.get_running_loop().run_in_executor(pool, work)
     except InvalidRequestError as err:
         raise ApiError(400, err.message, param=err.param) from None
 

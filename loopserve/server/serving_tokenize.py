@@ -9,8 +9,11 @@ probes `/tokenizer_info` for `eos_token` and tokenizes through `/tokenize`).
   vocabulary are a 400.
 - `GET /tokenizer_info`: the tokenizer's class, special tokens and chat template.
 
-Like `/v1/*`, they need the API key when the server has one. Tokenizing runs in a worker
-thread (`process_text`), never on the event loop.
+Like `/v1/*`, they need the API key when the server has one. Their work (tokenizing, the
+chat template, `return_token_strs`' decoding) runs in a worker thread of their own pool
+(`ServingContext.tokenize_pool`), never on the event loop and never in the pool that
+tokenizes generation requests' prompts; a `/tokenize` prompt is held to the same character
+cap as a completion's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 
 from pydantic import Field
 
+from loopserve.errors import InvalidRequestError
 from loopserve.server.protocol import ChatMessage, _Request
 from loopserve.server.serving_common import ApiError, ServingContext, parse_body, process_text
 
@@ -69,22 +73,37 @@ async def tokenize(ctx: ServingContext, raw_body: bytes) -> dict[str, object]:
     ctx.check_model(body.model)
     tokenizer = _tokenizer(ctx)
     info = ctx.model_info()
+    processor = ctx.input_processor()
     if isinstance(body, TokenizeChatRequest):
-        processor = ctx.input_processor()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        processed = await process_text(
-            lambda: processor.process_chat(
+
+        def work() -> tuple[list[int], list[str] | None]:
+            processed = processor.process_chat(
                 messages, add_generation_prompt=body.add_generation_prompt
             )
-        )
-        tokens = list(processed.token_ids)
+            return _with_strs(tokenizer, list(processed.token_ids), body.return_token_strs)
     else:
         prompt, special = body.prompt, body.add_special_tokens
-        tokens = await process_text(lambda: tokenizer.encode(prompt, add_special_tokens=special))
-    strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+        # The character cap generation requests have: a text that cannot fit the context is
+        # refused before it is tokenized (megabytes of it took the tokenizer seconds).
+        try:
+            processor.check_chars(len(prompt), "prompt")
+        except InvalidRequestError as err:
+            raise ApiError(400, err.message, param=err.param) from None
+
+        def work() -> tuple[list[int], list[str] | None]:
+            tokens = tokenizer.encode(prompt, add_special_tokens=special)
+            return _with_strs(tokenizer, tokens, body.return_token_strs)
+
+    tokens, strs = await process_text(work, ctx.tokenize_pool)
     return TokenizeResponse(
         count=len(tokens), max_model_len=info.max_model_len, tokens=tokens, token_strs=strs
     ).model_dump()
+
+
+def _with_strs(tokenizer, tokens: list[int], wanted: bool) -> tuple[list[int], list[str] | None]:
+    """The tokens and, when `wanted`, each one's text (decoded in the worker thread too)."""
+    return tokens, [tokenizer.decode([t]) for t in tokens] if wanted else None
 
 
 async def detokenize(ctx: ServingContext, raw_body: bytes) -> dict[str, object]:
@@ -97,7 +116,7 @@ async def detokenize(ctx: ServingContext, raw_body: bytes) -> dict[str, object]:
         raise ApiError(
             400, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", param="tokens"
         )
-    return {"prompt": await process_text(lambda: tokenizer.decode(body.tokens))}
+    return {"prompt": await process_text(lambda: tokenizer.decode(body.tokens), ctx.tokenize_pool)}
 
 
 def tokenizer_info(ctx: ServingContext) -> dict[str, object]:

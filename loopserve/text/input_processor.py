@@ -67,7 +67,7 @@ class InputProcessor:
             return prompt
         if isinstance(prompt, str):
             tokenizer = self._require_tokenizer("prompt", "pass prompt token ids")
-            self._check_chars(len(prompt), "prompt")
+            self.check_chars(len(prompt), "prompt")
             token_ids = tokenizer.encode(prompt, add_special_tokens=True)
             self._check_token_ids(token_ids)
             return ProcessedPrompt(prompt, token_ids)
@@ -95,11 +95,11 @@ class InputProcessor:
                 for m in messages
                 if isinstance(m, dict) and isinstance(m.get("content"), str)
             )
-            self._check_chars(content_chars, "messages")
+            self.check_chars(content_chars, "messages")
         text, token_ids = tokenizer.encode_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
-            check_text=lambda text: self._check_chars(len(text), "messages"),
+            check_text=lambda text: self.check_chars(len(text), "messages"),
         )
         self._check_token_ids(token_ids, param="messages")
         return ProcessedPrompt(text, token_ids)
@@ -136,7 +136,9 @@ class InputProcessor:
             raise InvalidRequestError(f"this model has no tokenizer; {instead}", param)
         return self.tokenizer
 
-    def _check_chars(self, num_chars: int, param: str) -> None:
+    def check_chars(self, num_chars: int, param: str) -> None:
+        """`CapacityError` for a text whose character count alone cannot fit the context
+        (checked before tokenizing it)."""
         if num_chars > self.max_prompt_chars:
             raise CapacityError(
                 f"the prompt has {num_chars} characters; it cannot fit the maximum context "

@@ -24,12 +24,9 @@ import httpx
 from tests.server_utils import ServerProcess, sse_payloads, wait_all_blocks_free
 
 HUGE_PROMPT_CHARS = 3_500_000
-# A stall is judged against the time the huge prompts took, which grows with the machine's load:
-# no /health answer and no stream gap may take more than a fifth of it (or 1 s). Processing
-# the prompts on the event loop or the engine thread holds the GIL for each whole tokenization,
-# a stall of at least a third of that time with three prompts.
-MIN_STALL_BOUND_S = 1.0
-STALL_SHARE = 1 / 5
+# Whether prompts are tokenized off the event loop is checked by thread, not by time
+# (`test_prompts_are_rendered_and_tokenized_in_worker_threads`): a bound on /health latency
+# failed on a fast host, where the huge prompts were done before three polls.
 FLAGS = [
     "--dtype", "float32", "--num-blocks", "512", "--block-size", "16",
     "--served-model-name", "tiny", "--max-model-len", "2000000",
@@ -97,16 +94,18 @@ def test_huge_prompts_do_not_stall_health_or_a_running_stream(server: ServerProc
             args=("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
         ),
     ]
-    start_s = time.monotonic()
     for sender in senders:
         sender.start()
-    health_latencies_s = []
+    health_polls = 0
     while any(sender.is_alive() for sender in senders):
-        sent_s = time.monotonic()
+        # a stalled event loop fails this (the wait only bounds the test; no speed is asserted)
         assert httpx.get(url + "/health", timeout=60).status_code == 200
-        health_latencies_s.append(time.monotonic() - sent_s)
+        health_polls += 1
         time.sleep(0.05)
-    end_s = time.monotonic()
+    chunks_before = len(chunk_times_s)
+    deadline_s = time.monotonic() + 60  # bounds the wait; not a speed assertion
+    while len(chunk_times_s) == chunks_before and time.monotonic() < deadline_s:
+        time.sleep(0.05)
     stop_reading.set()
     reader.join(60)
 
@@ -116,18 +115,8 @@ def test_huge_prompts_do_not_stall_health_or_a_running_stream(server: ServerProc
     # Tokenized, then refused for KV capacity: the text really went through the tokenizer.
     messages = [r.json()["error"]["message"] for r in huge_results]
     assert all(re.search(r"prompt has \d+ tokens|needs \d+ KV blocks", m) for m in messages)
-    print(
-        f"huge prompts took {end_s - start_s:.2f} s; /health max "
-        f"{max(health_latencies_s):.3f} s over {len(health_latencies_s)} polls"
-    )
-    assert len(health_latencies_s) >= 3, "the huge prompts were too quick to test anything"
-    bound_s = max(MIN_STALL_BOUND_S, STALL_SHARE * (end_s - start_s))
-    assert max(health_latencies_s) < bound_s, (bound_s, health_latencies_s)
-    in_window = [t for t in chunk_times_s if start_s <= t <= end_s]
-    window_marks = [start_s, *in_window, end_s]
-    gaps_s = [b - a for a, b in zip(window_marks, window_marks[1:])]
-    print(f"stream: {len(in_window)} chunks in the window, max gap {max(gaps_s):.3f} s")
-    assert len(in_window) >= 3 and max(gaps_s) < bound_s, (bound_s, len(in_window), max(gaps_s))
+    assert health_polls >= 1
+    assert len(chunk_times_s) > chunks_before, "the running stream did not go on"
     wait_all_blocks_free(url)
 
 
@@ -176,3 +165,34 @@ def test_serve_takes_the_checkpoints_exit_threshold_as_the_request_default(tmp_p
         server.stop()
     assert min(unset["exit_depths"]) < 4  # early exits, with no field sent
     assert full["choices"][0]["exit_depths"] == [4] * 24
+
+
+def test_prompts_are_rendered_and_tokenized_in_worker_threads(tiny_tok_dir, monkeypatch):
+    """Completion and chat prompts are tokenized in the event loop's worker threads, never on
+    the thread that runs the event loop (or the engine's): what keeps /health and running
+    streams answering while a huge prompt is tokenized, checked by thread, not by time."""
+    from loopserve.engine.llm_engine import LLMEngine
+    from loopserve.text.tokenizer import Tokenizer
+    from tests.server_utils import in_process_calls
+
+    threads: set[str] = set()
+    encode = Tokenizer.encode
+
+    def recording_encode(self, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", recording_encode)
+    engine = LLMEngine.from_engine_args(model=str(tiny_tok_dir), dtype="float32", num_blocks=32)
+    chat = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 1}
+
+    async def calls(client):
+        return [
+            await client.post("/v1/completions", json={"prompt": "a red fox", "max_tokens": 1}),
+            await client.post("/v1/chat/completions", json=chat),
+        ]
+
+    responses = in_process_calls(engine, "tiny", calls)
+    assert [r.status_code for r in responses] == [200, 200]
+    assert threads and threading.main_thread().name not in threads  # the loop's thread
+    assert all(name.startswith("asyncio") for name in threads), threads  # its worker pool

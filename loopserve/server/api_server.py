@@ -61,6 +61,7 @@ from loopserve.server.protocol import ModelCard, ModelList
 from loopserve.server.serving_chat import create_chat_completion
 from loopserve.server.serving_common import ApiError, ServingContext
 from loopserve.server.serving_completions import create_completion
+from loopserve.text.reasoning import PARSERS as REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to end
@@ -87,6 +88,7 @@ def build_app(
     allow_client_priority: bool = False,
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     request_defaults: dict[str, object] | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `client` (an `EngineClient`: one engine, or a pool of replicas)
     as `served_model_name`.
@@ -94,7 +96,8 @@ def build_app(
     Its lifespan starts the engine thread, logs one line once the model is ready and, at
     shutdown, drains the engine within `shutdown_timeout_s`. `allowed_hosts=None` accepts any
     Host header; `api_key=None` needs no key; `request_defaults` fill the looped-model fields
-    a request leaves unset (`--request-defaults`).
+    a request leaves unset (`--request-defaults`); `reasoning_parser` names a parser of
+    `text/reasoning.py` that moves chat answers' reasoning into `reasoning_content`.
     """
     ctx = ServingContext(
         client,
@@ -102,6 +105,7 @@ def build_app(
         allow_client_priority=allow_client_priority,
         default_max_tokens_cap=default_max_tokens,
         request_defaults=dict(request_defaults or {}),
+        reasoning_parser=None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser],
     )
 
     @contextlib.asynccontextmanager
@@ -270,6 +274,7 @@ def make_server(
         allow_client_priority=args.allow_client_priority,
         default_max_tokens=args.default_max_tokens,
         request_defaults=args.request_defaults,
+        reasoning_parser=args.reasoning_parser,
     )
     config = uvicorn.Config(
         app,

@@ -7,6 +7,8 @@ import argparse
 import json
 from typing import Any
 
+from loopserve.text.reasoning import PARSERS as REASONING_PARSERS
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 DEFAULT_MODEL_NAME = "loopserve-default"
 DEFAULT_HEADER_TIMEOUT_S = 10.0
@@ -111,6 +113,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="JSON object of looped-model fields for requests that do not set them, e.g. "
         '\'{"exit_threshold": 0.6, "prompt_logprobs_loop": "exit"}\' so that an unchanged '
         "client (lm-eval) measures a threshold; fields: " + ", ".join(REQUEST_DEFAULT_FIELDS),
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="move the reasoning a chat answer writes between <think> and </think> into "
+        "`reasoning_content` (messages and stream deltas) and count its tokens in "
+        "usage.completion_tokens_details.reasoning_tokens (default: none, text as written)",
     )
     group.add_argument(
         "--header-timeout-s",

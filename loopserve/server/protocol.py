@@ -224,11 +224,23 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # output tokens of the reasoning (`--reasoning-parser`)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _details_only_when_set(self, handler):
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):
@@ -289,6 +301,15 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    # The reasoning a `--reasoning-parser` moved out of `content` (absent without one).
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_only_when_set(self, handler):
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -315,14 +336,16 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with `--reasoning-parser`
 
     @model_serializer(mode="wrap")
     def _role_only_when_set(self, handler):
         # OpenAI sends the role in the first delta only; later deltas carry no role key
-        # (never "role": null, which some clients reject).
+        # (never "role": null, which some clients reject); likewise the reasoning.
         data = handler(self)
-        if data.get("role") is None:
-            data.pop("role", None)
+        for key in ("role", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

@@ -51,6 +51,7 @@ from loopserve.server.serving_common import (
     usage,
     vllm_prompt_logprobs,
 )
+from loopserve.text.reasoning import ReasoningParser, ReasoningStream, reasoning_token_count
 from loopserve.text.tokenizer import Tokenizer
 
 
@@ -91,21 +92,23 @@ async def create_chat_completion(
         for i in range(body.n)
     ]
     stream = await submit(ctx, requests)
+    reasoning = _Reasoning.of(ctx.reasoning_parser, tokenizer, prompt_ids)
     if body.stream:
-        events = _stream_events(ctx, body, response_id, stream, requests, tokenizer)
+        events = _stream_events(ctx, body, response_id, stream, requests, tokenizer, reasoning)
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await cancel_on_disconnect(http_request, collect_finals(stream))
     stream.close()
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     outputs = [finals[request.request_id] for request in requests]
+    messages = [reasoning.message(out.text) for out in outputs]
     response = ChatCompletionResponse(
         id=response_id,
         model=ctx.served_model_name,
         choices=[
             ChatChoice(
                 index=index,
-                message=ChatResponseMessage(content=out.text),
+                message=messages[index],
                 logprobs=_logprobs(body, tokenizer, out.logprobs or []),
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
@@ -118,6 +121,7 @@ async def create_chat_completion(
             len(prompt_ids),
             sum(out.num_output_tokens for out in outputs),
             outputs[0].metrics.num_cached_prompt_tokens if outputs else 0,
+            reasoning.num_tokens([list(out.token_ids) for out in outputs]),
         ),
         prompt_logprobs=vllm_prompt_logprobs(tokenizer, outputs[0], body.prompt_logprobs)
         if outputs
@@ -125,6 +129,56 @@ async def create_chat_completion(
         prompt_exit_depths=prompt_exit_depths(outputs[0]) if outputs else None,
     )
     return JSONResponse(response.model_dump())
+
+
+class _Reasoning:
+    """The server's reasoning parser (`--reasoning-parser`, None: text as written) for one
+    chat request: whether its prompt already opened the reasoning block, and the message,
+    stream deltas and reasoning-token count of its choices."""
+
+    def __init__(
+        self, parser: ReasoningParser | None, tokenizer: Tokenizer | None, started: bool
+    ) -> None:
+        self.parser, self.tokenizer, self.started = parser, tokenizer, started
+
+    @classmethod
+    def of(cls, parser: ReasoningParser | None, tokenizer: Tokenizer | None, prompt_ids):
+        started = False
+        if parser is not None and tokenizer is not None:  # the template opened the block
+            tail = tokenizer.decode(list(prompt_ids[-16:]), skip_special_tokens=False)
+            started = tail.rstrip().endswith(parser.start)
+        return cls(parser, tokenizer, started)
+
+    def message(self, text: str) -> ChatResponseMessage:
+        if self.parser is None:
+            return ChatResponseMessage(content=text)
+        reasoning, content = self.parser.split(text, started=self.started)
+        return ChatResponseMessage(content=content, reasoning_content=reasoning)
+
+    def stream(self) -> ReasoningStream | None:
+        return None if self.parser is None else ReasoningStream(self.parser, started=self.started)
+
+    @staticmethod
+    def delta(splitter: ReasoningStream | None, new_text: str, finished: bool) -> ChatDelta:
+        if splitter is None:
+            return ChatDelta(content=new_text)
+        reasoning, content = splitter.feed(new_text)
+        if finished:
+            more_reasoning, more_content = splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if reasoning and not content:
+            return ChatDelta(reasoning_content=reasoning)
+        return ChatDelta(content=content, reasoning_content=reasoning or None)
+
+    def num_tokens(self, outputs: list[list[int]]) -> int | None:
+        """Reasoning tokens of all choices' output token ids (None without a parser: usage
+        shows none)."""
+        if self.parser is None or self.tokenizer is None:
+            return None
+        decode = self.tokenizer.decode
+        return sum(
+            reasoning_token_count(self.parser, decode, ids, started=self.started) for ids in outputs
+        )
 
 
 def _messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -164,10 +218,13 @@ async def _stream_events(
     stream: EngineStream,
     requests: list[GenerateRequest],
     tokenizer: Tokenizer | None,
+    reasoning: _Reasoning,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     index_of = {request.request_id: i for i, request in enumerate(requests)}
     finals: dict[int, RequestOutput] = {}
+    splitters = [reasoning.stream() for _ in requests]
+    output_ids: list[list[int]] = [[] for _ in requests]  # each choice's tokens (deltas come)
 
     def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
         return sse(
@@ -190,13 +247,14 @@ async def _stream_events(
                     yield sse(failed_output_error(out).body)
                     break
                 index = index_of[out.request_id]
+                output_ids[index].extend(out.new_token_ids)
                 if out.finished:
                     finals[index] = out
                 if not (out.new_text or out.new_token_ids or out.finished):
                     continue
                 choice = ChatStreamChoice(
                     index=index,
-                    delta=ChatDelta(content=out.new_text),
+                    delta=reasoning.delta(splitters[index], out.new_text, out.finished),
                     logprobs=_logprobs(body, tokenizer, new_logprobs(out)),
                     finish_reason=out.finish_reason,
                     stop_reason=out.stop_reason if out.finished else None,
@@ -216,7 +274,13 @@ async def _stream_events(
                     completion_tokens = sum(out.num_output_tokens for out in finals.values())
                     prompt_tokens = len(finals[0].prompt_token_ids) if finals else 0
                     cached = finals[0].metrics.num_cached_prompt_tokens if finals else 0
-                    yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
+                    yield chunk(
+                        [],
+                        usage=usage(
+                            prompt_tokens, completion_tokens, cached,
+                            reasoning.num_tokens(output_ids),
+                        ),
+                    )  # fmt: skip
     except (EngineNotReadyError, EngineDeadError) as err:
         yield sse(engine_unavailable(err).body)
     yield SSE_DONE

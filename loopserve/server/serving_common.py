@@ -42,6 +42,7 @@ from loopserve.sampling_params import SamplingParams
 from loopserve.server.args import DEFAULT_CHAT_MAX_TOKENS
 from loopserve.server.protocol import (
     CompletionLogprobs,
+    CompletionTokensDetails,
     ErrorInfo,
     ErrorResponse,
     PromptLogprob,
@@ -51,6 +52,7 @@ from loopserve.server.protocol import (
     UsageInfo,
 )
 from loopserve.text.input_processor import InputProcessor, check_stop_strings
+from loopserve.text.reasoning import ReasoningParser
 from loopserve.text.tokenizer import Tokenizer
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -90,6 +92,8 @@ class ServingContext:
     default_max_tokens_cap: int = DEFAULT_CHAT_MAX_TOKENS
     # Looped-model fields for requests that leave them unset (`--request-defaults`).
     request_defaults: dict[str, object] = field(default_factory=dict)
+    # Moves chat answers' reasoning into `reasoning_content` (`--reasoning-parser`).
+    reasoning_parser: ReasoningParser | None = None
     # `/tokenize` and `/detokenize` work runs here, apart from the pool that tokenizes the
     # prompts of generation requests: huge `/tokenize` bodies cannot hold those up.
     tokenize_pool: ThreadPoolExecutor = field(
@@ -370,12 +374,21 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    reasoning_tokens: int | None = None,
+) -> UsageInfo:
+    """`reasoning_tokens` (with a reasoning parser): the output tokens of the reasoning."""
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        completion_tokens_details=None
+        if reasoning_tokens is None
+        else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
     )
 
 

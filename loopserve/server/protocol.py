@@ -220,6 +220,15 @@ class ChatCompletionRequest(SamplingRequest):
 # ---- responses ---------------------------------------------------------------------------
 
 
+def _without_unset(data: dict, keys: tuple[str, ...]) -> dict:
+    """`data` without those of `keys` whose value is None (fields a response shows only when
+    they apply: no `"key": null`, which some clients reject)."""
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
@@ -237,10 +246,7 @@ class UsageInfo(BaseModel):
 
     @model_serializer(mode="wrap")
     def _details_only_when_set(self, handler):
-        data = handler(self)
-        if data.get("completion_tokens_details") is None:
-            data.pop("completion_tokens_details", None)
-        return data
+        return _without_unset(handler(self), ("completion_tokens_details",))
 
 
 class CompletionLogprobs(BaseModel):
@@ -306,10 +312,7 @@ class ChatResponseMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _reasoning_only_when_set(self, handler):
-        data = handler(self)
-        if data.get("reasoning_content") is None:
-            data.pop("reasoning_content", None)
-        return data
+        return _without_unset(handler(self), ("reasoning_content",))
 
 
 class ChatChoice(BaseModel):
@@ -342,11 +345,7 @@ class ChatDelta(BaseModel):
     def _role_only_when_set(self, handler):
         # OpenAI sends the role in the first delta only; later deltas carry no role key
         # (never "role": null, which some clients reject); likewise the reasoning.
-        data = handler(self)
-        for key in ("role", "reasoning_content"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
+        return _without_unset(handler(self), ("role", "reasoning_content"))
 
 
 class ChatStreamChoice(BaseModel):

@@ -243,10 +243,16 @@ class UsageInfo(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
+    # Looped-model extension: loops over all output tokens (the sum of their exit depths)
+    # and per output token: what the request cost in core loops.
+    completion_loops: int | None = None
+    mean_loops: float | None = None
 
     @model_serializer(mode="wrap")
     def _details_only_when_set(self, handler):
-        return _without_unset(handler(self), ("completion_tokens_details",))
+        return _without_unset(
+            handler(self), ("completion_tokens_details", "completion_loops", "mean_loops")
+        )
 
 
 class CompletionLogprobs(BaseModel):

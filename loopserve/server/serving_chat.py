@@ -122,6 +122,7 @@ async def create_chat_completion(
             sum(out.num_output_tokens for out in outputs),
             outputs[0].metrics.num_cached_prompt_tokens if outputs else 0,
             reasoning.num_tokens([list(out.token_ids) for out in outputs]),
+            sum(sum(out.exit_depths) for out in outputs),
         ),
         prompt_logprobs=vllm_prompt_logprobs(tokenizer, outputs[0], body.prompt_logprobs)
         if outputs
@@ -225,6 +226,7 @@ async def _stream_events(
     finals: dict[int, RequestOutput] = {}
     splitters = [reasoning.stream() for _ in requests]
     output_ids: list[list[int]] = [[] for _ in requests]  # each choice's tokens (deltas come)
+    loops = [0] * len(requests)  # each choice's loops so far
 
     def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
         return sse(
@@ -248,6 +250,7 @@ async def _stream_events(
                     break
                 index = index_of[out.request_id]
                 output_ids[index].extend(out.new_token_ids)
+                loops[index] += sum(out.new_exit_depths)
                 if out.finished:
                     finals[index] = out
                 if not (out.new_text or out.new_token_ids or out.finished):
@@ -264,7 +267,7 @@ async def _stream_events(
                 if body.continuous_usage:  # this choice's tokens so far (vLLM semantics)
                     running = usage(
                         len(out.prompt_token_ids), out.num_output_tokens,
-                        out.metrics.num_cached_prompt_tokens,
+                        out.metrics.num_cached_prompt_tokens, loops=loops[index],
                     )  # fmt: skip
                     yield chunk([choice], usage=running)
                     continue
@@ -278,7 +281,7 @@ async def _stream_events(
                         [],
                         usage=usage(
                             prompt_tokens, completion_tokens, cached,
-                            reasoning.num_tokens(output_ids),
+                            reasoning.num_tokens(output_ids), sum(loops),
                         ),
                     )  # fmt: skip
     except (EngineNotReadyError, EngineDeadError) as err:

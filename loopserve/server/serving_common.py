@@ -379,8 +379,10 @@ def usage(
     completion_tokens: int,
     cached_tokens: int = 0,
     reasoning_tokens: int | None = None,
+    loops: int | None = None,
 ) -> UsageInfo:
-    """`reasoning_tokens` (with a reasoning parser): the output tokens of the reasoning."""
+    """`reasoning_tokens` (with a reasoning parser): the output tokens of the reasoning;
+    `loops`: the loops all output tokens used (the sum of their exit depths)."""
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
@@ -389,6 +391,10 @@ def usage(
         completion_tokens_details=None
         if reasoning_tokens is None
         else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
+        completion_loops=loops,
+        mean_loops=None
+        if loops is None
+        else (loops / completion_tokens if completion_tokens else 0.0),
     )
 
 

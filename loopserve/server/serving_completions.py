@@ -195,16 +195,25 @@ def _choice(
 
 
 def _usage(
-    choices: list[_Choice], outputs: list[RequestOutput], *, score_only: bool = False
+    choices: list[_Choice],
+    outputs: list[RequestOutput],
+    *,
+    score_only: bool = False,
+    loops: int | None = None,
 ) -> UsageInfo:
+    """`loops`: the choices' loops (streamed outputs carry only their deltas); None: the
+    outputs' exit depths."""
     prompt_tokens = {c.prompt_index: len(out.prompt_token_ids) for c, out in zip(choices, outputs)}
     cached = {}  # per prompt: its first choice's cache hits (the prompt is counted once)
     for c, out in zip(choices, outputs):
         cached.setdefault(c.prompt_index, out.metrics.num_cached_prompt_tokens)
+    if loops is None:
+        loops = sum(sum(out.exit_depths) for out in outputs)
     return usage(
         sum(prompt_tokens.values()),
         0 if score_only else sum(out.num_output_tokens for out in outputs),
         sum(cached.values()),
+        loops=0 if score_only else loops,
     )
 
 
@@ -220,6 +229,7 @@ async def _stream_events(
     index_of = {choice.request.request_id: i for i, choice in enumerate(choices)}
     finals: dict[int, RequestOutput] = {}
     score_only = body.echo and body.max_tokens == 0
+    loops = [0] * len(choices)  # each choice's loops so far (outputs carry deltas)
     try:
         with stream:
             async for out in stream:
@@ -227,6 +237,7 @@ async def _stream_events(
                     yield sse(failed_output_error(out).body)
                     break
                 index = index_of[out.request_id]
+                loops[index] += sum(out.new_exit_depths)
                 choice = choices[index]
                 text = "" if score_only else out.new_text
                 entries = [] if score_only else new_logprobs(out)
@@ -247,7 +258,7 @@ async def _stream_events(
                 if body.continuous_usage:  # this choice's tokens so far (vLLM semantics)
                     running = usage(
                         len(out.prompt_token_ids), out.num_output_tokens,
-                        out.metrics.num_cached_prompt_tokens,
+                        out.metrics.num_cached_prompt_tokens, loops=loops[index],
                     )  # fmt: skip
                 yield sse(
                     CompletionResponse(
@@ -267,7 +278,7 @@ async def _stream_events(
                             created=created,
                             model=ctx.served_model_name,
                             choices=[],
-                            usage=_usage(choices, outputs, score_only=score_only),
+                            usage=_usage(choices, outputs, score_only=score_only, loops=sum(loops)),
                         )
                     )
     except (EngineNotReadyError, EngineDeadError) as err:

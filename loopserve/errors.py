@@ -28,14 +28,15 @@ class InvalidRequestError(LoopserveError, ValueError):
 # to blame (its grammar met a limit of the structured-output library while the output was
 # being generated), the text says so in this one form, so that the server can answer 400
 # naming the field instead of a 500.
-_CLIENT_ERROR = "InvalidRequestError(param={param}): "
+_CLIENT_ERROR = "InvalidRequestError(param="  # then the param, "): " and the message
+_CLIENT_ERROR_END = "): "
 
 
 def describe_failure(err: BaseException) -> str:
     """The text of a request's failure: `InvalidRequestError(param=P): message` for the
     request's own invalid input, else `Type: message`."""
     if isinstance(err, InvalidRequestError):
-        return _CLIENT_ERROR.format(param=err.param or "") + err.message
+        return f"{_CLIENT_ERROR}{err.param or ''}{_CLIENT_ERROR_END}{err.message}"
     return f"{type(err).__name__}: {err}"
 
 
@@ -44,15 +45,15 @@ def client_error_in(text: str | None) -> InvalidRequestError | None:
     such as "sampling failed: ") reports, or None when the failure was the engine's."""
     if not text:
         return None
-    start = text.find("InvalidRequestError(param=")
+    start = text.find(_CLIENT_ERROR)
     if start < 0:
         return None
-    param_start = start + len("InvalidRequestError(param=")
-    param_end = text.find("): ", param_start)
+    param_start = start + len(_CLIENT_ERROR)
+    param_end = text.find(_CLIENT_ERROR_END, param_start)
     if param_end < 0:
         return None
     param = text[param_start:param_end] or None
-    return InvalidRequestError(text[param_end + 3 :], param=param)
+    return InvalidRequestError(text[param_end + len(_CLIENT_ERROR_END) :], param=param)
 
 
 class CapacityError(InvalidRequestError):

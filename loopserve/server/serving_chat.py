@@ -225,7 +225,8 @@ async def _stream_events(
     index_of = {request.request_id: i for i, request in enumerate(requests)}
     finals: dict[int, RequestOutput] = {}
     splitters = [reasoning.stream() for _ in requests]
-    output_ids: list[list[int]] = [[] for _ in requests]  # each choice's tokens (deltas come)
+    # Each choice's tokens (outputs carry deltas), kept only for the reasoning-token count.
+    output_ids: list[list[int]] = [[] for _ in requests]
     loops = [0] * len(requests)  # each choice's loops so far
 
     def chunk(choices: list[ChatStreamChoice], **extra: object) -> str:
@@ -249,7 +250,8 @@ async def _stream_events(
                     yield sse(failed_output_error(out).body)
                     break
                 index = index_of[out.request_id]
-                output_ids[index].extend(out.new_token_ids)
+                if reasoning.parser is not None:
+                    output_ids[index].extend(out.new_token_ids)
                 loops[index] += sum(out.new_exit_depths)
                 if out.finished:
                     finals[index] = out

@@ -111,11 +111,12 @@ def reasoning_token_count(
     """Output tokens that carry the reasoning: up to and including the token that completes
     the end tag (all of them when the block never closes; 0 without reasoning). `decode`:
     token ids -> text. A binary search over prefixes, on the final output only."""
-    if parser.split(decode(token_ids), started=started)[0] is None:
+    text = decode(token_ids)
+    if parser.split(text, started=started)[0] is None:
         return 0
-    low, high = 1, len(token_ids)  # the smallest prefix whose text closed the block
-    if not _closes(parser, decode(token_ids), started):
+    if not _closes(parser, text, started):
         return len(token_ids)
+    low, high = 1, len(token_ids)  # the smallest prefix whose text closed the block
     while low < high:
         middle = (low + high) // 2
         if _closes(parser, decode(token_ids[:middle]), started):

@@ -115,7 +115,7 @@ def assert_matches_reference(engine, work, finished, criterion, aborted=()):
 def assert_released(engine):
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
     assert engine.runner.num_live_handles == 0 and engine.runner.samplers == {}
-    assert engine.runner.latents == {} and engine.runner.max_loops == {}
+    assert engine.runner.calls.latents == {} and engine.runner.prompt_lens == {}
 
 
 @pytest.mark.parametrize("criterion, mode, arm", CASES, ids=["-".join(c) for c in CASES])
@@ -147,7 +147,7 @@ def test_preempted_requests_resume_to_the_same_tokens(huginn_dir, preemption):
         assert stats.num_replayed_rows > 0
     assert_matches_reference(engine, work, finished, "kl")
     assert_released(engine)
-    assert engine.runner.swapped == {}
+    assert engine.runner.moves.swapped_decode == {} == engine.runner.swapped_inflight
 
 
 def test_seeded_sampling_is_reproducible(huginn_dir):
@@ -574,7 +574,7 @@ def test_full_lookup_reproduces_the_authors_default(huginn_dir, case):
     finished = run_steps(engine, [("golden", GOLDEN["prompt"], params, 0), *others])
     out = finished["golden"]
     assert (out.token_ids, out.exit_depths) == (case["tokens"], case["steps"])
-    assert engine.runner.steps_run == {}
+    assert engine.runner.calls.steps_run == {}
     assert_released(engine)
 
 
@@ -625,21 +625,21 @@ def test_the_engine_runs_huginn_at_another_step_bound(huginn_dir, num_loops):
     assert_released(engine)
 
 
-def test_graph_mode_auto_starts_huginn_eagerly_on_cuda_and_emulate_is_refused():
-    """No graphed path for Huginn: `auto` (the default) resolves to eager on every device,
-    so a CUDA engine starts without naming it; asking for graphs is a start-up error."""
+def test_graph_mode_auto_starts_huginn_eagerly_on_cuda_and_emulate_is_refused(huginn_dir):
+    """No graphed path for a model with once planes and a criterion yet: `auto` (the default)
+    resolves to eager on every device, so a CUDA engine starts without naming it; asking for
+    graphs is a start-up error naming the option."""
     from loopserve.config import EngineConfig, effective_graph_mode
-    from loopserve.runner.huginn_parts import check_huginn_config, resolve_huginn_config
+    from loopserve.engine.llm_engine import resolve_model_options
+    from loopserve.models import load_model
 
+    model = load_model(huginn_dir)
     cuda = EngineConfig.from_engine_args(device="cuda")
     assert effective_graph_mode(cuda) == "capture"  # what Ouro gets
-    resolved = resolve_huginn_config(cuda)
-    assert effective_graph_mode(resolved) == "off"
-    check_huginn_config(resolved)  # no error
+    resolved = resolve_model_options(dataclasses.replace(cuda, device="cpu"), model, "Huginn")
+    assert effective_graph_mode(dataclasses.replace(resolved, device="cuda")) == "off"
     with pytest.raises(ConfigError, match="graph_mode='emulate'"):
-        check_huginn_config(
-            resolve_huginn_config(EngineConfig.from_engine_args(graph_mode="emulate"))
-        )
+        resolve_model_options(EngineConfig.from_engine_args(graph_mode="emulate"), model, "H")
 
 
 def test_decode_rows_report_the_criterions_score_and_exit_where_it_crosses(huginn_dir):

@@ -319,7 +319,7 @@ def test_speculation_start_up_errors(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="speculative_tokens"):
         make_engine(tiny_dir, speculative_tokens=-1)
     huginn = make_tiny_huginn_checkpoint(tmp_path / "huginn")
-    with pytest.raises(ConfigError, match="Ouro-only"):
+    with pytest.raises(ConfigError, match="reads a hazard"):
         make_engine(huginn, speculative_tokens=2)
 
 

@@ -178,3 +178,27 @@ def test_an_eager_triton_call_sends_its_attention_metadata_in_one_copy(monkeypat
     assert meta.write_slots.tolist() == [5 * 4 + 2, *range(28, 32), *range(32, 36), 36, 37, 38, 6]
     assert meta.decode_rows.tolist() == [0, 12] and meta.decode_seq_lens.tolist() == [7, 3]
     assert meta.tables.tolist() == [[3, 5, 0], [7, 8, 9], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("criterion", ["latent-diff", "kl"])
+def test_a_huginn_decode_call_copies_once_each_way(tmp_path, criterion):
+    """The same decode path serves Huginn (the one executor): per decode-only call one staged
+    copy in (with the rows the criterion checks and their thresholds) and, every request
+    greedy, one packed copy out (exit flags, criterion scores, tokens), whether the criterion
+    reads latents or the coda's logits (kl: the coda runs on the device for the checked rows,
+    its positions taken from the staged copy)."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    model_dir = make_tiny_huginn_checkpoint(tmp_path / "huginn")
+    engine = make_engine(model_dir, exit_criterion=criterion)
+    work = []
+    for i, length in enumerate([3, 8, 13, 5]):
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                exit_threshold=(0.2, 1.0, 0.05, 0.1)[i], min_loops=2)  # fmt: skip
+        work.append((f"h{i}", [(11 * i + 5 * j + 1) % 128 for j in range(length)], params, i))
+    finished, per_step = _decode_steps(engine, work)
+    assert all(not finished[rid].error for rid, *_ in work)
+    assert len(per_step) > 10 and any(decided for _, _, decided in per_step)
+    assert all(h2d == 1 for _, h2d, _ in per_step), per_step
+    assert all(d2h <= 1 for d2h, _, _ in per_step), per_step
+    assert all(d2h == 1 for d2h, _, decided in per_step if decided), per_step

@@ -38,17 +38,14 @@ from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.models import load_model, resolve_model_path
 from loopserve.models.registry import (
-    HUGINN,
     read_config,
     require_engine_family,
     resolve_exit_mode,
 )
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
 from loopserve.runner.attention.registry import resolve_attention_backend
-from loopserve.runner.huginn_parts import check_huginn_config, resolve_huginn_config
-from loopserve.runner.huginn_runner import HuginnRunner
 from loopserve.runner.memory_profile import profile_cuda_memory
-from loopserve.runner.model_runner import ModelRunner
+from loopserve.runner.model_runner import ModelRunner, unsupported_options
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request, RequestStatus
 from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
@@ -73,12 +70,10 @@ class LLMEngine:
         self.family = family
         exit_mode = resolve_exit_mode(family, config.exit.mode)
         config = dataclasses.replace(config, exit=dataclasses.replace(config.exit, mode=exit_mode))
-        if family is HUGINN:
-            config = resolve_huginn_config(config)
-            check_huginn_config(config)
         self.model = load_model(
             model_path, dtype=config.dtype, device=config.device, num_loops=config.num_loops
         )
+        config = resolve_model_options(config, self.model, family.name)
         check_draft_loops(config, self.model.num_loops)
         self.tokenizer = Tokenizer.from_dir(self.model.checkpoint_dir)
         bytes_per_block = self.model.config.kv_bytes_per_block(
@@ -136,39 +131,27 @@ class LLMEngine:
             prefix_key_by_max_loops=family.prefix_keyed_by_max_loops,
             prompt_loops_by_request=family.prompt_loops_by_request,
             score_store=family.score_store,
-            make_executor=lambda kv: (
-                HuginnRunner(
-                    self.model,  # type: ignore[arg-type]
-                    num_blocks=cache.num_blocks,
-                    block_size=cache.block_size,
-                    layout=cache.layout,
-                    criterion=self.config.exit.criterion,
-                    init_scale=self.config.init_scale,
-                    prompt_exits=self.config.exit.prompt_exits,
-                    num_host_blocks=kv.host_pool.num_blocks,
-                    attention_backend=self.config.attention_backend,
-                    lookup=self.config.exit.lookup,
-                    batch_invariant=self.config.batch_invariant,
-                    make_matcher=None if self.structured is None else self.structured.matcher,
-                )
-                if family is HUGINN
-                else ModelRunner(
-                    self.model,
-                    num_blocks=cache.num_blocks,
-                    block_size=cache.block_size,
-                    layout=cache.layout,
-                    exit_mode=self.config.exit.mode,
-                    lookahead_seed=self.config.exit.lookahead_seed,
-                    num_host_blocks=kv.host_pool.num_blocks,
-                    attention_backend=self.config.attention_backend,
-                    graph_mode=effective_graph_mode(self.config),
-                    max_model_len=self.max_model_len,
-                    max_num_seqs=self.config.scheduler.max_num_seqs,
-                    batch_invariant=self.config.batch_invariant,
-                    cascade_attention=cascade_enabled(self.config),
-                    score_store=kv.prefix_cache is not None,
-                    make_matcher=None if self.structured is None else self.structured.matcher,
-                )
+            make_executor=lambda kv: ModelRunner(
+                self.model,
+                num_blocks=cache.num_blocks,
+                block_size=cache.block_size,
+                layout=cache.layout,
+                exit_mode=self.config.exit.mode,
+                lookahead_seed=self.config.exit.lookahead_seed,
+                num_host_blocks=kv.host_pool.num_blocks,
+                attention_backend=self.config.attention_backend,
+                graph_mode=effective_graph_mode(self.config),
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.config.scheduler.max_num_seqs,
+                batch_invariant=self.config.batch_invariant,
+                cascade_attention=cascade_enabled(self.config),
+                score_store=kv.prefix_cache is not None and family.score_store,
+                make_matcher=None if self.structured is None else self.structured.matcher,
+                criterion=self.config.exit.criterion,
+                init_scale=self.config.init_scale,
+                prompt_exits=self.config.exit.prompt_exits,
+                lookup=self.config.exit.lookup,
+                per_request_prompt_loops=family.prompt_loops_by_request,
             ),
         )
         self.scheduler = self.core.scheduler
@@ -461,3 +444,31 @@ def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
 def _spec_counts(request: Request) -> tuple[int, int, int, int]:
     stats = request.spec_stats
     return stats.drafted, stats.accepted, stats.rejected, stats.redrafted
+
+
+def resolve_model_options(config: EngineConfig, model, family_name: str) -> EngineConfig:
+    """`config` with what `auto` means for this model (graph_mode auto runs eagerly for a
+    model the decode graphs do not run yet, so a CUDA engine starts without naming it), and
+    a start-up error naming every option the runner cannot run for it
+    (`unsupported_options`)."""
+    if config.graph_mode == "auto" and unsupported_options(model, graph_mode="capture"):
+        config = dataclasses.replace(config, graph_mode="off")
+    scheduler = config.scheduler
+    problems = unsupported_options(
+        model,
+        graph_mode="off"
+        if config.enforce_eager or config.graph_mode == "auto"
+        else config.graph_mode,
+        speculative=bool(scheduler.speculative_tokens),
+        batch_invariant=config.batch_invariant,
+        lookup=config.exit.lookup,
+        layout=config.cache.layout,
+        attention_backend=resolve_attention_backend(config.attention_backend, config.device),
+        prompt_exits=config.exit.prompt_exits,
+        chunked_or_mixed_prompts=scheduler.prefill_mode != "atomic"
+        or scheduler.mixed_prefill_decode,
+        prefix_caching=config.cache.enable_prefix_caching is not False,
+    )
+    if problems:
+        raise ConfigError(f"{family_name} does not run with " + "; ".join(problems))
+    return config

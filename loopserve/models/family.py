@@ -6,10 +6,9 @@ each writing its own K/V plane under LAST_EXITED), an exit signal read after a l
 hazard gate, Huginn's convergence criteria: `exit/`), and a coda (for some families attention
 layers once per position, then the LM head). The KV manager, the simulator's cost model and
 the engine's memory plan read a family only through `LoopedConfig`; the loader builds its
-model through `models/registry.py`; an executor in `runner/` runs its per-loop API (one
-executor per family: Ouro's `ModelRunner`, Huginn's `HuginnRunner`, because their preludes
-and codas differ in kind: an embedding and an lm_head, or attention layers with K/V of
-their own and a state injected at every step).
+model through `models/registry.py`; the one executor, `runner/model_runner.py`, runs every
+family through `LoopedModel`'s math: a family supplies its math, the runner owns every
+feature (paged K/V, decode slots, exits, sampling, swap, hand-off).
 """
 
 from __future__ import annotations
@@ -96,22 +95,58 @@ class LoopedConfig(Protocol):
 
 @runtime_checkable
 class LoopedModel(Protocol):
-    """What the engine reads of a loaded model of any family (`LLMEngine`, the memory plan):
-    its `config` (`LoopedConfig`), `num_loops`, `lm_head` (its weight's dtype and device are
-    the model's), the `checkpoint_dir` it was loaded from, and `profile_forward`, one pass of
-    every part over rows (prelude, one loop, exit signal, coda) for the memory plan's
-    activation peak. The per-loop API that serving runs (prelude, a core step at a loop over a
-    set of rows, the exit signal, the coda) is the family's own, run by the family's executor
-    in `runner/`: Ouro's prelude is an embedding and its coda an lm_head, Huginn's are
-    attention layers with K/V of their own around a state injected at every step."""
+    """A loaded model of any family: what the engine reads (`config`, `num_loops`, `lm_head`,
+    whose weight's dtype and device are the model's, the `checkpoint_dir` it was loaded from,
+    `profile_forward` for the memory plan's activation peak) and the math the one executor
+    runs. The math, all of a family's own:
+
+    - Carried state: each row carries `state_width` columns from loop to loop (Ouro: the
+      hidden state; Huginn: the recurrent state and the injected prelude output).
+    - K/V groups: every plane holds `kv_layers` layers; loop planes keep the core's K/V per
+      loop, and `config.extra_kv_planes` once planes after them keep the K/V of layers run
+      once per position (Huginn's prelude and coda; none for Ouro).
+    - `signal_kind`: "hazard" (a per-loop exit probability folded by the CDF rule:
+      `hazards(carried)`) or "criterion" (a convergence score checked against a threshold by
+      `exit/criteria.py`, over `latent(carried)` and, for some criteria, `leave`'s logits).
+    - `enter(token_ids, positions, once, initial)`: the rows' carried state before loop 0
+      (`once`: the attention of the once planes, one prepared call per plane; `initial`:
+      a family's initial recurrent state when it is drawn, else None).
+    - `loop(carried, positions, attn)`: one loop over a flat set of rows at any loop indices
+      (which plane a row uses is the attention's data): the graph-capture unit.
+    - `leave(carried, positions, once)`: logits [rows, vocab]. `leave_writes_kv`: it writes
+      K/V (once planes), so it runs for every position that completes, not only for rows
+      that sample.
+    - `make_rows_invariant()`: the family's own part of batch-invariant mode, after the
+      runner made its linears and SiLUs row by row.
+    A hand-off carries K/V of every plane, the sampler and what the runner keeps per request
+    (drawn initial states, the `full` lookup's record); the math keeps nothing per request.
+    """
 
     config: Any
     checkpoint_dir: Path
+    signal_kind: str
+    leave_writes_kv: bool
 
     @property
     def num_loops(self) -> int: ...
 
     @property
     def lm_head(self) -> Any: ...
+
+    @property
+    def state_width(self) -> int: ...
+
+    @property
+    def kv_layers(self) -> int: ...
+
+    def enter(self, token_ids: Any, positions: Any, once: Any, initial: Any = None) -> Any: ...
+
+    def loop(self, carried: Any, positions: Any, attn: Any) -> Any: ...
+
+    def latent(self, carried: Any) -> Any: ...
+
+    def leave(self, carried: Any, positions: Any, once: Any) -> Any: ...
+
+    def make_rows_invariant(self) -> None: ...
 
     def profile_forward(self, token_ids: Any, positions: Any, attn: Any) -> Any: ...

@@ -34,6 +34,7 @@ from loopserve.models.attention import AttentionBackend
 from loopserve.models.config import (
     eos_token_ids,
     once_kv_planes,
+    once_layer_slot,
     read_config_json,
     write_config_json,
 )
@@ -342,6 +343,61 @@ class HuginnForLoopedLM(nn.Module):
     def num_loops(self) -> int:
         return self.config.mean_recurrence
 
+    # ---- the looped-model math (`models/family.py`, `LoopedModel`) -------------------------
+    # Huginn carries [state, e] (the recurrent state and the prelude output injected at every
+    # step), keeps its prelude's and coda's K/V once per position (the once planes), reads a
+    # convergence criterion (`exit/criteria.py`) and its coda writes K/V: it runs for every
+    # position that completes, not only for the rows that sample.
+    signal_kind = "criterion"
+    leave_writes_kv = True
+
+    @property
+    def state_width(self) -> int:
+        return 2 * self.config.n_embd
+
+    @property
+    def kv_layers(self) -> int:
+        return self.config.num_core_layers
+
+    def enter(self, token_ids, positions, once, initial=None) -> torch.Tensor:
+        """[initial state, e] of the rows: e from the prelude (its layers' K/V into the once
+        planes, `once`); the state is `initial` or zeros."""
+        e = self.prelude(token_ids, positions, LayerRouter(self.config.layer_groups, once=once))
+        state = self.initial_state(e, init_scale=0.0) if initial is None else initial
+        return torch.cat([state.to(device=e.device, dtype=e.dtype), e], dim=-1)
+
+    def loop(self, carried, positions, attn) -> torch.Tensor:
+        width = self.config.n_embd
+        state, e = carried[:, :width], carried[:, width:]
+        router = LayerRouter(self.config.layer_groups, core=attn)
+        return torch.cat([self.core(state, e, positions, router), e], dim=-1)
+
+    def latent(self, carried: torch.Tensor) -> torch.Tensor:
+        return carried[:, : self.config.n_embd]
+
+    def leave(self, carried, positions, once) -> torch.Tensor:
+        router = LayerRouter(self.config.layer_groups, once=once)
+        return self.coda(self.latent(carried), positions, router)
+
+    def make_rows_invariant(self) -> None:
+        """Its RoPE tables one row at a time (after the runner made its linears and SiLUs
+        row by row). The tables are a guard, not a measured fix: cos/sin over [rows,
+        head_dim / 2] are elementwise transcendental calls like SiLU, whose vector/scalar
+        split moves with the row count on some CPUs; on this project's AMD EPYC (AVX-512)
+        host they measured row-invariant at head_dim 8, 96 and 128. Everything else Huginn
+        runs is row-invariant as it is (RMSNorm's sqrt and division round exactly in either
+        code; softmax and the criteria reduce per row), which
+        tests/test_huginn_batch_invariant.py checks bit for bit."""
+        tables = self.rope
+
+        def rope_row_by_row(positions: torch.Tensor):
+            if positions.shape[0] == 0:
+                return tables(positions)
+            rows = [tables(positions[i : i + 1]) for i in range(positions.shape[0])]
+            return torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])
+
+        self.rope = rope_row_by_row
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return interleaved_rope_tables(positions, self.config.head_dim, self.config.rope_base)
 
@@ -402,3 +458,26 @@ class HuginnForLoopedLM(nn.Module):
         for block in self.transformer.coda:
             x = block(x, rope, attn)
         return self.lm_head(self.transformer.ln_f(x)).float()
+
+
+class LayerRouter:
+    """The attention a Huginn call hands its layers: core layers go to the rows' step plane
+    (`core`), prelude and coda layers to their once planes (`once`: one prepared call per
+    once plane; the i-th prelude-or-coda layer is layer i % L of once plane i // L, where L
+    is the core's layer count, `once_layer_slot`)."""
+
+    def __init__(self, groups: dict[str, range], core=None, once=()) -> None:
+        self.core, self.once = core, once
+        self.core_start = groups["core"].start
+        self.core_layers = groups["core"]
+        prelude, coda = groups["prelude"], groups["coda"]
+        per_plane = len(self.core_layers)
+        self.once_slot = {
+            layer: once_layer_slot(i, per_plane) for i, layer in enumerate([*prelude, *coda])
+        }
+
+    def attend(self, layer_idx: int, query, key, value):
+        if layer_idx in self.core_layers:
+            return self.core.attend(layer_idx - self.core_start, query, key, value)
+        plane, layer = self.once_slot[layer_idx]
+        return self.once[plane].attend(layer, query, key, value)

@@ -150,6 +150,42 @@ class OuroForLoopedLM(nn.Module):
     def num_loops(self) -> int:
         return self.config.total_ut_steps
 
+    # ---- the looped-model math (`models/family.py`, `LoopedModel`) -------------------------
+    # Ouro carries the hidden state from loop to loop, keeps K/V only per loop plane, reads a
+    # hazard, and its enter and leave are an embedding and the LM head (no K/V of their own).
+    signal_kind = "hazard"
+    leave_writes_kv = False
+
+    @property
+    def state_width(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def kv_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def enter(self, token_ids, positions=None, once=(), initial=None) -> torch.Tensor:
+        return self.prelude(token_ids)
+
+    def loop(self, carried, positions, attn) -> torch.Tensor:
+        return self.core(carried, positions, attn)
+
+    def latent(self, carried: torch.Tensor) -> torch.Tensor:
+        return carried
+
+    def leave(self, carried, positions=None, once=()) -> torch.Tensor:
+        return self.coda(carried)
+
+    def make_rows_invariant(self) -> None:
+        """Nothing beyond the linears and SiLUs the runner converts."""
+
+    def hazard_fn(
+        self, lookahead_seed: int | None = None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Its exit signal over carried rows: the trained gate, or the `random_lookahead`
+        mode's seeded head (`make_hazard_fn`)."""
+        return make_hazard_fn(self, lookahead_seed=lookahead_seed)
+
     def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [rows] -> hidden [rows, hidden]."""
         return self.model.embed_tokens(token_ids)

@@ -71,7 +71,7 @@ HUGINN = ModelFamily(
     prompt_loops_by_request=True,
     score_store=False,
     exit_modes=("criterion",),  # a convergence criterion's score, not a hazard
-    runs_on="the engine (eager; runner/huginn_runner.py), the dense reference "
+    runs_on="the engine (eager; the one executor, runner/model_runner.py), the dense reference "
     "(loopserve.models.huginn_dense) and the simulator",
 )
 FAMILIES = (OURO, HUGINN)

@@ -14,6 +14,11 @@ tokens come back in one copy; rows that turn out not to exit drop their token. O
 gate-decided candidate that samples with a generator) the exit flags are read first, and the
 candidates that do not exit are sampled greedily (their generators must not advance) and
 dropped: a second copy out, none more in.
+
+A family whose leave writes K/V (Huginn) has already run the leave of its completed prompt
+chunks over all their rows (`EagerStep`): those logits (`completed`) sample the first token
+and score the prompt here, with the loops a prompt exit chose when it exited as one token.
+The leave reads where its rows are (`Span`s, built only for a family with once planes).
 """
 
 from __future__ import annotations
@@ -59,6 +64,19 @@ class _DecodeBatch(NamedTuple):
     rows: torch.Tensor | None  # their outputs [c, H]
     samplers: list[tuple]  # their (spec, generator, history), `HELD` for one known to stay
     has_history: bool  # some candidate's sampling reads its tokens
+
+
+def _decode_spans(decode: DecodeSignals, rows: list[int]) -> list[tuple[str, int, int]]:
+    """Where decode rows are: (request, position, 1) each."""
+    ids, positions = decode.rows.request_ids, decode.rows.positions
+    return [(ids[row], int(positions[row]), 1) for row in rows]
+
+
+def _candidate_positions(decode: DecodeSignals, batch: _DecodeBatch) -> torch.Tensor | None:
+    """The decode candidates' positions on the device (eager calls), or None."""
+    if decode.positions is None:
+        return None
+    return decode.positions.index_select(0, decode.candidates_on_device[: len(batch.candidates)])
 
 
 def _failure(request_id: str, error: str) -> RequestFailure:
@@ -116,7 +134,7 @@ class Coda:
         *,
         rules: StepRules,
         exit_mode: ExitMode,
-        coda: Callable[[torch.Tensor], torch.Tensor],
+        coda: Callable[..., torch.Tensor],
         hazards: Callable[[torch.Tensor], torch.Tensor],
         samplers: dict,
         transfers: Transfers,
@@ -141,40 +159,66 @@ class Coda:
         exited,
         decode: DecodeSignals | None = None,
         cached_rows: dict[int, torch.Tensor] | None = None,
+        completed: dict[int, tuple[torch.Tensor, int | None]] | None = None,
     ) -> CodaOutput:
         """Coda and sampling of the exiting rows; the items' results, the requests whose
-        sampling raised (each fails alone) and the decode rows' results."""
+        sampling raised (each fails alone) and the decode rows' results. `completed`: items
+        whose leave already ran (logits of all rows, and the loops of a prompt exit)."""
         if not items and decode is not None:
             return self.decode_only(decode)
-        scores = self._score_prompts(items, states, last_outputs, cached_rows or {})
+        completed = completed or {}
+        scores = self._score_prompts(items, states, last_outputs, cached_rows or {}, completed)
         coda_rows: list[torch.Tensor] = []
+        spans: list[tuple[str, int, int]] = []  # where the coda rows are
         # Per coda row: (a decode row?, its index), and its request's (spec, generator).
         owners: list[tuple[bool, int]] = []
         pairs: list[tuple] = []
         batch = None if decode is None else self._decode_candidates(decode)
+        positions = None  # the coda rows' positions on the device, when only decode rows
         if batch is not None and batch.rows is not None:
             coda_rows.append(batch.rows)
             owners += [(True, row) for row in batch.candidates]
             pairs += batch.samplers
-        first_tokens = [self.rules.samples_first_token(item) for item in items]
+            spans += _decode_spans(decode, batch.candidates)  # type: ignore[arg-type]
+            positions = _candidate_positions(decode, batch)
+        first_tokens = [
+            self.rules.samples_first_token(item) or completed.get(i, (None, None))[1] is not None
+            for i, item in enumerate(items)
+        ]
         if any(first_tokens):
             self.transfers.flush()  # the first token's exit is chosen from its hazards
         loops_used: dict[int, int] = {}
+        ready: list[torch.Tensor] = []  # logits of first tokens whose leave already ran
+        ready_owners: list[tuple[bool, int]] = []
+        ready_pairs: list[tuple] = []
         for i, item in enumerate(items):
             if first_tokens[i]:
                 assert item.exit_rule is not None
-                loops = choose_exit_from_hazards(
+                logits, exit_loops = completed.get(i, (None, None))
+                loops = exit_loops or choose_exit_from_hazards(
                     self.exit_mode, item.exit_rule, hazards[i] or None, item.trace_loops
                 )
-                coda_rows.append(last_outputs[i][loops - 1][-1:])
-                owners.append((False, i))
-                pairs.append(self.samplers[item.request_id])
+                if logits is not None:
+                    ready.append(logits[-1:])
+                    ready_owners.append((False, i))
+                    ready_pairs.append(self.samplers[item.request_id])
+                else:
+                    coda_rows.append(last_outputs[i][loops - 1][-1:])
+                    positions = None
+                    owners.append((False, i))
+                    pairs.append(self.samplers[item.request_id])
+                    spans.append((item.request_id, item.token_start + item.token_count - 1, 1))
                 loops_used[i] = loops
         sampled: dict[int, SampledToken] = {}
         decode_sampled = DecodeSampled([], [], {})
         failed: list[RequestFailure] = []
-        if coda_rows:
-            token_ids, with_logprobs, failures = self._sample(torch.cat(coda_rows), pairs)
+        if coda_rows or ready:
+            parts = [self.coda(torch.cat(coda_rows), lambda: spans, positions)] if coda_rows else []
+            owners += ready_owners
+            pairs += ready_pairs
+            token_ids, with_logprobs, failures = self._sample_logits(
+                torch.cat(parts + ready), pairs
+            )
             request_ids = [
                 decode.rows.request_ids[index] if is_decode else items[index].request_id  # type: ignore[union-attr]
                 for is_decode, index in owners
@@ -216,7 +260,12 @@ class Coda:
         logprobs: dict[int, SampledToken] = {}
         failed: tuple[RequestFailure, ...] = ()
         if batch.rows is not None:
-            sampled, with_logprobs, failures = self._sample(batch.rows, batch.samplers)
+            logits = self.coda(
+                batch.rows,
+                lambda: _decode_spans(decode, batch.candidates),
+                _candidate_positions(decode, batch),
+            )
+            sampled, with_logprobs, failures = self._sample_logits(logits, batch.samplers)
             candidates = batch.candidates
             token_ids[candidates] = sampled
             token_ids[~read.exited] = -1  # a greedy candidate that did not exit drops its token
@@ -282,7 +331,10 @@ class Coda:
         ]
         if not wanted:
             return {}, []
-        logits = self.coda(torch.cat([states[i] for i in wanted])).float()
+        spans = lambda: [  # noqa: E731
+            (items[i].request_id, items[i].token_start, items[i].token_count) for i in wanted
+        ]
+        logits = self.coda(torch.cat([states[i] for i in wanted]), spans).float()
         tokens = torch.argmax(logits, dim=-1)
         failed = []
         for row, i in enumerate(wanted):
@@ -305,14 +357,12 @@ class Coda:
         token_ids = self.transfers.to_host(tokens)
         return {i: SampledToken(int(t)) for i, t in zip(wanted, token_ids)}, failed
 
-    def _sample(self, rows: torch.Tensor, samplers: list[tuple]):
-        """One coda call and one sampling pass: (token ids, row -> `SampledToken` with
+    def _sample_logits(self, logits: torch.Tensor, samplers: list[tuple]):
+        """One sampling pass over logits: (token ids, row -> `SampledToken` with
         log-probabilities, row -> sampling error)."""
         specs, generators, histories = zip(*samplers)
         failures: dict[int, str] = {}
-        batch = sample_on_device(
-            self.coda(rows), list(specs), list(generators), failures, histories
-        )
+        batch = sample_on_device(logits, list(specs), list(generators), failures, histories)
         token_ids, with_logprobs = read_samples(batch, self.transfers.to_host(batch.packed))
         return token_ids, with_logprobs, failures
 
@@ -379,12 +429,13 @@ class Coda:
         return DecodeResults(read.exited, read.hazards, token_ids, logprobs)
 
     def _score_prompts(
-        self, items, states, loop_outputs, cached_rows
+        self, items, states, loop_outputs, cached_rows, completed
     ) -> dict[int, tuple[SampledToken, ...]]:
         """Prompt logprobs of the items with `score_ids`, from their rows' last-loop output
         (or, with `score_rule`, the output of the loop the rule picks per row), after the
         stored outputs of the cached positions an item scores first (`score_cached`): one
-        coda call over all of them and one copy to the host."""
+        coda call over all of them and one copy to the host. An item whose leave already ran
+        (`completed`) is scored from those logits."""
         scored = [
             i for i, item in enumerate(items) if item.kind is ItemKind.PROMPT and item.score_ids
         ]
@@ -392,14 +443,22 @@ class Coda:
             return {}
         by_rule = [i for i in scored if items[i].score_rule is not None]
         picked, picked_loops = self._rows_at_exit_loops(items, by_rule, loop_outputs)
-        parts = []
+        parts, spans = [], []
+        ready = []
         for i in scored:
+            own = len(items[i].score_ids) - items[i].score_cached
+            if i in completed:
+                ready.append(completed[i][0][:own])
+                continue
             if i in cached_rows:
                 parts.append(cached_rows[i])
-            own = len(items[i].score_ids) - items[i].score_cached
+                spans.append((items[i].request_id, 0, items[i].score_cached))
             parts.append(picked[i] if i in picked else states[i][:own])
-        rows = torch.cat(parts)
-        logprobs = torch.log_softmax(self.coda(rows).float(), dim=-1)
+            spans.append((items[i].request_id, items[i].token_start, own))
+        # Rows in `scored` order: those needing the leave, then those whose leave ran.
+        scored = [i for i in scored if i not in completed] + [i for i in scored if i in completed]
+        logits = [self.coda(torch.cat(parts), lambda: spans)] if parts else []
+        logprobs = torch.log_softmax(torch.cat(logits + ready).float(), dim=-1)
         ids = [t for i in scored for t in items[i].score_ids]
         index = self.transfers.to_device(ids)
         chosen = logprobs.gather(1, index[:, None])
@@ -416,7 +475,9 @@ class Coda:
         for i in scored:
             k = items[i].score_top
             entries = []
-            loops = picked_loops.get(i) or [self.rules.num_loops] * len(items[i].score_ids)
+            loops = picked_loops.get(i) or [
+                (completed.get(i, (None, None))[1] or items[i].prompt_loops or self.rules.num_loops)
+            ] * len(items[i].score_ids)
             for token_id, loop in zip(items[i].score_ids, loops):
                 row = flat[at : at + width]
                 alternatives = tuple((int(row[2 + top + j]), row[2 + j]) for j in range(k))

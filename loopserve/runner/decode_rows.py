@@ -6,7 +6,9 @@ call's decode rows as columns (`contracts.DecodeRows`); this room turns them int
 with a constant number of tensor operations per call:
 
 - `DecodeSlots` keeps, per request decoding, one row of a device tensor with its in-flight
-  token's hidden state between loops (`hidden [slots + 1, H]`), and device block tables per
+  token's carried state between loops (`hidden [slots + 1, W]`, W the family's
+  `state_width`), its criterion's fields when the family's exit signal is a convergence
+  criterion (`loop_calls.CriterionSlots`), and device block tables per
   slot and plane (`tables [(slots + 1) * planes, max_blocks]`). The extra slot is the padding
   slot of the decode graphs: its tables hold only the padding block. Tables are written
   incrementally: a call sends only the entries its rows' tables gained (a new block every
@@ -20,7 +22,8 @@ with a constant number of tensor operations per call:
 - Eager calls (`begin` / `after_call`): one staged copy carries those columns, the call
   gathers its inputs (resumed states from their slots, embedded tokens at loop 0), and after
   the core it writes the outputs back, computes hazards, decides exits on the device
-  (`exit.columns.decide_exits` in tensor form) and runs the LAST_EXITED finalize copies of
+  (`exit.columns.decide_exits` in tensor form; for a criterion, its check on the rows the
+  plan lets it decide and `decide_criterion_exits` in tensor form) and runs the LAST_EXITED finalize copies of
   exiting rows (`finalize_pairs`: one pair per candidate and deeper plane, built on the
   host, masked by the exits on the device). The decode graphs (`runner/graphs.py`) run the same steps
   inside one captured call from one staged copy.
@@ -40,6 +43,7 @@ import torch
 from loopserve.contracts import DecodeRows
 from loopserve.exit.columns import CONTINUE, EXIT, GATE
 from loopserve.runner.attention.base import RowSegment
+from loopserve.runner.loop_calls import CriterionSlots, LoopCalls
 from loopserve.runner.transfers import Transfers
 
 
@@ -73,6 +77,7 @@ class DecodeSlots:
         self.written = np.zeros(capacity, np.int64)  # table entries written, every plane
         self.slot_of: dict[str, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
+        self.criterion: CriterionSlots | None = None  # set by a criterion family's runner
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -109,19 +114,25 @@ class DecodeSlots:
             self._free.append(slot)
         return slot
 
-    def take_state(self, request_id: str) -> torch.Tensor | None:
-        """Swap-out: the request's in-flight hidden state [H] (a copy), its slot released."""
+    def take_state(self, request_id: str) -> dict[str, torch.Tensor] | None:
+        """Swap-out: the request's in-flight token (its carried state [W] under "hidden",
+        its criterion's fields), copies, its slot released."""
         slot = self.slot_of.get(request_id)
         if slot is None:
             return None
-        state = self.hidden[slot].clone()
+        state = {"hidden": self.hidden[slot].clone()}
+        if self.criterion is not None:
+            state.update(self.criterion.take(slot))
         self.release(request_id)
         return state
 
-    def put_state(self, request_id: str, state: torch.Tensor) -> None:
-        """Swap-in: a new slot holding the request's in-flight hidden state."""
+    def put_state(self, request_id: str, state: dict[str, torch.Tensor]) -> None:
+        """Swap-in: a new slot holding the request's in-flight token."""
         slot = self._take(request_id)
-        self.hidden[slot].copy_(state)
+        saved = dict(state)
+        self.hidden[slot].copy_(saved.pop("hidden"))
+        if self.criterion is not None:
+            self.criterion.put(slot, saved)
 
     def table_updates(
         self, slots: np.ndarray, positions: np.ndarray, request_ids, block_tables
@@ -163,8 +174,10 @@ class DecodeInputs(NamedTuple):
     slots: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64
     table_index: torch.Tensor  # [n] int64: the table row each row reads and writes
-    hidden: torch.Tensor  # [n, H]: the rows' inputs
+    hidden: torch.Tensor  # [n, W]: the rows' inputs
+    starts: torch.Tensor  # rows at loop 0
     gate_columns: torch.Tensor | None  # [4, n] float64: code, cdf, survival, threshold
+    gate_rows: torch.Tensor | None  # rows whose criterion is checked (criterion families)
     candidates: np.ndarray  # coda candidates, on the host
     candidates_on_device: torch.Tensor  # the same, on the device
     gate_decides: bool  # some row's exit is decided by this loop's gate
@@ -181,6 +194,7 @@ class DecodeSignals(NamedTuple):
     exits: torch.Tensor | None  # [n] bool, when the gate decides some row's exit
     candidates: np.ndarray  # coda candidates, on the host
     candidates_on_device: torch.Tensor  # the same, on the device
+    positions: torch.Tensor | None = None  # [n] on the device (eager calls)
 
 
 def decide_exits_on_device(
@@ -245,26 +259,29 @@ class FinalizePairs(NamedTuple):
 
 
 class DecodeStep:
-    """The decode half of a runner step over `DecodeSlots`; explicit inputs: the (timed)
-    prelude and hazard functions, the attention backend's `finalize`, the transfer helper,
-    and the layout's plane count."""
+    """The decode half of a runner step over `DecodeSlots`; explicit inputs: the model's
+    calls (`LoopCalls`), the (timed) hazard function, the attention backend's `finalize`,
+    the transfer helper, the layout's plane count and whether exits finalize (not under the
+    `full` lookup)."""
 
     def __init__(
         self,
         slots: DecodeSlots,
         *,
-        prelude: Callable[[torch.Tensor], torch.Tensor],
+        calls: LoopCalls,
         hazards: Callable[[torch.Tensor], torch.Tensor],
         finalize: Callable[[torch.Tensor, torch.Tensor], None],
         transfers: Transfers,
         num_planes: int,
+        finalizes: bool = True,
     ) -> None:
         self.slots = slots
-        self.prelude = prelude
+        self.calls = calls
         self.hazards = hazards
         self.finalize = finalize
         self.transfers = transfers
         self.num_planes = num_planes
+        self.finalizes = finalizes
 
     def host_columns(self, rows: DecodeRows, block_tables) -> HostColumns:
         slots = self.slots.assign(rows)
@@ -289,15 +306,19 @@ class DecodeStep:
         n, starts = len(rows), host.starts
         parts = [host.slots, rows.positions, host.table_index, starts, rows.token_ids[starts]]
         parts += [np.array(host.update_index, np.int64), np.array(host.update_value, np.int64)]
+        candidates = host.candidates if self.finalizes else np.zeros(0, np.int64)
         pairs = FinalizePairs.of(
-            rows, host.candidates, host.slots, host.table_index, self.num_planes,
+            rows, candidates, host.slots, host.table_index, self.num_planes,
             self.slots.block_size,
         )  # fmt: skip
         parts += [host.candidates, *pairs]
+        criterion = self.slots.criterion is not None
         if host.gate_decides:
             columns = (rows.exit_code.astype(np.float64), rows.cdf_before,
                        rows.survival_before, rows.threshold)  # fmt: skip
             parts.append(np.concatenate(columns).view(np.int64))
+            if criterion:
+                parts.append(np.flatnonzero(rows.exit_code == GATE))
         staged = self.transfers.to_device(np.concatenate(parts))  # the call's one copy in
         views = iter(staged.split([len(part) for part in parts]))
         slots_t, positions_t, table_index_t, starts_t, tokens_t, index_t, values_t, cand_t = (
@@ -305,26 +326,43 @@ class DecodeStep:
         )
         pairs_t = tuple(next(views) for _ in range(5))  # rows, src, dst, blocks, offsets
         gate_t = next(views).view(torch.float64).view(4, n) if host.gate_decides else None
+        gate_rows = next(views) if host.gate_decides and criterion else None
         if host.update_index:
             self.slots.tables.view(-1).index_copy_(0, index_t, values_t)
+        if len(starts):
+            ids = rows.request_ids
+            where = starts.tolist()  # host array
+            spans = lambda: [(ids[r], int(rows.positions[r]), 1) for r in where]  # noqa: E731
+            start_positions = positions_t if len(starts) == n else positions_t[starts_t]
+            entered = self.calls.enter(tokens_t, spans, start_positions)
         if len(starts) == n:  # every row starts a token
-            hidden = self.prelude(tokens_t)
+            hidden = entered
         else:
             hidden = self.slots.hidden.index_select(0, slots_t)
             if len(starts):
-                hidden.index_copy_(0, starts_t, self.prelude(tokens_t))
+                hidden.index_copy_(0, starts_t, entered)
         finalize = pairs_t if len(pairs.rows) else None
         return DecodeInputs(
-            rows, slots_t, positions_t, table_index_t, hidden, gate_t, host.candidates,
-            cand_t, host.gate_decides, finalize,
+            rows, slots_t, positions_t, table_index_t, hidden, starts_t, gate_t, gate_rows,
+            host.candidates, cand_t, host.gate_decides, finalize,
         )  # fmt: skip
 
     def segments(self, rows: DecodeRows, block_tables) -> list[RowSegment]:
-        """The rows as attention segments (eager calls): each row's plane table, one row."""
+        """The rows as attention segments (eager calls): each row's plane table, one row
+        (under the `full` lookup, with the earlier positions it may not attend)."""
         planes = rows.depths if self.num_planes > 1 else np.zeros(len(rows), np.int64)
         positions = rows.positions.tolist()  # host array
         planes_list = planes.tolist()  # host array
         tables = [block_tables[request_id] for request_id in rows.request_ids]
+        if self.calls.full_lookup:
+            hidden = self.calls.hidden
+            depths = rows.depths.tolist()  # host array
+            return [
+                RowSegment(table[plane], position, 1, hidden(rid, position, depth))
+                for table, plane, position, rid, depth in zip(
+                    tables, planes_list, positions, rows.request_ids, depths
+                )
+            ]
         return [
             RowSegment(table[plane], position, 1)
             for table, plane, position in zip(tables, planes_list, positions)
@@ -333,11 +371,14 @@ class DecodeStep:
     def after_call(self, inputs: DecodeInputs, out: torch.Tensor) -> DecodeSignals:
         """Slots, hazards, exits and finalize copies of the call's decode rows [n, H]."""
         self.slots.hidden.index_copy_(0, inputs.slots, out)
-        hazards = self.hazards(out).float() if inputs.rows.needs_gate.any() else None
-        exits = None
-        if inputs.gate_decides:
-            assert hazards is not None and inputs.gate_columns is not None
-            exits = decide_exits_on_device(*inputs.gate_columns, hazards)
+        if self.slots.criterion is not None:
+            hazards, exits = self._criterion(inputs, out)
+        else:
+            hazards = self.hazards(out).float() if inputs.rows.needs_gate.any() else None
+            exits = None
+            if inputs.gate_decides:
+                assert hazards is not None and inputs.gate_columns is not None
+                exits = decide_exits_on_device(*inputs.gate_columns, hazards)
         if inputs.finalize is not None:
             pair_rows, src_rows, dst_rows, blocks, offsets = inputs.finalize
             finalize_pairs(
@@ -351,5 +392,46 @@ class DecodeStep:
                 finalize=self.finalize,
             )
         return DecodeSignals(
-            inputs.rows, out, hazards, exits, inputs.candidates, inputs.candidates_on_device
+            inputs.rows,
+            out,
+            hazards,
+            exits,
+            inputs.candidates,
+            inputs.candidates_on_device,
+            inputs.positions,
         )
+
+    def _criterion(self, inputs: DecodeInputs, out: torch.Tensor):
+        """A criterion family's signals: tokens that start take their criterion from their
+        initial state; the rows the plan lets the criterion decide (GATE) are checked (with
+        their logits when the criterion reads them) and exit where it fires (code EXIT rows
+        exit anyway). Returns (scores float64 [n], NaN where unchecked; exits bool [n])."""
+        criterion = self.slots.criterion
+        assert criterion is not None
+        rows, calls = inputs.rows, self.calls
+        if len(inputs.starts):
+            initial = calls.model.latent(inputs.hidden.index_select(0, inputs.starts))
+            criterion.start(inputs.slots.index_select(0, inputs.starts), initial)
+        if inputs.gate_rows is None:
+            return None, None
+        gate = inputs.gate_rows
+        code, _, _, threshold = inputs.gate_columns  # type: ignore[misc]
+        state = out.index_select(0, gate)
+        logits = None
+        if criterion.needs_logits:
+            host_gate = np.flatnonzero(rows.exit_code == GATE).tolist()  # host array
+            ids = rows.request_ids
+            spans = lambda: [(ids[r], int(rows.positions[r]), 1) for r in host_gate]  # noqa: E731
+            logits = calls.leave(state, spans, inputs.positions.index_select(0, gate))
+        fires, values = criterion.check(
+            inputs.slots.index_select(0, gate),
+            calls.model.latent(state),
+            logits,
+            threshold.index_select(0, gate),
+        )
+        n = len(rows)
+        scores = torch.full((n,), float("nan"), dtype=torch.float64, device=out.device)
+        scores.index_copy_(0, gate, values)
+        fired = torch.zeros(n, dtype=torch.bool, device=out.device)
+        fired.index_copy_(0, gate, fires)
+        return scores, (code == EXIT) | ((code == GATE) & fired)

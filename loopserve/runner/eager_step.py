@@ -8,10 +8,17 @@ items the first token's hazards and replay finalize copies. Prompt and replay wo
 from, and is kept under, the runner's in-flight handles (`HandleTable`); the coda
 (`runner/coda.py`) ends the step. With prefix caching, every prompt row's last-loop output
 is written to the score store at its slot of its plane-0 block, so that a later request
-that reuses the page can still score its positions (`PromptChunk.score_cached`). `EagerStep`
-is a collaborator the `ModelRunner` owns, with explicit inputs: the model, the timed call
-wrapper, the (timed) hazard function, the attention backend, the decode step, the coda, the
-transfer helper, the handle table, the step rules and the score store.
+that reuses the page can still score its positions (`PromptChunk.score_cached`).
+
+A family whose leave writes K/V (`leave_writes_kv`: Huginn's coda layers) runs its leave for
+every position that completes: a prompt chunk at its last loop (those logits then serve its
+first token and its prompt logprobs) and a replay row at its exit. A criterion family reads
+no signal on prompt rows, except with `prompt_exits` (`runner/prompt_exits.py`).
+
+`EagerStep` is a collaborator the `ModelRunner` owns, with explicit inputs: the model's calls
+(`LoopCalls`), the (timed) hazard function (None for a criterion family), the attention
+backend, the decode step, the coda, the transfer helper, the handle table, the step rules,
+the score store, the LAST_EXITED finalize of exits and the prompt exits.
 """
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ import torch
 from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
 from loopserve.execution import StepRules
 from loopserve.exit.policies import GateState, loop_exits
-from loopserve.models.ouro import OuroForLoopedLM
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, finalize_slots
 from loopserve.runner.coda import Coda, CodaOutput
 from loopserve.runner.decode_rows import DecodeInputs, DecodeStep
 from loopserve.runner.handles import HandleTable
+from loopserve.runner.loop_calls import LoopCalls
+from loopserve.runner.prompt_exits import PromptExits
 from loopserve.runner.swap import InFlight
 from loopserve.runner.transfers import Transfers
 
@@ -44,9 +52,8 @@ class EagerStep:
     def __init__(
         self,
         *,
-        model: OuroForLoopedLM,
-        timed: Callable,
-        hazards: Callable[[torch.Tensor], torch.Tensor],
+        calls: LoopCalls,
+        hazards: Callable[[torch.Tensor], torch.Tensor] | None,
         attention: PagedAttentionBackend,
         decode: DecodeStep,
         coda: Coda,
@@ -54,10 +61,14 @@ class EagerStep:
         inflight: HandleTable[InFlight],
         rules: StepRules,
         block_size: int,
+        finalize_exits: Callable[[list], int],
         score_store: torch.Tensor | None = None,
+        prompt_exits: PromptExits | None = None,
     ) -> None:
-        self.model = model
-        self.timed = timed
+        self.calls = calls
+        self.leave_writes_kv = calls.model.leave_writes_kv
+        self.finalize_exits = finalize_exits
+        self.prompt_exits = prompt_exits
         self.hazards = hazards
         self.attention = attention
         self.decode = decode
@@ -84,19 +95,54 @@ class EagerStep:
         exited = [False] * len(items)
         rows_per_call = []
         decode_signals = None
+        prompt_exits = self.prompt_exits
+        stopped: dict = {}  # prompt items that exited as one token: item -> (loops, logits)
+        if prompt_exits is not None:
+            prompt_exits.begin()
+            prompt_exits.start(items, states)
+            stopped = prompt_exits.exited
         for k in range(max([item.num_depths for item in items] + [1])):
-            active = [i for i, item in enumerate(items) if k < item.num_depths]
+            active = [i for i, item in enumerate(items) if k < item.num_depths and i not in stopped]
             decode_k = decode if k == 0 else None
+            if not active and decode_k is None:
+                break
             rows_per_call.append(
                 sum(items[i].token_count for i in active) + scheduled.num_decode_rows * (k == 0)
             )
             decode_out = self._core_call(tables, items, active, k, states, decode_k, groups)
             if decode_k is not None:
                 decode_signals = self.decode.after_call(decode_k, decode_out)
-            self._signals(tables, items, active, states, hazards, last_outputs, exited)
+            if prompt_exits is not None:
+                self._num_finalized += prompt_exits.check(k, items, active, tables, states)
+            self._signals(tables, items, active, states, hazards, last_outputs, exited, k)
             self._store_outputs(tables, items, active, k, states)
-        coda = self.coda(items, states, hazards, last_outputs, exited, decode_signals, cached_rows)
+        completed = self._completed_prompts(items, states, stopped)
+        coda = self.coda(
+            items, states, hazards, last_outputs, exited, decode_signals, cached_rows, completed
+        )
         return EagerResult(coda, rows_per_call, self._num_finalized)
+
+    def _completed_prompts(self, items, states, stopped) -> dict[int, tuple]:
+        """A family whose leave writes K/V: the leave of every prompt chunk that ran its last
+        loop, over all its rows, and of every prompt that exited as one token. Item ->
+        (logits [rows, vocab], the loops its first token used or None)."""
+        if not self.leave_writes_kv:
+            return {}
+        completed = {i: (logits, loops) for i, (loops, logits) in stopped.items()}
+        for i, item in enumerate(items):
+            if i in completed or not self.rules.completes_prompt(item):
+                continue
+            spans = lambda item=item: [(item.request_id, item.token_start, item.token_count)]  # noqa: E731
+            completed[i] = (self.calls.leave(states[i], spans), None)
+            if self.prompt_exits is not None and not item.first_token:
+                # A recomputed prompt that exited as one token ran the loops it used then:
+                # its K/V of that loop fills the deeper planes, as on its first pass.
+                used = self.rules.final_prompt_depth(item) + 1
+                positions = range(item.token_start, item.token_start + item.token_count)
+                self.calls.ran(item.request_id, positions, used)
+                table = self.calls.tables[item.request_id]
+                self.finalize_exits([(table, p, used - 1) for p in positions])
+        return completed
 
     def _initial_states(
         self, items: tuple[WorkItem, ...], hazards, last_outputs
@@ -105,7 +151,10 @@ class EagerStep:
         states: list[torch.Tensor | None] = [None] * len(items)
         if fresh:
             token_ids = [t for i in fresh for t in items[i].token_ids]
-            embedded = self.timed(self.model.prelude, self.transfers.to_device(token_ids))
+            spans = lambda: [  # noqa: E731
+                (items[i].request_id, items[i].token_start, items[i].token_count) for i in fresh
+            ]
+            embedded = self.calls.enter(self.transfers.to_device(token_ids), spans)
             for i, chunk in zip(fresh, embedded.split([items[i].token_count for i in fresh])):
                 states[i] = chunk
         for i, item in enumerate(items):
@@ -174,8 +223,10 @@ class EagerStep:
         for i in active:
             item = items[i]
             table = tables[item.request_id][self.rules.plane(item, k)]
-            segments.append(RowSegment(table, item.token_start, item.token_count))
-            positions.extend(range(item.token_start, item.token_start + item.token_count))
+            start, count = item.token_start, item.token_count
+            hidden = self.calls.hidden(item.request_id, start, item.depth + k) if count == 1 else ()
+            segments.append(RowSegment(table, start, count, hidden))
+            positions.extend(range(start, start + count))
         hidden_parts = [states[i] for i in active]
         position_ids = self.transfers.to_device(positions) if positions else None
         if decode is not None:
@@ -188,21 +239,21 @@ class EagerStep:
             )
         attn = self.attention.prepare(segments, prefix_groups=groups)
         hidden = torch.cat(hidden_parts) if len(hidden_parts) > 1 else hidden_parts[0]
-        out = self.timed(self.model.core, hidden, position_ids, attn)
+        out = self.calls.loop(hidden, position_ids, attn)
         num_decode = 0 if decode is None else len(decode.rows)
         counts = [items[i].token_count for i in active]
         for i, chunk in zip(active, out[num_decode:].split(counts)):
             states[i] = chunk
         return out[:num_decode] if decode is not None else None
 
-    def _signals(self, tables, items, active, states, hazards, last_outputs, exited) -> None:
+    def _signals(self, tables, items, active, states, hazards, last_outputs, exited, k) -> None:
         """Hazards of the first-token prompt rows that need them; replay and speculative
-        exits and their finalize copies."""
+        exits and their finalize copies (and leave, for a family whose leave writes K/V)."""
         spec = [i for i in active if items[i].kind is ItemKind.SPEC]
         if spec:
             self._spec_exits(tables, items, spec, states, hazards, exited)
         gated = [i for i in active if items[i].needs_gate and items[i].kind is not ItemKind.SPEC]
-        if gated:
+        if gated and self.hazards is not None:  # a criterion reads no signal on prompt rows
             rows = torch.cat([states[i][-1:] for i in gated])
             values = self.hazards(rows).float()  # [gated], on the device
 
@@ -213,7 +264,7 @@ class EagerStep:
             # They ride along with the step's next copy to the host (the first token's exit
             # is chosen after the last depth).
             self.transfers.defer(values, receive)
-        finalize = []
+        finalize, replayed = [], []
         for i in active:
             item = items[i]
             if item.kind is ItemKind.SPEC:
@@ -225,10 +276,18 @@ class EagerStep:
                     last_outputs[i].append(states[i][-1:])
                 continue
             exited[i] = bool(item.exit_now)  # a replay row's last loop
-            if self.rules.finalizes(item.depth, exited[i]):
+            if exited[i]:
+                replayed.append(i)
+            if self.rules.finalizes(item.depth + k, exited[i]):
                 finalize.append(item)
-        if finalize:
-            self._finalize(tables, finalize)
+        if replayed:
+            for i in replayed:
+                self.calls.ran(items[i].request_id, [items[i].token_start], items[i].depth + k + 1)
+            if self.leave_writes_kv:  # its K/V of the exit loop
+                spans = lambda: [(items[i].request_id, items[i].token_start, 1) for i in replayed]  # noqa: E731
+                self.calls.leave(torch.cat([states[i] for i in replayed]), spans)
+        if finalize and not self.calls.full_lookup:
+            self._finalize(tables, finalize, k)
             self._num_finalized += len(finalize)
 
     def _spec_exits(self, tables, items, spec, states, hazards, exited) -> None:
@@ -253,9 +312,10 @@ class EagerStep:
             self._finalize(tables, finalize)
             self._num_finalized += len(finalize)
 
-    def _finalize(self, tables, items: list[WorkItem]) -> None:
-        """Copy each exited replay or speculative token's K/V of its exit depth into every deeper plane."""
-        exits = [(tables[item.request_id], item.token_start, item.depth) for item in items]
+    def _finalize(self, tables, items: list[WorkItem], k: int = 0) -> None:
+        """Copy each exited replay or speculative token's K/V of its exit depth (call `k` of
+        the step) into every deeper plane."""
+        exits = [(tables[item.request_id], item.token_start, item.depth + k) for item in items]
         src, dst = finalize_slots(exits, self.block_size, self.rules.num_loops)
         slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations
         self.attention.finalize(slots[: len(src)], slots[len(src) :])

@@ -1,6 +1,8 @@
 """The model runner: executes one `SchedulerOutput` with tensors and returns plain results.
 
-It owns every tensor: the model, the paged KV cache, per-request sampling generators, the
+One executor for every looped family: it reads a model only through its math
+(`models/family.py`, `LoopedModel`: carried state width, K/V groups, exit-signal kind,
+enter / loop / leave), called through `runner/loop_calls.py`. It owns every tensor: the model, the paged KV cache, per-request sampling generators, the
 persistent decode state (each decoding request's in-flight token between loops, in a slot
 of one device tensor: `runner/decode_rows.py`) and the hidden states of other work in flight
 (a prompt chunk between depths, a replay row) behind the scheduler's opaque handles. Per core
@@ -38,9 +40,11 @@ from loopserve.contracts import (
     SampleSpec,
     SchedulerOutput,
 )
+from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.execution import Executor, StepRules, run_without_failed, set_up_each
 from loopserve.exit import ExitMode
-from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
+from loopserve.models.family import LoopedModel
+from loopserve.runner.attention.base import finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
@@ -49,6 +53,8 @@ from loopserve.runner.decode_rows import DecodeSlots, DecodeStep
 from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
+from loopserve.runner.loop_calls import CriterionSlots, LoopCalls
+from loopserve.runner.prompt_exits import PromptExits, refused_items
 from loopserve.runner.sampler import (
     Matcher,
     TokenHistory,
@@ -68,10 +74,59 @@ logger = logging.getLogger(__name__)
 Sampler = tuple[SampleSpec, torch.Generator | None, TokenHistory | None]
 
 
+def unsupported_options(
+    model: LoopedModel,
+    *,
+    graph_mode: str = "off",
+    speculative: bool = False,
+    batch_invariant: bool = False,
+    lookup: str = "last_exited",
+    layout: str = "last_exited",
+    attention_backend: str = "torch",
+    prompt_exits: bool = False,
+    chunked_or_mixed_prompts: bool = False,
+    prefix_caching: bool = False,
+) -> list[str]:
+    """The options this runner cannot run for `model`'s math, each named (empty: it runs
+    them all). Graphs and speculation need a hazard signal and no once planes (not built for
+    the others yet); `kv_lookup='full'` needs per-position masks (the torch backend, eager,
+    LAST_EXITED); `prompt_exits` needs a criterion signal and the whole prompt in one step."""
+    problems = []
+    criterion = model.signal_kind == "criterion"
+    plain = not criterion and not model.config.extra_kv_planes
+    if graph_mode not in ("off",) and not plain:
+        problems.append(
+            f"graph_mode={graph_mode!r} (the decode graphs run models with a hazard signal and "
+            "no once planes: graph_mode='off')"
+        )
+    if speculative and not plain:
+        problems.append("speculative_tokens > 0 (self-speculative decoding reads a hazard)")
+    if lookup == "full":
+        if batch_invariant:
+            problems.append(
+                "batch_invariant=True with kv_lookup='full' (row-invariant attention has no "
+                "per-step masks)"
+            )
+        if layout != "last_exited":
+            problems.append("kv_lookup='full' outside layout='last_exited'")
+        if attention_backend != "torch":
+            problems.append(
+                f"kv_lookup='full' on the {attention_backend} attention backend (torch only)"
+            )
+    if prompt_exits:
+        if not criterion:
+            problems.append("prompt_exits=True (it reads a convergence criterion)")
+        if chunked_or_mixed_prompts:
+            problems.append("prompt_exits=True outside prefill_mode='atomic' without mixing")
+        if prefix_caching:
+            problems.append("prompt_exits=True with prefix caching (pass it off)")
+    return problems
+
+
 class ModelRunner(Executor):
     def __init__(
         self,
-        model: OuroForLoopedLM,
+        model: LoopedModel,
         *,
         num_blocks: int,
         block_size: int,
@@ -87,6 +142,12 @@ class ModelRunner(Executor):
         cascade_attention: bool = False,
         score_store: bool = False,
         make_matcher: Callable[[StructuredOutput], Matcher] | None = None,
+        criterion: str = "none",
+        criterion_threshold: float | None = None,
+        init_scale: float = 0.0,
+        prompt_exits: bool = False,
+        lookup: str = "last_exited",
+        per_request_prompt_loops: bool = False,
     ) -> None:
         """`graph_mode`: 'off' (eager), 'emulate' or 'capture' (`loopserve.runner.graphs`);
         with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows.
@@ -94,23 +155,38 @@ class ModelRunner(Executor):
         slot, so requests that reuse a cached page can score its positions. `make_matcher`:
         a fresh grammar matcher for a request with structured output (the tokenizer's).
         `batch_invariant`: run the model it is given row by row, in place
-        (`loopserve.runner.batch_invariant`); needs graph_mode 'off'."""
+        (`loopserve.runner.batch_invariant`); needs graph_mode 'off'. A criterion family
+        (`signal_kind`): `criterion` and its engine-wide `criterion_threshold` (None: the
+        authors' default; each request's `exit_threshold` overrides it where the criterion
+        takes one), `init_scale` (> 0: drawn initial states), `prompt_exits` and `lookup`
+        (`runner/loop_calls.py`); `per_request_prompt_loops`: prompts run the request's
+        loop bound (the registry's `prompt_loops_by_request`)."""
         assert not (batch_invariant and graph_mode != "off"), "graphs pad rows"
+        problems = unsupported_options(
+            model, graph_mode=graph_mode, batch_invariant=batch_invariant, lookup=lookup,
+            layout=layout, prompt_exits=prompt_exits,
+        )  # fmt: skip
+        if problems:
+            raise ConfigError("this model does not run with " + "; ".join(problems))
         if batch_invariant:
             make_batch_invariant(model)
+            model.make_rows_invariant()
         self.model = model
         config = model.config
         self.num_loops = model.num_loops
         self.block_size = block_size
         self.rules = StepRules.of(layout, self.num_loops)
         self.exit_mode = ExitMode(exit_mode)
+        self.prompt_exits = prompt_exits
+        self.per_request_prompt_loops = per_request_prompt_loops
+        self.prompt_lens: dict[str, int] = {}
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.scale = config.head_dim**-0.5
         # [layers, K/V, slots, kv_heads, head_dim]
         self.kv_cache = torch.zeros(
             (
-                config.num_hidden_layers,
+                model.kv_layers,
                 2,
                 (num_blocks + (graph_mode != "off")) * block_size,
                 config.num_key_value_heads,
@@ -120,9 +196,14 @@ class ModelRunner(Executor):
             device=self.device,
         )
         lookahead = lookahead_seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD else None
-        self.hazard_fn = make_hazard_fn(model, lookahead_seed=lookahead)
-        if batch_invariant:
-            self.hazard_fn = row_by_row(self.hazard_fn)
+        self.hazard_fn = None  # a criterion family has no hazard
+        if model.signal_kind == "hazard":
+            self.hazard_fn = model.hazard_fn(lookahead)
+            if batch_invariant:
+                self.hazard_fn = row_by_row(self.hazard_fn)
+        hazards = (
+            None if self.hazard_fn is None else (lambda rows: self._timed(self.hazard_fn, rows))
+        )
         self.samplers: dict[str, Sampler] = {}
         self.make_matcher = make_matcher
         self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
@@ -144,11 +225,15 @@ class ModelRunner(Executor):
             cascade=cascade_attention,
             transfers=self.transfers,
         )
+        self.calls = LoopCalls(
+            model, self.attention, num_planes=self.rules.num_planes, timed=self._timed,
+            transfers=self.transfers, init_scale=init_scale, full_lookup=lookup == "full",
+        )  # fmt: skip
         self.coda = Coda(
             rules=self.rules,
             exit_mode=self.exit_mode,
-            coda=lambda rows: self._timed(model.coda, rows),
-            hazards=lambda rows: self._timed(self.hazard_fn, rows),
+            coda=self.calls.leave,
+            hazards=hazards,  # type: ignore[arg-type]
             samplers=self.samplers,
             transfers=self.transfers,
             inflight=self.inflight,
@@ -158,7 +243,7 @@ class ModelRunner(Executor):
         # dummy block (one block past the pool) when graphs run.
         self.decode_slots = DecodeSlots(
             max_num_seqs,
-            hidden_size=config.hidden_size,
+            hidden_size=model.state_width,
             num_planes=self.rules.num_planes,
             block_size=block_size,
             max_blocks=-(-max_model_len // block_size),
@@ -166,18 +251,24 @@ class ModelRunner(Executor):
             dtype=self.dtype,
             device=self.device,
         )
+        if model.signal_kind == "criterion":
+            self.decode_slots.criterion = CriterionSlots(
+                criterion, vocab_size=config.vocab_size, threshold=criterion_threshold,
+                capacity=max_num_seqs,
+            )  # fmt: skip
         self.decode = DecodeStep(
             self.decode_slots,
-            prelude=lambda ids: self._timed(model.prelude, ids),
-            hazards=lambda rows: self._timed(self.hazard_fn, rows),
+            calls=self.calls,
+            hazards=hazards,  # type: ignore[arg-type]
             finalize=lambda src, dst: self.attention.finalize(src, dst),
             transfers=self.transfers,
             num_planes=self.rules.num_planes,
+            finalizes=lookup != "full",
         )
+        criterion_slots = self.decode_slots.criterion
         self.eager = EagerStep(
-            model=model,
-            timed=self._timed,
-            hazards=lambda rows: self._timed(self.hazard_fn, rows),
+            calls=self.calls,
+            hazards=hazards,
             attention=self.attention,
             decode=self.decode,
             coda=self.coda,
@@ -185,21 +276,30 @@ class ModelRunner(Executor):
             inflight=self.inflight,
             rules=self.rules,
             block_size=block_size,
+            finalize_exits=self._finalize_exits,
             score_store=torch.zeros(
-                (num_blocks * block_size, config.hidden_size), dtype=self.dtype, device=self.device
+                (num_blocks * block_size, model.state_width), dtype=self.dtype, device=self.device
             )
             if score_store
+            else None,
+            prompt_exits=PromptExits(
+                criterion=criterion_slots.rule,
+                calls=self.calls,
+                finalize=self._finalize_exits,
+                num_loops=self.num_loops,
+            )  # fmt: skip
+            if prompt_exits and criterion_slots is not None
             else None,
         )
         # The graphed step calls the model's functions inside the capture (late-bound, so
         # a replaced function is the one captured).
         self.graphs, self.graph_capture_error = build_decode_graphs(
             graph_mode,
-            model.core,
+            model.loop,
             self.kv_cache,
             attention=self.attention,
             max_model_len=max_model_len,
-            prelude=lambda ids: model.prelude(ids),
+            prelude=lambda ids: model.enter(ids),
             hazards=(lambda rows: self.hazard_fn(rows)) if self.exit_mode.uses_gate else None,
             finalize=lambda src, dst: self.attention.finalize(src, dst),
             slots=self.decode_slots,
@@ -231,10 +331,24 @@ class ModelRunner(Executor):
 
     def _install(self, new: NewRequestData) -> None:
         self.samplers[new.request_id] = self.setup_request(new)
+        self.prompt_lens[new.request_id] = new.prompt_len
+        staged = self.staged_imports.get(new.request_id)
+        self.calls.install(
+            new.request_id, new.prompt_len, new.seed, None if staged is None else staged[2]
+        )
 
     def setup_request(self, new: NewRequestData) -> Sampler:
         """Build one new request's per-request state (its sampler); the caller installs it
         only if this returns, so a setup that raises leaves nothing behind."""
+        if (
+            self.per_request_prompt_loops
+            and self.rules.shared
+            and 0 < new.max_loops < self.num_loops
+        ):
+            raise InvalidRequestError(
+                "under the shared layout a request of this model runs the model's "
+                f"{self.num_loops} loops; max_loops below it needs the last_exited layout"
+            )
         greedy = is_greedy(new.sample_spec)
         generator = None if greedy else make_generator(new.seed, self.device)
         staged = self.staged_imports.get(new.request_id)
@@ -257,9 +371,10 @@ class ModelRunner(Executor):
         kv = self.moves.export(handle.block_tables, handle.num_positions, to_host=to_host)
         return kv, generator_state(self.samplers[request_id][1])
 
-    def export_runner_state(self, request_id: str) -> None:
-        """Ouro's runner keeps nothing per request beyond K/V and the sampler."""
-        return None
+    def export_runner_state(self, request_id: str) -> dict | None:
+        """What the runner keeps of a request besides K/V and the sampler (drawn initial
+        states, the `full` lookup's record: `LoopCalls.export_state`); None when nothing."""
+        return self.calls.export_state(request_id)
 
     def stage_import(
         self,
@@ -269,12 +384,16 @@ class ModelRunner(Executor):
         *,
         runner_state: object = None,
     ) -> None:
-        """Hold a handed-off request's K/V and generator state until the scheduler admits it
-        (`KVTransfer(IMPORT)` and its `NewRequestData`), or releases it (aborted first)."""
-        assert runner_state is None, "an Ouro hand-off carries no runner state"
-        self.moves.stage_import(request_id, kv, generator_state)
+        """Hold a handed-off request's K/V, generator state and runner state until the
+        scheduler admits it (`KVTransfer(IMPORT)` and its `NewRequestData`), or releases it
+        (aborted first)."""
+        if runner_state is not None and not isinstance(runner_state, dict):
+            raise ValueError("a hand-off's runner state is export_runner_state's dict")
+        self.moves.stage_import(request_id, kv, generator_state, runner_state)
 
     def _drop_request(self, request_id: str) -> None:
+        self.calls.drop(request_id)
+        self.prompt_lens.pop(request_id, None)
         self.decode_slots.release(request_id)
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
@@ -295,6 +414,19 @@ class ModelRunner(Executor):
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
         failures = self._apply_bookkeeping(scheduled)
+        reasons = refused_items(
+            scheduled.items, self.prompt_lens, prompt_exits=self.prompt_exits,
+            scores_by_rule=self.hazard_fn is not None,
+        )  # fmt: skip
+        for failure in failures:
+            reasons.pop(failure.request_id, None)
+        if reasons:  # those requests fail alone, with the reason
+            for request_id in reasons:
+                self._drop_request(request_id)
+            failures += tuple(
+                RequestFailure(rid, f"InvalidRequestError: {reasons[rid]}")
+                for rid in sorted(reasons)
+            )
         if failures:
             return run_without_failed(scheduled, failures, self._run)
         return self._run(scheduled)
@@ -312,6 +444,7 @@ class ModelRunner(Executor):
         calls0 = self.graphs.num_calls if self.graphs is not None else 0
         pad0 = self.graphs.num_padded_rows if self.graphs is not None else 0
         tables, decode = scheduled.block_tables, scheduled.decode
+        self.calls.begin_step(tables)
         groups = None  # cascade groups of a decode-only call, when cascade attention looked
         if decode is not None and not items and self.attention.cascade:
             segments = self.decode.segments(decode, tables)
@@ -339,10 +472,14 @@ class ModelRunner(Executor):
             decode_exits = coda.decode.exited
             loops = scheduled.decode.depths + 1  # type: ignore[union-attr]
             num_early += int(np.count_nonzero(decode_exits & (loops < self.num_loops)))
-            if self.rules.num_planes > 1:
+            if self.rules.num_planes > 1 and not self.calls.full_lookup:
                 self._num_finalized += int(
                     np.count_nonzero(decode_exits & (loops < self.rules.num_planes))
                 )
+            if self.calls.full_lookup:  # below-full exits hide their position from deeper loops
+                for row in np.flatnonzero(decode_exits).tolist():  # host array
+                    rid = decode.request_ids[row]  # type: ignore[union-attr]
+                    self.calls.ran(rid, [int(decode.positions[row])], int(loops[row]))  # type: ignore[union-attr]
         # No synchronize: the step's last copy to the host (sampled ids, hazards) waited for
         # the device already; a step without one leaves the device running ahead.
         h2d, d2h, h2d_bytes, d2h_bytes = (
@@ -365,6 +502,18 @@ class ModelRunner(Executor):
             d2h_bytes=d2h_bytes,
         )
         return RunnerOutput(scheduled.step_id, tuple(coda.results), coda.failed, coda.decode, stats)
+
+    def _finalize_exits(self, exits) -> int:
+        """LAST_EXITED copies of tokens exiting below full depth (`exits`: (block tables,
+        position, exit depth) each); none under SHARED or the `full` lookup. Returns how
+        many tokens."""
+        if self.rules.shared or self.calls.full_lookup:
+            return 0
+        src, dst = finalize_slots(exits, self.block_size, self.rules.num_planes)
+        if src:
+            slots = self.transfers.to_device(src + dst)
+            self.attention.finalize(slots[: len(src)], slots[len(src) :])
+        return sum(1 for _, _, depth in exits if depth < self.num_loops - 1)
 
     def _timed(self, fn, *args) -> torch.Tensor:
         """Call a model function, adding its duration to this step's forward time.

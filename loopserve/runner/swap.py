@@ -27,7 +27,7 @@ from loopserve.runner.handles import HandleTable
 
 @dataclass
 class InFlight:
-    """Work paused between steps: hidden [rows, hidden] of its last loop, plus, for the chunk
+    """Work paused between steps: its carried state [rows, W] after its last loop, plus, for the chunk
     holding the last prompt position, that row's hazards, and the outputs of every depth so
     far: that row's, or every row's for a chunk scored at its exit loops (`score_rule`)."""
 
@@ -160,9 +160,10 @@ class KVMoves:
         # Hidden states of swapped-out requests: request_id -> handle -> state (on the host),
         # and the state of the decode token each had in flight.
         self.swapped_inflight: dict[str, dict[int, InFlight]] = {}
-        self.swapped_decode: dict[str, torch.Tensor] = {}
-        # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state).
-        self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None]] = {}
+        self.swapped_decode: dict[str, dict[str, torch.Tensor]] = {}
+        # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state,
+        # the runner's per-request state, `LoopCalls.export_state`).
+        self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None, dict | None]] = {}
 
     def export(
         self, table: tuple[list[int], ...], num_positions: int, *, to_host: bool = True
@@ -172,10 +173,14 @@ class KVMoves:
         return self.swap.export_blocks(table, num_positions, to_host=to_host)
 
     def stage_import(
-        self, request_id: str, kv: torch.Tensor, generator_state: bytes | None
+        self,
+        request_id: str,
+        kv: torch.Tensor,
+        generator_state: bytes | None,
+        runner_state: dict | None = None,
     ) -> None:
         self.swap.check_import(kv)
-        self.staged_imports[request_id] = (kv, generator_state)
+        self.staged_imports[request_id] = (kv, generator_state, runner_state)
 
     def drop(self, request_id: str) -> None:
         self.swapped_inflight.pop(request_id, None)
@@ -200,7 +205,7 @@ class KVMoves:
             }
             token = decode.take_state(request_id)
             if token is not None:
-                self.swapped_decode[request_id] = token.cpu()
+                self.swapped_decode[request_id] = {k: v.cpu() for k, v in token.items()}
             return
         device = self.kv_cache.device
         for handle, state in self.swapped_inflight.pop(request_id).items():
@@ -209,8 +214,8 @@ class KVMoves:
             self.inflight.keep(request_id, handle, InFlight(hidden, state.hazards, rows))
         token = self.swapped_decode.pop(request_id, None)
         if token is not None:
-            decode.put_state(request_id, token.to(device))
+            decode.put_state(request_id, {k: v.to(device) for k, v in token.items()})
 
     def _import(self, transfer: KVTransfer) -> None:
-        kv, _ = self.staged_imports.pop(transfer.request_id)
+        kv = self.staged_imports.pop(transfer.request_id)[0]
         self.swap.import_blocks(kv, transfer)

@@ -221,3 +221,21 @@ def test_a_long_table_beyond_the_buffers_entries_is_written_apart_and_decodes_ex
         ref.token_ids, ref.exit_depths,
     )  # fmt: skip
     assert copies and copies[0] == 2 and all(c == 1 for c in copies[1:])  # the overflow, once
+
+
+def test_decode_tables_hold_a_requests_loop_planes_and_nothing_of_its_once_planes():
+    """A family with once planes (Huginn: its prelude and coda K/V after the loop planes)
+    sends block tables with one more plane than the decode tables keep per slot: the once
+    plane's entries must not spill into the next slot's rows."""
+    import numpy as np
+
+    from loopserve.runner.decode_rows import DecodeSlots
+
+    slots = DecodeSlots(2, hidden_size=4, num_planes=2, block_size=4, max_blocks=3,
+                        padding_block=0, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    tables = {"a": ([1, 2], [3, 4], [5, 6]), "b": ([7, 8], [9, 10], [11, 12])}
+    index, values = slots.table_updates(np.array([0, 1]), np.array([5, 5]), ["a", "b"], tables)
+    flat = slots.tables.view(-1)
+    flat[torch.tensor(index)] = torch.tensor(values)
+    assert slots.tables[:4, :2].tolist() == [[1, 2], [3, 4], [7, 8], [9, 10]]
+    assert 5 not in values and 11 not in values

@@ -147,7 +147,9 @@ class DecodeSlots:
         for i in stale.tolist():  # host array
             slot = int(slots[i])
             start, end = int(self.written[slot]), int(needed[i])
-            for plane, blocks in enumerate(block_tables[request_ids[i]]):
+            # The loop planes only: once planes after them (a family's prelude and coda
+            # K/V) are not read from the device tables.
+            for plane, blocks in enumerate(block_tables[request_ids[i]][:num_planes]):
                 base = (slot * num_planes + plane) * width
                 index.extend(range(base + start, base + end))
                 values.extend(blocks[start:end])

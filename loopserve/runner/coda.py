@@ -175,12 +175,16 @@ class Coda:
         pairs: list[tuple] = []
         batch = None if decode is None else self._decode_candidates(decode)
         positions = None  # the coda rows' positions on the device, when only decode rows
+        computed = []  # the decode candidates' logits when the call computed them
         if batch is not None and batch.rows is not None:
-            coda_rows.append(batch.rows)
             owners += [(True, row) for row in batch.candidates]
             pairs += batch.samplers
-            spans += _decode_spans(decode, batch.candidates)  # type: ignore[arg-type]
-            positions = _candidate_positions(decode, batch)
+            if decode.logits is not None:  # type: ignore[union-attr]
+                computed.append(decode.logits)  # type: ignore[union-attr]
+            else:
+                coda_rows.append(batch.rows)
+                spans += _decode_spans(decode, batch.candidates)  # type: ignore[arg-type]
+                positions = _candidate_positions(decode, batch)
         first_tokens = [
             self.rules.samples_first_token(item) or completed.get(i, (None, None))[1] is not None
             for i, item in enumerate(items)
@@ -212,8 +216,9 @@ class Coda:
         sampled: dict[int, SampledToken] = {}
         decode_sampled = DecodeSampled([], [], {})
         failed: list[RequestFailure] = []
-        if coda_rows or ready:
+        if coda_rows or ready or computed:
             parts = [self.coda(torch.cat(coda_rows), lambda: spans, positions)] if coda_rows else []
+            parts = computed + parts
             owners += ready_owners
             pairs += ready_pairs
             token_ids, with_logprobs, failures = self._sample_logits(
@@ -260,11 +265,7 @@ class Coda:
         logprobs: dict[int, SampledToken] = {}
         failed: tuple[RequestFailure, ...] = ()
         if batch.rows is not None:
-            logits = self.coda(
-                batch.rows,
-                lambda: _decode_spans(decode, batch.candidates),
-                _candidate_positions(decode, batch),
-            )
+            logits = self._decode_logits(decode, batch)
             sampled, with_logprobs, failures = self._sample_logits(logits, batch.samplers)
             candidates = batch.candidates
             token_ids[candidates] = sampled
@@ -281,6 +282,16 @@ class Coda:
         else:
             self.transfers.flush()  # exits and hazards not read yet (nothing sampled)
         return CodaOutput([], failed, DecodeResults(read.exited, read.hazards, token_ids, logprobs))
+
+    def _decode_logits(self, decode: DecodeSignals, batch: _DecodeBatch) -> torch.Tensor:
+        """The decode candidates' logits: computed by the call already, or their leave."""
+        if decode.logits is not None:
+            return decode.logits
+        return self.coda(
+            batch.rows,
+            lambda: _decode_spans(decode, batch.candidates),
+            _candidate_positions(decode, batch),
+        )
 
     def _decode_candidates(self, decode: DecodeSignals) -> _DecodeBatch:
         """The decode rows' coda candidates: their output rows and samplers. When the gate

@@ -179,7 +179,9 @@ class DecodeInputs(NamedTuple):
     hidden: torch.Tensor  # [n, W]: the rows' inputs
     starts: torch.Tensor  # rows at loop 0
     gate_columns: torch.Tensor | None  # [4, n] float64: code, cdf, survival, threshold
-    gate_rows: torch.Tensor | None  # rows whose criterion is checked (criterion families)
+    # Rows whose criterion is checked, and their index among the candidates (criterion
+    # families; None without such rows).
+    gate_rows: tuple[torch.Tensor, torch.Tensor] | None
     candidates: np.ndarray  # coda candidates, on the host
     candidates_on_device: torch.Tensor  # the same, on the device
     gate_decides: bool  # some row's exit is decided by this loop's gate
@@ -197,6 +199,9 @@ class DecodeSignals(NamedTuple):
     candidates: np.ndarray  # coda candidates, on the host
     candidates_on_device: torch.Tensor  # the same, on the device
     positions: torch.Tensor | None = None  # [n] on the device (eager calls)
+    # The candidates' logits when the call computed them already (a criterion that reads
+    # logits checks its rows from the leave of every candidate), else None.
+    logits: torch.Tensor | None = None
 
 
 def decide_exits_on_device(
@@ -319,8 +324,9 @@ class DecodeStep:
             columns = (rows.exit_code.astype(np.float64), rows.cdf_before,
                        rows.survival_before, rows.threshold)  # fmt: skip
             parts.append(np.concatenate(columns).view(np.int64))
-            if criterion:
-                parts.append(np.flatnonzero(rows.exit_code == GATE))
+            if criterion:  # the checked rows, and where they are among the candidates
+                gate = np.flatnonzero(rows.exit_code == GATE)
+                parts += [gate, np.searchsorted(host.candidates, gate)]
         staged = self.transfers.to_device(np.concatenate(parts))  # the call's one copy in
         views = iter(staged.split([len(part) for part in parts]))
         slots_t, positions_t, table_index_t, starts_t, tokens_t, index_t, values_t, cand_t = (
@@ -328,7 +334,7 @@ class DecodeStep:
         )
         pairs_t = tuple(next(views) for _ in range(5))  # rows, src, dst, blocks, offsets
         gate_t = next(views).view(torch.float64).view(4, n) if host.gate_decides else None
-        gate_rows = next(views) if host.gate_decides and criterion else None
+        gate_rows = (next(views), next(views)) if host.gate_decides and criterion else None
         if host.update_index:
             self.slots.tables.view(-1).index_copy_(0, index_t, values_t)
         if len(starts):
@@ -373,8 +379,9 @@ class DecodeStep:
     def after_call(self, inputs: DecodeInputs, out: torch.Tensor) -> DecodeSignals:
         """Slots, hazards, exits and finalize copies of the call's decode rows [n, H]."""
         self.slots.hidden.index_copy_(0, inputs.slots, out)
+        logits = None
         if self.slots.criterion is not None:
-            hazards, exits = self._criterion(inputs, out)
+            hazards, exits, logits = self._criterion(inputs, out)
         else:
             hazards = self.hazards(out).float() if inputs.rows.needs_gate.any() else None
             exits = None
@@ -401,13 +408,16 @@ class DecodeStep:
             inputs.candidates,
             inputs.candidates_on_device,
             inputs.positions,
+            logits,
         )
 
     def _criterion(self, inputs: DecodeInputs, out: torch.Tensor):
         """A criterion family's signals: tokens that start take their criterion from their
-        initial state; the rows the plan lets the criterion decide (GATE) are checked (with
-        their logits when the criterion reads them) and exit where it fires (code EXIT rows
-        exit anyway). Returns (scores float64 [n], NaN where unchecked; exits bool [n])."""
+        initial state; the rows the plan lets the criterion decide (GATE) are checked (a
+        criterion that reads logits takes them from one leave over every coda candidate,
+        which the coda then samples from) and exit where it fires (code EXIT rows exit
+        anyway). Returns (scores float64 [n], NaN where unchecked; exits bool [n]; the
+        candidates' logits or None)."""
         criterion = self.slots.criterion
         assert criterion is not None
         rows, calls = inputs.rows, self.calls
@@ -415,20 +425,24 @@ class DecodeStep:
             initial = calls.model.latent(inputs.hidden.index_select(0, inputs.starts))
             criterion.start(inputs.slots.index_select(0, inputs.starts), initial)
         if inputs.gate_rows is None:
-            return None, None
-        gate = inputs.gate_rows
+            return None, None, None
+        gate, among = inputs.gate_rows
         code, _, _, threshold = inputs.gate_columns  # type: ignore[misc]
         state = out.index_select(0, gate)
-        logits = None
+        logits = checked = None
         if criterion.needs_logits:
-            host_gate = np.flatnonzero(rows.exit_code == GATE).tolist()  # host array
+            where = inputs.candidates.tolist()  # host array
             ids = rows.request_ids
-            spans = lambda: [(ids[r], int(rows.positions[r]), 1) for r in host_gate]  # noqa: E731
-            logits = calls.leave(state, spans, inputs.positions.index_select(0, gate))
+            spans = lambda: [(ids[r], int(rows.positions[r]), 1) for r in where]  # noqa: E731
+            candidates = inputs.candidates_on_device[: len(where)]
+            logits = calls.leave(
+                out.index_select(0, candidates), spans, inputs.positions.index_select(0, candidates)
+            )
+            checked = logits.index_select(0, among)
         fires, values = criterion.check(
             inputs.slots.index_select(0, gate),
             calls.model.latent(state),
-            logits,
+            checked,
             threshold.index_select(0, gate),
         )
         n = len(rows)
@@ -436,4 +450,4 @@ class DecodeStep:
         scores.index_copy_(0, gate, values)
         fired = torch.zeros(n, dtype=torch.bool, device=out.device)
         fired.index_copy_(0, gate, fires)
-        return scores, (code == EXIT) | ((code == GATE) & fired)
+        return scores, (code == EXIT) | ((code == GATE) & fired), logits

@@ -243,6 +243,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def add_host_bench_args(parser) -> None:
     """Flags of `loopserve bench host` (`loopserve.sim.host_bench`)."""
     parser.add_argument("--rows", default="1,8,32,128,256", help="rows per core call")
+    parser.add_argument(
+        "--family",
+        default="ouro",
+        choices=("ouro", "huginn"),
+        help="the shape of the calls: Ouro's (hidden state, gate) or Huginn's ([state, e], "
+        "once planes, a convergence criterion)",
+    )
     parser.add_argument("--context", type=int, default=256, help="positions per row")
     parser.add_argument("--steps", type=int, default=200, help="measured calls per row count")
     parser.add_argument("--device-profile", default="h200", help="simulated GPU")

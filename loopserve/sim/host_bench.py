@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from loopserve.engine.llm_engine import LLMEngine
+from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
@@ -49,11 +50,25 @@ EXIT_TRACE = (3, 3, 2, 3, 4, 3, 3, 3)
 
 
 def null_core(engine: LLMEngine) -> None:
-    """Replace the model's core by the identity and the finalize copy by nothing: calls keep
+    """Replace the model's loop by the identity and the finalize copy by nothing: calls keep
     their host path (items, inputs, attention metadata, exits, finalize slots, sampling) and
     lose their device work."""
     identity = lambda hidden, positions, attn: hidden  # noqa: E731
-    engine.model.core = identity  # type: ignore[method-assign]
+    engine.model.loop = identity  # type: ignore[method-assign]
+    model = engine.model
+    if model.config.extra_kv_planes:
+        # Its enter and leave run attention layers over the once planes: keep their host
+        # path (the runner prepares the once planes' attention) and drop their device work.
+        width, vocab = model.state_width, model.config.vocab_size
+        param = model.lm_head.weight
+
+        def enter(token_ids, positions=None, once=(), initial=None):
+            return torch.zeros(len(token_ids), width, dtype=param.dtype, device=param.device)
+
+        def leave(carried, positions=None, once=()):
+            return torch.zeros(len(carried), vocab, device=param.device)
+
+        model.enter, model.leave = enter, leave  # type: ignore[method-assign]
     if engine.runner.graphs is not None:
         engine.runner.graphs.core = identity
     engine.runner.attention.finalize = lambda src, dst: None  # type: ignore[method-assign]
@@ -81,16 +96,25 @@ class HostPoint:
 
 
 def measure(rows: int, *, context: int, steps: int, device_profile: str, block_size: int = 16,
-            engine_args: dict | None = None) -> HostPoint:  # fmt: skip
-    """Steady decode calls of `rows` rows at about `context` positions."""
+            engine_args: dict | None = None, family: str = "ouro") -> HostPoint:  # fmt: skip
+    """Steady decode calls of `rows` rows at about `context` positions. `family` "huginn":
+    Huginn-shaped calls (a tiny Huginn: rows carry [state, e], loop-0 rows run the prelude
+    over the once plane, the engine's criterion (kl) is checked at every loop from the
+    first, with a threshold it never crosses, and request i runs `EXIT_TRACE[i]` loops per
+    token as its `max_loops`, the same mix of loops as Ouro's trace)."""
+    huginn = family == "huginn"
     with tempfile.TemporaryDirectory() as directory:
-        model_dir = make_tiny_checkpoint(Path(directory), seed=0)
+        if huginn:
+            model_dir = make_tiny_huginn_checkpoint(Path(directory))
+        else:
+            model_dir = make_tiny_checkpoint(Path(directory), seed=0)
         # Every request fits its whole prompt + output in every plane (no preemption).
-        blocks = rows * 4 * (-(-(context + steps + 72) // block_size))
+        planes = 9 if huginn else 4
+        blocks = rows * planes * (-(-(context + steps + 72) // block_size))
         args = dict(
             dtype="float32", block_size=block_size, num_blocks=blocks, max_num_seqs=rows,
             max_num_batched_tokens=max(rows, 2048), prefill_chunk_size=2048,
-            exit_mode="trace", enable_prefix_caching=False,
+            exit_mode="criterion" if huginn else "trace", enable_prefix_caching=False,
         )  # fmt: skip
         args.update(engine_args or {})
         engine = LLMEngine.from_engine_args(model=str(model_dir), **args)
@@ -99,12 +123,15 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
     for i in range(rows):
         prompt = [3 + (i * 31 + j * 7) % (vocab - 3) for j in range(context - 1)]
         trace = EXIT_TRACE[i % len(EXIT_TRACE) :] + EXIT_TRACE[: i % len(EXIT_TRACE)]
+        exits = (
+            dict(max_loops=trace[0], exit_threshold=0.0) if huginn else dict(exit_trace=trace * 64)
+        )
         params = SamplingParams(  # "delta" outputs: what the server's streams ask for
             max_tokens=steps + 64,
             temperature=0.0,
             ignore_eos=True,
-            exit_trace=trace * 64,
             output_kind="delta",
+            **exits,
         )
         engine.add_request(f"h{i}", prompt, params)
     # Warm up until every request decodes (prompt steps done), then measure.
@@ -170,7 +197,8 @@ def main_from_args(args) -> int:
     points = []
     for rows in rows_list:
         point = measure(rows, context=args.context, steps=args.steps,
-                        device_profile=args.device_profile, engine_args=engine_args)  # fmt: skip
+                        device_profile=args.device_profile, engine_args=engine_args,
+                        family=args.family)  # fmt: skip
         points.append(point)
         print(f"rows={rows}: host {point.host_us:.0f} us/call, device {point.device_us:.0f} us, "
               f"ratio {point.ratio:.2f}", flush=True)  # fmt: skip

@@ -24,7 +24,7 @@ from loopserve.contracts import SampleSpec
 from loopserve.errors import InvalidRequestError
 from loopserve.exit import ExitMode, ExitRule, TokenExit, choose_exit_from_hazards
 from loopserve.models.attention import DenseAttention, DenseKV
-from loopserve.models.ouro import OuroForLoopedLM, make_hazard_fn
+from loopserve.models.family import LoopedModel
 from loopserve.runner.sampler import Matcher, TokenHistory, make_generator, sample_rows
 from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import SamplingParams, StructuredOutput
@@ -46,7 +46,7 @@ def trace_loops_for(params: SamplingParams, token_index: int) -> int | None:
 
 @torch.inference_mode()
 def generate(
-    model: OuroForLoopedLM,
+    model: LoopedModel,
     prompt_token_ids: Sequence[int],
     params: SamplingParams,
     *,
@@ -68,9 +68,7 @@ def generate(
     num_loops = model.num_loops
     params = params.resolve_loops(num_loops)
     rule = ExitRule(params.min_loops, params.max_loops, params.exit_threshold)
-    hazard_fn = make_hazard_fn(
-        model, lookahead_seed=lookahead_seed if mode is ExitMode.RANDOM_LOOKAHEAD else None
-    )
+    hazard_fn = model.hazard_fn(lookahead_seed if mode is ExitMode.RANDOM_LOOKAHEAD else None)
     eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
     prompt = list(prompt_token_ids)
@@ -101,7 +99,7 @@ def generate(
         )
 
     def emit(exit_hidden: torch.Tensor, loops_used: int) -> bool:
-        logits = model.coda(exit_hidden)
+        logits = model.leave(exit_hidden)
         token = sample_rows(logits, [spec], [generator], histories=[history])[0].token_id
         if history is not None:
             history.record(token)
@@ -113,7 +111,7 @@ def generate(
     while not done:
         position = len(prompt) + len(token_ids) - 1
         pos = torch.tensor([position], device=device)
-        hidden = model.prelude(torch.tensor([token_ids[-1]], device=device))
+        hidden = model.enter(torch.tensor([token_ids[-1]], device=device))
         token_exit = TokenExit(mode, rule, trace_loops_for(params, len(token_ids)))
         while True:
             hidden = run.loop(hidden, pos, token_exit.depth)
@@ -132,13 +130,13 @@ class _DenseRun:
     """One request's contiguous per-plane K/V and its loop runner (`generate` and
     `prompt_logprobs` run the prompt the same way)."""
 
-    def __init__(self, model: OuroForLoopedLM, *, shared: bool, max_len: int) -> None:
+    def __init__(self, model: LoopedModel, *, shared: bool, max_len: int) -> None:
         config = model.config
         self.model, self.shared, self.num_loops = model, shared, model.num_loops
         self.device = model.lm_head.weight.device
         self.kv = DenseKV(
             num_planes=1 if shared else model.num_loops,
-            num_layers=config.num_hidden_layers,
+            num_layers=model.kv_layers,
             max_len=max_len,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
@@ -150,7 +148,7 @@ class _DenseRun:
     def loop(self, hidden: torch.Tensor, positions: torch.Tensor, depth: int) -> torch.Tensor:
         plane = 0 if self.shared else depth
         attention = DenseAttention(self.kv, plane, positions, self.scale)
-        return self.model.core(hidden, positions, attention)
+        return self.model.loop(hidden, positions, attention)
 
     def prompt(self, prompt: list[int]) -> list[torch.Tensor]:
         """Run the prompt at full depth (SHARED: position-major); returns every loop's output
@@ -159,7 +157,7 @@ class _DenseRun:
         if self.shared:
             per_position = []
             for position, token in enumerate(prompt):
-                hidden = model.prelude(torch.tensor([token], device=device))
+                hidden = model.enter(torch.tensor([token], device=device))
                 pos = torch.tensor([position], device=device)
                 outputs = []
                 for depth in range(self.num_loops):
@@ -168,7 +166,7 @@ class _DenseRun:
                 per_position.append(outputs)
             return [torch.cat(loop) for loop in zip(*per_position)]
         positions = torch.arange(len(prompt), device=device)
-        hidden = model.prelude(torch.tensor(prompt, device=device))
+        hidden = model.enter(torch.tensor(prompt, device=device))
         loop_outputs = []
         for depth in range(self.num_loops):
             hidden = self.loop(hidden, positions, depth)
@@ -178,7 +176,7 @@ class _DenseRun:
 
 @torch.inference_mode()
 def prompt_logprob_rows(
-    model: OuroForLoopedLM,
+    model: LoopedModel,
     prompt_token_ids: Sequence[int],
     *,
     layout: str = "last_exited",
@@ -193,12 +191,12 @@ def prompt_logprob_rows(
     if exit_rule is not None:
         loops = _exit_loops(model, loop_outputs, exit_rule)
         scored = torch.stack([loop_outputs[loop - 1][p] for p, loop in enumerate(loops)])
-    return torch.log_softmax(model.coda(scored).float(), dim=-1)
+    return torch.log_softmax(model.leave(scored).float(), dim=-1)
 
 
 @torch.inference_mode()
 def prompt_exit_loops(
-    model: OuroForLoopedLM,
+    model: LoopedModel,
     prompt_token_ids: Sequence[int],
     exit_rule: ExitRule,
     *,
@@ -219,14 +217,15 @@ def _prompt_loop_outputs(model, prompt_token_ids, layout: str) -> list[torch.Ten
 
 
 def _exit_loops(model, loop_outputs: list[torch.Tensor], exit_rule: ExitRule) -> list[int]:
-    hazards = [model.gate(output).float().tolist() for output in loop_outputs]
+    hazard_fn = model.hazard_fn(None)
+    hazards = [hazard_fn(output).float().tolist() for output in loop_outputs]
     return [
         choose_exit_from_hazards(ExitMode.OURO, exit_rule, list(column)) for column in zip(*hazards)
     ]
 
 
 def prompt_logprobs(
-    model: OuroForLoopedLM,
+    model: LoopedModel,
     prompt_token_ids: Sequence[int],
     *,
     layout: str = "last_exited",

@@ -106,7 +106,7 @@ class LoopedModel(Protocol):
       loop, and `config.extra_kv_planes` once planes after them keep the K/V of layers run
       once per position (Huginn's prelude and coda; none for Ouro).
     - `signal_kind`: "hazard" (a per-loop exit probability folded by the CDF rule:
-      `hazards(carried)`) or "criterion" (a convergence score checked against a threshold by
+      `hazard_fn(lookahead_seed)` returns it over carried rows, [rows] float32) or "criterion" (a convergence score checked against a threshold by
       `exit/criteria.py`, over `latent(carried)` and, for some criteria, `leave`'s logits).
     - `enter(token_ids, positions, once, initial)`: the rows' carried state before loop 0
       (`once`: the attention of the once planes, one prepared call per plane; `initial`:
@@ -148,5 +148,9 @@ class LoopedModel(Protocol):
     def leave(self, carried: Any, positions: Any, once: Any) -> Any: ...
 
     def make_rows_invariant(self) -> None: ...
+
+    def hazard_fn(self, lookahead_seed: int | None = None) -> Any:
+        """A hazard family's exit signal (`signal_kind` "hazard")."""
+        ...
 
     def profile_forward(self, token_ids: Any, positions: Any, attn: Any) -> Any: ...

@@ -16,6 +16,7 @@ from torch import nn
 from loopserve.errors import ConfigError, ModelLoadError
 from loopserve.models.config import OuroConfig, read_config_json
 from loopserve.models.huginn import HUGINN_MODEL_TYPE, HuginnConfig, HuginnForLoopedLM
+from loopserve.models.momentum import MOMENTUM_MODEL_TYPE, MomentumConfig, MomentumLoopLM
 from loopserve.models.ouro import OuroForLoopedLM
 
 
@@ -74,7 +75,20 @@ HUGINN = ModelFamily(
     runs_on="the engine (eager; the one executor, runner/model_runner.py), the dense reference "
     "(loopserve.models.huginn_dense) and the simulator",
 )
-FAMILIES = (OURO, HUGINN)
+MOMENTUM = ModelFamily(  # loopserve's own family that proves the seam (models/momentum.py)
+    name="MomentumLoop",
+    model_types=(MOMENTUM_MODEL_TYPE,),
+    architectures=("MomentumLoopForCausalLM",),
+    config_class=MomentumConfig,
+    model_class=MomentumLoopLM,
+    tied_head=("lm_head.weight", "embed.weight"),
+    ignored_tensors=(),
+    engine=True,
+    handoff=True,
+    exit_modes=("ouro", "ouro_delayed", "trace"),  # a hazard, without a lookahead head
+    runs_on="the engine (the one executor) and the dense reference (loopserve.reference)",
+)
+FAMILIES = (OURO, HUGINN, MOMENTUM)
 
 
 def family_of(raw: dict) -> ModelFamily:

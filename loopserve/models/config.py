@@ -22,6 +22,41 @@ def write_config_json(directory: str | os.PathLike, raw: dict) -> None:
     Path(directory, "config.json").write_text(json.dumps(raw, indent=2) + "\n")
 
 
+class ConfigFile:
+    """What every family's config dataclass shares with its `config.json`: reading it back
+    (`from_file`), the written form (`to_dict`: the fields, eos ids as a list, unknown keys
+    kept in `extra`, the `ARCHITECTURE` name; a family adds its own keys in `_written`),
+    `save`, and building from a parsed dict with a clear error for a missing field."""
+
+    ARCHITECTURE = ""
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike):
+        return cls.from_dict(read_config_json(path))  # type: ignore[attr-defined]
+
+    @classmethod
+    def _build(cls, raw: dict, known, kwargs: dict):
+        """The config of `kwargs` from `raw` (unknown keys into `extra`)."""
+        extra = {k: v for k, v in raw.items() if k not in known and k != "eos_token_id"}
+        try:
+            return cls(**kwargs, eos_token_id=eos_token_ids(raw), extra=extra)  # type: ignore[call-arg]
+        except TypeError as err:
+            raise ModelLoadError(f"config.json is missing a required field: {err}") from err
+
+    def _written(self, raw: dict) -> dict:
+        return raw
+
+    def to_dict(self) -> dict:
+        raw = asdict(self)  # type: ignore[call-overload]
+        raw.pop("extra")
+        raw["eos_token_id"] = list(self.eos_token_id)  # type: ignore[attr-defined]
+        raw["architectures"] = [self.ARCHITECTURE]
+        return {**self.extra, **self._written(raw)}  # type: ignore[attr-defined]
+
+    def save(self, directory: str | os.PathLike) -> None:
+        write_config_json(directory, self.to_dict())
+
+
 def once_kv_planes(once_layers: int, layers_per_plane: int) -> int:
     """Planes a request holds beyond its step planes for the layers that keep one K/V entry
     per position (a prelude's and coda's attention layers): every plane has the core's
@@ -44,7 +79,7 @@ def eos_token_ids(raw: dict) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class OuroConfig:
+class OuroConfig(ConfigFile):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -63,6 +98,7 @@ class OuroConfig:
     pad_token_id: int | None = None
     model_type: str = "ouro"
     extra: dict = field(default_factory=dict, compare=False, repr=False)
+    ARCHITECTURE = "OuroForCausalLM"
 
     def __post_init__(self) -> None:
         if self.hidden_act != "silu":
@@ -137,7 +173,6 @@ class OuroConfig:
         scaling = raw.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ModelLoadError(f"rope_scaling {scaling!r} is not supported yet")
-        eos_ids = eos_token_ids(raw)
         known = {
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "total_ut_steps", "head_dim",
@@ -146,22 +181,4 @@ class OuroConfig:
         }  # fmt: skip
         kwargs = {k: raw[k] for k in known if k in raw and raw[k] is not None}
         kwargs.setdefault("num_key_value_heads", raw["num_attention_heads"])
-        extra = {k: v for k, v in raw.items() if k not in known and k != "eos_token_id"}
-        try:
-            return cls(**kwargs, eos_token_id=eos_ids, extra=extra)
-        except TypeError as err:
-            raise ModelLoadError(f"config.json is missing a required field: {err}") from err
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike) -> OuroConfig:
-        return cls.from_dict(read_config_json(path))
-
-    def to_dict(self) -> dict:
-        raw = asdict(self)
-        raw.pop("extra")
-        raw["eos_token_id"] = list(self.eos_token_id)
-        raw["architectures"] = ["OuroForCausalLM"]
-        return {**self.extra, **raw}
-
-    def save(self, directory: str | os.PathLike) -> None:
-        write_config_json(directory, self.to_dict())
+        return cls._build(raw, known, kwargs)

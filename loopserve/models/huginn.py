@@ -23,21 +23,14 @@ K/V entry per position; core layers keep one per position and recurrence step.
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from loopserve.errors import ModelLoadError
 from loopserve.models.attention import AttentionBackend
-from loopserve.models.config import (
-    eos_token_ids,
-    once_kv_planes,
-    once_layer_slot,
-    read_config_json,
-    write_config_json,
-)
+from loopserve.models.config import ConfigFile, once_kv_planes, once_layer_slot
 
 HUGINN_MODEL_TYPE = "huginn_raven"
 
@@ -52,7 +45,7 @@ _FIXED_CHOICES = {
 
 
 @dataclass(frozen=True)
-class HuginnConfig:
+class HuginnConfig(ConfigFile):
     vocab_size: int
     n_embd: int
     n_heads: int
@@ -72,6 +65,7 @@ class HuginnConfig:
     pad_token_id: int | None = None
     model_type: str = HUGINN_MODEL_TYPE
     extra: dict = field(default_factory=dict, compare=False, repr=False)
+    ARCHITECTURE = "RavenForCausalLM"
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_heads:
@@ -187,7 +181,6 @@ class HuginnConfig:
         heads = raw.get("n_heads", raw.get("num_attention_heads"))
         if raw.get("num_key_value_heads", heads) != heads:
             raise ModelLoadError("Huginn checkpoints with grouped K/V heads are not supported")
-        eos_ids = eos_token_ids(raw)
         known = (
             "vocab_size", "n_embd", "intermediate_size", "n_layers_in_prelude",
             "n_layers_in_recurrent_block", "n_layers_in_coda", "mean_recurrence", "norm_eps",
@@ -197,27 +190,12 @@ class HuginnConfig:
         kwargs = {k: raw[k] for k in known if raw.get(k) is not None}
         kwargs["n_heads"] = heads
         kwargs.setdefault("n_embd", raw.get("hidden_size"))
-        extra = {k: v for k, v in raw.items() if k not in known and k != "eos_token_id"}
-        try:
-            return cls(**kwargs, eos_token_id=eos_ids, extra=extra)
-        except TypeError as err:
-            raise ModelLoadError(f"config.json is missing a required field: {err}") from err
+        return cls._build(raw, known, kwargs)
 
-    @classmethod
-    def from_file(cls, path: str | os.PathLike) -> HuginnConfig:
-        return cls.from_dict(read_config_json(path))
-
-    def to_dict(self) -> dict:
-        raw = asdict(self)
-        raw.pop("extra")
-        raw["eos_token_id"] = list(self.eos_token_id)
+    def _written(self, raw: dict) -> dict:
         raw["num_attention_heads"] = raw["num_key_value_heads"] = raw.pop("n_heads")
         raw["n_layers"] = self.num_once_layers + self.n_layers_in_recurrent_block
-        raw["architectures"] = ["RavenForCausalLM"]
-        return {**self.extra, **raw, **_FIXED_CHOICES}
-
-    def save(self, directory: str | os.PathLike) -> None:
-        write_config_json(directory, self.to_dict())
+        return {**raw, **_FIXED_CHOICES}
 
 
 class HuginnRMSNorm(nn.Module):
@@ -351,13 +329,8 @@ class HuginnForLoopedLM(nn.Module):
     signal_kind = "criterion"
     leave_writes_kv = True
 
-    @property
-    def state_width(self) -> int:
-        return 2 * self.config.n_embd
-
-    @property
-    def kv_layers(self) -> int:
-        return self.config.num_core_layers
+    state_width = property(lambda self: 2 * self.config.n_embd)  # [state, e]
+    kv_layers = property(lambda self: self.config.num_core_layers)
 
     def enter(self, token_ids, positions, once, initial=None) -> torch.Tensor:
         """[initial state, e] of the rows: e from the prelude (its layers' K/V into the once

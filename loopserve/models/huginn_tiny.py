@@ -16,6 +16,7 @@ import torch
 
 from loopserve.models.huginn import HuginnConfig, HuginnForLoopedLM
 from loopserve.models.loader import save_model
+from loopserve.models.tiny import seeded_init
 
 
 def tiny_huginn_config(**overrides) -> HuginnConfig:
@@ -29,23 +30,22 @@ def tiny_huginn_config(**overrides) -> HuginnConfig:
 
 def init_huginn_weights(model: HuginnForLoopedLM, seed: int, *, state_gain: float) -> None:
     """Seeded weights in sorted-name order (anyone can rebuild them from the seed)."""
-    generator = torch.Generator().manual_seed(seed)
     width = model.config.n_embd
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            if ".norm_" in name or name.endswith("ln_f.weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("qk_bias"):
-                param.copy_(0.1 * noise)
-            elif name.endswith("wte.weight"):
-                param.copy_(noise / width**0.5)
-            elif name.endswith("adapter.weight"):
-                scaled = noise / (2 * width) ** 0.5
-                scaled[:, :width] *= state_gain  # the previous state's half
-                param.copy_(scaled)
-            else:
-                param.copy_(noise / param.shape[-1] ** 0.5)
+
+    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
+        if ".norm_" in name or name.endswith("ln_f.weight"):
+            return 1.0 + 0.1 * noise
+        if name.endswith("qk_bias"):
+            return 0.1 * noise
+        if name.endswith("wte.weight"):
+            return noise / width**0.5
+        if name.endswith("adapter.weight"):
+            scaled = noise / (2 * width) ** 0.5
+            scaled[:, :width] *= state_gain  # the previous state's half
+            return scaled
+        return noise / noise.shape[-1] ** 0.5
+
+    seeded_init(model, seed, value, sort_names=True)
 
 
 def make_tiny_huginn_checkpoint(

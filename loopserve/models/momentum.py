@@ -20,9 +20,8 @@ checkpoint for tests.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -30,14 +29,14 @@ from torch.nn import functional as F
 
 from loopserve.errors import ModelLoadError
 from loopserve.models.attention import AttentionBackend
-from loopserve.models.config import eos_token_ids, read_config_json, write_config_json
+from loopserve.models.config import ConfigFile
 from loopserve.models.ouro import RMSNorm, apply_rope
 
 MOMENTUM_MODEL_TYPE = "loopserve_momentum"
 
 
 @dataclass(frozen=True)
-class MomentumConfig:
+class MomentumConfig(ConfigFile):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,6 +50,7 @@ class MomentumConfig:
     eos_token_id: tuple[int, ...] = ()
     model_type: str = MOMENTUM_MODEL_TYPE
     extra: dict = field(default_factory=dict, compare=False, repr=False)
+    ARCHITECTURE = "MomentumLoopForCausalLM"
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads or self.head_dim % 2:
@@ -77,23 +77,7 @@ class MomentumConfig:
         if raw.get("model_type") != MOMENTUM_MODEL_TYPE:
             raise ModelLoadError(f"config.json has model_type {raw.get('model_type')!r}")
         known = {f for f in cls.__dataclass_fields__ if f not in ("eos_token_id", "extra")}
-        kwargs = {k: raw[k] for k in known if raw.get(k) is not None}
-        extra = {k: v for k, v in raw.items() if k not in known and k != "eos_token_id"}
-        try:
-            return cls(**kwargs, eos_token_id=eos_token_ids(raw), extra=extra)
-        except TypeError as err:
-            raise ModelLoadError(f"config.json is missing a required field: {err}") from err
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike) -> MomentumConfig:
-        return cls.from_dict(read_config_json(path))
-
-    def save(self, directory: str | os.PathLike) -> None:
-        raw = asdict(self)
-        raw.pop("extra")
-        raw["eos_token_id"] = list(self.eos_token_id)
-        raw["architectures"] = ["MomentumLoopForCausalLM"]
-        write_config_json(directory, {**self.extra, **raw})
+        return cls._build(raw, known, {k: raw[k] for k in known if raw.get(k) is not None})
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -154,13 +138,8 @@ class MomentumLoopLM(nn.Module):
     def num_loops(self) -> int:
         return self.config.num_loops
 
-    @property
-    def state_width(self) -> int:
-        return 2 * self.config.hidden_size
-
-    @property
-    def kv_layers(self) -> int:
-        return self.config.num_core_layers
+    state_width = property(lambda self: 2 * self.config.hidden_size)  # [h, m]
+    kv_layers = property(lambda self: self.config.num_core_layers)
 
     def enter(self, token_ids, positions=None, once=(), initial=None) -> torch.Tensor:
         h = self.embed(token_ids)

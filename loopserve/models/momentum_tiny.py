@@ -9,6 +9,7 @@ import torch
 
 from loopserve.models.loader import save_model
 from loopserve.models.momentum import MomentumConfig, MomentumLoopLM
+from loopserve.models.tiny import seeded_init
 
 
 def make_tiny_momentum_checkpoint(
@@ -21,13 +22,14 @@ def make_tiny_momentum_checkpoint(
                   num_attention_heads=4, num_key_value_heads=2, num_loops=4,
                   extra={"torch_dtype": "float32"})  # fmt: skip
     model = MomentumLoopLM(MomentumConfig(**{**fields, **overrides}))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            scale = 0.1 if "norm" in name else 1.0 / param.shape[-1] ** 0.5
-            gain = head_gain if name == "lm_head.weight" else 1.0
-            param.copy_((1.0 if "norm" in name else 0.0) + gain * scale * noise)
+
+    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
+        if "norm" in name:
+            return 1.0 + 0.1 * noise
+        gain = head_gain if name == "lm_head.weight" else 1.0
+        return gain * noise / noise.shape[-1] ** 0.5
+
+    seeded_init(model, seed, value, sort_names=True)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_model(model, out)

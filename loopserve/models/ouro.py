@@ -156,13 +156,8 @@ class OuroForLoopedLM(nn.Module):
     signal_kind = "hazard"
     leave_writes_kv = False
 
-    @property
-    def state_width(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def kv_layers(self) -> int:
-        return self.config.num_hidden_layers
+    state_width = property(lambda self: self.config.hidden_size)
+    kv_layers = property(lambda self: self.config.num_hidden_layers)
 
     def enter(self, token_ids, positions=None, once=(), initial=None) -> torch.Tensor:
         return self.prelude(token_ids)

@@ -21,22 +21,32 @@ from loopserve.models.ouro import OuroForLoopedLM
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default"
 
 
-def _init_weights(model: OuroForLoopedLM, seed: int) -> None:
+def seeded_init(model, seed: int, value, *, sort_names: bool = False) -> None:
+    """Every parameter from one seeded generator, in `named_parameters` order (or sorted by
+    name): `value(name, noise)` is the weight given standard normal noise of its shape. The
+    tiny checkpoints of every family are made this way, so anyone can rebuild them."""
     generator = torch.Generator().manual_seed(seed)
-    hidden = model.config.hidden_size
+    params = model.named_parameters()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight") or "layernorm" in name:
-                param.copy_(1.0 + 0.1 * noise)  # near one, but not exactly: misuse shows
-            elif "early_exit_gate.weight" in name:
-                param.copy_(noise * (3.0 / hidden**0.5))  # hazards spread over (0, 1)
-            elif "early_exit_gate.bias" in name:
-                param.copy_(noise * 0.5)
-            elif "embed_tokens" in name:
-                param.copy_(noise)
-            else:
-                param.copy_(noise / param.shape[-1] ** 0.5)
+        for name, param in sorted(params) if sort_names else params:
+            param.copy_(value(name, torch.randn(param.shape, generator=generator)))
+
+
+def _init_weights(model: OuroForLoopedLM, seed: int) -> None:
+    hidden = model.config.hidden_size
+
+    def value(name: str, noise: torch.Tensor) -> torch.Tensor:
+        if name.endswith("norm.weight") or "layernorm" in name:
+            return 1.0 + 0.1 * noise  # near one, but not exactly: misuse shows
+        if "early_exit_gate.weight" in name:
+            return noise * (3.0 / hidden**0.5)  # hazards spread over (0, 1)
+        if "early_exit_gate.bias" in name:
+            return noise * 0.5
+        if "embed_tokens" in name:
+            return noise
+        return noise / noise.shape[-1] ** 0.5
+
+    seeded_init(model, seed, value)
 
 
 def make_tiny_checkpoint(

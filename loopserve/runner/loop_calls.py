@@ -160,10 +160,14 @@ class LoopCalls:
             for plane in self.once_planes
         ]
 
-    def _positions(self, spans: Sequence[Span]) -> torch.Tensor:
-        return self.transfers.to_device(
-            [p for _, start, count in spans for p in range(start, start + count)]
-        )
+    def _context(self, spans, positions):
+        """(where the rows are, their positions on the device) for a call that reads them."""
+        where = spans()
+        if positions is None:
+            positions = self.transfers.to_device(
+                [p for _, start, count in where for p in range(start, start + count)]
+            )
+        return where, positions
 
     def enter(
         self,
@@ -175,9 +179,7 @@ class LoopCalls:
         family with once planes or drawn initial states)."""
         if not self.needs_context and self.init_scale <= 0:
             return self.timed(self.model.enter, token_ids)
-        where = spans()
-        if positions is None:
-            positions = self._positions(where)
+        where, positions = self._context(spans, positions)
         initial = None
         if self.init_scale > 0:
             rows = [self.initial_rows(rid, start, count) for rid, start, count in where]
@@ -207,9 +209,7 @@ class LoopCalls:
         """Logits of carried rows (`spans()`: where they are, for a family with once planes)."""
         if not self.needs_context:
             return self.timed(self.model.leave, carried)
-        where = spans()
-        if positions is None:
-            positions = self._positions(where)
+        where, positions = self._context(spans, positions)
         return self.timed(self.model.leave, carried, positions, self.once(where))
 
 

@@ -677,3 +677,26 @@ def test_decode_rows_report_the_criterions_score_and_exit_where_it_crosses(hugin
     assert_matches_reference(engine, work, finished, "latent-diff")
     # the criterion both stopped tokens early and let others go on
     assert seen["exited_by_score"] > 0 and seen["continued"] > 0
+
+
+def test_cascade_attention_serves_huginn_rows_that_share_cached_pages(huginn_dir):
+    """The one executor's cascade attention runs for Huginn: decode rows of requests that
+    hit the same cached prompt pages read that prefix once per group (in their step planes
+    and, for the prelude and coda, in their once planes); tokens and steps equal the dense
+    reference and the run with cascade off."""
+    prompt = SHARED_PREFIX + [4, 5, 6, 9, 2, 8, 7, 1]
+    params = SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=0.1, ignore_eos=True)
+    work = [(f"c{i}", prompt[: len(prompt) - i], params, 2 * (i > 0)) for i in range(4)]
+    runs = {}
+    for cascade in (True, False):
+        engine = make_engine(huginn_dir, cascade_attention=cascade, exit_criterion="kl")
+        runs[cascade] = run_steps(engine, work)
+        if cascade:
+            stats = engine.runner.attention.cascade_stats
+            assert stats.num_groups > 0 and stats.num_shared_positions > 0
+            assert_matches_reference(engine, work, runs[cascade], "kl")
+        else:
+            assert engine.runner.attention.cascade_stats.num_groups == 0
+    for request_id, *_ in work:
+        on, off = runs[True][request_id], runs[False][request_id]
+        assert (on.token_ids, on.exit_depths) == (off.token_ids, off.exit_depths)

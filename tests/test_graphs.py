@@ -140,15 +140,15 @@ def test_padding_rows_write_only_the_dummy_block(tiny_dir):
     width = graphs.max_blocks  # ceil(96 / 4)
     assert width == 24
     expected = [[2, 5] + [d] * 22, [7, 6] + [d] * 22, [1, 9] + [d] * 22, [d] * 24]
-    assert graphs.block_tables[graphs.table_index[:4]].tolist() == expected
-    assert graphs.table_index[3].item() == graphs.padding_table  # the dummy-only row
+    assert graphs.block_tables[graphs.loop_planes.table_index[:4]].tolist() == expected
+    assert graphs.loop_planes.table_index[3].item() == graphs.padding_table  # the dummy-only row
     assert graphs.context_lens[:4].tolist() == [6, 7, 5, 1]
-    assert graphs.write_slots[:4].tolist() == [21, 26, 36, dummy]
+    assert graphs.loop_planes.write_slots[:4].tolist() == [21, 26, 36, dummy]
     # A smaller call after it: loop 1 of "c" reads its plane-1 table.
     rows = _rows(("c", 4, 1))
     host = runner.decode.host_columns(rows, tables)
     graphs.launch(graphs.stage(rows, host), rows, host)
-    assert graphs.block_tables[graphs.table_index[0], :2].tolist() == [41, 49]
+    assert graphs.block_tables[graphs.loop_planes.table_index[0], :2].tolist() == [41, 49]
 
 
 def test_persistent_tables_send_only_the_entries_a_table_gained(tiny_dir):
@@ -223,19 +223,21 @@ def test_a_long_table_beyond_the_buffers_entries_is_written_apart_and_decodes_ex
     assert copies and copies[0] == 2 and all(c == 1 for c in copies[1:])  # the overflow, once
 
 
-def test_decode_tables_hold_a_requests_loop_planes_and_nothing_of_its_once_planes():
+def test_decode_tables_keep_each_slots_once_planes_in_its_own_rows():
     """A family with once planes (Huginn: its prelude and coda K/V after the loop planes)
-    sends block tables with one more plane than the decode tables keep per slot: the once
-    plane's entries must not spill into the next slot's rows."""
+    sends block tables with one more plane than its loop planes: each slot keeps that plane
+    in a row of its own (row stride = loop + once planes), never in the next slot's rows."""
     import numpy as np
 
     from loopserve.runner.decode_rows import DecodeSlots
 
     slots = DecodeSlots(2, hidden_size=4, num_planes=2, block_size=4, max_blocks=3,
-                        padding_block=0, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+                        padding_block=0, dtype=torch.float32, device=torch.device("cpu"),
+                        once_planes=1)  # fmt: skip
     tables = {"a": ([1, 2], [3, 4], [5, 6]), "b": ([7, 8], [9, 10], [11, 12])}
     index, values = slots.table_updates(np.array([0, 1]), np.array([5, 5]), ["a", "b"], tables)
     flat = slots.tables.view(-1)
     flat[torch.tensor(index)] = torch.tensor(values)
-    assert slots.tables[:4, :2].tolist() == [[1, 2], [3, 4], [7, 8], [9, 10]]
-    assert 5 not in values and 11 not in values
+    assert slots.stride == 3 and slots.padding_row == 6
+    rows = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
+    assert slots.tables[:6, :2].tolist() == rows

@@ -266,7 +266,10 @@ def test_shared_layout_equals_the_dense_reference(huginn_dir, criterion, mode, a
 @pytest.mark.parametrize(
     "args, named",
     [
-        ({"graph_mode": "emulate"}, "Huginn-0125 does not run with .*graph_mode='emulate'"),
+        (
+            {"graph_mode": "emulate", "init_scale": 1.0},
+            "Huginn-0125 does not run with graph_mode='emulate' with init_scale > 0",
+        ),
         ({"exit_mode": "trace"}, "Huginn-0125 does not run exit_mode='trace'.*'criterion'"),
         ({"exit_mode": "ouro_delayed"}, "Huginn-0125 does not run exit_mode='ouro_delayed'"),
         (
@@ -525,14 +528,17 @@ def test_shared_layout_refuses_a_smaller_r_per_request(huginn_dir):
     assert len(finished["full_r"].token_ids) == 3 and finished["full_r"].error is None
 
 
-def test_the_triton_attention_kernels_serve_huginn(tmp_path, monkeypatch):
-    """The paged Triton kernels (under the interpreter on CPU) in the Huginn executor: the
-    once plane and the step planes through the same kernels, equal to the dense reference.
-    r = 3 keeps the interpreter's kernel launches few."""
+@pytest.mark.parametrize("graph_mode", ["off", "emulate"])
+def test_the_triton_attention_kernels_serve_huginn(tmp_path, monkeypatch, graph_mode):
+    """The paged Triton kernels (under the interpreter on CPU) serving Huginn: the once plane
+    and the step planes through the same kernels, eagerly and over the decode graphs' static
+    buffers (`graph_call` for the core and for each once plane), equal to the dense
+    reference. r = 3 keeps the interpreter's kernel launches few."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model_dir = make_tiny_huginn_checkpoint(tmp_path / "r3", mean_recurrence=3)
-    engine = make_engine(model_dir, attention_backend="triton", exit_criterion="kl")
+    engine = make_engine(model_dir, attention_backend="triton", exit_criterion="kl",
+                         graph_mode=graph_mode)  # fmt: skip
     assert engine.runner.attention.name == "triton"
     work = [(f"t{i}", [3 * i + 1, 7, 11], SamplingParams(
         max_tokens=3, temperature=0.0, exit_threshold=0.05, ignore_eos=True), i)
@@ -540,6 +546,7 @@ def test_the_triton_attention_kernels_serve_huginn(tmp_path, monkeypatch):
     finished = run_steps(engine, work)
     steps = assert_matches_reference(engine, work, finished, "kl")
     assert min(steps) < 3  # early exits too
+    assert (engine.stats.num_graph_calls > 0) == (graph_mode == "emulate")
 
 
 FULL_LOOKUP_CASES = [  # the authors' default lookup, under both prompt rules
@@ -625,10 +632,10 @@ def test_the_engine_runs_huginn_at_another_step_bound(huginn_dir, num_loops):
     assert_released(engine)
 
 
-def test_graph_mode_auto_starts_huginn_eagerly_on_cuda_and_emulate_is_refused(huginn_dir):
-    """No graphed path for a model with once planes and a criterion yet: `auto` (the default)
-    resolves to eager on every device, so a CUDA engine starts without naming it; asking for
-    graphs is a start-up error naming the option."""
+def test_graph_mode_auto_starts_huginn_eagerly_and_drawn_states_refuse_graphs(huginn_dir):
+    """`auto` (the default) runs Huginn eagerly on every device (its graphed step has not run
+    captured on a GPU), so a CUDA engine starts without naming it; graphs with initial
+    states drawn per request on the host are a start-up error naming both options."""
     from loopserve.config import EngineConfig, effective_graph_mode
     from loopserve.engine.llm_engine import resolve_model_options
     from loopserve.models import load_model
@@ -638,8 +645,57 @@ def test_graph_mode_auto_starts_huginn_eagerly_on_cuda_and_emulate_is_refused(hu
     assert effective_graph_mode(cuda) == "capture"  # what Ouro gets
     resolved = resolve_model_options(dataclasses.replace(cuda, device="cpu"), model, "Huginn")
     assert effective_graph_mode(dataclasses.replace(resolved, device="cuda")) == "off"
-    with pytest.raises(ConfigError, match="graph_mode='emulate'"):
-        resolve_model_options(EngineConfig.from_engine_args(graph_mode="emulate"), model, "H")
+    emulate = EngineConfig.from_engine_args(graph_mode="emulate")
+    assert resolve_model_options(emulate, model, "H").graph_mode == "emulate"
+    with pytest.raises(ConfigError, match="graph_mode='emulate' with init_scale > 0"):
+        resolve_model_options(dataclasses.replace(emulate, init_scale=1.0), model, "H")
+
+
+GRAPH_CASES = [  # criterion, layout, decode mode
+    ("kl", "last_exited", "refill"),
+    ("latent-diff", "last_exited", "no_refill"),
+    ("kl", "shared", "refill"),
+    ("argmax-stability", "last_exited", "refill"),
+]
+
+
+@pytest.mark.parametrize(
+    "criterion, layout, mode", GRAPH_CASES, ids=["-".join(c) for c in GRAPH_CASES]
+)
+def test_the_decode_graphs_serve_huginn(huginn_dir, criterion, layout, mode):
+    """Huginn's decode loop through the decode graphs' static buffers (`emulate`: the
+    captured step, run eagerly): the prelude of rows that start and the coda of the coda
+    candidates attend to the once plane from the static tables, the criterion is checked
+    inside the step; tokens and steps equal the dense reference, every decode call runs
+    graphed (one copy each way), with early exits."""
+    engine = make_engine(huginn_dir, exit_criterion=criterion, layout=layout, mode=mode,
+                         graph_mode="emulate")  # fmt: skip
+    seed = GRAPH_CASES.index((criterion, layout, mode)) + 70
+    work = workload(seed, criterion, count=6)
+    if layout == "shared":  # the model's r for every request (SHARED runs prompts all r)
+        work = [(r, p, dataclasses.replace(q, max_loops=8), a) for r, p, q, a in work]
+    copies = []  # (H2D, D2H) of graphed decode-only steps
+
+    def watch(scheduled, output):
+        if scheduled.decode is not None and not scheduled.items and output.stats.num_graph_calls:
+            copies.append((output.stats.num_h2d_transfers, output.stats.num_d2h_transfers))
+
+    engine.core.add_observer(watch)
+    finished = run_steps(engine, work, abort_at={"r4": 3})
+    assert len(copies) > 10 and all(h2d == 1 and d2h <= 1 for h2d, d2h in copies), copies
+    steps = []
+    for request_id, prompt, params, _ in work:
+        ref = reference(engine.model, prompt, params, criterion,
+                        **({"lookup": "shared", "prompt_by_position": True} if layout == "shared" else {}))  # fmt: skip
+        out = finished[request_id]
+        if request_id == "r4":
+            assert out.token_ids == ref.tokens[: len(out.token_ids)]
+            continue
+        assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+        steps += out.exit_depths
+    assert min(steps) < 8
+    assert engine.stats.num_graph_calls > 0
+    assert_released(engine)
 
 
 def test_decode_rows_report_the_criterions_score_and_exit_where_it_crosses(huginn_dir):

@@ -448,10 +448,20 @@ def _spec_counts(request: Request) -> tuple[int, int, int, int]:
 
 def resolve_model_options(config: EngineConfig, model, family_name: str) -> EngineConfig:
     """`config` with what `auto` means for this model (graph_mode auto runs eagerly for a
-    model the decode graphs do not run yet, so a CUDA engine starts without naming it), and
+    model or options the decode graphs do not run, or have not run on a GPU, so a CUDA
+    engine starts without naming it), and
     a start-up error naming every option the runner cannot run for it
     (`unsupported_options`)."""
-    if config.graph_mode == "auto" and unsupported_options(model, graph_mode="capture"):
+    # `auto` captures graphs only for what has run captured on a GPU: a family with once
+    # planes or a criterion runs graphs when asked (emulate is tested on CPU; capture has not
+    # run on a GPU yet), and eagerly by default.
+    unverified = model.signal_kind == "criterion" or bool(model.config.extra_kv_planes)
+    if config.graph_mode == "auto" and (
+        unverified
+        or unsupported_options(
+            model, graph_mode="capture", init_scale=config.init_scale, lookup=config.exit.lookup
+        )
+    ):
         config = dataclasses.replace(config, graph_mode="off")
     scheduler = config.scheduler
     problems = unsupported_options(
@@ -468,6 +478,7 @@ def resolve_model_options(config: EngineConfig, model, family_name: str) -> Engi
         chunked_or_mixed_prompts=scheduler.prefill_mode != "atomic"
         or scheduler.mixed_prefill_decode,
         prefix_caching=config.cache.enable_prefix_caching is not False,
+        init_scale=config.init_scale,
     )
     if problems:
         raise ConfigError(f"{family_name} does not run with " + "; ".join(problems))

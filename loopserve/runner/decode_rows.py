@@ -59,17 +59,21 @@ class DecodeSlots:
         padding_block: int,
         dtype: torch.dtype,
         device: torch.device,
+        once_planes: int = 0,
     ) -> None:
+        """`num_planes`: the loop planes; `once_planes`: the planes after them that keep a
+        family's once-per-position K/V (its prelude's and coda's)."""
         self.capacity = capacity
         self.num_planes = num_planes
+        self.stride = num_planes + once_planes  # table rows per slot
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.padding_slot = capacity
-        self.padding_row = capacity * num_planes  # plane 0 of the padding slot
+        self.padding_row = capacity * self.stride  # plane 0 of the padding slot
         self.hidden = torch.zeros(capacity + 1, hidden_size, dtype=dtype, device=device)
-        # [(slots + 1) * planes, max_blocks]; row slot * planes + plane
+        # [(slots + 1) * stride, max_blocks]; row slot * stride + plane
         self.tables = torch.full(
-            ((capacity + 1) * num_planes, max_blocks),
+            ((capacity + 1) * self.stride, max_blocks),
             padding_block,
             dtype=torch.int64,
             device=device,
@@ -143,14 +147,13 @@ class DecodeSlots:
         stale = np.flatnonzero(self.written[slots] < needed)
         index: list[int] = []
         values: list[int] = []
-        width, num_planes = self.max_blocks, self.num_planes
+        width, stride = self.max_blocks, self.stride
         for i in stale.tolist():  # host array
             slot = int(slots[i])
             start, end = int(self.written[slot]), int(needed[i])
-            # The loop planes only: once planes after them (a family's prelude and coda
-            # K/V) are not read from the device tables.
-            for plane, blocks in enumerate(block_tables[request_ids[i]][:num_planes]):
-                base = (slot * num_planes + plane) * width
+            # Every plane the slot has rows for: loop planes, then once planes.
+            for plane, blocks in enumerate(block_tables[request_ids[i]][:stride]):
+                base = (slot * stride + plane) * width
                 index.extend(range(base + start, base + end))
                 values.extend(blocks[start:end])
             self.written[slot] = end
@@ -249,7 +252,8 @@ class FinalizePairs(NamedTuple):
     offsets: np.ndarray
 
     @classmethod
-    def of(cls, rows: DecodeRows, candidates, slots, table_index, num_planes, block_size):
+    def of(cls, rows: DecodeRows, candidates, slots, table_index, num_planes, block_size,
+           stride):  # fmt: skip
         depths = rows.depths[candidates]
         counts = np.maximum(num_planes - 1 - depths, 0)  # none under SHARED
         pair_rows = np.repeat(candidates, counts)
@@ -259,7 +263,7 @@ class FinalizePairs(NamedTuple):
         return cls(
             pair_rows,
             table_index[pair_rows],
-            slots[pair_rows] * num_planes + planes,
+            slots[pair_rows] * stride + planes,
             positions // block_size,
             positions % block_size,
         )
@@ -293,7 +297,8 @@ class DecodeStep:
     def host_columns(self, rows: DecodeRows, block_tables) -> HostColumns:
         slots = self.slots.assign(rows)
         depths, codes = rows.depths, rows.exit_code
-        table_index = slots * self.num_planes + depths if self.num_planes > 1 else slots
+        stride = self.slots.stride
+        table_index = slots * stride + depths if self.num_planes > 1 else slots * stride
         index, values = self.slots.table_updates(
             slots, rows.positions, rows.request_ids, block_tables
         )
@@ -316,7 +321,7 @@ class DecodeStep:
         candidates = host.candidates if self.finalizes else np.zeros(0, np.int64)
         pairs = FinalizePairs.of(
             rows, candidates, host.slots, host.table_index, self.num_planes,
-            self.slots.block_size,
+            self.slots.block_size, self.slots.stride,
         )  # fmt: skip
         parts += [host.candidates, *pairs]
         criterion = self.slots.criterion is not None

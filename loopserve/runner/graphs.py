@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 
 from loopserve.contracts import DecodeRows
+from loopserve.exit.columns import CONTINUE, EXIT, GATE
 from loopserve.runner.attention.torch_paged import (
     PaddedGroup,
     PagedAttentionMetadata,
@@ -93,18 +94,28 @@ def bucket_for(buckets: tuple[int, ...], rows: int) -> int | None:
 
 
 CoreFn = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
-# (graphs, rows) -> the attention backend of one static call over the first `rows` rows of the
-# static buffers. It must read only device tensors (no host data) so that it can be captured;
-# a paged-attention kernel reads `block_tables[:rows]`, `context_lens[:rows]`,
+# (graphs, rows, plane buffers) -> the attention backend of one static call over the first
+# `rows` rows of the static buffers, in the planes the buffers name (`PlaneBuffers`: the rows'
+# write slots and table rows; the loop planes' for the core, a once plane's for a family's
+# prelude and coda). It must read only device tensors (no host data) so that it can be
+# captured; a paged-attention kernel reads `block_tables[:rows]`, `context_lens[:rows]`,
 # `positions[:rows]` and `write_slots[:rows]`.
-BackendFn = Callable[["DecodeGraphs", int], object]
+BackendFn = Callable[["DecodeGraphs", int, "PlaneBuffers"], object]
 
 
-def torch_backend(graphs: DecodeGraphs, rows: int) -> TorchPagedAttention:
+class PlaneBuffers:
+    """Static write slots and table rows of a graphed call's rows in one set of planes."""
+
+    def __init__(self, max_rows: int, dummy_slot: int, padding_row: int, device) -> None:
+        self.write_slots = torch.full((max_rows,), dummy_slot, device=device)
+        self.table_index = torch.full((max_rows,), padding_row, device=device)
+
+
+def torch_backend(graphs: DecodeGraphs, rows: int, planes: PlaneBuffers) -> TorchPagedAttention:
     """The torch reference backend over the static buffers (`DecodeGraphs.metadata`); it
     gathers all `max_blocks` blocks of every row (the CPU emulation of the buffers)."""
     return TorchPagedAttention(
-        graphs.kv_cache, graphs.metadata(rows), graphs.scale, graphs.workspace
+        graphs.kv_cache, graphs.metadata(rows, planes), graphs.scale, graphs.workspace
     )
 
 
@@ -113,11 +124,11 @@ def paged_backend(attention) -> BackendFn:
     backend) reads each row's block table up to its `context_lens` entry, so a graphed row
     reads only its live K/V."""
 
-    def make(graphs: DecodeGraphs, rows: int):
+    def make(graphs: DecodeGraphs, rows: int, planes: PlaneBuffers):
         return attention.graph_call(
-            write_slots=graphs.write_slots[:rows],
+            write_slots=planes.write_slots[:rows],
             tables=graphs.block_tables,
-            table_index=graphs.table_index[:rows],
+            table_index=planes.table_index[:rows],
             row_index=graphs.query_index[:rows],
             seq_lens=graphs.context_lens[:rows],
             max_seq_len=graphs.max_blocks * graphs.block_size,
@@ -144,11 +155,22 @@ class DecodeGraphs:
         scale: float,
         capture: bool,
         make_backend: BackendFn = torch_backend,
+        enter: Callable | None = None,
+        leave: Callable | None = None,
+        latent: Callable | None = None,
     ) -> None:
         """`slots`: the runner's decode slots (states and tables the captured step reads and
-        writes); `hazards` None: the exit mode reads no gate (exits are the exit codes)."""
+        writes); `hazards` None: the exit mode reads no gate (exits are the exit codes). A
+        family with once planes passes `enter(tokens, positions, once)` and
+        `leave(carried, positions, once)` (its prelude and coda attend to its once planes,
+        prepared here over the static buffers); a criterion family's decode slots hold its
+        criterion (`slots.criterion`), checked inside the step over `latent(carried)`."""
         self.core = core
         self.prelude = prelude
+        self.enter = enter
+        self.leave = leave
+        self.latent = latent
+        self.criterion = slots.criterion
         self.hazards = hazards
         self.finalize = finalize
         self.slots = slots
@@ -158,6 +180,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scale = scale
         self.num_planes = slots.num_planes
+        self.stride = slots.stride  # table rows per slot: loop planes, then once planes
         self.buckets = graph_buckets(max_rows)
         self.max_rows = max_rows
         self.max_blocks = -(-max_context // block_size)
@@ -168,10 +191,13 @@ class DecodeGraphs:
         self.device = device
         # Shared by every bucket as leading views, filled inside the step.
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.write_slots = torch.full((max_rows,), self.dummy_slot, device=device)
+        self.loop_planes = PlaneBuffers(max_rows, self.dummy_slot, slots.padding_row, device)
+        self.once_planes = [
+            PlaneBuffers(max_rows, self.dummy_slot, slots.padding_row, device)
+            for _ in range(self.stride - self.num_planes)
+        ]
         self.block_tables = slots.tables[:, : self.max_blocks]
         self.padding_table = slots.padding_row
-        self.table_index = torch.full((max_rows,), slots.padding_row, device=device)
         self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         self.query_index = torch.arange(max_rows, device=device)
         self.paged = make_backend is not torch_backend
@@ -179,13 +205,13 @@ class DecodeGraphs:
         self.span = torch.arange(0 if self.paged else self.max_blocks * block_size, device=device)
         self.workspace = Workspace()
         self.inputs = {
-            b: BucketInputs(b, update_capacity(b, self.num_planes), device) for b in self.buckets
+            b: BucketInputs(b, update_capacity(b, self.stride), device) for b in self.buckets
         }
         self.host_buffers = HostBuffers(slots, dummy_block)
         for bucket in self.buckets:
             self._pad(self.inputs[bucket])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        self.outputs: dict[int, tuple] = {}
         self.num_calls = 0  # calls run through the static buffers (replays or emulated)
         self.num_padded_rows = 0
         if capture:
@@ -200,7 +226,7 @@ class DecodeGraphs:
         through the static buffers."""
         return rows <= self.max_rows and max_position < self.max_blocks * self.block_size
 
-    def metadata(self, rows: int) -> PagedAttentionMetadata:
+    def metadata(self, rows: int, planes: PlaneBuffers) -> PagedAttentionMetadata:
         """Torch-backend metadata computed on device from the static buffers (no host data,
         so it is capturable): one query per row over `max_blocks` blocks, masked by position."""
         positions = self.positions[:rows].view(rows, 1, 1, 1)
@@ -211,11 +237,11 @@ class DecodeGraphs:
             query_index=index,
             out_index=index,
             out_rows=index,
-            blocks=self.block_tables[self.table_index[:rows]].reshape(-1),
+            blocks=self.block_tables[planes.table_index[:rows]].reshape(-1),
             mask=self.span <= positions,
         )
         return PagedAttentionMetadata(
-            write_slots=self.write_slots[:rows],
+            write_slots=planes.write_slots[:rows],
             block_size=self.block_size,
             single=group,
             multi=[],
@@ -249,41 +275,76 @@ class DecodeGraphs:
         `len(rows)` rows of its static outputs (read by the coda before the next call)."""
         graph = self.graphs.get(bucket)
         if graph is None:
-            out, hazards, exits = self._forward(bucket)
+            out, hazards, exits, logits = self._forward(bucket)
         else:
             graph.replay()
-            out, hazards, exits = self.outputs[bucket]
+            out, hazards, exits, logits = self.outputs[bucket]
         n = len(rows)
         gate = exits if host.gate_decides else None
+        candidates = self.inputs[bucket].columns[CANDIDATES]
+        if logits is not None:  # the candidates' rows of the step's leave
+            logits = logits.index_select(0, candidates[: len(host.candidates)])
         return DecodeSignals(
             rows, out[:n], None if hazards is None else hazards[:n],
-            None if gate is None else gate[:n], host.candidates,
-            self.inputs[bucket].columns[CANDIDATES],
+            None if gate is None else gate[:n], host.candidates, candidates,
+            self.positions[:n], logits,
         )  # fmt: skip
 
     # ---- the captured step ------------------------------------------------------------------
+
+    def _planes(self, planes: PlaneBuffers, bucket: int, table_index, keep=None) -> None:
+        """Fill a plane set's static write slots and table rows for the bucket's rows; rows
+        not kept (`keep` False) write only the dummy slot."""
+        size, positions = self.block_size, self.positions[:bucket]
+        blocks = self.block_tables[table_index, positions // size]
+        slots = blocks * size + positions % size
+        if keep is not None:
+            slots = torch.where(keep, slots, torch.full_like(slots, self.dummy_slot))
+        planes.table_index[:bucket].copy_(table_index)
+        planes.write_slots[:bucket].copy_(slots)
+
+    def _once(self, bucket: int, slots: torch.Tensor, keep: torch.Tensor) -> list:
+        """The once planes' attention over the bucket's rows; only `keep` rows write."""
+        calls = []
+        for j, planes in enumerate(self.once_planes):
+            self._planes(planes, bucket, slots * self.stride + self.num_planes + j, keep)
+            calls.append(self.make_backend(self, bucket, planes))
+        return calls
 
     def _forward(self, bucket: int):
         inputs = self.inputs[bucket]
         columns, floats = inputs.columns, inputs.floats
         slots, positions, table_index = columns[SLOTS], columns[POSITIONS], columns[TABLE_INDEX]
         self.slots.tables.view(-1).index_copy_(0, inputs.updates[0], inputs.updates[1])
-        embedded = self.prelude(columns[TOKENS])
-        resumed = self.slots.hidden.index_select(0, slots)
-        hidden = torch.where(columns[STARTS][:, None] != 0, embedded, resumed)
-        size = self.block_size
         self.positions[:bucket].copy_(positions)
-        self.table_index[:bucket].copy_(table_index)
-        blocks = self.block_tables[table_index, positions // size]
-        self.write_slots[:bucket].copy_(blocks * size + positions % size)
         self.context_lens[:bucket].copy_(positions + 1)
-        attn = self.make_backend(self, bucket)
+        starts = columns[STARTS] != 0
+        if self.once_planes:  # every row's prelude; only rows that start write its K/V
+            once = self._once(bucket, slots, starts)
+            embedded = self.enter(columns[TOKENS], self.positions[:bucket], once)
+        else:
+            embedded = self.prelude(columns[TOKENS])
+        resumed = self.slots.hidden.index_select(0, slots)
+        hidden = torch.where(starts[:, None], embedded, resumed)
+        size = self.block_size
+        self._planes(self.loop_planes, bucket, table_index)
+        attn = self.make_backend(self, bucket, self.loop_planes)
         out = self.core(hidden, self.positions[:bucket], attn)
         self.slots.hidden.index_copy_(0, slots, out)
         codes = columns[CODES]
-        hazards = None
-        if self.hazards is None:
-            exits = codes == 1  # EXIT
+        hazards = logits = None
+        if self.leave is not None:  # the coda of every row; only candidates write its K/V
+            logits = self.leave(
+                out, self.positions[:bucket], self._once(bucket, slots, codes != CONTINUE)
+            )
+        if self.criterion is not None:
+            hazards, fires = self.criterion.check_rows(
+                slots, self.latent(hidden), starts, self.latent(out), logits,
+                floats[THRESHOLD], codes == GATE,
+            )  # fmt: skip
+            exits = (codes == EXIT) | fires
+        elif self.hazards is None:
+            exits = codes == EXIT
         else:
             hazards = self.hazards(out).float()
             exits = decide_exits_on_device(
@@ -293,14 +354,14 @@ class DecodeGraphs:
             deeper = self.num_planes - 1
             planes = torch.arange(1, self.num_planes, device=slots.device)
             src_rows = table_index.repeat(deeper)
-            dst_rows = slots.repeat(deeper) * self.num_planes + planes.repeat_interleave(bucket)
+            dst_rows = slots.repeat(deeper) * self.stride + planes.repeat_interleave(bucket)
             finalize_pairs(
                 self.slots.tables, src_rows=src_rows, dst_rows=dst_rows,
                 blocks=(positions // size).repeat(deeper), offsets=(positions % size).repeat(deeper),
                 keep=(dst_rows > src_rows) & exits.repeat(deeper), block_size=size,
                 finalize=self.finalize,
             )  # fmt: skip
-        return out, hazards, exits
+        return out, hazards, exits, logits
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -263,9 +263,51 @@ class CriterionSlots:
         self._store(rule, slots)
         return fires, values.double()
 
+    def check_rows(
+        self,
+        slots: torch.Tensor,
+        initial_latents: torch.Tensor,
+        starts: torch.Tensor,
+        latents: torch.Tensor,
+        logits: torch.Tensor | None,
+        thresholds: torch.Tensor,
+        checked: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same over every row of a fixed-shape call (the decode graphs): rows that start
+        (`starts`) take the criterion of their initial latents, only `checked` rows are
+        checked and move their fields on. Returns (scores float64, NaN where unchecked;
+        fires bool, False where unchecked)."""
+        fresh = self.rule()
+        fresh.init(initial_latents.unsqueeze(1))
+        rule = self.rule()
+        before = {}
+        for name in self.state_fields:
+            value = getattr(fresh, name)
+            if name not in self.fields:  # first call (a graph's warm-up, before capture)
+                shape = (self.capacity + 1, *value.shape[1:])
+                self.fields[name] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+            stored = self.fields[name].index_select(0, slots)
+            before[name] = torch.where(_rows(starts, value), value.to(stored.dtype), stored)
+            setattr(rule, name, before[name])
+        if self.per_request_threshold:
+            rule.threshold = thresholds
+        fires, values = rule.check(latents.unsqueeze(1), logits)
+        for name in self.state_fields:
+            after = getattr(rule, name).to(before[name].dtype)
+            self.fields[name].index_copy_(
+                0, slots, torch.where(_rows(checked, after), after, before[name])
+            )
+        nan = torch.full_like(values, float("nan"), dtype=torch.float64)
+        return torch.where(checked, values.double(), nan), fires & checked
+
     def take(self, slot: int) -> dict[str, torch.Tensor]:
         return {name: field[slot].clone() for name, field in self.fields.items()}
 
     def put(self, slot: int, saved: dict[str, torch.Tensor]) -> None:
         for name, value in saved.items():
             self.fields[name][slot].copy_(value)
+
+
+def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row mask shaped to broadcast over `like`'s trailing dimensions."""
+    return mask.view(-1, *([1] * (like.dim() - 1)))

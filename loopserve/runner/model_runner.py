@@ -86,19 +86,23 @@ def unsupported_options(
     prompt_exits: bool = False,
     chunked_or_mixed_prompts: bool = False,
     prefix_caching: bool = False,
+    init_scale: float = 0.0,
 ) -> list[str]:
     """The options this runner cannot run for `model`'s math, each named (empty: it runs
     them all). Graphs and speculation need a hazard signal and no once planes (not built for
-    the others yet); `kv_lookup='full'` needs per-position masks (the torch backend, eager,
+    the others yet; the decode graphs run every family, but not drawn initial states or the
+    `full` lookup); `kv_lookup='full'` needs per-position masks (the torch backend, eager,
     LAST_EXITED); `prompt_exits` needs a criterion signal and the whole prompt in one step."""
     problems = []
     criterion = model.signal_kind == "criterion"
     plain = not criterion and not model.config.extra_kv_planes
-    if graph_mode not in ("off",) and not plain:
+    if graph_mode != "off" and init_scale > 0:
         problems.append(
-            f"graph_mode={graph_mode!r} (the decode graphs run models with a hazard signal and "
-            "no once planes: graph_mode='off')"
+            f"graph_mode={graph_mode!r} with init_scale > 0 (initial states are drawn per "
+            "request on the host: graph_mode='off')"
         )
+    if graph_mode != "off" and lookup == "full":
+        problems.append(f"graph_mode={graph_mode!r} with kv_lookup='full' (per-step masks)")
     if speculative and not plain:
         problems.append("speculative_tokens > 0 (self-speculative decoding reads a hazard)")
     if lookup == "full":
@@ -164,7 +168,7 @@ class ModelRunner(Executor):
         assert not (batch_invariant and graph_mode != "off"), "graphs pad rows"
         problems = unsupported_options(
             model, graph_mode=graph_mode, batch_invariant=batch_invariant, lookup=lookup,
-            layout=layout, prompt_exits=prompt_exits,
+            layout=layout, prompt_exits=prompt_exits, init_scale=init_scale,
         )  # fmt: skip
         if problems:
             raise ConfigError("this model does not run with " + "; ".join(problems))
@@ -244,6 +248,7 @@ class ModelRunner(Executor):
         self.decode_slots = DecodeSlots(
             max_num_seqs,
             hidden_size=model.state_width,
+            once_planes=config.extra_kv_planes,
             num_planes=self.rules.num_planes,
             block_size=block_size,
             max_blocks=-(-max_model_len // block_size),
@@ -300,6 +305,9 @@ class ModelRunner(Executor):
             attention=self.attention,
             max_model_len=max_model_len,
             prelude=lambda ids: model.enter(ids),
+            enter=model.enter if config.extra_kv_planes else None,
+            leave=model.leave if model.leave_writes_kv or criterion_slots is not None else None,
+            latent=model.latent,
             hazards=(lambda rows: self.hazard_fn(rows)) if self.exit_mode.uses_gate else None,
             finalize=lambda src, dst: self.attention.finalize(src, dst),
             slots=self.decode_slots,

@@ -69,6 +69,9 @@ def null_core(engine: LLMEngine) -> None:
             return torch.zeros(len(carried), vocab, device=param.device)
 
         model.enter, model.leave = enter, leave  # type: ignore[method-assign]
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            graphs.enter, graphs.leave = enter, leave
     if engine.runner.graphs is not None:
         engine.runner.graphs.core = identity
     engine.runner.attention.finalize = lambda src, dst: None  # type: ignore[method-assign]

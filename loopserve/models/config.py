@@ -134,17 +134,9 @@ class OuroConfig(ConfigFile):
         """The same model run `num_loops` loops per token (`total_ut_steps`)."""
         return replace(self, total_ut_steps=num_loops)
 
-    @property
-    def num_core_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def num_prelude_layers(self) -> int:
-        return 0  # the embedding only
-
-    @property
-    def num_coda_layers(self) -> int:
-        return 0  # the lm_head only
+    num_core_layers = property(lambda self: self.num_hidden_layers)
+    num_prelude_layers = property(lambda self: 0)  # the embedding only
+    num_coda_layers = property(lambda self: 0)  # the lm_head only
 
     @property
     def extra_kv_planes(self) -> int:

@@ -118,6 +118,9 @@ class LoopedModel(Protocol):
       that sample.
     - `make_rows_invariant()`: the family's own part of batch-invariant mode, after the
       runner made its linears and SiLUs row by row.
+    - Only where they apply (not protocol members, so `isinstance` holds for every family):
+      `hazard_fn(lookahead_seed)` for a hazard family, `initial_state(e, init_scale,
+      generator)` for a family whose initial recurrent state is drawn (`init_scale` > 0).
     A hand-off carries K/V of every plane, the sampler and what the runner keeps per request
     (drawn initial states, the `full` lookup's record); the math keeps nothing per request.
     """
@@ -148,9 +151,5 @@ class LoopedModel(Protocol):
     def leave(self, carried: Any, positions: Any, once: Any) -> Any: ...
 
     def make_rows_invariant(self) -> None: ...
-
-    def hazard_fn(self, lookahead_seed: int | None = None) -> Any:
-        """A hazard family's exit signal (`signal_kind` "hazard")."""
-        ...
 
     def profile_forward(self, token_ids: Any, positions: Any, attn: Any) -> Any: ...

@@ -78,50 +78,26 @@ class HuginnConfig(ConfigFile):
             raise ModelLoadError(f"mean_recurrence must be >= 1, got {self.mean_recurrence}")
 
     # The names the rest of loopserve reads from any family's config.
-    @property
-    def hidden_size(self) -> int:
-        return self.n_embd
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self.n_heads
-
-    @property
-    def num_key_value_heads(self) -> int:
-        return self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_heads
-
-    @property
-    def tie_word_embeddings(self) -> bool:
-        return self.tie_embeddings
+    hidden_size = property(lambda self: self.n_embd)
+    num_attention_heads = property(lambda self: self.n_heads)
+    num_key_value_heads = property(lambda self: self.n_heads)
+    head_dim = property(lambda self: self.n_embd // self.n_heads)
+    tie_word_embeddings = property(lambda self: self.tie_embeddings)
 
     @property
     def num_loops(self) -> int:
         """The default recurrence r (`mean_recurrence`); a request may ask for another."""
         return self.mean_recurrence
 
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.block_size
-
-    @property
-    def num_core_layers(self) -> int:
-        return self.n_layers_in_recurrent_block
+    max_position_embeddings = property(lambda self: self.block_size)
+    num_core_layers = property(lambda self: self.n_layers_in_recurrent_block)
 
     def with_loops(self, num_loops: int) -> HuginnConfig:
         """The same model with default and largest r `num_loops` (`mean_recurrence`)."""
         return replace(self, mean_recurrence=num_loops)
 
-    @property
-    def num_prelude_layers(self) -> int:
-        return self.n_layers_in_prelude
-
-    @property
-    def num_coda_layers(self) -> int:
-        return self.n_layers_in_coda
+    num_prelude_layers = property(lambda self: self.n_layers_in_prelude)
+    num_coda_layers = property(lambda self: self.n_layers_in_coda)
 
     @property
     def step_extra_params(self) -> int:

@@ -165,14 +165,9 @@ class DecodeGraphs:
         `leave(carried, positions, once)` (its prelude and coda attend to its once planes,
         prepared here over the static buffers); a criterion family's decode slots hold its
         criterion (`slots.criterion`), checked inside the step over `latent(carried)`."""
-        self.core = core
-        self.prelude = prelude
-        self.enter = enter
-        self.leave = leave
-        self.latent = latent
+        self.core, self.prelude, self.hazards, self.finalize = core, prelude, hazards, finalize
+        self.enter, self.leave, self.latent = enter, leave, latent
         self.criterion = slots.criterion
-        self.hazards = hazards
-        self.finalize = finalize
         self.slots = slots
         self.transfers = transfers
         self.make_backend = make_backend

@@ -318,7 +318,7 @@ class NewRequestData:
     its tokens (`SampleSpec.needs_history`), the prompt and the outputs it already has (a
     handed-off request) come along. `max_loops`: the request's loop bound (0: the model's
     depth); a family whose prompt positions keep state beyond the core (Huginn's coda K/V)
-    reads it."""
+    reads it. `stable_steps`: the request's argmax-stability steps (None: the engine's)."""
 
     request_id: str
     sample_spec: SampleSpec
@@ -327,6 +327,7 @@ class NewRequestData:
     output_token_ids: tuple[int, ...] = ()
     max_loops: int = 0
     prompt_len: int = 0
+    stable_steps: int | None = None  # `SamplingParams.exit_stable_steps`
 
 
 class SwapKind(str, enum.Enum):

@@ -108,6 +108,10 @@ class SamplingParams:
     # loop this request's exit rule picks for that position (the CDF threshold over the
     # exit gate, within min/max loops; what `loopserve eval` measures).
     prompt_logprobs_loop: str = "last"
+    # The argmax-stability criterion's stable steps for this request (a model whose exit
+    # signal is that criterion: the token exits once its argmax held this many steps); None:
+    # the engine's (the authors' 2 unless `--exit-criterion-threshold` sets another).
+    exit_stable_steps: int | None = None
     # Constrain the output to a JSON schema, a regex or a list of choices (`StructuredOutput`).
     structured_output: StructuredOutput | None = None
     # Self-speculative decoding for this request when the engine runs it
@@ -180,6 +184,10 @@ class SamplingParams:
             raise bad("exit_threshold", "must be in [0, 1]")
         if not _is_int(self.priority):
             raise bad("priority", "must be an integer")
+        if self.exit_stable_steps is not None and (
+            not _is_int(self.exit_stable_steps) or not 1 <= self.exit_stable_steps <= 1024
+        ):
+            raise bad("exit_stable_steps", "must be an integer in [1, 1024]")
         if self.exit_trace is not None and not all(_is_int(x) and x >= 1 for x in self.exit_trace):
             raise bad("exit_trace", "must be loop counts >= 1")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from loopserve.errors import ConfigError
+from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.exit.columns import GATE
 from loopserve.models.huginn_dense import generate, teacher_forced_logits
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
@@ -35,7 +35,7 @@ THRESHOLDS = {  # per criterion: request thresholds that exit at several steps o
     "entropy-diff": (0.03, 0.1),
     "latent-diff": (0.1, 0.2),
     "cosine": (0.01, 0.003),
-    "argmax-stability": (0.5,),  # the engine's 5 stable steps; < 1 turns the criterion on
+    "argmax-stability": (0.5,),  # < 1 turns it on; its steps: `exit_stable_steps` (2)
 }
 # Every criterion, decode mode and prompt arm, without the full product.
 CASES = [
@@ -91,7 +91,9 @@ def staggered_greedy(prefix: str, seed: int, prompt_len: int, max_tokens: int):
 
 def reference(model, prompt, params, criterion, lookup="last_exited", **extra):
     early = params.exit_threshold < 1.0
-    threshold = params.exit_threshold if criterion != "argmax-stability" else None
+    threshold = params.exit_threshold
+    if criterion == "argmax-stability":  # its threshold is the request's stable steps
+        threshold = params.exit_stable_steps or 2
     return generate(
         model, prompt, max_new_tokens=params.max_tokens, num_steps=params.max_loops,
         criterion=criterion if early else "none", threshold=threshold,
@@ -339,8 +341,7 @@ def test_cached_prompt_pages_are_shared_only_at_the_same_step_count(huginn_dir):
 GOLDEN = json.loads((Path(__file__).parent / "fixtures" / "huginn_golden.json").read_text())
 ENGINE_CASES = [  # the authors' runs under the engine's rules: latest-m4, full-depth prompt
     case for case in GOLDEN["adaptive"]
-    if case["lookup"] == "last_exited" and not case["exit_in_prompt"]
-    and case["criterion"] != "argmax-stability" and case["init_scale"] == 0.0
+    if case["lookup"] == "last_exited" and not case["exit_in_prompt"] and case["init_scale"] == 0.0
 ]  # fmt: skip
 
 
@@ -351,8 +352,12 @@ def test_engine_equals_the_authors_code(huginn_dir, case):
     criterion = case["criterion"]
     engine = make_engine(huginn_dir, exit_criterion="kl" if criterion == "none" else criterion)
     threshold = 1.0 if criterion == "none" else case["threshold"]
+    steps = None
+    if criterion == "argmax-stability":  # the authors' steps, per request; < 1 turns it on
+        threshold, steps = 0.5, case["threshold"]
     params = SamplingParams(max_tokens=GOLDEN["max_new_tokens"], temperature=0.0,
-                            exit_threshold=threshold, ignore_eos=True)  # fmt: skip
+                            exit_threshold=threshold, exit_stable_steps=steps,
+                            ignore_eos=True)  # fmt: skip
     others = [(f"o{i}", [i + 1, 2 * i + 3], params, i) for i in range(3)]
     finished = run_steps(engine, [("golden", GOLDEN["prompt"], params, 1), *others])
     out = finished["golden"]
@@ -392,8 +397,7 @@ def test_random_initial_states_are_the_authors_draws_through_chunks_and_preempti
 
 PROMPT_EXIT_CASES = [  # the authors' own prompt rule: the prompt exits as one token
     case for case in GOLDEN["adaptive"]
-    if case["lookup"] == "last_exited" and case["exit_in_prompt"]
-    and case["criterion"] not in ("argmax-stability", "none")
+    if case["lookup"] == "last_exited" and case["exit_in_prompt"] and case["criterion"] != "none"
 ]  # fmt: skip
 
 
@@ -409,9 +413,13 @@ def test_prompt_exits_reproduce_the_authors_adaptive_generation(huginn_dir, case
         huginn_dir, exit_criterion=case["criterion"], prompt_exits=True,
         enable_prefix_caching=False, init_scale=case["init_scale"],
     )  # fmt: skip
+    threshold, steps = case["threshold"], None
+    if case["criterion"] == "argmax-stability":  # the authors' steps, per request
+        threshold, steps = 0.5, case["threshold"]
     params = SamplingParams(
-        max_tokens=GOLDEN["max_new_tokens"], temperature=0.0, exit_threshold=case["threshold"],
-        min_loops=case["min_steps"] + 1, seed=case["latent_seed"], ignore_eos=True,
+        max_tokens=GOLDEN["max_new_tokens"], temperature=0.0, exit_threshold=threshold,
+        exit_stable_steps=steps, min_loops=case["min_steps"] + 1, seed=case["latent_seed"],
+        ignore_eos=True,
     )  # fmt: skip
     others = [(f"o{i}", [i + 1, 2 * i + 3, 7], params, i) for i in range(3)]
     finished = run_steps(engine, [("golden", GOLDEN["prompt"], params, 0), *others])
@@ -756,3 +764,23 @@ def test_cascade_attention_serves_huginn_rows_that_share_cached_pages(huginn_dir
     for request_id, *_ in work:
         on, off = runs[True][request_id], runs[False][request_id]
         assert (on.token_ids, on.exit_depths) == (off.token_ids, off.exit_depths)
+
+
+def test_argmax_stability_steps_are_per_request(huginn_dir):
+    """argmax-stability's stable steps come from each request (`exit_stable_steps`, default
+    the authors' 2), in the same core calls: each request equals the dense reference at its
+    own steps, and the steps change where tokens exit. Out-of-range steps are refused."""
+    engine = make_engine(huginn_dir, exit_criterion="argmax-stability")
+    prompt = [5, 9, 30, 2]
+    work = [
+        (f"s{steps}", prompt, SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=0.5,
+                                             exit_stable_steps=steps, ignore_eos=True), 0)
+        for steps in (1, 2, 4, None)
+    ]  # fmt: skip
+    finished = run_steps(engine, work)
+    assert_matches_reference(engine, work, finished, "argmax-stability")
+    depths = {rid: finished[rid].exit_depths for rid, *_ in work}
+    assert depths["sNone"] == depths["s2"]  # the default is the authors' 2
+    assert sum(depths["s1"]) < sum(depths["s2"]) < sum(depths["s4"])
+    with pytest.raises(InvalidRequestError, match="exit_stable_steps"):
+        SamplingParams(exit_stable_steps=0)

@@ -12,7 +12,7 @@ the value crosses the threshold:
 | `cosine`           | 1 - cos(s_t, s_{t-1}), s_{-1} = initial              | value < thr | 1e-3    |
 | `kl`               | KL(p_{t-1} ‖ p_t), p_{-1} uniform                    | value < thr | 1e-3    |
 | `minp-kl`          | the same over min-p filtered distributions (0.1)     | value < thr | 1e-5    |
-| `argmax-stability` | steps the argmax has not changed                     | value ≥ thr | 5       |
+| `argmax-stability` | steps the argmax has not changed                     | value ≥ thr | 2       |
 | `none`             | never exits (fixed depth)                            |             |         |
 
 p_t is the next-token distribution of the coda applied to state s_t, so the criteria that read
@@ -159,7 +159,7 @@ class ArgmaxStability:
     name, needs_logits = "argmax-stability", True
     state_fields = ("prev", "stable")
 
-    def __init__(self, threshold: float = 5) -> None:
+    def __init__(self, threshold: float = 2) -> None:
         self.threshold = int(threshold)
 
     def init(self, initial_latents: torch.Tensor) -> None:

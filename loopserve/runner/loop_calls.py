@@ -216,8 +216,9 @@ class LoopCalls:
 class CriterionSlots:
     """The criterion of decode tokens in flight: its fields per decode slot on the device
     (allocated at the first token, shaped like the criterion's own), one check over a call's
-    rows. `threshold`: the engine's (argmax-stability's stable steps); every other criterion
-    takes each request's `exit_threshold`."""
+    rows. Every criterion takes a per-row threshold: each request's `exit_threshold`, or for
+    argmax-stability its stable steps (`SamplingParams.exit_stable_steps`; `threshold`, the
+    engine's, or the authors' 2 when a request names none)."""
 
     def __init__(self, name: str, *, vocab_size: int, threshold: float | None, capacity: int):
         self.name, self.vocab_size, self.threshold = name, vocab_size, threshold
@@ -226,7 +227,12 @@ class CriterionSlots:
         probe = self.rule()
         self.state_fields = probe.state_fields
         self.needs_logits = probe.needs_logits
-        self.per_request_threshold = probe.name != "argmax-stability"
+        # argmax-stability's threshold is a step count: the runner passes each request's
+        # (`stable_steps`) in the rows' threshold column, as it passes every other
+        # criterion's request threshold.
+        self.counts_steps = probe.name == "argmax-stability"
+        self.default_steps = int(probe.threshold)
+        self.per_request_threshold = True
 
     def rule(self) -> ExitCriterion:
         return make_criterion(self.name, vocab_size=self.vocab_size, threshold=self.threshold)

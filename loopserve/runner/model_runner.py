@@ -24,6 +24,7 @@ installed only when that succeeds; a request whose setup raises is reported in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -184,6 +185,7 @@ class ModelRunner(Executor):
         self.prompt_exits = prompt_exits
         self.per_request_prompt_loops = per_request_prompt_loops
         self.prompt_lens: dict[str, int] = {}
+        self.stable_steps: dict[str, int] = {}  # argmax-stability's steps per request
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.scale = config.head_dim**-0.5
@@ -292,6 +294,7 @@ class ModelRunner(Executor):
                 calls=self.calls,
                 finalize=self._finalize_exits,
                 num_loops=self.num_loops,
+                stable_steps=self.stable_steps,
             )  # fmt: skip
             if prompt_exits and criterion_slots is not None
             else None,
@@ -340,6 +343,9 @@ class ModelRunner(Executor):
     def _install(self, new: NewRequestData) -> None:
         self.samplers[new.request_id] = self.setup_request(new)
         self.prompt_lens[new.request_id] = new.prompt_len
+        criterion = self.decode_slots.criterion
+        if criterion is not None and criterion.counts_steps:
+            self.stable_steps[new.request_id] = new.stable_steps or criterion.default_steps
         staged = self.staged_imports.get(new.request_id)
         self.calls.install(
             new.request_id, new.prompt_len, new.seed, None if staged is None else staged[2]
@@ -402,6 +408,7 @@ class ModelRunner(Executor):
     def _drop_request(self, request_id: str) -> None:
         self.calls.drop(request_id)
         self.prompt_lens.pop(request_id, None)
+        self.stable_steps.pop(request_id, None)
         self.decode_slots.release(request_id)
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
@@ -453,6 +460,11 @@ class ModelRunner(Executor):
         pad0 = self.graphs.num_padded_rows if self.graphs is not None else 0
         tables, decode = scheduled.block_tables, scheduled.decode
         self.calls.begin_step(tables)
+        if decode is not None and self.stable_steps:  # argmax-stability: steps per request
+            steps = self.stable_steps
+            column = np.fromiter((steps[r] for r in decode.request_ids), np.float64, len(decode))
+            decode = dataclasses.replace(decode, threshold=column)
+            scheduled = dataclasses.replace(scheduled, decode=decode)
         groups = None  # cascade groups of a decode-only call, when cascade attention looked
         if decode is not None and not items and self.attention.cascade:
             segments = self.decode.segments(decode, tables)

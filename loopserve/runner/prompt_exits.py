@@ -52,8 +52,11 @@ class PromptExits:
         calls: LoopCalls,
         finalize: Callable[[list], int],
         num_loops: int,
+        stable_steps: dict[str, int] | None = None,
     ) -> None:
+        """`stable_steps`: argmax-stability's steps per request (the runner's)."""
         self.criterion, self.calls, self.finalize = criterion, calls, finalize
+        self.stable_steps = stable_steps if stable_steps is not None else {}
         self.num_loops = num_loops
         self.rules: dict[int, ExitCriterion] = {}
         self.exited: dict[int, tuple[int, torch.Tensor]] = {}
@@ -92,6 +95,8 @@ class PromptExits:
                     logits = self.calls.leave(state, spans)
                 if rule.name != "argmax-stability":
                     rule.threshold = item.exit_rule.threshold
+                else:
+                    rule.threshold = self.stable_steps.get(request_id, rule.threshold)
                 last = None if logits is None else logits[-1:]
                 fired, _ = rule.check(self.calls.model.latent(state).unsqueeze(0), last)
                 exits = bool(fired[0])

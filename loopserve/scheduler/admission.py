@@ -200,6 +200,7 @@ class Admission:
                     *history,
                     request.exit_rule.max_loops,
                     len(request.prompt_token_ids),
+                    request.params.exit_stable_steps,
                 )
             )
 

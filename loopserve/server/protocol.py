@@ -92,6 +92,7 @@ class SamplingRequest(_Request):
     min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = None
+    exit_stable_steps: int | None = None  # argmax-stability's steps (SamplingParams)
     # Self-speculative decoding for this request when the server runs it (None: on).
     speculative: bool | None = None
     # Return output token ids per choice (vLLM's extension of the same name).

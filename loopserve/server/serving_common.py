@@ -204,6 +204,7 @@ def sampling_params(
         "top_k": request.top_k,
         "min_loops": request.min_loops,
         "exit_threshold": request.exit_threshold,
+        "exit_stable_steps": request.exit_stable_steps,
         "max_tokens": max_tokens,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,

@@ -44,8 +44,9 @@ from loopserve.models.registry import (
 )
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
 from loopserve.runner.attention.registry import resolve_attention_backend
+from loopserve.runner.capabilities import unsupported_options
 from loopserve.runner.memory_profile import profile_cuda_memory
-from loopserve.runner.model_runner import ModelRunner, unsupported_options
+from loopserve.runner.model_runner import ModelRunner
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request, RequestStatus
 from loopserve.text.input_processor import InputProcessor, ProcessedPrompt

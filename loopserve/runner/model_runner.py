@@ -49,6 +49,7 @@ from loopserve.runner.attention.base import finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
+from loopserve.runner.capabilities import unsupported_options
 from loopserve.runner.coda import Coda
 from loopserve.runner.decode_rows import DecodeSlots, DecodeStep
 from loopserve.runner.eager_step import EagerStep
@@ -73,59 +74,6 @@ logger = logging.getLogger(__name__)
 # A request's sampling state: its spec, generator (None when greedy) and logits-adjustment
 # history (None without adjustments).
 Sampler = tuple[SampleSpec, torch.Generator | None, TokenHistory | None]
-
-
-def unsupported_options(
-    model: LoopedModel,
-    *,
-    graph_mode: str = "off",
-    speculative: bool = False,
-    batch_invariant: bool = False,
-    lookup: str = "last_exited",
-    layout: str = "last_exited",
-    attention_backend: str = "torch",
-    prompt_exits: bool = False,
-    chunked_or_mixed_prompts: bool = False,
-    prefix_caching: bool = False,
-    init_scale: float = 0.0,
-) -> list[str]:
-    """The options this runner cannot run for `model`'s math, each named (empty: it runs
-    them all). Graphs and speculation need a hazard signal and no once planes (not built for
-    the others yet; the decode graphs run every family, but not drawn initial states or the
-    `full` lookup); `kv_lookup='full'` needs per-position masks (the torch backend, eager,
-    LAST_EXITED); `prompt_exits` needs a criterion signal and the whole prompt in one step."""
-    problems = []
-    criterion = model.signal_kind == "criterion"
-    plain = not criterion and not model.config.extra_kv_planes
-    if graph_mode != "off" and init_scale > 0:
-        problems.append(
-            f"graph_mode={graph_mode!r} with init_scale > 0 (initial states are drawn per "
-            "request on the host: graph_mode='off')"
-        )
-    if graph_mode != "off" and lookup == "full":
-        problems.append(f"graph_mode={graph_mode!r} with kv_lookup='full' (per-step masks)")
-    if speculative and not plain:
-        problems.append("speculative_tokens > 0 (self-speculative decoding reads a hazard)")
-    if lookup == "full":
-        if batch_invariant:
-            problems.append(
-                "batch_invariant=True with kv_lookup='full' (row-invariant attention has no "
-                "per-step masks)"
-            )
-        if layout != "last_exited":
-            problems.append("kv_lookup='full' outside layout='last_exited'")
-        if attention_backend != "torch":
-            problems.append(
-                f"kv_lookup='full' on the {attention_backend} attention backend (torch only)"
-            )
-    if prompt_exits:
-        if not criterion:
-            problems.append("prompt_exits=True (it reads a convergence criterion)")
-        if chunked_or_mixed_prompts:
-            problems.append("prompt_exits=True outside prefill_mode='atomic' without mixing")
-        if prefix_caching:
-            problems.append("prompt_exits=True with prefix caching (pass it off)")
-    return problems
 
 
 class ModelRunner(Executor):

@@ -40,7 +40,7 @@ from loopserve.contracts import (
 from loopserve.execution import StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
 from loopserve.exit.columns import EXIT
-from loopserve.runner.decode_rows import DecodeSignals
+from loopserve.runner.decode_rows import DecodeSignals, decode_spans
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import (
     filtered_probs,
@@ -64,12 +64,6 @@ class _DecodeBatch(NamedTuple):
     rows: torch.Tensor | None  # their outputs [c, H]
     samplers: list[tuple]  # their (spec, generator, history), `HELD` for one known to stay
     has_history: bool  # some candidate's sampling reads its tokens
-
-
-def _decode_spans(decode: DecodeSignals, rows: list[int]) -> list[tuple[str, int, int]]:
-    """Where decode rows are: (request, position, 1) each."""
-    ids, positions = decode.rows.request_ids, decode.rows.positions
-    return [(ids[row], int(positions[row]), 1) for row in rows]
 
 
 def _candidate_positions(decode: DecodeSignals, batch: _DecodeBatch) -> torch.Tensor | None:
@@ -183,7 +177,7 @@ class Coda:
                 computed.append(decode.logits)  # type: ignore[union-attr]
             else:
                 coda_rows.append(batch.rows)
-                spans += _decode_spans(decode, batch.candidates)  # type: ignore[arg-type]
+                spans += decode_spans(decode.rows, batch.candidates)  # type: ignore[union-attr]
                 positions = _candidate_positions(decode, batch)
         first_tokens = [
             self.rules.samples_first_token(item) or completed.get(i, (None, None))[1] is not None
@@ -289,7 +283,7 @@ class Coda:
             return decode.logits
         return self.coda(
             batch.rows,
-            lambda: _decode_spans(decode, batch.candidates),
+            lambda: decode_spans(decode.rows, batch.candidates),
             _candidate_positions(decode, batch),
         )
 

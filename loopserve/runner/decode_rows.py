@@ -47,6 +47,12 @@ from loopserve.runner.loop_calls import CriterionSlots, LoopCalls
 from loopserve.runner.transfers import Transfers
 
 
+def decode_spans(rows: DecodeRows, indices) -> list[tuple[str, int, int]]:
+    """Where some decode rows are (`LoopCalls` spans): (request, position, 1) each."""
+    ids, positions = rows.request_ids, rows.positions
+    return [(ids[r], int(positions[r]), 1) for r in indices]
+
+
 class DecodeSlots:
     def __init__(
         self,
@@ -343,9 +349,7 @@ class DecodeStep:
         if host.update_index:
             self.slots.tables.view(-1).index_copy_(0, index_t, values_t)
         if len(starts):
-            ids = rows.request_ids
-            where = starts.tolist()  # host array
-            spans = lambda: [(ids[r], int(rows.positions[r]), 1) for r in where]  # noqa: E731
+            spans = lambda: decode_spans(rows, starts.tolist())  # noqa: E731  # host array
             start_positions = positions_t if len(starts) == n else positions_t[starts_t]
             entered = self.calls.enter(tokens_t, spans, start_positions)
         if len(starts) == n:  # every row starts a token
@@ -436,10 +440,8 @@ class DecodeStep:
         state = out.index_select(0, gate)
         logits = checked = None
         if criterion.needs_logits:
-            where = inputs.candidates.tolist()  # host array
-            ids = rows.request_ids
-            spans = lambda: [(ids[r], int(rows.positions[r]), 1) for r in where]  # noqa: E731
-            candidates = inputs.candidates_on_device[: len(where)]
+            spans = lambda: decode_spans(rows, inputs.candidates.tolist())  # noqa: E731  # host array
+            candidates = inputs.candidates_on_device[: len(inputs.candidates)]
             logits = calls.leave(
                 out.index_select(0, candidates), spans, inputs.positions.index_select(0, candidates)
             )

@@ -32,7 +32,7 @@ import torch
 from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
 from loopserve.execution import StepRules
 from loopserve.exit.policies import GateState, loop_exits
-from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, finalize_slots
+from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment
 from loopserve.runner.coda import Coda, CodaOutput
 from loopserve.runner.decode_rows import DecodeInputs, DecodeStep
 from loopserve.runner.handles import HandleTable
@@ -286,9 +286,8 @@ class EagerStep:
             if self.leave_writes_kv:  # its K/V of the exit loop
                 spans = lambda: [(items[i].request_id, items[i].token_start, 1) for i in replayed]  # noqa: E731
                 self.calls.leave(torch.cat([states[i] for i in replayed]), spans)
-        if finalize and not self.calls.full_lookup:
+        if finalize:
             self._finalize(tables, finalize, k)
-            self._num_finalized += len(finalize)
 
     def _spec_exits(self, tables, items, spec, states, hazards, exited) -> None:
         """Speculative rows (`ItemKind.SPEC`): their hazards (read now: the coda of this step
@@ -310,12 +309,10 @@ class EagerStep:
                 finalize.append(item)
         if finalize:
             self._finalize(tables, finalize)
-            self._num_finalized += len(finalize)
 
     def _finalize(self, tables, items: list[WorkItem], k: int = 0) -> None:
         """Copy each exited replay or speculative token's K/V of its exit depth (call `k` of
-        the step) into every deeper plane."""
+        the step) into every deeper plane (`finalize_exits`, the runner's, which the decode
+        rows' prompt exits share: none under the `full` lookup)."""
         exits = [(tables[item.request_id], item.token_start, item.depth + k) for item in items]
-        src, dst = finalize_slots(exits, self.block_size, self.rules.num_loops)
-        slots = self.transfers.to_device(src + dst)  # one copy: sources, then destinations
-        self.attention.finalize(slots[: len(src)], slots[len(src) :])
+        self._num_finalized += self.finalize_exits(exits)

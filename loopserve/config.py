@@ -177,8 +177,13 @@ def validate(config: EngineConfig) -> None:
             "async_scheduling needs an exit rule known one loop ahead, but "
             f"exit_mode={exit_.mode!r} decides each exit from the signal of the loop just run, "
             "so step n+1's rows would depend on step n's results; use exit_mode='ouro_delayed' "
-            "(same CDF, exit one loop later), 'random_lookahead' or 'trace', or turn "
-            "async_scheduling off"
+            "(same CDF, exit one loop later), 'criterion_delayed' (the same for a criterion), "
+            "'random_lookahead' or 'trace', or turn async_scheduling off"
+        )
+    if exit_.prompt_exits and exit_.mode == "criterion_delayed":
+        raise ConfigError(
+            "prompt_exits=True with exit_mode='criterion_delayed': a prompt exits by the "
+            "authors' rule (exit_mode='criterion'); the delayed rule is for decode tokens"
         )
     if config.batch_invariant:
         _check_batch_invariant(config)

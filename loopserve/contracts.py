@@ -282,12 +282,15 @@ class DecodeResults:
     `hazards[i]`: this loop's hazard where the row `needs_gate`, else NaN. `token_ids[i]`:
     the sampled token of an exited row. `logprobs`: row -> its `SampledToken` (the token id,
     its log-probability and top alternatives) for exited rows whose request asked for
-    log-probabilities."""
+    log-probabilities. Under a convergence criterion `hazards[i]` is the criterion's score and
+    `fired[i]` whether it fired (False where the row read no signal); the scheduler commits a
+    `criterion_delayed` exit from it (None: the signal is a hazard)."""
 
     exited: np.ndarray  # bool [n]
     hazards: np.ndarray  # float64 [n]
     token_ids: np.ndarray  # int64 [n]
     logprobs: dict[int, SampledToken] = field(default_factory=dict)
+    fired: np.ndarray | None = None  # bool [n]
 
     @classmethod
     def empty(cls, num_rows: int) -> DecodeResults:
@@ -309,7 +312,11 @@ class DecodeResults:
         full.hazards[index] = self.hazards
         full.token_ids[index] = self.token_ids
         logprobs = {int(index[i]): token for i, token in self.logprobs.items()}
-        return DecodeResults(full.exited, full.hazards, full.token_ids, logprobs)
+        fired = None
+        if self.fired is not None:
+            fired = np.zeros(num_rows, bool)
+            fired[index] = self.fired
+        return DecodeResults(full.exited, full.hazards, full.token_ids, logprobs, fired)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,9 @@ from typing import Any
 LAYOUTS = ("last_exited", "shared")
 MODES = ("refill", "no_refill")
 PREFILL_MODES = ("atomic", "per_depth", "wavefront")
-EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace", "criterion")
+EXIT_MODES = (
+    "ouro", "ouro_delayed", "random_lookahead", "trace", "criterion", "criterion_delayed"
+)  # fmt: skip
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_RESERVATIONS = ("incremental", "full")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -102,8 +104,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "(a fuller core call has fewer idle rows for drafts to use)", int),
     EngineArg("exit_mode", "exit", "mode", "ouro", "exit rule: ouro (the trained gate's CDF "
               "against exit_threshold), ouro_delayed, random_lookahead, trace (replay "
-              "SamplingParams.exit_trace), or criterion (a convergence criterion's score "
-              "against exit_threshold each loop: Huginn's, which the default means for it)",
+              "SamplingParams.exit_trace), criterion (a convergence criterion's score "
+              "against exit_threshold each loop: Huginn's, which the default means for it), or "
+              "criterion_delayed (exit one loop after the criterion fires: async scheduling)",
               choices=EXIT_MODES),
     EngineArg("lookahead_seed", "exit", "lookahead_seed", 0, "seed of random_lookahead exits", int),
     EngineArg("exit_criterion", "exit", "criterion", "kl", "Huginn: the convergence criterion "
@@ -141,7 +144,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("enforce_eager", "top", "enforce_eager", False, "never use CUDA graphs (the same "
               "as --graph-mode off)", bool),
     EngineArg("async_scheduling", "top", "async_scheduling", False, "choose step n+1's rows "
-              "while step n executes (needs exit_mode ouro_delayed, random_lookahead or trace)",
+              "while step n executes (needs exit_mode ouro_delayed, random_lookahead, trace or "
+              "criterion_delayed)",
               bool),
     EngineArg("init_scale", "top", "init_scale", 0.0, "Huginn: scale of the random initial "
               "state (the authors' default is 1.0), drawn per request from its seed as their "

@@ -45,8 +45,9 @@ def _run(mode: ExitMode, seed: int, num_tokens: int) -> dict[str, int]:
     while len(live):
         plan = columns.plan(live)
         hazards = np.array([rng.choice([0.0, 0.1, 0.35, 0.6, 0.95, 1.0]) for _ in live])
-        if mode is ExitMode.CRITERION:  # a signal of 1.0 stands for "the criterion fired"
-            exited = decide_criterion_exits(plan.exit_code, plan.needs_gate & (hazards >= 1.0))
+        fires = plan.needs_gate & (hazards >= 1.0)  # under the criterion modes
+        if mode.reads_criterion:  # a signal of 1.0 stands for "the criterion fired"
+            exited = decide_criterion_exits(plan.exit_code, fires)
         else:
             exited = decide_exits(
                 plan.exit_code, plan.cdf_before, plan.survival_before,
@@ -61,7 +62,7 @@ def _run(mode: ExitMode, seed: int, num_tokens: int) -> dict[str, int]:
             assert plan.cdf_before[i] == expected.state_before.cdf
             assert plan.survival_before[i] == expected.state_before.survival
             hazard = float(hazards[i]) if expected.needs_gate else None
-            if mode is ExitMode.CRITERION:
+            if mode.reads_criterion:
                 fired = None if hazard is None else hazard >= 1.0
                 decided = criterion_exits(expected.exit_now, fired)
                 # a criterion reads no signal below min_loops and folds nothing
@@ -75,7 +76,7 @@ def _run(mode: ExitMode, seed: int, num_tokens: int) -> dict[str, int]:
             token.record(hazard, decided)
             seen["gated"] += expected.needs_gate
             seen["gate_decided"] += expected.exit_now is None
-        columns.record(live, plan.needs_gate, hazards)
+        columns.record(live, plan.needs_gate, hazards, fires)
         for row in live:
             assert columns.cdf[row] == tokens[row].state.cdf
             assert columns.depth[row] == tokens[row].depth
@@ -94,6 +95,30 @@ def test_column_rules_equal_token_exit_in_every_mode(mode):
         assert seen["gated"] > 50  # the gate really ran
     if mode in (ExitMode.OURO, ExitMode.CRITERION):
         assert seen["gate_decided"] > 20  # and really decided exits
+
+
+def test_criterion_delayed_exits_one_loop_after_its_criterion_fires():
+    """The delayed criterion commits at the loop it fires and exits after the next loop,
+    reading no signal there; it fires only from min_loops on, and never past max_loops."""
+
+    def loops_used(rule, fired_at):
+        token = TokenExit(ExitMode.CRITERION_DELAYED, rule)
+        while True:
+            plan = token.plan()
+            assert plan.exit_now is not None  # every exit is known before its loop runs
+            signal = float(token.depth + 1 == fired_at) if plan.needs_gate else None
+            if token.observe(signal):
+                return token.loops_used
+
+    assert loops_used(ExitRule(1, 8, 0.5), fired_at=3) == 4
+    assert loops_used(ExitRule(1, 8, 0.5), fired_at=8) == 8  # max_loops reads no signal
+    assert loops_used(ExitRule(1, 4, 0.5), fired_at=4) == 4
+    assert loops_used(ExitRule(3, 8, 0.5), fired_at=2) == 8  # below min_loops: not read
+    assert loops_used(ExitRule(3, 8, 0.5), fired_at=3) == 4
+    authors = TokenExit(ExitMode.CRITERION, ExitRule(1, 8, 0.5))
+    while not authors.observe(float(authors.depth + 1 == 3) if authors.plan().needs_gate else None):
+        pass
+    assert authors.loops_used == 3
 
 
 @pytest.mark.parametrize("seed", range(25))

@@ -275,6 +275,10 @@ def test_shared_layout_equals_the_dense_reference(huginn_dir, criterion, mode, a
         ({"exit_mode": "trace"}, "Huginn-0125 does not run exit_mode='trace'.*'criterion'"),
         ({"exit_mode": "ouro_delayed"}, "Huginn-0125 does not run exit_mode='ouro_delayed'"),
         (
+            {"exit_mode": "criterion_delayed", "prompt_exits": True},
+            "prompt_exits=True with exit_mode='criterion_delayed'",
+        ),
+        (
             {"async_scheduling": True, "exit_mode": "criterion"},
             "async_scheduling needs an exit rule known one loop ahead.*'criterion'",
         ),
@@ -784,3 +788,44 @@ def test_argmax_stability_steps_are_per_request(huginn_dir):
     assert sum(depths["s1"]) < sum(depths["s2"]) < sum(depths["s4"])
     with pytest.raises(InvalidRequestError, match="exit_stable_steps"):
         SamplingParams(exit_stable_steps=0)
+
+
+DELAYED_RUNS = [  # (criterion, async scheduling, graph mode, decode mode)
+    ("latent-diff", False, "off", "refill"),
+    ("kl", True, "off", "refill"),
+    ("argmax-stability", True, "emulate", "no_refill"),
+    ("entropy-diff", True, "emulate", "refill"),
+]
+
+
+@pytest.mark.parametrize(
+    "criterion, use_async, graph_mode, mode",
+    DELAYED_RUNS,
+    ids=["-".join(map(str, r)) for r in DELAYED_RUNS],
+)
+def test_criterion_delayed_equals_the_delayed_reference_under_async_scheduling(
+    huginn_dir, criterion, use_async, graph_mode, mode
+):
+    """`criterion_delayed` (a token exits one step after its criterion fires, so each exit is
+    known a loop ahead): every request equals the dense reference run with the same delay,
+    with async scheduling planning steps while the previous one runs, eager and through the
+    decode graphs; and the delay is real: tokens whose criterion fired before the last step
+    use one step more than under the authors' `criterion`."""
+    engine = make_engine(huginn_dir, exit_mode="criterion_delayed", exit_criterion=criterion,
+                         async_scheduling=use_async, graph_mode=graph_mode, mode=mode)  # fmt: skip
+    work = workload(DELAYED_RUNS.index((criterion, use_async, graph_mode, mode)), criterion)
+    finished = run_steps(engine, work)
+    delayed_steps, authors_steps = [], []
+    for request_id, prompt, params, _ in work:
+        delayed = reference(engine.model, prompt, params, criterion, delayed=True)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (delayed.tokens, delayed.steps), request_id
+        authors = reference(engine.model, prompt, params, criterion)
+        if authors.tokens[:1] == delayed.tokens[:1]:
+            delayed_steps.append(delayed.steps[1:2])
+            authors_steps.append(authors.steps[1:2])
+    assert any(d and a and d[0] == a[0] + 1 for d, a in zip(delayed_steps, authors_steps))
+    stats = engine.stats
+    assert (stats.num_steps_scheduled_ahead > 0) == use_async
+    assert (stats.num_graph_calls > 0) == (graph_mode != "off")
+    assert_released(engine)

@@ -117,20 +117,31 @@ class ExitColumns:
             needs_gate = np.zeros(len(rows), bool)
         else:
             needs_gate = ~committed & self.can_exit_early[rows]
+            allowed = loops >= self.min_loops[rows]
+            if not self.mode.folds_hazards:  # a criterion reads nothing below min_loops
+                needs_gate &= allowed
             if self.mode.delayed:
                 # The gate of this loop can only commit an exit after the next one.
                 needs_gate &= exit_after == NO_EXIT_AFTER
             else:
-                allowed = loops >= self.min_loops[rows]
-                if not self.mode.folds_hazards:  # a criterion reads nothing below min_loops
-                    needs_gate &= allowed
                 # Below min_loops the CDF still accumulates, but the gate cannot exit yet.
                 code[needs_gate & allowed] = GATE
         return ExitPlan(code, needs_gate, self.cdf[rows], self.survival[rows], self.threshold[rows])
 
-    def record(self, rows: np.ndarray, needs_gate: np.ndarray, hazards: np.ndarray) -> None:
+    def record(
+        self,
+        rows: np.ndarray,
+        needs_gate: np.ndarray,
+        hazards: np.ndarray,
+        fired: np.ndarray | None = None,
+    ) -> None:
         """`TokenExit.record` for the loop each row just ran: fold the hazards of the rows
-        that read one, commit delayed crossings, advance the depth."""
+        that read one, commit delayed crossings (under `criterion_delayed`, rows whose
+        criterion `fired`), advance the depth."""
+        if self.mode is ExitMode.CRITERION_DELAYED and needs_gate.any():
+            assert fired is not None, "criterion_delayed records which criteria fired"
+            firing = rows[needs_gate & fired]  # checked only from min_loops on
+            self.exit_after[firing] = self.depth[firing] + 1
         gated = rows[needs_gate] if self.mode.folds_hazards else rows[:0]  # criterion: no CDF
         if len(gated):
             hazard = hazards[needs_gate]

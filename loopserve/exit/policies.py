@@ -16,6 +16,12 @@ of loop `d` is read as the hazard `λ_d`; `p_exit_d = λ_d · Π_{j<d}(1-λ_j)` 
   check stands alone (nothing is folded across loops) and a token that never fires runs
   `max_loops`. No signal is read below `min_loops`, and none for prompts: a first token whose
   loop outputs exist uses `max_loops` (the family runs its prompts to the request's bound).
+- `criterion_delayed`: the criterion's one-loop-delayed variant (as `ouro_delayed` is for
+  `ouro`): when the criterion fires after loop d (loops >= min_loops) the token runs one more
+  loop and exits after loop d+1 (or at `max_loops`), so every loop's exit is known before the
+  loop runs and async scheduling can plan the next step while this one executes. Tokens use
+  one loop more than under `criterion` wherever it fired before `max_loops`; `criterion`
+  (the authors' rule) stays the default.
 
 This module is the single source of exit decisions. An exit is decided once, by whoever
 holds the hazard: the executor (`ModelRunner`, `SimExecutor`) calls `loop_exits` for a decode
@@ -37,10 +43,22 @@ class ExitMode(str, enum.Enum):
     RANDOM_LOOKAHEAD = "random_lookahead"
     TRACE = "trace"
     CRITERION = "criterion"
+    CRITERION_DELAYED = "criterion_delayed"
 
     @property
     def delayed(self) -> bool:
-        return self in (ExitMode.OURO_DELAYED, ExitMode.RANDOM_LOOKAHEAD)
+        """A signal at loop d commits the exit after loop d+1 (each exit known a loop ahead)."""
+        return self in (
+            ExitMode.OURO_DELAYED,
+            ExitMode.RANDOM_LOOKAHEAD,
+            ExitMode.CRITERION_DELAYED,
+        )
+
+    @property
+    def reads_criterion(self) -> bool:
+        """The signal is a convergence criterion that fires or not (no CDF, nothing read
+        below `min_loops`)."""
+        return self in (ExitMode.CRITERION, ExitMode.CRITERION_DELAYED)
 
     @property
     def uses_gate(self) -> bool:
@@ -166,10 +184,12 @@ class TokenExit:
         if self.mode is ExitMode.TRACE or not self.rule.can_exit_early:
             return LoopPlan(False, False, self.state, self.rule.threshold)
         if self.mode.delayed:
-            # The gate of this loop can only commit an exit after the next loop.
-            if self.exit_after_depth is not None:
-                return LoopPlan(False, False, self.state, self.rule.threshold)
-            return LoopPlan(True, False, self.state, self.rule.threshold)
+            # The gate of this loop can only commit an exit after the next loop; a
+            # criterion reads nothing below min_loops.
+            reads = self.exit_after_depth is None and (
+                self.mode.folds_hazards or loops >= self.rule.min_loops
+            )
+            return LoopPlan(reads, False, self.state, self.rule.threshold)
         if loops < self.rule.min_loops:
             # Below min_loops the CDF still accumulates, so the gate is still needed; a
             # criterion reads nothing there.
@@ -177,10 +197,15 @@ class TokenExit:
         return LoopPlan(True, None, self.state, self.rule.threshold)
 
     def record(self, hazard: float | None, exited: bool) -> None:
-        """Record the loop just run: its hazard (when the plan asked for one) and the exit the
-        executor decided. Advances the CDF and commits a delayed exit; never re-decides."""
+        """Record the loop just run: its hazard (when the plan asked for one; under the
+        criterion modes 1.0 where the criterion fired) and the exit the executor decided.
+        Advances the CDF and commits a delayed exit; never re-decides."""
         assert not self.exited, "token already exited"
         plan = self.plan()
+        if plan.needs_gate and self.mode is ExitMode.CRITERION_DELAYED:
+            assert hazard is not None, "plan needed a criterion check"
+            if hazard >= 1.0:  # fired (the plan reads it only from min_loops on)
+                self.exit_after_depth = self.depth + 1
         if plan.needs_gate and self.mode.folds_hazards:
             assert hazard is not None, "plan needed a gate value"
             self.state = next_gate_state(self.state, hazard)
@@ -195,7 +220,7 @@ class TokenExit:
         """Decide this loop's exit with `loop_exits` and record it (for callers that hold the
         hazard themselves: the dense reference and `choose_exit_from_hazards`)."""
         plan = self.plan()
-        if self.mode is ExitMode.CRITERION:  # `hazard`: 1.0 where the criterion fired
+        if self.mode.reads_criterion:  # `hazard`: 1.0 where the criterion fired
             exited = criterion_exits(plan.exit_now, None if hazard is None else hazard >= 1.0)
         else:
             exited = loop_exits(plan.exit_now, plan.state_before, hazard, plan.threshold)
@@ -216,7 +241,7 @@ def choose_exit_from_hazards(
     Runs the same state machine over precomputed hazards, so prefill and decode agree. Under
     `criterion` prompts read no signal (`hazards` None): the token uses `max_loops`.
     """
-    if mode is ExitMode.CRITERION and hazards is None:
+    if mode.reads_criterion and hazards is None:
         return rule.max_loops
     token = TokenExit(mode, rule, trace_loops)
     while True:

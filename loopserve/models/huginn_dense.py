@@ -128,10 +128,12 @@ def _run_token(
     init_scale: float,
     generator: torch.Generator | None,
     initial: torch.Tensor | None = None,
+    delayed: bool = False,
 ) -> tuple[torch.Tensor, int, list[float]]:
     """One generation step over positions start.. (one token, or the whole prompt). Returns
     the logits of every position [S, vocab] at the exit step, the steps used and the
-    criterion's value at every check."""
+    criterion's value at every check. `delayed`: loopserve's `criterion_delayed` (a check
+    that fires after step t exits after step t+1, which is not checked)."""
     device = model.lm_head.weight.device
     ids = torch.tensor(token_ids, device=device)
     pos = torch.arange(start, start + len(token_ids), device=device)
@@ -142,17 +144,21 @@ def _run_token(
         else initial
     )
     criterion.init(state.unsqueeze(0))
-    logits, checked = None, []
+    logits, checked, exit_after = None, [], None
     for step in range(max_steps):
         state = model.core(state, e, pos, kv.attention(pos, step))
         logits = None
+        if step == exit_after:
+            return model.coda(state, pos, kv.attention(pos, None)), step + 1, checked
         if step < min_steps or not may_exit:
             continue
         if criterion.needs_logits:
             logits = model.coda(state, pos, kv.attention(pos, None))
         exits, values = criterion.check(state.unsqueeze(0), None if logits is None else logits[-1:])
         checked.append(float(values[0]))
-        if bool(exits[0]):
+        if bool(exits[0]) and delayed:
+            exit_after = step + 1
+        elif bool(exits[0]):
             if logits is None:
                 logits = model.coda(state, pos, kv.attention(pos, None))
             return logits, step + 1, checked
@@ -177,17 +183,19 @@ def generate(
     latent_seed: int | None = None,
     eos_token_ids: tuple[int, ...] = (),
     prompt_by_position: bool = False,
+    delayed: bool = False,
 ) -> HuginnGeneration:
     """`prompt_by_position`: run the prompt one position at a time, each through all its
     steps before the next starts (loopserve's SHARED layout runs prompts that way); the
-    initial states are still drawn as one block for the whole prompt."""
+    initial states are still drawn as one block for the whole prompt. `delayed`: tokens exit
+    one step after their criterion fires (loopserve's `criterion_delayed`)."""
     max_steps = num_steps or model.config.mean_recurrence
     kv = HuginnDenseKV(model, max_len=len(prompt) + max_new_tokens, max_steps=max_steps,
                        lookup=lookup)  # fmt: skip
     rule = make_criterion(criterion, vocab_size=model.config.vocab_size, threshold=threshold)
     generator = None if latent_seed is None else torch.Generator().manual_seed(latent_seed)
     kwargs = {"max_steps": max_steps, "min_steps": min_steps, "criterion": rule,
-              "init_scale": init_scale, "generator": generator}  # fmt: skip
+              "init_scale": init_scale, "generator": generator, "delayed": delayed}  # fmt: skip
     out = HuginnGeneration([], [], [], [])
     chunk, start = list(prompt), 0
     if prompt_by_position:

@@ -71,7 +71,8 @@ HUGINN = ModelFamily(
     prefix_keyed_by_max_loops=True,
     prompt_loops_by_request=True,
     score_store=False,
-    exit_modes=("criterion",),  # a convergence criterion's score, not a hazard
+    # a convergence criterion's score, not a hazard; its one-loop-delayed variant
+    exit_modes=("criterion", "criterion_delayed"),
     runs_on="the engine (eager; the one executor, runner/model_runner.py), the dense reference "
     "(loopserve.models.huginn_dense) and the simulator",
 )

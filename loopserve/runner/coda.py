@@ -92,20 +92,26 @@ class CodaOutput(NamedTuple):
 
 
 class _DecodeRead:
-    """The decode rows' exit flags and hazards, filled when the device is read."""
+    """The decode rows' exit flags, hazards (a criterion's scores) and, for a criterion
+    family, where it fired: filled when the device is read."""
 
     def __init__(self, signals: DecodeSignals) -> None:
         rows = signals.rows
         self.num_rows = len(rows)
         self.exited = rows.exit_code == EXIT  # final unless the gate decides
         self.hazards = np.full(self.num_rows, np.nan)
+        self.fired: np.ndarray | None = None
         parts = []
         if signals.exits is not None:
             parts.append(signals.exits.double())
         if signals.hazards is not None:
             parts.append(signals.hazards.double())
+        if signals.fired is not None:
+            parts.append(signals.fired.double())
         self.packed = torch.cat(parts) if parts else None
         self.gate_decides = signals.exits is not None
+        self.has_hazards = signals.hazards is not None
+        self.has_fired = signals.fired is not None
         self.needs_gate = rows.needs_gate
 
     def receive(self, values: list[float]) -> None:
@@ -114,8 +120,11 @@ class _DecodeRead:
         if self.gate_decides:
             self.exited = read[:n] != 0.0
             read = read[n:]
-        if len(read):
-            self.hazards[self.needs_gate] = read[self.needs_gate]
+        if self.has_hazards:
+            self.hazards[self.needs_gate] = read[:n][self.needs_gate]
+            read = read[n:]
+        if self.has_fired:
+            self.fired = read[:n] != 0.0
 
 
 class Coda:
@@ -275,7 +284,9 @@ class Coda:
                 self._record_decode(ids, token_ids)
         else:
             self.transfers.flush()  # exits and hazards not read yet (nothing sampled)
-        return CodaOutput([], failed, DecodeResults(read.exited, read.hazards, token_ids, logprobs))
+        return CodaOutput(
+            [], failed, DecodeResults(read.exited, read.hazards, token_ids, logprobs, read.fired)
+        )
 
     def _decode_logits(self, decode: DecodeSignals, batch: _DecodeBatch) -> torch.Tensor:
         """The decode candidates' logits: computed by the call already, or their leave."""
@@ -431,7 +442,7 @@ class Coda:
         token_ids[sampled.rows] = sampled.token_ids
         token_ids[~read.exited] = -1  # a greedy candidate that did not exit drops its token
         logprobs = {row: token for row, token in sampled.logprobs.items() if read.exited[row]}
-        return DecodeResults(read.exited, read.hazards, token_ids, logprobs)
+        return DecodeResults(read.exited, read.hazards, token_ids, logprobs, read.fired)
 
     def _score_prompts(
         self, items, states, loop_outputs, cached_rows, completed

@@ -188,13 +188,23 @@ class DecodeInputs(NamedTuple):
     hidden: torch.Tensor  # [n, W]: the rows' inputs
     starts: torch.Tensor  # rows at loop 0
     gate_columns: torch.Tensor | None  # [4, n] float64: code, cdf, survival, threshold
-    # Rows whose criterion is checked, and their index among the candidates (criterion
-    # families; None without such rows).
-    gate_rows: tuple[torch.Tensor, torch.Tensor] | None
+    checks: CheckedRows | None  # criterion families: the rows checked (None without such rows)
     candidates: np.ndarray  # coda candidates, on the host
     candidates_on_device: torch.Tensor  # the same, on the device
     gate_decides: bool  # some row's exit is decided by this loop's gate
     finalize: tuple[torch.Tensor, ...] | None  # `FinalizePairs` on the device
+
+
+class CheckedRows(NamedTuple):
+    """The decode rows whose criterion a call checks (`needs_gate`: GATE rows under
+    `criterion`, CONTINUE rows under `criterion_delayed`), and the rows it leaves for them
+    when the criterion reads logits: the coda candidates and the checked rows, once each."""
+
+    left: np.ndarray  # rows left (sorted), on the host
+    rows: torch.Tensor  # the checked rows
+    left_rows: torch.Tensor  # `left` on the device
+    checked_in_left: torch.Tensor  # where the checked rows are among `left`
+    candidates_in_left: torch.Tensor  # where the coda candidates are among `left`
 
 
 class DecodeSignals(NamedTuple):
@@ -211,6 +221,7 @@ class DecodeSignals(NamedTuple):
     # The candidates' logits when the call computed them already (a criterion that reads
     # logits checks its rows from the leave of every candidate), else None.
     logits: torch.Tensor | None = None
+    fired: torch.Tensor | None = None  # [n] bool: criterion families, where it fired
 
 
 def decide_exits_on_device(
@@ -330,22 +341,25 @@ class DecodeStep:
             self.slots.block_size, self.slots.stride,
         )  # fmt: skip
         parts += [host.candidates, *pairs]
-        criterion = self.slots.criterion is not None
-        if host.gate_decides:
+        checks = self.slots.criterion is not None and bool(rows.needs_gate.any())
+        if host.gate_decides or checks:
             columns = (rows.exit_code.astype(np.float64), rows.cdf_before,
                        rows.survival_before, rows.threshold)  # fmt: skip
             parts.append(np.concatenate(columns).view(np.int64))
-            if criterion:  # the checked rows, and where they are among the candidates
-                gate = np.flatnonzero(rows.exit_code == GATE)
-                parts += [gate, np.searchsorted(host.candidates, gate)]
+        if checks:  # the checked rows, and the rows left for them (candidates among them)
+            checked = np.flatnonzero(rows.needs_gate)
+            left = np.union1d(host.candidates, checked)
+            parts += [checked, left, np.searchsorted(left, checked)]
+            parts.append(np.searchsorted(left, host.candidates))
         staged = self.transfers.to_device(np.concatenate(parts))  # the call's one copy in
         views = iter(staged.split([len(part) for part in parts]))
         slots_t, positions_t, table_index_t, starts_t, tokens_t, index_t, values_t, cand_t = (
             next(views) for _ in range(8)
         )
         pairs_t = tuple(next(views) for _ in range(5))  # rows, src, dst, blocks, offsets
-        gate_t = next(views).view(torch.float64).view(4, n) if host.gate_decides else None
-        gate_rows = (next(views), next(views)) if host.gate_decides and criterion else None
+        staged_gate = host.gate_decides or checks
+        gate_t = next(views).view(torch.float64).view(4, n) if staged_gate else None
+        checked_t = CheckedRows(left, *(next(views) for _ in range(4))) if checks else None
         if host.update_index:
             self.slots.tables.view(-1).index_copy_(0, index_t, values_t)
         if len(starts):
@@ -360,7 +374,7 @@ class DecodeStep:
                 hidden.index_copy_(0, starts_t, entered)
         finalize = pairs_t if len(pairs.rows) else None
         return DecodeInputs(
-            rows, slots_t, positions_t, table_index_t, hidden, starts_t, gate_t, gate_rows,
+            rows, slots_t, positions_t, table_index_t, hidden, starts_t, gate_t, checked_t,
             host.candidates, cand_t, host.gate_decides, finalize,
         )  # fmt: skip
 
@@ -388,9 +402,9 @@ class DecodeStep:
     def after_call(self, inputs: DecodeInputs, out: torch.Tensor) -> DecodeSignals:
         """Slots, hazards, exits and finalize copies of the call's decode rows [n, H]."""
         self.slots.hidden.index_copy_(0, inputs.slots, out)
-        logits = None
+        logits = fired = None
         if self.slots.criterion is not None:
-            hazards, exits, logits = self._criterion(inputs, out)
+            hazards, exits, logits, fired = self._criterion(inputs, out)
         else:
             hazards = self.hazards(out).float() if inputs.rows.needs_gate.any() else None
             exits = None
@@ -418,43 +432,49 @@ class DecodeStep:
             inputs.candidates_on_device,
             inputs.positions,
             logits,
+            fired,
         )
 
     def _criterion(self, inputs: DecodeInputs, out: torch.Tensor):
         """A criterion family's signals: tokens that start take their criterion from their
-        initial state; the rows the plan lets the criterion decide (GATE) are checked (a
-        criterion that reads logits takes them from one leave over every coda candidate,
-        which the coda then samples from) and exit where it fires (code EXIT rows exit
-        anyway). Returns (scores float64 [n], NaN where unchecked; exits bool [n]; the
-        candidates' logits or None)."""
+        initial state; the rows whose plan reads the signal (`needs_gate`) are checked (a
+        criterion that reads logits takes them from one leave over those rows and the coda
+        candidates, which the coda then samples from); GATE rows exit where it fires (code
+        EXIT rows exit anyway; a `criterion_delayed` row that fires exits after its next
+        loop, which the scheduler plans from `fired`). Returns (scores float64 [n], NaN where
+        unchecked; exits bool [n] when the criterion decides some exit, else None; the
+        candidates' logits or None; fired bool [n], False where unchecked)."""
         criterion = self.slots.criterion
         assert criterion is not None
         rows, calls = inputs.rows, self.calls
         if len(inputs.starts):
             initial = calls.model.latent(inputs.hidden.index_select(0, inputs.starts))
             criterion.start(inputs.slots.index_select(0, inputs.starts), initial)
-        if inputs.gate_rows is None:
-            return None, None, None
-        gate, among = inputs.gate_rows
+        checks = inputs.checks
+        if checks is None:
+            return None, None, None, None
         code, _, _, threshold = inputs.gate_columns  # type: ignore[misc]
-        state = out.index_select(0, gate)
-        logits = checked = None
+        logits = checked_logits = None
         if criterion.needs_logits:
-            spans = lambda: decode_spans(rows, inputs.candidates.tolist())  # noqa: E731  # host array
-            candidates = inputs.candidates_on_device[: len(inputs.candidates)]
-            logits = calls.leave(
-                out.index_select(0, candidates), spans, inputs.positions.index_select(0, candidates)
+            spans = lambda: decode_spans(rows, checks.left.tolist())  # noqa: E731  # host array
+            left = calls.leave(
+                out.index_select(0, checks.left_rows),
+                spans,
+                inputs.positions.index_select(0, checks.left_rows),
             )
-            checked = logits.index_select(0, among)
+            checked_logits = left.index_select(0, checks.checked_in_left)
+            same = len(checks.left) == len(inputs.candidates)  # every checked row a candidate
+            logits = left if same else left.index_select(0, checks.candidates_in_left)
         fires, values = criterion.check(
-            inputs.slots.index_select(0, gate),
-            calls.model.latent(state),
-            checked,
-            threshold.index_select(0, gate),
+            inputs.slots.index_select(0, checks.rows),
+            calls.model.latent(out.index_select(0, checks.rows)),
+            checked_logits,
+            threshold.index_select(0, checks.rows),
         )
         n = len(rows)
         scores = torch.full((n,), float("nan"), dtype=torch.float64, device=out.device)
-        scores.index_copy_(0, gate, values)
+        scores.index_copy_(0, checks.rows, values)
         fired = torch.zeros(n, dtype=torch.bool, device=out.device)
-        fired.index_copy_(0, gate, fires)
-        return scores, (code == EXIT) | ((code == GATE) & fired), logits
+        fired.index_copy_(0, checks.rows, fires)
+        exits = (code == EXIT) | ((code == GATE) & fired) if inputs.gate_decides else None
+        return scores, exits, logits, fired

@@ -3,7 +3,8 @@
 A graphed decode step (`runner/graphs.py`) reads everything it needs from one int64 buffer
 per row bucket B, so a call costs one host-to-device copy in: `NUM_COLUMNS` columns of B
 entries (slots, positions, table rows, tokens, loop-0 flags, exit codes, then the CDF,
-survival and threshold as float64 bits, then the coda candidates), followed by U new table
+survival and threshold as float64 bits, then the coda candidates and the rows that read their
+exit signal), followed by U new table
 entries (flat index into the decode tables, block id; U = `update_capacity(B, planes)`).
 `BucketInputs` is that buffer on the device with its named views; `HostBuffers` builds its
 host image for a call: a copy of the bucket's padding template (padding rows use the padding
@@ -21,10 +22,9 @@ from loopserve.contracts import DecodeRows
 from loopserve.runner.decode_rows import DecodeSlots, HostColumns
 
 # Columns of a bucket's static input buffer, each B entries long.
-SLOTS, POSITIONS, TABLE_INDEX, TOKENS, STARTS, CODES, CDF, SURVIVAL, THRESHOLD, CANDIDATES = range(
-    10
-)
-NUM_COLUMNS = 10
+(SLOTS, POSITIONS, TABLE_INDEX, TOKENS, STARTS, CODES, CDF, SURVIVAL, THRESHOLD, CANDIDATES,
+ NEEDS_GATE) = range(11)  # fmt: skip
+NUM_COLUMNS = 11
 
 
 def update_capacity(bucket: int, num_planes: int) -> int:
@@ -89,6 +89,7 @@ class HostBuffers:
         floats[SURVIVAL, :n] = rows.survival_before
         floats[THRESHOLD, :n] = rows.threshold
         columns[CANDIDATES, : len(host.candidates)] = host.candidates
+        columns[NEEDS_GATE, :n] = rows.needs_gate
         index, values = host.update_index, host.update_value
         updates = buffer[NUM_COLUMNS * bucket :].reshape(2, capacity)
         updates[0, : min(len(index), capacity)] = index[:capacity]

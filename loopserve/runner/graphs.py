@@ -60,6 +60,7 @@ from loopserve.runner.graph_inputs import (
     CANDIDATES,
     CDF,
     CODES,
+    NEEDS_GATE,
     POSITIONS,
     SLOTS,
     STARTS,
@@ -270,10 +271,10 @@ class DecodeGraphs:
         `len(rows)` rows of its static outputs (read by the coda before the next call)."""
         graph = self.graphs.get(bucket)
         if graph is None:
-            out, hazards, exits, logits = self._forward(bucket)
+            out, hazards, exits, logits, fired = self._forward(bucket)
         else:
             graph.replay()
-            out, hazards, exits, logits = self.outputs[bucket]
+            out, hazards, exits, logits, fired = self.outputs[bucket]
         n = len(rows)
         gate = exits if host.gate_decides else None
         candidates = self.inputs[bucket].columns[CANDIDATES]
@@ -282,7 +283,7 @@ class DecodeGraphs:
         return DecodeSignals(
             rows, out[:n], None if hazards is None else hazards[:n],
             None if gate is None else gate[:n], host.candidates, candidates,
-            self.positions[:n], logits,
+            self.positions[:n], logits, None if fired is None else fired[:n],
         )  # fmt: skip
 
     # ---- the captured step ------------------------------------------------------------------
@@ -326,18 +327,18 @@ class DecodeGraphs:
         attn = self.make_backend(self, bucket, self.loop_planes)
         out = self.core(hidden, self.positions[:bucket], attn)
         self.slots.hidden.index_copy_(0, slots, out)
-        codes = columns[CODES]
-        hazards = logits = None
-        if self.leave is not None:  # the coda of every row; only candidates write its K/V
-            logits = self.leave(
-                out, self.positions[:bucket], self._once(bucket, slots, codes != CONTINUE)
-            )
+        codes, checked = columns[CODES], columns[NEEDS_GATE] != 0
+        hazards = logits = fired = None
+        if self.leave is not None:  # the coda of every row; only candidates and checked rows
+            # write its K/V (a row's coda attends to its own position)
+            keep = (codes != CONTINUE) | checked
+            logits = self.leave(out, self.positions[:bucket], self._once(bucket, slots, keep))
         if self.criterion is not None:
-            hazards, fires = self.criterion.check_rows(
+            hazards, fired = self.criterion.check_rows(
                 slots, self.latent(hidden), starts, self.latent(out), logits,
-                floats[THRESHOLD], codes == GATE,
+                floats[THRESHOLD], checked,
             )  # fmt: skip
-            exits = (codes == EXIT) | fires
+            exits = (codes == EXIT) | ((codes == GATE) & fired)
         elif self.hazards is None:
             exits = codes == EXIT
         else:
@@ -356,7 +357,7 @@ class DecodeGraphs:
                 keep=(dst_rows > src_rows) & exits.repeat(deeper), block_size=size,
                 finalize=self.finalize,
             )  # fmt: skip
-        return out, hazards, exits, logits
+        return out, hazards, exits, logits, fired
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -371,7 +371,8 @@ class Scheduler:
         decode = self.decode
         rows = decode.lookup(rows_run.request_ids)
         live = rows >= 0  # a row whose request left while the step ran is skipped
-        decode.exit.record(rows[live], rows_run.needs_gate[live], results.hazards[live])
+        fired = None if results.fired is None else results.fired[live]
+        decode.exit.record(rows[live], rows_run.needs_gate[live], results.hazards[live], fired)
         exits = np.flatnonzero(results.exited & live)  # indices into `rows_run`
         if not len(exits):
             return

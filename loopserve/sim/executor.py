@@ -280,9 +280,10 @@ class SimExecutor(Executor):
             index = self._num_sampled[request_id]
             hazards[i] = self._hazard(request_id, index, int(depths[i]))
         exited = rows.exit_code == EXIT
-        if (rows.exit_code == GATE).any() and self.exit_mode is ExitMode.CRITERION:
-            # the synthetic signal is a step function: 1.0 stands for "the criterion fired"
-            exited = decide_criterion_exits(rows.exit_code, hazards >= 1.0)
+        # the synthetic signal is a step function: 1.0 stands for "the criterion fired"
+        fired = hazards >= 1.0 if self.exit_mode.reads_criterion else None
+        if (rows.exit_code == GATE).any() and fired is not None:
+            exited = decide_criterion_exits(rows.exit_code, fired)
         elif (rows.exit_code == GATE).any():
             exited = decide_exits(
                 rows.exit_code, rows.cdf_before, rows.survival_before, hazards, rows.threshold
@@ -301,7 +302,7 @@ class SimExecutor(Executor):
             exit_context = int(rows.positions[exited].sum()) + num_exits
             self._coda.add(num_exits, num_exits, exit_context, exit_context)
         num_early = int(np.count_nonzero(exited & (depths + 1 < self.num_loops)))
-        return DecodeResults(exited, hazards, token_ids), num_exits, num_early
+        return DecodeResults(exited, hazards, token_ids, fired=fired), num_exits, num_early
 
     def _run_item(self, item: WorkItem, tally: _CallTally) -> tuple[ItemResult, int]:
         """Exit decision, coda and handle bookkeeping of one prompt or replay item; adds its

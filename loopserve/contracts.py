@@ -367,13 +367,53 @@ class RowGroup(NamedTuple):
     num_depths: int
 
 
+class TableUpdate(NamedTuple):
+    """How one request's block tables changed since the last `SchedulerOutput` (as vLLM's
+    `new_block_ids`): keep the first `keep` blocks of every plane the executor holds for it
+    (0: a new table, which replaces any it held), then append `new_blocks[p]` to plane p."""
+
+    request_id: str
+    keep: int
+    new_blocks: tuple[tuple[int, ...], ...]
+
+
+class BlockTables:
+    """An executor's own copy of the live block tables, kept from the steps' updates
+    (`SchedulerOutput.table_updates`), so no step sends whole tables and no executor reads the
+    KV manager's lists, which the scheduler may change while a step runs (async scheduling).
+    `apply` runs first in every `execute`: it drops the tables of requests that gave up their
+    K/V (finished, preempted for recompute, swapped out) and applies the updates."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, tuple[list[int], ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def apply(self, scheduled: SchedulerOutput) -> dict[str, tuple[list[int], ...]]:
+        tables = self.tables
+        for request_id in scheduled.finished_request_ids + scheduled.preempted_request_ids:
+            tables.pop(request_id, None)
+        for transfer in scheduled.kv_transfers:
+            if transfer.kind is SwapKind.OUT:
+                tables.pop(transfer.request_id, None)
+        for request_id, keep, new_blocks in scheduled.table_updates:
+            if keep == 0:
+                tables[request_id] = tuple(list(blocks) for blocks in new_blocks)
+                continue
+            for plane, blocks in zip(tables[request_id], new_blocks):
+                del plane[keep:]
+                plane.extend(blocks)
+        return tables
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     step_id: int
     # Prompt chunks and replay rows (decode rows are the columns of `decode`).
     items: tuple[WorkItem, ...]
-    # request_id -> block ids of each plane (the KV manager's lists, read-only here).
-    block_tables: dict[str, tuple[list[int], ...]]
+    # The block tables that changed since the last output (`BlockTables` applies them).
+    table_updates: tuple[TableUpdate, ...] = ()
     new_requests: tuple[NewRequestData, ...] = ()
     # Requests that left RUNNING since the last `SchedulerOutput` (finished, aborted, failed):
     # the executor drops their generators and in-flight handles before running `items`. This

@@ -67,10 +67,24 @@ def run_steps(engine: LLMEngine, work, *, abort_at: dict[str, int] | None = None
             if output.finished:
                 finished[output.request_id] = output
         engine.scheduler.check_invariants()
+        check_table_copy(engine)
         if on_step is not None:
             on_step(engine)
         step += 1
     return finished
+
+
+def check_table_copy(engine: LLMEngine) -> None:
+    """The runner's copy of the block tables (kept from the steps' `TableUpdate`s) equals the
+    KV manager's for every request whose change was sent (a synchronous engine, between
+    steps; an async engine may have a step in flight)."""
+    copy = getattr(engine.runner, "block_tables", None)
+    if copy is None or engine.config.async_scheduling:
+        return
+    kv = engine.scheduler.kv
+    for request_id, table in kv.tables.items():
+        if request_id not in kv._changed:
+            assert copy.tables.get(request_id) == tuple(table), request_id
 
 
 def reference_for(engine: LLMEngine, prompt, params):

@@ -177,7 +177,8 @@ def test_replay_rows_after_preemption_group_with_decode_rows(tiny_dir):
 
     def observe(scheduled, _output):
         singles = [i for i in scheduled.items if i.token_count == 1]
-        tables = [scheduled.block_tables[i.request_id][i.depth] for i in singles]
+        own = engine.runner.block_tables.tables  # the runner's copy, as this step ran
+        tables = [own[i.request_id][i.depth] for i in singles]
         groups = plan_prefix_groups(tables, [i.token_start for i in singles], 4)
         grouped = [singles[r] for group in groups for r in group.rows]
         grouped_replays.extend(i for i in grouped if i.kind.value == "replay")

@@ -629,7 +629,7 @@ def test_runner_keeps_no_state_of_a_request_whose_setup_fails(tiny_model, monkey
     new = tuple(
         NewRequestData(rid, spec, seed) for rid, seed in (("ok", 1), ("bad", 13), ("ok2", 2))
     )
-    output = runner.execute(SchedulerOutput(1, (), {}, new_requests=new))
+    output = runner.execute(SchedulerOutput(1, (), new_requests=new))
     assert output.failed_requests == (RequestFailure("bad", "RuntimeError: device lost"),)
     assert set(runner.samplers) == {"ok", "ok2"}
     assert runner.samplers["ok2"][1].initial_seed() == 2

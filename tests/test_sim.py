@@ -121,7 +121,7 @@ def _decode_step(step_id: int, depth: int, **kw) -> SchedulerOutput:
     """One decode row of request "r" at position 10 (token 1 fed at loop 0)."""
     row = dict(request_id="r", position=10, depth=depth, token_id=1, exit_code=CONTINUE,
                needs_gate=False, cdf_before=0.0, survival_before=1.0, threshold=1.0)  # fmt: skip
-    return SchedulerOutput(step_id, (), {}, decode=decode_rows(DecodeRow(**{**row, **kw})))
+    return SchedulerOutput(step_id, (), decode=decode_rows(DecodeRow(**{**row, **kw})))
 
 
 def test_gated_decode_exits_at_the_drawn_target():
@@ -139,7 +139,7 @@ def test_gated_decode_exits_at_the_drawn_target():
         exits.append((float(result.hazards[0]), bool(result.exited[0]), int(result.token_ids[0])))
     assert exits == [(0.0, False, -1), (0.0, False, -1), (1.0, True, 1)]
     assert executor.num_live_handles == 1  # the request's decode state, until it is released
-    executor.execute(SchedulerOutput(4, (), {}, finished_request_ids=("r",)))
+    executor.execute(SchedulerOutput(4, (), finished_request_ids=("r",)))
     assert executor.num_live_handles == 0
 
 
@@ -150,7 +150,7 @@ def test_resuming_from_an_unknown_handle_fails_loudly():
         executor.execute(_decode_step(1, depth=1))
     item = PromptChunk("r", 0, 8, 1, 1, 7, False)  # a chunk at depth 1
     with pytest.raises(AssertionError, match="never kept"):
-        executor.execute(SchedulerOutput(2, (item,), {}))
+        executor.execute(SchedulerOutput(2, (item,)))
 
 
 def test_first_token_uses_its_trace_and_atomic_prompt_runs_d_calls():
@@ -163,7 +163,7 @@ def test_first_token_uses_its_trace_and_atomic_prompt_runs_d_calls():
         first_token=True, exit_rule=ExitRule(1, 4, 1.0), trace_loops=2,
     )  # fmt: skip
     out = executor.execute(
-        SchedulerOutput(1, (item,), {}, (NewRequestData("r", SampleSpec(), None),))
+        SchedulerOutput(1, (item,), (), (NewRequestData("r", SampleSpec(), None),))
     )
     assert out.stats.rows_per_core_call == (32, 32, 32, 32)
     assert out.results[0].loops_used == 2 and out.results[0].sampled is not None

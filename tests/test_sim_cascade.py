@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loopserve.contracts import DecodeRow, SchedulerOutput
+from loopserve.contracts import DecodeRow, SchedulerOutput, TableUpdate
 from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.executor import SimExecutor
 from loopserve.sim.hardware import get_device_profile
@@ -23,8 +23,11 @@ def _decode(request_id: str, position: int, depth: int) -> DecodeRow:
 def _execute(executor: SimExecutor, rows: list[DecodeRow], tables) -> None:
     """Loop 0 of each row's token first (plane 0: no shared blocks), then `rows`."""
     starts = [row._replace(depth=0) for row in rows]
-    executor.execute(SchedulerOutput(1, (), tables, decode=decode_rows(*starts)))
-    executor.execute(SchedulerOutput(2, (), tables, decode=decode_rows(*rows)))
+    updates = tuple(
+        TableUpdate(rid, 0, tuple(map(tuple, planes))) for rid, planes in tables.items()
+    )
+    executor.execute(SchedulerOutput(1, (), updates, decode=decode_rows(*starts)))
+    executor.execute(SchedulerOutput(2, (), decode=decode_rows(*rows)))
 
 
 def test_a_group_reads_its_shared_blocks_once():

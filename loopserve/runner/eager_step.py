@@ -80,10 +80,11 @@ class EagerStep:
         self.score_store = score_store  # [slots, hidden]: prompt rows' last-loop outputs
         self._num_finalized = 0
 
-    def run(self, scheduled: SchedulerOutput, groups) -> EagerResult:
+    def run(self, scheduled: SchedulerOutput, tables, groups) -> EagerResult:
         """The step's core calls run eagerly: decode rows (first) and items share call 0;
-        atomic prompt items run their further depths in calls 1.. ."""
-        items, tables = scheduled.items, scheduled.block_tables
+        atomic prompt items run their further depths in calls 1.. . `tables`: the runner's
+        block tables (`BlockTables`)."""
+        items = scheduled.items
         self._num_finalized = 0
         decode = None
         if scheduled.decode is not None:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from loopserve.contracts import (
+    BlockTables,
     KVHandle,
     NewRequestData,
     RequestFailure,
@@ -133,6 +134,7 @@ class ModelRunner(Executor):
         self.prompt_exits = prompt_exits
         self.per_request_prompt_loops = per_request_prompt_loops
         self.prompt_lens: dict[str, int] = {}
+        self.block_tables = BlockTables()  # this executor's copy, kept from the steps' updates
         self.stable_steps: dict[str, int] = {}  # argmax-stability's steps per request
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
@@ -273,7 +275,9 @@ class ModelRunner(Executor):
 
     def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> tuple[RequestFailure, ...]:
         """Drop released requests' state, set up new requests one by one; returns the new
-        requests whose setup raised (none of their state is kept)."""
+        requests whose setup raised (none of their state is kept). The block tables' updates
+        apply first (`BlockTables`)."""
+        self.block_tables.apply(scheduled)
         for request_id in scheduled.finished_request_ids:
             self._drop_request(request_id)
         failures = set_up_each(scheduled.new_requests, self._install, self._drop_request, logger)
@@ -406,7 +410,7 @@ class ModelRunner(Executor):
         self._num_finalized = 0
         calls0 = self.graphs.num_calls if self.graphs is not None else 0
         pad0 = self.graphs.num_padded_rows if self.graphs is not None else 0
-        tables, decode = scheduled.block_tables, scheduled.decode
+        tables, decode = self.block_tables.tables, scheduled.decode
         self.calls.begin_step(tables)
         if decode is not None and self.stable_steps:  # argmax-stability: steps per request
             steps = self.stable_steps
@@ -432,7 +436,7 @@ class ModelRunner(Executor):
             coda = self.coda((), [], [], [], [], signals)
             rows_per_call = [len(decode)]
         else:
-            coda, rows_per_call, self._num_finalized = self.eager.run(scheduled, groups)
+            coda, rows_per_call, self._num_finalized = self.eager.run(scheduled, tables, groups)
         num_early = sum(
             1 for r in coda.results if r.loops_used is not None and r.loops_used < self.num_loops
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
+from loopserve.contracts import TableUpdate
 from loopserve.scheduler.prefix_cache import CachedPage, PageKey, PrefixCache
 
 if TYPE_CHECKING:
@@ -91,6 +92,11 @@ class KVCacheManager:
         self.num_planes = num_planes
         self.watermark_blocks = int(watermark * num_blocks)
         self.tables: dict[str, Table] = {}
+        # What the executor's copy of each table (`contracts.BlockTables`) lacks: request ->
+        # the blocks per plane its copy keeps before the new ones (0: send the whole table).
+        # `take_table_updates` turns it into the next output's `TableUpdate`s.
+        self._changed: dict[str, int] = {}
+        self._sent: dict[str, int] = {}  # request -> blocks per plane its executor copy holds
         self.host_tables: dict[str, Table] = {}  # swapped-out requests
         self.prefix_cache = prefix_cache
         # Prefix caching, per request: chained page keys of its prompt (computed once), and
@@ -195,8 +201,28 @@ class KVCacheManager:
             for p in range(self.num_planes)
         )
         self.tables[request_id] = table
+        self._changed[request_id] = 0  # a new table: sent whole
+        self._sent.pop(request_id, None)
         self.num_cached_pages[request_id] = len(prefix)
         return table
+
+    def take_table_updates(self) -> tuple[TableUpdate, ...]:
+        """The tables changed since the last call, as updates of the executor's copy (each
+        change is sent once; a request's new blocks, not its whole table)."""
+        if not self._changed:
+            return ()
+        updates = []
+        for request_id, keep in self._changed.items():
+            table = self.tables[request_id]
+            updates.append(TableUpdate(request_id, keep, tuple(tuple(p[keep:]) for p in table)))
+            self._sent[request_id] = len(table[0])
+        self._changed.clear()
+        return tuple(updates)
+
+    def _mark_changed(self, request_id: str, keep: int) -> None:
+        """The request's table changed after its first `keep` blocks per plane."""
+        before = self._changed.get(request_id, self._sent.get(request_id, 0))
+        self._changed[request_id] = min(before, keep)
 
     # ---- prefix caching ---------------------------------------------------------------------
 
@@ -269,7 +295,9 @@ class KVCacheManager:
             return False
         fresh = self._take(needed)
         step = needed // self.num_planes
-        for p, plane in enumerate(self.tables[request_id]):
+        table = self.tables[request_id]
+        self._mark_changed(request_id, len(table[0]))
+        for p, plane in enumerate(table):
             plane.extend(fresh[p * step : (p + 1) * step])
         return True
 
@@ -278,6 +306,8 @@ class KVCacheManager:
         speculative rollback dropped; never cached pages); returns the blocks freed."""
         keep = max(self.blocks_per_plane(num_positions), self.num_cached_pages[request_id])
         freed = 0
+        if len(self.tables[request_id][0]) > keep:
+            self._mark_changed(request_id, keep)
         for plane in self.tables[request_id]:
             if len(plane) > keep:
                 self.pool.free(plane[keep:])
@@ -286,6 +316,10 @@ class KVCacheManager:
         return freed
 
     def free(self, request_id: str) -> None:
+        """Release the request's blocks (its executor drops its copy with the release:
+        finished, preempted or swapped out)."""
+        self._changed.pop(request_id, None)
+        self._sent.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         num_cached = self.num_cached_pages.pop(request_id, 0)
         if table is None:

@@ -15,6 +15,7 @@ from loopserve.contracts import (
     KVTransfer,
     NewRequestData,
     SchedulerOutput,
+    TableUpdate,
     WorkItem,
 )
 from loopserve.scheduler.request import Request
@@ -41,16 +42,12 @@ class StepOutbox:
         step_id: int,
         items: list[WorkItem],
         decode: DecodeRows | None,
-        tables: dict[str, tuple[list[int], ...]],
+        table_updates: tuple[TableUpdate, ...],
     ) -> SchedulerOutput:
-        if decode is None:
-            block_tables = {item.request_id: tables[item.request_id] for item in items}
-        else:  # every running request's: one copy of the dict, not one entry per row
-            block_tables = dict(tables)
         out = SchedulerOutput(
             step_id=step_id,
             items=tuple(items),
-            block_tables=block_tables,
+            table_updates=table_updates,
             new_requests=tuple(self.new_requests),
             finished_request_ids=tuple(self.gone_request_ids),
             preempted_request_ids=tuple(self.preempted_ids),

@@ -235,7 +235,8 @@ class Scheduler:
         """The next `SchedulerOutput`: the step's work plus every pending announcement,
         release, preemption and KV transfer (each delivered exactly once)."""
         self._step_id += 1
-        return self.outbox.take(self._step_id, work.items, work.decode, self.kv.tables)
+        updates = self.kv.take_table_updates()
+        return self.outbox.take(self._step_id, work.items, work.decode, updates)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

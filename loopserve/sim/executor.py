@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loopserve.contracts import (
+    BlockTables,
     DecodeResults,
     DecodeRows,
     ItemKind,
@@ -148,6 +149,7 @@ class SimExecutor(Executor):
         self.stats = ExecutorStats()
         self._step_finalized = 0  # this step's finalized decode tokens
         self._handles: HandleTable[None] = HandleTable()
+        self.block_tables = BlockTables()  # kept from the steps' updates (cascade pricing)
         self._kept = self._handles.kept()  # live view, for the per-item membership check
         self._decoding: set[str] = set()  # requests with decode state (the runner's slots)
         self._num_sampled: dict[str, int] = {}
@@ -156,6 +158,7 @@ class SimExecutor(Executor):
     # ---- bookkeeping ----------------------------------------------------------------------
 
     def _apply_bookkeeping(self, scheduled: SchedulerOutput) -> None:
+        self.block_tables.apply(scheduled)
         for request_id in scheduled.finished_request_ids:
             self._handles.release(request_id)
             self._decoding.discard(request_id)
@@ -219,7 +222,7 @@ class SimExecutor(Executor):
             if sampled:
                 coda_rows += 1
                 num_early += result.loops_used < self.num_loops  # type: ignore[operator]
-        rows_per_call, core_s = self._price_calls(tallies, scheduled.block_tables)
+        rows_per_call, core_s = self._price_calls(tallies, self.block_tables.tables)
         coda_s = (
             coda.checks_s
             + self.cost.coda(

@@ -185,18 +185,12 @@ def test_persistent_tables_send_only_the_entries_a_table_gained(tiny_dir):
 
 def test_failed_capture_falls_back_to_eager_and_says_why(tiny_model):
     from loopserve.runner.model_runner import ModelRunner
+    from loopserve.runner.options import RunnerOptions
 
     # Capture on CPU raises; the runner keeps serving eagerly and records the error.
-    runner = ModelRunner(
-        tiny_model,
-        num_blocks=8,
-        block_size=4,
-        layout="last_exited",
-        exit_mode="ouro",
-        graph_mode="capture",
-        max_model_len=32,
-        max_num_seqs=2,
-    )
+    options = RunnerOptions(num_blocks=8, block_size=4, graph_mode="capture", max_model_len=32,
+                            max_num_seqs=2)  # fmt: skip
+    runner = ModelRunner(tiny_model, options)
     assert runner.graphs is None
     assert runner.graph_capture_error is not None and "CUDA" in runner.graph_capture_error
 

@@ -149,7 +149,7 @@ def test_preempted_requests_resume_to_the_same_tokens(huginn_dir, preemption):
         assert stats.num_replayed_rows > 0
     assert_matches_reference(engine, work, finished, "kl")
     assert_released(engine)
-    assert engine.runner.moves.swapped_decode == {} == engine.runner.swapped_inflight
+    assert engine.runner.moves.swapped_decode == {} == engine.runner.moves.swapped_inflight
 
 
 def test_seeded_sampling_is_reproducible(huginn_dir):
@@ -527,7 +527,7 @@ def test_handed_off_requests_decode_to_the_single_engines_tokens(huginn_dir, cas
     for engine in (prefill, decode):
         assert not engine.has_unfinished_requests()
         assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
-        assert engine.runner.staged_imports == {}
+        assert engine.runner.moves.staged_imports == {}
         assert_released(engine)
 
 

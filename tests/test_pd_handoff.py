@@ -40,7 +40,7 @@ def assert_clean(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
     assert engine.runner.samplers == {}
-    assert engine.runner.staged_imports == {}
+    assert engine.runner.moves.staged_imports == {}
     assert engine.runner.num_live_handles == 0
     assert engine._tracked == {}
 
@@ -135,12 +135,12 @@ def test_abort_during_handoff_leaves_nothing(tiny_dir, layout):
     # while its K/V is staged, before admission. "c": imported and admitted, aborted mid-decode.
     decode.import_request(states["b"])
     decode.import_request(states["c"])
-    assert set(decode.runner.staged_imports) == {"b", "c"}
+    assert set(decode.runner.moves.staged_imports) == {"b", "c"}
     aborted = decode.abort_request("b")
     assert aborted is not None and aborted.finish_reason == "abort"
     assert aborted.new_token_ids == []  # the exporter already streamed its first token
     decode.step()
-    assert decode.runner.staged_imports == {}
+    assert decode.runner.moves.staged_imports == {}
     assert "c" in decode.kv.tables and "c" in decode.runner.samplers
     assert decode.abort_request("c").finish_reason == "abort"
     assert_clean(decode)

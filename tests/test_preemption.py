@@ -68,7 +68,7 @@ def assert_all_released(engine) -> None:
     assert engine.kv.host_pool.num_free_blocks == engine.kv.host_pool.num_blocks
     assert engine.runner.num_live_handles == 0
     assert engine.runner.samplers == {}
-    assert engine.runner.swapped_inflight == {}
+    assert engine.runner.moves.swapped_inflight == {}
 
 
 @pytest.mark.parametrize(

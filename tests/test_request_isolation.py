@@ -117,7 +117,7 @@ def test_failed_setup_under_preemption_fails_only_that_request(fault_engine, pre
     finished = run_steps(engine, WORK)
     assert engine.scheduler.memory_stats.num_preemptions > 0
     assert_only_bad_failed(engine, finished)
-    assert engine.runner.swapped_inflight == {}
+    assert engine.runner.moves.swapped_inflight == {}
     assert engine.kv.host_pool.num_free_blocks == engine.kv.host_pool.num_blocks
 
 

@@ -614,10 +614,9 @@ def test_runner_keeps_no_state_of_a_request_whose_setup_fails(tiny_model, monkey
     is reported with its error and keeps no sampler, the others are installed."""
     from loopserve.contracts import NewRequestData, RequestFailure, SampleSpec, SchedulerOutput
     from loopserve.runner import model_runner
+    from loopserve.runner.options import RunnerOptions
 
-    runner = model_runner.ModelRunner(
-        tiny_model, num_blocks=8, block_size=16, layout="last_exited", exit_mode="ouro"
-    )
+    runner = model_runner.ModelRunner(tiny_model, RunnerOptions(num_blocks=8, block_size=16))
 
     def flaky_generator(seed, device):
         if seed == 13:

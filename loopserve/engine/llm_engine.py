@@ -22,7 +22,6 @@ from pathlib import Path
 
 from loopserve.config import (
     EngineConfig,
-    cascade_enabled,
     check_draft_loops,
     cuda_kv_budget,
     effective_graph_mode,
@@ -47,6 +46,7 @@ from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.capabilities import unsupported_options
 from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
+from loopserve.runner.options import RunnerOptions
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request, RequestStatus
 from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
@@ -60,66 +60,14 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        config = resolve_dtype(config)
-        model_path = resolve_model_path(
-            config.model or DEFAULT_MODEL_DIR,
-            revision=config.revision,
-            download_dir=config.download_dir,
-        )
-        family = read_config(model_path)[0]
-        require_engine_family(family)
-        self.family = family
-        exit_mode = resolve_exit_mode(family, config.exit.mode)
-        config = dataclasses.replace(config, exit=dataclasses.replace(config.exit, mode=exit_mode))
-        self.model = load_model(
-            model_path, dtype=config.dtype, device=config.device, num_loops=config.num_loops
-        )
-        config = resolve_model_options(config, self.model, family.name)
-        check_draft_loops(config, self.model.num_loops)
+        self.family, self.model, config = load_engine_model(config)
         self.tokenizer = Tokenizer.from_dir(self.model.checkpoint_dir)
-        bytes_per_block = self.model.config.kv_bytes_per_block(
-            config.cache.block_size, self.model.lm_head.weight.element_size()
-        )
-        budget = None
         self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
-        sized = config.cache.num_blocks is not None or config.cache.kv_cache_bytes is not None
-        if config.device.startswith("cuda") and not sized:
-            # Profile before sizing the KV cache: weights, activation peak, graphs' pool.
-            profile = profile_cuda_memory(
-                self.model,
-                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                prefill_chunk_size=config.scheduler.prefill_chunk_size,
-                max_num_seqs=config.scheduler.max_num_seqs,
-                max_model_len=self.max_model_len,
-                block_size=config.cache.block_size,
-                graphs=effective_graph_mode(config) == "capture",
-                paged_attention=resolve_attention_backend(
-                    config.attention_backend, config.device, batch_invariant=config.batch_invariant
-                )
-                == "triton",
-            )
-            budget = cuda_kv_budget(
-                total_bytes=profile.total_bytes,
-                gpu_memory_utilization=config.cache.gpu_memory_utilization,
-                peak_bytes=profile.peak_bytes,
-                graph_bytes=profile.graph_bytes,
-            )
-        element_size = self.model.lm_head.weight.element_size()
-        inflight_rows = max_inflight_rows(config, self.model.num_loops)
-        self.inflight_hidden_bytes = inflight_rows * self.model.config.hidden_size * element_size
-        # With prefix caching, the runner's score store keeps one hidden vector per KV slot
-        # (prompt rows' last-loop outputs): sized with the blocks.
-        store_bytes = 0
-        if prefix_caching_enabled(config.cache):
-            store_bytes = config.cache.block_size * self.model.config.hidden_size * element_size
-        cache = resolve_num_blocks(
-            config.cache,
-            bytes_per_block=bytes_per_block + store_bytes,
-            free_bytes=None,
-            reserved_bytes=self.inflight_hidden_bytes,
-            budget_bytes=budget,
+        cache, bytes_per_block, self.inflight_hidden_bytes = size_kv_cache(
+            config, self.model, self.max_model_len
         )
         self.config = dataclasses.replace(config, cache=cache)
+        family = self.family
         self.num_loops = self.model.num_loops
         self.structured = None  # structured-output checks and matchers (needs a tokenizer)
         if self.tokenizer is not None:
@@ -134,30 +82,21 @@ class LLMEngine:
             score_store=family.score_store,
             make_executor=lambda kv: ModelRunner(
                 self.model,
-                num_blocks=cache.num_blocks,
-                block_size=cache.block_size,
-                layout=cache.layout,
-                exit_mode=self.config.exit.mode,
-                lookahead_seed=self.config.exit.lookahead_seed,
-                num_host_blocks=kv.host_pool.num_blocks,
-                attention_backend=self.config.attention_backend,
-                graph_mode=effective_graph_mode(self.config),
-                max_model_len=self.max_model_len,
-                max_num_seqs=self.config.scheduler.max_num_seqs,
-                batch_invariant=self.config.batch_invariant,
-                cascade_attention=cascade_enabled(self.config),
-                score_store=kv.prefix_cache is not None and family.score_store,
+                RunnerOptions.of(
+                    self.config,
+                    max_model_len=self.max_model_len,
+                    num_host_blocks=kv.host_pool.num_blocks,
+                    score_store=kv.prefix_cache is not None and family.score_store,
+                    per_request_prompt_loops=family.prompt_loops_by_request,
+                ),
                 make_matcher=None if self.structured is None else self.structured.matcher,
-                criterion=self.config.exit.criterion,
-                init_scale=self.config.init_scale,
-                prompt_exits=self.config.exit.prompt_exits,
-                lookup=self.config.exit.lookup,
-                per_request_prompt_loops=family.prompt_loops_by_request,
             ),
         )
         self.scheduler = self.core.scheduler
         self.kv = self.scheduler.kv
-        self.runner: ModelRunner = self.core.executor  # type: ignore[assignment]
+        runner = self.core.executor
+        assert isinstance(runner, ModelRunner)
+        self.runner = runner
         eos = set(self.model.config.eos_token_id)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -325,7 +264,7 @@ class LLMEngine:
         try:
             self.core.add_imported(request)
         except Exception:
-            self.runner.staged_imports.pop(state.request_id, None)
+            self.runner.moves.staged_imports.pop(state.request_id, None)
             raise
         self._track(request, prompt_text)
         self.output_processor.mark_reported(self._delta(request, None))
@@ -445,6 +384,74 @@ def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
 def _spec_counts(request: Request) -> tuple[int, int, int, int]:
     stats = request.spec_stats
     return stats.drafted, stats.accepted, stats.rejected, stats.redrafted
+
+
+def load_engine_model(config: EngineConfig):
+    """(family, model, config) of an engine: the model resolved (a directory, or a Hub id in
+    the local cache or downloaded when allowed), its family checked, loaded, and the config
+    with what `auto` and the default exit mode mean for it (a start-up error names every
+    option it cannot run)."""
+    config = resolve_dtype(config)
+    model_path = resolve_model_path(
+        config.model or DEFAULT_MODEL_DIR,
+        revision=config.revision,
+        download_dir=config.download_dir,
+    )
+    family = read_config(model_path)[0]
+    require_engine_family(family)
+    exit_mode = resolve_exit_mode(family, config.exit.mode)
+    config = dataclasses.replace(config, exit=dataclasses.replace(config.exit, mode=exit_mode))
+    model = load_model(
+        model_path, dtype=config.dtype, device=config.device, num_loops=config.num_loops
+    )
+    config = resolve_model_options(config, model, family.name)
+    check_draft_loops(config, model.num_loops)
+    return family, model, config
+
+
+def size_kv_cache(config: EngineConfig, model, max_model_len: int):
+    """(the cache config with its block count, K/V bytes per block, bytes reserved for
+    in-flight hidden states). On CUDA without an explicit size the device is profiled first
+    (weights, activation peak, the graphs' pool) and the blocks fill what is left."""
+    element_size = model.lm_head.weight.element_size()
+    bytes_per_block = model.config.kv_bytes_per_block(config.cache.block_size, element_size)
+    budget = None
+    sized = config.cache.num_blocks is not None or config.cache.kv_cache_bytes is not None
+    if config.device.startswith("cuda") and not sized:
+        profile = profile_cuda_memory(
+            model,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            prefill_chunk_size=config.scheduler.prefill_chunk_size,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=config.cache.block_size,
+            graphs=effective_graph_mode(config) == "capture",
+            paged_attention=resolve_attention_backend(
+                config.attention_backend, config.device, batch_invariant=config.batch_invariant
+            )
+            == "triton",
+        )
+        budget = cuda_kv_budget(
+            total_bytes=profile.total_bytes,
+            gpu_memory_utilization=config.cache.gpu_memory_utilization,
+            peak_bytes=profile.peak_bytes,
+            graph_bytes=profile.graph_bytes,
+        )
+    inflight_rows = max_inflight_rows(config, model.num_loops)
+    inflight_hidden_bytes = inflight_rows * model.config.hidden_size * element_size
+    # With prefix caching, the runner's score store keeps one hidden vector per KV slot
+    # (prompt rows' last-loop outputs): sized with the blocks.
+    store_bytes = 0
+    if prefix_caching_enabled(config.cache):
+        store_bytes = config.cache.block_size * model.config.hidden_size * element_size
+    cache = resolve_num_blocks(
+        config.cache,
+        bytes_per_block=bytes_per_block + store_bytes,
+        free_bytes=None,
+        reserved_bytes=inflight_hidden_bytes,
+        budget_bytes=budget,
+    )
+    return cache, bytes_per_block, inflight_hidden_bytes
 
 
 def resolve_model_options(config: EngineConfig, model, family_name: str) -> EngineConfig:

@@ -57,6 +57,7 @@ from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.loop_calls import CriterionSlots, LoopCalls
+from loopserve.runner.options import RunnerOptions
 from loopserve.runner.prompt_exits import PromptExits, refused_items
 from loopserve.runner.sampler import (
     Matcher,
@@ -81,195 +82,164 @@ class ModelRunner(Executor):
     def __init__(
         self,
         model: LoopedModel,
+        options: RunnerOptions,
         *,
-        num_blocks: int,
-        block_size: int,
-        layout: str,
-        exit_mode: str,
-        lookahead_seed: int = 0,
-        num_host_blocks: int = 0,
-        attention_backend: str = "auto",
-        graph_mode: str = "off",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 1,
-        batch_invariant: bool = False,
-        cascade_attention: bool = False,
-        score_store: bool = False,
         make_matcher: Callable[[StructuredOutput], Matcher] | None = None,
-        criterion: str = "none",
-        criterion_threshold: float | None = None,
-        init_scale: float = 0.0,
-        prompt_exits: bool = False,
-        lookup: str = "last_exited",
-        per_request_prompt_loops: bool = False,
     ) -> None:
-        """`graph_mode`: 'off' (eager), 'emulate' or 'capture' (`loopserve.runner.graphs`);
-        with graphs the KV tensor has one extra block (index `num_blocks`) for padding rows.
-        `score_store` (with prefix caching): keep every prompt row's last-loop output per KV
-        slot, so requests that reuse a cached page can score its positions. `make_matcher`:
-        a fresh grammar matcher for a request with structured output (the tokenizer's).
-        `batch_invariant`: run the model it is given row by row, in place
-        (`loopserve.runner.batch_invariant`); needs graph_mode 'off'. A criterion family
-        (`signal_kind`): `criterion` and its engine-wide `criterion_threshold` (None: the
-        authors' default; each request's `exit_threshold` overrides it where the criterion
-        takes one), `init_scale` (> 0: drawn initial states), `prompt_exits` and `lookup`
-        (`runner/loop_calls.py`); `per_request_prompt_loops`: prompts run the request's
-        loop bound (the registry's `prompt_loops_by_request`)."""
-        assert not (batch_invariant and graph_mode != "off"), "graphs pad rows"
-        problems = unsupported_options(
-            model, graph_mode=graph_mode, batch_invariant=batch_invariant, lookup=lookup,
-            layout=layout, prompt_exits=prompt_exits, init_scale=init_scale,
-        )  # fmt: skip
-        if problems:
-            raise ConfigError("this model does not run with " + "; ".join(problems))
-        if batch_invariant:
+        """`options`: what it runs (`RunnerOptions`); `make_matcher`: a fresh grammar matcher
+        for a request with structured output (the tokenizer's)."""
+        self._check(model, options)
+        if options.batch_invariant:
             make_batch_invariant(model)
             model.make_rows_invariant()
-        self.model = model
-        config = model.config
+        self.model, self.options = model, options
         self.num_loops = model.num_loops
-        self.block_size = block_size
-        self.rules = StepRules.of(layout, self.num_loops)
-        self.exit_mode = ExitMode(exit_mode)
-        self.prompt_exits = prompt_exits
-        self.per_request_prompt_loops = per_request_prompt_loops
+        self.block_size = options.block_size
+        self.rules = StepRules.of(options.layout, self.num_loops)
+        self.exit_mode = ExitMode(options.exit_mode)
+        self.prompt_exits = options.prompt_exits
+        self.per_request_prompt_loops = options.per_request_prompt_loops
         self.prompt_lens: dict[str, int] = {}
         self.block_tables = BlockTables()  # this executor's copy, kept from the steps' updates
         self.stable_steps: dict[str, int] = {}  # argmax-stability's steps per request
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
-        self.scale = config.head_dim**-0.5
-        # [layers, K/V, slots, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            (
-                model.kv_layers,
-                2,
-                (num_blocks + (graph_mode != "off")) * block_size,
-                config.num_key_value_heads,
-                config.head_dim,
-            ),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        lookahead = lookahead_seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD else None
-        self.hazard_fn = None  # a criterion family has no hazard
-        if model.signal_kind == "hazard":
-            self.hazard_fn = model.hazard_fn(lookahead)
-            if batch_invariant:
-                self.hazard_fn = row_by_row(self.hazard_fn)
-        hazards = (
-            None if self.hazard_fn is None else (lambda rows: self._timed(self.hazard_fn, rows))
-        )
+        self.scale = model.config.head_dim**-0.5
+        self.kv_cache = self._kv_cache()
+        self.hazard_fn = self._hazard_fn()  # None: a criterion family has no hazard
         self.samplers: dict[str, Sampler] = {}
         self.make_matcher = make_matcher
         self.inflight: HandleTable[InFlight] = HandleTable()  # state between steps
         self._forward_s = 0.0  # this step's time inside model calls (prelude/core/gate/coda)
         self._num_finalized = 0  # this step's finalized decode tokens
         self.transfers = Transfers(self.device)  # every host<->device copy, counted
-        self.moves = KVMoves(self.kv_cache, num_host_blocks, block_size, self.inflight)
-        self.swap = self.moves.swap
-        # Hidden states of swapped-out requests: request_id -> handle -> state (on the host).
-        self.swapped_inflight = self.moves.swapped_inflight
-        # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state).
-        self.staged_imports = self.moves.staged_imports
+        # Swap space, hidden states of swapped-out requests, staged hand-off imports.
+        self.moves = KVMoves(self.kv_cache, options.num_host_blocks, self.block_size,
+                             self.inflight)  # fmt: skip
         self.attention = make_attention_backend(
-            attention_backend,
-            self.kv_cache,
-            block_size=block_size,
-            scale=self.scale,
-            batch_invariant=batch_invariant,
-            cascade=cascade_attention,
-            transfers=self.transfers,
-        )
+            options.attention_backend, self.kv_cache, block_size=self.block_size,
+            scale=self.scale, batch_invariant=options.batch_invariant,
+            cascade=options.cascade_attention, transfers=self.transfers,
+        )  # fmt: skip
         self.calls = LoopCalls(
             model, self.attention, num_planes=self.rules.num_planes, timed=self._timed,
-            transfers=self.transfers, init_scale=init_scale, full_lookup=lookup == "full",
+            transfers=self.transfers, init_scale=options.init_scale,
+            full_lookup=options.lookup == "full",
         )  # fmt: skip
         self.coda = Coda(
-            rules=self.rules,
-            exit_mode=self.exit_mode,
-            coda=self.calls.leave,
-            hazards=hazards,  # type: ignore[arg-type]
-            samplers=self.samplers,
-            transfers=self.transfers,
+            rules=self.rules, exit_mode=self.exit_mode, coda=self.calls.leave,
+            hazards=self._timed_hazards(), samplers=self.samplers, transfers=self.transfers,
             inflight=self.inflight,
-        )
-        max_model_len = max_model_len or config.max_position_embeddings
-        # Decode state: one slot per decoding request; its tables' padding is the graphs'
-        # dummy block (one block past the pool) when graphs run.
-        self.decode_slots = DecodeSlots(
-            max_num_seqs,
-            hidden_size=model.state_width,
-            once_planes=config.extra_kv_planes,
-            num_planes=self.rules.num_planes,
-            block_size=block_size,
-            max_blocks=-(-max_model_len // block_size),
-            padding_block=num_blocks if graph_mode != "off" else 0,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        if model.signal_kind == "criterion":
-            self.decode_slots.criterion = CriterionSlots(
-                criterion, vocab_size=config.vocab_size, threshold=criterion_threshold,
-                capacity=max_num_seqs,
-            )  # fmt: skip
+        )  # fmt: skip
+        self.decode_slots = self._decode_slots()
         self.decode = DecodeStep(
-            self.decode_slots,
-            calls=self.calls,
-            hazards=hazards,  # type: ignore[arg-type]
-            finalize=lambda src, dst: self.attention.finalize(src, dst),
-            transfers=self.transfers,
-            num_planes=self.rules.num_planes,
-            finalizes=lookup != "full",
-        )
-        criterion_slots = self.decode_slots.criterion
-        self.eager = EagerStep(
-            calls=self.calls,
-            hazards=hazards,
-            attention=self.attention,
-            decode=self.decode,
-            coda=self.coda,
-            transfers=self.transfers,
-            inflight=self.inflight,
-            rules=self.rules,
-            block_size=block_size,
-            finalize_exits=self._finalize_exits,
-            score_store=torch.zeros(
-                (num_blocks * block_size, model.state_width), dtype=self.dtype, device=self.device
-            )
-            if score_store
-            else None,
-            prompt_exits=PromptExits(
-                criterion=criterion_slots.rule,
-                calls=self.calls,
-                finalize=self._finalize_exits,
-                num_loops=self.num_loops,
-                stable_steps=self.stable_steps,
+            self.decode_slots, calls=self.calls, hazards=self._timed_hazards(),
+            finalize=self._finalize_slots, transfers=self.transfers,
+            num_planes=self.rules.num_planes, finalizes=options.lookup != "full",
+        )  # fmt: skip
+        self.eager = self._eager_step()
+        self.graphs, self.graph_capture_error = self._graphs()
+
+    # ---- builders (the constructor's parts) ---------------------------------------------
+
+    @staticmethod
+    def _check(model: LoopedModel, options: RunnerOptions) -> None:
+        """A start-up error naming every option the model's math rules out."""
+        assert not (options.batch_invariant and options.graph_mode != "off"), "graphs pad rows"
+        problems = unsupported_options(
+            model, graph_mode=options.graph_mode, batch_invariant=options.batch_invariant,
+            lookup=options.lookup, layout=options.layout, prompt_exits=options.prompt_exits,
+            init_scale=options.init_scale,
+        )  # fmt: skip
+        if problems:
+            raise ConfigError("this model does not run with " + "; ".join(problems))
+
+    def _kv_cache(self) -> torch.Tensor:
+        """The paged K/V of every plane, [layers, K/V, slots, kv_heads, head_dim]; with graphs
+        one more block (index `num_blocks`) for padding rows."""
+        options, config = self.options, self.model.config
+        blocks = options.num_blocks + (options.graph_mode != "off")
+        shape = (self.model.kv_layers, 2, blocks * options.block_size,
+                 config.num_key_value_heads, config.head_dim)  # fmt: skip
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _hazard_fn(self):
+        """The model's exit hazard over carried rows (the lookahead head's under
+        `random_lookahead`; row by row when batch-invariant), or None for a criterion."""
+        if self.model.signal_kind != "hazard":
+            return None
+        seed = self.options.lookahead_seed
+        hazard_fn = self.model.hazard_fn(seed if self.exit_mode is ExitMode.RANDOM_LOOKAHEAD
+                                         else None)  # fmt: skip
+        return row_by_row(hazard_fn) if self.options.batch_invariant else hazard_fn
+
+    def _timed_hazards(self):
+        if self.hazard_fn is None:
+            return None
+        return lambda rows: self._timed(self.hazard_fn, rows)
+
+    def _finalize_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.attention.finalize(src, dst)
+
+    def _decode_slots(self) -> DecodeSlots:
+        """Decode state: one slot per decoding request (its carried state, its criterion's
+        fields for a criterion family); its tables' padding is the graphs' dummy block (one
+        block past the pool) when graphs run."""
+        options, model = self.options, self.model
+        config = model.config
+        max_model_len = options.max_model_len or config.max_position_embeddings
+        slots = DecodeSlots(
+            options.max_num_seqs, hidden_size=model.state_width,
+            once_planes=config.extra_kv_planes, num_planes=self.rules.num_planes,
+            block_size=options.block_size, max_blocks=-(-max_model_len // options.block_size),
+            padding_block=options.num_blocks if options.graph_mode != "off" else 0,
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        if model.signal_kind == "criterion":
+            slots.criterion = CriterionSlots(
+                options.criterion, vocab_size=config.vocab_size,
+                threshold=options.criterion_threshold, capacity=options.max_num_seqs,
             )  # fmt: skip
-            if prompt_exits and criterion_slots is not None
-            else None,
-        )
-        # The graphed step calls the model's functions inside the capture (late-bound, so
-        # a replaced function is the one captured).
-        self.graphs, self.graph_capture_error = build_decode_graphs(
-            graph_mode,
-            model.loop,
-            self.kv_cache,
-            attention=self.attention,
-            max_model_len=max_model_len,
+        return slots
+
+    def _eager_step(self) -> EagerStep:
+        options, criterion = self.options, self.decode_slots.criterion
+        score_store = None
+        if options.score_store:  # [slots, W]: prompt rows' last-loop outputs
+            rows = options.num_blocks * options.block_size
+            score_store = torch.zeros((rows, self.model.state_width), dtype=self.dtype,
+                                      device=self.device)  # fmt: skip
+        prompt_exits = None
+        if options.prompt_exits and criterion is not None:
+            prompt_exits = PromptExits(
+                criterion=criterion.rule, calls=self.calls, finalize=self._finalize_exits,
+                num_loops=self.num_loops, stable_steps=self.stable_steps,
+            )  # fmt: skip
+        return EagerStep(
+            calls=self.calls, hazards=self._timed_hazards(), attention=self.attention,
+            decode=self.decode, coda=self.coda, transfers=self.transfers,
+            inflight=self.inflight, rules=self.rules, block_size=options.block_size,
+            finalize_exits=self._finalize_exits, score_store=score_store,
+            prompt_exits=prompt_exits,
+        )  # fmt: skip
+
+    def _graphs(self):
+        """The decode graphs (None when off, or when capture failed: then the error). The
+        graphed step calls the model's functions inside the capture (late-bound, so a
+        replaced function is the one captured)."""
+        options, model = self.options, self.model
+        leaves = model.leave_writes_kv or self.decode_slots.criterion is not None
+        return build_decode_graphs(
+            options.graph_mode, model.loop, self.kv_cache, attention=self.attention,
+            max_model_len=options.max_model_len or model.config.max_position_embeddings,
             prelude=lambda ids: model.enter(ids),
-            enter=model.enter if config.extra_kv_planes else None,
-            leave=model.leave if model.leave_writes_kv or criterion_slots is not None else None,
-            latent=model.latent,
+            enter=model.enter if model.config.extra_kv_planes else None,
+            leave=model.leave if leaves else None, latent=model.latent,
             hazards=(lambda rows: self.hazard_fn(rows)) if self.exit_mode.uses_gate else None,
-            finalize=lambda src, dst: self.attention.finalize(src, dst),
-            slots=self.decode_slots,
-            transfers=self.transfers,
-            block_size=block_size,
-            max_rows=max_num_seqs,
-            dummy_block=num_blocks,
-            scale=self.scale,
-        )
+            finalize=self._finalize_slots, slots=self.decode_slots, transfers=self.transfers,
+            block_size=options.block_size, max_rows=options.max_num_seqs,
+            dummy_block=options.num_blocks, scale=self.scale,
+        )  # fmt: skip
 
     # ---- request bookkeeping ----------------------------------------------------------
 
@@ -298,7 +268,7 @@ class ModelRunner(Executor):
         criterion = self.decode_slots.criterion
         if criterion is not None and criterion.counts_steps:
             self.stable_steps[new.request_id] = new.stable_steps or criterion.default_steps
-        staged = self.staged_imports.get(new.request_id)
+        staged = self.moves.staged_imports.get(new.request_id)
         self.calls.install(
             new.request_id, new.prompt_len, new.seed, None if staged is None else staged[2]
         )
@@ -317,7 +287,7 @@ class ModelRunner(Executor):
             )
         greedy = is_greedy(new.sample_spec)
         generator = None if greedy else make_generator(new.seed, self.device)
-        staged = self.staged_imports.get(new.request_id)
+        staged = self.moves.staged_imports.get(new.request_id)
         if generator is not None and staged is not None:  # continue the exporter's stream
             restore_generator(generator, staged[1])
         history = token_history(

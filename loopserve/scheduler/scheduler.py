@@ -89,11 +89,6 @@ class Scheduler:
         )
         self.step_tokens = self.step_loops = 0  # appended by the last `update`
         self.queues = Queues()
-        self.requests, self.waiting, self.running = (
-            self.queues.requests,
-            self.queues.waiting,
-            self.queues.running,
-        )
         self.outbox = StepOutbox()
         self.decode = DecodeTable(self.max_num_seqs, exit_mode=self.exit_mode)
         self.memory_stats = MemoryStats()
@@ -141,6 +136,19 @@ class Scheduler:
             items=self.items,
             output=self._output,
         )
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every unfinished request by id (the shared `Queues`)."""
+        return self.queues.requests
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
 
     # ---- submission -------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from loopserve.errors import ConfigError
+from loopserve.sim import host_bench
 from loopserve.sim.cost_model import OURO_1P4B
 from loopserve.sim.hardware import get_device_profile
 from loopserve.sim.host_model import MEASURED_CPU, HostModel, load_host_model, step_time_s
@@ -65,3 +66,33 @@ def test_load_host_model_takes_cpu_or_a_bench_host_file(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="bench host JSON"):
         load_host_model(str(tmp_path / "bad.json"))
+
+
+@pytest.mark.parametrize(
+    "family, exit", [("ouro", "trace"), ("ouro", "signal"), ("huginn", "trace")]
+)
+def test_bench_host_calls_have_the_rows_and_exit_regime_asked_for(monkeypatch, family, exit):
+    """`bench host`'s family comparison: every measured step is one call of exactly `rows`
+    decode rows; Ouro's trace arm reads no signal, while its `signal` arm and Huginn's read
+    their exit signal on every row of every call (the same regime, so the families compare)."""
+    seen = {"rows": 0, "gated": 0}
+    null_core = host_bench.null_core
+
+    def watching(engine):
+        null_core(engine)
+
+        def watch(scheduled, _output):
+            if scheduled.decode is not None:
+                seen["rows"] += len(scheduled.decode)
+                seen["gated"] += int(scheduled.decode.needs_gate.sum())
+
+        engine.core.add_observer(watch)
+
+    monkeypatch.setattr(host_bench, "null_core", watching)
+    point = host_bench.measure(4, context=24, steps=6, device_profile="h200", family=family,
+                               exit=exit)  # fmt: skip
+    assert point.num_calls == 6 and point.host_us > 0
+    reads_signal = family == "huginn" or exit == "signal"
+    assert (seen["gated"] > 0) == reads_signal
+    if reads_signal:  # every row but each token's last loop (its max_loops: no signal read)
+        assert seen["gated"] >= seen["rows"] // 2

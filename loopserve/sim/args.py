@@ -250,6 +250,15 @@ def add_host_bench_args(parser) -> None:
         help="the shape of the calls: Ouro's (hidden state, gate) or Huginn's ([state, e], "
         "once planes, a convergence criterion)",
     )
+    parser.add_argument(
+        "--exit",
+        default="trace",
+        choices=("trace", "signal"),
+        help="how Ouro-shaped calls exit: trace (replayed loop counts, no gate read) or signal "
+        "(its gate read at every loop, as Huginn's criterion is, with a threshold never "
+        "reached and each request's max_loops the trace's loop count: the same calls as "
+        "Huginn's, for the family comparison); Huginn-shaped calls always read their signal",
+    )
     parser.add_argument("--context", type=int, default=256, help="positions per row")
     parser.add_argument("--steps", type=int, default=200, help="measured calls per row count")
     parser.add_argument("--device-profile", default="h200", help="simulated GPU")

@@ -99,13 +99,17 @@ class HostPoint:
 
 
 def measure(rows: int, *, context: int, steps: int, device_profile: str, block_size: int = 16,
-            engine_args: dict | None = None, family: str = "ouro") -> HostPoint:  # fmt: skip
+            engine_args: dict | None = None, family: str = "ouro",
+            exit: str = "trace") -> HostPoint:  # fmt: skip
     """Steady decode calls of `rows` rows at about `context` positions. `family` "huginn":
     Huginn-shaped calls (a tiny Huginn: rows carry [state, e], loop-0 rows run the prelude
     over the once plane, the engine's criterion (kl) is checked at every loop from the
     first, with a threshold it never crosses, and request i runs `EXIT_TRACE[i]` loops per
-    token as its `max_loops`, the same mix of loops as Ouro's trace)."""
+    token as its `max_loops`, the same mix of loops as Ouro's trace). `exit` "signal" gives
+    Ouro-shaped calls the same regime: the gate read at every loop (`ouro`, a threshold the
+    CDF never reaches) and the trace's loop count as each request's `max_loops`."""
     huginn = family == "huginn"
+    signal = huginn or exit == "signal"
     with tempfile.TemporaryDirectory() as directory:
         if huginn:
             model_dir = make_tiny_huginn_checkpoint(Path(directory))
@@ -117,7 +121,8 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
         args = dict(
             dtype="float32", block_size=block_size, num_blocks=blocks, max_num_seqs=rows,
             max_num_batched_tokens=max(rows, 2048), prefill_chunk_size=2048,
-            exit_mode="criterion" if huginn else "trace", enable_prefix_caching=False,
+            exit_mode=("criterion" if huginn else "ouro") if signal else "trace",
+            enable_prefix_caching=False,
         )  # fmt: skip
         args.update(engine_args or {})
         engine = LLMEngine.from_engine_args(model=str(model_dir), **args)
@@ -126,9 +131,9 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
     for i in range(rows):
         prompt = [3 + (i * 31 + j * 7) % (vocab - 3) for j in range(context - 1)]
         trace = EXIT_TRACE[i % len(EXIT_TRACE) :] + EXIT_TRACE[: i % len(EXIT_TRACE)]
-        exits = (
-            dict(max_loops=trace[0], exit_threshold=0.0) if huginn else dict(exit_trace=trace * 64)
-        )
+        exits = dict(exit_trace=trace * 64)
+        if signal:  # a criterion (kl) below 0 and a CDF above 1 - 1e-9 are never reached
+            exits = dict(max_loops=trace[0], exit_threshold=0.0 if huginn else 1 - 1e-9)
         params = SamplingParams(  # "delta" outputs: what the server's streams ask for
             max_tokens=steps + 64,
             temperature=0.0,
@@ -201,7 +206,7 @@ def main_from_args(args) -> int:
     for rows in rows_list:
         point = measure(rows, context=args.context, steps=args.steps,
                         device_profile=args.device_profile, engine_args=engine_args,
-                        family=args.family)  # fmt: skip
+                        family=args.family, exit=args.exit)  # fmt: skip
         points.append(point)
         print(f"rows={rows}: host {point.host_us:.0f} us/call, device {point.device_us:.0f} us, "
               f"ratio {point.ratio:.2f}", flush=True)  # fmt: skip

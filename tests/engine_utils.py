@@ -13,6 +13,32 @@ from loopserve.reference import generate
 from loopserve.sampling_params import SamplingParams
 
 
+def pairwise(cases: list[tuple]) -> list[tuple]:
+    """A subset of `cases` (tuples of factor values; a product, perhaps filtered) in which
+    every pair of values of two factors that occurs together in some case occurs together
+    in at least one chosen case (an all-pairs covering, chosen greedily and
+    deterministically). It keeps every two-factor interaction of a parametrized product
+    at a fraction of its cases."""
+
+    def pairs(case):
+        return {(i, a, j, b) for i, a in enumerate(case) for j, b in enumerate(case) if i < j}
+
+    uncovered = set().union(*(pairs(case) for case in cases))
+    chosen: list[tuple] = []
+    used: dict[tuple, int] = {}  # (factor, value) -> chosen cases with it (ties: the rarest)
+
+    def score(case):
+        return len(pairs(case) & uncovered), -sum(used.get((i, v), 0) for i, v in enumerate(case))
+
+    while uncovered:
+        best = max(cases, key=score)
+        chosen.append(best)
+        uncovered -= pairs(best)
+        for item in enumerate(best):
+            used[item] = used.get(item, 0) + 1
+    return sorted(chosen, key=cases.index)
+
+
 def make_engine(model_dir, **overrides) -> LLMEngine:
     args = dict(
         model=str(model_dir),

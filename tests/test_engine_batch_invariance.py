@@ -6,13 +6,26 @@ import zlib
 
 import pytest
 
-from tests.engine_utils import make_engine, random_workload, reference_for, run_steps
+from tests.engine_utils import make_engine, pairwise, random_workload, reference_for, run_steps
+
+# Layout x decode mode x exit mode x sampling: an all-pairs covering of the product (10 of
+# its 32 cases; every two factors' values meet in some case).
+CASES = pairwise(
+    [
+        (layout, mode, exit_mode, sampled)
+        for layout in ("last_exited", "shared")
+        for mode in ("refill", "no_refill")
+        for exit_mode in ("ouro", "ouro_delayed", "random_lookahead", "trace")
+        for sampled in (False, True)
+    ]
+)
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("exit_mode", ["ouro", "ouro_delayed", "random_lookahead", "trace"])
-@pytest.mark.parametrize("mode", ["refill", "no_refill"])
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize(
+    "layout, mode, exit_mode, sampled",
+    CASES,
+    ids=[f"{l}-{m}-{e}-{'seeded' if s else 'greedy'}" for l, m, e, s in CASES],  # noqa: E741
+)
 def test_engine_matches_reference_with_staggered_arrivals_and_aborts(
     tiny_dir, layout, mode, exit_mode, sampled
 ):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import kv_planes, make_engine, reference_for, run_steps
+from tests.engine_utils import kv_planes, make_engine, pairwise, reference_for, run_steps
 
 PROMPT_ARMS = {
     "atomic": {"prefill_mode": "atomic"},
@@ -19,10 +19,12 @@ PROMPT_ARMS = {
 }
 
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
-# The full product of preemption mode x layout x decode mode x prompt arm x exit mode. Every
-# run mixes greedy and seeded requests (odd requests sample, even ones are greedy), so the
-# sampling axis is covered inside each run.
-CASES = [
+# Preemption mode x layout x decode mode x prompt arm x exit mode: an all-pairs covering of
+# the product (18 of its 96 cases: every two factors' values meet in some case; see
+# `test_the_cases_cover_every_pair_of_the_product`). Every run mixes greedy and seeded
+# requests (odd requests sample, even ones are greedy), so the sampling axis is covered
+# inside each run.
+PRODUCT = [
     (preemption, layout, mode, arm, exit_mode)
     for preemption in ("recompute", "swap")
     for layout in ("last_exited", "shared")
@@ -32,6 +34,7 @@ CASES = [
     # SHARED rejects wavefront and mixed prompt work at start-up (test_prompt_scheduling).
     if layout == "last_exited" or arm in ("atomic", "per_depth")
 ]
+CASES = pairwise(PRODUCT)
 # The dense reference depends only on the layout, the exit mode and the request, so each is
 # computed once per (checkpoint, layout, exit mode, workload seed, request).
 _REFERENCES: dict[tuple, object] = {}
@@ -380,3 +383,14 @@ def test_preempted_logprobs_and_text_match_an_uninterrupted_run(
             else:
                 assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-6)
     assert_all_released(tight)
+
+
+def test_the_cases_cover_every_pair_of_the_product():
+    """The covering is complete: any two factors' values that meet in the product meet in a
+    chosen case (and a case set missing one is caught)."""
+
+    def pairs(cases):
+        return {(i, c[i], j, c[j]) for c in cases for i in range(5) for j in range(i + 1, 5)}
+
+    assert pairs(CASES) == pairs(PRODUCT) and len(CASES) < len(PRODUCT) // 4
+    assert pairs(CASES[1:]) != pairs(PRODUCT)  # every chosen case adds a pair

@@ -24,19 +24,24 @@ MIN_REPETITION_PENALTY = 1e-4  # see `_validate`
 class StructuredOutput:
     """A constraint on a request's output (needs the `structured` extra, llguidance): exactly
     one of a JSON schema (`json_schema`, a dict or its JSON text; `{"type": "object"}` is any
-    JSON object), a regular expression the whole output matches (`regex`), or a list of
-    strings the output is one of (`choice`)."""
+    JSON object), a regular expression the whole output matches (`regex`), a list of
+    strings the output is one of (`choice`), or a Lark grammar in llguidance's dialect
+    (`grammar`; the server's enforced tool calls, `loopserve.text.tools.call_grammar`)."""
 
     json_schema: str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         def bad(why: str) -> InvalidRequestError:
             return InvalidRequestError(f"structured output {why}", param="response_format")
 
-        if sum(value is not None for value in (self.json_schema, self.regex, self.choice)) != 1:
-            raise bad("needs exactly one of json_schema, regex, choice")
+        given = (self.json_schema, self.regex, self.choice, self.grammar)
+        if sum(value is not None for value in given) != 1:
+            raise bad("needs exactly one of json_schema, regex, choice, grammar")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise bad("grammar must be a string")
         if isinstance(self.json_schema, dict):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
         if self.json_schema is not None and not isinstance(self.json_schema, str):
@@ -56,6 +61,8 @@ class StructuredOutput:
     def kind(self) -> str:
         if self.json_schema is not None:
             return "JSON schema"
+        if self.grammar is not None:
+            return "grammar"
         return "regex" if self.regex is not None else "choice"
 
 

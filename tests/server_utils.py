@@ -124,9 +124,10 @@ def wait_all_blocks_free(base_url: str, timeout_s: float = 15.0) -> dict[str, fl
         time.sleep(0.05)
 
 
-def in_process_calls(engine, model_name: str, calls):
+def in_process_calls(engine, model_name: str, calls, **app_options):
     """Serve `engine` in-process (its `AsyncLLM` behind the OpenAI app, over an ASGI
-    transport) and return `await calls(client)`, an httpx client at "http://t"."""
+    transport) and return `await calls(client)`, an httpx client at "http://t".
+    `app_options`: `build_app`'s keyword arguments."""
     import asyncio
 
     from loopserve.engine.async_llm import AsyncLLM
@@ -136,7 +137,7 @@ def in_process_calls(engine, model_name: str, calls):
         async_llm = AsyncLLM(engine)
         async_llm.start()
         assert await async_llm.wait_ready(timeout_s=30)
-        transport = httpx.ASGITransport(app=build_app(async_llm, model_name))
+        transport = httpx.ASGITransport(app=build_app(async_llm, model_name, **app_options))
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                 return await calls(client)

@@ -395,7 +395,7 @@ BAD_INPUTS = {
         400,
         "messages",
     ),
-    "tools_unsupported": ("/v1/chat/completions", CHAT | {"tools": []}, 400, "tools"),
+    "tools_empty": ("/v1/chat/completions", CHAT | {"tools": []}, 400, "tools"),
     "chat_unknown_model": ("/v1/chat/completions", CHAT | {"model": "x"}, 404, "model"),
     # Item 4: more sequences than can ever be in flight is a 400 naming the limit, not a 429.
     "never_admissible": ("/v1/completions", GOOD | {"prompt": ["a"] * 5, "n": 64}, 400, "n"),

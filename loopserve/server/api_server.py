@@ -62,6 +62,7 @@ from loopserve.server.serving_chat import create_chat_completion
 from loopserve.server.serving_common import ApiError, ServingContext
 from loopserve.server.serving_completions import create_completion
 from loopserve.text.reasoning import PARSERS as REASONING_PARSERS
+from loopserve.text.tools import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to end
@@ -89,6 +90,7 @@ def build_app(
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     request_defaults: dict[str, object] | None = None,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = "hermes",
 ) -> FastAPI:
     """The FastAPI app serving `client` (an `EngineClient`: one engine, or a pool of replicas)
     as `served_model_name`.
@@ -97,7 +99,9 @@ def build_app(
     shutdown, drains the engine within `shutdown_timeout_s`. `allowed_hosts=None` accepts any
     Host header; `api_key=None` needs no key; `request_defaults` fill the looped-model fields
     a request leaves unset (`--request-defaults`); `reasoning_parser` names a parser of
-    `text/reasoning.py` that moves chat answers' reasoning into `reasoning_content`.
+    `text/reasoning.py` that moves chat answers' reasoning into `reasoning_content`;
+    `tool_call_parser` one of `text/tools.py` that reads tool calls from chat answers (None:
+    `tool_choice` 'auto' is refused; 'required' and named calls still work).
     """
     ctx = ServingContext(
         client,
@@ -106,6 +110,7 @@ def build_app(
         default_max_tokens_cap=default_max_tokens,
         request_defaults=dict(request_defaults or {}),
         reasoning_parser=None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser],
+        tool_call_parser=None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser],
     )
 
     @contextlib.asynccontextmanager
@@ -275,6 +280,7 @@ def make_server(
         default_max_tokens=args.default_max_tokens,
         request_defaults=args.request_defaults,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
     )
     config = uvicorn.Config(
         app,

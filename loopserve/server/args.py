@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from loopserve.text.reasoning import PARSERS as REASONING_PARSERS
+from loopserve.text.tools import PARSERS as TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**2
 DEFAULT_MODEL_NAME = "loopserve-default"
@@ -121,6 +122,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="move the reasoning a chat answer writes between <think> and </think> into "
         "`reasoning_content` (messages and stream deltas) and count its tokens in "
         "usage.completion_tokens_details.reasoning_tokens (default: none, text as written)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=[*sorted(TOOL_PARSERS), "none"],
+        help="read tool calls from chat answers that offered tools: hermes reads "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks into tool_calls '
+        "(finish_reason tool_calls); none refuses tool_choice auto (required and named calls "
+        "are enforced by a grammar either way)",
     )
     group.add_argument(
         "--header-timeout-s",

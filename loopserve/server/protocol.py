@@ -193,15 +193,88 @@ class ContentPart(_Request):
     text: str
 
 
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not _FUNCTION_NAME.fullmatch(name):
+            raise ValueError("a function name is 1-64 letters, digits, '_' or '-'")
+        return name
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends and returns it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    """A message of the history. An assistant message may carry `tool_calls` (its content
+    may then be null); a `tool` message answers one call (`tool_call_id`)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # what the openai SDK echoes back from an assistant message
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id belongs to tool messages, and every one has it")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it (`loopserve.text.tools.render`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -210,12 +283,58 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1)  # OpenAI's rule
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         return self
+
+    def check_tools(self) -> None:
+        """OpenAI's rules for `tools` and `tool_choice`, each a 400 naming the parameter."""
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("tools name a function twice", param="tools")
+        for tool in self.tools or ():
+            parameters = tool.function.parameters
+            if parameters is not None and parameters.get("type", "object") != "object":
+                raise InvalidRequestError(
+                    f"tools: the parameters of {tool.function.name!r} must be an object schema",
+                    param="tools",
+                )
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            raise InvalidRequestError(
+                "tool_choice needs tools: it is only allowed when tools are specified",
+                param="tool_choice",
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequestError(
+                f"tool_choice names {choice.function.name!r}, which is not in tools",
+                param="tool_choice",
+            )
+        if self.forced_tool() is not False and self.structured_output() is not None:
+            raise InvalidRequestError(
+                "tool_choice 'required' or a named function already constrains the output: "
+                "give no response_format or guided_* with it",
+                param="tool_choice",
+            )
+
+    def offers_tools(self) -> bool:
+        """The model is told about tools (some are given and tool_choice is not 'none')."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tool(self) -> str | None | bool:
+        """False: calls are not enforced (`auto`, `none`, no tools); None: some call is
+        (`required`); a name: that function's call is."""
+        if not self.tools:
+            return False
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None if self.tool_choice == "required" else False
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -311,15 +430,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]  # {"name", "arguments" (JSON text)}
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the message is only tool calls (OpenAI's shape)
     # The reasoning a `--reasoning-parser` moved out of `content` (absent without one).
     reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None  # absent without calls
 
     @model_serializer(mode="wrap")
     def _reasoning_only_when_set(self, handler):
-        return _without_unset(handler(self), ("reasoning_content",))
+        return _without_unset(handler(self), ("reasoning_content", "tool_calls"))
 
 
 class ChatChoice(BaseModel):
@@ -343,16 +469,27 @@ class ChatCompletionResponse(BaseModel):
     prompt_exit_depths: list[int | None] | None = None  # the loops that scored it
 
 
+class DeltaToolCall(BaseModel):
+    """A streamed call (OpenAI's incremental shape): `index` says which call of the choice;
+    this server sends each call whole in one delta (id, type, name and all arguments)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None  # with `--reasoning-parser`
+    tool_calls: list[DeltaToolCall] | None = None  # with tools
 
     @model_serializer(mode="wrap")
     def _role_only_when_set(self, handler):
         # OpenAI sends the role in the first delta only; later deltas carry no role key
-        # (never "role": null, which some clients reject); likewise the reasoning.
-        return _without_unset(handler(self), ("role", "reasoning_content"))
+        # (never "role": null, which some clients reject); likewise the reasoning and calls.
+        return _without_unset(handler(self), ("role", "reasoning_content", "tool_calls"))
 
 
 class ChatStreamChoice(BaseModel):

@@ -6,6 +6,12 @@ The prompt is rendered with the model's chat template and tokenized without extr
 `role: "assistant"` delta per choice first, then content deltas, a final chunk with
 `finish_reason`, an optional usage chunk and `[DONE]`. Every choice carries `exit_depths` (loops
 used per output token).
+
+Tools (`loopserve.text.tools`): the request's `tools` reach the model through its chat
+template (or, for a template that does not render tools, the Hermes convention written into
+the messages); `tool_choice` `required` or a named function constrains the output to call
+blocks with a grammar; the server's tool-call parser turns the answer's call blocks into
+`tool_calls` (`finish_reason` `tool_calls`), streamed as one delta per call.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loopserve.engine.client import EngineStream, GenerateRequest
-from loopserve.errors import EngineDeadError, EngineNotReadyError
+from loopserve.errors import EngineDeadError, EngineNotReadyError, InvalidRequestError
 from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.sampling_params import StructuredOutput
 from loopserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -31,9 +38,12 @@ from loopserve.server.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaToolCall,
+    ResponseToolCall,
 )
 from loopserve.server.serving_common import (
     SSE_DONE,
+    ApiError,
     ServingContext,
     cancel_on_disconnect,
     choice_seed,
@@ -51,6 +61,7 @@ from loopserve.server.serving_common import (
     usage,
     vllm_prompt_logprobs,
 )
+from loopserve.text import tools as tool_text
 from loopserve.text.reasoning import ReasoningParser, ReasoningStream, reasoning_token_count
 from loopserve.text.tokenizer import Tokenizer
 
@@ -62,10 +73,14 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     tokenizer = ctx.tokenizer()
     processor = ctx.input_processor()
-    messages = _messages(body)
+    tools = _Tools.of(ctx, body, tokenizer)
+    messages, template_tools = tools.render(body)
     processed = await process_text(
-        lambda: processor.process_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        lambda: processor.process_chat(
+            messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools
+        )
     )
+    constraint = await process_text(lambda: tools.constraint(body, processor))
     prompt_ids = processed.token_ids
     # 0 is a value (a 400 from SamplingParams), not "unset".
     max_tokens = (
@@ -87,6 +102,7 @@ async def create_chat_completion(
                 seed=choice_seed(body.seed, i),
                 extra_stop_token_ids=stop_ids,
                 stream=body.stream,
+                structured=constraint,
             ),
         )
         for i in range(body.n)
@@ -94,14 +110,16 @@ async def create_chat_completion(
     stream = await submit(ctx, requests)
     reasoning = _Reasoning.of(ctx.reasoning_parser, tokenizer, prompt_ids)
     if body.stream:
-        events = _stream_events(ctx, body, response_id, stream, requests, tokenizer, reasoning)
+        events = _stream_events(
+            ctx, body, response_id, stream, requests, tokenizer, reasoning, tools
+        )
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await cancel_on_disconnect(http_request, collect_finals(stream))
     stream.close()
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     outputs = [finals[request.request_id] for request in requests]
-    messages = [reasoning.message(out.text) for out in outputs]
+    messages = [tools.message(reasoning.message(out.text)) for out in outputs]
     response = ChatCompletionResponse(
         id=response_id,
         model=ctx.served_model_name,
@@ -110,7 +128,9 @@ async def create_chat_completion(
                 index=index,
                 message=messages[index],
                 logprobs=_logprobs(body, tokenizer, out.logprobs or []),
-                finish_reason=out.finish_reason,
+                finish_reason=tools.finish_reason(
+                    out.finish_reason, bool(messages[index].tool_calls)
+                ),
                 stop_reason=out.stop_reason,
                 exit_depths=out.exit_depths,
                 token_ids=out.token_ids if body.return_token_ids else None,
@@ -182,14 +202,110 @@ class _Reasoning:
         )
 
 
-def _messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    messages = []
-    for message in body.messages:
-        rendered = {"role": message.role, "content": message.text()}
-        if message.name is not None:
-            rendered["name"] = message.name
-        messages.append(rendered)
-    return messages
+class _Tools:
+    """Tool calling for one chat request: its messages and tools for the template, the
+    grammar of an enforced call, and its answers' calls (whole, or per streamed choice)."""
+
+    def __init__(self, parser, names: list[str], native: bool, specials) -> None:
+        self.parser = parser  # None: no calls are read (no tools offered)
+        self.names = names
+        self.native = native
+        self.specials = specials
+
+    @classmethod
+    def of(cls, ctx: ServingContext, body: ChatCompletionRequest, tokenizer: Tokenizer | None):
+        try:
+            body.check_tools()
+        except InvalidRequestError as err:
+            raise ApiError(400, err.message, param=err.param) from None
+        forced = body.forced_tool() is not False
+        parser = None
+        if body.offers_tools():
+            parser = ctx.tool_call_parser
+            if forced:  # the grammar writes Hermes blocks whatever the server reads
+                parser = parser or tool_text.PARSERS["hermes"]
+            elif parser is None:
+                raise ApiError(
+                    400,
+                    "tool_choice 'auto' needs a tool-call parser; this server runs with "
+                    "--tool-call-parser none (use 'required' or a named function, or 'none')",
+                    param="tool_choice",
+                )
+        native = tokenizer is not None and tool_text.template_reads_tools(tokenizer.chat_template)
+        names = [tool.function.name for tool in body.tools or ()]
+        specials = tokenizer.special_texts if tokenizer is not None else ()
+        return cls(parser, names, native, specials)
+
+    def render(self, body: ChatCompletionRequest):
+        """(messages, the template's `tools`) of the request."""
+        raw = [message.template_dict() for message in body.messages]
+        if self.native:  # the template renders the calls: they must not forge a turn
+            for index, message in enumerate(raw):
+                text = str(message.get("tool_calls", ""))
+                if any(special in text for special in self.specials):
+                    raise ApiError(
+                        400,
+                        f"messages[{index}].tool_calls spells a special token",
+                        param="messages",
+                    )
+        listed = None
+        if body.offers_tools():
+            listed = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+        try:
+            return tool_text.render(raw, listed, native=self.native)
+        except InvalidRequestError as err:
+            raise ApiError(400, err.message, param=err.param) from None
+
+    def constraint(self, body: ChatCompletionRequest, processor) -> StructuredOutput | None:
+        """The grammar of an enforced call (`required`, a named function), checked against
+        the tokenizer (a schema llguidance cannot compile is a 400 naming `tools`)."""
+        forced = body.forced_tool()
+        if forced is False:
+            return None
+        listed = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+        grammar = tool_text.call_grammar(listed, forced, parallel=body.parallel_tool_calls)
+        constraint = StructuredOutput(grammar=grammar)
+        if processor.structured is None:
+            raise ApiError(400, "enforced tool calls need the model's tokenizer", param="tools")
+        try:
+            processor.structured.check(constraint, param="tools")
+        except InvalidRequestError as err:
+            raise ApiError(400, err.message, param=err.param) from None
+        return constraint
+
+    def message(self, message: ChatResponseMessage) -> ChatResponseMessage:
+        if self.parser is None or message.content is None:
+            return message
+        content, calls = self.parser.parse(message.content, self.names)
+        if not calls:
+            return message
+        listed = [ResponseToolCall(**call.openai()) for call in calls]
+        return message.model_copy(update={"content": content, "tool_calls": listed})
+
+    def stream(self) -> tool_text.ToolCallStream | None:
+        return None if self.parser is None else self.parser.stream(self.names)
+
+    @staticmethod
+    def finish_reason(reason: str | None, called: bool) -> str | None:
+        """OpenAI's `tool_calls` for an answer that stopped after calling."""
+        return "tool_calls" if called and reason == "stop" else reason
+
+    @staticmethod
+    def delta(splitter, delta: ChatDelta, finished: bool, first_index: int) -> ChatDelta:
+        """`delta` with its content's call blocks taken out, and the calls completed in it
+        (numbered from `first_index`)."""
+        if splitter is None:
+            return delta
+        content, calls = splitter.feed(delta.content or "")
+        if finished:
+            rest, _ = splitter.finish()
+            content += rest
+        if not calls:
+            return delta.model_copy(update={"content": content})
+        listed = [
+            DeltaToolCall(index=first_index + i, **call.openai()) for i, call in enumerate(calls)
+        ]
+        return delta.model_copy(update={"content": content or None, "tool_calls": listed})
 
 
 def _logprobs(
@@ -220,11 +336,14 @@ async def _stream_events(
     requests: list[GenerateRequest],
     tokenizer: Tokenizer | None,
     reasoning: _Reasoning,
+    tools: _Tools,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     index_of = {request.request_id: i for i, request in enumerate(requests)}
     finals: dict[int, RequestOutput] = {}
     splitters = [reasoning.stream() for _ in requests]
+    call_splitters = [tools.stream() for _ in requests]
+    num_calls = [0] * len(requests)  # each choice's calls sent so far
     # Each choice's tokens (outputs carry deltas), kept only for the reasoning-token count.
     output_ids: list[list[int]] = [[] for _ in requests]
     loops = [0] * len(requests)  # each choice's loops so far
@@ -257,11 +376,14 @@ async def _stream_events(
                     finals[index] = out
                 if not (out.new_text or out.new_token_ids or out.finished):
                     continue
+                delta = reasoning.delta(splitters[index], out.new_text, out.finished)
+                delta = tools.delta(call_splitters[index], delta, out.finished, num_calls[index])
+                num_calls[index] += len(delta.tool_calls or ())
                 choice = ChatStreamChoice(
                     index=index,
-                    delta=reasoning.delta(splitters[index], out.new_text, out.finished),
+                    delta=delta,
                     logprobs=_logprobs(body, tokenizer, new_logprobs(out)),
-                    finish_reason=out.finish_reason,
+                    finish_reason=tools.finish_reason(out.finish_reason, num_calls[index] > 0),
                     stop_reason=out.stop_reason if out.finished else None,
                     exit_depths=out.new_exit_depths,
                     token_ids=out.new_token_ids if body.return_token_ids else None,

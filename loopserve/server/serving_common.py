@@ -38,7 +38,7 @@ from loopserve.errors import (
     client_error_in,
 )
 from loopserve.outputs import RequestOutput, TokenLogprob
-from loopserve.sampling_params import SamplingParams
+from loopserve.sampling_params import SamplingParams, StructuredOutput
 from loopserve.server.args import DEFAULT_CHAT_MAX_TOKENS
 from loopserve.server.protocol import (
     CompletionLogprobs,
@@ -54,6 +54,7 @@ from loopserve.server.protocol import (
 from loopserve.text.input_processor import InputProcessor, check_stop_strings
 from loopserve.text.reasoning import ReasoningParser
 from loopserve.text.tokenizer import Tokenizer
+from loopserve.text.tools import HermesToolParser
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
@@ -94,6 +95,8 @@ class ServingContext:
     request_defaults: dict[str, object] = field(default_factory=dict)
     # Moves chat answers' reasoning into `reasoning_content` (`--reasoning-parser`).
     reasoning_parser: ReasoningParser | None = None
+    # Reads tool calls from chat answers that offered tools (`--tool-call-parser`).
+    tool_call_parser: HermesToolParser | None = None
     # `/tokenize` and `/detokenize` work runs here, apart from the pool that tokenizes the
     # prompts of generation requests: huge `/tokenize` bodies cannot hold those up.
     tokenize_pool: ThreadPoolExecutor = field(
@@ -185,12 +188,14 @@ def sampling_params(
     extra_stop_token_ids: tuple[int, ...] = (),
     stream: bool = False,
     prompt_logprobs: int | None = None,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """`SamplingParams` for one choice; its validation errors (and the stop-string limits)
     become 400s naming the field. A streamed choice asks for "delta" outputs (per-chunk work
     independent of the stream's length), any other for its final output only. The engine
     scores the prompt with the larger of `prompt_logprobs` (the caller's: completions' echo)
-    and the request's own vLLM field."""
+    and the request's own vLLM field. `structured`: a constraint of the server's own (an
+    enforced tool call) in place of the request's."""
     if request.prompt_logprobs is not None:
         if stream:
             raise ApiError(
@@ -214,7 +219,7 @@ def sampling_params(
         "speculative": request.speculative,
     }
     try:
-        fields["structured_output"] = request.structured_output()
+        fields["structured_output"] = structured or request.structured_output()
         params = SamplingParams(
             **{name: value for name, value in fields.items() if value is not None},
             max_loops=request.max_loops,

@@ -80,7 +80,11 @@ class InputProcessor:
         return ProcessedPrompt(None, token_ids)
 
     def process_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ProcessedPrompt:
         """Render `messages` with the chat template and tokenize the result (text in a
         message that spells a special token stays plain text: `Tokenizer.encode_chat`)."""
@@ -100,6 +104,7 @@ class InputProcessor:
             messages,
             add_generation_prompt=add_generation_prompt,
             check_text=lambda text: self.check_chars(len(text), "messages"),
+            tools=tools,
         )
         self._check_token_ids(token_ids, param="messages")
         return ProcessedPrompt(text, token_ids)

@@ -44,6 +44,8 @@ def grammar_of(constraint: StructuredOutput) -> str:
         )
     if constraint.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(constraint.regex)
+    if constraint.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(constraint.grammar)
     assert constraint.choice is not None
     alternatives = " | ".join(json.dumps(choice) for choice in constraint.choice)
     return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
@@ -104,17 +106,17 @@ class StructuredOutputs:
             )
         return self._lltokenizer
 
-    def check(self, constraint: StructuredOutput) -> None:
-        """Raise `InvalidRequestError` (param `response_format`) unless the constraint
-        compiles for this tokenizer."""
+    def check(self, constraint: StructuredOutput, param: str = PARAM) -> None:
+        """Raise `InvalidRequestError` (naming `param`: `response_format`, or `tools` for an
+        enforced tool call) unless the constraint compiles for this tokenizer."""
         llguidance = _llguidance()
         try:
             grammar = grammar_of(constraint)
         except ValueError as err:  # not valid JSON
-            raise InvalidRequestError(f"invalid JSON schema: {err}", param=PARAM) from None
+            raise InvalidRequestError(f"invalid JSON schema: {err}", param=param) from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
         if error:
-            raise InvalidRequestError(f"invalid {constraint.kind}: {error}", param=PARAM)
+            raise InvalidRequestError(f"invalid {constraint.kind}: {error}", param=param)
         if constraint.json_schema is not None:
             # A schema whose language is empty (`{"$ref": "#"}` refers only to itself) lets
             # the output stop at once: an empty text, which is no JSON value.

@@ -14,6 +14,7 @@ belong to the engine; only stop *strings* are matched here, because they live in
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -145,14 +146,19 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         check_text: Callable[[str], None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """The chat prompt of `messages` (text, token ids). Text in a message's content that
         spells a special token (`<|im_end|>`, ...) is encoded as plain text, never as the
         control token: a user cannot forge a turn. A prompt whose contents spell none is
         encoded as a whole, as before; one whose contents do is encoded in pieces: the
         template's text between the contents with special tokens, each content without.
-        `check_text(text)` runs on the rendered prompt before anything is encoded."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        `check_text(text)` runs on the rendered prompt before anything is encoded. `tools`:
+        the template's `tools` variable (for a template that renders tools)."""
+        render = functools.partial(
+            self.apply_chat_template, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+        text = render(messages)
         if check_text is not None:
             check_text(text)
         specials = self.special_texts
@@ -160,7 +166,7 @@ class Tokenizer:
             return text, self.encode(text)
         marks = [_CONTENT_MARK.format(i) for i in range(len(messages))]
         marked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
-        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        rendered = render(marked)
         pieces = _CONTENT_MARK_PATTERN.split(rendered)  # template, index, template, index, ...
         indices = [int(index) for index in pieces[1::2]]
         contents = [m["content"] for m in messages]
@@ -200,17 +206,24 @@ class Tokenizer:
         return self.chat_template is not None
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` into a prompt string; malformed input raises InvalidRequestError."""
+        """Render `messages` into a prompt string (`tools`: the template's `tools` variable,
+        left undefined when None); malformed input raises InvalidRequestError."""
         _check_messages(messages)
         template = self._template()
+        extra = {} if tools is None else {"tools": tools}
         try:
             return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **extra,
             )
         except InvalidRequestError:
             raise

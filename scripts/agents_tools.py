@@ -1,0 +1,130 @@
+"""Agent frameworks' tool calling against `loopserve serve`, unchanged (docs/serving.md,
+"Tool calling").
+
+Runs against a server you started (`--base-url`, `--model`), e.g.
+
+    loopserve serve --port 8000 --served-model-name loopserve-demo
+
+in its own environment, so the frameworks are not the project's dependencies:
+
+    python3 -m venv /tmp/agents && /tmp/agents/bin/pip install langchain-openai openai-agents
+    /tmp/agents/bin/python scripts/agents_tools.py --base-url http://127.0.0.1:8000/v1
+
+1. LangChain: `ChatOpenAI(...).bind_tools([get_weather], tool_choice="required")`, the
+   tool run, its `ToolMessage` and the final answer.
+2. The openai-agents SDK: an `Agent` with a `function_tool` over `OpenAIChatCompletionsModel`,
+   `tool_choice="required"` for its first turn (the SDK resets it to auto after a call), run
+   to its final output by `Runner.run`.
+
+The embedded demo model writes no sensible text: what this shows is that the frameworks'
+requests are accepted, their tool calls parse into the frameworks' own call objects, the
+tools run and the loop ends. It prints one JSON line per step and exits non-zero on failure.
+`--record FILE` writes every request body the frameworks sent, one JSON line each
+(tests/fixtures/agent_tool_requests.jsonl holds such a recording; tests/test_server_tools.py
+replays it).
+"""
+
+import argparse
+import asyncio
+import json
+from typing import Annotated
+
+import httpx
+
+WEATHER = {"Paris": "22 C, sunny", "Oslo": "-3 C, snow"}
+RECORDED: list[dict] = []
+
+
+def _record(request: httpx.Request) -> None:
+    RECORDED.append({"path": request.url.path, "body": json.loads(request.content)})
+
+
+async def _record_async(request: httpx.Request) -> None:
+    _record(request)
+
+
+def say(step: str, **fields) -> None:
+    print(json.dumps({"step": step, **fields}, default=str), flush=True)
+
+
+def langchain_loop(base_url: str, model: str) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import Field
+
+    @tool
+    def get_weather(city: Annotated[str, Field(max_length=24)]) -> str:
+        """The weather in a city."""
+        return WEATHER.get(city, "12 C, cloudy")
+
+    llm = ChatOpenAI(base_url=base_url, api_key="none", model=model, temperature=0,
+                     max_tokens=200,
+                     http_client=httpx.Client(event_hooks={"request": [_record]}))  # fmt: skip
+    messages = [HumanMessage("What is the weather in Paris?")]
+    first = llm.bind_tools([get_weather], tool_choice="required").invoke(messages)
+    assert first.tool_calls, first
+    say("langchain.tool_calls", calls=first.tool_calls)
+    messages.append(first)
+    for call in first.tool_calls:
+        result = get_weather.invoke(call["args"])
+        messages.append(ToolMessage(result, tool_call_id=call["id"]))
+    final = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    assert not final.tool_calls and isinstance(final.content, str), final
+    say("langchain.final", content=final.content[:80])
+
+
+async def agents_loop(base_url: str, model: str) -> None:
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+    from pydantic import Field
+
+    set_tracing_disabled(True)  # no traces leave the machine
+    calls = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=24)]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return WEATHER.get(city, "12 C, cloudy")
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none",
+                         http_client=httpx.AsyncClient(event_hooks={"request": [_record_async]}))  # fmt: skip
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=120),
+    )
+    result = await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
+    assert calls, "the agent called no tool"
+    say("agents.tool_calls", cities=calls)
+    say("agents.final", output=str(result.final_output)[:80])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--model", default="loopserve-demo")
+    parser.add_argument("--record", default=None, help="write the request bodies sent here")
+    args = parser.parse_args()
+    langchain_loop(args.base_url, args.model)
+    asyncio.run(agents_loop(args.base_url, args.model))
+    if args.record:
+        with open(args.record, "w") as out:
+            for entry in RECORDED:
+                out.write(json.dumps(entry) + "\n")
+    say("done", requests=len(RECORDED))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -134,3 +134,37 @@ def test_enforced_calls_are_bounded_and_compile():
     )  # at most one call per tool
     assert call_grammar(TOOLS, "add", parallel=True).splitlines()[0] == "start: call"
     assert '"get_weather"' not in call_grammar(TOOLS, "add", parallel=False)
+
+
+QWEN_STYLE = (  # the tool part of Qwen2.5's template, as Hugging Face templates read tools
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{%- for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_the_tokenizer_passes_tools_to_a_template_that_reads_them(tiny_tok_dir):
+    from loopserve.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_tok_dir)
+    tokenizer.chat_template, tokenizer._compiled_template = QWEN_STYLE, None
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    assert template_reads_tools(tokenizer.chat_template)
+    messages, tools = render(history, TOOLS, native=True)
+    text, token_ids = tokenizer.encode_chat(messages, tools=tools)
+    assert json.dumps(TOOLS[0]) in text.replace("\\u003c", "<")
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert token_ids and tokenizer.decode(token_ids, skip_special_tokens=False) == text

@@ -91,6 +91,7 @@ def build_app(
     request_defaults: dict[str, object] | None = None,
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = "hermes",
+    json_schema_closed: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `client` (an `EngineClient`: one engine, or a pool of replicas)
     as `served_model_name`.
@@ -101,7 +102,8 @@ def build_app(
     a request leaves unset (`--request-defaults`); `reasoning_parser` names a parser of
     `text/reasoning.py` that moves chat answers' reasoning into `reasoning_content`;
     `tool_call_parser` one of `text/tools.py` that reads tool calls from chat answers (None:
-    `tool_choice` 'auto' is refused; 'required' and named calls still work).
+    `tool_choice` 'auto' is refused; 'required' and named calls still work);
+    `json_schema_closed` closes every JSON schema's objects that say nothing of other keys.
     """
     ctx = ServingContext(
         client,
@@ -111,6 +113,7 @@ def build_app(
         request_defaults=dict(request_defaults or {}),
         reasoning_parser=None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser],
         tool_call_parser=None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser],
+        close_json_objects=json_schema_closed,
     )
 
     @contextlib.asynccontextmanager
@@ -281,6 +284,7 @@ def make_server(
         request_defaults=args.request_defaults,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        json_schema_closed=args.json_schema_closed,
     )
     config = uvicorn.Config(
         app,

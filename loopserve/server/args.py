@@ -133,6 +133,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "are enforced by a grammar either way)",
     )
     group.add_argument(
+        "--json-schema-closed",
+        action="store_true",
+        help="treat every JSON schema's objects that list properties and say nothing of "
+        "others as closed (additionalProperties false), as vLLM's guidance backend can; "
+        "response_format json_schema with strict: true is closed either way (OpenAI "
+        "requires it); an open object lets a model add keys until max_tokens",
+    )
+    group.add_argument(
         "--header-timeout-s",
         type=float,
         default=DEFAULT_HEADER_TIMEOUT_S,

@@ -16,6 +16,7 @@ to every choice.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any, Literal
@@ -31,11 +32,23 @@ from pydantic import (
 
 from loopserve.errors import InvalidRequestError
 from loopserve.sampling_params import StructuredOutput
+from loopserve.text.structured import close_objects as closed_schema
 
 MAX_N = 64
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a `logit_bias` key
+
+
+def _json_value(value: Any) -> Any:
+    """A schema given as JSON text, parsed (text that is not JSON stays as it is: its
+    check reports it)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
 class _Request(BaseModel):
@@ -114,21 +127,27 @@ class SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
 
-    def structured_output(self) -> StructuredOutput | None:
+    def structured_output(self, close_objects: bool = False) -> StructuredOutput | None:
         """The output constraint the request asks for (None: none); more than one is a 400
-        (`InvalidRequestError` from `StructuredOutput`)."""
+        (`InvalidRequestError` from `StructuredOutput`). A `json_schema` with `strict` (which
+        OpenAI requires to be closed), or any schema when `close_objects` (the server's
+        `--json-schema-closed`), has its objects that say nothing of other keys closed."""
         kinds: dict[str, object] = {}
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             kinds["json_schema"] = {"type": "object"}
         elif fmt is not None and fmt.json_schema is not None:
-            kinds["json_schema"] = fmt.json_schema.schema_ or {"type": "object"}
+            schema = fmt.json_schema.schema_ or {"type": "object"}
+            close = close_objects or bool(fmt.json_schema.strict)
+            kinds["json_schema"] = closed_schema(schema) if close else schema
         for name, value in (
             ("json_schema", self.guided_json),
             ("regex", self.guided_regex),
             ("choice", self.guided_choice),
         ):
             if value is not None:
+                if name == "json_schema" and close_objects:
+                    value = closed_schema(_json_value(value))
                 if name in kinds:
                     raise InvalidRequestError(
                         "give one of response_format, guided_json, guided_regex, guided_choice",

@@ -103,6 +103,7 @@ async def create_chat_completion(
                 extra_stop_token_ids=stop_ids,
                 stream=body.stream,
                 structured=constraint,
+                close_objects=ctx.close_json_objects,
             ),
         )
         for i in range(body.n)

@@ -95,6 +95,8 @@ class ServingContext:
     request_defaults: dict[str, object] = field(default_factory=dict)
     # Moves chat answers' reasoning into `reasoning_content` (`--reasoning-parser`).
     reasoning_parser: ReasoningParser | None = None
+    # `--json-schema-closed`: every JSON schema's objects closed unless they say otherwise.
+    close_json_objects: bool = False
     # Reads tool calls from chat answers that offered tools (`--tool-call-parser`).
     tool_call_parser: HermesToolParser | None = None
     # `/tokenize` and `/detokenize` work runs here, apart from the pool that tokenizes the
@@ -189,13 +191,15 @@ def sampling_params(
     stream: bool = False,
     prompt_logprobs: int | None = None,
     structured: StructuredOutput | None = None,
+    close_objects: bool = False,
 ) -> SamplingParams:
     """`SamplingParams` for one choice; its validation errors (and the stop-string limits)
     become 400s naming the field. A streamed choice asks for "delta" outputs (per-chunk work
     independent of the stream's length), any other for its final output only. The engine
     scores the prompt with the larger of `prompt_logprobs` (the caller's: completions' echo)
     and the request's own vLLM field. `structured`: a constraint of the server's own (an
-    enforced tool call) in place of the request's."""
+    enforced tool call) in place of the request's; `close_objects`: the server's
+    `--json-schema-closed`."""
     if request.prompt_logprobs is not None:
         if stream:
             raise ApiError(
@@ -219,7 +223,7 @@ def sampling_params(
         "speculative": request.speculative,
     }
     try:
-        fields["structured_output"] = structured or request.structured_output()
+        fields["structured_output"] = structured or request.structured_output(close_objects)
         params = SamplingParams(
             **{name: value for name, value in fields.items() if value is not None},
             max_loops=request.max_loops,

@@ -83,6 +83,7 @@ async def create_completion(
             stream=body.stream,
             # echo + logprobs: the prompt's tokens come back scored too (legacy OpenAI shape)
             prompt_logprobs=body.logprobs if body.echo else None,
+            close_objects=ctx.close_json_objects,
         )
         for i in range(body.n)
     ]

@@ -35,6 +35,29 @@ PARAM = "response_format"
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
+def close_objects(schema: Any) -> Any:
+    """`schema` with every object that lists `properties` and says nothing of others closed
+    (`additionalProperties: false`): what OpenAI's `strict` schemas must say, and what
+    vLLM's guidance backend can assume (its `disable-additional-properties`). An open
+    object lets a model add keys until `max_tokens`. Only subschemas are visited (not
+    `enum`, `const` or `default` values)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("items", "additionalProperties", "not", "if", "then", "else", "contains"):
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(item) for item in out[key]]
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(value) for name, value in out[key].items()}
+    if isinstance(schema.get("properties"), dict):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def grammar_of(constraint: StructuredOutput) -> str:
     """The llguidance grammar of a constraint (no tokenizer needed; checked by `check`)."""
     llguidance = _llguidance()

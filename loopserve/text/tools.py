@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopserve.errors import InvalidRequestError
+from loopserve.text.structured import close_objects
 
 START, END = "<tool_call>", "</tool_call>"
 # JSON inside a call block is written as `json.dumps` writes it (the structured-output
@@ -265,25 +266,21 @@ JSON_SAFE_INTEGER = 2**53 - 1
 
 
 def closed(schema: Any) -> Any:
-    """`schema` bounded where it leaves a model room to write until `max_tokens`: every object
-    that lists `properties` and says nothing of others is closed (`additionalProperties:
-    false`, as OpenAI's strict function schemas are), and every integer without bounds gets
-    the JSON-safe range, +-(2**53 - 1) (at most 16 digits). Only subschemas are visited (not
-    `enum` or `default`)."""
+    """`schema` bounded where it leaves a model room to write until `max_tokens`: its objects
+    closed (`close_objects`) and every integer without bounds given the JSON-safe range,
+    +-(2**53 - 1) (at most 16 digits)."""
+    return _bound_integers(close_objects(schema))
+
+
+def _bound_integers(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_bound_integers(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    if schema.get("type") == "integer":
-        schema = {"minimum": -JSON_SAFE_INTEGER, "maximum": JSON_SAFE_INTEGER, **schema}
-    out = dict(schema)
-    for key in ("items", "additionalProperties", "not", "if", "then", "else", "contains"):
-        if isinstance(out.get(key), dict):
-            out[key] = closed(out[key])
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        if isinstance(out.get(key), list):
-            out[key] = [closed(item) for item in out[key]]
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed(value) for name, value in out[key].items()}
-    if isinstance(schema.get("properties"), dict):
-        out.setdefault("additionalProperties", False)
+    out = {}
+    for key, value in schema.items():
+        values_not_schemas = key in ("enum", "const", "default", "examples", "required")
+        out[key] = value if values_not_schemas else _bound_integers(value)
+    if out.get("type") == "integer":
+        out = {"minimum": -JSON_SAFE_INTEGER, "maximum": JSON_SAFE_INTEGER, **out}
     return out

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loopserve.engine.metrics import ServingMetrics
+from loopserve.engine.metrics import ServingMetrics, vllm_engine_families
 from loopserve.engine.stats import EngineStats
 
 
@@ -110,6 +110,7 @@ class _PoolCollector:
         self.num_in_flight = 0
         self.is_ready = False
         self.kv_transport_fallback = 0
+        self.model_name = "loopserve"
 
     def describe(self) -> list[Metric]:
         return []
@@ -119,6 +120,16 @@ class _PoolCollector:
         if pool is None:
             return
         num_serving = sum(r.state == "serving" for r in pool.replicas)
+        snapshots = [r.snapshot for r in pool.replicas]
+        total = sum(s.kv_blocks_total for s in snapshots)
+        used = sum(s.kv_blocks_total - s.kv_blocks_free for s in snapshots)
+        yield from vllm_engine_families(
+            self.model_name,
+            running=sum(s.num_running for s in snapshots),
+            waiting=sum(s.num_waiting for s in snapshots),
+            kv_usage=used / total if total else 0.0,
+            generation_tokens=sum(s.num_output_tokens for s in snapshots),
+        )
         for name, help_text, value in (
             ("loopserve_ready", "1 when at least one replica serves.", int(self.is_ready)),
             (
@@ -190,6 +201,7 @@ class PoolMetrics(ServingMetrics):
 
     def render(self, gauges: PoolSnapshot, *, num_in_flight: int, is_ready: bool) -> str:  # type: ignore[override]
         self._pool.snapshot = gauges
+        self._pool.model_name = self.model_name
         self._pool.num_in_flight = num_in_flight
         self._pool.is_ready = is_ready
         return prometheus_client.generate_latest(self._scrape_registry).decode()

@@ -5,7 +5,17 @@ inter-token latency, end-to-end latency) as the engine thread finishes requests;
 metrics are thread-safe. Engine gauges (running, waiting, KV blocks, core calls, ...) are read
 from the latest engine snapshot by a collector at scrape time. `render` returns the Prometheus
 text. Metric names carry the `loopserve_` prefix and unit suffixes (`_seconds`, `_total`,
-`_blocks`).
+`_blocks`). Loop accounting: `loopserve_exit_depth` (a histogram of the loops each output
+token used) and `loopserve_generation_loops_total` (their sum: loop-tokens), over finished
+requests, so they equal the exit depths the responses report.
+
+vLLM's names beside them (`vllm:` with a `model_name` label, the served model name, with
+vLLM's types and units), so the dashboards people run for vLLM show loopserve:
+`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` and its
+older name `vllm:gpu_cache_usage_perc` (a 0-1 ratio, as vLLM's), `vllm:prompt_tokens_total`,
+`vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`, and the
+histograms `vllm:time_to_first_token_seconds`, `vllm:time_per_output_token_seconds` (and
+`vllm:inter_token_latency_seconds`, its V1 name) and `vllm:e2e_request_latency_seconds`.
 
 Multiprocess mode: when `PROMETHEUS_MULTIPROC_DIR` is set (before this module is imported, as
 `prometheus_client` requires), the per-request counters and histograms are written to that
@@ -33,6 +43,8 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
                  300.0, 600.0)  # fmt: skip
 FINISH_REASONS = ("abort", "error", "length", "stop")
+# Loops per token: up to Huginn's 32 and beyond (the engine serves up to its num_loops).
+EXIT_DEPTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 
@@ -43,6 +55,7 @@ class _EngineCollector:
         self.gauges: EngineStats | None = None
         self.num_in_flight = 0
         self.is_ready = False
+        self.model_name = "loopserve"
 
     def describe(self) -> list[Metric]:
         return []  # no up-front description: the families depend on the snapshot
@@ -51,6 +64,13 @@ class _EngineCollector:
         g = self.gauges
         if g is None:
             return
+        yield from vllm_engine_families(
+            self.model_name,
+            running=g.num_running,
+            waiting=g.num_waiting,
+            kv_usage=g.kv_usage,
+            generation_tokens=g.num_output_tokens,
+        )
         yield CounterMetricFamily(
             "loopserve_generation_tokens", "Output tokens generated.", value=g.num_output_tokens
         )
@@ -142,10 +162,33 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, help_text, value=value)
 
 
+def vllm_engine_families(
+    model_name: str, *, running: int, waiting: int, kv_usage: float, generation_tokens: int
+) -> Iterator[Metric]:
+    """The engine gauges and counters under vLLM's names (the `model_name` label)."""
+    for name, help_text, value in (
+        ("vllm:num_requests_running", "Requests running (vLLM's name).", running),
+        ("vllm:num_requests_waiting", "Requests waiting (vLLM's name).", waiting),
+        ("vllm:kv_cache_usage_perc", "KV cache usage, 1 = full (vLLM's name).", kv_usage),
+        ("vllm:gpu_cache_usage_perc", "KV cache usage, 1 = full (vLLM's older name).", kv_usage),
+    ):
+        family = GaugeMetricFamily(name, help_text, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+    tokens = CounterMetricFamily(
+        "vllm:generation_tokens", "Output tokens generated (vLLM's name).", labels=["model_name"]
+    )
+    tokens.add_metric([model_name], generation_tokens)
+    yield tokens
+
+
 class ServingMetrics:
-    """Per-request counters and latency histograms in a private registry; thread-safe."""
+    """Per-request counters and latency histograms in a private registry; thread-safe.
+    `model_name`: the `model_name` label of the `vllm:` families (the served model name; the
+    server sets it)."""
 
     def __init__(self) -> None:
+        self.model_name = "loopserve"
         self.registry = CollectorRegistry(auto_describe=False)
         self._multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.finished = Counter(
@@ -177,6 +220,18 @@ class ServingMetrics:
             buckets=E2E_BUCKETS_S,
             registry=self.registry,
         )
+        self.exit_depth = Histogram(
+            "loopserve_exit_depth",
+            "Loops each output token used (its exit depth), over finished requests.",
+            buckets=EXIT_DEPTH_BUCKETS,
+            registry=self.registry,
+        )
+        self.loop_tokens = Counter(
+            "loopserve_generation_loops",
+            "Loops over output tokens of finished requests (the sum of their exit depths).",
+            registry=self.registry,
+        )
+        self.vllm = _VllmRequestMetrics(self.registry)
         self._engine = _EngineCollector()
         self._scrape_registry = self.registry
         if self._multiproc_dir:
@@ -197,6 +252,11 @@ class ServingMetrics:
             self.itl.observe(gap_s)
         if metrics.e2e_s is not None and reason != "abort":
             self.e2e.observe(metrics.e2e_s)
+        depths = output.exit_depths
+        for depth in depths:
+            self.exit_depth.observe(depth)
+        self.loop_tokens.inc(sum(depths))
+        self.vllm.observe(self.model_name, output, reason)
 
     def finished_count(self, reason: str) -> int:
         """Requests finished so far with `reason` (this process only)."""
@@ -207,4 +267,39 @@ class ServingMetrics:
         self._engine.gauges = gauges
         self._engine.num_in_flight = num_in_flight
         self._engine.is_ready = is_ready
+        self._engine.model_name = self.model_name
         return prometheus_client.generate_latest(self._scrape_registry).decode()
+
+
+class _VllmRequestMetrics:
+    """The per-request families under vLLM's names, labelled with the served model name."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def histogram(name: str, help_text: str, buckets) -> Histogram:
+            return Histogram(name, help_text, ["model_name"], buckets=buckets, registry=registry)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              TTFT_BUCKETS_S)  # fmt: skip
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token.",
+                              ITL_BUCKETS_S)  # fmt: skip
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.",
+                             ITL_BUCKETS_S)  # fmt: skip
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+                             E2E_BUCKETS_S)  # fmt: skip
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["model_name"], registry=registry)  # fmt: skip
+        self.success = Counter("vllm:request_success", "Requests finished, by reason.",
+                               ["model_name", "finished_reason"], registry=registry)  # fmt: skip
+
+    def observe(self, model_name: str, output: RequestOutput, reason: str) -> None:
+        metrics = output.metrics
+        if metrics.ttft_s is not None:
+            self.ttft.labels(model_name).observe(metrics.ttft_s)
+        for gap_s in metrics.itl_s:
+            self.tpot.labels(model_name).observe(gap_s)
+            self.itl.labels(model_name).observe(gap_s)
+        if metrics.e2e_s is not None and reason != "abort":
+            self.e2e.labels(model_name).observe(metrics.e2e_s)
+        self.prompt_tokens.labels(model_name).inc(len(output.prompt_token_ids))
+        if reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason).inc()

@@ -105,6 +105,9 @@ def build_app(
     `tool_choice` 'auto' is refused; 'required' and named calls still work);
     `json_schema_closed` closes every JSON schema's objects that say nothing of other keys.
     """
+    serving_metrics = getattr(client, "metrics", None)
+    if serving_metrics is not None:  # the `model_name` label of the vLLM-named metrics
+        serving_metrics.model_name = served_model_name
     ctx = ServingContext(
         client,
         served_model_name,

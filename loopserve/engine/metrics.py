@@ -232,6 +232,21 @@ class ServingMetrics:
             registry=self.registry,
         )
         self.vllm = _VllmRequestMetrics(self.registry)
+        # Per loop class (`--loop-classes`): the server registers each request's class at
+        # submission (request id -> class), the count happens when it finishes.
+        self.request_classes: dict[str, str] = {}
+        self.class_requests = Counter(
+            "loopserve_class_requests",
+            "Finished requests per loop class.",
+            ["loop_class"],
+            registry=self.registry,
+        )
+        self.class_loops = Counter(
+            "loopserve_class_generation_loops",
+            "Loop-tokens (sum of output tokens' exit depths) per loop class.",
+            ["loop_class"],
+            registry=self.registry,
+        )
         self._engine = _EngineCollector()
         self._scrape_registry = self.registry
         if self._multiproc_dir:
@@ -257,6 +272,10 @@ class ServingMetrics:
             self.exit_depth.observe(depth)
         self.loop_tokens.inc(sum(depths))
         self.vllm.observe(self.model_name, output, reason)
+        loop_class = self.request_classes.pop(output.request_id, None)
+        if loop_class is not None:
+            self.class_requests.labels(loop_class).inc()
+            self.class_loops.labels(loop_class).inc(sum(depths))
 
     def finished_count(self, reason: str) -> int:
         """Requests finished so far with `reason` (this process only)."""

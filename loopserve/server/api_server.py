@@ -48,6 +48,7 @@ from loopserve.server.args import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MODEL_NAME,
 )
+from loopserve.server.loop_classes import LoopClasses
 from loopserve.server.middleware import (
     HEALTH_CONNECTIONS,
     BodySizeLimitMiddleware,
@@ -92,6 +93,7 @@ def build_app(
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = "hermes",
     json_schema_closed: bool = False,
+    loop_classes: LoopClasses | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `client` (an `EngineClient`: one engine, or a pool of replicas)
     as `served_model_name`.
@@ -103,7 +105,9 @@ def build_app(
     `text/reasoning.py` that moves chat answers' reasoning into `reasoning_content`;
     `tool_call_parser` one of `text/tools.py` that reads tool calls from chat answers (None:
     `tool_choice` 'auto' is refused; 'required' and named calls still work);
-    `json_schema_closed` closes every JSON schema's objects that say nothing of other keys.
+    `json_schema_closed` closes every JSON schema's objects that say nothing of other keys;
+    `loop_classes` are the named loop budgets requests pick by name or API key
+    (`server/loop_classes.py`).
     """
     serving_metrics = getattr(client, "metrics", None)
     if serving_metrics is not None:  # the `model_name` label of the vLLM-named metrics
@@ -117,6 +121,7 @@ def build_app(
         reasoning_parser=None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser],
         tool_call_parser=None if tool_call_parser is None else TOOL_PARSERS[tool_call_parser],
         close_json_objects=json_schema_closed,
+        loop_classes=loop_classes,
     )
 
     @contextlib.asynccontextmanager
@@ -141,6 +146,7 @@ def build_app(
         api_key=api_key,
         allowed_hosts=allowed_hosts,
         metrics_public=metrics_public,
+        class_keys=() if loop_classes is None else loop_classes.keys,
     )
     if allowed_origins:  # outermost, so preflights are answered before the key check
         app.add_middleware(
@@ -288,6 +294,7 @@ def make_server(
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         json_schema_closed=args.json_schema_closed,
+        loop_classes=args.loop_classes,
     )
     config = uvicorn.Config(
         app,

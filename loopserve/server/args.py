@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import Any
 
+from loopserve.server.loop_classes import LoopClasses
 from loopserve.text.reasoning import PARSERS as REASONING_PARSERS
 from loopserve.text.tools import PARSERS as TOOL_PARSERS
 
@@ -20,6 +21,13 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 API_KEY_ENV = "LOOPSERVE_API_KEY"
 # Request fields `--request-defaults` may set: the looped-model extensions.
 REQUEST_DEFAULT_FIELDS = ("min_loops", "max_loops", "exit_threshold", "prompt_logprobs_loop")
+
+
+def _loop_classes(text: str) -> LoopClasses:
+    try:
+        return LoopClasses.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--loop-classes: {err}") from None
 
 
 def with_checkpoint_defaults(defaults: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +139,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         '<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks into tool_calls '
         "(finish_reason tool_calls); none refuses tool_choice auto (required and named calls "
         "are enforced by a grammar either way)",
+    )
+    group.add_argument(
+        "--loop-classes",
+        type=_loop_classes,
+        default=None,
+        help="named loop budgets, as JSON or a JSON file's path: "
+        '{"classes": {name: {exit_threshold, min_loops, max_loops, priority}}, "default": '
+        'name, "api_keys": {key: name}}; a request picks one with "loop_class" or by its '
+        "API key (docs/serving.md, Loop classes)",
     )
     group.add_argument(
         "--json-schema-closed",

@@ -81,9 +81,13 @@ class SecurityMiddleware:
         api_key: str | None,
         allowed_hosts: tuple[str, ...] | None,
         metrics_public: bool,
+        class_keys: tuple[str, ...] = (),
     ) -> None:
+        """`class_keys`: the loop classes' API keys, accepted besides `api_key` (which must
+        be set for any key to be checked)."""
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.class_keys = tuple(key.encode() for key in class_keys)
         self.allowed_hosts = (
             None if allowed_hosts is None else {h.lower().strip("[]") for h in allowed_hosts}
         )
@@ -116,9 +120,9 @@ class SecurityMiddleware:
         needs_key |= path == "/metrics" and not self.metrics_public
         if self.api_key is not None and needs_key and scope["method"] != "OPTIONS":
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode("latin-1"), self.api_key
-            ):
+            sent = token.strip().encode("latin-1")
+            known = [hmac.compare_digest(sent, key) for key in (self.api_key, *self.class_keys)]
+            if scheme.lower() != "bearer" or not any(known):
                 return ApiError(
                     401,
                     "invalid or missing API key: send `Authorization: Bearer <key>`",

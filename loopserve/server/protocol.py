@@ -101,6 +101,8 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0
+    # A named loop budget (`--loop-classes`): its loop fields fill the ones left unset.
+    loop_class: str | None = None
     # Looped-model extensions.
     min_loops: int | None = None
     max_loops: int | None = None
@@ -433,6 +435,11 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    loop_class: str | None = None  # the request's loop class (`--loop-classes`)
+
+    @model_serializer(mode="wrap")
+    def _class_only_when_set(self, handler):
+        return _without_unset(handler(self), ("loop_class",))
 
 
 class ChatLogprobAlternative(BaseModel):
@@ -486,6 +493,11 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, for the request's one prompt
     prompt_exit_depths: list[int | None] | None = None  # the loops that scored it
+    loop_class: str | None = None  # the request's loop class (`--loop-classes`)
+
+    @model_serializer(mode="wrap")
+    def _class_only_when_set(self, handler):
+        return _without_unset(handler(self), ("loop_class",))
 
 
 class DeltaToolCall(BaseModel):

@@ -69,7 +69,7 @@ from loopserve.text.tokenizer import Tokenizer
 async def create_chat_completion(
     ctx: ServingContext, raw_body: bytes, http_request: Request
 ) -> Response:
-    body = ctx.with_defaults(parse_body(raw_body, ChatCompletionRequest))
+    body, loop_class = ctx.prepare(parse_body(raw_body, ChatCompletionRequest), http_request)
     ctx.check_model(body.model)
     tokenizer = ctx.tokenizer()
     processor = ctx.input_processor()
@@ -108,7 +108,7 @@ async def create_chat_completion(
         )
         for i in range(body.n)
     ]
-    stream = await submit(ctx, requests)
+    stream = await submit(ctx, requests, loop_class)
     reasoning = _Reasoning.of(ctx.reasoning_parser, tokenizer, prompt_ids)
     if body.stream:
         events = _stream_events(
@@ -149,6 +149,7 @@ async def create_chat_completion(
         if outputs
         else None,
         prompt_exit_depths=prompt_exit_depths(outputs[0]) if outputs else None,
+        loop_class=loop_class,
     )
     return JSONResponse(response.model_dump())
 

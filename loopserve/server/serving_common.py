@@ -40,6 +40,7 @@ from loopserve.errors import (
 from loopserve.outputs import RequestOutput, TokenLogprob
 from loopserve.sampling_params import SamplingParams, StructuredOutput
 from loopserve.server.args import DEFAULT_CHAT_MAX_TOKENS
+from loopserve.server.loop_classes import LoopClasses
 from loopserve.server.protocol import (
     CompletionLogprobs,
     CompletionTokensDetails,
@@ -95,6 +96,8 @@ class ServingContext:
     request_defaults: dict[str, object] = field(default_factory=dict)
     # Moves chat answers' reasoning into `reasoning_content` (`--reasoning-parser`).
     reasoning_parser: ReasoningParser | None = None
+    # `--loop-classes`: named loop budgets (None: the server has none).
+    loop_classes: LoopClasses | None = None
     # `--json-schema-closed`: every JSON schema's objects closed unless they say otherwise.
     close_json_objects: bool = False
     # Reads tool calls from chat answers that offered tools (`--tool-call-parser`).
@@ -109,6 +112,37 @@ class ServingContext:
         """`body` with `request_defaults` filling the fields it leaves unset."""
         unset = {k: v for k, v in self.request_defaults.items() if getattr(body, k) is None}
         return body.model_copy(update=unset) if unset else body
+
+    def prepare(self, body: ModelT, http_request) -> tuple[ModelT, str | None]:
+        """(`body` with its loop class's fields and then `request_defaults` filling the
+        fields it leaves unset, its class's name or None). A client-set priority needs
+        `--allow-client-priority`; otherwise the class's priority applies."""
+        if "priority" in body.model_fields_set and body.priority != 0:  # type: ignore[attr-defined]
+            if not self.allow_client_priority:
+                raise ApiError(
+                    400,
+                    "priority is disabled on this server (start it with --allow-client-priority)",
+                    param="priority",
+                )
+        loop_class = None
+        if self.loop_classes is not None:
+            scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
+            api_key = token.strip() if scheme.lower() == "bearer" else None
+            try:
+                loop_class = self.loop_classes.pick(body.loop_class, api_key)  # type: ignore[attr-defined]
+            except InvalidRequestError as err:
+                raise ApiError(400, err.message, param=err.param) from None
+        elif body.loop_class is not None:  # type: ignore[attr-defined]
+            raise ApiError(
+                400, "this server has no loop classes (see --loop-classes)", param="loop_class"
+            )
+        if loop_class is not None:
+            update = {k: v for k, v in loop_class.loop_fields().items()
+                      if getattr(body, k) is None}  # fmt: skip
+            if "priority" not in body.model_fields_set:
+                update["priority"] = loop_class.priority
+            body = body.model_copy(update=update)
+        return self.with_defaults(body), None if loop_class is None else loop_class.name
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return default_max_tokens(self.model_info(), num_prompt_tokens, self.default_max_tokens_cap)
@@ -270,14 +304,25 @@ def engine_unavailable(err: Exception) -> ApiError:
     return ApiError(503, str(err), type="server_error", code="engine_unavailable")
 
 
-async def submit(ctx: ServingContext, requests: list[GenerateRequest]) -> EngineStream:
-    """Submit all requests of one HTTP call, mapping rejections to HTTP errors."""
-    if not ctx.allow_client_priority and any(r.params.priority != 0 for r in requests):
-        raise ApiError(
-            400,
-            "priority is disabled on this server (start it with --allow-client-priority)",
-            param="priority",
-        )
+async def submit(
+    ctx: ServingContext, requests: list[GenerateRequest], loop_class: str | None = None
+) -> EngineStream:
+    """Submit all requests of one HTTP call (of `loop_class`, counted per class in
+    /metrics), mapping rejections to HTTP errors. Priorities were checked by `prepare`."""
+    metrics = getattr(ctx.client, "metrics", None)
+    if loop_class is not None and metrics is not None:
+        for request in requests:
+            metrics.request_classes[request.request_id] = loop_class
+    try:
+        return await _submit(ctx, requests)
+    except ApiError:
+        if metrics is not None:  # not submitted: nothing will finish under the class
+            for request in requests:
+                metrics.request_classes.pop(request.request_id, None)
+        raise
+
+
+async def _submit(ctx: ServingContext, requests: list[GenerateRequest]) -> EngineStream:
     try:
         return await ctx.client.submit(requests)
     except InvalidRequestError as err:  # includes CapacityError

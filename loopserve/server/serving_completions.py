@@ -67,7 +67,7 @@ class _Choice:
 async def create_completion(
     ctx: ServingContext, raw_body: bytes, http_request: Request
 ) -> Response:
-    body = ctx.with_defaults(parse_body(raw_body, CompletionRequest))
+    body, loop_class = ctx.prepare(parse_body(raw_body, CompletionRequest), http_request)
     ctx.check_model(body.model)
     prompts = _prompt_list(body.prompt)
     response_id = f"cmpl-{uuid.uuid4().hex}"
@@ -99,7 +99,7 @@ async def create_completion(
         for p, prompt in enumerate(processed)
         for i in range(body.n)
     ]
-    stream = await submit(ctx, [choice.request for choice in choices])
+    stream = await submit(ctx, [choice.request for choice in choices], loop_class)
     if body.stream:
         events = _stream_events(ctx, body, response_id, stream, choices, tokenizer)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -126,6 +126,7 @@ async def create_completion(
             for index, (choice, out) in enumerate(zip(choices, outputs))
         ],
         usage=_usage(choices, outputs, score_only=score_only),
+        loop_class=loop_class,
     )
     return JSONResponse(response.model_dump())
 

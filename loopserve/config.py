@@ -58,6 +58,11 @@ class SchedulerConfig:
     speculative_tokens: int = default("speculative_tokens")
     draft_loops: int = default("draft_loops")
     speculative_max_seqs: int = default("speculative_max_seqs")
+    brownout_waiting_high: int = default("brownout_waiting_high")
+    brownout_waiting_low: int = default("brownout_waiting_low")
+    brownout_step_loops: int = default("brownout_step_loops")
+    brownout_max_level: int = default("brownout_max_level")
+    brownout_dwell_steps: int = default("brownout_dwell_steps")
 
     def __post_init__(self) -> None:
         # One meaning of "mixed": prompt rows ride in decode calls one depth at a time, so an
@@ -166,6 +171,7 @@ def validate(config: EngineConfig) -> None:
     if config.num_loops is not None:
         _positive_int("num_loops", config.num_loops)
     _check_speculation(config)
+    _check_brownout(sched)
     _choice("mode", sched.mode, MODES)
     _choice("prefill_mode", sched.prefill_mode, PREFILL_MODES)
     _choice("exit_mode", exit_.mode, EXIT_MODES)
@@ -376,3 +382,17 @@ def resolve_num_blocks(
             "raise kv_cache_bytes / gpu_memory_utilization or lower block_size"
         )
     return dataclasses.replace(cache, num_blocks=num_blocks)
+
+
+def _check_brownout(sched: SchedulerConfig) -> None:
+    if sched.brownout_waiting_high < 0:
+        raise ConfigError("brownout_waiting_high must be >= 0 (0: brownout off)")
+    if not sched.brownout_waiting_high:
+        return
+    if not 0 <= sched.brownout_waiting_low < sched.brownout_waiting_high:
+        raise ConfigError(
+            "brownout_waiting_low must be in [0, brownout_waiting_high): the budget returns "
+            "below the level that lowered it (hysteresis)"
+        )
+    for name in ("brownout_step_loops", "brownout_max_level", "brownout_dwell_steps"):
+        _positive_int(name, getattr(sched, name))

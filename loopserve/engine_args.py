@@ -102,6 +102,17 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("speculative_max_seqs", "scheduler", "speculative_max_seqs", 32,
               "self-speculative decoding drafts only while at most this many requests run "
               "(a fuller core call has fewer idle rows for drafts to use)", int),
+    EngineArg("brownout_waiting_high", "scheduler", "brownout_waiting_high", 0,
+              "overload brownout (0: off): when this many requests wait, lower the loop budget "
+              "of requests that allow it (SamplingParams.brownout_floor) one level", int),
+    EngineArg("brownout_waiting_low", "scheduler", "brownout_waiting_low", 0,
+              "brownout: raise the budget one level when at most this many wait", int),
+    EngineArg("brownout_step_loops", "scheduler", "brownout_step_loops", 1,
+              "brownout: loops taken from max_loops per level", int),
+    EngineArg("brownout_max_level", "scheduler", "brownout_max_level", 3,
+              "brownout: the deepest level", int),
+    EngineArg("brownout_dwell_steps", "scheduler", "brownout_dwell_steps", 16,
+              "brownout: engine steps between two level changes (hysteresis in time)", int),
     EngineArg("exit_mode", "exit", "mode", "ouro", "exit rule: ouro (the trained gate's CDF "
               "against exit_threshold), ouro_delayed, random_lookahead, trace (replay "
               "SamplingParams.exit_trace), criterion (a convergence criterion's score "

@@ -55,9 +55,12 @@ def generate(
     lookahead_seed: int = 0,
     eos_token_ids: Sequence[int] | None = None,
     make_matcher: Callable[[StructuredOutput], Matcher] | None = None,
+    loop_budgets: Sequence[int] | None = None,
 ) -> ReferenceOutput:
     """One request, densely. `make_matcher`: the grammar matchers of structured output (the
-    tokenizer's `StructuredOutputs.matcher`), needed when `params` has one."""
+    tokenizer's `StructuredOutputs.matcher`), needed when `params` has one. `loop_budgets`:
+    each decode token's max_loops (output tokens 1..; an engine's brownout recorded them,
+    `Request.loop_budgets`) in place of the request's."""
     if layout not in LAYOUTS:
         raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mode = ExitMode(exit_mode)
@@ -112,7 +115,11 @@ def generate(
         position = len(prompt) + len(token_ids) - 1
         pos = torch.tensor([position], device=device)
         hidden = model.enter(torch.tensor([token_ids[-1]], device=device))
-        token_exit = TokenExit(mode, rule, trace_loops_for(params, len(token_ids)))
+        token_rule = rule
+        if loop_budgets is not None:
+            budget = loop_budgets[len(token_ids) - 1]
+            token_rule = ExitRule(rule.min_loops, budget, rule.threshold)
+        token_exit = TokenExit(mode, token_rule, trace_loops_for(params, len(token_ids)))
         while True:
             hidden = run.loop(hidden, pos, token_exit.depth)
             needs_gate = token_exit.plan().needs_gate

@@ -119,6 +119,10 @@ class SamplingParams:
     # signal is that criterion: the token exits once its argmax held this many steps); None:
     # the engine's (the authors' 2 unless `--exit-criterion-threshold` sets another).
     exit_stable_steps: int | None = None
+    # Overload brownout (an engine with `brownout_waiting_high` > 0): while the engine is
+    # overloaded this request's decode tokens may run fewer loops than `max_loops`, never
+    # fewer than this (None: its budget is never lowered). `loopserve.scheduler.brownout`.
+    brownout_floor: int | None = None
     # Constrain the output to a JSON schema, a regex or a list of choices (`StructuredOutput`).
     structured_output: StructuredOutput | None = None
     # Self-speculative decoding for this request when the engine runs it
@@ -195,6 +199,10 @@ class SamplingParams:
             not _is_int(self.exit_stable_steps) or not 1 <= self.exit_stable_steps <= 1024
         ):
             raise bad("exit_stable_steps", "must be an integer in [1, 1024]")
+        if self.brownout_floor is not None and (
+            not _is_int(self.brownout_floor) or self.brownout_floor < 1
+        ):
+            raise bad("brownout_floor", "must be an integer >= 1")
         if self.exit_trace is not None and not all(_is_int(x) and x >= 1 for x in self.exit_trace):
             raise bad("exit_trace", "must be loop counts >= 1")
         for name in ("presence_penalty", "frequency_penalty"):

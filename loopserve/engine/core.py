@@ -210,6 +210,8 @@ class EngineCore:
             num_spec_accepted=scheduler.speculator.stats.accepted,
             num_spec_rejected=scheduler.speculator.stats.rejected,
             num_spec_redrafted=scheduler.speculator.stats.redrafted,
+            brownout_level=scheduler.brownout.level,
+            num_brownout_changes=scheduler.brownout.num_changes,
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             kv_blocks_used=kv.num_used_blocks,

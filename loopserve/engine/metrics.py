@@ -130,6 +130,11 @@ class _EngineCollector:
                 g.num_spec_redrafted,
             ),
             (
+                "loopserve_brownout_changes",
+                "Overload brownout: changes of its level (up or down).",
+                g.num_brownout_changes,
+            ),
+            (
                 "loopserve_kv_swapped_bytes",
                 "KV bytes copied between device and host by swap preemption (both ways).",
                 g.num_swapped_bytes,
@@ -138,6 +143,12 @@ class _EngineCollector:
             yield CounterMetricFamily(name, help_text, value=value)
         for name, help_text, value in (
             ("loopserve_ready", "1 when the engine is loaded and alive.", int(self.is_ready)),
+            (
+                "loopserve_brownout_level",
+                "Overload brownout level (0: off; each level takes brownout_step_loops loops "
+                "from eligible requests' new tokens).",
+                g.brownout_level,
+            ),
             ("loopserve_num_requests_running", "Requests running.", g.num_running),
             ("loopserve_num_requests_waiting", "Requests waiting.", g.num_waiting),
             (

@@ -86,6 +86,9 @@ class EngineStats:
     num_spec_accepted: int = 0
     num_spec_rejected: int = 0
     num_spec_redrafted: int = 0
+    # Overload brownout (`scheduler/brownout.py`): its level now, and its changes so far.
+    brownout_level: int = 0
+    num_brownout_changes: int = 0
     model_time_s: float = 0.0  # the executor's whole `execute` (as it reports it)
     forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
     # Host time of whole core steps (schedule, execute, update, observers, releases) on the

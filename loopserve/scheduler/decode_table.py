@@ -23,6 +23,7 @@ import numpy as np
 from loopserve.contracts import DecodeRows
 from loopserve.exit import ExitMode
 from loopserve.exit.columns import ExitColumns
+from loopserve.scheduler.brownout import token_max_loops
 from loopserve.scheduler.request import Request
 
 
@@ -50,6 +51,10 @@ class DecodeTable:
         self.order = np.zeros(capacity, np.int64)  # admission order: oldest first
         self._num_added = 0
         self._parked: dict[str, ParkedToken] = {}
+        # Overload brownout (`scheduler/brownout.py`): loops taken from eligible requests'
+        # max_loops for the tokens that start now (0: none); set by the scheduler per step.
+        self.brownout_cut = 0
+        self.brownout = False  # the engine runs brownout: eligible tokens get a budget
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -94,6 +99,8 @@ class DecodeTable:
         trace = request.trace_loops(len(request.output_token_ids))
         self.exit.start(row, self.exit.trace_exit_after(row, trace))
         self.ready[row] = True
+        if self.brownout:
+            self._budget([row], [request])
 
     def start_tokens(self, rows: list[int], requests: list[Request]) -> None:
         """`start_token` for many rows at once (the tokens that just exited, continuing)."""
@@ -108,6 +115,26 @@ class DecodeTable:
         else:
             self.exit.start(index, -1)
         self.ready[index] = True
+        if self.brownout:
+            self._budget(rows, requests)
+
+    def _budget(self, rows: list[int], requests: list[Request], *, resume: bool = False) -> None:
+        """The loop budget of eligible requests' tokens that start (`brownout_floor` set):
+        their max_loops at the current level, recorded on the request (`resume`: a parked
+        token coming back keeps the budget it started with)."""
+        exit = self.exit
+        for row, request in zip(rows, requests):
+            floor = request.params.brownout_floor
+            if floor is None:
+                continue
+            rule = request.exit_rule
+            if resume and request.loop_budgets:
+                budget = request.loop_budgets[-1]
+            else:
+                budget = token_max_loops(rule.max_loops, rule.min_loops, floor, self.brownout_cut)
+                request.loop_budgets.append(budget)
+            exit.max_loops[row] = budget
+            exit.can_exit_early[row] = rule.threshold < 1.0 and rule.min_loops < budget
 
     def stop_token(self, request_id: str) -> None:
         """The request has no token that may run (a recompute replay comes first)."""
@@ -131,7 +158,11 @@ class DecodeTable:
         if parked is None:
             return False
         row = self.row_of[request.request_id]
+        brownout, self.brownout = self.brownout, False  # the same token: no new budget
         self.start_token(request)
+        self.brownout = brownout
+        if brownout:
+            self._budget([row], [request], resume=True)
         exit = self.exit
         exit.depth[row], exit.cdf[row], exit.survival[row], exit.exit_after[row] = parked
         return True

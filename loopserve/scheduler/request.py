@@ -123,6 +123,9 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.output_token_ids: list[int] = []
         self.exit_depths: list[int] = []
+        # With overload brownout and `brownout_floor`: each decode token's max_loops, as its
+        # loop 0 started (the first token's is the request's own; `scheduler/brownout.py`).
+        self.loop_budgets: list[int] = []
         self.logprobs: list[SampledToken] = []
         self.prompt_logprobs: list[SampledToken] = []  # prompt tokens 1.., when asked for
         # Prompt progress: positions [0, num_prefilled_tokens) are complete at every depth.

@@ -34,6 +34,7 @@ from loopserve.errors import CapacityError, InvalidRequestError
 from loopserve.exit import ExitMode
 from loopserve.scheduler.admission import Admission, MemoryStats, admission_key
 from loopserve.scheduler.ahead import AheadPlanner
+from loopserve.scheduler.brownout import Brownout
 from loopserve.scheduler.decode_table import DecodeTable
 from loopserve.scheduler.items import ItemBuilder, StepWork
 from loopserve.scheduler.kv_cache import KVCacheManager
@@ -91,6 +92,11 @@ class Scheduler:
         self.queues = Queues()
         self.outbox = StepOutbox()
         self.decode = DecodeTable(self.max_num_seqs, exit_mode=self.exit_mode)
+        self.brownout = Brownout(
+            sched.brownout_waiting_high, sched.brownout_waiting_low, sched.brownout_step_loops,
+            sched.brownout_max_level, sched.brownout_dwell_steps,
+        )  # fmt: skip
+        self.decode.brownout = self.brownout.enabled
         self.memory_stats = MemoryStats()
         self._next_handle = 0
         self._step_id = 0
@@ -264,6 +270,9 @@ class Scheduler:
         return self._next_handle
 
     def schedule(self) -> SchedulerOutput:
+        if self.brownout.enabled:  # overload: the budget of tokens that start from now on
+            self.brownout.observe(len(self.waiting))
+            self.decode.brownout_cut = self.brownout.cut
         self.admission.admit()
         self.admission.grow_running()
         if self.speculator.num_tokens:

@@ -12,7 +12,9 @@ object (inline, or a file's path):
      "api_keys": {"key-of-team-a": "interactive"}}
 
 - A class sets any of `exit_threshold`, `min_loops`, `max_loops` (the request's loop bounds
-  and threshold) and `priority` (lower runs first under `--scheduling-policy priority`).
+  and threshold), `brownout_floor` (under the engine's overload brownout its tokens may run
+  down to this many loops: `scheduler/brownout.py`) and `priority` (lower runs first under
+  `--scheduling-policy priority`).
 - A request picks its class with the `loop_class` field; otherwise the class of the API key
   it authenticated with (`api_keys`: these keys are accepted besides `--api-key`); otherwise
   `default` (none: the request gets no class). An unknown class is a 400 naming `loop_class`.
@@ -33,7 +35,7 @@ from typing import Any
 from loopserve.errors import InvalidRequestError
 from loopserve.sampling_params import SamplingParams
 
-LOOP_FIELDS = ("exit_threshold", "min_loops", "max_loops")
+LOOP_FIELDS = ("exit_threshold", "min_loops", "max_loops", "brownout_floor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,7 @@ class LoopClass:
     exit_threshold: float | None = None
     min_loops: int | None = None
     max_loops: int | None = None
+    brownout_floor: int | None = None
     priority: int = 0
 
     def loop_fields(self) -> dict[str, Any]:

@@ -103,6 +103,8 @@ class SamplingRequest(_Request):
     priority: int = 0
     # A named loop budget (`--loop-classes`): its loop fields fill the ones left unset.
     loop_class: str | None = None
+    # Overload brownout: the fewest loops this request's tokens may be lowered to.
+    brownout_floor: int | None = None
     # Looped-model extensions.
     min_loops: int | None = None
     max_loops: int | None = None

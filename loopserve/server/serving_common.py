@@ -248,6 +248,7 @@ def sampling_params(
         "min_loops": request.min_loops,
         "exit_threshold": request.exit_threshold,
         "exit_stable_steps": request.exit_stable_steps,
+        "brownout_floor": request.brownout_floor,
         "max_tokens": max_tokens,
         "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty,

@@ -104,3 +104,24 @@ def test_bad_brownout_settings_are_start_up_errors(tiny_dir):
         make_engine(tiny_dir, brownout_waiting_high=2, brownout_waiting_low=2)
     with pytest.raises(ConfigError, match="brownout_dwell_steps"):
         make_engine(tiny_dir, brownout_waiting_high=2, brownout_dwell_steps=0)
+
+
+def test_the_simulated_study_gains_goodput_in_overload_and_never_engages_below_it():
+    """`loopserve simulate --scenario brownout`'s points, small: Ouro-1.4B on a simulated
+    H200, 120 ShareGPT requests. Well below capacity brownout never moves (counted); far
+    above it, goodput with brownout exceeds goodput without, with loops given up."""
+    from loopserve.sim.brownout import StudySetup, goodput_point
+    from loopserve.sim.cost_model import OURO_1P4B
+    from loopserve.sim.hardware import get_device_profile
+
+    setup = StudySetup(OURO_1P4B, get_device_profile("h200"),
+                       {"mode": "refill", "exit_mode": "trace", "max_num_seqs": 64},
+                       num_requests=120)  # fmt: skip
+    calm = goodput_point(setup, 10.0, brownout=True)
+    assert calm.level_changes == 0 and calm.max_level == 0
+    assert calm.slo_met == calm.num_requests
+    off = goodput_point(setup, 120.0, brownout=False)
+    on = goodput_point(setup, 120.0, brownout=True)
+    assert on.level_changes > 0 and on.max_level > 0
+    assert on.slo_met > off.slo_met and on.goodput > off.goodput
+    assert on.mean_loops_per_token < off.mean_loops_per_token

@@ -174,12 +174,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     scenario.add_argument(
         "--scenario",
-        choices=["wcpb", "interference", "pd"],
+        choices=["wcpb", "interference", "pd", "brownout"],
         default=None,
         help="instead of a rate sweep: wcpb (long prompts only), interference (decode "
-        "population + injected long prompts) or pd (--colocated replicas vs --pd prefill,decode "
-        "replicas on --dataset lengths with a long-prompt mix, at each --request-rate); uses "
-        "--device-profile, --max-num-batched-tokens, --prefill-chunk-size and --exit-dist",
+        "population + injected long prompts), pd (--colocated replicas vs --pd prefill,decode "
+        "replicas on --dataset lengths with a long-prompt mix, at each --request-rate) or "
+        "brownout (goodput against rate with and without overload brownout around the "
+        "capacity without it: loopserve.sim.brownout); uses --device-profile, "
+        "--max-num-batched-tokens, --prefill-chunk-size and --exit-dist",
     )
     scenario.add_argument(
         "--pd", type=int_list, default=[2, 2], help="pd: prefill,decode replica counts"

@@ -60,7 +60,18 @@ def _sched_bench(args: argparse.Namespace) -> int:
 def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.scenario == "pd":
+    if args.scenario == "brownout":
+        from loopserve.sim.brownout import StudySetup, brownout_study, format_study, plot_study
+
+        setup = StudySetup(model_config, device, _engine_args(args),
+                           num_requests=args.num_requests, dataset=args.dataset,
+                           exit_dist=args.exit_dist, seed=args.seed)  # fmt: skip
+        study = brownout_study(setup)
+        print(format_study(study))
+        if not args.no_plot:
+            plot_study(study, out_dir / "brownout_goodput.png")
+        rows = [study]
+    elif args.scenario == "pd":
         from loopserve.sim.cluster import PdSpec, format_pd, run_pd
 
         pd_spec = PdSpec(

@@ -99,14 +99,17 @@ class Simulator:
         host_model: HostModel | None = None,
         coda_every_loop: bool = False,
         draft_stable_dist: tuple[float, ...] | None = None,
+        brownout_floor: int | None = None,
     ) -> None:
         """`draft_stable_dist`: with `speculative_tokens` > 0, the distribution of the loop
         from which a position's draft is right (`SimExecutor`). `exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
         draws hazards from the distribution; requests get the threshold); trace mode replays
         each request's `exit_trace`. `roofline`: see `CostModel`. `coda_every_loop`: price
         an exit criterion that runs the coda after every loop (Huginn's KL, entropy and
-        argmax criteria)."""
+        argmax criteria). `brownout_floor`: every request's (`SamplingParams.brownout_floor`;
+        the engine's brownout arguments say whether and when it engages)."""
         self.exit_threshold = exit_threshold
+        self.brownout_floor = brownout_floor
         self.shape = ModelShape.from_config(model_config)
         family = family_of_config(model_config)  # its K/V and prompt rules, as the engine's
         self.device = device
@@ -180,6 +183,7 @@ class Simulator:
             ignore_eos=True,
             exit_trace=sim.exit_trace if trace_mode else None,
             exit_threshold=1.0 if trace_mode else self.exit_threshold,
+            brownout_floor=self.brownout_floor,
         ).resolve_loops(self.num_loops)
         total = sim.prompt_len + sim.output_len
         if total > self.max_model_len:

@@ -50,7 +50,8 @@ def test_usage_counts_the_loops_the_responses_report(tiny_tok_dir):
 
 def test_metrics_count_the_loops_the_responses_report_and_speak_vllms_names(tiny_tok_dir):
     """/metrics: `loopserve_exit_depth` (a histogram of loops per output token) and
-    `loopserve_generation_loops_total` equal the responses' exit depths; the `vllm:` families
+    `loopserve_generation_loops_total` equal the responses' exit depths, and
+    `loopserve_rows_per_call{stage}` counts every sampled token once in its coda stage; the `vllm:` families
     a stock vLLM dashboard queries are there, with vLLM's types and the served model name."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -74,6 +75,11 @@ def test_metrics_count_the_loops_the_responses_report_and_speak_vllms_names(tiny
         expected = sum(d <= le for d in depths)
         assert samples[("loopserve_exit_depth_bucket", (("le", f"{float(le)}"),))] == expected
     assert 0 < samples[("loopserve_exit_depth_bucket", (("le", "3.0"),))] < len(depths)
+    # Rows per call by stage: the coda sampled every output token once; core calls ran.
+    assert families["loopserve_rows_per_call"].type == "histogram"
+    assert samples[("loopserve_rows_per_call_sum", (("stage", "coda"),))] == len(depths)
+    assert samples[("loopserve_rows_per_call_count", (("stage", "core"),))] > 0
+    assert samples[("loopserve_rows_per_call_sum", (("stage", "prelude"),))] >= len(depths)
     model = (("model_name", "tiny"),)
     kinds = {
         "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loopserve.engine.metrics import ServingMetrics, vllm_engine_families
+from loopserve.engine.metrics import ServingMetrics, rows_per_call_family, vllm_engine_families
 from loopserve.engine.stats import EngineStats
 
 
@@ -130,6 +130,7 @@ class _PoolCollector:
             kv_usage=used / total if total else 0.0,
             generation_tokens=sum(s.num_output_tokens for s in snapshots),
         )
+        yield rows_per_call_family(snapshots)
         for name, help_text, value in (
             ("loopserve_ready", "1 when at least one replica serves.", int(self.is_ready)),
             (

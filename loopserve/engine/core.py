@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from loopserve.contracts import RunnerOutput, SchedulerOutput
 from loopserve.engine.stats import EngineStats, StepCounters
 from loopserve.execution import Executor
@@ -163,6 +165,16 @@ class EngineCore:
         rows = stats.rows_per_core_call
         counters.num_core_calls += len(rows)
         counters.num_rows += sum(rows)
+        histograms = counters.rows
+        for count in rows:
+            histograms["core"].observe(count)
+        prelude = sum(item.token_count for item in scheduled.items if item.needs_prelude)
+        if scheduled.decode is not None:
+            prelude += int(np.count_nonzero(scheduled.decode.depths == 0))
+        if prelude:
+            histograms["prelude"].observe(prelude)
+        if self.scheduler.step_tokens:
+            histograms["coda"].observe(self.scheduler.step_tokens)
         counters.num_output_tokens += self.scheduler.step_tokens
         counters.num_loops += self.scheduler.step_loops
         counters.num_early_exits += stats.num_early_exits
@@ -240,6 +252,9 @@ class EngineCore:
             step_time_s=counters.step_time_s,
             schedule_time_s=counters.schedule_time_s,
             execute_time_s=counters.execute_time_s,
+            rows_per_call=tuple(
+                (stage, tuple(h.counts), h.total) for stage, h in counters.rows.items()
+            ),
         )
 
     def reset_counters(self) -> None:

@@ -29,9 +29,14 @@ from collections.abc import Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
-from loopserve.engine.stats import EngineStats
+from loopserve.engine.stats import ROWS_BUCKETS, EngineStats
 from loopserve.outputs import RequestOutput
 
 prometheus_client.disable_created_metrics()  # no `_created` samples: names stay as before
@@ -71,6 +76,7 @@ class _EngineCollector:
             kv_usage=g.kv_usage,
             generation_tokens=g.num_output_tokens,
         )
+        yield rows_per_call_family([g])
         yield CounterMetricFamily(
             "loopserve_generation_tokens", "Output tokens generated.", value=g.num_output_tokens
         )
@@ -191,6 +197,29 @@ def vllm_engine_families(
     )
     tokens.add_metric([model_name], generation_tokens)
     yield tokens
+
+
+def rows_per_call_family(snapshots: list[EngineStats]) -> Metric:
+    """`loopserve_rows_per_call{stage}`: rows per prelude, core and coda call, summed over
+    the engines' snapshots (a pool's replicas)."""
+    family = HistogramMetricFamily(
+        "loopserve_rows_per_call",
+        "Rows per call by stage: a step's prelude (rows embedded at loop 0), each core call, "
+        "and its coda (tokens sampled).",
+        labels=["stage"],
+    )
+    merged: dict[str, tuple[list[int], int]] = {}
+    for snapshot in snapshots:
+        for stage, counts, total in snapshot.rows_per_call:
+            before, before_total = merged.get(stage, ([0] * len(counts), 0))
+            merged[stage] = ([a + b for a, b in zip(before, counts)], before_total + total)
+    for stage, (counts, total) in merged.items():
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, ROWS_BUCKETS), "+Inf"], counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family.add_metric([stage], buckets, total)
+    return family
 
 
 class ServingMetrics:

@@ -9,7 +9,25 @@ are read when the snapshot is taken. Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
+
+# Rows per call, by stage (`EngineStats.rows_per_call`): a step's prelude (the rows embedded
+# at loop 0), each of its core calls, and its coda (the tokens sampled).
+ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+STAGES = ("prelude", "core", "coda")
+
+
+@dataclass(slots=True)
+class RowsHistogram:
+    """Counts of calls per `ROWS_BUCKETS` bucket (the last: above them) and their row sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ROWS_BUCKETS) + 1))
+    total: int = 0
+
+    def observe(self, rows: int) -> None:
+        self.counts[bisect.bisect_left(ROWS_BUCKETS, rows)] += 1
+        self.total += rows
 
 
 @dataclass(slots=True)
@@ -38,6 +56,9 @@ class StepCounters:
     schedule_time_s: float = 0.0
     execute_time_s: float = 0.0
     step_time_s: float = 0.0
+    rows: dict[str, RowsHistogram] = field(
+        default_factory=lambda: {stage: RowsHistogram() for stage in STAGES}
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +110,8 @@ class EngineStats:
     # Overload brownout (`scheduler/brownout.py`): its level now, and its changes so far.
     brownout_level: int = 0
     num_brownout_changes: int = 0
+    # Rows per call by stage: (stage, counts per `ROWS_BUCKETS` bucket and above, row sum).
+    rows_per_call: tuple[tuple[str, tuple[int, ...], int], ...] = ()
     model_time_s: float = 0.0  # the executor's whole `execute` (as it reports it)
     forward_time_s: float = 0.0  # inside model calls only (see `RunnerOutput`)
     # Host time of whole core steps (schedule, execute, update, observers, releases) on the

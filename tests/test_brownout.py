@@ -108,7 +108,7 @@ def test_bad_brownout_settings_are_start_up_errors(tiny_dir):
 
 def test_the_simulated_study_gains_goodput_in_overload_and_never_engages_below_it():
     """`loopserve simulate --scenario brownout`'s points, small: Ouro-1.4B on a simulated
-    H200, 120 ShareGPT requests. Well below capacity brownout never moves (counted); far
+    H200, 120 synthetic requests (256 prompt and output tokens, +-50%). Well below capacity brownout never moves (counted); far
     above it, goodput with brownout exceeds goodput without, with loops given up."""
     from loopserve.sim.brownout import StudySetup, goodput_point
     from loopserve.sim.cost_model import OURO_1P4B
@@ -116,7 +116,7 @@ def test_the_simulated_study_gains_goodput_in_overload_and_never_engages_below_i
 
     setup = StudySetup(OURO_1P4B, get_device_profile("h200"),
                        {"mode": "refill", "exit_mode": "trace", "max_num_seqs": 64},
-                       num_requests=120)  # fmt: skip
+                       num_requests=120, dataset="synthetic")  # fmt: skip
     calm = goodput_point(setup, 10.0, brownout=True)
     assert calm.level_changes == 0 and calm.max_level == 0
     assert calm.slo_met == calm.num_requests

@@ -171,3 +171,38 @@ def test_simulate_cli_runs_the_pd_scenario(tmp_path, capsys):
     assert row["colocated"]["num_requests"] == row["pd"]["num_requests"] == 10
     assert row["pd"]["mean_transfer_ms"] > 0 and row["colocated"]["mean_transfer_ms"] == 0
     assert "PD/colocated: ITL p99" in capsys.readouterr().out
+
+
+def test_streamed_handoffs_send_chunks_during_prefill_and_land_earlier():
+    """Per-chunk streaming: a long prompt's chunks go out as each finishes its last depth,
+    so most of its link time runs before the first token; every byte is sent once (the same
+    bytes as the whole hand-off), outputs and exits are unchanged, and the second token of a
+    long prompt comes earlier than with the whole hand-off."""
+    work = _workload()
+    args = dict(ENGINE_ARGS, prefill_chunk_size=256)
+    runs = {
+        streaming: Cluster(OURO_1P4B, H200, args, num_prefill=1, num_decode=1,
+                           link_bytes_per_s=IB_NDR_BYTES_PER_S, streaming=streaming).run(work)
+        for streaming in (False, True)
+    }  # fmt: skip
+    whole, streamed = ({t.request_id: t for t in runs[s].transfers} for s in (False, True))
+    assert {rid: t.num_bytes for rid, t in whole.items()} == {
+        rid: t.num_bytes for rid, t in streamed.items()
+    }
+    for rid in whole:
+        assert whole[rid].exposed_s == pytest.approx(whole[rid].busy_s)  # nothing hidden
+        assert streamed[rid].exposed_s <= whole[rid].exposed_s + 1e-12
+    long = streamed["r3"]  # 3000 tokens: 12 chunks of 256
+    assert long.start_s < long.end_s - long.exposed_s  # sending began before the first token
+    assert long.exposed_s < 0.2 * long.busy_s  # the last chunk's share, not the prompt's
+    records = {s: {r.request_id: r for r in runs[s].records} for s in (False, True)}
+    for sim in work:
+        assert (
+            records[True][sim.request_id].exit_depths == records[False][sim.request_id].exit_depths
+        )
+    second = {s: records[s]["r3"].token_times_s[1] - records[s]["r3"].token_times_s[0]
+              for s in (False, True)}  # fmt: skip
+    assert second[True] < second[False]
+    stats = cluster_stats("stream", runs[True])
+    assert 0.5 < stats.hidden_transfer_share <= 1.0
+    assert cluster_stats("whole", runs[False]).hidden_transfer_share == pytest.approx(0.0)

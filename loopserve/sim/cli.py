@@ -91,9 +91,10 @@ def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int
         pd_rows = run_pd(model_config, device, _engine_args(args), pd_spec)
         print(format_pd(pd_rows))
         rows = [
-            {"request_rate": rate, "colocated": c.to_dict(), "pd": p.to_dict()}
-            for rate, c, p in pd_rows
-        ]
+            {"request_rate": rate, "colocated": c.to_dict(), "pd": p.to_dict(),
+             "pd_streaming": None if s is None else s.to_dict()}
+            for rate, c, p, s in pd_rows
+        ]  # fmt: skip
     elif args.scenario == "wcpb":
         arms = args.arms or ["atomic", "wavefront"]
         points = run_wcpb(

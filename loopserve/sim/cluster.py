@@ -15,6 +15,12 @@ starts at the event's time. With one colocated replica this is exactly `Simulato
   the least outstanding work and lands `bytes / link_bandwidth` seconds later; transfers do
   not contend (one link per pair). The decode replica queues it with
   `Scheduler.add_imported` and decodes from the second token.
+- PD streaming (`streaming=True`): instead of the whole K/V after the first token, each
+  prompt chunk's K/V is sent as soon as the chunk finishes its last depth on the prefill
+  replica (a request's chunks go one after another on its link), and what no chunk sent
+  (positions served by the prefill replica's prefix cache) follows the first token. The
+  hand-off lands when the last byte does; the share of a request's link time that ran
+  before its first token is hidden behind prefill (`ClusterStats.hidden_transfer_share`).
 
 Client view: the first token is streamed when the prefill replica produces it, so a PD
 request's gap between tokens 1 and 2 includes the transfer and the decode queue; `itl` counts
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from loopserve.contracts import ItemKind
 from loopserve.models.config import OuroConfig
 from loopserve.sim.hardware import DeviceProfile
 from loopserve.sim.metrics import LatencyStats, RequestRecord
@@ -55,6 +62,8 @@ class Transfer:
     num_bytes: int
     start_s: float
     end_s: float
+    exposed_s: float = 0.0  # from the first token to the landing
+    busy_s: float = 0.0  # the link's transmission time: num_bytes / bandwidth
 
 
 @dataclass
@@ -78,6 +87,10 @@ class ClusterStats:
     itl: LatencyStats  # every gap between consecutive tokens of a request
     decode_itl: LatencyStats  # without PD hand-off gaps (same as itl when colocated)
     mean_transfer_ms: float = 0.0
+    # PD: the share of link time that ran before the first token (hidden behind prefill),
+    # and the mean time from the first token to the hand-off landing.
+    hidden_transfer_share: float = 0.0
+    mean_exposed_transfer_ms: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -121,6 +134,7 @@ class Cluster:
         num_decode: int = 0,
         link_bytes_per_s: float = NVLINK4_BYTES_PER_S,
         seed: int = 0,
+        streaming: bool = False,
     ) -> None:
         if num_prefill and not num_decode or not (num_colocated or num_prefill):
             raise ValueError("need colocated replicas, or prefill and decode replicas")
@@ -135,6 +149,7 @@ class Cluster:
         self.decode = [make("decode", i) for i in range(num_decode)]
         self.replicas = self.colocated + self.prefill + self.decode
         self.link_bytes_per_s = link_bytes_per_s
+        self.streaming = streaming
 
     def transfer_bytes(self, prompt_len: int) -> int:
         """KV of the prompt at every plane of the decode replica's layout."""
@@ -154,6 +169,8 @@ class Cluster:
         transfers: list[Transfer] = []
         handoff: dict[str, int] = {}
         first_token: dict[str, tuple[int, int]] = {}  # request id -> (token id, loops)
+        # Streaming: request id -> [first send start, its link free at, bytes sent so far].
+        streams: dict[str, list] = {}
         clock = 0.0
         entry = self.colocated or self.prefill
         while True:
@@ -193,6 +210,8 @@ class Cluster:
             replica.free_s += result.output.stats.model_time_s + replica.sim.host_time_s
             now = replica.free_s
             clock = max(clock, now)
+            if self.streaming and replica.kind == "prefill":
+                self._stream_chunks(result.scheduled.items, replica.sim.num_loops, now, streams)
             for request in result.touched:
                 rid = request.request_id
                 record = records[rid]
@@ -210,14 +229,34 @@ class Cluster:
                     first_token[rid] = (request.output_token_ids[0], request.exit_depths[0])
                     dst = _least_loaded_after(self.decode, landing)
                     num_bytes = self.transfer_bytes(request.num_prompt_tokens)
-                    end_s = now + num_bytes / self.link_bytes_per_s
-                    transfers.append(Transfer(rid, replica.index, dst, num_bytes, now, end_s))
+                    start_s, link_free_s, sent = now, now, 0
+                    if rid in streams:  # the chunks already on their way
+                        start_s, link_free_s, sent = streams.pop(rid)
+                    rest_s = (num_bytes - sent) / self.link_bytes_per_s
+                    end_s = max(link_free_s, now) + rest_s
+                    transfers.append(
+                        Transfer(rid, replica.index, dst, num_bytes, start_s, end_s, end_s - now,
+                                 num_bytes / self.link_bytes_per_s)
+                    )  # fmt: skip
                     heapq.heappush(landing, (end_s, len(transfers), rid, dst))
                     handoff[rid] = 0  # the gap between tokens 1 and 2
                 else:
                     record.finished_s = now
                     record.exit_depths = list(request.exit_depths)
         return ClusterRun(list(records.values()), transfers, clock, handoff, produced)
+
+    def _stream_chunks(self, items, num_loops: int, now: float, streams: dict) -> None:
+        """Send the K/V of every prompt chunk this prefill step completed (its last depth
+        ran), after the request's earlier chunks on its link."""
+        for item in items:
+            if item.kind is not ItemKind.PROMPT:
+                continue
+            if item.depth + item.num_depths != (item.prompt_loops or num_loops):
+                continue
+            num_bytes = self.transfer_bytes(item.token_count)
+            stream = streams.setdefault(item.request_id, [now, now, 0])
+            stream[1] = max(stream[1], now) + num_bytes / self.link_bytes_per_s
+            stream[2] += num_bytes
 
     @staticmethod
     def _deliver(replica: _Replica, at_s: float) -> None:
@@ -245,6 +284,8 @@ def cluster_stats(name: str, run: ClusterRun) -> ClusterStats:
     num_output = sum(len(r.token_times_s) for r in records)
     tpots = [t for r in records if (t := r.tpot_s) is not None]
     transfer_ms = [(t.end_s - t.start_s) * 1e3 for t in run.transfers]
+    exposed_s = sum(t.exposed_s for t in run.transfers)
+    busy_s = sum(t.busy_s for t in run.transfers)
     return ClusterStats(
         name,
         len(records),
@@ -255,6 +296,8 @@ def cluster_stats(name: str, run: ClusterRun) -> ClusterStats:
         LatencyStats.of(itls),
         LatencyStats.of(decode_itls),
         float(np.mean(transfer_ms)) if transfer_ms else 0.0,
+        max(0.0, 1.0 - exposed_s / busy_s) if busy_s else 0.0,
+        float(np.mean([t.exposed_s * 1e3 for t in run.transfers])) if run.transfers else 0.0,
     )
 
 
@@ -310,6 +353,7 @@ class PdSpec:
     dataset: str = "sharegpt"
     exit_dist: str = "ouro_1p4b_t0.5"
     seed: int = 0
+    streaming: bool = True  # also run the PD replicas with per-chunk streaming
 
 
 def run_pd(
@@ -317,8 +361,9 @@ def run_pd(
     device: DeviceProfile,
     engine_args: dict[str, object],
     spec: PdSpec,
-) -> list[tuple[float, ClusterStats, ClusterStats]]:
-    """(rate, colocated stats, PD stats) per rate."""
+) -> list[tuple[float, ClusterStats, ClusterStats, ClusterStats | None]]:
+    """(rate, colocated stats, PD stats with whole hand-offs, PD stats with per-chunk
+    streaming or None) per rate."""
     from loopserve.sim.workload import WorkloadSpec, build_workload, sample_lengths
 
     base = WorkloadSpec(
@@ -340,30 +385,39 @@ def run_pd(
         colocated = Cluster(
             model_config, device, engine_args, num_colocated=spec.num_colocated, seed=spec.seed
         )
-        pd = Cluster(
-            model_config,
-            device,
-            engine_args,
-            num_prefill=spec.num_prefill,
-            num_decode=spec.num_decode,
-            link_bytes_per_s=LINKS[spec.link],
-            seed=spec.seed,
-        )
+
+        def pd(streaming: bool, work=work) -> ClusterStats:
+            cluster = Cluster(
+                model_config, device, engine_args, num_prefill=spec.num_prefill,
+                num_decode=spec.num_decode, link_bytes_per_s=LINKS[spec.link], seed=spec.seed,
+                streaming=streaming,
+            )  # fmt: skip
+            name = f"{spec.num_prefill}P{spec.num_decode}D {spec.link}"
+            return cluster_stats(name + (" stream" if streaming else ""), cluster.run(work))
+
         out.append(
             (
                 rate,
                 cluster_stats(f"{spec.num_colocated} colocated", colocated.run(work)),
-                cluster_stats(f"{spec.num_prefill}P{spec.num_decode}D {spec.link}", pd.run(work)),
+                pd(False),
+                pd(True) if spec.streaming else None,
             )
         )
     return out
 
 
-def format_pd(rows: list[tuple[float, ClusterStats, ClusterStats]]) -> str:
+def format_pd(rows: list[tuple[float, ClusterStats, ClusterStats, ClusterStats | None]]) -> str:
     lines = []
-    for rate, colocated, pd in rows:
+    for rate, colocated, pd, streamed in rows:
         lines.append(f"request rate {rate:g}/s")
-        lines.append(format_cluster([colocated, pd]))
+        lines.append(format_cluster([colocated, pd] + ([streamed] if streamed else [])))
+        if streamed is not None:
+            lines.append(
+                f"streaming: {streamed.hidden_transfer_share:.1%} of link time hidden behind "
+                f"prefill (whole hand-off: {pd.hidden_transfer_share:.1%}); first token to "
+                f"hand-off landed {streamed.mean_exposed_transfer_ms:.2f} ms against "
+                f"{pd.mean_exposed_transfer_ms:.2f} ms"
+            )
         itl = pd.itl.p99_s / colocated.itl.p99_s if colocated.itl.p99_s else math.nan
         tput = pd.output_throughput / colocated.output_throughput
         lines.append(

@@ -105,3 +105,41 @@ def test_the_serve_command_refuses_a_bad_loop_class_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         parser.parse_args(["--loop-classes", str(path)])
     assert exited.value.code == 2 and "min_loops" in capsys.readouterr().err
+
+
+def test_serve_started_as_a_user_starts_it_takes_the_new_flags(tmp_path):
+    """`python -m loopserve.cli.serve` with `--loop-classes` (a file), `--tool-call-parser
+    none` and `--json-schema-closed`: a request gets its class, `auto` tools are refused
+    with the parameter named, a strict-less open schema is closed."""
+    import httpx
+
+    from tests.server_utils import ServerProcess
+
+    classes = tmp_path / "classes.json"
+    classes.write_text(json.dumps({"classes": {"fast": {"max_loops": 1}}}))
+    server = ServerProcess(
+        ["--served-model-name", "demo", "--loop-classes", str(classes),
+         "--tool-call-parser", "none", "--json-schema-closed"],
+        tmp_path / "server.log",
+    )  # fmt: skip
+    try:
+        server.wait_healthy()
+        url = server.base_url
+        fast = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "demo", "prompt": "hi", "max_tokens": 4, "loop_class": "fast",
+            "ignore_eos": True}).json()  # fmt: skip
+        assert fast["loop_class"] == "fast" and fast["choices"][0]["exit_depths"] == [1] * 4
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        auto = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "demo", "messages": [{"role": "user", "content": "hi"}], "tools": tools},
+        )
+        assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"
+        schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+        closed = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "demo", "prompt": "x", "max_tokens": 40, "temperature": 1.0, "seed": 1,
+            "guided_json": schema}).json()  # fmt: skip
+        assert set(json.loads(closed["choices"][0]["text"])) == {"a"}
+    finally:
+        assert server.stop() == 0

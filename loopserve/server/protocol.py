@@ -32,6 +32,13 @@ from pydantic import (
 
 from loopserve.errors import InvalidRequestError
 from loopserve.sampling_params import StructuredOutput
+from loopserve.server.protocol_tools import (
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseToolCall,
+    ToolCall,
+    ToolDefinition,
+)
 from loopserve.text.structured import close_objects as closed_schema
 
 MAX_N = 64
@@ -214,50 +221,6 @@ class CompletionRequest(SamplingRequest):
 class ContentPart(_Request):
     type: Literal["text"]
     text: str
-
-
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-class FunctionDefinition(_Request):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, name: str) -> str:
-        if not _FUNCTION_NAME.fullmatch(name):
-            raise ValueError("a function name is 1-64 letters, digits, '_' or '-'")
-        return name
-
-
-class ToolDefinition(_Request):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    """`tool_choice` naming one function: the model must call it."""
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ToolCallFunction(_Request):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends and returns it
-
-
-class ToolCall(_Request):
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
 
 
 class ChatMessage(_Request):
@@ -458,12 +421,6 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
-class ResponseToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: dict[str, str]  # {"name", "arguments" (JSON text)}
-
-
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # null when the message is only tool calls (OpenAI's shape)
@@ -500,16 +457,6 @@ class ChatCompletionResponse(BaseModel):
     @model_serializer(mode="wrap")
     def _class_only_when_set(self, handler):
         return _without_unset(handler(self), ("loop_class",))
-
-
-class DeltaToolCall(BaseModel):
-    """A streamed call (OpenAI's incremental shape): `index` says which call of the choice;
-    this server sends each call whole in one delta (id, type, name and all arguments)."""
-
-    index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: dict[str, str]
 
 
 class ChatDelta(BaseModel):

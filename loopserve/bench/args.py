@@ -231,3 +231,11 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     add_output_args(parser, default_json="bench_results/speculative.json")
     add_progress_arg(parser)
+
+
+def add_kernels_args(parser) -> None:
+    """Flags of `loopserve bench kernels` (`loopserve.bench.kernels`)."""
+    parser.add_argument("--family", choices=("ouro", "huginn"), default="ouro",
+                        help="the tiny checkpoint's family")  # fmt: skip
+    parser.add_argument("--rows", type=int, default=4, help="rows of the decode call")
+    parser.add_argument("--output-json", default=None, help="write the counts here")

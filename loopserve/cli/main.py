@@ -87,6 +87,12 @@ COMMANDS: list[Command] = [
         "loopserve.sim.host_bench:main_from_args",
     ),
     Command(
+        ("bench", "kernels"),
+        "device kernels per layer in one graphed decode loop, counted by dispatch on CPU",
+        "loopserve.bench.args:add_kernels_args",
+        "loopserve.bench.kernels:main_from_args",
+    ),
+    Command(
         ("simulate",),
         "simulated GPU executor driving the real scheduler",
         "loopserve.sim.args:add_cli_args",

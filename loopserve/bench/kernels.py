@@ -1,0 +1,116 @@
+"""`loopserve bench kernels`: device kernels per layer in one graphed decode loop, on CPU.
+
+A looped model pays every kernel of its core once per loop, so the kernel count of one core
+call bounds what a CUDA graph can do for it: each small kernel costs device time even inside
+a graph. This counts, without a GPU, the operators a decode loop dispatches: it runs a short
+decode on a tiny checkpoint of the family with the decode graphs' static buffers
+(`graph_mode=emulate`, the torch attention backend), then replays one graphed call's core
+under a torch dispatch counter. Operators that only make a view (`aten.view`, `slice`,
+`select`, `transpose`, ...) launch no kernel and are left out; every other one is counted
+as one kernel (an upper bound where an operator runs as several kernels on a GPU, a lower
+bound where it runs as several on CPU), per loop and per layer of the core.
+
+Issue #32 measures fusion against this: the goal is <= 10 kernels per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from loopserve.engine.llm_engine import LLMEngine
+from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+from loopserve.models.tiny import make_tiny_checkpoint
+from loopserve.sampling_params import SamplingParams
+
+# Operators that return views or metadata only: no kernel.
+VIEW_OPS = frozenset({
+    "aten.view", "aten._unsafe_view", "aten.slice", "aten.select", "aten.unsqueeze",
+    "aten.squeeze", "aten.transpose", "aten.t", "aten.permute", "aten.expand",
+    "aten.as_strided", "aten.alias", "aten.detach", "aten.split", "aten.split_with_sizes",
+    "aten.unbind", "aten._reshape_alias", "aten.view_as", "aten.chunk", "aten.narrow",
+    "aten.lift_fresh", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.is_same_size",
+})  # fmt: skip
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class KernelCount:
+    family: str
+    num_layers: int  # layers of the core (one loop)
+    kernels_per_loop: int
+    views_per_loop: int
+    by_op: dict[str, int]  # kernel-launching operators of one loop
+
+    @property
+    def kernels_per_layer(self) -> float:
+        return self.kernels_per_loop / self.num_layers
+
+
+def count_kernels(family: str = "ouro", *, rows: int = 4) -> KernelCount:
+    """Kernels of one graphed decode loop of `rows` rows on a tiny `family` checkpoint."""
+    with tempfile.TemporaryDirectory() as directory:
+        if family == "huginn":
+            model_dir = make_tiny_huginn_checkpoint(Path(directory))
+        else:
+            model_dir = make_tiny_checkpoint(Path(directory), seed=0)
+        engine = LLMEngine.from_engine_args(
+            model=str(model_dir), dtype="float32", num_blocks=128, block_size=16,
+            max_num_seqs=rows, graph_mode="emulate", attention_backend="torch",
+            enable_prefix_caching=False,
+        )  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i in range(rows):
+        engine.add_request(f"k{i}", [3 + i, 5, 7, 9], params)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    core, seen = graphs.core, []
+
+    def counted(hidden, positions, attn):
+        with _Counter() as counter:
+            out = core(hidden, positions, attn)
+        seen.append(counter.ops)
+        return out
+
+    while not seen and engine.has_unfinished_requests():
+        if not any(r.in_prompt_phase for r in engine.scheduler.running):
+            graphs.core = counted
+        engine.step()
+    graphs.core = core
+    assert seen, "no graphed decode call ran"
+    ops = seen[0]
+    kernels = {op: n for op, n in ops.items() if op not in VIEW_OPS}
+    views = sum(n for op, n in ops.items() if op in VIEW_OPS)
+    return KernelCount(
+        family, engine.model.config.num_core_layers, sum(kernels.values()), views,
+        dict(sorted(kernels.items(), key=lambda item: -item[1])),
+    )  # fmt: skip
+
+
+def main_from_args(args) -> int:
+    torch.set_num_threads(1)
+    count = count_kernels(args.family, rows=args.rows)
+    print(f"{count.family}: {count.kernels_per_loop} kernels per loop over "
+          f"{count.num_layers} core layers = {count.kernels_per_layer:.1f} per layer "
+          f"({count.views_per_loop} view operators left out)")  # fmt: skip
+    for op, n in count.by_op.items():
+        print(f"  {op:<40} {n:>4}  ({n / count.num_layers:.1f} per layer)")
+    if args.output_json:
+        record = dict(asdict(count), kernels_per_layer=count.kernels_per_layer)
+        Path(args.output_json).write_text(json.dumps(record, indent=1))
+    return 0

@@ -33,6 +33,16 @@ OUTPUT = (
 )
 
 
+def _history() -> list[dict]:
+    """A call, its tool's answer (a fresh copy: a test may change it)."""
+    return [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]  # fmt: skip
+
+
 def test_call_blocks_become_calls_and_the_rest_content():
     content, calls = PARSERS["hermes"].parse(OUTPUT, NAMES)
     assert content == "Let me check.\n\n"
@@ -75,12 +85,7 @@ def test_streamed_output_cut_anywhere_gives_the_whole_outputs_split(seed):
 
 
 def test_a_template_that_reads_tools_gets_them_and_the_history_as_objects():
-    history = [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
-    ]  # fmt: skip
+    history = _history()
     messages, tools = render(history, TOOLS, native=True)
     assert tools == TOOLS
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
@@ -90,13 +95,7 @@ def test_a_template_that_reads_tools_gets_them_and_the_history_as_objects():
 
 
 def test_a_template_without_tools_gets_the_hermes_convention_in_its_messages():
-    history = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
-    ]  # fmt: skip
+    history = [{"role": "system", "content": "Be brief."}, *_history()]
     messages, tools = render(history, TOOLS, native=False)
     assert tools is None
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
@@ -155,12 +154,7 @@ def test_the_tokenizer_passes_tools_to_a_template_that_reads_them(tiny_tok_dir):
 
     tokenizer = Tokenizer.from_dir(tiny_tok_dir)
     tokenizer.chat_template, tokenizer._compiled_template = QWEN_STYLE, None
-    history = [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
-    ]  # fmt: skip
+    history = _history()
     assert template_reads_tools(tokenizer.chat_template)
     messages, tools = render(history, TOOLS, native=True)
     text, token_ids = tokenizer.encode_chat(messages, tools=tools)

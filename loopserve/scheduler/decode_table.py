@@ -91,8 +91,9 @@ class DecodeTable:
 
     # ---- tokens -----------------------------------------------------------------------------
 
-    def start_token(self, request: Request) -> None:
-        """The request's next decode token (its last output token, fed back) starts at loop 0."""
+    def start_token(self, request: Request, *, resume: bool = False) -> None:
+        """The request's next decode token (its last output token, fed back) starts at loop 0
+        (`resume`: a parked token coming back, which keeps the loop budget it started with)."""
         row = self.row_of[request.request_id]
         self.position[row] = request.next_position
         self.token_id[row] = request.output_token_ids[-1]
@@ -100,7 +101,7 @@ class DecodeTable:
         self.exit.start(row, self.exit.trace_exit_after(row, trace))
         self.ready[row] = True
         if self.brownout:
-            self._budget([row], [request])
+            self._budget([row], [request], resume=resume)
 
     def start_tokens(self, rows: list[int], requests: list[Request]) -> None:
         """`start_token` for many rows at once (the tokens that just exited, continuing)."""
@@ -158,11 +159,7 @@ class DecodeTable:
         if parked is None:
             return False
         row = self.row_of[request.request_id]
-        brownout, self.brownout = self.brownout, False  # the same token: no new budget
-        self.start_token(request)
-        self.brownout = brownout
-        if brownout:
-            self._budget([row], [request], resume=True)
+        self.start_token(request, resume=True)
         exit = self.exit
         exit.depth[row], exit.cdf[row], exit.survival[row], exit.exit_after[row] = parked
         return True

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from loopserve.models.family import LoopedConfig
 from loopserve.sim.hardware import DeviceProfile
 from loopserve.sim.simulator import Simulator
+from loopserve.sim.sweep import highest_rate
 from loopserve.sim.workload import WorkloadSpec, build_workload
 
 BROWNOUT_ARGS = {  # the engine's brownout settings the study runs with
@@ -82,18 +83,13 @@ def goodput_point(setup: StudySetup, rate: float, *, brownout: bool) -> GoodputP
 def find_capacity(setup: StudySetup, *, attainment: float = 0.95, low: float = 1.0,
                   high: float = 200.0, rel_tol: float = 0.05) -> float:  # fmt: skip
     """The highest rate (without brownout) at which `attainment` of requests meet both
-    objectives, by geometric bisection in [low, high]."""
+    objectives, by geometric bisection in [low, high] (`sweep.highest_rate`)."""
 
     def meets(rate: float) -> bool:
         point = goodput_point(setup, rate, brownout=False)
         return point.slo_met >= attainment * point.num_requests
 
-    if not meets(low):
-        return 0.0
-    while high - low > rel_tol * low:
-        mid = math.sqrt(low * high)
-        low, high = (mid, high) if meets(mid) else (low, mid)
-    return low
+    return highest_rate(meets, low=low, high=high, rel_tol=rel_tol)
 
 
 def brownout_study(setup: StudySetup, multiples=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0)) -> dict:

@@ -132,16 +132,30 @@ def find_capacity(
             on_point(point)
         return point.p99_normalized_latency_s <= slo_s
 
+    rate = highest_rate(meets, low=low, high=high, rel_tol=rel_tol, max_iters=max_iters)
+    return rate, points
+
+
+def highest_rate(
+    meets: Callable[[float], bool],
+    *,
+    low: float,
+    high: float,
+    rel_tol: float = 0.03,
+    max_iters: int = 12,
+) -> float:
+    """The highest rate in [low, high] for which `meets(rate)`, by geometric bisection (rates
+    span orders of magnitude): 0.0 when even `low` misses, `high` when `high` still meets."""
     if not meets(low):
-        return 0.0, points
+        return 0.0
     if meets(high):
-        return high, points
+        return high
     for _ in range(max_iters):
         if high - low <= rel_tol * low:
             break
-        mid = math.sqrt(low * high)  # geometric: rates span orders of magnitude
+        mid = math.sqrt(low * high)
         if meets(mid):
             low = mid
         else:
             high = mid
-    return low, points
+    return low

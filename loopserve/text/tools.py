@@ -44,7 +44,7 @@ class ParsedCall:
     name: str
     arguments: str
 
-    def openai(self, index: int = 0) -> dict[str, Any]:
+    def openai(self) -> dict[str, Any]:
         """The call as an OpenAI `tool_calls` entry (a fresh id)."""
         return {
             "id": f"call_{uuid.uuid4().hex[:24]}",

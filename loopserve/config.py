@@ -52,6 +52,7 @@ class SchedulerConfig:
     prefill_mode: str = default("prefill_mode")
     mixed_prefill_decode: bool = default("mixed_prefill_decode")
     fill_prompt_chunks: bool = default("fill_prompt_chunks")
+    share_prompts: bool = default("share_prompts")
     max_prefill_batches_before_decode: int = default("max_prefill_batches_before_decode")
     preemption_mode: str = default("preemption_mode")
     scheduling_policy: str = default("scheduling_policy")

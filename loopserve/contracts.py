@@ -136,10 +136,16 @@ class PromptChunk(_Rows):
       `score_rule` picks over that row's exit signals instead. With `score_cached` > 0 (the
       first chunk after prefix-cache hits), `score_ids` start at position 0: positions
       [0, score_cached) are scored from the runner's score store (their last-loop outputs,
-      written when their page was computed), then the item's rows."""
+      written when their page was computed), then the item's rows.
+    - With `forks` (on the `first_token` item that runs the final depth): requests with the same prompt and loop settings
+      that share this prompt's computation (`scheduler/groups.py`). The runner samples each
+      one's first token from the same logits row, with its own sampler (announced by then),
+      and hands each its runner state of the prompt (`ItemResult.forked`); their K/V comes by
+      the scheduler's `KVTransfer(FORK)` after this step."""
 
     kind: ClassVar[ItemKind] = ItemKind.PROMPT
     first_token: bool = False
+    forks: tuple[str, ...] = ()
     exit_rule: ExitRule | None = None
     trace_loops: int | None = None
     score_ids: tuple[int, ...] = ()
@@ -343,6 +349,10 @@ class SwapKind(str, enum.Enum):
     # A handed-off request (prefill/decode disaggregation): pairs (index in the K/V the
     # runner staged for it, device block); no hidden states move.
     IMPORT = "import"
+    # A prompt group's fork (scheduler/groups.py): pairs (leader's device block, the
+    # follower's device block): the leader's partly written last prompt block, every plane,
+    # copied before either request writes it again; no hidden states move.
+    FORK = "fork"
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,6 +491,9 @@ class ItemResult(NamedTuple):
     sampled: SampledToken | None = None
     # Prompt logprobs of an item with `score_ids`: one per score id, in position order.
     prompt_logprobs: tuple[SampledToken, ...] = ()
+    # First tokens of the item's `forks`, in their order (None: that follower's sampling
+    # failed; it is among the output's `failed_requests`).
+    forked: tuple[SampledToken | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

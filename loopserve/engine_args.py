@@ -90,6 +90,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "cut a new prompt chunk to the rows its core call has left: min(remaining "
               "prompt, rows left, prefill_chunk_size); off: a chunk that does not fit waits "
               "for a later call", bool),
+    EngineArg("share_prompts", "scheduler", "share_prompts", True,
+              "one prefill for requests with the same prompt and loop settings (the n "
+              "choices of a request, group rollouts): the others fork its prompt K/V and "
+              "sample their first tokens from its logits", bool),
     EngineArg("max_prefill_batches_before_decode", "scheduler",
               "max_prefill_batches_before_decode", 1,
               "prompt steps in a row before one decode step (when not mixed)", int),

@@ -113,3 +113,23 @@ def test_speculative_tokens_add_a_refill_spec_arm_with_equal_tokens(tmp_path) ->
     assert result["speculation"]["drafted"] > 0
     assert "refill_spec_over_refill" in result["ratios"]
     assert spec["mean_rows_per_core_call"] > refill["mean_rows_per_core_call"]
+
+
+def test_group_size_adds_a_group_rollout_arm_counting_one_prefill_per_prompt(tmp_path) -> None:
+    out = tmp_path / "group.json"
+    argv = [*TINY, "--exit-dist", "full", "--group-size", "3", "--max-num-seqs", "6"]
+    argv += ["--out", str(out)]
+    assert main_from_args(_parse(argv)) == 0
+    group = json.loads(out.read_text())["group_rollout"]
+    assert (group["groups"], group["group_size"]) == (2, 3)
+    shared, alone = group["arms"]["shared"], group["arms"]["independent"]
+    assert shared["median"]["output_tokens"] == alone["median"]["output_tokens"] > 0
+    assert (shared["forked"], alone["forked"]) == (4, 0)  # two followers per prompt
+    # Prompt rows x loops: one prefill per prompt (4 loops each, every round's prompts new to
+    # the prefix cache) against three.
+    requests = make_workload(6, input_len=8, output_len=10, range_ratio=0.25, vocab_size=256,
+                             exit_probs=exit_probabilities("full", 4), seed=0)  # fmt: skip
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests[:2])
+    assert shared["prompt_row_loops"] == 4 * prompt_tokens
+    assert alone["prompt_row_loops"] == 3 * shared["prompt_row_loops"]
+    assert group["shared_over_independent"]["prompt_row_loops"] == pytest.approx(1 / 3)

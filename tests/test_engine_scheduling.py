@@ -85,7 +85,7 @@ def test_atomic_prompt_chunks_run_all_loops_and_pack_several_requests(tiny_dir):
     engine = make_engine(tiny_dir, max_num_batched_tokens=48, prefill_chunk_size=12)
     steps = record_schedules(engine)
     work = [
-        (f"r{i}", list(range(1, 31)), SamplingParams(max_tokens=2, temperature=0), 0)
+        (f"r{i}", list(range(1 + i, 31 + i)), SamplingParams(max_tokens=2, temperature=0), 0)
         for i in range(3)
     ]
     run_steps(engine, work)

@@ -231,7 +231,7 @@ def test_items_keep_their_length_and_new_chunks_fill_the_budget(tiny_dir):
     engine = make_engine(tiny_dir, **ARMS["wavefront"], **BUDGET)
     steps = record_schedules(engine)
     params = SamplingParams(max_tokens=2, temperature=0)
-    work = [(f"p{i}", list(range(1, 30)), params, 0) for i in range(4)]
+    work = [(f"p{i}", list(range(1 + i, 30 + i)), params, 0) for i in range(4)]  # distinct
     finished = run_steps(engine, work)
     budget = BUDGET["max_num_batched_tokens"]
     lengths: dict[tuple[str, int], set[int]] = {}

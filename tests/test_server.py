@@ -187,6 +187,28 @@ def test_n2_with_seed_is_reproducible_and_uses_seed_plus_index(client, llm):
     assert first == expected
 
 
+def test_n8_runs_one_prefill_and_equals_eight_independent_requests(server, client, llm):
+    prompt = "Eight samples of one prompt, one prefill: no other test sends this text."
+    before = metrics(server.base_url)  # (a prompt of its own: no prefix-cache hit)
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=1.0, n=8, seed=40,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    texts = [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+    expected = [
+        reference(llm, prompt, SamplingParams(max_tokens=6, seed=40 + i, ignore_eos=True))
+        for i in range(8)
+    ]
+    assert texts == [e[0].text for e in expected]
+    after = metrics(server.base_url)
+    prompt_len = len(expected[0][0].prompt_token_ids)
+    loops = "loopserve_prompt_row_loops_total"
+    assert after[loops] - before[loops] == prompt_len * 4  # one prefill at the tiny model's D
+    forked = "loopserve_forked_requests_total"
+    assert after[forked] - before[forked] == 7
+    assert response.usage.prompt_tokens == prompt_len  # counted once per prompt, as OpenAI does
+
+
 def test_batch_prompts_index_choices_per_prompt_times_n(client, llm):
     prompts = [PROMPTS[0], PROMPTS[3]]
     response = client.completions.create(

@@ -133,6 +133,13 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         "--exit-threshold); ignored for Ouro",
     )
     work.add_argument("--seed", type=int, default=0, help="workload seed")
+    work.add_argument(
+        "--group-size",
+        type=int,
+        default=0,
+        help="> 1: also a group-rollout arm, num_requests // n prompts x n sampled "
+        "continuations each, with prompt groups on (one prefill per prompt) and off",
+    )
     add_model_args(
         parser,
         engine_defaults={

@@ -27,6 +27,8 @@ import torch
 
 from loopserve.bench.args import add_throughput_args as add_cli_args  # noqa: F401
 from loopserve.bench.common import machine_info, median_of, write_json
+from loopserve.bench.group_rollout import ARMS as GROUP_ARMS
+from loopserve.bench.group_rollout import format_group_rollout, run_group_rollout
 from loopserve.bench.throughput_report import (
     HostOverhead,
     RunResult,
@@ -128,8 +130,18 @@ def measure_host_overhead(
 
 
 def build_engine(
-    args: argparse.Namespace, model_dir: Path, arm: Arm, max_num_seqs: int, num_blocks: int
+    args: argparse.Namespace,
+    model_dir: Path,
+    arm: Arm,
+    max_num_seqs: int,
+    num_blocks: int,
+    *,
+    gate: bool | None = None,
+    share_prompts: bool = True,
 ) -> LLMEngine:
+    """An arm's engine; `gate`: exits by the model's gate (else by the requests' traces;
+    None: by the gate exactly when `--exit-threshold` is given)."""
+    gate = args.exit_threshold is not None if gate is None else gate
     return LLMEngine.from_engine_args(
         model=str(model_dir),
         dtype=args.dtype,
@@ -140,7 +152,8 @@ def build_engine(
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=min(args.prefill_chunk_size, args.max_num_batched_tokens),
         mode=arm.mode,
-        exit_mode="ouro" if args.exit_threshold is not None else "trace",
+        exit_mode="ouro" if gate else "trace",
+        share_prompts=share_prompts,
         exit_criterion=args.exit_criterion,
         speculative_tokens=args.speculative_tokens if arm is SPEC_ARM else 0,
         draft_loops=args.draft_loops,
@@ -169,6 +182,8 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         requests, args.max_num_seqs, args.block_size, num_loops
     )
     total = len(arms) * (args.repeats + 1) + 1 + len(args.cost_rows)
+    if args.group_size > 1:
+        total += len(GROUP_ARMS) * (args.repeats + 1)
     speculation = None
     with progress_bar(args, total=total, desc="bench throughput", unit="run") as bar:
         engines = {
@@ -195,6 +210,29 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
                 "acceptance": spec.num_spec_accepted / verified if verified else None,
             }
         del engines  # free their KV before the host-overhead engine allocates its own
+        group = None
+        if args.group_size > 1:
+
+            def build_group_engine(share: bool, work: list[BenchRequest]) -> LLMEngine:
+                blocks = blocks_for(work, args.max_num_seqs, args.block_size, num_loops)
+                return build_engine(
+                    args, model_dir, REFILL, args.max_num_seqs, blocks, gate=True,
+                    share_prompts=share,
+                )  # fmt: skip
+
+            def on_group_run(label: str) -> None:
+                bar.set_postfix_str(label)
+                bar.update(1)
+
+            group = run_group_rollout(
+                requests,
+                group_size=args.group_size,
+                exit_threshold=1.0 if args.exit_threshold is None else args.exit_threshold,
+                repeats=args.repeats,
+                build=build_group_engine,
+                run=run_workload,
+                on_run=on_group_run,
+            )
         bar.set_postfix_str(f"host overhead @ {args.host_rows} rows")
         # The first `host_rows` requests together: steps of that many rows until one finishes.
         rows = min(args.host_rows, len(requests))
@@ -243,6 +281,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
             else {}
         ),
         "speculation": speculation,
+        "group_rollout": group,
         "host_overhead_at_rows": asdict(host),
         "cost_curve": cost_curve_summary(curve, m) if curve else None,
     }
@@ -289,5 +328,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads_before)
     print(format_report(result))
+    if result["group_rollout"]:
+        print("\n".join(format_group_rollout(result["group_rollout"])))
     print(f"wrote {write_json(result, args.output_json)}")
     return 0

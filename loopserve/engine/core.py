@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loopserve.contracts import RunnerOutput, SchedulerOutput
+from loopserve.contracts import ItemKind, RunnerOutput, SchedulerOutput
 from loopserve.engine.stats import EngineStats, StepCounters
 from loopserve.execution import Executor
 from loopserve.scheduler.request import FinishReason, Request
@@ -179,6 +179,9 @@ class EngineCore:
         counters.num_loops += self.scheduler.step_loops
         counters.num_early_exits += stats.num_early_exits
         counters.num_finalize_copies += stats.num_finalize_copies
+        for item in scheduled.items:
+            if item.kind is ItemKind.PROMPT:
+                counters.num_prompt_row_loops += item.token_count * item.num_depths
         for result in output.results:
             if result.prompt_logprobs:
                 counters.num_scored_prompt_positions += len(result.prompt_logprobs)
@@ -195,6 +198,12 @@ class EngineCore:
         counters.forward_time_s += stats.forward_time_s
         self._flush_if_idle()
         return AppliedStep(touched, failed, errors)
+
+    def deliver_bookkeeping(self) -> None:
+        """Execute a bookkeeping-only output now (announcements, releases, table updates and
+        K/V copies the next step would carry first): a reader of K/V outside a step (an
+        export) needs the copies done."""
+        self.executor.execute(self.scheduler.schedule_releases())
 
     def _flush_if_idle(self) -> None:
         """Deliver pending releases now when no step would come to carry them."""
@@ -239,6 +248,8 @@ class EngineCore:
             num_finalize_copies=counters.num_finalize_copies,
             num_scored_prompt_positions=counters.num_scored_prompt_positions,
             num_scored_prompt_loops=counters.num_scored_prompt_loops,
+            num_prompt_row_loops=counters.num_prompt_row_loops,
+            num_forked_requests=scheduler.groups.stats.num_forked,
             num_failed_steps=counters.num_failed_steps,
             num_graph_calls=counters.num_graph_calls,
             num_padded_rows=counters.num_padded_rows,

@@ -193,6 +193,8 @@ class LLMEngine:
         if not self.can_export(request_id):
             raise InvalidRequestError(f"request {request_id!r} cannot be handed off now")
         request = self.scheduler.requests[request_id]
+        if self.scheduler.has_pending_copy(request_id):  # a fork's copy of its last block
+            self.core.deliver_bookkeeping()
         handle = self.scheduler.kv_handle(request_id)
         kv, generator_state = self.runner.export_request(handle, to_host=to_host)
         runner_state = self.runner.export_runner_state(request_id)

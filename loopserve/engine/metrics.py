@@ -116,6 +116,17 @@ class _EngineCollector:
                 g.num_scored_prompt_loops,
             ),
             (
+                "loopserve_prompt_row_loops",
+                "Prompt work executed: prompt rows times the loops each ran.",
+                g.num_prompt_row_loops,
+            ),
+            (
+                "loopserve_forked_requests",
+                "Requests that shared another's prompt (one prefill for the n choices of a "
+                "request or a group rollout) instead of running their own.",
+                g.num_forked_requests,
+            ),
+            (
                 "loopserve_spec_drafted",
                 "Self-speculative decoding: drafts of a next token made.",
                 g.num_spec_drafted,

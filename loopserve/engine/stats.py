@@ -43,6 +43,7 @@ class StepCounters:
     num_finalize_copies: int = 0
     num_scored_prompt_positions: int = 0
     num_scored_prompt_loops: int = 0
+    num_prompt_row_loops: int = 0
     num_failed_steps: int = 0
     num_graph_calls: int = 0
     num_padded_rows: int = 0
@@ -82,6 +83,10 @@ class EngineStats:
     # (the last loop, or the one the exit rule picked: `prompt_logprobs_loop`).
     num_scored_prompt_positions: int = 0
     num_scored_prompt_loops: int = 0
+    # Prompt work executed: prompt rows times the loops each ran (a recomputed prompt counts
+    # again); requests that forked a prompt group's leader instead of running their own.
+    num_prompt_row_loops: int = 0
+    num_forked_requests: int = 0
     num_failed_steps: int = 0  # steps whose execution raised (their requests failed)
     # Decode core calls run through the static, row-bucketed buffers (CUDA graph replays, or
     # their eager emulation), and the padding rows they added to reach their bucket.

@@ -217,6 +217,7 @@ class Coda:
                     spans.append((item.request_id, item.token_start + item.token_count - 1, 1))
                 loops_used[i] = loops
         sampled: dict[int, SampledToken] = {}
+        forked: dict[int, dict[str, SampledToken | None]] = {}  # item -> its forks' tokens
         decode_sampled = DecodeSampled([], [], {})
         failed: list[RequestFailure] = []
         if coda_rows or ready or computed:
@@ -224,9 +225,29 @@ class Coda:
             parts = computed + parts
             owners += ready_owners
             pairs += ready_pairs
-            token_ids, with_logprobs, failures = self._sample_logits(
-                torch.cat(parts + ready), pairs
-            )
+            logits = torch.cat(parts + ready)
+            # A prompt group's followers sample from their leader's first-token row.
+            forks = [
+                (row, index, request_id)
+                for row, (is_decode, index) in enumerate(owners)
+                if not is_decode
+                for request_id in items[index].forks
+                if request_id in self.samplers  # (a follower whose setup failed has none)
+            ]
+            if forks:
+                source = self.transfers.to_device([row for row, _, _ in forks])
+                logits = torch.cat([logits, logits.index_select(0, source)])
+                pairs += [self.samplers[request_id] for _, _, request_id in forks]
+            token_ids, with_logprobs, failures = self._sample_logits(logits, pairs)
+            for k, (_, index, request_id) in enumerate(forks):
+                row = len(owners) + k
+                if row in failures:
+                    failed.append(_failure(request_id, failures[row]))
+                    forked.setdefault(index, {})[request_id] = None
+                    continue
+                token = with_logprobs.get(row) or SampledToken(token_ids[row])
+                forked.setdefault(index, {})[request_id] = token
+                self._record(request_id, token_ids[row])
             request_ids = [
                 decode.rows.request_ids[index] if is_decode else items[index].request_id  # type: ignore[union-attr]
                 for is_decode, index in owners
@@ -251,6 +272,11 @@ class Coda:
             if i in scores or i in loops_used:
                 results[i] = result._replace(
                     loops_used=loops_used.get(i), prompt_logprobs=scores.get(i, ())
+                )
+            if i in forked:
+                tokens = forked[i]
+                results[i] = results[i]._replace(
+                    forked=tuple(tokens.get(request_id) for request_id in items[i].forks)
                 )
         decode_results = None
         if batch is not None:

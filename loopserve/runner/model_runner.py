@@ -407,6 +407,12 @@ class ModelRunner(Executor):
             rows_per_call = [len(decode)]
         else:
             coda, rows_per_call, self._num_finalized = self.eager.run(scheduled, tables, groups)
+        for item in items:  # a prompt group's followers get the leader's prompt state
+            forks = getattr(item, "forks", ())
+            state = self.calls.export_state(item.request_id) if forks else None
+            for request_id in forks if state else ():
+                if request_id in self.samplers:
+                    self.calls.restore(request_id, state)
         num_early = sum(
             1 for r in coda.results if r.loops_used is not None and r.loops_used < self.num_loops
         )

@@ -7,7 +7,7 @@ CUDA, so copies can use DMA). Hidden states of the request's paused work (a deco
 between loops, prompt chunks between depths) move with it, under the same handles, so the
 request resumes exactly where it stopped. Transfers run in the order given, before the
 step's core calls: a device block freed by a swap-out may be reused by a later transfer or
-by this step's rows.
+by this step's rows. A prompt group's fork copies device blocks to device blocks.
 
 `KVMoves` also holds what prefill/decode hand-offs move: `export` gathers a request's blocks
 of every plane into one tensor; a handed-off request's K/V waits in `staged_imports` until
@@ -132,6 +132,16 @@ class SwapSpace:
         dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=self.device_cache.device)
         self._blocks(self.device_cache)[:, :, dst_index] = src
 
+    def copy_on_device(self, transfer: KVTransfer) -> None:
+        """Device block to device block, every layer (a prompt group's fork)."""
+        if not transfer.block_moves:
+            return
+        src_ids, dst_ids = zip(*transfer.block_moves)
+        device = self.device_cache.device
+        blocks = self._blocks(self.device_cache)
+        src = torch.tensor(src_ids, dtype=torch.int64, device=device)
+        blocks[:, :, torch.tensor(dst_ids, dtype=torch.int64, device=device)] = blocks[:, :, src]
+
     def settle(self) -> None:
         """Finish pending swap-outs: wait for each one's copy (long done by now) and scatter
         its staging tensor into the host cache."""
@@ -193,6 +203,9 @@ class KVMoves:
         request_id = transfer.request_id
         if transfer.kind is SwapKind.IMPORT:
             self._import(transfer)
+            return
+        if transfer.kind is SwapKind.FORK:
+            self.swap.copy_on_device(transfer)
             return
         self.swap.copy(transfer)
         if transfer.kind is SwapKind.OUT:

@@ -174,8 +174,8 @@ class Admission:
                 stats = self.kv.prefix_cache.stats
                 stats.num_queried_tokens += request.num_prompt_tokens
                 stats.num_hit_tokens += cached
-                if not request.announced:
-                    request.num_cached_prompt_tokens = cached
+                if not request.num_preemptions:  # its first admission (a prompt group's
+                    request.num_cached_prompt_tokens = cached  # follower may be announced)
         importing = request.pending_import
         request.transition(RequestState.REPLAYING if request.replay else RequestState.RUNNING)
         self.decode.add(request)
@@ -186,23 +186,28 @@ class Admission:
         if request.times.first_scheduled_s is None:
             request.times.first_scheduled_s = time.monotonic()
         self.queues.running.append(request)
-        if not request.announced:
-            request.announced = True
-            spec = SampleSpec.of(request.params, request.stop_token_ids)
-            history: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
-            if spec.needs_history:  # the prompt, and the outputs of a handed-off request
-                history = (tuple(request.prompt_token_ids), tuple(request.output_token_ids))
-            self.outbox.new_requests.append(
-                NewRequestData(
-                    request_id,
-                    spec,
-                    request.params.seed,
-                    *history,
-                    request.exit_rule.max_loops,
-                    len(request.prompt_token_ids),
-                    request.params.exit_stable_steps,
-                )
+        self.announce(request)
+
+    def announce(self, request: Request) -> None:
+        """Tell the executor about the request (its sampler) once, in the next output."""
+        if request.announced:
+            return
+        request.announced = True
+        spec = SampleSpec.of(request.params, request.stop_token_ids)
+        history: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        if spec.needs_history:  # the prompt, and the outputs of a handed-off request
+            history = (tuple(request.prompt_token_ids), tuple(request.output_token_ids))
+        self.outbox.new_requests.append(
+            NewRequestData(
+                request.request_id,
+                spec,
+                request.params.seed,
+                *history,
+                request.exit_rule.max_loops,
+                len(request.prompt_token_ids),
+                request.params.exit_stable_steps,
             )
+        )
 
     def grow_running(self) -> None:
         """Give every decode token about to be written a slot in every plane, oldest request

@@ -16,6 +16,10 @@ module only hands out block ids.
   even when a block freed by one move is reused by the next.
 - Prefix caching (`PrefixCache`) may hold published pages; their unreferenced blocks count as
   free and are evicted (LRU) when the pool runs short.
+- Prompt groups (`fork`): a follower's table shares the leader's full prompt blocks (cached
+  pages gain a reference, other blocks a share count: the last holder frees them) and gets a
+  fresh copy of the leader's partly written last block, in every plane. Shared blocks hold
+  prompt positions only, behind every writer's frontier: no request writes them again.
 """
 
 from __future__ import annotations
@@ -98,6 +102,9 @@ class KVCacheManager:
         self._changed: dict[str, int] = {}
         self._sent: dict[str, int] = {}  # request -> blocks per plane its executor copy holds
         self.host_tables: dict[str, Table] = {}  # swapped-out requests
+        # Prompt groups: private (uncached) blocks held by more than one table -> how many
+        # holders beyond the first (`fork`).
+        self._shares: dict[int, int] = {}
         self.prefix_cache = prefix_cache
         # Prefix caching, per request: chained page keys of its prompt (computed once), and
         # how many leading pages of its table are cache entries (hit or published by it).
@@ -273,6 +280,8 @@ class KVCacheManager:
         scored = self.score_store and request_id not in self._unscored
         for i in range(first, last):
             blocks = tuple(plane[i] for plane in table)
+            if blocks[0] in self._shares:
+                break  # a forked page: its holders share it already
             if not self.prefix_cache.publish(*keys[i], blocks, scored=scored):
                 break  # same content cached from another request: this copy stays private
             self.num_cached_pages[request_id] = i + 1
@@ -328,8 +337,63 @@ class KVCacheManager:
             assert self.prefix_cache is not None
             for block in table[0][:num_cached]:
                 self.prefix_cache.release(block)
+        shares = self._shares
         for plane_blocks in table:
-            self.pool.free(plane_blocks[num_cached:])
+            if not shares:
+                self.pool.free(plane_blocks[num_cached:])
+                continue
+            for block in plane_blocks[num_cached:]:
+                holders = shares.get(block, 0)
+                if holders == 0:
+                    self.pool.free([block])
+                elif holders == 1:
+                    del shares[block]
+                else:
+                    shares[block] = holders - 1
+
+    # ---- prompt groups ----------------------------------------------------------------------
+
+    def fork_blocks(self, num_positions: int, reserve_positions: int = 0) -> int:
+        """New blocks a fork of a leader's `num_positions` written positions takes: its partly
+        written last block and the blocks up to `reserve_positions` (full reservation), in
+        every plane."""
+        full = num_positions // self.block_size
+        covered = max(
+            self.blocks_per_plane(num_positions), self.blocks_per_plane(reserve_positions)
+        )
+        return (covered - full) * self.num_planes
+
+    def fork(
+        self, leader_id: str, follower_id: str, num_positions: int, reserve_positions: int = 0
+    ) -> list[BlockMove]:
+        """Give `follower_id` a table holding the leader's positions [0, num_positions): the
+        full blocks shared, the partly written last one copied into a fresh block per plane
+        (plus fresh blocks up to `reserve_positions`). Returns the (leader block, follower
+        block) copies, which must run before either request writes that block again."""
+        assert follower_id not in self.tables, f"{follower_id} already holds KV"
+        leader = self.tables[leader_id]
+        full = num_positions // self.block_size
+        partial = num_positions % self.block_size != 0
+        cached = min(self.num_cached_pages[leader_id], full)
+        if cached:
+            assert self.prefix_cache is not None
+            page_of = self.prefix_cache.page_of_block
+            self.prefix_cache.acquire([page_of[block] for block in leader[0][:cached]])
+        step = self.fork_blocks(num_positions, reserve_positions) // self.num_planes
+        fresh = self._take(step * self.num_planes)
+        for plane in leader:
+            for block in plane[cached:full]:
+                self._shares[block] = self._shares.get(block, 0) + 1
+        table = tuple(
+            plane[:full] + fresh[p * step : (p + 1) * step] for p, plane in enumerate(leader)
+        )
+        self.tables[follower_id] = table
+        self._changed[follower_id] = 0  # a new table: sent whole
+        self._sent.pop(follower_id, None)
+        self.num_cached_pages[follower_id] = cached
+        if not partial:
+            return []
+        return [BlockMove(plane[full], fresh[p * step]) for p, plane in enumerate(leader)]
 
     # ---- swap -------------------------------------------------------------------------------
 
@@ -397,7 +461,9 @@ class KVCacheManager:
         assert set(self.num_cached_pages) == set(self.tables)
         private = {b for b, n in owners.items() if b not in cached}
         for block in private:
-            assert owners[block] == 1, f"private block {block} owned {owners[block]} times"
+            holders = 1 + self._shares.get(block, 0)
+            assert owners[block] == holders, f"block {block} owned {owners[block]} times"
+        assert set(self._shares) <= private, "a shared block is not held"
         held = private | cached
         assert not any(self.pool.is_free(b) for b in held), "a block is both held and free"
         assert len(held) + self.pool.num_free_blocks == self.pool.num_blocks, "blocks leaked"

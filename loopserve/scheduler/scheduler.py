@@ -15,6 +15,7 @@ tokens, stop checks. Requests that leave RUNNING are announced to the executor i
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -25,9 +26,13 @@ from loopserve.contracts import (
     DecodeResults,
     DecodeRows,
     ItemKind,
+    ItemResult,
     KVHandle,
+    KVTransfer,
+    PromptChunk,
     RunnerOutput,
     SchedulerOutput,
+    SwapKind,
     WorkItem,
 )
 from loopserve.errors import CapacityError, InvalidRequestError
@@ -36,6 +41,7 @@ from loopserve.scheduler.admission import Admission, MemoryStats, admission_key
 from loopserve.scheduler.ahead import AheadPlanner
 from loopserve.scheduler.brownout import Brownout
 from loopserve.scheduler.decode_table import DecodeTable
+from loopserve.scheduler.groups import PromptGroups
 from loopserve.scheduler.items import ItemBuilder, StepWork
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.policies import (
@@ -85,8 +91,10 @@ class Scheduler:
         # SHARED runs prompts position-major: a position is final before later ones read it.
         chunk_size = 1 if config.cache.layout == "shared" else sched.prefill_chunk_size
         self.mixed = sched.mixed_prefill_decode  # prefill_mode is then per_depth or wavefront
+        # A prompt that exits as one token (`prompt_exits`) runs whole: never cut to fit.
+        fill = sched.fill_prompt_chunks and not config.exit.prompt_exits
         self.prompt_policy: PromptPolicy = PROMPT_POLICIES[sched.prefill_mode](
-            chunk_size, num_loops, self._handle, fill=sched.fill_prompt_chunks
+            chunk_size, num_loops, self._handle, fill=fill
         )
         self.step_tokens = self.step_loops = 0  # appended by the last `update`
         self.queues = Queues()
@@ -98,6 +106,9 @@ class Scheduler:
         )  # fmt: skip
         self.decode.brownout = self.brownout.enabled
         self.memory_stats = MemoryStats()
+        # One prefill for requests with the same prompt (scheduler/groups.py); not when
+        # initial states are drawn (each request's prompt K/V depends on its seed).
+        self.groups = PromptGroups(sched.share_prompts and config.init_scale == 0)
         self._next_handle = 0
         self._step_id = 0
         self.admission = Admission(
@@ -180,6 +191,8 @@ class Scheduler:
         if self.prompt_loops_by_request:
             request.prompt_loops = min(self.num_loops, request.exit_rule.max_loops)
         self.requests[request.request_id] = request
+        if self.groups.join(request):
+            return  # it follows a request with the same prompt: forked from its prefill
         # Kept sorted on insertion: admission order is (priority, arrival).
         bisect.insort(self.waiting, request, key=admission_key)
 
@@ -212,7 +225,13 @@ class Scheduler:
         engine reports "stop" for a stop string that the max_tokens token completed)."""
         if request.is_finished:
             return
-        if request.status is RequestStatus.WAITING:
+        following = request.request_id in self.groups.leader_of
+        for leader in self.groups.leave(request):  # a leader's group gets a new leader
+            bisect.insort(self.waiting, leader, key=admission_key)
+        if following:  # waiting for its fork; announced once its leader's last step is planned
+            if request.announced:
+                self.outbox.gone_request_ids.append(request.request_id)
+        elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
             if request.swapped:
                 self.kv.drop_swapped(request.request_id)
@@ -236,6 +255,11 @@ class Scheduler:
         """True when requests left RUNNING since the last `SchedulerOutput` was built."""
         return bool(self.outbox.gone_request_ids)
 
+    def has_pending_copy(self, request_id: str) -> bool:
+        """True when a K/V copy into the request's blocks (a prompt group's fork, a swap-in,
+        an import) waits in the outbox for the next output: its K/V is not all there yet."""
+        return any(transfer.request_id == request_id for transfer in self.outbox.transfers)
+
     def return_releases(self, request_ids: Iterable[str]) -> None:
         """Put back releases whose bookkeeping-only output the executor failed to apply; the
         next `SchedulerOutput` carries them again."""
@@ -249,15 +273,40 @@ class Scheduler:
         """The next `SchedulerOutput`: the step's work plus every pending announcement,
         release, preemption and KV transfer (each delivered exactly once)."""
         self._step_id += 1
+        items = work.items
+        seats = self.max_num_seqs - len(self.running)
+        for i, item in enumerate(items):
+            if (
+                isinstance(item, PromptChunk)
+                and item.first_token
+                and item.last_depth + 1 == (item.prompt_loops or self.num_loops)
+            ):  # the item that samples the first token
+                followers, new_leader = self.groups.seal(item.request_id, seats)
+                if new_leader is not None:  # the followers without a seat: a group of their own
+                    bisect.insort(self.waiting, new_leader, key=admission_key)
+                if followers:
+                    seats -= len(followers)
+                    items[i] = self._seal_forks(item, followers)
         updates = self.kv.take_table_updates()
-        return self.outbox.take(self._step_id, work.items, work.decode, updates)
+        return self.outbox.take(self._step_id, items, work.decode, updates)
+
+    def _seal_forks(self, item: PromptChunk, followers: list[Request]) -> PromptChunk:
+        """The leader's last prompt position runs this step: its followers' first tokens are
+        sampled with it (announced now, so the executor has their samplers)."""
+        now = time.monotonic()
+        for follower in followers:
+            self.admission.announce(follower)
+            if follower.times.first_scheduled_s is None:
+                follower.times.first_scheduled_s = now
+        return dataclasses.replace(item, forks=tuple(f.request_id for f in followers))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or len(self.groups))
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Waiting requests, followers of a prompt group included."""
+        return len(self.waiting) + len(self.groups)
 
     @property
     def num_running(self) -> int:
@@ -343,8 +392,13 @@ class Scheduler:
         for item, result in zip(scheduled.items, output.results):  # results come in item order
             if result.handle != item.handle:
                 raise RuntimeError(f"step {scheduled.step_id}: results out of item order")
+            followers = []
+            if isinstance(item, PromptChunk) and item.forks:
+                followers = self.groups.take_sealed(item.request_id)
             request = self.requests.get(result.request_id)
             if request is None:
+                if followers:  # their first tokens stand; they queue to recompute
+                    self._fork(None, item, result, followers, now, touched)
                 continue  # aborted while the step ran; released with the next output
             if item.kind is ItemKind.REPLAY:
                 self._advance_replay(request, item)
@@ -355,6 +409,7 @@ class Scheduler:
             if result.prompt_logprobs:  # chunks reach the last depth in position order
                 request.prompt_logprobs.extend(result.prompt_logprobs)
             if not request.advance_chunk(item, request.prompt_loops):
+                assert not followers, "a first-token item completes its prompt"
                 continue
             self.kv.publish_prompt(request.request_id, request.num_prefilled_tokens)
             if not item.first_token:
@@ -366,6 +421,8 @@ class Scheduler:
                         self._start_decoding(request)
                 continue
             assert result.sampled is not None and result.loops_used is not None
+            if followers:  # before the leader's token, which may finish it
+                self._fork(request, item, result, followers, now, touched)
             sampled = result.sampled
             reason = request.append_token(sampled.token_id, result.loops_used, now, sampled)
             self.step_tokens += 1
@@ -380,6 +437,56 @@ class Scheduler:
             if request is not None:
                 self._apply_spec(request, results, now, touched)
         return touched
+
+    def _fork(
+        self,
+        leader: Request | None,
+        item: PromptChunk,
+        result: ItemResult,
+        followers: list[Request],
+        now: float,
+        touched: list[Request],
+    ) -> None:
+        """Start the followers of `leader`'s prompt from their first tokens (`result.forked`,
+        in the item's `forks` order): each forks the leader's prompt K/V when a seat and its
+        blocks are free, else queues to recompute (`leader` None: it left during the step)."""
+        assert result.loops_used is not None
+        by_id = dict(zip(item.forks, result.forked))
+        for follower in followers:
+            sampled = by_id[follower.request_id]
+            assert sampled is not None, "a follower whose sampling failed has finished"
+            forked = leader is not None and self._try_fork(leader, follower)
+            if not forked:
+                bisect.insort(self.waiting, follower, key=admission_key)
+                self.groups.stats.num_unforked += 1
+            reason = follower.append_token(sampled.token_id, result.loops_used, now, sampled)
+            self.step_tokens += 1
+            self.step_loops += result.loops_used
+            touched.append(follower)
+            if reason is not None:
+                self.finish(follower, reason)
+            elif forked:
+                self._start_decoding(follower)
+
+    def _try_fork(self, leader: Request, follower: Request) -> bool:
+        """Give `follower` the leader's prompt K/V (shared blocks, its last block copied) and a
+        seat, when both are free; False (nothing changed) otherwise."""
+        num_positions = leader.num_prompt_tokens
+        reserve = follower.max_positions if self.admission.full_reservation else 0
+        blocks = self.kv.fork_blocks(num_positions, reserve)
+        if len(self.running) >= self.max_num_seqs or not self.kv.can_admit(blocks, idle=False):
+            return False
+        moves = self.kv.fork(leader.request_id, follower.request_id, num_positions, reserve)
+        if moves:
+            transfer = KVTransfer(SwapKind.FORK, follower.request_id, tuple(moves))
+            self.outbox.transfers.append(transfer)
+        follower.num_prefilled_tokens = follower.next_chunk_start = num_positions
+        follower.num_cached_prompt_tokens = num_positions  # computed by its leader
+        follower.transition(RequestState.RUNNING)
+        self.decode.add(follower)
+        self.running.append(follower)
+        self.groups.stats.num_forked += 1
+        return True
 
     def _apply_decode(
         self, rows_run: DecodeRows, results: DecodeResults, now: float, touched: list[Request]
@@ -446,6 +553,7 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         self.decode.check_invariants()
+        self.groups.check_invariants(self.requests)
         running_ids = {r.request_id for r in self.running}
         assert running_ids == set(self.kv.tables), "running requests and KV owners differ"
         assert running_ids == set(self.decode.row_of), "running requests and decode rows differ"

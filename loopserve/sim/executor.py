@@ -50,6 +50,7 @@ from loopserve.contracts import (
     RunnerStats,
     SampledToken,
     SchedulerOutput,
+    SwapKind,
     WorkItem,
 )
 from loopserve.execution import Executor, StepRules
@@ -175,8 +176,11 @@ class SimExecutor(Executor):
         # Swapped requests keep their handles: their hidden states wait on the host.
         self._swap_s = 0.0
         for transfer in scheduled.kv_transfers:
-            self.stats.swapped_blocks += len(transfer.block_moves)
             num_bytes = len(transfer.block_moves) * self.kv_block_bytes
+            if transfer.kind is SwapKind.FORK:  # device to device: read and write HBM
+                self._swap_s += 2 * num_bytes / self.cost.device.effective_bandwidth
+                continue
+            self.stats.swapped_blocks += len(transfer.block_moves)
             self._swap_s += num_bytes / self.cost.device.effective_host_link
         self.stats.swap_time_s += self._swap_s
 
@@ -220,7 +224,7 @@ class SimExecutor(Executor):
             result, sampled = self._run_item(item, tallies[item.num_depths])
             results.append(result)
             if sampled:
-                coda_rows += 1
+                coda_rows += 1 + len(result.forked)  # a prompt group's followers sample too
                 num_early += result.loops_used < self.num_loops  # type: ignore[operator]
         rows_per_call, core_s = self._price_calls(tallies, self.block_tables.tables)
         coda_s = (
@@ -403,7 +407,12 @@ class SimExecutor(Executor):
         loops = choose_exit_from_hazards(
             self.exit_mode, item.exit_rule, all_hazards, item.trace_loops
         )
-        return ItemResult(item.request_id, item.handle, hazards, True, loops, SYNTHETIC_TOKEN)
+        for request_id in item.forks:  # a prompt group's followers: first tokens sampled
+            self._num_sampled[request_id] += 1
+        forked = (SYNTHETIC_TOKEN,) * len(item.forks)
+        return ItemResult(
+            item.request_id, item.handle, hazards, True, loops, SYNTHETIC_TOKEN, forked=forked
+        )
 
     def _cascade_saved(self, singles: list[tuple[str, int, int]], call_index: int,
                        block_tables) -> int:  # fmt: skip

@@ -77,10 +77,19 @@ def test_uniform_trace_exits_run_three_arms_with_equal_tokens(tmp_path) -> None:
     assert 0 < refill["runner_host_share"] < refill["host_overhead_share"] < 1
     assert set(result["ratios"]) == {"refill_over_full_depth", "refill_over_no_refill"}
     assert len(result["ratios"]["refill_over_no_refill"]["cpu_per_round"]) == 1  # --repeats 1
+    cdb = result["cdb"]["refill"]  # continuous depth batching against D / mean loops
+    assert cdb["ceiling"] == pytest.approx(4.0 / refill_loops(arms))
+    assert cdb["speedup"] == pytest.approx(
+        arms["full_depth"]["median"]["wall_s"] / arms["refill"]["median"]["wall_s"]
+    )
     curve = result["cost_curve"]
     assert curve["rows"] == [2, 4] and all(ms > 0 for ms in curve["step_ms"])
     assert curve["per_row_ms"] != 0 and curve["implied_refill_over_no_refill"] > 0
     assert result["machine"]["torch_threads"] >= 1
+
+
+def refill_loops(arms: dict) -> float:
+    return arms["refill"]["median"]["mean_loops_per_token"]
 
 
 def test_gate_exits_run_through_the_cli(tmp_path) -> None:
@@ -90,6 +99,7 @@ def test_gate_exits_run_through_the_cli(tmp_path) -> None:
     # Threshold 0: the gate CDF (>= 0) crosses at the first loop, so with min_loops 1 every
     # token of the early-exit arms must exit after one loop; full depth runs all 4.
     argv = ["bench", "throughput", *TINY, "--exit-threshold", "0.0", "--out", str(out)]
+    argv += ["--host-rows", "1"]  # (its engine also runs the warm-up's larger requests)
     assert main(argv) == 0
     arms = json.loads(out.read_text())["arms"]
     assert arms["full_depth"]["median"]["mean_loops_per_token"] == 4.0

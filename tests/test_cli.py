@@ -243,3 +243,28 @@ def test_generate_draws_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path, 
     captured = capsys.readouterr()
     assert "prompt:" in captured.out
     assert "generate:" not in captured.err and "req/s" not in captured.err
+
+
+def test_simulate_reports_cdb_efficiency_against_its_ceiling(tmp_path, capsys):
+    """Offline refill against full depth: the speed-up, the ceiling D / mean loops of the same
+    run, and the ceiling with the once-per-token share counted (which lies between 1 and
+    the plain ceiling); no early-exit policy can beat either ceiling."""
+    argv = ["simulate", "--dataset", "synthetic", "--num-requests", "24", "--input-len", "32"]
+    argv += ["--output-len", "24", "--policies", "full_depth", "refill", "no_refill"]
+    argv += ["--request-rate", "inf", "--no-plot", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    assert "continuous depth batching against its ceiling" in capsys.readouterr().out
+    record = json.loads((tmp_path / "simulate.json").read_text())
+    points = {p["policy"]: p["result"] for p in record["points"]}
+    cdb = {r["policy"]: r for r in record["cdb_efficiency"]}
+    assert set(cdb) == {"refill", "no_refill"}
+    refill = cdb["refill"]
+    depth = points["full_depth"]["mean_loops_per_token"]
+    assert refill["ceiling"] == pytest.approx(depth / points["refill"]["mean_loops_per_token"])
+    assert refill["speedup"] == pytest.approx(
+        points["refill"]["output_throughput"] / points["full_depth"]["output_throughput"]
+    )
+    assert 0 < refill["once_share"] < 1
+    assert 1 < refill["ceiling_once"] < refill["ceiling"]
+    assert refill["speedup"] <= refill["ceiling_once"] * 1.01 and refill["efficiency"] <= 1.01
+    assert refill["efficiency"] > cdb["no_refill"]["efficiency"] > 0

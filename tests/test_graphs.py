@@ -235,3 +235,19 @@ def test_decode_tables_keep_each_slots_once_planes_in_its_own_rows():
     assert slots.stride == 3 and slots.padding_row == 6
     rows = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]
     assert slots.tables[:6, :2].tolist() == rows
+
+
+def test_merged_projections_decode_like_the_dense_reference(tiny_dir):
+    """The model as the loader prepares it on CUDA (q/k/v and gate/up merged) through the
+    emulated decode graphs: the same tokens and exits as the dense reference of that model."""
+    vocab = 256
+    work = random_workload(43, 6, vocab, sampled=True)
+    engine = make_engine(tiny_dir, max_num_seqs=6, graph_mode="emulate")
+    engine.model.merge_projections()
+    assert engine.model.model.layers[0].self_attn.qkv_weight is not None
+    finished = run_steps(engine, work)
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+    assert engine.stats.num_graph_calls > 0

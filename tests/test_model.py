@@ -249,3 +249,24 @@ def test_hazards_are_float32_for_a_bfloat16_model(tiny_dir, lookahead):
     # The bf16 gate it replaces rounds hazards well past that tolerance.
     rounded = torch.sigmoid(head(hidden).squeeze(-1)).double()
     assert (rounded - expected).abs().max() > 1e-4
+
+
+def test_merged_projections_keep_names_and_equal_separate_gemms(tiny_dir):
+    """On CUDA the loader merges Ouro's q/k/v and gate/up into one GEMM each (on CPU not:
+    slower there): the published tensor names stay (views of the merged weights, no second
+    copy) and the logits equal the separate projections' (float32, up to GEMM rounding)."""
+    model = load_model(tiny_dir, dtype="float32")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv_weight is None and mlp.gate_up_weight is None  # CPU: kept apart
+    model.merge_projections()
+    names = set(load_file(str(tiny_dir / "model.safetensors")))
+    assert set(model.state_dict()) == names
+    assert attn.qkv_weight is not None and mlp.gate_up_weight is not None
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.data_ptr()
+    assert torch.equal(mlp.up_proj.weight, mlp.gate_up_weight[mlp.gate_proj.weight.shape[0] :])
+    merged = full_forward_logits(model, [5, 9, 2, 7])
+    model.make_rows_invariant()  # back to one GEMM per projection
+    assert attn.qkv_weight is None and mlp.gate_up_weight is None
+    separate = full_forward_logits(model, [5, 9, 2, 7])
+    for a, b in zip(merged, separate):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

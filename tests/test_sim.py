@@ -374,3 +374,33 @@ def test_the_criterion_exit_mode_follows_the_exit_distribution_on_huginn():
     steps = np.concatenate([r.exit_depths[1:] for r in run.records])  # decode tokens
     assert set(steps.tolist()) == {10, 20}
     assert abs(steps.mean() - 15) < 1.5
+
+
+def test_kernel_pricing_adds_each_launched_kernel_to_a_calls_time():
+    """`kernel_s` charges every kernel a call launches beyond its roofline: a core call
+    `per_layer x layers + per_loop` kernels, the coda and sampling their own; off (0) it
+    changes nothing, and a fused count (`kernels_per_layer`) charges fewer."""
+    from loopserve.sim.cost_model import CODA_KERNELS, KERNEL_COUNTS, SAMPLING_KERNELS
+
+    h200 = get_device_profile("h200")
+    shape = ModelShape.from_config(OURO_1P4B)
+    per_layer, per_loop = KERNEL_COUNTS["ouro"]
+    assert (shape.kernels_per_layer, shape.kernels_per_loop) == (per_layer, per_loop)
+    plain = CostModel(shape, h200)
+    off = CostModel(shape, dataclasses.replace(h200, kernel_s=0.0))
+    priced = CostModel(shape, dataclasses.replace(h200, kernel_s=2e-6))
+    fused = CostModel(shape, dataclasses.replace(h200, kernel_s=2e-6, kernels_per_layer=10))
+    call = dict(rows=1, kv_read_positions=100, attention_pairs=100)
+    assert off.core_call(**call) == plain.core_call(**call)
+    kernels = per_layer * 24 + per_loop
+    assert priced.core_call(**call).time_s == pytest.approx(
+        plain.core_call(**call).time_s + kernels * 2e-6
+    )
+    assert fused.core_call(**call).time_s == pytest.approx(
+        plain.core_call(**call).time_s + (10 * 24 + per_loop) * 2e-6
+    )
+    assert priced.coda(1).time_s == pytest.approx(plain.coda(1).time_s + CODA_KERNELS * 2e-6)
+    assert priced.sampling(1).time_s == pytest.approx(
+        plain.sampling(1).time_s + SAMPLING_KERNELS * 2e-6
+    )
+    assert plain.core_call(**call).bytes_moved == priced.core_call(**call).bytes_moved

@@ -62,18 +62,27 @@ class KernelCount:
         return self.kernels_per_loop / self.num_layers
 
 
-def count_kernels(family: str = "ouro", *, rows: int = 4) -> KernelCount:
-    """Kernels of one graphed decode loop of `rows` rows on a tiny `family` checkpoint."""
+def count_kernels(
+    family: str = "ouro", *, rows: int = 4, num_layers: int | None = None
+) -> KernelCount:
+    """Kernels of one graphed decode loop of `rows` rows on a tiny `family` checkpoint (its
+    core with `num_layers` layers; None: the tiny default, 2 for Ouro, 4 for Huginn), with
+    the model as the loader prepares it for CUDA (projections merged)."""
     with tempfile.TemporaryDirectory() as directory:
         if family == "huginn":
-            model_dir = make_tiny_huginn_checkpoint(Path(directory))
+            layers = {} if num_layers is None else {"n_layers_in_recurrent_block": num_layers}
+            model_dir = make_tiny_huginn_checkpoint(Path(directory), **layers)
         else:
-            model_dir = make_tiny_checkpoint(Path(directory), seed=0)
+            layers = {} if num_layers is None else {"num_layers": num_layers}
+            model_dir = make_tiny_checkpoint(Path(directory), seed=0, **layers)
         engine = LLMEngine.from_engine_args(
             model=str(model_dir), dtype="float32", num_blocks=128, block_size=16,
             max_num_seqs=rows, graph_mode="emulate", attention_backend="torch",
             enable_prefix_caching=False,
         )  # fmt: skip
+    merge = getattr(engine.model, "merge_projections", None)
+    if merge is not None:  # count the model as the loader prepares it on CUDA
+        merge()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for i in range(rows):
         engine.add_request(f"k{i}", [3 + i, 5, 7, 9], params)
@@ -102,6 +111,27 @@ def count_kernels(family: str = "ouro", *, rows: int = 4) -> KernelCount:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class KernelModel:
+    """Kernels of one decode loop as `per_layer x core layers + per_loop`: the slope between
+    two counts at different layer counts, and what a loop launches whatever its depth (the
+    final norm, RoPE tables, attention metadata). What the simulator prices per core call
+    (`sim.cost_model.KERNELS`)."""
+
+    family: str
+    per_layer: float
+    per_loop: float
+
+
+def kernel_model(family: str = "ouro", *, rows: int = 4) -> KernelModel:
+    """Count at 2 and 4 core layers (Huginn: 4 and 8) and split the count."""
+    low = 2 if family == "ouro" else 4
+    small = count_kernels(family, rows=rows, num_layers=low)
+    large = count_kernels(family, rows=rows, num_layers=2 * low)
+    per_layer = (large.kernels_per_loop - small.kernels_per_loop) / low
+    return KernelModel(family, per_layer, small.kernels_per_loop - per_layer * low)
+
+
 def main_from_args(args) -> int:
     torch.set_num_threads(1)
     count = count_kernels(args.family, rows=args.rows)
@@ -110,7 +140,11 @@ def main_from_args(args) -> int:
           f"({count.views_per_loop} view operators left out)")  # fmt: skip
     for op, n in count.by_op.items():
         print(f"  {op:<40} {n:>4}  ({n / count.num_layers:.1f} per layer)")
+    model = kernel_model(args.family, rows=args.rows)
+    print(f"split (counted at two core depths): {model.per_layer:g} per layer + "
+          f"{model.per_loop:g} per loop")  # fmt: skip
     if args.output_json:
         record = dict(asdict(count), kernels_per_layer=count.kernels_per_layer)
+        record.update(split_per_layer=model.per_layer, split_per_loop=model.per_loop)
         Path(args.output_json).write_text(json.dumps(record, indent=1))
     return 0

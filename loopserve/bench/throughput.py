@@ -236,7 +236,10 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         bar.set_postfix_str(f"host overhead @ {args.host_rows} rows")
         # The first `host_rows` requests together: steps of that many rows until one finishes.
         rows = min(args.host_rows, len(requests))
-        host_blocks = blocks_for(requests[:rows], rows, args.block_size, num_loops)
+        # (the warm-up runs its first requests on this engine too: room for the largest)
+        host_blocks = blocks_for(
+            requests[: max(rows, NUM_WARMUP_REQUESTS)], rows, args.block_size, num_loops
+        )
         engine = build_engine(args, model_dir, REFILL, rows, host_blocks)
         refill_params, n = params[REFILL.name], NUM_WARMUP_REQUESTS
         run_workload(engine, requests[:n], refill_params[:n], "warmup")
@@ -280,6 +283,15 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
             if args.speculative_tokens
             else {}
         ),
+        # Continuous depth batching against its ceiling D / mean loops (D: full depth's loops
+        # per token; every arm emits the same tokens, so the wall-time ratio is the speed-up).
+        "cdb": {
+            name: {
+                "speedup": m["full_depth"].wall_s / m[name].wall_s,
+                "ceiling": m["full_depth"].mean_loops_per_token / m[name].mean_loops_per_token,
+            }
+            for name in ("no_refill", "refill")
+        },
         "speculation": speculation,
         "group_rollout": group,
         "host_overhead_at_rows": asdict(host),

@@ -79,6 +79,11 @@ def format_report(result: dict) -> str:
             f"(medians); per round, CPU time: {rounds} (median "
             f"{statistics.median(r['cpu_per_round']):.2f}x)"
         )
+    for name, cdb in result.get("cdb", {}).items():
+        lines.append(
+            f"{name} over full_depth: {cdb['speedup']:.2f}x against a ceiling of "
+            f"{cdb['ceiling']:.2f}x (D / mean loops): {cdb['speedup'] / cdb['ceiling']:.0%} of it"
+        )
     spec = result.get("speculation")
     if spec:
         acceptance = "-" if spec["acceptance"] is None else f"{spec['acceptance']:.3f}"

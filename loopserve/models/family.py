@@ -120,7 +120,10 @@ class LoopedModel(Protocol):
       runner made its linears and SiLUs row by row.
     - Only where they apply (not protocol members, so `isinstance` holds for every family):
       `hazard_fn(lookahead_seed)` for a hazard family, `initial_state(e, init_scale,
-      generator)` for a family whose initial recurrent state is drawn (`init_scale` > 0).
+      generator)` for a family whose initial recurrent state is drawn (`init_scale` > 0),
+      `merge_projections()` for a family whose checkpoint keeps projections of one input
+      apart (Ouro's q/k/v and gate/up; the loader calls it last on CUDA, so they run as
+      one GEMM; on CPU the wider GEMM measured slower).
     A hand-off carries K/V of every plane, the sampler and what the runner keeps per request
     (drawn initial states, the `full` lookup's record); the math keeps nothing per request.
     """

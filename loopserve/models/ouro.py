@@ -71,6 +71,13 @@ class OuroAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        # q, k and v as one GEMM (`merge_projections`): their weights are views of this (a
+        # buffer, so dtype and device moves take it along; not a checkpoint tensor).
+        self.qkv_weight: torch.Tensor | None
+        self.register_buffer("qkv_weight", None, persistent=False)
+
+    def merge_projections(self) -> None:
+        self.qkv_weight = _merge(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -81,9 +88,16 @@ class OuroAttention(nn.Module):
         layer_idx: int,
     ) -> torch.Tensor:
         rows = hidden.shape[0]
-        query = self.q_proj(hidden).view(rows, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(rows, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(rows, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is not None:
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(hidden, self.qkv_weight).split(
+                (self.num_heads * self.head_dim, kv_width, kv_width), dim=-1
+            )
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        query = q.view(rows, self.num_heads, self.head_dim)
+        key = k.view(rows, self.num_kv_heads, self.head_dim)
+        value = v.view(rows, self.num_kv_heads, self.head_dim)
         query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
         out = attn.attend(layer_idx, query, key, value)  # [rows, Hq, Dh]
         return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
@@ -97,9 +111,31 @@ class OuroMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
         self.act_fn = nn.SiLU()  # a module (no weights), so an execution mode may swap it
+        self.gate_up_weight: torch.Tensor | None  # `merge_projections`
+        self.register_buffer("gate_up_weight", None, persistent=False)
+
+    def merge_projections(self) -> None:
+        self.gate_up_weight = _merge(self.gate_proj, self.up_proj)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(hidden)) * self.up_proj(hidden))
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(hidden, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(hidden), self.up_proj(hidden)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _merge(*linears: nn.Linear) -> torch.Tensor:
+    """One weight for several bias-free linears of the same input, their outputs side by side;
+    each linear's weight becomes a view of it (same names, no second copy)."""
+    with torch.no_grad():
+        merged = torch.cat([linear.weight for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(merged[start : start + rows], requires_grad=False)
+        start += rows
+    return merged
 
 
 class OuroDecoderLayer(nn.Module):
@@ -171,8 +207,20 @@ class OuroForLoopedLM(nn.Module):
     def leave(self, carried, positions=None, once=()) -> torch.Tensor:
         return self.coda(carried)
 
+    def merge_projections(self) -> None:
+        """q/k/v as one GEMM and gate/up as one, per layer (the loader's last step on CUDA;
+        the checkpoint keeps its published names, whose weights become views of the merged
+        ones): 4 GEMMs per layer instead of 7."""
+        for layer in self.model.layers:
+            layer.self_attn.merge_projections()
+            layer.mlp.merge_projections()
+
     def make_rows_invariant(self) -> None:
-        """Nothing beyond the linears and SiLUs the runner converts."""
+        """Back to one linear per projection: the runner made those row by row (a merged
+        GEMM would bypass them)."""
+        for layer in self.model.layers:
+            layer.self_attn.qkv_weight = None
+            layer.mlp.gate_up_weight = None
 
     def hazard_fn(
         self, lookahead_seed: int | None = None

@@ -75,6 +75,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--device-profile); None: the datasheet profile",
     )
     parser.add_argument(
+        "--kernel-us",
+        type=float,
+        default=0.0,
+        help="device microseconds each kernel costs beyond its roofline inside a CUDA graph "
+        "(launch gap, ramp, tail), charged per kernel the model's layers launch (counted by "
+        "`loopserve bench kernels`); 0: not priced (docs/simulator.md, 'Kernel pricing')",
+    )
+    parser.add_argument(
+        "--kernels-per-layer",
+        type=float,
+        default=None,
+        help="with --kernel-us: price this many kernels per layer instead of the measured "
+        "count (to model a fused build)",
+    )
+    parser.add_argument(
         "--model-config",
         default=None,
         help="a checkpoint's config.json (Ouro or Huginn), or a preset: ouro-1.4b (default), "

@@ -9,6 +9,7 @@ policy (bisection on the rate against a P99 normalized-latency SLO). Prints a ta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -24,7 +25,9 @@ from loopserve.sim.cost_model import CostModel, ModelShape, sim_model_config
 from loopserve.sim.hardware import get_device_profile
 from loopserve.sim.host_model import load_host_model
 from loopserve.sim.report import (
+    cdb_efficiency,
     format_capacity,
+    format_cdb_table,
     format_host_table,
     format_memory_table,
     format_table,
@@ -150,6 +153,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         if args.calibration is None
         else load_calibrated_profile(args.calibration)
     )
+    device = dataclasses.replace(
+        device, kernel_s=args.kernel_us * 1e-6, kernels_per_layer=args.kernels_per_layer
+    )
     if args.scenario is not None:
         return _scenario(args, model_config, device)
     arms = [get_arm(name) for name in args.policies]
@@ -207,6 +213,9 @@ def main_from_args(args: argparse.Namespace) -> int:
                 ok = [r for r in ok if _meets(points, arm.name, r, slo_s)]
                 capacity[arm.name] = max(ok, default=0.0)
     print(format_table(points))
+    cdb = format_cdb_table(points)
+    if cdb:
+        print(cdb)
     print(format_memory_table(points))
     if setup.host_model is not None:
         print(format_host_table(points, setup.host_model))
@@ -235,6 +244,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         "capacity_req_s": capacity,
         "wall_s": time.perf_counter() - start,
         "points": [p.to_dict() for p in points],
+        "cdb_efficiency": _cdb_records(points),
     }
     (out_dir / "simulate.json").write_text(json.dumps(record, indent=2) + "\n")
     if not args.no_plot and any(not math.isinf(p.request_rate) for p in points):
@@ -242,6 +252,20 @@ def main_from_args(args: argparse.Namespace) -> int:
         plot(points, slo_s, out_dir / "simulate.png", title)
     print(f"wrote {out_dir / 'simulate.json'}")
     return 0
+
+
+def _cdb_records(points: list[PointResult]) -> list[dict]:
+    """`cdb_efficiency` of every early-exit point against full depth at its rate."""
+    full = {p.request_rate: p.result for p in points if p.arm == "full_depth" and p.result}
+    return [
+        {
+            "policy": p.arm,
+            "request_rate": None if math.isinf(p.request_rate) else p.request_rate,
+            **cdb_efficiency(full[p.request_rate], p.result),
+        }
+        for p in points
+        if p.arm != "full_depth" and p.result is not None and p.request_rate in full
+    ]
 
 
 def _meets(points: list[PointResult], arm: str, rate: float, slo_s: float) -> bool:

@@ -26,6 +26,13 @@ before the lm_head. With `coda_every_loop` (an exit criterion that reads the nex
 distribution after every step, like Huginn's KL) every core call also runs the coda and the
 lm_head over all its rows.
 
+Kernel count (when the device profile prices it, `DeviceProfile.kernel_s` > 0): every device
+kernel a call launches costs `kernel_s` beyond the roofline (inside a CUDA graph a small
+kernel still pays its launch gap, ramp-up and tail). A core call launches `per_layer x
+layers + per_loop` kernels (`KERNEL_COUNTS`: counted by dispatch on CPU, `loopserve bench
+kernels`; a prelude row adds the prelude layers' kernels), a coda `CODA_KERNELS` plus its
+layers', a sampling pass `SAMPLING_KERNELS`.
+
 Not modelled (documented in docs/simulator.md): activation traffic between kernels, the exit
 gate (`hidden + 1` weights, negligible) and attention-kernel inefficiency at short contexts.
 This module is pure arithmetic: no tensors, no scheduler.
@@ -42,6 +49,13 @@ from loopserve.models.huginn import HuginnConfig
 from loopserve.sim.hardware import DeviceProfile
 
 ROOFLINES = ("call", "phase")
+# Device kernels of one decode loop: (per core layer, per loop besides the layers), counted by
+# dispatch on CPU under graph emulation with views left out (`loopserve bench kernels`, the
+# split from counts at two core depths; measured 2026-12-03 after Ouro's merged
+# projections). A fused build lowers them (`DeviceProfile.kernels_per_layer` models one).
+KERNEL_COUNTS = {"ouro": (58.0, 17.0), "huginn": (77.0, 13.0)}
+CODA_KERNELS = 2  # final norm (when the coda has layers) and the lm_head
+SAMPLING_KERNELS = 6  # softmax, filtering, the draw, the argmax, the gathers
 LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler
 SAMPLE_FLOPS_PER_ENTRY = 5  # max, exp, sum, scale, draw/compare per vocab entry
 
@@ -113,6 +127,8 @@ class ModelShape:
     step_extra_params: int | None = None  # None: the final norm (hidden_size)
     tied_embeddings: bool = False
     gate_params: int | None = None  # a learned exit head's; None: Ouro's (hidden_size + 1)
+    kernels_per_layer: float = 0.0  # `KERNEL_COUNTS` of the family
+    kernels_per_loop: float = 0.0
 
     @classmethod
     def from_config(cls, config: LoopedConfig, dtype_bytes: int = 2) -> ModelShape:
@@ -132,6 +148,7 @@ class ModelShape:
             step_extra_params=config.step_extra_params,
             tied_embeddings=config.tie_word_embeddings,
             gate_params=config.exit_gate_params,
+            **dict(zip(("kernels_per_layer", "kernels_per_loop"), _kernel_counts(config))),
         )
 
     @property
@@ -218,6 +235,10 @@ class ModelShape:
         return 2 * layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
+def _kernel_counts(config: LoopedConfig) -> tuple[float, float]:
+    return KERNEL_COUNTS["huginn" if isinstance(config, HuginnConfig) else "ouro"]
+
+
 @dataclass(frozen=True, slots=True)
 class CallCost:
     bytes_moved: float
@@ -245,6 +266,15 @@ class CostModel:
         self._embed_row_bytes = shape.hidden_size * shape.dtype_bytes
         self._pair_flops = shape.attention_flops_per_pair
         self._linear_flops_per_row = 2 * shape.core_params
+        self._kernel_s = device.kernel_s
+        per_layer = shape.kernels_per_layer
+        if device.kernels_per_layer is not None:
+            per_layer = device.kernels_per_layer
+        self._layer_kernels = per_layer
+        self.core_kernels = per_layer * shape.num_layers + shape.kernels_per_loop
+
+    def _kernels_s(self, kernels: float) -> float:
+        return kernels * self._kernel_s
 
     def _price(self, bytes_moved: float, flops: float) -> CallCost:
         memory_s, compute_s = bytes_moved / self._bw, flops / self._flops
@@ -279,18 +309,35 @@ class CostModel:
                 shape.prelude_layers
             )
             attention_flops += shape.layer_pair_flops(shape.prelude_layers) * prelude_pairs
+        kernels = self.core_kernels
+        if shape.prelude_layers and prelude_rows:
+            kernels += self._layer_kernels * shape.prelude_layers
         if not self.split_phases:
-            return self._price(linear_bytes + kv_bytes, linear_flops + attention_flops)
+            return self._with_kernels(
+                self._price(linear_bytes + kv_bytes, linear_flops + attention_flops), kernels
+            )
         # Linear layers and attention are separate kernels: each pays its own roofline, so
         # KV traffic cannot hide under GEMM compute (or weight reads under attention math).
         linear = self._price(linear_bytes, linear_flops)
         attention = self._price(kv_bytes, attention_flops)
-        return CallCost(
-            linear_bytes + kv_bytes,
-            linear_flops + attention_flops,
-            linear.time_s + attention.time_s - self._overhead_s,
-            linear.compute_bound,
+        return self._with_kernels(
+            CallCost(
+                linear_bytes + kv_bytes,
+                linear_flops + attention_flops,
+                linear.time_s + attention.time_s - self._overhead_s,
+                linear.compute_bound,
+            ),
+            kernels,
         )
+
+    def _with_kernels(self, cost: CallCost, kernels: float) -> CallCost:
+        """`cost` plus the device time of `kernels` kernels (nothing when not priced)."""
+        if not self._kernel_s:
+            return cost
+        return CallCost(
+            cost.bytes_moved, cost.flops, cost.time_s + self._kernels_s(kernels),
+            cost.compute_bound,
+        )  # fmt: skip
 
     def coda(
         self,
@@ -314,6 +361,7 @@ class CostModel:
             + rows * shape.vocab_size * LOGIT_BYTES
         )
         flops = 2 * shape.vocab_size * shape.hidden_size * rows
+        kernels = float(CODA_KERNELS)
         if shape.coda_layers and layer_rows:
             bytes_moved += shape.coda_params * shape.dtype_bytes
             bytes_moved += (kv_read_positions + layer_rows) * shape.layer_kv_bytes(
@@ -321,13 +369,15 @@ class CostModel:
             )
             flops += 2 * shape.coda_params * layer_rows
             flops += shape.layer_pair_flops(shape.coda_layers) * attention_pairs
-        return self._price(bytes_moved, flops)
+            kernels += self._layer_kernels * shape.coda_layers
+        return self._with_kernels(self._price(bytes_moved, flops), kernels)
 
     def sampling(self, rows: int) -> CallCost:
         if rows == 0:
             return NO_COST
         vocab = self.shape.vocab_size
-        return self._price(rows * vocab * LOGIT_BYTES, SAMPLE_FLOPS_PER_ENTRY * rows * vocab)
+        cost = self._price(rows * vocab * LOGIT_BYTES, SAMPLE_FLOPS_PER_ENTRY * rows * vocab)
+        return self._with_kernels(cost, SAMPLING_KERNELS)
 
     def decode_loop_time(self, batch_size: int, context: int) -> float:
         """Seconds of one decode core call: `batch_size` rows, each with `context` positions."""

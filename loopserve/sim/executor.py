@@ -83,6 +83,7 @@ class ExecutorStats:
     mixed_rows: int = 0
     mixed_time_s: float = 0.0
     core_time_s: float = 0.0
+    prelude_time_s: float = 0.0  # of core time: the prelude (its layers, embedding reads)
     coda_time_s: float = 0.0
     sampling_time_s: float = 0.0
     coda_rows: int = 0
@@ -457,6 +458,12 @@ class SimExecutor(Executor):
                 prelude_kv_read=call.prelude_kv_read if k == 1 else 0,
                 prelude_pairs=call.prelude_pairs if k == 1 else 0,
             )
+            if prelude:  # the prelude's share of the call: the call priced without it
+                bare = self.cost.core_call(
+                    rows=call.rows, kv_read_positions=kv_read, attention_pairs=call.pairs,
+                    finalize_copies=call.finalize,
+                )  # fmt: skip
+                stats.prelude_time_s += cost.time_s - bare.time_s
             rows_per_call.append(call.rows)
             total_s += cost.time_s
             if call.has_prompt and call.has_decode:

@@ -49,6 +49,12 @@ class DeviceProfile:
     call_overhead_s: float = 10e-6
     source: str = ""
     host_link_bytes_per_s: float = 64 * 10**9  # one direction (see the module docstring)
+    # Device time of one kernel inside a CUDA graph beyond its roofline (launch gap, ramp and
+    # tail), charged per kernel the family's layers launch (`cost_model.KERNEL_COUNTS`); 0:
+    # not priced. `kernels_per_layer`: price that many per layer instead of the measured
+    # count (a fused build's, to model it); None: the measured count.
+    kernel_s: float = 0.0
+    kernels_per_layer: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_efficiency", "compute_efficiency"):
@@ -57,6 +63,8 @@ class DeviceProfile:
                 raise ConfigError(f"{name} must be in (0, 1], got {value}")
         if self.call_overhead_s < 0:
             raise ConfigError(f"call_overhead_s must be >= 0, got {self.call_overhead_s}")
+        if self.kernel_s < 0 or (self.kernels_per_layer is not None and self.kernels_per_layer < 0):
+            raise ConfigError("kernel_s and kernels_per_layer must be >= 0")
 
     @property
     def effective_bandwidth(self) -> float:

@@ -112,6 +112,9 @@ class SimResult:
     # share of steps whose host time exceeded their device time (host-bound steps).
     host_busy_share: float = 0.0
     host_bound_step_share: float = 0.0
+    # Of simulated GPU seconds: once-per-token work (the prelude's part of core calls, the
+    # coda, sampling): what continuous depth batching cannot save by exiting early.
+    once_time_share: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -193,4 +196,7 @@ def summarize(run: SimRun) -> SimResult:
         num_prompt_tokens=num_prompt,
         host_busy_share=_ratio(run.host_s, duration),
         host_bound_step_share=_ratio(run.host_bound_steps, run.num_steps),
+        once_time_share=_ratio(
+            ex.prelude_time_s + ex.coda_time_s + ex.sampling_time_s, ex.model_time_s
+        ),
     )

@@ -33,6 +33,58 @@ def format_table(points: list[PointResult]) -> str:
     return "\n".join(lines)
 
 
+def cdb_efficiency(full, arm) -> dict[str, float]:
+    """Continuous depth batching against its ceiling, from two runs of one workload (`full`:
+    the full-depth arm; `arm`: an early-exit one; `SimResult`s): the speed-up in output
+    tokens per second; the ceiling D / mean loops (D: the full-depth run's loops per token);
+    the ceiling with once-per-token work counted (its share f of the full-depth run's GPU
+    time does not shrink with fewer loops: 1 / ((1 - f) * loops / D + f)); and the
+    efficiency against each."""
+    speedup = arm.output_throughput / full.output_throughput
+    depth, loops, once = full.mean_loops_per_token, arm.mean_loops_per_token, full.once_time_share
+    ceiling = depth / loops
+    ceiling_once = 1.0 / ((1.0 - once) * loops / depth + once)
+    return {
+        "speedup": speedup,
+        "ceiling": ceiling,
+        "efficiency": speedup / ceiling,
+        "ceiling_once": ceiling_once,
+        "efficiency_once": speedup / ceiling_once,
+        "once_share": once,
+    }
+
+
+def format_cdb_table(points: list[PointResult]) -> str:
+    """Per rate, each early-exit policy against `full_depth` (`cdb_efficiency`), with the
+    latencies batching costs: TTFT, TPOT and ITL p50 / p99 (ms). Empty without full depth."""
+    full = {p.request_rate: p.result for p in points if p.arm == "full_depth" and p.result}
+    if not full:
+        return ""
+    lines = [
+        "\ncontinuous depth batching against its ceiling (speed-up in output tok/s over "
+        "full_depth; ceiling = D / mean loops; 'once': with the once-per-token share f of "
+        "full depth's GPU time counted)",
+        f"{'policy':>11} {'rate':>7} {'speed-up':>8} {'ceiling':>7} {'eff':>5} "
+        f"{'f once':>6} {'ceil once':>9} {'eff once':>8} {'TTFT p50/p99':>13} "
+        f"{'TPOT p50/p99':>13} {'ITL p50/p99':>13}",
+    ]
+    for p in points:
+        base, r = full.get(p.request_rate), p.result
+        if r is None or base is None:
+            continue
+        rate = "inf" if math.isinf(p.request_rate) else f"{p.request_rate:.2f}"
+        e = cdb_efficiency(base, r)
+        lines.append(
+            f"{p.arm:>11} {rate:>7} {e['speedup']:>7.2f}x {e['ceiling']:>6.2f}x "
+            f"{e['efficiency']:>5.0%} {e['once_share']:>6.2f} {e['ceiling_once']:>8.2f}x "
+            f"{e['efficiency_once']:>8.0%} "
+            f"{r.ttft.p50_s * 1e3:>6.0f}/{r.ttft.p99_s * 1e3:<6.0f} "
+            f"{r.tpot.p50_s * 1e3:>6.1f}/{r.tpot.p99_s * 1e3:<6.1f} "
+            f"{r.itl.p50_s * 1e3:>6.1f}/{r.itl.p99_s * 1e3:<6.1f}"
+        )
+    return "\n".join(lines)
+
+
 def format_host_table(points: list[PointResult], host_model) -> str:
     """With a host model: the share of the makespan the host was busy and the share of steps
     that were host-bound (host time above device time)."""

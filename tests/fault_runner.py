@@ -1,4 +1,5 @@
-"""A test-only `ModelRunner` whose per-request setup fails for one seed, and a server on it.
+"""A test-only `ModelRunner` whose per-request setup fails for one seed, a sampler fault
+(`fail_sampling`), and a server on the runner.
 
 `SetupFaultRunner.setup_request` builds the request's state as usual and then raises for a
 request seeded `FAIL_SEED` (a seed that passes validation), so a test can fail one request's
@@ -24,6 +25,24 @@ class SetupFaultRunner(ModelRunner):
         if new.seed == FAIL_SEED:
             raise RuntimeError(f"{FAULT_TEXT} for {new.request_id}")
         return state
+
+
+FAIL_TOP_K = 13  # `fail_sampling`: requests with this top_k fail in the sampler
+
+
+def fail_sampling(monkeypatch) -> None:
+    """Make the sampler's per-row step raise for requests with `top_k == FAIL_TOP_K` (the
+    rows of the same call are sampled as usual)."""
+    from loopserve.runner import sampler
+
+    real = sampler.filtered_probs
+
+    def faulty(logits, spec):
+        if spec.top_k == FAIL_TOP_K:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, spec)
+
+    monkeypatch.setattr(sampler, "filtered_probs", faulty)
 
 
 def main(argv: list[str]) -> int:

@@ -34,7 +34,10 @@ def _samples(n: int, prompt=PROMPT, *, max_tokens: int = 6, arrival: int = 0):
 
 def _outputs(finished, aborted=()):
     for request_id, out in finished.items():
-        assert out.error is None and (out.finish_reason != "abort") == (request_id not in aborted)
+        if request_id in aborted:
+            assert out.finish_reason == "abort", request_id
+        else:
+            assert out.error is None and out.finish_reason != "abort", request_id
     return {rid: (out.token_ids, out.exit_depths) for rid, out in finished.items()}
 
 
@@ -269,3 +272,38 @@ def test_forked_samples_hand_off_right_after_their_first_token(tiny_dir, layout)
     _check_reference(prefill, work, _outputs(finished))
     assert_clean(prefill)
     assert_clean(decode)
+
+
+def test_a_leader_whose_setup_fails_leaves_its_followers_to_run_alone(tiny_dir, monkeypatch):
+    # Atomic prefill admits the leader, runs its whole prompt and seals its followers in one
+    # step; the leader's setup fails there, so its item runs nothing and the followers get
+    # no first token: they queue and run the prompt themselves.
+    from loopserve.engine import llm_engine
+    from tests.fault_runner import FAIL_SEED, SetupFaultRunner
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", SetupFaultRunner)
+    work = _samples(4, PROMPT[:10])  # one chunk: the whole prompt in the first step
+    work[0] = ("s0", work[0][1], SamplingParams(max_tokens=6, seed=FAIL_SEED,
+                                                exit_threshold=0.6), 0)  # fmt: skip
+    engine = make_engine(tiny_dir, max_num_seqs=8)
+    finished = run_steps(engine, work)
+    assert finished["s0"].finish_reason == "abort" and finished["s0"].error
+    _check_reference(engine, work[1:], _outputs(finished, aborted=("s0",)))
+    assert engine.stats.num_forked_requests == 2  # s2 and s3 fork from s1, the new leader
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_a_follower_whose_sampling_fails_fails_alone(tiny_dir, monkeypatch):
+    from tests.fault_runner import fail_sampling
+
+    fail_sampling(monkeypatch)
+    work = _samples(4)
+    bad = SamplingParams(max_tokens=6, temperature=0.8, top_k=13, seed=3, exit_threshold=0.6)
+    work[2] = ("s2", work[2][1], bad, 0)
+    engine = make_engine(tiny_dir, max_num_seqs=8)
+    finished = run_steps(engine, work)
+    assert "sampling failed" in finished["s2"].error
+    kept = [w for w in work if w[0] != "s2"]
+    _check_reference(engine, kept, _outputs(finished, aborted=("s2",)))
+    assert engine.stats.num_forked_requests == 2
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks

@@ -13,7 +13,7 @@ import pytest
 from loopserve.engine import llm_engine
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, reference_for, run_steps, step_rows
-from tests.fault_runner import FAIL_SEED, FAULT_TEXT, SetupFaultRunner
+from tests.fault_runner import FAIL_SEED, FAULT_TEXT, SetupFaultRunner, fail_sampling
 
 ARMS = {
     "atomic": dict(prefill_mode="atomic"),
@@ -177,16 +177,7 @@ def test_extreme_sampling_values_neither_fail_nor_harm_the_call(tiny_dir):
 def test_a_failure_inside_sampling_fails_only_its_request(tiny_dir, monkeypatch):
     """Fault injected at the sampler's per-row step for requests with top_k=13; the other rows
     of the same coda calls are sampled, and every other request equals the reference."""
-    from loopserve.runner import sampler
-
-    real = sampler.filtered_probs
-
-    def faulty(logits, spec):
-        if spec.top_k == 13:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, spec)
-
-    monkeypatch.setattr(sampler, "filtered_probs", faulty)
+    fail_sampling(monkeypatch)
     engine = make_engine(tiny_dir, **BUDGET)
     steps = []
     engine.core.add_observer(lambda scheduled, output: steps.append(output))

@@ -111,6 +111,21 @@ class PromptGroups:
         self._lead(new_leader, rest[1:])
         return sealed, new_leader
 
+    def regroup(self, requests: list[Request]) -> Request | None:
+        """Followers that must run their prompt after all (their leader's step ran nothing
+        for them): they follow their group's leader if one arrived since, else the first
+        leads the others (returned, for the caller to queue)."""
+        if not requests:
+            return None
+        leader_id = self._leader_of_key.get(self.key(requests[0]))
+        if leader_id is None:
+            self._lead(requests[0], requests[1:])
+            return requests[0]
+        self.pending.setdefault(leader_id, []).extend(requests)
+        for request in requests:
+            self.leader_of[request.request_id] = leader_id
+        return None
+
     def _lead(self, leader: Request, followers: list[Request]) -> None:
         """Make `leader` (a former follower) lead `followers` and its key."""
         key = self.key(leader)

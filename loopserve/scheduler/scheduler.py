@@ -423,14 +423,7 @@ class Scheduler:
             assert result.sampled is not None and result.loops_used is not None
             if followers:  # before the leader's token, which may finish it
                 self._fork(request, item, result, followers, now, touched)
-            sampled = result.sampled
-            reason = request.append_token(sampled.token_id, result.loops_used, now, sampled)
-            self.step_tokens += 1
-            self.step_loops += result.loops_used
-            touched.append(request)
-            if reason is not None:
-                self.finish(request, reason)
-            else:
+            if self._append_first(request, result.sampled, result.loops_used, now, touched):
                 self._start_decoding(request)
         for request_id, results in spec_results.items():
             request = self.requests.get(request_id)
@@ -449,24 +442,39 @@ class Scheduler:
     ) -> None:
         """Start the followers of `leader`'s prompt from their first tokens (`result.forked`,
         in the item's `forks` order): each forks the leader's prompt K/V when a seat and its
-        blocks are free, else queues to recompute (`leader` None: it left during the step)."""
-        assert result.loops_used is not None
+        blocks are free, else queues to recompute (`leader` None: it left during the step).
+        A follower without a token (the leader's item ran nothing: its setup failed) queues
+        as a new request and runs its own prompt."""
         by_id = dict(zip(item.forks, result.forked))
+        tokenless = [f for f in followers if by_id.get(f.request_id) is None]
+        new_leader = self.groups.regroup(tokenless)  # they run the prompt after all
+        if new_leader is not None:
+            bisect.insort(self.waiting, new_leader, key=admission_key)
         for follower in followers:
-            sampled = by_id[follower.request_id]
-            assert sampled is not None, "a follower whose sampling failed has finished"
+            sampled = by_id.get(follower.request_id)
+            if sampled is None:
+                continue
             forked = leader is not None and self._try_fork(leader, follower)
             if not forked:
                 bisect.insort(self.waiting, follower, key=admission_key)
-                self.groups.stats.num_unforked += 1
-            reason = follower.append_token(sampled.token_id, result.loops_used, now, sampled)
-            self.step_tokens += 1
-            self.step_loops += result.loops_used
-            touched.append(follower)
-            if reason is not None:
-                self.finish(follower, reason)
-            elif forked:
+            assert result.loops_used is not None
+            self.groups.stats.num_unforked += not forked
+            if self._append_first(follower, sampled, result.loops_used, now, touched) and forked:
                 self._start_decoding(follower)
+
+    def _append_first(
+        self, request: Request, sampled, loops_used: int, now: float, touched: list[Request]
+    ) -> bool:
+        """Append a request's first token (from its prompt's last position); False when that
+        finished it."""
+        reason = request.append_token(sampled.token_id, loops_used, now, sampled)
+        self.step_tokens += 1
+        self.step_loops += loops_used
+        touched.append(request)
+        if reason is not None:
+            self.finish(request, reason)
+            return False
+        return True
 
     def _try_fork(self, leader: Request, follower: Request) -> bool:
         """Give `follower` the leader's prompt K/V (shared blocks, its last block copied) and a

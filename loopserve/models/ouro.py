@@ -158,6 +158,26 @@ class OuroDecoderLayer(nn.Module):
         mlp_out = self.mlp(self.post_attention_layernorm(hidden))
         return hidden + self.post_attention_layernorm_2(mlp_out)
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        next_norm: RMSNorm,
+        add_norm_norm: Callable,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with each residual add and the two norms around it in one call
+        (`add_norm_norm`): takes the residual and its `input_layernorm`, returns the new
+        residual and its `next_norm` (the next layer's input norm, or the final norm)."""
+        attn_out = self.self_attn(normed, cos, sin, attn, self.layer_idx)
+        hidden, normed = add_norm_norm(
+            hidden, attn_out, self.input_layernorm_2, self.post_attention_layernorm
+        )
+        mlp_out = self.mlp(normed)
+        return add_norm_norm(hidden, mlp_out, self.post_attention_layernorm_2, next_norm)
+
 
 class OuroBackbone(nn.Module):
     """Holds the checkpoint's `model.*` tensors."""
@@ -181,6 +201,8 @@ class OuroForLoopedLM(nn.Module):
         self.model = OuroBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # The runner's fused residual-add + norms (`use_fused_norms`); None: torch ops.
+        self.add_norm_norm: Callable | None = None
 
     @property
     def num_loops(self) -> int:
@@ -215,6 +237,13 @@ class OuroForLoopedLM(nn.Module):
             layer.self_attn.merge_projections()
             layer.mlp.merge_projections()
 
+    def use_fused_norms(self, add_norm_norm: Callable | None) -> None:
+        """Run each layer's residual adds and norms through `add_norm_norm(residual, branch,
+        norm_a, norm_b) -> (residual + norm_a(branch), norm_b(that))` (the runner's fused
+        kernel, `runner/fused_norms.py`; a branch of None normalizes the residual alone):
+        2 calls per layer instead of 4 RMSNorms and 2 adds. None: back to torch ops."""
+        self.add_norm_norm = add_norm_norm
+
     def make_rows_invariant(self) -> None:
         """Back to one linear per projection: the runner made those row by row (a merged
         GEMM would bypass them)."""
@@ -238,7 +267,16 @@ class OuroForLoopedLM(nn.Module):
     ) -> torch.Tensor:
         """One loop over every layer, then `model.norm`. hidden [rows, hidden] -> same."""
         cos, sin = self.rotary(positions, hidden.dtype)
-        for layer in self.model.layers:
+        layers, fused = self.model.layers, self.add_norm_norm
+        if fused is not None:
+            normed = fused(hidden, None, None, layers[0].input_layernorm)[1]
+            norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+            for layer, next_norm in zip(layers, norms):
+                hidden, normed = layer.forward_fused(
+                    hidden, normed, cos, sin, attn, next_norm, fused
+                )
+            return normed
+        for layer in layers:
             hidden = layer(hidden, cos, sin, attn)
         return self.model.norm(hidden)
 

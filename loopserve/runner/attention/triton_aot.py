@@ -2,7 +2,8 @@
 
 `triton.compile` with a `GPUTarget` runs Triton's whole pipeline (TTIR, TTGIR, LLVM, PTX,
 ptxas) on the CPU. This module compiles exactly what the engine's launchers would launch:
-it calls them (`write_kv`, `copy_slots`, `decode_attention`, `prefill_attention`) on
+it calls them (`write_kv`, `copy_slots`, `decode_attention`, `prefill_attention`, and the
+fused norms' `add_norm_norm`) on
 `meta`-device tensors shaped like a model's, inside `triton_jit.record_launches`, and turns
 each recorded launch into Triton's compile signature the way `JITFunction` specializes a
 real call (pointer and integer arguments divisible by 16 get the divisibility hint, an
@@ -33,6 +34,7 @@ from triton.compiler import ASTSource
 
 from loopserve.runner.attention import triton_kernels, triton_prefill
 from loopserve.runner.attention.triton_jit import Launch, record_launches
+from loopserve.runner.fused_norms import add_norm_norm
 
 TARGETS = (80, 90, 100)  # A100, H100/H200, B200
 COMPILE_OPTIONS = ("num_warps", "num_stages")  # launch keywords that are not constexprs
@@ -129,7 +131,19 @@ def engine_launches(shape: ModelShape, target: int, *, rows: int = 8) -> list[tu
            tables=tables, tile_table=tiles, tile_row=tiles, tile_pos=tiles, tile_count=tiles,
            scale=dim**-0.5, block_size=shape.block_size, block_m=tile_m, block_n=tile_n,
            **triton_prefill.prompt_launch_options(target))  # fmt: skip
+    hidden = heads * dim  # the model's width (heads x head_dim for the shapes here)
+    norm = _MetaNorm(_meta(hidden, dtype=dtype), 1e-6)
+    rows_h = _meta(rows, hidden, dtype=dtype)
+    record("norms", add_norm_norm, rows_h, rows_h, norm, norm)
     return recorded
+
+
+@dataclass(frozen=True)
+class _MetaNorm:
+    """An RMSNorm's parameters as `add_norm_norm` reads them."""
+
+    weight: torch.Tensor
+    eps: float
 
 
 def compile_options(launch: Launch) -> dict[str, int]:

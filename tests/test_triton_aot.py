@@ -49,19 +49,20 @@ def test_every_kernel_compiles_for_real_targets_without_spills(sweep):
 
 
 def test_the_resource_rule_catches_a_spilling_configuration():
-    """Control: the prompt kernel on sm_80 with Triton's default 3 pipelining stages keeps
-    16 bytes of stack (measured), and the rule used above rejects it."""
+    """Control: the prompt kernel on sm_80 with one warp (each thread holds four times its
+    share of the tile) spills thousands of bytes to the stack (measured: 3,720 under Triton
+    3.9, 3,392 under 3.6), and the rule used above rejects it."""
     try:
         triton_aot._cuobjdump()
     except FileNotFoundError as err:
         pytest.skip(f"{err}")
     shape = triton_aot.ModelShape("mha16", 16, 16, 128, torch.bfloat16)
     (launch,) = [lch for v, lch in triton_aot.engine_launches(shape, 80) if v == "prompt"]
-    staged = dict(launch.constexprs, num_stages=3)
+    staged = dict(launch.constexprs, num_warps=1)
     result = triton_aot.compile_for(
         shape, "prompt", triton_aot.Launch(launch.kernel, launch.grid, launch.args, staged), 80
     )
-    assert result.spills and not triton_aot.acceptable(result)
+    assert result.stack_bytes > 1024 and not triton_aot.acceptable(result)
 
 
 def test_a_mixed_workload_triggers_one_compile_per_kernel_form(tiny_dir, monkeypatch):

@@ -198,13 +198,21 @@ def specialization_key(launch: Launch) -> tuple:
     )
 
 
+# Stack bytes per thread the rule tolerates: Triton 3.6 keeps an 8-byte stack frame in two
+# forms that Triton 3.9 compiles without one (the GQA decode in bf16 on sm_90 and the fp32
+# prompt tile on sm_100, 80 registers each; measured 2026-12-03).
+STACK_ALLOWANCE_BYTES = 8
+
+
 def acceptable(result: KernelResources) -> bool:
-    """The resource rule the test enforces: shared memory within the target's limit; no
-    spills in bf16/fp16 kernels, nor in fp32 prompt tiles (fp32 decode may keep a few
-    stack bytes)."""
+    """The resource rule the test enforces, under Triton 3.6 and 3.9 alike: shared memory
+    within the target's limit; no local memory and at most `STACK_ALLOWANCE_BYTES` of stack
+    in bf16/fp16 kernels and fp32 prompt tiles (fp32 decode may keep a few stack bytes)."""
     if result.shared_bytes > result.shared_limit_bytes:
         return False
-    return not result.spills or (result.dtype == "float32" and result.variant != "prompt")
+    if result.dtype == "float32" and result.variant != "prompt":
+        return True
+    return result.local_bytes == 0 and result.stack_bytes <= STACK_ALLOWANCE_BYTES
 
 
 def _cuobjdump() -> str:

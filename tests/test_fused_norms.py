@@ -94,3 +94,50 @@ def test_the_engine_with_fused_norms_equals_the_dense_reference(tiny_dir):
         out = finished[request_id]
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
     assert engine.stats.num_graph_calls > 0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [(torch.float32, dict(rtol=1e-6, atol=1e-6)), (torch.bfloat16, dict(rtol=2**-6, atol=2**-4))],
+)
+def test_norm_sum_equals_huginns_sandwich_norms(dtype, tolerance):
+    """Huginn's order (`norm_sum`): the new residual is norm_a(branch + residual); without
+    `norm_b` only that comes back."""
+    from loopserve.models.huginn import HuginnRMSNorm
+
+    generator = torch.Generator().manual_seed(3)
+    residual = torch.randn(5, 96, generator=generator).to(dtype)
+    branch = (3 * torch.randn(5, 96, generator=generator)).to(dtype)
+    norm_a, norm_b = HuginnRMSNorm(96, 1e-6), HuginnRMSNorm(96, 1e-6)
+    norm_a.weight.data = 1 + 0.1 * torch.randn(96, generator=generator)
+    norm_a, norm_b = norm_a.to(dtype), norm_b.to(dtype)
+    with torch.no_grad():
+        expected = norm_a(branch + residual)
+        new_residual, normed = add_norm_norm(residual, branch, norm_a, norm_b, norm_sum=True)
+        last, nothing = add_norm_norm(residual, branch, norm_a, None, norm_sum=True)
+    torch.testing.assert_close(new_residual, expected, **tolerance)
+    torch.testing.assert_close(normed, norm_b(expected), **tolerance)
+    torch.testing.assert_close(last, expected, **tolerance)
+    assert nothing is None
+
+
+def test_huginn_with_fused_norms_equals_the_dense_reference(tmp_path):
+    """Huginn's core blocks with 2 fused calls each (the prelude and coda unfused): the
+    engine's greedy tokens and exit steps equal the dense reference of that model."""
+    from loopserve.models.huginn_dense import generate
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopserve.sampling_params import SamplingParams
+
+    engine = make_engine(make_tiny_huginn_checkpoint(tmp_path), exit_criterion="kl")
+    calls = []
+    engine.model.use_fused_norms(lambda *a, **k: calls.append(1) or add_norm_norm(*a, **k))
+    params = SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.01, ignore_eos=True)
+    work = [("a", [7, 3, 99, 42, 5], params, 0), ("b", [11, 64, 17], params, 1)]
+    finished = run_steps(engine, work)
+    for request_id, prompt, _, _ in work:
+        ref = generate(engine.model, prompt, max_new_tokens=4, num_steps=None, criterion="kl",
+                       threshold=0.01, min_steps=0, lookup="last_exited", exit_in_prompt=False)  # fmt: skip
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+    assert min(min(out.exit_depths) for out in finished.values()) < 8  # early exits
+    assert len(calls) > 50

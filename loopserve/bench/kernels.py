@@ -88,11 +88,11 @@ def count_kernels(
     if use_fused is not None:
         from loopserve.runner.fused_norms import add_norm_norm
 
-        def fused(*args):
+        def fused(*args, **kwargs):
             # One kernel launch per call. Here the kernel runs under Triton's interpreter,
             # whose own tensor work is not the GPU's: it is left out of the count.
             with _disable_current_modes():
-                out = add_norm_norm(*args)
+                out = add_norm_norm(*args, **kwargs)
             fused_calls["triton.add_norm_norm"] += 1
             return out
 

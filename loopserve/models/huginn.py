@@ -292,6 +292,8 @@ class HuginnForLoopedLM(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
+        # The runner's fused residual-add + norms (`use_fused_norms`); None: torch ops.
+        self.add_norm_norm = None
 
     @property
     def num_loops(self) -> int:
@@ -327,6 +329,14 @@ class HuginnForLoopedLM(nn.Module):
     def leave(self, carried, positions, once) -> torch.Tensor:
         router = LayerRouter(self.config.layer_groups, once=once)
         return self.coda(self.latent(carried), positions, router)
+
+    def use_fused_norms(self, add_norm_norm) -> None:
+        """Run the core blocks' residual adds and norms through `add_norm_norm(residual,
+        branch, norm_a, norm_b, norm_sum=True) -> (norm_a(branch + residual), norm_b(that))`
+        (the runner's fused kernel, `runner/fused_norms.py`): 2 calls per block instead of 4
+        norms and 2 adds. None: back to torch ops. The prelude and coda (once per token)
+        keep the torch ops."""
+        self.add_norm_norm = add_norm_norm
 
     def make_rows_invariant(self) -> None:
         """Its RoPE tables one row at a time (after the runner made its linears and SiLUs
@@ -385,8 +395,17 @@ class HuginnForLoopedLM(nn.Module):
         (un-normed) state; the coda and the latent exit criteria read it."""
         x = self.transformer.adapter(torch.cat([state, e.to(state.device)], dim=-1))
         rope = self.rope(positions)
-        for block in self.transformer.core_block:
-            x = block(x, rope, attn)
+        blocks, fused = self.transformer.core_block, self.add_norm_norm
+        if fused is None:
+            for block in blocks:
+                x = block(x, rope, attn)
+            return x
+        normed = fused(x, None, None, blocks[0].norm_1)[1]
+        nexts = [block.norm_1 for block in blocks[1:]] + [None]
+        for block, next_norm in zip(blocks, nexts):
+            out = block.attn(normed, rope, attn, block.layer_idx)
+            x, normed = fused(x, out, block.norm_2, block.norm_3, norm_sum=True)
+            x, normed = fused(x, block.mlp(normed), block.norm_4, next_norm, norm_sum=True)
         return x
 
     def profile_forward(

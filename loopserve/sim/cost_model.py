@@ -52,9 +52,10 @@ ROOFLINES = ("call", "phase")
 # Device kernels of one decode loop: (per core layer, per loop besides the layers), counted by
 # dispatch on CPU under graph emulation with views left out (`loopserve bench kernels`, the
 # split from counts at two core depths; measured 2026-12-03 with Ouro's merged projections
-# and fused norms: 61 + 17 before either, 58 + 17 before the norms). A further fused build
-# lowers them (`DeviceProfile.kernels_per_layer` models one).
-KERNEL_COUNTS = {"ouro": (26.0, 10.0), "huginn": (77.0, 13.0)}
+# and both families' fused norms: Ouro 61 + 17 before either, 58 + 17 before the norms;
+# Huginn 77 + 13 before them). A further fused build lowers them
+# (`DeviceProfile.kernels_per_layer` models one).
+KERNEL_COUNTS = {"ouro": (26.0, 10.0), "huginn": (45.0, 14.0)}
 CODA_KERNELS = 2  # final norm (when the coda has layers) and the lm_head
 SAMPLING_KERNELS = 6  # softmax, filtering, the draw, the argmax, the gathers
 LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler

@@ -141,3 +141,19 @@ def test_huginn_with_fused_norms_equals_the_dense_reference(tmp_path):
         assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
     assert min(min(out.exit_depths) for out in finished.values()) < 8  # early exits
     assert len(calls) > 50
+
+
+def test_an_interpreted_launch_leaves_triton_language_as_it_was():
+    """Triton's interpreter patches `triton.language` while a kernel runs and, when the kernel
+    calls an interpreted helper (`tl.sum`), left some functions patched: a later compile in
+    the same process failed. `triton_jit` restores those modules after every launch."""
+    import triton.language as tl
+
+    modules = [tl, tl.core, tl.standard]
+    before = [dict(vars(module)) for module in modules]
+    rows, norm = torch.randn(2, 64), _norm(64, 0, torch.float32)
+    with torch.no_grad():
+        add_norm_norm(rows, rows, norm, norm, norm_sum=True)
+    for module, attributes in zip(modules, before):
+        changed = [n for n, v in attributes.items() if vars(module).get(n) is not v]
+        assert changed == [], (module.__name__, changed[:5])

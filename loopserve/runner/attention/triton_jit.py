@@ -70,6 +70,10 @@ class DeviceKernel:
 _LANGUAGE_MODULES = tuple(
     m for m in (tl, getattr(tl, "standard", None), getattr(tl, "math", None)) if m is not None
 )
+# Modules the interpreter patches while it runs a kernel (restored whole after each launch).
+_PATCHED_MODULES = tuple(
+    dict.fromkeys(m for m in (*_LANGUAGE_MODULES, getattr(tl, "core", None)) if m is not None)
+)
 
 
 @functools.cache
@@ -97,13 +101,22 @@ def _interpreted_language():
     if mangle_type is not None:
         mangle_type(0)
     swaps = _helper_swaps()
+    # The interpreter patches `triton.language` functions while a kernel runs and does not
+    # always put them back: a kernel that calls an interpreted helper (`tl.sum`) patches them
+    # again inside its own patch, and the inner restore keeps the patched forms. A compile
+    # in the same process then fails ("'value' object has no attribute 'dtype'"). So every
+    # attribute of those modules is restored as it was before the launch.
+    saved = [(module, dict(vars(module))) for module in _PATCHED_MODULES]
     for module, name, _, interpreted in swaps:
         setattr(module, name, interpreted)
     try:
         yield
     finally:
-        for module, name, compiled, _ in swaps:
-            setattr(module, name, compiled)
+        for module, attributes in saved:
+            current = vars(module)
+            for name, value in attributes.items():
+                if current.get(name) is not value:
+                    setattr(module, name, value)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from loopserve.contracts import (
     WorkItem,
 )
 from loopserve.errors import CapacityError, InvalidRequestError
+from loopserve.execution import StepRules
 from loopserve.exit import ExitMode
 from loopserve.scheduler.admission import Admission, MemoryStats, admission_key
 from loopserve.scheduler.ahead import AheadPlanner
@@ -83,6 +84,7 @@ class Scheduler:
         self.prompt_loops_by_request = prompt_loops_by_request
         self.kv = kv
         self.exit_mode = ExitMode(config.exit.mode)
+        self.rules = StepRules.of(config.cache.layout, num_loops)  # what the executors decide
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
         self.decode_policy: DecodePolicy = (
@@ -276,11 +278,7 @@ class Scheduler:
         items = work.items
         seats = self.max_num_seqs - len(self.running)
         for i, item in enumerate(items):
-            if (
-                isinstance(item, PromptChunk)
-                and item.first_token
-                and item.last_depth + 1 == (item.prompt_loops or self.num_loops)
-            ):  # the item that samples the first token
+            if isinstance(item, PromptChunk) and self.rules.samples_first_token(item):
                 followers, new_leader = self.groups.seal(item.request_id, seats)
                 if new_leader is not None:  # the followers without a seat: a group of their own
                     bisect.insort(self.waiting, new_leader, key=admission_key)

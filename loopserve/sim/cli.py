@@ -25,7 +25,7 @@ from loopserve.sim.cost_model import CostModel, ModelShape, sim_model_config
 from loopserve.sim.hardware import get_device_profile
 from loopserve.sim.host_model import load_host_model
 from loopserve.sim.report import (
-    cdb_efficiency,
+    cdb_points,
     format_capacity,
     format_cdb_table,
     format_host_table,
@@ -256,15 +256,14 @@ def main_from_args(args: argparse.Namespace) -> int:
 
 def _cdb_records(points: list[PointResult]) -> list[dict]:
     """`cdb_efficiency` of every early-exit point against full depth at its rate."""
-    full = {p.request_rate: p.result for p in points if p.arm == "full_depth" and p.result}
     return [
         {
             "policy": p.arm,
             "request_rate": None if math.isinf(p.request_rate) else p.request_rate,
-            **cdb_efficiency(full[p.request_rate], p.result),
+            **efficiency,
         }
-        for p in points
-        if p.arm != "full_depth" and p.result is not None and p.request_rate in full
+        for p, efficiency in cdb_points(points)
+        if p.arm != "full_depth"
     ]
 
 

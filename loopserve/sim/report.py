@@ -54,11 +54,22 @@ def cdb_efficiency(full, arm) -> dict[str, float]:
     }
 
 
+def cdb_points(points: list[PointResult]) -> list[tuple[PointResult, dict[str, float]]]:
+    """Every point with a result and a `full_depth` result at its rate (full depth's own
+    included), with its `cdb_efficiency` against that."""
+    full = {p.request_rate: p.result for p in points if p.arm == "full_depth" and p.result}
+    return [
+        (p, cdb_efficiency(full[p.request_rate], p.result))
+        for p in points
+        if p.result is not None and p.request_rate in full
+    ]
+
+
 def format_cdb_table(points: list[PointResult]) -> str:
     """Per rate, each early-exit policy against `full_depth` (`cdb_efficiency`), with the
     latencies batching costs: TTFT, TPOT and ITL p50 / p99 (ms). Empty without full depth."""
-    full = {p.request_rate: p.result for p in points if p.arm == "full_depth" and p.result}
-    if not full:
+    rows = cdb_points(points)
+    if not rows:
         return ""
     lines = [
         "\ncontinuous depth batching against its ceiling (speed-up in output tok/s over "
@@ -68,12 +79,10 @@ def format_cdb_table(points: list[PointResult]) -> str:
         f"{'f once':>6} {'ceil once':>9} {'eff once':>8} {'TTFT p50/p99':>13} "
         f"{'TPOT p50/p99':>13} {'ITL p50/p99':>13}",
     ]
-    for p in points:
-        base, r = full.get(p.request_rate), p.result
-        if r is None or base is None:
-            continue
+    for p, e in rows:
+        r = p.result
+        assert r is not None
         rate = "inf" if math.isinf(p.request_rate) else f"{p.request_rate:.2f}"
-        e = cdb_efficiency(base, r)
         lines.append(
             f"{p.arm:>11} {rate:>7} {e['speedup']:>7.2f}x {e['ceiling']:>6.2f}x "
             f"{e['efficiency']:>5.0%} {e['once_share']:>6.2f} {e['ceiling_once']:>8.2f}x "

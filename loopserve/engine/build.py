@@ -33,6 +33,7 @@ def build_engine_core(
     extra_planes: int = 0,
     prefix_key_by_max_loops: bool = False,
     prompt_loops_by_request: bool = False,
+    leave_attends: bool = False,
     score_store: bool = True,
 ) -> EngineCore:
     """The engine core for `config` (its `cache.num_blocks` resolved) over the executor
@@ -41,6 +42,7 @@ def build_engine_core(
     Huginn's prelude and coda layers); `prefix_key_by_max_loops`: cached prompt pages are
     shared only between requests with the same loop bound (`KVCacheManager.match_prefix`);
     `prompt_loops_by_request`: a request's prompt runs its loop bound, not all D loops;
+    `leave_attends`: the family's leave attends to earlier positions (`Scheduler`);
     `score_store`: the executor keeps prompt rows' outputs for cached pages (else no page is
     published as scored)."""
     kv = KVCacheManager.from_config(
@@ -51,7 +53,11 @@ def build_engine_core(
     kv.key_by_max_loops = prefix_key_by_max_loops
     kv.score_store = score_store
     scheduler = Scheduler(
-        config, num_loops=num_loops, kv=kv, prompt_loops_by_request=prompt_loops_by_request
+        config,
+        num_loops=num_loops,
+        kv=kv,
+        prompt_loops_by_request=prompt_loops_by_request,
+        leave_attends=leave_attends,
     )
     use_async = config.async_scheduling if async_scheduling is None else async_scheduling
     core_class = AsyncEngineCore if use_async else EngineCore

@@ -79,6 +79,7 @@ class LLMEngine:
             extra_planes=self.model.config.extra_kv_planes,
             prefix_key_by_max_loops=family.prefix_keyed_by_max_loops,
             prompt_loops_by_request=family.prompt_loops_by_request,
+            leave_attends=self.model.leave_writes_kv,
             score_store=family.score_store,
             make_executor=lambda kv: ModelRunner(
                 self.model,

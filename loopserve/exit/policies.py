@@ -71,6 +71,12 @@ class ExitMode(str, enum.Enum):
         return self in (ExitMode.OURO, ExitMode.OURO_DELAYED, ExitMode.RANDOM_LOOKAHEAD)
 
 
+# The convergence criteria (`exit/criteria.py`) whose check runs the coda (reads the
+# next-token distribution); the others read only the recurrent states. Torch-free here for
+# the scheduler; tests/test_speculation.py checks it against the criteria themselves.
+CRITERIA_READING_LOGITS = frozenset({"entropy-diff", "kl", "minp-kl", "argmax-stability"})
+
+
 @dataclass(frozen=True, slots=True)
 class ExitRule:
     """Per-request bounds, already resolved against the model depth."""

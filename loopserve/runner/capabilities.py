@@ -26,13 +26,11 @@ def unsupported_options(
     init_scale: float = 0.0,
 ) -> list[str]:
     """The options this runner cannot run for `model`'s math, each named (empty: it runs
-    them all). Graphs and speculation need a hazard signal and no once planes (not built for
-    the others yet; the decode graphs run every family, but not drawn initial states or the
-    `full` lookup); `kv_lookup='full'` needs per-position masks (the torch backend, eager,
-    LAST_EXITED); `prompt_exits` needs a criterion signal and the whole prompt in one step."""
+    them all). The decode graphs and speculation run every family, but not drawn initial
+    states or the `full` lookup; `kv_lookup='full'` needs per-position masks (the torch
+    backend, eager, LAST_EXITED); `prompt_exits` needs a criterion signal and the whole prompt in one step."""
     problems = []
     criterion = model.signal_kind == "criterion"
-    plain = not criterion and not model.config.extra_kv_planes
     if graph_mode != "off" and init_scale > 0:
         problems.append(
             f"graph_mode={graph_mode!r} with init_scale > 0 (initial states are drawn per "
@@ -40,8 +38,13 @@ def unsupported_options(
         )
     if graph_mode != "off" and lookup == "full":
         problems.append(f"graph_mode={graph_mode!r} with kv_lookup='full' (per-step masks)")
-    if speculative and not plain:
-        problems.append("speculative_tokens > 0 (self-speculative decoding reads a hazard)")
+    if speculative and init_scale > 0:
+        problems.append(
+            "speculative_tokens > 0 with init_scale > 0 (a rolled-back position would draw "
+            "its initial state again)"
+        )
+    if speculative and lookup == "full":
+        problems.append("speculative_tokens > 0 with kv_lookup='full' (per-step masks)")
     if lookup == "full":
         if batch_invariant:
             problems.append(

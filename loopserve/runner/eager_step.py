@@ -31,13 +31,14 @@ import torch
 
 from loopserve.contracts import ItemKind, SchedulerOutput, WorkItem
 from loopserve.execution import StepRules
-from loopserve.exit.policies import GateState, loop_exits
+from loopserve.exit.policies import GateState, criterion_exits, loop_exits
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment
 from loopserve.runner.coda import Coda, CodaOutput
 from loopserve.runner.decode_rows import DecodeInputs, DecodeStep
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.loop_calls import LoopCalls
 from loopserve.runner.prompt_exits import PromptExits
+from loopserve.runner.spec_criteria import SpecCriteria
 from loopserve.runner.swap import InFlight
 from loopserve.runner.transfers import Transfers
 
@@ -64,11 +65,13 @@ class EagerStep:
         finalize_exits: Callable[[list], int],
         score_store: torch.Tensor | None = None,
         prompt_exits: PromptExits | None = None,
+        spec_criteria: SpecCriteria | None = None,
     ) -> None:
         self.calls = calls
         self.leave_writes_kv = calls.model.leave_writes_kv
         self.finalize_exits = finalize_exits
         self.prompt_exits = prompt_exits
+        self.spec_criteria = spec_criteria  # a criterion family's speculative positions
         self.hazards = hazards
         self.attention = attention
         self.decode = decode
@@ -92,6 +95,13 @@ class EagerStep:
         hazards: list[list[float]] = [[] for _ in items]
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
         states = self._initial_states(items, hazards, last_outputs)
+        if self.spec_criteria is not None:
+            fresh = [
+                i for i, item in enumerate(items) if item.kind is ItemKind.SPEC and not item.depth
+            ]
+            if fresh:
+                keys = [(items[i].request_id, items[i].handle) for i in fresh]
+                self.spec_criteria.start(keys, torch.cat([states[i] for i in fresh]))
         cached_rows = self._cached_rows(items, tables)
         exited = [False] * len(items)
         rows_per_call = []
@@ -296,16 +306,30 @@ class EagerStep:
         them), and the finalize copies of those that exit below full depth."""
         gated = [i for i in spec if items[i].needs_gate]
         values: dict[int, float] = {}
+        criteria = self.spec_criteria
         if gated:
             rows = torch.cat([states[i] for i in gated])
-            for i, value in zip(gated, self.transfers.to_host(self.hazards(rows).float())):
+            if criteria is None:
+                signal = self.hazards(rows).float()
+            else:  # 1.0 where the criterion fired (`TokenExit.record`)
+                keys = [(items[i].request_id, items[i].handle) for i in gated]
+                spans = lambda: [(items[i].request_id, items[i].token_start, 1) for i in gated]  # noqa: E731
+                thresholds = [items[i].threshold for i in gated]
+                signal = criteria.check(keys, rows, thresholds, spans).float()
+            for i, value in zip(gated, self.transfers.to_host(signal)):
                 hazards[i].append(value)
                 values[i] = value
         finalize = []
         for i in spec:
             item = items[i]
-            before = GateState(item.cdf_before, item.survival_before)
-            exited[i] = loop_exits(item.exit_now, before, values.get(i), item.threshold)
+            if criteria is None:
+                before = GateState(item.cdf_before, item.survival_before)
+                exited[i] = loop_exits(item.exit_now, before, values.get(i), item.threshold)
+            else:
+                fired = values[i] >= 1.0 if i in values else None
+                exited[i] = criterion_exits(item.exit_now, fired)
+                if exited[i]:
+                    criteria.drop(item.request_id, item.handle)
             if self.rules.finalizes(item.depth, exited[i]):
                 finalize.append(item)
         if finalize:

@@ -68,6 +68,7 @@ from loopserve.runner.sampler import (
     restore_generator,
     token_history,
 )
+from loopserve.runner.spec_criteria import SpecCriteria
 from loopserve.runner.swap import InFlight, KVMoves
 from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import StructuredOutput
@@ -223,12 +224,15 @@ class ModelRunner(Executor):
                 criterion=criterion.rule, calls=self.calls, finalize=self._finalize_exits,
                 num_loops=self.num_loops, stable_steps=self.stable_steps,
             )  # fmt: skip
+        spec_criteria = None  # a criterion family's speculative positions
+        if criterion is not None:
+            spec_criteria = SpecCriteria(criterion, self.calls, self.stable_steps)
         return EagerStep(
             calls=self.calls, hazards=self._timed_hazards(), attention=self.attention,
             decode=self.decode, coda=self.coda, transfers=self.transfers,
             inflight=self.inflight, rules=self.rules, block_size=options.block_size,
             finalize_exits=self._finalize_exits, score_store=score_store,
-            prompt_exits=prompt_exits,
+            prompt_exits=prompt_exits, spec_criteria=spec_criteria,
         )  # fmt: skip
 
     def _graphs(self):
@@ -262,12 +266,14 @@ class ModelRunner(Executor):
         for request_id, handle in scheduled.dropped_handles:  # rolled-back speculation
             self.inflight.drop(request_id, handle)
             self.coda.drop(request_id, handle)
+            self._drop_spec_criterion(request_id, handle)
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
             self.moves.apply(transfer, self.decode_slots)
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
             self.decode_slots.release(request_id)
             self.coda.drop(request_id)
+            self._drop_spec_criterion(request_id)
         return failures
 
     def _install(self, new: NewRequestData) -> None:
@@ -344,6 +350,11 @@ class ModelRunner(Executor):
         self.inflight.release(request_id)
         self.moves.drop(request_id)
         self.coda.drop(request_id)
+        self._drop_spec_criterion(request_id)
+
+    def _drop_spec_criterion(self, request_id: str, handle: int | None = None) -> None:
+        if self.eager.spec_criteria is not None:
+            self.eager.spec_criteria.drop(request_id, handle)
 
     @property
     def num_live_handles(self) -> int:

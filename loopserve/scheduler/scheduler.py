@@ -60,7 +60,7 @@ from loopserve.scheduler.request import (
     RequestState,
     RequestStatus,
 )
-from loopserve.scheduler.speculator import Speculator, speculates
+from loopserve.scheduler.speculator import Speculator, leave_waits, speculates
 
 
 class Scheduler:
@@ -76,9 +76,12 @@ class Scheduler:
         num_loops: int,
         kv: KVCacheManager,
         prompt_loops_by_request: bool = False,
+        leave_attends: bool = False,
     ) -> None:
         """`prompt_loops_by_request`: prompts run the request's loop bound (`max_loops`)
-        instead of the model's D (a family whose prompt K/V depends on it: Huginn)."""
+        instead of the model's D (a family whose prompt K/V depends on it: Huginn);
+        `leave_attends`: the family's leave attends to earlier positions' leave K/V
+        (Huginn's coda layers), so a speculative position's leave waits for older exits."""
         self.config = config
         self.num_loops = num_loops
         self.prompt_loops_by_request = prompt_loops_by_request
@@ -145,6 +148,7 @@ class Scheduler:
             admission=self.admission,
             outbox=self.outbox,
             new_handle=self._handle,
+            leave_waits=leave_waits(self.exit_mode, config.exit.criterion, leave_attends),
         )
         self.ahead = AheadPlanner(
             exit_mode=self.exit_mode,

@@ -25,6 +25,17 @@ in order as their positions exit and become verified, several in one step when y
 positions already exited. Outputs equal plain decoding (greedy: tokens and exit depths) or
 its distribution (sampling).
 
+A family whose leave attends to earlier positions (Huginn's coda layers keep once-plane K/V)
+reads there what older positions' leaves wrote, and a position's leave K/V is final only at
+its exit (every check before rewrites it). So, with `leave_waits`, a position whose loop
+would run its leave for the exit rule waits until every older position has exited: under
+"exit" a loop that may exit (the latent criteria, whose check reads only states), under
+"check" also a loop whose criterion is checked (the criteria that read logits). Its other
+loops, and draft leaves (a draft need not be exact: its verification is), run as above. It
+then checks and exits exactly as plain decoding would; the overlap is the loops before its
+first such loop (`min_loops`, or under `criterion_delayed` with a latent criterion every
+loop but the exit one).
+
 Rolled-back positions need no clean-up in the K/V: a restarted position writes each plane
 before any later position reads it (the lag above), and the scheduler frees blocks beyond
 the positions still in flight. Torch-free.
@@ -36,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loopserve.contracts import ItemResult, SampledToken, SpecRow, WorkItem
-from loopserve.exit.policies import TokenExit
+from loopserve.exit.policies import LoopPlan, TokenExit
 
 
 @dataclass(slots=True)
@@ -69,6 +80,8 @@ class SpecStats:
 class Speculation:
     num_tokens: int  # K: unverified positions in flight at most
     draft_loops: int  # d
+    # "" (the leave reads no earlier position), "exit" or "check": see the module's text.
+    leave_waits: str = ""
     positions: list[SpecPosition] = field(default_factory=list)
     # Handles of positions rolled back since the scheduler last collected them: the
     # executor drops their state (`SchedulerOutput.dropped_handles`).
@@ -99,8 +112,11 @@ class Speculation:
             depth = pos.exit.depth
             if frontier is not None and depth >= frontier:
                 break
+            older_running = frontier is not None
             frontier = depth if frontier is None else min(frontier, depth)
             plan = pos.exit.plan()
+            if older_running and self._leave_waits(plan):
+                continue  # its leave would read an older position's non-final leave K/V
             # From loop d-1 on, every loop that does not exit drafts again (a deeper loop's
             # draft is likelier right); a changed draft replaces the next position.
             can_draft = (
@@ -131,6 +147,12 @@ class Speculation:
                 )
             )
         return items
+
+    def _leave_waits(self, plan: LoopPlan) -> bool:
+        """Whether this loop runs the leave for the exit rule, under `leave_waits`."""
+        if not self.leave_waits:
+            return False
+        return plan.exit_now is not False or (self.leave_waits == "check" and plan.needs_gate)
 
     def apply(
         self,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from loopserve.contracts import SampledToken, SampleSpec
 from loopserve.exit import ExitMode
-from loopserve.exit.policies import TokenExit
+from loopserve.exit.policies import CRITERIA_READING_LOGITS, TokenExit
 from loopserve.scheduler.admission import Admission
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.preemption import pick_victim
@@ -32,6 +32,16 @@ def speculates(request: Request) -> bool:
     return params.speculative and not spec.adjusts_logits and params.logprobs is None
 
 
+def leave_waits(exit_mode: ExitMode, criterion: str, leave_attends: bool) -> str:
+    """`Speculation.leave_waits` for a family: "" when its leave attends to no earlier
+    position; else "check" when its criterion's check runs the leave (the criteria that read
+    logits), "exit" when only an exit does."""
+    if not leave_attends:
+        return ""
+    reads = exit_mode.reads_criterion and criterion in CRITERIA_READING_LOGITS
+    return "check" if reads else "exit"
+
+
 class Speculator:
     def __init__(
         self,
@@ -44,8 +54,10 @@ class Speculator:
         admission: Admission,
         outbox: StepOutbox,
         new_handle: Callable[[], int],
+        leave_waits: str = "",
     ) -> None:
         self.num_tokens = num_tokens  # K (0: speculation off)
+        self.leave_waits = leave_waits  # `Speculation.leave_waits`
         self.draft_loops = draft_loops  # d
         self.exit_mode = exit_mode
         self.kv = kv
@@ -68,7 +80,7 @@ class Speculator:
 
     def start(self, request: Request) -> None:
         """The request's next token (its last output, fed back) starts a fresh pipeline."""
-        spec = Speculation(self.num_tokens, self.draft_loops)
+        spec = Speculation(self.num_tokens, self.draft_loops, self.leave_waits)
         spec.start(
             request.next_position,
             request.output_token_ids[-1],

@@ -296,8 +296,8 @@ def test_ouro_refuses_the_criterion_exit_mode(tiny_dir):
 
 def test_prompt_logprobs_are_the_teacher_forced_logprobs_at_r_steps(huginn_dir):
     """Prompt logprobs (what lm-eval's loglikelihood reads): every prompt position's coda at
-    the request's r steps, in chunks and with a cached prefix in the pool; the exit-loop
-    rule fails the request with the reason."""
+    the request's r steps, in chunks and with a cached prefix in the pool (the exit-loop
+    rule: tests/test_huginn_prompt_scores.py)."""
     engine = make_engine(huginn_dir, prefill_chunk_size=5)
     prompt = SHARED_PREFIX + [4, 5, 6, 9]
     work = [
@@ -305,8 +305,6 @@ def test_prompt_logprobs_are_the_teacher_forced_logprobs_at_r_steps(huginn_dir):
         ("scored", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2), 6),
         ("r6", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
                                       max_loops=6), 6),
-        ("by_exit", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1,
-                                              prompt_logprobs_loop="exit"), 0),
     ]  # fmt: skip
     finished = run_steps(engine, work)
     for request_id, steps in (("scored", 8), ("r6", 6)):
@@ -319,7 +317,6 @@ def test_prompt_logprobs_are_the_teacher_forced_logprobs_at_r_steps(huginn_dir):
             assert entry.logprob == pytest.approx(float(expected[position, token]), abs=1e-4)
             assert entry.loops == steps
     assert len(finished["scored"].prompt_logprobs[1].top_logprobs) == 2
-    assert "prompt logprobs at the exit loop are not supported" in finished["by_exit"].error
 
 
 def test_cached_prompt_pages_are_shared_only_at_the_same_step_count(huginn_dir):

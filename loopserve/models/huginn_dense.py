@@ -274,3 +274,59 @@ def score_tokens(
         logprobs.append(torch.log_softmax(logits[-1].float(), dim=-1)[token_ids[i + 1]])
         used.append(count)
     return torch.stack(logprobs), used
+
+
+@torch.no_grad()
+def prompt_logprobs_at_exit(
+    model: HuginnForLoopedLM,
+    token_ids: list[int],
+    *,
+    criterion: str,
+    threshold: float | None = None,
+    min_steps: int = 0,
+    num_steps: int | None = None,
+) -> tuple[torch.Tensor, list[int]]:
+    """loopserve's prompt logprobs at the exit loop (`prompt_logprobs_loop='exit'`): the
+    prompt runs all `num_steps` steps (zero initial state); each position is then scored
+    as a decode token there would exit: `criterion`, checked from step `min_steps` on over
+    the position's state after each step, from its initial state, with the coda of that
+    step attending to the earlier positions' coda K/V of the last step and to its own of
+    that step. Returns the log-probability of every next token [len - 1] and the steps
+    each position's score used."""
+    steps = num_steps or model.config.mean_recurrence
+    device = model.lm_head.weight.device
+    n = len(token_ids)
+    kv = HuginnDenseKV(model, max_len=n, max_steps=steps, lookup="last_exited")
+    ids = torch.tensor(token_ids, device=device)
+    pos = torch.arange(n, device=device)
+    e = model.prelude(ids, pos, kv.attention(pos, None))
+    states = [model.initial_state(e, init_scale=0.0)]
+    for step in range(steps):
+        states.append(model.core(states[-1], e, pos, kv.attention(pos, step)))
+    model.coda(states[-1], pos, kv.attention(pos, None))  # the last step's coda K/V
+    final_k, final_v = kv.once_k.clone(), kv.once_v.clone()
+    vocab = model.config.vocab_size
+    logprobs, used = [], []
+    for i in range(n - 1):
+        rule = make_criterion(criterion, vocab_size=vocab, threshold=threshold)
+        rule.init(states[0][i : i + 1].unsqueeze(0))
+        here = pos[i : i + 1]
+        for step in range(steps):
+            logits = None
+            last = step == steps - 1
+            if step >= min_steps and not last:
+                if rule.needs_logits:
+                    logits = model.coda(states[step + 1][i : i + 1], here, kv.attention(here, None))
+                fired, _ = rule.check(states[step + 1][i : i + 1].unsqueeze(0), logits)
+                if not bool(fired[0]):
+                    continue
+            elif not last:
+                continue
+            if logits is None:
+                logits = model.coda(states[step + 1][i : i + 1], here, kv.attention(here, None))
+            logprobs.append(torch.log_softmax(logits[-1].float(), dim=-1)[token_ids[i + 1]])
+            used.append(step + 1)
+            break
+        kv.once_k.copy_(final_k)  # the coda above wrote this position's K/V of its steps
+        kv.once_v.copy_(final_v)
+    return torch.stack(logprobs), used

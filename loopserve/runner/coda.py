@@ -41,6 +41,7 @@ from loopserve.execution import StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
 from loopserve.exit.columns import EXIT
 from loopserve.runner.decode_rows import DecodeSignals, decode_spans
+from loopserve.runner.exit_scores import ExitScores
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.sampler import (
     filtered_probs,
@@ -147,6 +148,8 @@ class Coda:
         self.exit_mode = exit_mode
         self.coda = coda
         self.hazards = hazards
+        # A criterion family's pick of prompt rows at their exit loops (the runner sets it).
+        self.exit_scores: ExitScores | None = None
         self.samplers = samplers
         self.transfers = transfers
         self.inflight = inflight
@@ -484,23 +487,30 @@ class Coda:
         if not scored:
             return {}
         by_rule = [i for i in scored if items[i].score_rule is not None]
-        picked, picked_loops = self._rows_at_exit_loops(items, by_rule, loop_outputs)
+        if self.exit_scores is not None:  # a criterion picks them, with their logits
+            ready, picked_loops = self.exit_scores.pick(items, by_rule, loop_outputs)
+            picked = {}
+        else:
+            ready = {}
+            picked, picked_loops = self._rows_at_exit_loops(items, by_rule, loop_outputs)
         parts, spans = [], []
-        ready = []
         for i in scored:
             own = len(items[i].score_ids) - items[i].score_cached
+            if i in ready:
+                continue
             if i in completed:
-                ready.append(completed[i][0][:own])
+                ready[i] = completed[i][0][:own]
                 continue
             if i in cached_rows:
                 parts.append(cached_rows[i])
                 spans.append((items[i].request_id, 0, items[i].score_cached))
             parts.append(picked[i] if i in picked else states[i][:own])
             spans.append((items[i].request_id, items[i].token_start, own))
-        # Rows in `scored` order: those needing the leave, then those whose leave ran.
-        scored = [i for i in scored if i not in completed] + [i for i in scored if i in completed]
+        # Rows in `scored` order: those needing the leave, then those with logits already.
+        scored = [i for i in scored if i not in ready] + [i for i in scored if i in ready]
         logits = [self.coda(torch.cat(parts), lambda: spans)] if parts else []
-        logprobs = torch.log_softmax(torch.cat(logits + ready).float(), dim=-1)
+        logits += [ready[i] for i in scored if i in ready]
+        logprobs = torch.log_softmax(torch.cat(logits).float(), dim=-1)
         ids = [t for i in scored for t in items[i].score_ids]
         index = self.transfers.to_device(ids)
         chosen = logprobs.gather(1, index[:, None])

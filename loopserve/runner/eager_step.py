@@ -66,12 +66,17 @@ class EagerStep:
         score_store: torch.Tensor | None = None,
         prompt_exits: PromptExits | None = None,
         spec_criteria: SpecCriteria | None = None,
+        keep_initial_states: bool = False,
     ) -> None:
+        """`keep_initial_states`: a prompt item scored at its exit loops keeps its rows'
+        state before loop 0 first in its loop outputs (a criterion checks from it:
+        `runner/exit_scores.py`)."""
         self.calls = calls
         self.leave_writes_kv = calls.model.leave_writes_kv
         self.finalize_exits = finalize_exits
         self.prompt_exits = prompt_exits
         self.spec_criteria = spec_criteria  # a criterion family's speculative positions
+        self.keep_initial_states = keep_initial_states
         self.hazards = hazards
         self.attention = attention
         self.decode = decode
@@ -168,6 +173,8 @@ class EagerStep:
             embedded = self.calls.enter(self.transfers.to_device(token_ids), spans)
             for i, chunk in zip(fresh, embedded.split([items[i].token_count for i in fresh])):
                 states[i] = chunk
+                if self.keep_initial_states and getattr(items[i], "score_rule", None):
+                    last_outputs[i].append(chunk)
         for i, item in enumerate(items):
             if states[i] is None:
                 resumed = self.inflight.resume(item.handle)

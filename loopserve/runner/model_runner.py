@@ -54,6 +54,7 @@ from loopserve.runner.capabilities import unsupported_options
 from loopserve.runner.coda import Coda
 from loopserve.runner.decode_rows import DecodeSlots, DecodeStep
 from loopserve.runner.eager_step import EagerStep
+from loopserve.runner.exit_scores import ExitScores
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.loop_calls import CriterionSlots, LoopCalls
@@ -227,12 +228,17 @@ class ModelRunner(Executor):
         spec_criteria = None  # a criterion family's speculative positions
         if criterion is not None:
             spec_criteria = SpecCriteria(criterion, self.calls, self.stable_steps)
+            self.coda.exit_scores = ExitScores(
+                criterion, self.calls, self.stable_steps, kv_cache=self.kv_cache,
+                block_size=options.block_size, scale=self.scale,
+            )  # fmt: skip
         return EagerStep(
             calls=self.calls, hazards=self._timed_hazards(), attention=self.attention,
             decode=self.decode, coda=self.coda, transfers=self.transfers,
             inflight=self.inflight, rules=self.rules, block_size=options.block_size,
             finalize_exits=self._finalize_exits, score_store=score_store,
             prompt_exits=prompt_exits, spec_criteria=spec_criteria,
+            keep_initial_states=criterion is not None,
         )  # fmt: skip
 
     def _graphs(self):
@@ -372,7 +378,7 @@ class ModelRunner(Executor):
         failures = self._apply_bookkeeping(scheduled)
         reasons = refused_items(
             scheduled.items, self.prompt_lens, prompt_exits=self.prompt_exits,
-            scores_by_rule=self.hazard_fn is not None,
+            scores_by_rule=self.hazard_fn is not None or self.coda.exit_scores is not None,
         )  # fmt: skip
         for failure in failures:
             reasons.pop(failure.request_id, None)

@@ -296,8 +296,9 @@ def test_ouro_refuses_the_criterion_exit_mode(tiny_dir):
 
 def test_prompt_logprobs_are_the_teacher_forced_logprobs_at_r_steps(huginn_dir):
     """Prompt logprobs (what lm-eval's loglikelihood reads): every prompt position's coda at
-    the request's r steps, in chunks and with a cached prefix in the pool (the exit-loop
-    rule: tests/test_huginn_prompt_scores.py)."""
+    the request's r steps, in chunks and from a cached prefix (its positions scored from the
+    score store through the leave that writes no K/V); the exit-loop rule:
+    tests/test_huginn_prompt_scores.py."""
     engine = make_engine(huginn_dir, prefill_chunk_size=5)
     prompt = SHARED_PREFIX + [4, 5, 6, 9]
     work = [
@@ -317,6 +318,8 @@ def test_prompt_logprobs_are_the_teacher_forced_logprobs_at_r_steps(huginn_dir):
             assert entry.logprob == pytest.approx(float(expected[position, token]), abs=1e-4)
             assert entry.loops == steps
     assert len(finished["scored"].prompt_logprobs[1].top_logprobs) == 2
+    assert finished["scored"].metrics.num_cached_prompt_tokens == len(SHARED_PREFIX)
+    assert finished["r6"].metrics.num_cached_prompt_tokens == 0  # pages keyed by r
 
 
 def test_cached_prompt_pages_are_shared_only_at_the_same_step_count(huginn_dir):

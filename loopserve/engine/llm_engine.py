@@ -80,14 +80,13 @@ class LLMEngine:
             prefix_key_by_max_loops=family.prefix_keyed_by_max_loops,
             prompt_loops_by_request=family.prompt_loops_by_request,
             leave_attends=self.model.leave_writes_kv,
-            score_store=family.score_store,
             make_executor=lambda kv: ModelRunner(
                 self.model,
                 RunnerOptions.of(
                     self.config,
                     max_model_len=self.max_model_len,
                     num_host_blocks=kv.host_pool.num_blocks,
-                    score_store=kv.prefix_cache is not None and family.score_store,
+                    score_store=kv.prefix_cache is not None,
                     per_request_prompt_loops=family.prompt_loops_by_request,
                 ),
                 make_matcher=None if self.structured is None else self.structured.matcher,

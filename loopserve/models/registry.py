@@ -34,13 +34,11 @@ class ModelFamily:
     runs_on: str  # where it runs today, for error messages and docs
     # What its K/V needs from the KV manager besides the planes its config asks for
     # (`config.extra_kv_planes`, the prelude's and coda's once-per-position K/V): prompt pages
-    # keyed by the request's loop bound (its prompt K/V depends on it), and whether its
-    # executor keeps a score store (prompt rows' outputs for cached pages).
+    # keyed by the request's loop bound (its prompt K/V depends on it).
     prefix_keyed_by_max_loops: bool = False
     # Its prompts run the request's loop bound rather than the model's D (the prompt's
     # outputs at that bound are what its first token and coda read; deeper loops are waste).
     prompt_loops_by_request: bool = False
-    score_store: bool = True
     # The exit modes (`loopserve.exit.ExitMode`) its exit signal supports; the first is what
     # the engine's default `exit_mode` ('ouro') means for it.
     exit_modes: tuple[str, ...] = ("ouro", "ouro_delayed", "random_lookahead", "trace")
@@ -70,7 +68,6 @@ HUGINN = ModelFamily(
     handoff=True,
     prefix_keyed_by_max_loops=True,
     prompt_loops_by_request=True,
-    score_store=False,
     # a convergence criterion's score, not a hazard; its one-loop-delayed variant
     exit_modes=("criterion", "criterion_delayed"),
     runs_on="the engine (eager; the one executor, runner/model_runner.py), the dense reference "

@@ -139,6 +139,7 @@ class Coda:
         rules: StepRules,
         exit_mode: ExitMode,
         coda: Callable[..., torch.Tensor],
+        peek: Callable[..., torch.Tensor] | None = None,
         hazards: Callable[[torch.Tensor], torch.Tensor],
         samplers: dict,
         transfers: Transfers,
@@ -147,6 +148,9 @@ class Coda:
         self.rules = rules
         self.exit_mode = exit_mode
         self.coda = coda
+        # A family whose leave writes K/V: its leave that writes none (`LoopCalls.peek_leave`),
+        # for cached positions scored again from the score store.
+        self.peek = peek
         self.hazards = hazards
         # A criterion family's pick of prompt rows at their exit loops (the runner sets it).
         self.exit_scores: ExitScores | None = None
@@ -500,6 +504,11 @@ class Coda:
                 continue
             if i in completed:
                 ready[i] = completed[i][0][:own]
+                if i in cached_rows:  # the store's rows, through the leave that writes nothing
+                    assert self.peek is not None, "a completed leave is a family's that writes K/V"
+                    cached = range(items[i].score_cached)
+                    before = self.peek(cached_rows[i], items[i].request_id, list(cached))
+                    ready[i] = torch.cat([before, ready[i]])
                 continue
             if i in cached_rows:
                 parts.append(cached_rows[i])

@@ -209,13 +209,10 @@ class EagerStep:
         """Prompt rows that ran their last loop: their outputs into the score store."""
         if self.score_store is None:
             return
-        last = self.rules.num_loops - 1
         done = [
             i
             for i in active
-            if items[i].kind is ItemKind.PROMPT
-            and k == items[i].num_depths - 1
-            and items[i].last_depth == last
+            if k == items[i].num_depths - 1 and self.rules.completes_prompt(items[i])
         ]
         if not done:
             return

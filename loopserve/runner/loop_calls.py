@@ -27,6 +27,7 @@ import torch
 
 from loopserve.exit.criteria import ExitCriterion, make_criterion
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment
+from loopserve.runner.attention.peek import PeekAttention
 from loopserve.runner.transfers import Transfers
 
 Span = tuple[str, int, int]  # (request id, first position, count): rows of one request
@@ -211,6 +212,25 @@ class LoopCalls:
             return self.timed(self.model.leave, carried)
         where, positions = self._context(spans, positions)
         return self.timed(self.model.leave, carried, positions, self.once(where))
+
+    def peek_leave(self, carried: torch.Tensor, request_id: str, positions: list[int]):
+        """Logits of rows of one request at `positions` whose leave attends to the stored K/V
+        of earlier positions and to its own of this call, and writes no K/V
+        (`attention/peek.py`); a family whose leave reads no positions runs it as is."""
+        if not self.needs_context:
+            return self.timed(self.model.leave, carried)
+        tables, attention = self.tables[request_id], self.attention
+        once = [
+            PeekAttention(
+                attention.kv_cache,
+                [tables[plane]] * len(positions),
+                positions,
+                attention.block_size,
+                attention.scale,
+            )  # fmt: skip
+            for plane in self.once_planes
+        ]
+        return self.timed(self.model.leave, carried, self.transfers.to_device(positions), once)
 
 
 class CriterionSlots:

@@ -138,6 +138,7 @@ class ModelRunner(Executor):
         )  # fmt: skip
         self.coda = Coda(
             rules=self.rules, exit_mode=self.exit_mode, coda=self.calls.leave,
+            peek=self.calls.peek_leave if model.leave_writes_kv else None,
             hazards=self._timed_hazards(), samplers=self.samplers, transfers=self.transfers,
             inflight=self.inflight,
         )  # fmt: skip
@@ -228,10 +229,7 @@ class ModelRunner(Executor):
         spec_criteria = None  # a criterion family's speculative positions
         if criterion is not None:
             spec_criteria = SpecCriteria(criterion, self.calls, self.stable_steps)
-            self.coda.exit_scores = ExitScores(
-                criterion, self.calls, self.stable_steps, kv_cache=self.kv_cache,
-                block_size=options.block_size, scale=self.scale,
-            )  # fmt: skip
+            self.coda.exit_scores = ExitScores(criterion, self.calls, self.stable_steps)
         return EagerStep(
             calls=self.calls, hazards=self._timed_hazards(), attention=self.attention,
             decode=self.decode, coda=self.coda, transfers=self.transfers,

@@ -62,3 +62,22 @@ def test_cuda_memory_plan_sizes_kv_from_the_profile(tiny_dir):
     total = torch.cuda.mem_get_info()[1]
     kv_bytes = engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size()
     assert kv_bytes <= 0.2 * total
+
+
+@pytest.mark.parametrize("criterion", ["kl", "latent-diff"])
+def test_huginn_cuda_graphs_match_eager_fp32(tmp_path, criterion):
+    """Huginn's decode step captured (prelude and coda over the once planes, the criterion
+    inside the graph) gives eager's tokens and steps on CUDA, with one copy each way per
+    graphed call (the emulated step's CPU tests: tests/test_huginn_engine.py)."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from tests.test_huginn_engine import workload
+
+    model = make_tiny_huginn_checkpoint(tmp_path / "huginn")
+    work = workload(71, criterion, count=6)
+    args = dict(device="cuda", exit_criterion=criterion, max_num_seqs=6, max_model_len=96)
+    eager = make_engine(model, graph_mode="off", **args)
+    graphs = make_engine(model, graph_mode="capture", **args)
+    assert graphs.runner.graph_capture_error is None
+    assert graphs.runner.graphs is not None and graphs.runner.graphs.captured
+    assert _outputs(run_steps(graphs, work)) == _outputs(run_steps(eager, work))
+    assert graphs.stats.num_graph_calls > 0

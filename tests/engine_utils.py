@@ -216,3 +216,12 @@ def decode_rows(*rows) -> DecodeRows:
     columns = list(zip(*rows))
     dtypes = [np.int64, np.int64, np.int64, np.int8, bool, np.float64, np.float64, np.float64]
     return DecodeRows(tuple(columns[0]), *(np.array(c, t) for c, t in zip(columns[1:], dtypes)))
+
+
+def assert_preempted_and_hit(engine: LLMEngine, preemption: str) -> None:
+    """The run preempted requests (by swap, when that is the mode) and hit the prefix cache."""
+    stats = engine.scheduler.memory_stats
+    assert stats.num_preemptions > 0
+    if preemption == "swap":
+        assert stats.num_preemptions_swap > 0
+    assert engine.kv.prefix_cache.stats.num_hit_tokens > 0

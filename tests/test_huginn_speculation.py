@@ -17,7 +17,7 @@ from loopserve.exit.criteria import CRITERIA, make_criterion
 from loopserve.exit.policies import CRITERIA_READING_LOGITS
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import make_engine, run_steps
+from tests.engine_utils import assert_preempted_and_hit, make_engine, run_steps
 from tests.test_huginn_engine import PROMPT_ARMS, reference
 
 
@@ -146,11 +146,7 @@ def test_speculation_under_preemption_and_prefix_hits(huginn_dir, preemption):
         for rid, prompt, params, at in spec_work(21, "kl", (1, 3), count=4)
     ]
     finished = run_steps(engine, work)
-    stats = engine.scheduler.memory_stats
-    assert stats.num_preemptions > 0
-    if preemption == "swap":
-        assert stats.num_preemptions_swap > 0
-    assert engine.kv.prefix_cache.stats.num_hit_tokens > 0
+    assert_preempted_and_hit(engine, preemption)
     assert_equals_reference(engine, work, finished, "kl", "criterion")
     assert engine.scheduler.speculator.stats.accepted > 0
     assert_released(engine)

@@ -20,7 +20,13 @@ from loopserve.errors import ConfigError
 from loopserve.models.tiny import DEFAULT_MODEL_DIR, make_tiny_checkpoint
 from loopserve.runner.sampler import speculative_sample
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import kv_planes, make_engine, reference_for, run_steps
+from tests.engine_utils import (
+    assert_preempted_and_hit,
+    kv_planes,
+    make_engine,
+    reference_for,
+    run_steps,
+)
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +218,7 @@ def test_speculation_under_preemption_and_prefix_hits(calm_dir, preemption):
     shared = [7, 7, 3, 9, 1, 2, 5, 4]  # two full blocks every prompt shares
     work = [(rid, shared + prompt, params, at) for rid, prompt, params, at in work]
     finished = run_steps(engine, work)
-    stats = engine.scheduler.memory_stats
-    assert stats.num_preemptions > 0
-    if preemption == "swap":
-        assert stats.num_preemptions_swap > 0
-    assert engine.kv.prefix_cache.stats.num_hit_tokens > 0
+    assert_preempted_and_hit(engine, preemption)
     drafted, accepted, rejected = check_outputs(engine, work, finished)
     assert accepted > 0 and rejected > 0
     assert_released(engine)

@@ -47,8 +47,11 @@ def test_dry_run_goes_end_to_end_and_writes_a_loadable_calibration(tmp_path):
     assert all(r["measured_tok_s"] > 0 and r["predicted_tok_s"] > 0 for r in record["throughput"])
     assert "refill / full_depth" in proc.stdout
     steps = [(step["name"], step["status"]) for step in record["steps"]]
-    assert steps == [("pytest -m gpu", "ok"), ("random-weight checkpoint", "ok"),
-                     ("core calls", "ok"), ("graphed decode", "ok"), ("throughput", "ok")]  # fmt: skip
+    assert steps == [("pytest -m gpu", "ok"), ("kernels per layer", "ok"),
+                     ("random-weight checkpoint", "ok"), ("core calls", "ok"),
+                     ("graphed decode", "ok"), ("throughput", "ok")]  # fmt: skip
+    kernels = record["kernels"]
+    assert set(kernels) == {"ouro", "huginn"} and 0 < kernels["ouro"]["per_layer"] <= 10
     assert all(step["wall_s"] >= 0 for step in record["steps"])
     # The console and the pytest log are kept beside the JSON.
     assert "== throughput" in out.with_suffix(".log").read_text()

@@ -39,7 +39,8 @@ def test_every_kernel_compiles_for_real_targets_without_spills(sweep):
         ("decode_kernel", "decode"), ("decode_kernel", "split_k"),
         ("decode_reduce_kernel", "split_k"), ("decode_kernel", "split_k_lse"),
         ("decode_reduce_kernel", "split_k_lse"), ("prefill_kernel", "prompt"),
-        ("add_norm_norm_kernel", "norms"),
+        ("add_norm_norm_kernel", "norms"), ("rope_qkv_kernel", "rope"),
+        ("rope_qkv_kernel", "rope_interleaved"), ("silu_mul_kernel", "silu_mul"),
     }  # fmt: skip
     assert {r.target for r in sweep} == {80, 90, 100}
     assert {r.dtype for r in sweep} == {"bfloat16", "float16", "float32"}

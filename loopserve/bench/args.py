@@ -245,4 +245,6 @@ def add_kernels_args(parser) -> None:
     parser.add_argument("--family", choices=("ouro", "huginn"), default="ouro",
                         help="the tiny checkpoint's family")  # fmt: skip
     parser.add_argument("--rows", type=int, default=4, help="rows of the decode call")
+    parser.add_argument("--attention-backend", choices=("triton", "torch"), default="triton",
+                        help="the attention backend counted (CUDA resolves to triton)")  # fmt: skip
     parser.add_argument("--output-json", default=None, help="write the counts here")

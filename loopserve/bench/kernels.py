@@ -2,24 +2,33 @@
 
 A looped model pays every kernel of its core once per loop, so the kernel count of one core
 call bounds what a CUDA graph can do for it: each small kernel costs device time even inside
-a graph. This counts, without a GPU, the operators a decode loop dispatches: it runs a short
-decode on a tiny checkpoint of the family with the decode graphs' static buffers
-(`graph_mode=emulate`, the torch attention backend), then replays one graphed call's core
-under a torch dispatch counter. Operators that only make a view (`aten.view`, `slice`,
-`select`, `transpose`, ...) launch no kernel and are left out; every other one is counted
-as one kernel (an upper bound where an operator runs as several kernels on a GPU, a lower
-bound where it runs as several on CPU), per loop and per layer of the core.
+a graph. This counts, without a GPU, what a decode loop launches as the runner prepares the
+model on CUDA (merged projections, the fused norms, rotary and SiLU-and-multiply kernels of
+`runner/fused_norms.py` and `runner/fused_ops.py`) with the attention backend CUDA resolves
+to (`triton`; `--attention-backend torch` counts the torch one): it runs a short decode on a
+tiny checkpoint of the family through the decode graphs' static buffers
+(`graph_mode=emulate`), then replays one graphed call's core under a torch dispatch counter.
+Each Triton launch counts as one kernel (here it runs under Triton's interpreter, whose own
+tensor work is not the GPU's and is left out). Operators that only make a view
+(`aten.view`, `slice`, `select`, `transpose`, ...) or only allocate (`aten.empty`) launch no
+kernel and are left out; every other one is counted as one kernel (an upper bound where an
+operator runs as several kernels on a GPU, a lower bound where it runs as several on CPU),
+per loop and per layer of the core.
 
 Issue #32 measures fusion against this: the goal is <= 10 kernels per layer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -27,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.models.tiny import make_tiny_checkpoint
+from loopserve.runner.attention.triton_jit import DeviceKernel
+from loopserve.runner.fused_ops import install_fused_kernels
 from loopserve.sampling_params import SamplingParams
 
 # Operators that return views or metadata only: no kernel.
@@ -37,6 +48,10 @@ VIEW_OPS = frozenset({
     "aten.unbind", "aten._reshape_alias", "aten.view_as", "aten.chunk", "aten.narrow",
     "aten.lift_fresh", "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.is_same_size",
 })  # fmt: skip
+# Any other operator whose result shares an argument's storage (not in-place): no kernel.
+ALIAS = "aliasing (no copy)"
+# Operators that only allocate (from the caching allocator; static inside a graph): no kernel.
+ALLOC_OPS = frozenset({"aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided"})
 
 
 class _Counter(TorchDispatchMode):
@@ -45,8 +60,24 @@ class _Counter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket)
+        if not name.endswith("_") and _aliases_an_input(out, args):
+            name = ALIAS  # a reshape that could view, a `to` that changed nothing: no kernel
+        self.ops[name] += 1
+        return out
+
+
+def _aliases_an_input(out, args) -> bool:
+    """The result is a tensor sharing storage with a tensor argument (a view, or the argument
+    itself), so the operator copied nothing."""
+    if not isinstance(out, torch.Tensor):
+        return False
+    storage = out.untyped_storage().data_ptr()
+    return any(
+        isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() == storage
+        for arg in args
+    )
 
 
 @dataclass(frozen=True)
@@ -62,53 +93,74 @@ class KernelCount:
         return self.kernels_per_loop / self.num_layers
 
 
+@contextlib.contextmanager
+def _counting_triton(launches: Counter[str]):
+    """Every Triton launch (`triton_jit.DeviceKernel`) counts as one kernel, and its
+    interpreted run stays out of the dispatch count."""
+    original = DeviceKernel.__getitem__
+
+    def getitem(kernel, grid):
+        launch = original(kernel, grid)
+
+        def counted(*args, **kwargs):
+            launches[f"triton.{kernel.fn.__name__.lstrip('_')}"] += 1
+            with _disable_current_modes():
+                return launch(*args, **kwargs)
+
+        return counted
+
+    DeviceKernel.__getitem__ = getitem
+    try:
+        yield
+    finally:
+        DeviceKernel.__getitem__ = original
+
+
+@functools.lru_cache(maxsize=16)  # deterministic per arguments: counted once per process
 def count_kernels(
-    family: str = "ouro", *, rows: int = 4, num_layers: int | None = None
+    family: str = "ouro",
+    *,
+    rows: int = 4,
+    num_layers: int | None = None,
+    attention_backend: str = "triton",
 ) -> KernelCount:
     """Kernels of one graphed decode loop of `rows` rows on a tiny `family` checkpoint (its
     core with `num_layers` layers; None: the tiny default, 2 for Ouro, 4 for Huginn), with
-    the model as the loader prepares it for CUDA (projections merged)."""
+    the model as the loader and runner prepare it for CUDA."""
     with tempfile.TemporaryDirectory() as directory:
         if family == "huginn":
             layers = {} if num_layers is None else {"n_layers_in_recurrent_block": num_layers}
-            model_dir = make_tiny_huginn_checkpoint(Path(directory), **layers)
+            # Two steps per token: a loop's kernels do not depend on r, the prompt's time does.
+            model_dir = make_tiny_huginn_checkpoint(Path(directory), mean_recurrence=2, **layers)
         else:
             layers = {} if num_layers is None else {"num_layers": num_layers}
             model_dir = make_tiny_checkpoint(Path(directory), seed=0, **layers)
-        engine = LLMEngine.from_engine_args(
-            model=str(model_dir), dtype="float32", num_blocks=128, block_size=16,
-            max_num_seqs=rows, graph_mode="emulate", attention_backend="torch",
-            enable_prefix_caching=False,
-        )  # fmt: skip
+        # The Triton backend on CPU runs interpreted (the engine asks for this switch).
+        interpret = {"TRITON_INTERPRET": "1"} if attention_backend == "triton" else {}
+        with mock.patch.dict(os.environ, interpret):
+            engine = LLMEngine.from_engine_args(
+                model=str(model_dir), dtype="float32", num_blocks=128, block_size=16,
+                max_num_seqs=rows, graph_mode="emulate", attention_backend=attention_backend,
+                enable_prefix_caching=False,
+            )  # fmt: skip
     merge = getattr(engine.model, "merge_projections", None)
     if merge is not None:  # count the model as the loader and runner prepare it on CUDA
         merge()
-    fused_calls: Counter[str] = Counter()
-    use_fused = getattr(engine.model, "use_fused_norms", None)
-    if use_fused is not None:
-        from loopserve.runner.fused_norms import add_norm_norm
-
-        def fused(*args, **kwargs):
-            # One kernel launch per call. Here the kernel runs under Triton's interpreter,
-            # whose own tensor work is not the GPU's: it is left out of the count.
-            with _disable_current_modes():
-                out = add_norm_norm(*args, **kwargs)
-            fused_calls["triton.add_norm_norm"] += 1
-            return out
-
-        use_fused(fused)
+    install_fused_kernels(engine.model)
+    # One-token prompts: the count is of a decode call, and every interpreted program of a
+    # prompt call runs in Python.
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for i in range(rows):
-        engine.add_request(f"k{i}", [3 + i, 5, 7, 9], params)
+        engine.add_request(f"k{i}", [3 + i], params)
     graphs = engine.runner.graphs
     assert graphs is not None
     core, seen = graphs.core, []
 
     def counted(hidden, positions, attn):
-        fused_calls.clear()
-        with _Counter() as counter:
+        launches: Counter[str] = Counter()
+        with _counting_triton(launches), _Counter() as counter:
             out = core(hidden, positions, attn)
-        seen.append(counter.ops + fused_calls)
+        seen.append(counter.ops + launches)
         return out
 
     while not seen and engine.has_unfinished_requests():
@@ -118,8 +170,8 @@ def count_kernels(
     graphs.core = core
     assert seen, "no graphed decode call ran"
     ops = seen[0]
-    kernels = {op: n for op, n in ops.items() if op not in VIEW_OPS}
-    views = sum(n for op, n in ops.items() if op in VIEW_OPS)
+    kernels = {op: n for op, n in ops.items() if op not in VIEW_OPS | ALLOC_OPS | {ALIAS}}
+    views = sum(n for op, n in ops.items() if op in VIEW_OPS | {ALIAS})
     return KernelCount(
         family, engine.model.config.num_core_layers, sum(kernels.values()), views,
         dict(sorted(kernels.items(), key=lambda item: -item[1])),
@@ -138,24 +190,27 @@ class KernelModel:
     per_loop: float
 
 
-def kernel_model(family: str = "ouro", *, rows: int = 4) -> KernelModel:
+def kernel_model(
+    family: str = "ouro", *, rows: int = 4, attention_backend: str = "triton"
+) -> KernelModel:
     """Count at 2 and 4 core layers (Huginn: 4 and 8) and split the count."""
     low = 2 if family == "ouro" else 4
-    small = count_kernels(family, rows=rows, num_layers=low)
-    large = count_kernels(family, rows=rows, num_layers=2 * low)
+    count = functools.partial(count_kernels, family, rows=rows, attention_backend=attention_backend)
+    small, large = count(num_layers=low), count(num_layers=2 * low)
     per_layer = (large.kernels_per_loop - small.kernels_per_loop) / low
     return KernelModel(family, per_layer, small.kernels_per_loop - per_layer * low)
 
 
 def main_from_args(args) -> int:
     torch.set_num_threads(1)
-    count = count_kernels(args.family, rows=args.rows)
+    backend = args.attention_backend
+    count = count_kernels(args.family, rows=args.rows, attention_backend=backend)
     print(f"{count.family}: {count.kernels_per_loop} kernels per loop over "
           f"{count.num_layers} core layers = {count.kernels_per_layer:.1f} per layer "
-          f"({count.views_per_loop} view operators left out)")  # fmt: skip
+          f"({count.views_per_loop} view operators left out; attention: {backend})")  # fmt: skip
     for op, n in count.by_op.items():
         print(f"  {op:<40} {n:>4}  ({n / count.num_layers:.1f} per layer)")
-    model = kernel_model(args.family, rows=args.rows)
+    model = kernel_model(args.family, rows=args.rows, attention_backend=backend)
     print(f"split (counted at two core depths): {model.per_layer:g} per layer + "
           f"{model.per_loop:g} per loop")  # fmt: skip
     if args.output_json:

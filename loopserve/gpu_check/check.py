@@ -7,7 +7,8 @@
 Steps, each isolated (a failing step is recorded with its traceback and the next one runs):
 (tests) `pytest -m gpu tests/test_gpu.py tests/test_gpu_graphs.py` in a subprocess with a
 timeout (Triton vs torch on CUDA, engine batch invariance on CUDA, captured graphs vs eager,
-async vs sync); (perf) an Ouro-1.4B-shaped checkpoint with random weights written from GPU
+async vs sync); (perf) kernels per layer of both families (`bench kernels`' split), an
+Ouro-1.4B-shaped checkpoint with random weights written from GPU
 memory (no download); decode time per loop at 1..256 rows, eager and through the CUDA-graph
 path (its eager emulation in a dry run), prefill tokens/s at chunk 512 and 2048, output tok/s
 of full_depth / no_refill / refill on a synthetic workload whose exit depths follow the
@@ -154,6 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def count_kernels_per_layer() -> dict:
+    """`loopserve bench kernels`' split for both families (counted by dispatch on the host,
+    the same on every machine; recorded beside the timings they explain)."""
+    from loopserve.bench.kernels import kernel_model
+
+    counts = {}
+    for family in ("ouro", "huginn"):
+        model = kernel_model(family)
+        counts[family] = {"per_layer": model.per_layer, "per_loop": model.per_loop}
+        print(f"{family}: {model.per_layer:g} kernels per layer + {model.per_loop:g} per loop",
+              flush=True)  # fmt: skip
+    return counts
+
+
 def run_perf(record: CheckRecord, plan: Plan, profile, profile_name: str) -> None:
     """The measurement steps; each one's results join the record as soon as it finishes,
     and the calibration (`fitted`, `points`) is rewritten after the core-call step."""
@@ -163,6 +178,8 @@ def run_perf(record: CheckRecord, plan: Plan, profile, profile_name: str) -> Non
                      max_num_batched_tokens=2048, prefill_chunk_size=512)  # fmt: skip
     if plan.device == "cpu":
         base_args.update(max_num_batched_tokens=64, prefill_chunk_size=16, num_blocks=256)
+    record.data["kernels"] = record.step("kernels per layer", count_kernels_per_layer) or {}
+    record.write()
     with tempfile.TemporaryDirectory() as workdir:
         config = replace(plan.config, extra={**plan.config.extra, "torch_dtype": plan.dtype})
         model_dir = record.step("random-weight checkpoint", write_checkpoint, config, plan,

@@ -218,6 +218,7 @@ class HuginnAttention(nn.Module):
         else:
             self.qk_bias = None
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.rope_qkv = None  # the runner's fused rotary (`use_fused_ops`); None: torch ops
 
     def forward(
         self,
@@ -227,6 +228,13 @@ class HuginnAttention(nn.Module):
         layer_idx: int,
     ) -> torch.Tensor:
         rows = x.shape[0]
+        if self.rope_qkv is not None:
+            bias = None if self.qk_bias is None else self.qk_bias.view(2, *self.qk_bias.shape[2:])
+            query, key, value = self.rope_qkv(
+                self.Wqkv(x), *rope, self.num_heads, self.num_heads, interleaved=True, bias=bias
+            )
+            out = attn.attend(layer_idx, query, key, value)
+            return self.proj(out.reshape(rows, self.num_heads * self.head_dim))
         shape = (rows, self.num_heads, self.head_dim)
         query, key, value = (part.reshape(shape) for part in self.Wqkv(x).chunk(3, dim=-1))
         if self.qk_bias is not None:
@@ -243,8 +251,11 @@ class HuginnMLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, 2 * config.intermediate_size, bias=False)
         self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
         self.nonlin = nn.SiLU()
+        self.silu_mul = None  # the runner's fused kernel (`use_fused_ops`); None: torch ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_mul is not None:
+            return self.proj(self.silu_mul(self.fc(x)))
         gate, up = self.fc(x).chunk(2, dim=-1)
         return self.proj(self.nonlin(gate) * up)
 
@@ -337,6 +348,16 @@ class HuginnForLoopedLM(nn.Module):
         norms and 2 adds. None: back to torch ops. The prelude and coda (once per token)
         keep the torch ops."""
         self.add_norm_norm = add_norm_norm
+
+    def use_fused_ops(self, rope_qkv, silu_mul) -> None:
+        """Run every attention block's interleaved rotary embedding (with its q/k bias) and
+        every MLP's SiLU-and-multiply as one kernel each (`runner/fused_ops.py`), in the
+        prelude, the core and the coda. None: back to torch ops."""
+        for block in self.transformer.modules():
+            if isinstance(block, HuginnAttention):
+                block.rope_qkv = rope_qkv
+            elif isinstance(block, HuginnMLP):
+                block.silu_mul = silu_mul
 
     def make_rows_invariant(self) -> None:
         """Its RoPE tables one row at a time (after the runner made its linears and SiLUs

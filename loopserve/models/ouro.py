@@ -75,6 +75,8 @@ class OuroAttention(nn.Module):
         # buffer, so dtype and device moves take it along; not a checkpoint tensor).
         self.qkv_weight: torch.Tensor | None
         self.register_buffer("qkv_weight", None, persistent=False)
+        # The runner's fused rotary over the merged projection (`use_fused_ops`): None, torch.
+        self.rope_qkv: Callable | None = None
 
     def merge_projections(self) -> None:
         self.qkv_weight = _merge(self.q_proj, self.k_proj, self.v_proj)
@@ -88,6 +90,11 @@ class OuroAttention(nn.Module):
         layer_idx: int,
     ) -> torch.Tensor:
         rows = hidden.shape[0]
+        if self.qkv_weight is not None and self.rope_qkv is not None:
+            qkv = F.linear(hidden, self.qkv_weight)
+            query, key, value = self.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+            out = attn.attend(layer_idx, query, key, value)
+            return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
         if self.qkv_weight is not None:
             kv_width = self.num_kv_heads * self.head_dim
             q, k, v = F.linear(hidden, self.qkv_weight).split(
@@ -113,11 +120,14 @@ class OuroMLP(nn.Module):
         self.act_fn = nn.SiLU()  # a module (no weights), so an execution mode may swap it
         self.gate_up_weight: torch.Tensor | None  # `merge_projections`
         self.register_buffer("gate_up_weight", None, persistent=False)
+        self.silu_mul: Callable | None = None  # the runner's fused kernel (`use_fused_ops`)
 
     def merge_projections(self) -> None:
         self.gate_up_weight = _merge(self.gate_proj, self.up_proj)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None and self.silu_mul is not None:
+            return self.down_proj(self.silu_mul(F.linear(hidden, self.gate_up_weight)))
         if self.gate_up_weight is not None:
             gate, up = F.linear(hidden, self.gate_up_weight).chunk(2, dim=-1)
         else:
@@ -243,6 +253,15 @@ class OuroForLoopedLM(nn.Module):
         kernel, `runner/fused_norms.py`; a branch of None normalizes the residual alone):
         2 calls per layer instead of 4 RMSNorms and 2 adds. None: back to torch ops."""
         self.add_norm_norm = add_norm_norm
+
+    def use_fused_ops(self, rope_qkv: Callable | None, silu_mul: Callable | None) -> None:
+        """Run each layer's rotary embedding (`rope_qkv(qkv, cos, sin, Hq, Hkv) -> q, k, v`)
+        and SiLU-and-multiply (`silu_mul(gate_up)`) as one kernel each (the runner's,
+        `runner/fused_ops.py`), over the merged projections (`merge_projections`; without
+        them the torch ops run). None: back to torch ops."""
+        for layer in self.model.layers:
+            layer.self_attn.rope_qkv = rope_qkv
+            layer.mlp.silu_mul = silu_mul
 
     def make_rows_invariant(self) -> None:
         """Back to one linear per projection: the runner made those row by row (a merged

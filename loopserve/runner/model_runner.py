@@ -94,14 +94,16 @@ class ModelRunner(Executor):
         if options.batch_invariant:
             make_batch_invariant(model)
             model.make_rows_invariant()
-        elif model.lm_head.weight.is_cuda and hasattr(model, "use_fused_norms"):
-            # Each residual add and the norms around it in one kernel (on CUDA, with Triton
-            # installed; the CPU torch path stays the oracle, tests/test_fused_norms.py).
+        elif model.lm_head.weight.is_cuda:
+            # Each residual add and the norms around it, the rotary embedding, SiLU-and-
+            # multiply: one kernel each (on CUDA, with Triton installed; the CPU torch path
+            # stays the oracle, tests/test_fused_norms.py, tests/test_fused_ops.py).
             try:
-                from loopserve.runner.fused_norms import add_norm_norm
+                from loopserve.runner.fused_ops import install_fused_kernels
             except ImportError:
-                add_norm_norm = None
-            model.use_fused_norms(add_norm_norm)
+                pass  # no Triton: the torch ops
+            else:
+                install_fused_kernels(model)
         self.model, self.options = model, options
         self.num_loops = model.num_loops
         self.block_size = options.block_size

@@ -2,8 +2,8 @@
 
 `triton.compile` with a `GPUTarget` runs Triton's whole pipeline (TTIR, TTGIR, LLVM, PTX,
 ptxas) on the CPU. This module compiles exactly what the engine's launchers would launch:
-it calls them (`write_kv`, `copy_slots`, `decode_attention`, `prefill_attention`, and the
-fused norms' `add_norm_norm`) on
+it calls them (`write_kv`, `copy_slots`, `decode_attention`, `prefill_attention`, the
+fused norms' `add_norm_norm`, and `fused_ops`' `rope_qkv` and `silu_mul`) on
 `meta`-device tensors shaped like a model's, inside `triton_jit.record_launches`, and turns
 each recorded launch into Triton's compile signature the way `JITFunction` specializes a
 real call (pointer and integer arguments divisible by 16 get the divisibility hint, an
@@ -35,6 +35,7 @@ from triton.compiler import ASTSource
 from loopserve.runner.attention import triton_kernels, triton_prefill
 from loopserve.runner.attention.triton_jit import Launch, record_launches
 from loopserve.runner.fused_norms import add_norm_norm
+from loopserve.runner.fused_ops import rope_qkv, silu_mul
 
 TARGETS = (80, 90, 100)  # A100, H100/H200, B200
 COMPILE_OPTIONS = ("num_warps", "num_stages")  # launch keywords that are not constexprs
@@ -135,6 +136,14 @@ def engine_launches(shape: ModelShape, target: int, *, rows: int = 8) -> list[tu
     norm = _MetaNorm(_meta(hidden, dtype=dtype), 1e-6)
     rows_h = _meta(rows, hidden, dtype=dtype)
     record("norms", add_norm_norm, rows_h, rows_h, norm, norm)
+    qkv = _meta(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    record("rope", rope_qkv, qkv, _meta(rows, dim, dtype=dtype), _meta(rows, dim, dtype=dtype),
+           heads, kv_heads)  # fmt: skip
+    if heads == kv_heads:  # Huginn's form: interleaved pairs, float32 tables, a q/k bias
+        half = _meta(rows, dim // 2, dtype=torch.float32)
+        record("rope_interleaved", rope_qkv, qkv, half, half, heads, kv_heads,
+               interleaved=True, bias=_meta(2, heads, dim, dtype=dtype))  # fmt: skip
+    record("silu_mul", silu_mul, _meta(rows, 2 * 4 * hidden, dtype=dtype))
     return recorded
 
 

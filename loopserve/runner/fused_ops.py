@@ -1,0 +1,181 @@
+"""Fused rotary embedding and SiLU-and-multiply: one Triton kernel each, per layer.
+
+`rope_qkv` takes a layer's merged q/k/v projection output [rows, (Hq + 2 Hkv) x Dh] and
+returns q and k rotated and v, each contiguous [rows, heads, Dh], in one launch (one
+program per row, all its heads in one tile). Unfused,
+rotary costs about ten kernels per layer (per q and k: two products, a negation, a
+concatenation and a sum), and the attention backend's K/V write copies the strided v
+first. Two layouts:
+
+- rotate-half (Ouro): element j pairs with j + Dh/2; `cos`/`sin` [rows, Dh] in the
+  activations' dtype; every product and the sum rounded to that dtype, as the torch path
+  rounds (`x * cos + rotate_half(x) * sin`);
+- interleaved (Huginn): element 2j pairs with 2j + 1; `cos`/`sin` [rows, Dh/2] float32;
+  the rotation in float32, rounded once, after an optional q/k bias added in the
+  activations' dtype (`(q + bias).to(dtype)`).
+
+`silu_mul` takes a merged gate/up projection [rows, 2I] ([gate | up]) and returns
+silu(gate) x up [rows, I], with silu's result rounded before the product, as torch does.
+
+On CUDA a GPU may contract a product and a sum into one fused multiply-add, so results can
+differ from torch's in the last place (tests bound it); on CPU tensors the kernels run under
+Triton's interpreter (`triton_jit.device_kernel`), the tests' parity check. The runner turns
+them on with the fused norms (`install_fused_kernels`): CUDA, Triton installed, not in
+batch-invariant mode; the CPU torch path stays the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loopserve.runner.attention.triton_jit import device_kernel
+
+SILU_BLOCK = 1024
+
+
+@device_kernel()
+def _rope_qkv_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    bias_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    stride_row,
+    stride_table,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    # One program per row: every head of q, k and v as a [HEADS, BLOCK] tile of pairs.
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS)[:, None]
+    j = tl.arange(0, BLOCK)[None, :]
+    mask = (h < HQ + 2 * HKV) & (j < D // 2)
+    if INTERLEAVED:
+        i1 = 2 * j
+        i2 = 2 * j + 1
+    else:
+        i1 = j
+        i2 = j + D // 2
+    dtype = q_ptr.dtype.element_ty
+    src = qkv_ptr + row * stride_row + h * D
+    x1 = tl.load(src + i1, mask=mask, other=0.0)
+    x2 = tl.load(src + i2, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    rotated = h < HQ + HKV  # q and k; v is copied as it is
+    if HAS_BIAS:  # bias [2, H, Dh]: q's heads, then k's (Hq == Hkv)
+        on = mask & rotated
+        a = a + tl.load(bias_ptr + h * D + i1, mask=on, other=0.0).to(tl.float32)
+        b = b + tl.load(bias_ptr + h * D + i2, mask=on, other=0.0).to(tl.float32)
+        a = a.to(dtype).to(tl.float32)
+        b = b.to(dtype).to(tl.float32)
+    table = row * stride_table
+    if INTERLEAVED:
+        c = tl.load(cos_ptr + table + j, mask=j < D // 2, other=0.0)
+        s = tl.load(sin_ptr + table + j, mask=j < D // 2, other=0.0)
+        o1 = (a * c - b * s).to(dtype)
+        o2 = (b * c + a * s).to(dtype)
+    else:
+        c1 = tl.load(cos_ptr + table + i1, mask=j < D // 2, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + table + i1, mask=j < D // 2, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + table + i2, mask=j < D // 2, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + table + i2, mask=j < D // 2, other=0.0).to(tl.float32)
+        p1 = (a * c1).to(dtype).to(tl.float32)
+        r1 = (-b * s1).to(dtype).to(tl.float32)
+        p2 = (b * c2).to(dtype).to(tl.float32)
+        r2 = (a * s2).to(dtype).to(tl.float32)
+        o1 = (p1 + r1).to(dtype)
+        o2 = (p2 + r2).to(dtype)
+    is_q = mask & (h < HQ)
+    is_k = mask & (h >= HQ) & rotated
+    is_v = mask & (h >= HQ + HKV)
+    q_dst = q_ptr + row * (HQ * D) + h * D
+    tl.store(q_dst + i1, o1, mask=is_q)
+    tl.store(q_dst + i2, o2, mask=is_q)
+    k_dst = k_ptr + row * (HKV * D) + (h - HQ) * D
+    tl.store(k_dst + i1, o1, mask=is_k)
+    tl.store(k_dst + i2, o2, mask=is_k)
+    v_dst = v_ptr + row * (HKV * D) + (h - HQ - HKV) * D
+    tl.store(v_dst + i1, x1, mask=is_v)
+    tl.store(v_dst + i2, x2, mask=is_v)
+
+
+def rope_qkv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    *,
+    interleaved: bool = False,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v), each [rows, heads, Dh] contiguous, from `qkv` [rows, (Hq + 2 Hkv) x Dh]:
+    q and k rotated by `cos`/`sin` (rotate-half, or `interleaved`), after `bias` [2, H, Dh]
+    when given (interleaved only)."""
+    rows, width = qkv.shape
+    head_dim = width // (num_heads + 2 * num_kv_heads)
+    assert head_dim * (num_heads + 2 * num_kv_heads) == width and head_dim % 2 == 0
+    assert bias is None or (interleaved and num_heads == num_kv_heads)
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = qkv.new_empty((rows, num_heads, head_dim))
+    k = qkv.new_empty((rows, num_kv_heads, head_dim))
+    v = qkv.new_empty((rows, num_kv_heads, head_dim))
+    if rows:
+        _rope_qkv_kernel[(rows,)](
+            qkv, cos, sin, qkv if bias is None else bias.contiguous(), q, k, v,
+            qkv.stride(0), cos.stride(0),
+            HQ=num_heads, HKV=num_kv_heads, D=head_dim,
+            HEADS=triton.next_power_of_2(num_heads + 2 * num_kv_heads),
+            BLOCK=triton.next_power_of_2(head_dim // 2), INTERLEAVED=interleaved,
+            HAS_BIAS=bias is not None,
+        )  # fmt: skip
+    return q, k, v
+
+
+@device_kernel()
+def _silu_mul_kernel(x_ptr, out_ptr, stride_row, inner, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inner
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_row + inner + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * inner + offs, (act * up).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) x up [rows, I] of `gate_up` [rows, 2I] = [gate | up]."""
+    rows, width = gate_up.shape
+    inner = width // 2
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    out = gate_up.new_empty((rows, inner))
+    if rows:
+        block = min(SILU_BLOCK, triton.next_power_of_2(inner))
+        grid = (rows, triton.cdiv(inner, block))
+        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), inner, BLOCK=block)
+    return out
+
+
+def install_fused_kernels(model) -> None:
+    """Give `model` the fused kernels its math takes (`use_fused_norms`, `use_fused_ops`,
+    where it has them). Importing this module needs Triton: the runner imports it lazily."""
+    from loopserve.runner.fused_norms import add_norm_norm
+
+    if hasattr(model, "use_fused_norms"):
+        model.use_fused_norms(add_norm_norm)
+    if hasattr(model, "use_fused_ops"):
+        model.use_fused_ops(rope_qkv, silu_mul)

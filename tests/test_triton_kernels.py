@@ -24,6 +24,7 @@ from loopserve.runner.attention.registry import (  # noqa: E402
 )
 from loopserve.runner.attention.torch_paged import TorchBackend  # noqa: E402
 from loopserve.runner.attention.triton_backend import TritonBackend  # noqa: E402
+from loopserve.runner.attention.triton_jit import observe_launches  # noqa: E402
 from loopserve.runner.graphs import GRAPH_MAX_CONTEXT  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from tests.engine_utils import (  # noqa: E402
@@ -91,6 +92,45 @@ def test_decode_rows_of_different_planes_and_lengths_match_torch(
     for expected, actual in outs:
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(fast_cache, ref_cache)
+
+
+def test_each_row_splits_its_own_context_over_a_launch_sized_for_longer_ones():
+    """A launch with the split count of a long bound (as a graph bucket fixes it from
+    max_model_len): a short row's context is divided among the splits too, in whole tiles
+    (not left to split 0 with the other programs idle), and the result equals torch."""
+    block_size, block_n = 4, 4
+    tables = random_tables(31, 2, 40, 20)
+    cache = random_cache(7, 40, block_size, 2)
+    generator = torch.Generator().manual_seed(8)
+    query = torch.randn(2, 2, HEAD_DIM, generator=generator)
+    seq_lens = torch.tensor([13, 70], dtype=torch.int32)
+    out = torch.empty_like(query)
+    with observe_launches() as launches:
+        triton_kernels.decode_attention(
+            query, cache[0, 0], cache[0, 1], out,
+            tables=torch.tensor(tables, dtype=torch.int32),
+            table_idx=torch.tensor([0, 1], dtype=torch.int32),
+            rows=torch.tensor([0, 1], dtype=torch.int32), seq_lens=seq_lens,
+            max_seq_len=80, scale=0.3, block_size=block_size, split_len=16, block_n=block_n,
+        )  # fmt: skip
+    (decode,) = [lch for lch in launches if lch.kernel.fn.__name__ == "_decode_kernel"]
+    assert decode.grid[2] == 5  # ceil(80 / 16) splits for every row
+    part_lse = decode.args[9]  # [rows, heads, splits]
+    tile = decode.constexprs["BLOCK_N"]
+    for row, length in enumerate(seq_lens.tolist()):
+        per_split = -(-(-(-length // 5)) // tile) * tile  # ceil(length / 5) in whole tiles
+        working = -(-length // per_split)
+        assert torch.isfinite(part_lse[row, :, :working]).all()
+        assert torch.isinf(part_lse[row, :, working:]).all()
+    # The 13-position row works in more than split 0 (a split length of 16 kept it there).
+    assert torch.isfinite(part_lse[0, :, 1]).all()
+    reference = TorchBackend(cache.clone(), block_size=block_size, scale=0.3)
+    segments = [RowSegment(tables[0], 12, 1), RowSegment(tables[1], 69, 1)]
+    meta = reference.prepare(segments)
+    expected = meta.attend(
+        0, query, cache[0, 0, meta.meta.write_slots], cache[0, 1, meta.meta.write_slots]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])

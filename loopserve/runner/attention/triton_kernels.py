@@ -151,7 +151,6 @@ def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
 # count) are not specialized on: one compile serves every call of a model.
 @device_kernel(
     do_not_specialize=(
-        "split_len",
         "stride_table",
         "stride_po_row",
         "stride_po_head",
@@ -171,7 +170,6 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
-    split_len,
     stride_q_row,
     stride_q_head,
     stride_o_row,
@@ -198,6 +196,10 @@ def _decode_kernel(
     row = tl.load(rows_ptr + i)
     table = tables_ptr + tl.load(table_idx_ptr + i).to(tl.int64) * stride_table
     seq_len = tl.load(seq_lens_ptr + i)
+    # Each row splits its own context over the launch's splits (whole BLOCK_N tiles each), so
+    # a short row in a launch sized for long ones uses its programs instead of idling them.
+    num_splits = tl.num_programs(2)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
 
@@ -317,8 +319,11 @@ def decode_attention(
     lse_out: torch.Tensor | None = None,
 ) -> None:
     """Rows `rows` [n] of query [rows, Hq, Dh] attend to positions [0, seq_lens[i]) of block
-    table `tables[table_idx[i]]`; results go to the same rows of `out`. `split_len` positions
-    per split (rounded up to a multiple of `block_n`); one split writes `out` directly.
+    table `tables[table_idx[i]]`; results go to the same rows of `out`. The launch runs
+    ceil(max_seq_len / split_len) splits (`split_len` rounded up to a multiple of `block_n`);
+    each row divides its own context among them in whole `block_n` tiles, on the device (a
+    row shorter than the splits' tiles leaves the rest empty); one split writes `out`
+    directly.
     `lse_out` (float32 [n, Hq]): also write each row's log-sum-exp (always through the
     split-and-reduce path, which has it)."""
     num_rows = rows.numel()
@@ -355,7 +360,6 @@ def decode_attention(
         part_out,
         part_lse,
         scale,
-        split_len,
         query.stride(0),
         query.stride(1),
         out.stride(0),

@@ -10,6 +10,8 @@ program in Python.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -118,8 +120,8 @@ def test_each_row_splits_its_own_context_over_a_launch_sized_for_longer_ones():
     part_lse = decode.args[9]  # [rows, heads, splits]
     tile = decode.constexprs["BLOCK_N"]
     for row, length in enumerate(seq_lens.tolist()):
-        per_split = -(-(-(-length // 5)) // tile) * tile  # ceil(length / 5) in whole tiles
-        working = -(-length // per_split)
+        per_split = math.ceil(math.ceil(length / 5) / tile) * tile  # in whole tiles
+        working = math.ceil(length / per_split)
         assert torch.isfinite(part_lse[row, :, :working]).all()
         assert torch.isinf(part_lse[row, :, working:]).all()
     # The 13-position row works in more than split 0 (a split length of 16 kept it there).

@@ -82,10 +82,26 @@ def test_uniform_trace_exits_run_three_arms_with_equal_tokens(tmp_path) -> None:
     assert cdb["speedup"] == pytest.approx(
         arms["full_depth"]["median"]["wall_s"] / arms["refill"]["median"]["wall_s"]
     )
+    for arm in arms.values():  # latency beside throughput for every arm
+        m = arm["median"]
+        assert 0 < m["ttft_ms_p50"] <= m["ttft_ms_p99"] < 1e3 * m["wall_s"]
+        assert 0 < m["itl_ms_p50"] <= m["itl_ms_p99"] and 0 < m["tpot_ms_p50"] <= m["tpot_ms_p99"]
     curve = result["cost_curve"]
     assert curve["rows"] == [2, 4] and all(ms > 0 for ms in curve["step_ms"])
     assert curve["per_row_ms"] != 0 and curve["implied_refill_over_no_refill"] > 0
     assert result["machine"]["torch_threads"] >= 1
+
+
+def test_latency_percentiles_follow_token_times() -> None:
+    """Two requests' token times (s): TTFT the first time, TPOT a request's mean gap, ITL
+    every gap."""
+    from loopserve.bench.throughput import latency_ms
+
+    got = latency_ms({"a": [0.1, 0.3, 0.5], "b": [0.2, 0.2, 1.0]})
+    assert got["ttft_ms_p50"] == pytest.approx(150.0)
+    assert got["tpot_ms_p50"] == pytest.approx(300.0)  # 200 and 400
+    assert got["itl_ms_p50"] == pytest.approx(200.0)  # 200, 200, 0, 800
+    assert got["itl_ms_p99"] == pytest.approx(800.0 - 0.03 * 600.0)  # numpy's interpolation
 
 
 def refill_loops(arms: dict) -> float:

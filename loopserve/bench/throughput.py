@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from loopserve.bench.args import add_throughput_args as add_cli_args  # noqa: F401
@@ -63,23 +64,50 @@ SPEC_ARM = Arm("refill_spec", {"mode": "refill"})
 
 
 def _drive(
-    engine: LLMEngine, requests: list[BenchRequest], params: list[SamplingParams], tag: str
+    engine: LLMEngine,
+    requests: list[BenchRequest],
+    params: list[SamplingParams],
+    tag: str,
+    arrivals: dict[str, list[float]] | None = None,
 ) -> Iterator[EngineStats]:
     """Submit the workload with the stats counters reset; step until done, yielding the
-    `EngineStats` snapshot after each step."""
+    `EngineStats` snapshot after each step. `arrivals`: filled with each request's token
+    times (seconds since submission; tokens of one step share its time)."""
     engine.reset_stats()
+    start_s = time.perf_counter()
     for i, (request, p) in enumerate(zip(requests, params)):
         engine.add_request(f"{tag}-{i}", request.prompt_token_ids, p)
     while engine.has_unfinished_requests():
-        engine.step()
+        outputs = engine.step()
+        if arrivals is not None:
+            now = time.perf_counter() - start_s
+            for out in outputs:
+                times = arrivals.setdefault(out.request_id, [])
+                times += [now] * (out.num_output_tokens - len(times))
         yield engine.stats
+
+
+def latency_ms(arrivals: dict[str, list[float]]) -> dict[str, float]:
+    """TTFT (submission to first token), TPOT (a request's mean gap after its first token)
+    and ITL (every gap between successive tokens) p50/p99, in ms, over an offline run's
+    requests (all submitted at once: TTFT includes queueing)."""
+    ttft = [times[0] for times in arrivals.values() if times]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in arrivals.values() if len(t) > 1]
+    itl = [b - a for t in arrivals.values() for a, b in zip(t, t[1:])]
+    record = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        for q in (50, 99):
+            value = float(np.percentile(values, q)) if values else 0.0
+            record[f"{name}_ms_p{q}"] = 1e3 * value
+    return record
 
 
 def run_workload(
     engine: LLMEngine, requests: list[BenchRequest], params: list[SamplingParams], tag: str
 ) -> RunResult:
     start_s, start_cpu_s = time.perf_counter(), time.process_time()
-    for _ in _drive(engine, requests, params, tag):
+    arrivals: dict[str, list[float]] = {}
+    for _ in _drive(engine, requests, params, tag, arrivals):
         pass
     wall_s, stats = time.perf_counter() - start_s, engine.stats
     return RunResult(
@@ -94,6 +122,7 @@ def run_workload(
         host_overhead_share=stats.host_overhead_share,
         host_ms_per_step=1e3 * (stats.step_time_s - stats.forward_time_s) / max(stats.num_steps, 1),
         runner_host_share=stats.runner_host_share,
+        **latency_ms(arrivals),
     )
 
 

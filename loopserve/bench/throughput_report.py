@@ -23,6 +23,14 @@ class RunResult:
     host_overhead_share: float  # 1 - forward time / step time
     host_ms_per_step: float
     runner_host_share: float  # (runner execute - forward) / step time
+    # Latency over the run's requests, ms (`throughput.latency_ms`; offline: all submitted
+    # at once, so TTFT includes queueing).
+    ttft_ms_p50: float = 0.0
+    ttft_ms_p99: float = 0.0
+    tpot_ms_p50: float = 0.0
+    tpot_ms_p99: float = 0.0
+    itl_ms_p50: float = 0.0
+    itl_ms_p99: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +79,14 @@ def format_report(result: dict) -> str:
             f"{m.mean_rows_per_core_call:>9.1f} {m.mean_loops_per_token:>9.2f} "
             f"{100 * m.host_overhead_share:>6.1f}% {100 * m.runner_host_share:>7.1f}% "
             f"{m.host_ms_per_step:>12.2f}"
+        )
+    lines.append("latency, ms (p50 / p99): TTFT, TPOT, ITL")
+    for name, arm in result["arms"].items():
+        m = RunResult(**arm["median"])
+        lines.append(
+            f"  {name:<11} TTFT {m.ttft_ms_p50:.1f} / {m.ttft_ms_p99:.1f}  TPOT "
+            f"{m.tpot_ms_p50:.2f} / {m.tpot_ms_p99:.2f}  ITL {m.itl_ms_p50:.2f} / "
+            f"{m.itl_ms_p99:.2f}"
         )
     for name, r in result["ratios"].items():
         rounds = ", ".join(f"{x:.2f}" for x in r["cpu_per_round"])

@@ -73,6 +73,35 @@ def test_interleaved_rope_equals_huginns(dtype, tolerance, with_bias):
     assert torch.equal(v, value)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_inside_the_kv_write_stores_what_the_separate_write_stores(dtype, interleaved):
+    """`cache=`: rotated K and V land in the caches' rows `slots` (scattered, out of order),
+    bit for bit what `rope_qkv` then the backend's `write_kv` store; every other row is
+    untouched and q is the same."""
+    from loopserve.runner.attention.triton_kernels import write_kv
+
+    rows, heads, kv_heads, head_dim = 4, 4, 2, 16
+    if interleaved:
+        kv_heads = heads
+        cos, sin = interleaved_rope_tables(torch.tensor([2, 5, 31, 90]), head_dim, 50_000.0)
+    else:
+        cos, sin = RotaryEmbedding(head_dim, 10_000.0)(torch.tensor([2, 5, 31, 90]), dtype)
+    qkv = _qkv(rows, heads, kv_heads, head_dim, dtype, seed=5)
+    slots = torch.tensor([37, 2, 20, 9])
+    caches = torch.full((2, 2, 48, kv_heads, head_dim), -7.0, dtype=dtype)  # [how, K/V, ...]
+    q, k, v = rope_qkv(qkv, cos, sin, heads, kv_heads, interleaved=interleaved)
+    write_kv(k, v, caches[0, 0], caches[0, 1], slots)
+    fused_q, none_k, none_v = rope_qkv(qkv, cos, sin, heads, kv_heads, interleaved=interleaved,
+                                       cache=(caches[1, 0], caches[1, 1], slots))  # fmt: skip
+    assert none_k is None and none_v is None and torch.equal(fused_q, q)
+    assert torch.equal(caches[1], caches[0])
+    assert torch.equal(caches[1, 0, slots], k) and torch.equal(caches[1, 1, slots], v)
+    others = torch.ones(48, dtype=torch.bool)
+    others[slots] = False
+    assert bool((caches[1, :, others] == -7.0).all())
+
+
 @pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
 @pytest.mark.parametrize("inner", [8, 96, 2500])  # 2500: several programs per row, a tail
 def test_silu_mul_equals_torch(dtype, tolerance, inner):
@@ -81,24 +110,33 @@ def test_silu_mul_equals_torch(dtype, tolerance, inner):
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tolerance)
 
 
-def test_the_ouro_engine_with_every_fused_kernel_equals_the_dense_reference(tiny_dir):
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
+def test_the_ouro_engine_with_every_fused_kernel_equals_the_dense_reference(
+    tiny_dir, attention_backend, monkeypatch
+):
     """The model as the runner prepares it on CUDA (merged projections; fused norms, rotary
     and SiLU-and-multiply; here interpreted), through the emulated decode graphs: tokens and
-    exits equal the dense reference of that model, and each fused kernel ran."""
+    exits equal the dense reference of that model, and each fused kernel ran. With the
+    Triton backend, rotary runs inside the K/V write (`cache=`) on every call."""
+    if attention_backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     work = [  # short prompts: every interpreted program runs in Python
         (f"r{i}", [3 + i, 17, 250][: 1 + i], SamplingParams(
             max_tokens=8, temperature=0.7 if i == 1 else 0.0, seed=i, exit_threshold=0.6,
             ignore_eos=True), i)
         for i in range(3)
     ]  # fmt: skip
-    engine = make_engine(tiny_dir, max_num_seqs=4, graph_mode="emulate")
+    engine = make_engine(
+        tiny_dir, max_num_seqs=4, graph_mode="emulate", attention_backend=attention_backend
+    )
     engine.model.merge_projections()
     install_fused_kernels(engine.model)
-    calls = {"rope": 0, "silu": 0}
+    calls = {"rope": 0, "silu": 0, "rope_write": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
             calls[name] += 1
+            calls["rope_write"] += kwargs.get("cache") is not None
             return fn(*args, **kwargs)
 
         return call
@@ -106,6 +144,7 @@ def test_the_ouro_engine_with_every_fused_kernel_equals_the_dense_reference(tiny
     engine.model.use_fused_ops(counted("rope", rope_qkv), counted("silu", silu_mul))
     finished = run_steps(engine, work)
     assert calls["rope"] > 40 and calls["silu"] > 40
+    assert calls["rope_write"] == (calls["rope"] if attention_backend == "triton" else 0)
     for request_id, prompt, params, _ in work:
         ref = reference_for(engine, prompt, params)
         out = finished[request_id]
@@ -113,14 +152,25 @@ def test_the_ouro_engine_with_every_fused_kernel_equals_the_dense_reference(tiny
     assert engine.stats.num_graph_calls > 0
 
 
-def test_huginn_with_every_fused_kernel_matches_its_torch_logits(tmp_path):
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
+def test_huginn_with_every_fused_kernel_matches_its_torch_logits(
+    tmp_path, attention_backend, monkeypatch
+):
     """Huginn's prelude, core and coda with fused norms, rotary (with a q/k bias) and
     SiLU-and-multiply: its teacher-forced logits equal the torch path's to float32
-    rounding, and the engine equals the dense reference of the fused model."""
+    rounding, and the engine equals the dense reference of the fused model. With the
+    Triton backend, every layer's rotary runs inside its K/V write, routed to its plane."""
     from loopserve.models.huginn_dense import generate, teacher_forced_logits
     from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 
-    engine = make_engine(make_tiny_huginn_checkpoint(tmp_path), exit_criterion="kl")
+    fewer_loops = {}  # interpreted programs run in Python: three loops a token, not eight
+    if attention_backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        fewer_loops = {"mean_recurrence": 3}
+    engine = make_engine(
+        make_tiny_huginn_checkpoint(tmp_path, **fewer_loops), exit_criterion="kl",
+        attention_backend=attention_backend,
+    )  # fmt: skip
     model = engine.model
     for block in model.modules():
         if getattr(block, "qk_bias", None) is not None:
@@ -130,6 +180,9 @@ def test_huginn_with_every_fused_kernel_matches_its_torch_logits(tmp_path):
     install_fused_kernels(model)
     fused = teacher_forced_logits(model, prompt)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    writes = []
+    model.use_fused_ops(lambda *a, **kw: writes.append(kw.get("cache")) or rope_qkv(*a, **kw),
+                        silu_mul)  # fmt: skip
     params = SamplingParams(max_tokens=3, temperature=0.0, exit_threshold=0.01, ignore_eos=True)
     work = [("a", prompt, params, 0), ("b", [11, 64], params, 1)]
     finished = run_steps(engine, work)
@@ -138,3 +191,5 @@ def test_huginn_with_every_fused_kernel_matches_its_torch_logits(tmp_path):
                        threshold=0.01, min_steps=0, lookup="last_exited", exit_in_prompt=False)  # fmt: skip
         out = finished[request_id]
         assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+    if attention_backend == "triton":  # the engine's calls; the references' go through attend
+        assert sum(cache is not None for cache in writes) > 20

@@ -11,17 +11,35 @@ reference generator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 
 class AttentionBackend(Protocol):
-    """Stores this call's K/V and attends. Shapes: q [rows, Hq, Dh], k/v [rows, Hkv, Dh]."""
+    """Stores this call's K/V and attends. Shapes: q [rows, Hq, Dh], k/v [rows, Hkv, Dh].
+
+    A backend may also offer `attend_rotated(layer_idx, qkv, rotate)`: the layer's merged
+    q/k/v projection and its fused rotary (`rotate(qkv, cache=(key_cache, value_cache,
+    slots))` writes rotated K and V into the caches' rows `slots` and returns (q, None,
+    None)), so that rotary and the K/V write are one kernel (`attend_qkv` picks it)."""
 
     def attend(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor: ...
+
+
+def attend_qkv(
+    attn: AttentionBackend, layer_idx: int, qkv: torch.Tensor, rotate: Callable
+) -> torch.Tensor:
+    """Attention output [rows, Hq, Dh] of a merged projection `qkv` [rows, (Hq + 2 Hkv) Dh]
+    whose rotary is the fused `rotate(qkv, cache=None) -> (q, k, v)`: through the backend's
+    `attend_rotated` where it has one (rotary inside the K/V write), else rotated first."""
+    attend_rotated = getattr(attn, "attend_rotated", None)
+    if attend_rotated is not None:
+        return attend_rotated(layer_idx, qkv, rotate)
+    return attn.attend(layer_idx, *rotate(qkv))
 
 
 def attention_reference(

@@ -22,6 +22,7 @@ K/V entry per position; core layers keep one per position and recurrence step.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from loopserve.errors import ModelLoadError
-from loopserve.models.attention import AttentionBackend
+from loopserve.models.attention import AttentionBackend, attend_qkv
 from loopserve.models.config import ConfigFile, once_kv_planes, once_layer_slot
 
 HUGINN_MODEL_TYPE = "huginn_raven"
@@ -230,10 +231,11 @@ class HuginnAttention(nn.Module):
         rows = x.shape[0]
         if self.rope_qkv is not None:
             bias = None if self.qk_bias is None else self.qk_bias.view(2, *self.qk_bias.shape[2:])
-            query, key, value = self.rope_qkv(
-                self.Wqkv(x), *rope, self.num_heads, self.num_heads, interleaved=True, bias=bias
-            )
-            out = attn.attend(layer_idx, query, key, value)
+            rotate = functools.partial(
+                self.rope_qkv, cos=rope[0], sin=rope[1], num_heads=self.num_heads,
+                num_kv_heads=self.num_heads, interleaved=True, bias=bias,
+            )  # fmt: skip
+            out = attend_qkv(attn, layer_idx, self.Wqkv(x), rotate)
             return self.proj(out.reshape(rows, self.num_heads * self.head_dim))
         shape = (rows, self.num_heads, self.head_dim)
         query, key, value = (part.reshape(shape) for part in self.Wqkv(x).chunk(3, dim=-1))
@@ -465,8 +467,17 @@ class LayerRouter:
             layer: once_layer_slot(i, per_plane) for i, layer in enumerate([*prelude, *coda])
         }
 
-    def attend(self, layer_idx: int, query, key, value):
+    def _route(self, layer_idx: int):
+        """(backend, its layer index) for model layer `layer_idx`."""
         if layer_idx in self.core_layers:
-            return self.core.attend(layer_idx - self.core_start, query, key, value)
+            return self.core, layer_idx - self.core_start
         plane, layer = self.once_slot[layer_idx]
-        return self.once[plane].attend(layer, query, key, value)
+        return self.once[plane], layer
+
+    def attend(self, layer_idx: int, query, key, value):
+        backend, layer = self._route(layer_idx)
+        return backend.attend(layer, query, key, value)
+
+    def attend_rotated(self, layer_idx: int, qkv, rotate):
+        backend, layer = self._route(layer_idx)
+        return attend_qkv(backend, layer, qkv, rotate)

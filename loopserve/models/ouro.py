@@ -11,13 +11,14 @@ rows of different requests and depths. This module never schedules and never sto
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loopserve.models.attention import AttentionBackend
+from loopserve.models.attention import AttentionBackend, attend_qkv
 from loopserve.models.config import OuroConfig
 
 
@@ -91,9 +92,9 @@ class OuroAttention(nn.Module):
     ) -> torch.Tensor:
         rows = hidden.shape[0]
         if self.qkv_weight is not None and self.rope_qkv is not None:
-            qkv = F.linear(hidden, self.qkv_weight)
-            query, key, value = self.rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads)
-            out = attn.attend(layer_idx, query, key, value)
+            rotate = functools.partial(self.rope_qkv, cos=cos, sin=sin,
+                                       num_heads=self.num_heads, num_kv_heads=self.num_kv_heads)  # fmt: skip
+            out = attend_qkv(attn, layer_idx, F.linear(hidden, self.qkv_weight), rotate)
             return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
         if self.qkv_weight is not None:
             kv_width = self.num_kv_heads * self.head_dim

@@ -14,6 +14,10 @@ first. Two layouts:
   the rotation in float32, rounded once, after an optional q/k bias added in the
   activations' dtype (`(q + bias).to(dtype)`).
 
+With `cache=(key_cache, value_cache, slots)` the same launch stores rotated k and v into
+the attention backend's caches at each row's slot instead of returning them: rotary inside
+the K/V write (`TritonAttention.attend_rotated`), one kernel where there were two.
+
 `silu_mul` takes a merged gate/up projection [rows, 2I] ([gate | up]) and returns
 silu(gate) x up [rows, I], with silu's result rounded before the product, as torch does.
 
@@ -44,8 +48,10 @@ def _rope_qkv_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    slots_ptr,
     stride_row,
     stride_table,
+    stride_kv_row,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
@@ -53,9 +59,15 @@ def _rope_qkv_kernel(
     BLOCK: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    WRITE: tl.constexpr,
 ):
-    # One program per row: every head of q, k and v as a [HEADS, BLOCK] tile of pairs.
+    # One program per row: every head of q, k and v as a [HEADS, BLOCK] tile of pairs. K and
+    # V go to row `slots[row]` of the caches (WRITE), else to row `row` of their outputs.
     row = tl.program_id(0).to(tl.int64)
+    if WRITE:
+        kv_row = tl.load(slots_ptr + row).to(tl.int64)
+    else:
+        kv_row = row
     h = tl.arange(0, HEADS)[:, None]
     j = tl.arange(0, BLOCK)[None, :]
     mask = (h < HQ + 2 * HKV) & (j < D // 2)
@@ -101,10 +113,10 @@ def _rope_qkv_kernel(
     q_dst = q_ptr + row * (HQ * D) + h * D
     tl.store(q_dst + i1, o1, mask=is_q)
     tl.store(q_dst + i2, o2, mask=is_q)
-    k_dst = k_ptr + row * (HKV * D) + (h - HQ) * D
+    k_dst = k_ptr + kv_row * stride_kv_row + (h - HQ) * D
     tl.store(k_dst + i1, o1, mask=is_k)
     tl.store(k_dst + i2, o2, mask=is_k)
-    v_dst = v_ptr + row * (HKV * D) + (h - HQ - HKV) * D
+    v_dst = v_ptr + kv_row * stride_kv_row + (h - HQ - HKV) * D
     tl.store(v_dst + i1, x1, mask=is_v)
     tl.store(v_dst + i2, x2, mask=is_v)
 
@@ -118,10 +130,14 @@ def rope_qkv(
     *,
     interleaved: bool = False,
     bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(q, k, v), each [rows, heads, Dh] contiguous, from `qkv` [rows, (Hq + 2 Hkv) x Dh]:
     q and k rotated by `cos`/`sin` (rotate-half, or `interleaved`), after `bias` [2, H, Dh]
-    when given (interleaved only)."""
+    when given (interleaved only). With `cache` = (key_cache, value_cache, slots), caches
+    [slots, Hkv, Dh] as the attention backend keeps them, rotated k and v are written to row
+    `slots[i]` of the caches instead (the backend's K/V write, in the same launch) and
+    (q, None, None) is returned."""
     rows, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     assert head_dim * (num_heads + 2 * num_kv_heads) == width and head_dim % 2 == 0
@@ -130,16 +146,26 @@ def rope_qkv(
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     q = qkv.new_empty((rows, num_heads, head_dim))
-    k = qkv.new_empty((rows, num_kv_heads, head_dim))
-    v = qkv.new_empty((rows, num_kv_heads, head_dim))
+    if cache is None:
+        k = qkv.new_empty((rows, num_kv_heads, head_dim))
+        v = qkv.new_empty((rows, num_kv_heads, head_dim))
+        key_out, value_out, slots = k, v, q  # `slots` unread
+    else:
+        k = v = None
+        key_out, value_out, slots = cache
+        assert key_out.stride() == value_out.stride() and key_out.shape[1:] == (
+            num_kv_heads,
+            head_dim,
+        )
+        assert key_out.stride(1) == head_dim and key_out.stride(2) == 1
     if rows:
         _rope_qkv_kernel[(rows,)](
-            qkv, cos, sin, qkv if bias is None else bias.contiguous(), q, k, v,
-            qkv.stride(0), cos.stride(0),
+            qkv, cos, sin, qkv if bias is None else bias.contiguous(), q, key_out, value_out,
+            slots, qkv.stride(0), cos.stride(0), key_out.stride(0),
             HQ=num_heads, HKV=num_kv_heads, D=head_dim,
             HEADS=triton.next_power_of_2(num_heads + 2 * num_kv_heads),
             BLOCK=triton.next_power_of_2(head_dim // 2), INTERLEAVED=interleaved,
-            HAS_BIAS=bias is not None,
+            HAS_BIAS=bias is not None, WRITE=cache is not None,
         )  # fmt: skip
     return q, k, v
 

@@ -137,12 +137,17 @@ def engine_launches(shape: ModelShape, target: int, *, rows: int = 8) -> list[tu
     rows_h = _meta(rows, hidden, dtype=dtype)
     record("norms", add_norm_norm, rows_h, rows_h, norm, norm)
     qkv = _meta(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
-    record("rope", rope_qkv, qkv, _meta(rows, dim, dtype=dtype), _meta(rows, dim, dtype=dtype),
-           heads, kv_heads)  # fmt: skip
+    table = _meta(rows, dim, dtype=dtype)
+    write = (key_cache, value_cache, _meta(rows, dtype=torch.int64))  # rotary in the K/V write
+    record("rope", rope_qkv, qkv, table, table, heads, kv_heads)
+    record("rope_write", rope_qkv, qkv, table, table, heads, kv_heads, cache=write)
     if heads == kv_heads:  # Huginn's form: interleaved pairs, float32 tables, a q/k bias
         half = _meta(rows, dim // 2, dtype=torch.float32)
+        bias = _meta(2, heads, dim, dtype=dtype)
         record("rope_interleaved", rope_qkv, qkv, half, half, heads, kv_heads,
-               interleaved=True, bias=_meta(2, heads, dim, dtype=dtype))  # fmt: skip
+               interleaved=True, bias=bias)  # fmt: skip
+        record("rope_interleaved_write", rope_qkv, qkv, half, half, heads, kv_heads,
+               interleaved=True, bias=bias, cache=write)  # fmt: skip
     record("silu_mul", silu_mul, _meta(rows, 2 * 4 * hidden, dtype=dtype))
     return recorded
 

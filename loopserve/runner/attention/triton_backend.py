@@ -194,6 +194,19 @@ class TritonAttention:
             meta.write_slots,
             rows_per_program=backend.write_rows,
         )
+        return self._attend_cached(query, key_cache, value_cache)
+
+    def attend_rotated(self, layer_idx: int, qkv: torch.Tensor, rotate) -> torch.Tensor:
+        """`attend` of a merged projection whose fused rotary writes rotated K and V into
+        the caches itself (`AttentionBackend.attend_rotated`): one launch for both."""
+        key_cache = self.backend.kv_cache[layer_idx, 0]
+        value_cache = self.backend.kv_cache[layer_idx, 1]
+        query, _, _ = rotate(qkv, cache=(key_cache, value_cache, self.meta.write_slots))
+        return self._attend_cached(query, key_cache, value_cache)
+
+    def _attend_cached(self, query, key_cache, value_cache) -> torch.Tensor:
+        """Every row's attention over the caches, this call's K/V already written."""
+        backend, meta = self.backend, self.meta
         out = torch.empty_like(query)
         kernels.decode_attention(
             query,

@@ -39,6 +39,7 @@ def test_every_kernel_compiles_for_real_targets_without_spills(sweep):
         ("decode_kernel", "decode"), ("decode_kernel", "split_k"),
         ("decode_reduce_kernel", "split_k"), ("decode_kernel", "split_k_lse"),
         ("decode_reduce_kernel", "split_k_lse"), ("prefill_kernel", "prompt"),
+        ("decode_kernel", "graphed"), ("decode_reduce_kernel", "graphed"),
         ("add_norm_norm_kernel", "norms"), ("rope_qkv_kernel", "rope"),
         ("rope_qkv_kernel", "rope_interleaved"), ("rope_qkv_kernel", "rope_write"),
         ("rope_qkv_kernel", "rope_interleaved_write"), ("silu_mul_kernel", "silu_mul"),
@@ -94,3 +95,68 @@ def test_a_mixed_workload_triggers_one_compile_per_kernel_form(tiny_dir, monkeyp
     assert by_kernel["_prefill_kernel"] == 1
     assert by_kernel["_decode_kernel"] <= 2
     assert by_kernel.get("_decode_reduce_kernel", 0) <= 3
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_every_form_the_engine_launches_is_in_the_compiled_set(family, tmp_path, monkeypatch):
+    """The engine as it runs on CUDA (decode graphs, merged projections, every fused kernel,
+    the Triton backend; interpreted here) on a mixed workload: each kernel form it launches
+    (`launch_form`: kernel, tensor dtypes, constexprs, warps and stages) is one that
+    `engine_launches` compiles at the model's shape with the backend's own settings, so the
+    ahead-of-time sweep at a GPU's settings misses no form the engine takes there."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopserve.models.tiny import make_tiny_checkpoint
+    from loopserve.runner.fused_ops import install_fused_kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if family == "huginn":
+        model_dir = make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=2)
+    else:
+        model_dir = make_tiny_checkpoint(tmp_path, seed=0)
+    engine = make_engine(model_dir, attention_backend="triton", graph_mode="emulate",
+                         prefill_mode="wavefront", mixed_prefill_decode=True, max_num_seqs=4)  # fmt: skip
+    model = engine.model
+    if hasattr(model, "merge_projections"):
+        model.merge_projections()
+    install_fused_kernels(model)
+    work = []
+    for i, length in enumerate([2, 9, 1, 5]):
+        params = SamplingParams(max_tokens=3 + i % 2, temperature=0.0, exit_threshold=0.5,
+                                ignore_eos=True)  # fmt: skip
+        work.append((f"f{i}", [(11 * i + j) % 200 + 3 for j in range(length)], params, i))
+    with observe_launches() as launches:
+        run_steps(engine, work)
+    assert engine.stats.num_graph_calls > 0
+    launched = {triton_aot.launch_form(launch) for launch in launches}
+    config = model.config
+    backend = engine.runner.attention
+    shape = triton_aot.ModelShape(
+        family, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+        torch.float32, block_size=backend.block_size, hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+    )  # fmt: skip
+    settings = triton_aot.LaunchSettings.of_backend(
+        backend, max_model_len=engine.runner.graphs.max_blocks * backend.block_size,
+        max_graph_rows=max(engine.runner.graphs.buckets),
+    )  # fmt: skip
+    compiled = {triton_aot.launch_form(lch) for _, lch in
+                triton_aot.engine_launches(shape, 90, settings=settings)}  # fmt: skip
+    kernels = {form[0] for form in launched}
+    assert {"_rope_qkv_kernel", "_decode_kernel", "_prefill_kernel"} <= kernels
+    missing = launched - compiled
+    assert missing == set(), "\n".join(map(str, sorted(missing)))
+
+
+def test_the_sweep_compiles_every_reduce_tile_the_decode_graphs_use():
+    """At a GPU's settings (132 multiprocessors, 65,536 positions, buckets up to 256 rows), a
+    one-row bucket splits its context 17 ways (16 KV heads) or 33 ways (8): reduce tiles of
+    32 and 64 positions, and every smaller power of two for wider buckets, each compiled."""
+    for name, kv_heads, widest in (("mha16", 16, 32), ("gqa32/8", 8, 64)):
+        shape = triton_aot.ModelShape(name, 16 if kv_heads == 16 else 32, kv_heads, 128,
+                                      torch.bfloat16)  # fmt: skip
+        tiles = {
+            launch.constexprs["BLOCK_S"]
+            for variant, launch in triton_aot.engine_launches(shape, 90)
+            if variant == "graphed" and launch.kernel.fn.__name__ == "_decode_reduce_kernel"
+        }
+        assert max(tiles) == widest and {2, 4, 8, 16} <= tiles, (name, tiles)

@@ -61,6 +61,8 @@ class ModelShape:
     dtype: torch.dtype
     block_size: int = 16
     num_layers: int = 2  # only the finalize copy's grid depends on it
+    hidden: int | None = None  # the residual width; None: num_heads x head_dim
+    intermediate: int | None = None  # the MLP's width; None: 4 x hidden
 
 
 @dataclass(frozen=True)
@@ -88,54 +90,116 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def engine_launches(shape: ModelShape, target: int, *, rows: int = 8) -> list[tuple[str, Launch]]:
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What a Triton backend chooses per device, beside the model's shape: tile sizes, rows
+    per K/V-write program, the multiprocessors a decode launch fills (its split count), the
+    prompt kernel's warps and stages, and what the decode graphs are sized for (their
+    buckets' row counts and the context bound that fixes each bucket's split count)."""
+
+    prompt_tile_m: int
+    prompt_tile_n: int
+    decode_block_n: int
+    write_rows: int
+    num_sms: int
+    prompt_options: dict
+    max_model_len: int = 65_536
+    max_graph_rows: int = 256
+
+    @classmethod
+    def for_target(cls, target: int, dtype: torch.dtype, **graphs) -> LaunchSettings:
+        """What `TritonBackend` picks on a GPU of compute capability `target`."""
+        from loopserve.runner.attention.triton_backend import TritonBackend
+
+        tile_m, tile_n, decode_n = TritonBackend.tile_sizes("cuda", dtype)
+        return cls(tile_m, tile_n, decode_n, TritonBackend.write_rows_for("cuda"),
+                   TARGET_SMS[target], triton_prefill.prompt_launch_options(target), **graphs)  # fmt: skip
+
+    @classmethod
+    def of_backend(cls, backend, *, max_model_len: int, max_graph_rows: int) -> LaunchSettings:
+        """What a live `TritonBackend` picked (the test compares its launches)."""
+        return cls(backend.prefill_block_m, backend.prefill_block_n, backend.decode_block_n,
+                   backend.write_rows, backend.num_sms, dict(backend.prompt_options),
+                   max_model_len, max_graph_rows)  # fmt: skip
+
+
+# Multiprocessors of the GPU each target stands for (A100, H100/H200 SXM, B200): the decode
+# split count a graph bucket launches follows from it.
+TARGET_SMS = {80: 108, 90: 132, 100: 148}
+
+
+def engine_launches(
+    shape: ModelShape, target: int, *, rows: int = 8, settings: LaunchSettings | None = None
+) -> list[tuple[str, Launch]]:
     """(variant, launch) for every kernel form the engine uses at this shape: KV write,
     finalize copy, decode in one split, split-K with its reduce, split-K returning the LSE
-    (cascade attention), and prompt tiles; the tile sizes are the CUDA backend's."""
-    from loopserve.runner.attention.triton_backend import TritonBackend
-
+    (cascade attention), prompt tiles, the decode graphs' forms (int64 index buffers; the
+    reduce tile of every bucket's split count), and the fused norms, rotary (alone and
+    inside the K/V write) and SiLU-and-multiply in every form the families call. `settings`:
+    the backend's choices (default: what it picks on a GPU of `target`). One launch per
+    distinct form (`launch_form`)."""
+    settings = settings or LaunchSettings.for_target(target, shape.dtype)
     dtype, heads, kv_heads, dim = shape.dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim
     slots = 64 * shape.block_size
     cache = _meta(shape.num_layers, 2, slots, kv_heads, dim, dtype=dtype)
     key_cache, value_cache = cache[0, 0], cache[0, 1]
-    tile_m, tile_n, decode_n = TritonBackend.tile_sizes("cuda", dtype)
     query = _meta(rows, heads, dim, dtype=dtype)
     index = _meta(rows, dtype=torch.int32)
     tables = _meta(rows, 64, dtype=torch.int32)
     recorded: list[tuple[str, Launch]] = []
+    forms: set[tuple] = set()
 
     def record(variant: str, fn, *args, **kwargs) -> None:
         with record_launches() as launches:
             fn(*args, **kwargs)
-        recorded.extend((variant, launch) for launch in launches)
+        for launch in launches:
+            if launch_form(launch) not in forms:
+                forms.add(launch_form(launch))
+                recorded.append((variant, launch))
 
     kv = _meta(rows, kv_heads, dim, dtype=dtype)
     record("write", triton_kernels.write_kv, kv, kv, key_cache, value_cache,
-           _meta(rows, dtype=torch.int64), rows_per_program=2)  # fmt: skip
+           _meta(rows, dtype=torch.int64), rows_per_program=settings.write_rows)  # fmt: skip
     pairs = _meta(rows, dtype=torch.int64)
     record("finalize", triton_kernels.copy_slots, cache, pairs, pairs)
-    decode = dict(
-        tables=tables, table_idx=index, rows=index, seq_lens=index, scale=dim**-0.5,
-        block_size=shape.block_size, block_n=decode_n,
-    )  # fmt: skip
+    decode = dict(scale=dim**-0.5, block_size=shape.block_size, block_n=settings.decode_block_n)
+    eager = dict(tables=tables, table_idx=index, rows=index, seq_lens=index, **decode)
     out = _meta(rows, heads, dim, dtype=dtype)
     record("decode", triton_kernels.decode_attention, query, key_cache, value_cache, out,
-           max_seq_len=512, split_len=512, **decode)  # fmt: skip
+           max_seq_len=512, split_len=512, **eager)  # fmt: skip
     record("split_k", triton_kernels.decode_attention, query, key_cache, value_cache, out,
-           max_seq_len=4096, split_len=512, **decode)  # fmt: skip
+           max_seq_len=4096, split_len=512, **eager)  # fmt: skip
     lse = _meta(rows, heads, dtype=torch.float32)
     out32 = _meta(rows, heads, dim, dtype=torch.float32)
     record("split_k_lse", triton_kernels.decode_attention, query, key_cache, value_cache, out32,
-           max_seq_len=512, split_len=512, lse_out=lse, **decode)  # fmt: skip
+           max_seq_len=512, split_len=512, lse_out=lse, **eager)  # fmt: skip
     tiles = _meta(4, dtype=torch.int32)
     record("prompt", triton_prefill.prefill_attention, query, key_cache, value_cache, out,
            tables=tables, tile_table=tiles, tile_row=tiles, tile_pos=tiles, tile_count=tiles,
-           scale=dim**-0.5, block_size=shape.block_size, block_m=tile_m, block_n=tile_n,
-           **triton_prefill.prompt_launch_options(target))  # fmt: skip
-    hidden = heads * dim  # the model's width (heads x head_dim for the shapes here)
+           scale=dim**-0.5, block_size=shape.block_size, block_m=settings.prompt_tile_m,
+           block_n=settings.prompt_tile_n, **settings.prompt_options)  # fmt: skip
+    # The decode graphs: one bucket per row count; its block tables and index columns int64
+    # (views of the runner's int64 buffers), its context lengths int32; its split count
+    # fixed from the rows and the context bound (one split for wide buckets).
+    from loopserve.runner.attention.triton_backend import auto_split_len
+    from loopserve.runner.graphs import graph_buckets
+
+    for bucket in graph_buckets(settings.max_graph_rows):
+        column = _meta(bucket, dtype=torch.int64)
+        split_len = auto_split_len(bucket, kv_heads, settings.max_model_len, settings.num_sms)
+        record("graphed", triton_kernels.decode_attention, _meta(bucket, heads, dim, dtype=dtype),
+               key_cache, value_cache, _meta(bucket, heads, dim, dtype=dtype),
+               tables=_meta(bucket, 64, dtype=torch.int64), table_idx=column, rows=column,
+               seq_lens=_meta(bucket, dtype=torch.int32), max_seq_len=settings.max_model_len, split_len=split_len,
+               **decode)  # fmt: skip
+    hidden = shape.hidden or heads * dim
     norm = _MetaNorm(_meta(hidden, dtype=dtype), 1e-6)
     rows_h = _meta(rows, hidden, dtype=dtype)
-    record("norms", add_norm_norm, rows_h, rows_h, norm, norm)
+    record("norms", add_norm_norm, rows_h, rows_h, norm, norm)  # a residual add, two norms
+    record("norms", add_norm_norm, rows_h, rows_h, norm, None)  # the loop's last
+    record("norms", add_norm_norm, rows_h, None, None, norm)  # the loop's first
+    record("norms", add_norm_norm, rows_h, rows_h, norm, norm, norm_sum=True)  # Huginn's order
+    record("norms", add_norm_norm, rows_h, rows_h, norm, None, norm_sum=True)
     qkv = _meta(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
     table = _meta(rows, dim, dtype=dtype)
     write = (key_cache, value_cache, _meta(rows, dtype=torch.int64))  # rotary in the K/V write
@@ -143,13 +207,28 @@ def engine_launches(shape: ModelShape, target: int, *, rows: int = 8) -> list[tu
     record("rope_write", rope_qkv, qkv, table, table, heads, kv_heads, cache=write)
     if heads == kv_heads:  # Huginn's form: interleaved pairs, float32 tables, a q/k bias
         half = _meta(rows, dim // 2, dtype=torch.float32)
-        bias = _meta(2, heads, dim, dtype=dtype)
-        record("rope_interleaved", rope_qkv, qkv, half, half, heads, kv_heads,
-               interleaved=True, bias=bias)  # fmt: skip
-        record("rope_interleaved_write", rope_qkv, qkv, half, half, heads, kv_heads,
-               interleaved=True, bias=bias, cache=write)  # fmt: skip
-    record("silu_mul", silu_mul, _meta(rows, 2 * 4 * hidden, dtype=dtype))
+        for bias in (_meta(2, heads, dim, dtype=dtype), None):
+            record("rope_interleaved", rope_qkv, qkv, half, half, heads, kv_heads,
+                   interleaved=True, bias=bias)  # fmt: skip
+            record("rope_interleaved_write", rope_qkv, qkv, half, half, heads, kv_heads,
+                   interleaved=True, bias=bias, cache=write)  # fmt: skip
+    inner = shape.intermediate or 4 * hidden
+    record("silu_mul", silu_mul, _meta(rows, 2 * inner, dtype=dtype))
     return recorded
+
+
+def launch_form(launch: Launch) -> tuple:
+    """A kernel form as its resources depend on it: the kernel, its tensor arguments'
+    dtypes, its constexprs and compile options; not integer values or alignment hints
+    (`specialization_key` has those: they multiply JIT compiles, not register use)."""
+    fn = launch.kernel.compiled
+    tensors = tuple(
+        (name, str(value.dtype))
+        for name, value in zip(fn.arg_names, launch.args)
+        if isinstance(value, torch.Tensor)
+    )
+    constexprs = tuple(sorted((str(k), str(v)) for k, v in launch.constexprs.items()))
+    return (fn.__name__, tensors, constexprs)
 
 
 @dataclass(frozen=True)
@@ -293,9 +372,10 @@ def sweep(shapes=OURO_SHAPES, targets=TARGETS, block_sizes=(16,)) -> list[Kernel
 
 
 def representative() -> list[KernelResources]:
-    """The test's subset (about 36 compiles): every kernel form at each target; the attention
-    kernels (decode, prompt) in every dtype; the copies and the split-K path in bf16; the
-    GQA shape's decode (its group changes the kernel's tiles) in bf16."""
+    """The test's subset: every kernel form at each target in bf16 (the decode graphs' every
+    reduce tile included); the attention kernels (decode, prompt) in every dtype; the GQA
+    shape's decode and decode graphs (its group changes the kernel's tiles, its split counts
+    the reduce's) in bf16."""
     results = []
     for target in TARGETS:
         for shape in OURO_SHAPES:
@@ -306,7 +386,7 @@ def representative() -> list[KernelResources]:
                 if shape.name == "mha16":
                     wanted = bf16 or variant in ("decode", "prompt")
                 else:
-                    wanted = variant == "decode"
+                    wanted = variant in ("decode", "graphed")
                 if wanted:
                     results.append(compile_for(shape, variant, launch, target))
     return results

@@ -305,7 +305,7 @@ class TritonBackend(PagedAttentionBackend):
         )
         assert kv_cache.is_contiguous()
         tile_m, tile_n, decode_n = self.tile_sizes(kv_cache.device.type, kv_cache.dtype)
-        self.write_rows = 16 if kv_cache.device.type == "cpu" else 2  # rows per KV-write program
+        self.write_rows = self.write_rows_for(kv_cache.device.type)
         self.split_len = split_len  # None: `auto_split_len` per call
         device = kv_cache.device
         # multiprocessors to fill; on CPU (interpreter) a nominal count keeps the same logic
@@ -322,6 +322,11 @@ class TritonBackend(PagedAttentionBackend):
         self.decode_block_n = decode_block_n or decode_n
         self.prefill_block_m = prefill_block_m or tile_m
         self.prefill_block_n = prefill_block_n or tile_n
+
+    @staticmethod
+    def write_rows_for(device_type: str) -> int:
+        """Rows per K/V-write program."""
+        return 16 if device_type == "cpu" else 2
 
     @staticmethod
     def tile_sizes(device_type: str, dtype: torch.dtype) -> tuple[int, int, int]:

@@ -120,7 +120,7 @@ def test_every_form_the_engine_launches_is_in_the_compiled_set(family, tmp_path,
         model.merge_projections()
     install_fused_kernels(model)
     work = []
-    for i, length in enumerate([2, 9, 1, 5]):
+    for i, length in enumerate([2, 9, 1]):
         params = SamplingParams(max_tokens=3 + i % 2, temperature=0.0, exit_threshold=0.5,
                                 ignore_eos=True)  # fmt: skip
         work.append((f"f{i}", [(11 * i + j) % 200 + 3 for j in range(length)], params, i))

@@ -146,7 +146,7 @@ def test_torch_transport_serving_equals_colocated_and_moves_the_kv_point_to_poin
     pools, tiny_tok_dir, loop, layout, exit_mode
 ):
     pool = pools.get(layout, exit_mode)
-    assert pool.uses_torch_transport and pool.health()["kv_transport"] == "torch"
+    assert pool.uses_point_to_point and pool.health()["kv_transport"] == "torch"
     before = _transport_stats(pool, loop)
     results = _run_all(pool, loop, CASES)  # five streams at once: their hand-offs race
     after = _transport_stats(pool, loop)
@@ -318,7 +318,7 @@ def test_a_decode_replica_dying_falls_back_to_the_object_store(pools, tiny_tok_d
         assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
 
     loop.run_until_complete(asyncio.wait_for(wait_fallback_and_restart(), 150.0))
-    assert not pool.uses_torch_transport
+    assert not pool.uses_point_to_point
     assert "replica 1" in pool.health()["kv_transport_fallback"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outputs, stream = loop.run_until_complete(_collect(pool, "fallback", _prompt(95, 9), params))

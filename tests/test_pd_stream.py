@@ -435,7 +435,7 @@ def test_a_transport_failure_fails_the_request_and_later_hand_offs_use_the_objec
     assert outputs[-1].token_ids == [7, 8]
     assert "KVTransportError" not in (pool.kv_transport_fallback or "")
     assert "receiving hand-off 'r' failed" in (pool.kv_transport_fallback or "")
-    assert not pool.uses_torch_transport
+    assert not pool.uses_point_to_point
     assert [args[1] for args in p0.called("prefill")] == [{"r": 1}, None]  # object store now
 
 

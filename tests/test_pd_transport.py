@@ -61,8 +61,8 @@ def expected_kv_bytes(tiny_dir, layout: str, num_positions: int) -> int:
 
 def test_unknown_kv_transport_is_a_clear_error(tiny_dir):
     ray_was_up = ray.is_initialized()
-    with pytest.raises(ConfigError, match="unknown kv_transport 'nixl': choose one of ray"):
-        DisaggregatedEngines({"model": str(tiny_dir)}, 1, 1, kv_transport="nixl")
+    with pytest.raises(ConfigError, match="unknown kv_transport 'pigeon': choose one of ray"):
+        DisaggregatedEngines({"model": str(tiny_dir)}, 1, 1, kv_transport="pigeon")
     assert ray.is_initialized() == ray_was_up  # rejected before starting a cluster
     assert resolve_kv_transport("auto", "cpu") == "ray"
     assert resolve_kv_transport("auto", "cuda") == "torch"
@@ -73,8 +73,9 @@ def test_unknown_kv_transport_is_a_clear_error(tiny_dir):
     add_distributed_args(parser)
     assert parser.parse_args(["--kv-transport", "torch"]).kv_transport == "torch"
     assert parser.parse_args([]).kv_transport == "ray"
+    assert parser.parse_args(["--kv-transport", "nixl"]).kv_transport == "nixl"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--kv-transport", "nixl"])
+        parser.parse_args(["--kv-transport", "pigeon"])
 
 
 @pytest.mark.parametrize(

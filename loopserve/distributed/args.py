@@ -97,7 +97,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_TRANSPORTS,
         help="how prefill/decode hand-offs move their K/V: ray (the object store, host "
         "memory), torch (point to point over torch.distributed: NCCL on CUDA, gloo on CPU), "
-        "auto (torch on CUDA, else ray)",
+        "nixl (the decode replica reads it over NIXL's UCX backend; pip install -e "
+        "'.[nixl]'), auto (torch on CUDA, else ray)",
     )
     group.add_argument(
         "--kv-transfer-timeout-s",
@@ -105,7 +106,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         default=120.0,
         help="with --kv-transport torch: seconds a hand-off's send or receive may wait for "
         "its peer before the transport is marked failed (later hand-offs then use the object "
-        "store); also the torch.distributed group's timeout",
+        "store); also the torch.distributed group's timeout. With nixl: seconds a read may "
+        "take, and a sent K/V stays registered unread",
     )
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from loopserve.distributed.transport import (
     DEFAULT_TIMEOUT_S,
+    POINT_TO_POINT,
     KVDescriptor,
     KVTransport,
     KVTransportError,
@@ -147,9 +148,10 @@ class HandoffInbox:
     """One replica's received point-to-point hand-offs; see the module docstring."""
 
     def __init__(self, transport: KVTransport) -> None:
-        if transport.kind != "torch":
+        if transport.kind not in POINT_TO_POINT:
             raise KVTransportError(
-                "a point-to-point hand-off reached a replica without a torch KV transport "
+                "a point-to-point hand-off reached a replica without a point-to-point KV "
+                "transport "
                 "(restarted since it was sent?)"
             )
 

@@ -45,6 +45,7 @@ from loopserve.distributed.pool import ReplicaPool
 from loopserve.distributed.pool_replicas import PoolConfig, Roles
 from loopserve.distributed.transport import (
     DEFAULT_TIMEOUT_S,
+    POINT_TO_POINT,
     KVTransportGroup,
     connect_kv_transport,
     resolve_kv_transport,
@@ -110,17 +111,18 @@ class PDReplicaPool(ReplicaPool):
         )
         self._leg_tasks: set[asyncio.Task[None]] = set()
         device = str(engine_args.get("device") or "cpu")
-        self.kv_transport = resolve_kv_transport(kv_transport, device)  # "ray" | "torch"
+        self.kv_transport = resolve_kv_transport(kv_transport, device)  # "ray" | "torch" | "nixl"
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self.kv_group: KVTransportGroup | None = None
         self.kv_transport_fallback: str | None = None  # why hand-offs left the torch transport
-        self._kv_connecting = self.kv_transport == "torch"
+        self._kv_connecting = self.kv_transport in POINT_TO_POINT
 
     # ---- the KV transport ----------------------------------------------------------------
 
     async def _start(self) -> None:
         await super()._start()
-        if self.kv_transport != "torch" or self.load_error is not None or self.replica_set.closed:
+        kind = self.kv_transport
+        if kind not in POINT_TO_POINT or self.load_error is not None or self.replica_set.closed:
             return
         try:
             # Every rank must join the group: wait for every replica's engine.
@@ -128,43 +130,44 @@ class PDReplicaPool(ReplicaPool):
             ranks = range(self.num_replicas)
             self.kv_group = await asyncio.to_thread(
                 connect_kv_transport,
-                "torch",
+                kind,
                 [r.actor for r in self.replicas],
                 senders=[i for i in ranks if self.role_of(i) == PREFILL],
                 receivers=[i for i in ranks if self.role_of(i) == DECODE],
                 on_cuda=str(self.engine_args.get("device") or "cpu").startswith("cuda"),
                 timeout_s=self.kv_transfer_timeout_s,
             )
-            logger.info("kv transport: torch.distributed group of %d replicas", len(ranks))
+            logger.info("kv transport: %s between %d replicas", kind, len(ranks))
         except Exception as err:  # serve anyway, through the object store
-            logger.exception("setting up the torch kv transport failed")
-            self.fall_back(f"setting up the torch.distributed group failed: {err!r}")
+            logger.exception("setting up the %s kv transport failed", kind)
+            self.fall_back(f"setting up the {kind} kv transport failed: {err!r}")
         finally:
             self._kv_connecting = False
 
     @property
-    def uses_torch_transport(self) -> bool:
-        """Whether new hand-offs go point to point (torch, connected, not fallen back)."""
+    def uses_point_to_point(self) -> bool:
+        """Whether new hand-offs go point to point (torch or nixl, connected, not fallen back)."""
         return self.kv_group is not None and self.kv_transport_fallback is None
 
     def fall_back(self, why: str) -> None:
         """Move every later hand-off to the object store, for good (see the module
         docstring); idempotent."""
-        if self.kv_transport != "torch" or self.kv_transport_fallback is not None:
+        if self.kv_transport not in POINT_TO_POINT or self.kv_transport_fallback is not None:
             return
         self.kv_transport_fallback = why
         self.metrics.set_kv_transport_fallback()
         logger.warning(
             "kv transport: later hand-offs go through Ray's object store (%s); restart the "
-            "server to use torch.distributed again",
+            "server to use %s again",
             why,
+            self.kv_transport,
         )
 
     def kv_destinations(self, request_ids: list[str]) -> dict[str, int] | None:
-        """Decode replicas (ranks) for the torch transport to send these requests' K/V to,
+        """Decode replicas (ranks) for the point-to-point transport to send these requests' K/V to,
         chosen now (least outstanding work); None when hand-offs go by the object store."""
         candidates = self.serving_of(DECODE)
-        if not self.uses_torch_transport or not candidates:
+        if not self.uses_point_to_point or not candidates:
             return None
         index = self.router.choose(candidates, None).replica
         return dict.fromkeys(request_ids, index)

@@ -38,6 +38,7 @@ from loopserve.distributed.replica_messages import (
 )
 from loopserve.distributed.torch_transport import make_kv_transport
 from loopserve.distributed.transport import (
+    POINT_TO_POINT,
     KVDescriptor,
     KVTransport,
     KVTransportError,
@@ -113,7 +114,7 @@ class ReplicaHandoff:
         """The torch transport's descriptor of `state` sent to `destination`, or `state` as
         is (its K/V through the object store) without a destination, without a torch
         transport, or when the transport refuses (it failed: the pool falls back)."""
-        if destination is None or self.kv_transport.kind != "torch":
+        if destination is None or self.kv_transport.kind not in POINT_TO_POINT:
             return _on_host(state)
         try:
             return self.kv_transport.send(state, destination)
@@ -160,7 +161,7 @@ class ReplicaHandoff:
         error message if that failed (then the pool falls back), else None."""
         if not isinstance(item, KVDescriptor):
             return None
-        if self.kv_transport.kind != "torch":
+        if self.kv_transport.kind not in POINT_TO_POINT:
             return None  # restarted since: the group is gone, nothing pairs up any more
         try:
             await self._handoff_inbox().drop(item)
@@ -257,7 +258,7 @@ class ReplicaHandoff:
         """A rendezvous address on this replica's node (called on rank 0)."""
         return free_rendezvous_address()
 
-    def setup_kv_transport(self, kind: str, rank: int, spec: TorchDistSpec | None) -> None:
+    def setup_kv_transport(self, kind: str, rank: int, spec: TorchDistSpec | Any) -> None:
         """Replace this replica's endpoint (the previous one is closed); blocks until every
         rank of a torch group joined."""
         self.kv_transport.close()

@@ -261,11 +261,16 @@ class TorchDistTransport(KVTransport):
         self._pending = []
 
 
-def make_kv_transport(kind: str, rank: int, spec: TorchDistSpec | None = None) -> KVTransport:
-    """The endpoint of one replica (runs inside the replica's process)."""
+def make_kv_transport(kind: str, rank: int, spec: Any = None) -> KVTransport:
+    """The endpoint of one replica (runs inside the replica's process); `spec` is the
+    group's `TorchDistSpec` (torch) or `NixlSpec` (nixl)."""
     if kind == "ray":
         return RayObjectStoreTransport(rank)
     if kind == "torch":
-        assert spec is not None, "the torch transport needs a TorchDistSpec"
+        assert isinstance(spec, TorchDistSpec), "the torch transport needs a TorchDistSpec"
         return TorchDistTransport(spec, rank)
-    raise ConfigError(f"unknown kv transport {kind!r}: choose ray or torch")
+    if kind == "nixl":
+        from loopserve.distributed.nixl_transport import NixlTransport
+
+        return NixlTransport(spec, rank)
+    raise ConfigError(f"unknown kv transport {kind!r}: choose ray, torch or nixl")

@@ -51,7 +51,9 @@ from typing import Any
 from loopserve.engine.handoff import HandoffState
 from loopserve.errors import ConfigError, LoopserveError
 
-KV_TRANSPORTS = ("ray", "torch", "auto")
+KV_TRANSPORTS = ("ray", "torch", "nixl", "auto")
+# Kinds whose hand-offs travel apart from the state (a `KVDescriptor` goes through Ray).
+POINT_TO_POINT = frozenset({"torch", "nixl"})
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -60,8 +62,8 @@ class KVTransportError(LoopserveError, RuntimeError):
 
 
 def resolve_kv_transport(name: str, device: str) -> str:
-    """The transport a flag value names, "ray" or "torch"; `auto` is torch (NCCL) on CUDA,
-    else ray."""
+    """The transport a flag value names, "ray", "torch" or "nixl"; `auto` is torch (NCCL)
+    on CUDA, else ray."""
     if name not in KV_TRANSPORTS:
         raise ConfigError(
             f"unknown kv_transport {name!r}: choose one of {', '.join(KV_TRANSPORTS)}"
@@ -91,7 +93,8 @@ class TransportStats:
 @dataclass(frozen=True, slots=True)
 class KVDescriptor:
     """A hand-off whose K/V travels point to point: `state` has `kv=None`; the receiver posts
-    an `irecv` of `shape`/`dtype` from `src_rank` with tag `seq`."""
+    an `irecv` of `shape`/`dtype` from `src_rank` with tag `seq` (torch), or reads it from
+    `source` (nixl: a `NixlSource`). `seq` counts per (source, destination) pair."""
 
     state: HandoffState
     shape: tuple[int, ...]
@@ -99,6 +102,7 @@ class KVDescriptor:
     src_rank: int
     dst_rank: int
     seq: int
+    source: Any = None
 
     @property
     def request_id(self) -> str:
@@ -201,6 +205,15 @@ class TorchDistSpec:
     receivers: tuple[int, ...] = ()  # ranks that receive them (decode replicas)
 
 
+@dataclass(frozen=True, slots=True)
+class NixlSpec:
+    """What every replica of one NIXL group shares: its name (an agent is named after it and
+    its rank) and the read timeout."""
+
+    group: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
 def free_rendezvous_address() -> str:
     """`tcp://ip:port` on this node: its Ray node address (loopback outside Ray) and a port
     free now (a tiny race with other programs binding it before rank 0 does)."""
@@ -260,20 +273,24 @@ def connect_kv_transport(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> KVTransportGroup:
     """Set up the endpoints of `replicas` (Ray actor handles of `EngineReplica`; rank = index)
-    for hand-offs from the ranks in `senders` to those in `receivers`. `kind` is "ray" or
-    "torch" (resolve flag values with `resolve_kv_transport` first). Blocks until every
+    for hand-offs from the ranks in `senders` to those in `receivers`. `kind` is "ray",
+    "torch" or "nixl" (resolve flag values with `resolve_kv_transport` first). Blocks until every
     replica joined (torch: the rendezvous, bounded by `timeout_s`)."""
     import ray
 
-    spec = None
-    if kind == "torch":
+    spec: Any = None
+    if kind == "nixl":
+        import uuid
+
+        spec = NixlSpec(uuid.uuid4().hex[:12], timeout_s)
+    elif kind == "torch":
         init_method = ray.get(replicas[0].kv_transport_address.remote())
         backend = "nccl" if on_cuda else "gloo"
         spec = TorchDistSpec(
             init_method, len(replicas), backend, timeout_s, tuple(senders), tuple(receivers)
         )
     elif kind != "ray":
-        raise ConfigError(f"unknown kv transport {kind!r}: choose ray or torch")
+        raise ConfigError(f"unknown kv transport {kind!r}: choose ray, torch or nixl")
     joins = [
         replica.setup_kv_transport.remote(kind, rank, spec) for rank, replica in enumerate(replicas)
     ]

@@ -1,0 +1,201 @@
+"""The NIXL KV transport ("nixl", `loopserve/distributed/nixl_transport.py`) on loopback.
+
+First two endpoints in this process (NIXL's UCX backend over host memory, no Ray): a read
+gives the exact bytes, the sender releases its registration when the read or a discard is
+notified, an unread send expires and a later read of it fails without breaking the endpoint.
+Then the prefill/decode hand-off on a local Ray cluster with `kv_transport="nixl"`: outputs
+equal a colocated engine's and the bytes are counted on both sides. Skipped without NIXL (the
+optional `nixl` extra, which CI installs)."""
+
+from __future__ import annotations
+
+# ruff: noqa: E402 - skips run before the optional imports
+import dataclasses
+import time
+import uuid
+
+import pytest
+import torch
+
+pytest.importorskip("nixl", reason="needs NIXL (pip install -e '.[nixl]')")
+
+from loopserve.distributed.nixl_transport import NixlSource, NixlTransport
+from loopserve.distributed.transport import KVDescriptor, KVTransportError, NixlSpec
+from loopserve.engine.handoff import HandoffState
+from loopserve.sampling_params import SamplingParams
+
+
+def _state(request_id: str, kv: torch.Tensor) -> HandoffState:
+    return HandoffState(
+        request_id=request_id, prompt_token_ids=[1, 2, 3], output_token_ids=[4],
+        exit_depths=[2], logprobs=[], params=SamplingParams(max_tokens=4), num_planes=4,
+        block_size=4, num_kv_positions=3, kv=kv, generator_state=None, arrival_s=0.0,
+    )  # fmt: skip
+
+
+def _wait(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.fixture
+def pair():
+    group = uuid.uuid4().hex[:8]
+    prefill = NixlTransport(NixlSpec(group, timeout_s=30.0), rank=0)
+    decode = NixlTransport(NixlSpec(group, timeout_s=30.0), rank=1)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def test_a_read_moves_the_exact_bytes_and_releases_the_senders_copy(pair):
+    prefill, decode = pair
+    kvs = [torch.randn(2, 2, 8, 4, 2, 16, generator=torch.Generator().manual_seed(i))
+           for i in range(3)]  # fmt: skip
+    sent = [prefill.send(_state(f"r{i}", kv), destination=1) for i, kv in enumerate(kvs)]
+    assert all(isinstance(item, KVDescriptor) and item.state.kv is None for item in sent)
+    assert [item.seq for item in sent] == [0, 1, 2]  # numbered per (sender, receiver)
+    assert isinstance(sent[0].source, NixlSource) and len(sent[0].source.metadata) < 4096
+    assert prefill.stats().num_pending_sends == 3
+    received = decode.receive_many([sent[2], sent[0]])  # any order
+    assert torch.equal(received[0].kv, kvs[2]) and torch.equal(received[1].kv, kvs[0])
+    assert received[0].request_id == "r2" and received[0].output_token_ids == [4]
+    decode.discard_many([sent[1]])  # an aborted request: nothing read, the copy released
+    num_bytes = 2 * kvs[0].numel() * 4
+    assert _wait(lambda: prefill.stats().num_pending_sends == 0)
+    sender, receiver = prefill.stats(), decode.stats()
+    assert (sender.num_sent, sender.bytes_sent) == (3, num_bytes)  # the two reads
+    assert (receiver.num_received, receiver.bytes_received) == (2, num_bytes)
+    assert receiver.num_discarded == 1
+
+
+def test_an_unread_send_stays_registered_until_read_and_a_bounded_flush_says_so(pair):
+    """Never released on a timer (a read of freed host memory over UCX can succeed with
+    whatever the memory holds): flush waits at most its timeout and reports it pending."""
+    prefill, decode = pair
+    kv = torch.arange(64, dtype=torch.float32)
+    slow = prefill.send(_state("slow", kv), destination=1)
+    start = time.monotonic()
+    assert prefill.flush(0.2).num_pending_sends == 1 and time.monotonic() - start < 5
+    assert torch.equal(decode.receive(slow).kv, kv)  # still there, still right
+    assert _wait(lambda: prefill.stats().num_pending_sends == 0)
+
+
+def test_a_descriptor_of_another_transport_or_a_closed_endpoint_is_refused(pair):
+    prefill, decode = pair
+    torch_made = KVDescriptor(_state("t", None), (4,), torch.float32, 0, 1, 0)
+    with pytest.raises(KVTransportError, match="not sent by the nixl transport"):
+        decode.receive(torch_made)
+    decode.close()
+    sent = prefill.send(_state("x", torch.zeros(4)), destination=1)
+    with pytest.raises(KVTransportError, match="closed"):
+        decode.receive(sent)
+    other = dataclasses.replace(sent, source=None)
+    prefill.close()
+    with pytest.raises(KVTransportError, match="closed"):
+        prefill.send(_state("y", torch.zeros(4)), destination=1)
+    assert other.source is None
+
+
+# ---- through Ray, as `DisaggregatedEngines` runs it ----------------------------------------
+
+ray = pytest.importorskip("ray", reason="needs Ray (the nixl extra includes it)")
+
+from loopserve.distributed.offline import DisaggregatedEngines
+from loopserve.llm import LLM
+from tests.ray_utils import start_local_ray, stop_local_ray
+from tests.test_pd_transport import (
+    BASE_ARGS,
+    PARAMS,
+    PROMPT_LENGTHS,
+    PROMPTS,
+    expected_kv_bytes,
+)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    start_local_ray(3)
+    yield
+    stop_local_ray()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    ("layout", "exit_mode", "num_prefill"),
+    [("last_exited", "ouro", 2), ("shared", "random_lookahead", 1)],
+)
+def test_nixl_hand_offs_equal_colocated_serving(tiny_dir, ray_cluster, layout, exit_mode,
+                                                num_prefill):  # fmt: skip
+    args = {**BASE_ARGS, "layout": layout, "exit_mode": exit_mode, "lookahead_seed": 7}
+    colocated = LLM(str(tiny_dir), **args).generate(PROMPTS, PARAMS, use_tqdm=False)
+    engines = DisaggregatedEngines(
+        {"model": str(tiny_dir), **args}, num_prefill, 1, kv_transport="nixl"
+    )
+    try:
+        outputs = engines.generate([f"r{i}" for i in range(len(PROMPTS))], PROMPTS, PARAMS)
+        stats = engines.transport.flush()  # the senders release what was read
+    finally:
+        engines.shutdown()
+    for output, expected in zip(outputs, colocated):
+        assert (output.token_ids, output.exit_depths) == (expected.token_ids, expected.exit_depths)
+        assert output.finish_reason == expected.finish_reason
+    assert any(depth < 4 for o in outputs for depth in o.exit_depths)
+    handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
+    expected = sum(expected_kv_bytes(tiny_dir, layout, n) for n in handed_off)
+    *senders, decode = stats
+    assert {s.kind for s in stats} == {"nixl"}
+    assert sum(s.num_sent for s in senders) == decode.num_received == 3
+    assert sum(s.bytes_sent for s in senders) == decode.bytes_received == expected
+    assert all(s.num_pending_sends == 0 for s in senders)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_nixl_serving_equals_colocated_and_reads_the_kv_point_to_point(
+    tiny_tok_dir, ray_cluster, loop
+):
+    """`PDReplicaPool(..., kv_transport="nixl")` (what `serve --pd prefill=1,decode=1
+    --kv-transport nixl` builds): five concurrent streams, four hand-offs read over NIXL."""
+    from loopserve.distributed.args import PDSpec
+    from loopserve.distributed.pd_pool import PDReplicaPool
+    from loopserve.distributed.pool import PoolConfig
+    from tests.test_pd_serving_torch import (
+        CASES,
+        DECODE,
+        PREFILL,
+        _engine_args,
+        _run_all,
+        _transport_stats,
+    )
+    from tests.test_pd_serving_torch import expected_kv_bytes as serving_kv_bytes
+
+    args = _engine_args(tiny_tok_dir, "last_exited", "ouro_delayed")
+    pool = PDReplicaPool(args, PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2),
+                         PDSpec(1, 1), kv_transport="nixl")  # fmt: skip
+
+    async def start() -> None:
+        pool.start()
+        assert await pool.wait_ready(timeout_s=120.0), pool.health()
+        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
+
+    loop.run_until_complete(start())
+    try:
+        assert pool.uses_point_to_point and pool.health()["kv_transport"] == "nixl"
+        results = _run_all(pool, loop, CASES)
+        stats = _transport_stats(pool, loop)
+    finally:
+        loop.run_until_complete(pool.shutdown(5.0))
+    expected = LLM(**args).generate([p for p, _ in CASES.values()],
+                                    [sp for _, sp in CASES.values()])  # fmt: skip
+    for rid, (outputs, stream), want in zip(CASES, results, expected):
+        final = outputs[-1]
+        assert (final.token_ids, final.exit_depths) == (want.token_ids, want.exit_depths), rid
+        assert (rid in stream.decode_replicas) == (rid != "one"), rid
+    kv_bytes = sum(serving_kv_bytes(tiny_tok_dir, "last_exited", len(p))
+                   for rid, (p, _) in CASES.items() if rid != "one")  # fmt: skip
+    assert (stats[PREFILL].kind, stats[DECODE].kind) == ("nixl", "nixl")
+    assert stats[PREFILL].num_sent == stats[DECODE].num_received == 4
+    assert stats[PREFILL].bytes_sent == stats[DECODE].bytes_received == kv_bytes
+    assert stats[PREFILL].num_pending_sends == 0 and pool.kv_transport_fallback is None

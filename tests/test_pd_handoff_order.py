@@ -207,9 +207,9 @@ def test_inbox_keeps_a_received_state_for_the_retry_and_drops_without_receiving_
     assert endpoint.received == [0, 1] and endpoint.discarded == [2]
 
 
-def test_inbox_refuses_a_replica_without_a_torch_endpoint():
+def test_inbox_refuses_a_replica_without_a_point_to_point_endpoint():
     class _Ray:
         kind = "ray"
 
-    with pytest.raises(KVTransportError, match="without a torch KV transport"):
+    with pytest.raises(KVTransportError, match="without a point-to-point KV transport"):
         HandoffInbox(_Ray())  # type: ignore[arg-type]

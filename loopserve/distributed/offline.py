@@ -98,7 +98,8 @@ class DisaggregatedEngines:
     `kv_transport` moves the K/V (`loopserve.distributed.transport`): "ray" (default) keeps
     it in the states, in the object store; "torch" sends it point to point over one
     torch.distributed group of all replicas (gloo on CPU, NCCL on CUDA) while the states
-    travel without it; "auto" is torch on CUDA, else ray. `kv_transfer_timeout_s` bounds
+    travel without it; "nixl" lets the decode replica read it over NIXL (host memory); "auto"
+    is torch on CUDA, else ray. `kv_transfer_timeout_s` bounds
     every transport wait."""
 
     def __init__(

@@ -17,6 +17,10 @@ drops (an aborted request): a dropped hand-off must still be discarded so the by
   exports with `to_host=False`) and returns a `KVDescriptor` (the state with `kv=None`, the
   shape, dtype, ranks and a sequence number); the descriptor goes through Ray, and the decode
   side posts `irecv`s into fresh buffers on its device and waits for them.
+- `NixlTransport` ("nixl", in `nixl_transport`): `send` registers the K/V with NIXL and
+  returns a `KVDescriptor` whose `source` says where it lies; the decode side reads it
+  (UCX), and the read's notification releases the sender's copy. No group to join, no
+  ordering needed (the numbering is kept so the decode side's inbox serves both kinds).
 
 Pairing: sends from one rank to another are numbered 0, 1, 2, ... (the number is also the
 gloo tag); a receiver must receive (or discard) one source's descriptors in that order and

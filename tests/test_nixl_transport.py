@@ -10,7 +10,6 @@ optional `nixl` extra, which CI installs)."""
 from __future__ import annotations
 
 # ruff: noqa: E402 - skips run before the optional imports
-import dataclasses
 import time
 import uuid
 
@@ -92,11 +91,9 @@ def test_a_descriptor_of_another_transport_or_a_closed_endpoint_is_refused(pair)
     sent = prefill.send(_state("x", torch.zeros(4)), destination=1)
     with pytest.raises(KVTransportError, match="closed"):
         decode.receive(sent)
-    other = dataclasses.replace(sent, source=None)
     prefill.close()
     with pytest.raises(KVTransportError, match="closed"):
         prefill.send(_state("y", torch.zeros(4)), destination=1)
-    assert other.source is None
 
 
 # ---- through Ray, as `DisaggregatedEngines` runs it ----------------------------------------

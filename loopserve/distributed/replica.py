@@ -64,7 +64,12 @@ from loopserve.distributed.replica_messages import (
     ReplicaStats,
     relay,
 )
-from loopserve.distributed.transport import KVDescriptor, TorchDistSpec, TransportStats
+from loopserve.distributed.transport import (
+    KVDescriptor,
+    NixlSpec,
+    TorchDistSpec,
+    TransportStats,
+)
 from loopserve.engine.async_llm import AsyncLLM, GenerateRequest
 from loopserve.engine.client import ModelInfo
 from loopserve.engine.handoff import HandoffState
@@ -236,7 +241,9 @@ class EngineReplica:
     def kv_transport_address(self) -> str:
         return self.handoff.kv_transport_address()
 
-    def setup_kv_transport(self, kind: str, rank: int, spec: TorchDistSpec | None) -> None:
+    def setup_kv_transport(
+        self, kind: str, rank: int, spec: TorchDistSpec | NixlSpec | None
+    ) -> None:
         self.handoff.setup_kv_transport(kind, rank, spec)
 
     def kv_transport_stats(self) -> TransportStats:

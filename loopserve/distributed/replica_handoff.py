@@ -42,6 +42,7 @@ from loopserve.distributed.transport import (
     KVDescriptor,
     KVTransport,
     KVTransportError,
+    NixlSpec,
     RayObjectStoreTransport,
     TorchDistSpec,
     TransportStats,
@@ -111,9 +112,10 @@ class ReplicaHandoff:
                     yield item
 
     def _send(self, state: HandoffState, destination: int | None) -> HandoffState | KVDescriptor:
-        """The torch transport's descriptor of `state` sent to `destination`, or `state` as
-        is (its K/V through the object store) without a destination, without a torch
-        transport, or when the transport refuses (it failed: the pool falls back)."""
+        """The point-to-point transport's descriptor of `state` sent to `destination`, or
+        `state` as is (its K/V through the object store) without a destination, without a
+        point-to-point transport, or when the transport refuses (it failed: the pool falls
+        back)."""
         if destination is None or self.kv_transport.kind not in POINT_TO_POINT:
             return _on_host(state)
         try:
@@ -258,7 +260,9 @@ class ReplicaHandoff:
         """A rendezvous address on this replica's node (called on rank 0)."""
         return free_rendezvous_address()
 
-    def setup_kv_transport(self, kind: str, rank: int, spec: TorchDistSpec | Any) -> None:
+    def setup_kv_transport(
+        self, kind: str, rank: int, spec: TorchDistSpec | NixlSpec | None
+    ) -> None:
         """Replace this replica's endpoint (the previous one is closed); blocks until every
         rank of a torch group joined."""
         self.kv_transport.close()

@@ -23,6 +23,7 @@ from loopserve.distributed.transport import (
     KVDescriptor,
     KVTransport,
     KVTransportError,
+    NixlSpec,
     RayObjectStoreTransport,
     TorchDistSpec,
     TransportStats,
@@ -261,7 +262,9 @@ class TorchDistTransport(KVTransport):
         self._pending = []
 
 
-def make_kv_transport(kind: str, rank: int, spec: Any = None) -> KVTransport:
+def make_kv_transport(
+    kind: str, rank: int, spec: TorchDistSpec | NixlSpec | None = None
+) -> KVTransport:
     """The endpoint of one replica (runs inside the replica's process); `spec` is the
     group's `TorchDistSpec` (torch) or `NixlSpec` (nixl)."""
     if kind == "ray":
@@ -272,5 +275,6 @@ def make_kv_transport(kind: str, rank: int, spec: Any = None) -> KVTransport:
     if kind == "nixl":
         from loopserve.distributed.nixl_transport import NixlTransport
 
+        assert isinstance(spec, NixlSpec), "the nixl transport needs a NixlSpec"
         return NixlTransport(spec, rank)
     raise ConfigError(f"unknown kv transport {kind!r}: choose ray, torch or nixl")

@@ -153,8 +153,9 @@ def engine_launches(
         with record_launches() as launches:
             fn(*args, **kwargs)
         for launch in launches:
-            if launch_form(launch) not in forms:
-                forms.add(launch_form(launch))
+            form = launch_form(launch)
+            if form not in forms:
+                forms.add(form)
                 recorded.append((variant, launch))
 
     kv = _meta(rows, kv_heads, dim, dtype=dtype)
@@ -187,11 +188,11 @@ def engine_launches(
     for bucket in graph_buckets(settings.max_graph_rows):
         column = _meta(bucket, dtype=torch.int64)
         split_len = auto_split_len(bucket, kv_heads, settings.max_model_len, settings.num_sms)
-        record("graphed", triton_kernels.decode_attention, _meta(bucket, heads, dim, dtype=dtype),
-               key_cache, value_cache, _meta(bucket, heads, dim, dtype=dtype),
+        rows_b = _meta(bucket, heads, dim, dtype=dtype)
+        record("graphed", triton_kernels.decode_attention, rows_b, key_cache, value_cache, rows_b,
                tables=_meta(bucket, 64, dtype=torch.int64), table_idx=column, rows=column,
-               seq_lens=_meta(bucket, dtype=torch.int32), max_seq_len=settings.max_model_len, split_len=split_len,
-               **decode)  # fmt: skip
+               seq_lens=_meta(bucket, dtype=torch.int32), max_seq_len=settings.max_model_len,
+               split_len=split_len, **decode)  # fmt: skip
     hidden = shape.hidden or heads * dim
     norm = _MetaNorm(_meta(hidden, dtype=dtype), 1e-6)
     rows_h = _meta(rows, hidden, dtype=dtype)

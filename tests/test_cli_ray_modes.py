@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ import httpx
 
 from loopserve.llm import LLM
 from loopserve.sampling_params import SamplingParams
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, prometheus_values
 
 pytestmark = pytest.mark.slow
 ENGINE_FLAGS = ["--dtype", "float32", "--num-blocks", "256", "--block-size", "4"]
@@ -55,8 +57,15 @@ def _complete(server: ServerProcess) -> dict:
 
 
 def _serve_and_complete(
-    args: list[str], tmp_path: Path, expected: list[int], env: dict[str, str] | None = None
+    args: list[str],
+    tmp_path: Path,
+    expected: list[int],
+    env: dict[str, str] | None = None,
+    metrics_until: Callable[[dict[str, float]], bool] = lambda _: True,
 ) -> dict:
+    """/health before the completion, and `metrics`: /metrics' samples after it, read again
+    (every 0.1 s, at most 10 s: the pool's probes refresh replica counters every 0.5 s)
+    until `metrics_until` holds for them."""
     server = ServerProcess(
         [*args, *ENGINE_FLAGS, "--served-model-name", "tiny", "--torch-threads", "1"],
         tmp_path / "server.log",
@@ -67,13 +76,18 @@ def _serve_and_complete(
         server.wait_healthy(timeout_s=180.0)
         health = httpx.get(server.base_url + "/health", timeout=5.0).json()
         body = _complete(server)
+        for _ in range(100):
+            metrics = prometheus_values(httpx.get(server.base_url + "/metrics", timeout=5.0).text)
+            if metrics_until(metrics):
+                break
+            time.sleep(0.1)
     finally:
         code = server.stop()
     log = server.log()
     assert "Traceback" not in log, log
     assert code == 0, log
     assert body["choices"][0]["token_ids"] == expected
-    return health
+    return {**health, "metrics": metrics}
 
 
 def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
@@ -81,6 +95,23 @@ def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
         ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1"], tmp_path, expected
     )
     assert health["replicas"] == 2
+
+
+def test_pd_serve_with_the_nixl_transport_starts_from_the_command_line(
+    tiny_dir, tmp_path, expected
+):
+    """`--pd prefill=1,decode=1 --kv-transport nixl`: the hand-off's K/V is read over NIXL
+    (the decode replica's received bytes count it)."""
+    pytest.importorskip("nixl", reason="needs NIXL (pip install -e '.[nixl]')")
+    received = 'loopserve_kv_transport_bytes_total{direction="received",replica="1",role="decode"}'
+    health = _serve_and_complete(
+        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-transport", "nixl"],
+        tmp_path,
+        expected,
+        metrics_until=lambda metrics: metrics.get(received, 0) > 0,
+    )
+    assert health["replicas"] == 2 and health["kv_transport"] == "nixl"
+    assert health["metrics"][received] > 0
 
 
 def _start_ray_head(log_path: Path) -> tuple[subprocess.Popen, str]:

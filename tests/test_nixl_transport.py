@@ -76,8 +76,7 @@ def test_an_unread_send_stays_registered_until_read_and_a_bounded_flush_says_so(
     prefill, decode = pair
     kv = torch.arange(64, dtype=torch.float32)
     slow = prefill.send(_state("slow", kv), destination=1)
-    start = time.monotonic()
-    assert prefill.flush(0.2).num_pending_sends == 1 and time.monotonic() - start < 5
+    assert prefill.flush(0.2).num_pending_sends == 1  # returns with it still unread
     assert torch.equal(decode.receive(slow).kv, kv)  # still there, still right
     assert _wait(lambda: prefill.stats().num_pending_sends == 0)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from loopserve.engine_args import (  # noqa: F401  (the choice lists, re-exported)
     ATTENTION_BACKENDS,
+    CODA_BATCHING,
     ENGINE_ARGS_BY_NAME,
     EXIT_MODES,
     GRAPH_MODES,
@@ -64,6 +65,9 @@ class SchedulerConfig:
     brownout_step_loops: int = default("brownout_step_loops")
     brownout_max_level: int = default("brownout_max_level")
     brownout_dwell_steps: int = default("brownout_dwell_steps")
+    coda_batching: str = default("coda_batching")
+    coda_batch_max_wait: int = default("coda_batch_max_wait")
+    coda_batch_min_rows: int | None = default("coda_batch_min_rows")
 
     def __post_init__(self) -> None:
         # One meaning of "mixed": prompt rows ride in decode calls one depth at a time, so an
@@ -173,6 +177,7 @@ def validate(config: EngineConfig) -> None:
         _positive_int("num_loops", config.num_loops)
     _check_speculation(config)
     _check_brownout(sched)
+    _check_coda_batching(config)
     _choice("mode", sched.mode, MODES)
     _choice("prefill_mode", sched.prefill_mode, PREFILL_MODES)
     _choice("exit_mode", exit_.mode, EXIT_MODES)
@@ -219,6 +224,31 @@ def validate(config: EngineConfig) -> None:
                 f"= {needed} > {sched.max_num_batched_tokens}; set max_num_batched_tokens >= {needed} "
                 f"or lower prefill_chunk_size / max_num_seqs"
             )
+
+
+def _check_coda_batching(config: EngineConfig) -> None:
+    sched = config.scheduler
+    _choice("coda_batching", sched.coda_batching, CODA_BATCHING)
+    _positive_int("coda_batch_max_wait", sched.coda_batch_max_wait)
+    if sched.coda_batch_min_rows is not None:
+        _positive_int("coda_batch_min_rows", sched.coda_batch_min_rows)
+    if sched.coda_batching == "on" and config.async_scheduling:
+        raise ConfigError(
+            "coda_batching='on' with async_scheduling: a step planned before the last one's "
+            "exits are known cannot batch their leaves; turn one of them off"
+        )
+
+
+def resolve_coda_batching(config: EngineConfig, *, once_weight: float, reads_logits: bool) -> bool:
+    """Whether the engine batches leaves in time: `coda_batching` on/off as set; auto is on
+    when the family's once-per-token layers weigh at least half a loop (`once_weight`, in
+    loops: Huginn-0125's 2 prelude + 2 coda layers against a 4-layer core, 1.0; Ouro 0), the
+    exit signal reads no logits (a criterion that does runs the coda at every checked loop
+    already) and scheduling is synchronous."""
+    mode = config.scheduler.coda_batching
+    if mode != "auto":
+        return mode == "on"
+    return once_weight >= 0.5 and not reads_logits and not config.async_scheduling
 
 
 def _check_speculation(config: EngineConfig) -> None:

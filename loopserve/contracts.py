@@ -280,6 +280,28 @@ _COLUMNS = (
 
 
 @dataclass(frozen=True, slots=True)
+class LeaveRows:
+    """Decode tokens whose loops exited in an earlier call and whose leave (the family's coda
+    and the lm_head) and sampling run now: coda batching in time (`StepRules.defers_leave`).
+    Row i is the token in flight of `request_ids[i]` at `positions[i]`; it exited after loop
+    `depths[i]` and the executor kept its carried state since. A request has at most one
+    such row; it runs no loop in the step (it is in no `DecodeRows` of it)."""
+
+    request_ids: tuple[str, ...]
+    positions: np.ndarray  # int64 [m]
+    depths: np.ndarray  # int64 [m]: the loop each token exited after
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def take(self, index: np.ndarray) -> LeaveRows:
+        """The rows `index` (in that order)."""
+        return LeaveRows(
+            tuple(self.request_ids[i] for i in index), self.positions[index], self.depths[index]
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeResults:
     """One result per row of a step's `DecodeRows`, as columns, in row order.
 
@@ -290,7 +312,13 @@ class DecodeResults:
     its log-probability and top alternatives) for exited rows whose request asked for
     log-probabilities. Under a convergence criterion `hazards[i]` is the criterion's score and
     `fired[i]` whether it fired (False where the row read no signal); the scheduler commits a
-    `criterion_delayed` exit from it (None: the signal is a hazard)."""
+    `criterion_delayed` exit from it (None: the signal is a hazard).
+
+    Under coda batching in time (`StepRules.defers_leave`) an exited decode row is not
+    sampled in its call: `exited[i]` is True and `token_ids[i]` is -1; its token comes with
+    the `RunnerOutput.leave` results of the later step whose `LeaveRows` carry it. Leave
+    results use the same columns, one per leave row: `exited` True where sampled (False:
+    its request failed), `token_ids` and `logprobs`, `hazards` NaN."""
 
     exited: np.ndarray  # bool [n]
     hazards: np.ndarray  # float64 [n]
@@ -438,6 +466,9 @@ class SchedulerOutput:
     dropped_handles: tuple[tuple[str, int], ...] = ()
     # The decode rows of the step's first core call (they come before `items` in it).
     decode: DecodeRows | None = None
+    # Decode tokens that exited earlier and run their leave and sampling this step (coda
+    # batching in time); their results are `RunnerOutput.leave`.
+    leave: LeaveRows | None = None
 
     @property
     def num_decode_rows(self) -> int:
@@ -449,7 +480,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.items and self.decode is None
+        return not self.items and self.decode is None and self.leave is None
 
     def row_groups(self) -> list[RowGroup]:
         """The step's decode rows (first, as in its call) and items as `RowGroup`s (for
@@ -536,6 +567,8 @@ class RunnerOutput:
     # One result per row of `SchedulerOutput.decode` (None when it had no decode rows).
     decode: DecodeResults | None = None
     stats: RunnerStats = RunnerStats()
+    # One result per row of `SchedulerOutput.leave` (None when it had none).
+    leave: DecodeResults | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # resolved per device by the runner's registry
 DEFAULT_SWAP_SPACE_BYTES = 4 * 1024**3
 GRAPH_MODES = ("auto", "off", "emulate")
+CODA_BATCHING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,19 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "brownout: the deepest level", int),
     EngineArg("brownout_dwell_steps", "scheduler", "brownout_dwell_steps", 16,
               "brownout: engine steps between two level changes (hysteresis in time)", int),
+    EngineArg("coda_batching", "scheduler", "coda_batching", "auto", "coda batching in "
+              "time: a decode token whose loops exit waits (holding its K/V and state) until "
+              "its leave (the coda and lm_head), sampling and next token's prelude run in a "
+              "batch with other exited tokens; auto: on for a family whose once-per-token "
+              "layers weigh at least half a loop (Huginn) with an exit signal that reads no "
+              "logits and synchronous scheduling, off otherwise (Ouro)",
+              choices=CODA_BATCHING),
+    EngineArg("coda_batch_max_wait", "scheduler", "coda_batch_max_wait", 8, "coda batching: "
+              "the most decode calls an exited token waits for its leave", int),
+    EngineArg("coda_batch_min_rows", "scheduler", "coda_batch_min_rows", None, "coda "
+              "batching: run the leave batch once this many tokens wait (None: once the "
+              "calls they waited, summed, reach the family's once-per-token weight in loops "
+              "times the running rows)", int),
     EngineArg("exit_mode", "exit", "mode", "ouro", "exit rule: ouro (the trained gate's CDF "
               "against exit_threshold), ouro_delayed, random_lookahead, trace (replay "
               "SamplingParams.exit_trace), criterion (a convergence criterion's score "

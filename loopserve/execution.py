@@ -74,10 +74,13 @@ class StepRules:
 
     num_loops: int
     shared: bool  # the SHARED layout (one plane)
+    # Coda batching in time: a decode row whose loops exit keeps its carried state and is
+    # not sampled in its call; its leave and sampling run in a later step's `LeaveRows`.
+    defers_leave: bool = False
 
     @classmethod
-    def of(cls, layout: str, num_loops: int) -> StepRules:
-        return cls(num_loops, layout == "shared")
+    def of(cls, layout: str, num_loops: int, *, defers_leave: bool = False) -> StepRules:
+        return cls(num_loops, layout == "shared", defers_leave)
 
     @property
     def num_planes(self) -> int:
@@ -134,7 +137,13 @@ def run_without_failed(
             [i for i, rid in enumerate(decode.request_ids) if rid not in failed_ids], np.int64
         )
         decode = decode.take(kept_rows) if len(kept_rows) else None
-    output = run(dataclasses.replace(scheduled, items=kept, decode=decode))
+    leave, kept_leave = scheduled.leave, None
+    if leave is not None:
+        kept_leave = np.array(
+            [i for i, rid in enumerate(leave.request_ids) if rid not in failed_ids], np.int64
+        )
+        leave = leave.take(kept_leave) if len(kept_leave) else None
+    output = run(dataclasses.replace(scheduled, items=kept, decode=decode, leave=leave))
     ran = iter(output.results)
     results = tuple(
         ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
@@ -149,10 +158,19 @@ def run_without_failed(
             if ran_rows is None
             else ran_rows.scatter(kept_rows, num_rows)  # type: ignore[arg-type]
         )
+    leave_results = None
+    if scheduled.leave is not None:
+        num_rows = len(scheduled.leave)
+        leave_results = (
+            DecodeResults.empty(num_rows)
+            if output.leave is None
+            else output.leave.scatter(kept_leave, num_rows)  # type: ignore[arg-type]
+        )
     return dataclasses.replace(
         output,
         results=results,
         decode=decode_results,
+        leave=leave_results,
         failed_requests=failures + output.failed_requests,
     )
 

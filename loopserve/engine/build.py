@@ -35,6 +35,8 @@ def build_engine_core(
     prompt_loops_by_request: bool = False,
     leave_attends: bool = False,
     score_store: bool = True,
+    defers_leave: bool = False,
+    once_weight: float = 0.0,
 ) -> EngineCore:
     """The engine core for `config` (its `cache.num_blocks` resolved) over the executor
     `make_executor` builds; `core.scheduler.kv` is the KV manager. `extra_planes`: planes
@@ -44,7 +46,8 @@ def build_engine_core(
     `prompt_loops_by_request`: a request's prompt runs its loop bound, not all D loops;
     `leave_attends`: the family's leave attends to earlier positions (`Scheduler`);
     `score_store`: the executor keeps prompt rows' outputs for cached pages (else no page is
-    published as scored)."""
+    published as scored); `defers_leave`: coda batching in time, with the family's
+    once-per-token weight in loops (`once_weight`; the executor must defer too)."""
     kv = KVCacheManager.from_config(
         config,
         num_planes=num_planes(config.cache.layout, num_loops) + extra_planes,
@@ -58,6 +61,8 @@ def build_engine_core(
         kv=kv,
         prompt_loops_by_request=prompt_loops_by_request,
         leave_attends=leave_attends,
+        defers_leave=defers_leave,
+        once_weight=once_weight,
     )
     use_async = config.async_scheduling if async_scheduling is None else async_scheduling
     core_class = AsyncEngineCore if use_async else EngineCore

@@ -27,6 +27,7 @@ from loopserve.config import (
     effective_graph_mode,
     max_inflight_rows,
     prefix_caching_enabled,
+    resolve_coda_batching,
     resolve_dtype,
     resolve_num_blocks,
 )
@@ -35,7 +36,10 @@ from loopserve.engine.build import build_engine_core
 from loopserve.engine.handoff import HandoffState
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError, InvalidRequestError
+from loopserve.exit import ExitMode
+from loopserve.exit.criteria import make_criterion
 from loopserve.models import load_model, resolve_model_path
+from loopserve.models.family import once_weight
 from loopserve.models.registry import (
     read_config,
     require_engine_family,
@@ -72,6 +76,10 @@ class LLMEngine:
         self.structured = None  # structured-output checks and matchers (needs a tokenizer)
         if self.tokenizer is not None:
             self.structured = StructuredOutputs(self.tokenizer, self.model.config.vocab_size)
+        weight = once_weight(self.model.config)
+        defers_leave = resolve_coda_batching(
+            self.config, once_weight=weight, reads_logits=reads_logits(self.config, self.model)
+        )
         self.core = build_engine_core(
             self.config,
             num_loops=self.num_loops,
@@ -80,6 +88,8 @@ class LLMEngine:
             prefix_key_by_max_loops=family.prefix_keyed_by_max_loops,
             prompt_loops_by_request=family.prompt_loops_by_request,
             leave_attends=self.model.leave_writes_kv,
+            defers_leave=defers_leave,
+            once_weight=weight,
             make_executor=lambda kv: ModelRunner(
                 self.model,
                 RunnerOptions.of(
@@ -88,6 +98,7 @@ class LLMEngine:
                     num_host_blocks=kv.host_pool.num_blocks,
                     score_store=kv.prefix_cache is not None,
                     per_request_prompt_loops=family.prompt_loops_by_request,
+                    defers_leave=defers_leave,
                 ),
                 make_matcher=None if self.structured is None else self.structured.matcher,
             ),
@@ -386,6 +397,15 @@ def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
 def _spec_counts(request: Request) -> tuple[int, int, int, int]:
     stats = request.spec_stats
     return stats.drafted, stats.accepted, stats.rejected, stats.redrafted
+
+
+def reads_logits(config: EngineConfig, model) -> bool:
+    """The engine's exit signal reads logits at every checked loop (a convergence criterion
+    such as kl or argmax-stability): the coda runs there already."""
+    if not ExitMode(config.exit.mode).reads_criterion:
+        return False
+    vocab = model.config.vocab_size
+    return make_criterion(config.exit.criterion, vocab_size=vocab).needs_logits
 
 
 def load_engine_model(config: EngineConfig):

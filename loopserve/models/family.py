@@ -156,3 +156,10 @@ class LoopedModel(Protocol):
     def make_rows_invariant(self) -> None: ...
 
     def profile_forward(self, token_ids: Any, positions: Any, attn: Any) -> Any: ...
+
+
+def once_weight(config: LoopedConfig) -> float:
+    """The once-per-token layers' weight in loops: (prelude + coda layers) / core layers
+    (every layer of a family has the core's shape; the lm_head, read by every leave, is left
+    out). Huginn-0125: (2 + 2) / 4 = 1.0; Ouro: 0. Coda batching in time reads it."""
+    return (config.num_prelude_layers + config.num_coda_layers) / config.num_core_layers

@@ -33,6 +33,7 @@ from loopserve.contracts import (
     DecodeResults,
     ItemKind,
     ItemResult,
+    LeaveRows,
     RequestFailure,
     SampledToken,
     SampleSpec,
@@ -338,7 +339,8 @@ class Coda:
         generators must not advance; their tokens are dropped); otherwise the exits and
         hazards ride along with the sampled tokens' copy."""
         read = _DecodeRead(decode)
-        candidates = decode.candidates.tolist()  # host array
+        # Coda batching in time: exits are read, nothing is sampled (the leave comes later).
+        candidates = [] if self.rules.defers_leave else decode.candidates.tolist()  # host array
         ids, samplers = decode.rows.request_ids, self.samplers
         pairs = [samplers[ids[row]] for row in candidates]
         if read.gate_decides and not all(is_greedy(pair[0]) for pair in pairs):
@@ -353,6 +355,26 @@ class Coda:
             rows = decode.out.index_select(0, index)
         has_history = any(pair[2] is not None for pair in pairs)
         return _DecodeBatch(read, candidates, rows, pairs, has_history)
+
+    def leave_rows(
+        self, leave: LeaveRows, carried: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[DecodeResults, tuple[RequestFailure, ...]]:
+        """Held tokens' leave (from their carried states [m, W] at `positions`) and one
+        sampling pass: one result per row, `exited` False where sampling raised (that request
+        fails alone, reported)."""
+        ids = leave.request_ids
+        logits = self.coda(carried, lambda: decode_spans(leave, range(len(leave))), positions)
+        pairs = [self.samplers[rid] for rid in ids]
+        sampled, with_logprobs, failures = self._sample_logits(logits, pairs)
+        token_ids = np.array(sampled, np.int64)
+        exited = np.ones(len(leave), bool)
+        exited[list(failures)] = False
+        token_ids[~exited] = -1
+        if any(pair[2] is not None for pair in pairs):
+            self._record_decode(ids, token_ids)
+        logprobs = {row: token for row, token in with_logprobs.items() if exited[row]}
+        results = DecodeResults(exited, np.full(len(leave), np.nan), token_ids, logprobs)
+        return results, tuple(_failure(ids[row], error) for row, error in failures.items())
 
     def drop(self, request_id: str, handle: int | None = None) -> None:
         """Forget a request's stored draft distributions (released or preempted), or only

@@ -40,15 +40,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from loopserve.contracts import DecodeRows
+from loopserve.contracts import DecodeRows, LeaveRows
 from loopserve.exit.columns import CONTINUE, EXIT, GATE
 from loopserve.runner.attention.base import RowSegment
 from loopserve.runner.loop_calls import CriterionSlots, LoopCalls
 from loopserve.runner.transfers import Transfers
 
 
-def decode_spans(rows: DecodeRows, indices) -> list[tuple[str, int, int]]:
-    """Where some decode rows are (`LoopCalls` spans): (request, position, 1) each."""
+def decode_spans(rows: DecodeRows | LeaveRows, indices) -> list[tuple[str, int, int]]:
+    """Where some decode (or leave) rows are (`LoopCalls` spans): (request, position, 1)
+    each."""
     ids, positions = rows.request_ids, rows.positions
     return [(ids[r], int(positions[r]), 1) for r in indices]
 

@@ -34,7 +34,10 @@ import torch
 
 from loopserve.contracts import (
     BlockTables,
+    DecodeResults,
+    DecodeRows,
     KVHandle,
+    LeaveRows,
     NewRequestData,
     RequestFailure,
     RunnerOutput,
@@ -51,7 +54,7 @@ from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
 from loopserve.runner.capabilities import unsupported_options
-from loopserve.runner.coda import Coda
+from loopserve.runner.coda import Coda, CodaOutput
 from loopserve.runner.decode_rows import DecodeSlots, DecodeStep
 from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.exit_scores import ExitScores
@@ -78,6 +81,19 @@ logger = logging.getLogger(__name__)
 # A request's sampling state: its spec, generator (None when greedy) and logits-adjustment
 # history (None without adjustments).
 Sampler = tuple[SampleSpec, torch.Generator | None, TokenHistory | None]
+
+
+def _fed_back(decode: DecodeRows | None, leave: LeaveRows, results: DecodeResults):
+    """Decode rows whose token started ahead of its leave (`token_ids` -1) fed back the
+    token the leave sampled this step (0 where its sampling failed: that request fails and
+    its row's result is dropped)."""
+    if decode is None or not (decode.token_ids < 0).any():
+        return decode
+    sampled = dict(zip(leave.request_ids, np.maximum(results.token_ids, 0).tolist()))
+    token_ids = decode.token_ids.copy()
+    for row in np.flatnonzero(token_ids < 0).tolist():  # host array
+        token_ids[row] = sampled[decode.request_ids[row]]
+    return dataclasses.replace(decode, token_ids=token_ids)
 
 
 class ModelRunner(Executor):
@@ -107,7 +123,7 @@ class ModelRunner(Executor):
         self.model, self.options = model, options
         self.num_loops = model.num_loops
         self.block_size = options.block_size
-        self.rules = StepRules.of(options.layout, self.num_loops)
+        self.rules = StepRules.of(options.layout, self.num_loops, defers_leave=options.defers_leave)
         self.exit_mode = ExitMode(options.exit_mode)
         self.prompt_exits = options.prompt_exits
         self.per_request_prompt_loops = options.per_request_prompt_loops
@@ -417,8 +433,15 @@ class ModelRunner(Executor):
             segments = self.decode.segments(decode, tables)
             starts = [segment.start for segment in segments]
             groups = plan_prefix_groups([s.block_table for s in segments], starts, self.block_size)
+        leave_results, leave_failed = None, ()
+        if scheduled.leave is not None:  # held tokens: their leave and sampling
+            leave_results, leave_failed = self._run_leave(scheduled.leave)
+            decode = _fed_back(decode, scheduled.leave, leave_results)
+            scheduled = dataclasses.replace(scheduled, decode=decode)
         graphs = self.graphs
-        if (
+        if decode is None and not items:  # only leave rows this step
+            coda, rows_per_call = CodaOutput([], (), None), []
+        elif (
             decode is not None
             and not items
             and not groups
@@ -474,7 +497,24 @@ class ModelRunner(Executor):
             h2d_bytes=h2d_bytes,
             d2h_bytes=d2h_bytes,
         )
-        return RunnerOutput(scheduled.step_id, tuple(coda.results), coda.failed, coda.decode, stats)
+        return RunnerOutput(
+            scheduled.step_id, tuple(coda.results), coda.failed + leave_failed, coda.decode,
+            stats, leave_results,
+        )  # fmt: skip
+
+    def _run_leave(self, leave: LeaveRows) -> tuple[DecodeResults, tuple[RequestFailure, ...]]:
+        """The leave and sampling of held tokens (coda batching in time) from the carried
+        state each kept in its decode slot since its exit: one staged copy in (slots and
+        positions), one leave over the rows, one sampling pass."""
+        slot_of = self.decode_slots.slot_of
+        missing = [rid for rid in leave.request_ids if rid not in slot_of]
+        if missing:
+            raise RuntimeError(f"leave rows of requests without a decode slot: {missing}")
+        slots = np.fromiter((slot_of[rid] for rid in leave.request_ids), np.int64, len(leave))
+        staged = self.transfers.to_device(np.concatenate([slots, leave.positions]))
+        slots_t, positions_t = staged.split(len(leave))
+        carried = self.decode_slots.hidden.index_select(0, slots_t)
+        return self.coda.leave_rows(leave, carried, positions_t)
 
     def _finalize_exits(self, exits) -> int:
         """LAST_EXITED copies of tokens exiting below full depth (`exits`: (block tables,

@@ -23,7 +23,8 @@ class RunnerOptions:
     `criterion_threshold` (None: the authors' default; each request's `exit_threshold`
     overrides it where the criterion takes one), `init_scale` (> 0: drawn initial states),
     `prompt_exits` and `lookup` (`runner/loop_calls.py`); `per_request_prompt_loops`: prompts
-    run the request's loop bound (the registry's `prompt_loops_by_request`)."""
+    run the request's loop bound (the registry's `prompt_loops_by_request`);
+    `defers_leave`: coda batching in time (`StepRules.defers_leave`)."""
 
     num_blocks: int
     block_size: int
@@ -44,6 +45,7 @@ class RunnerOptions:
     prompt_exits: bool = False
     lookup: str = "last_exited"
     per_request_prompt_loops: bool = False
+    defers_leave: bool = False
 
     @classmethod
     def of(
@@ -54,6 +56,7 @@ class RunnerOptions:
         num_host_blocks: int,
         score_store: bool,
         per_request_prompt_loops: bool,
+        defers_leave: bool = False,
     ) -> RunnerOptions:
         """The options of an engine's runner (`config` resolved: its cache sized)."""
         cache, exit_ = config.cache, config.exit
@@ -77,4 +80,5 @@ class RunnerOptions:
             prompt_exits=exit_.prompt_exits,
             lookup=exit_.lookup,
             per_request_prompt_loops=per_request_prompt_loops,
+            defers_leave=defers_leave,
         )

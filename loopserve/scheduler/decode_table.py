@@ -11,7 +11,12 @@ way, and only tokens that exit touch their `Request` (to append the token).
 A row is `ready` while its request has a decode token in flight: from the first token (or an
 import, or the end of a recompute replay) until the request leaves RUNNING. A request
 swapped out mid-token parks its token's exit state here (`park`) and resumes it when swapped
-back in (`unpark`). `cohort` marks the current cohort of the no_refill policy. Torch-free.
+back in (`unpark`). `cohort` marks the current cohort of the no_refill policy.
+
+Coda batching in time (`StepRules.defers_leave`): a token whose loops exited is `held`
+(`hold`): not ready, its exit state kept, `waited` counting the steps since its exit, until
+a `LeaveBatcher` (scheduler/leave_batch.py) puts it in a step's `LeaveRows`; its sampled
+token then starts the next token as an exit does without batching. Torch-free.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from loopserve.contracts import DecodeRows
+from loopserve.contracts import DecodeRows, LeaveRows
 from loopserve.exit import ExitMode
 from loopserve.exit.columns import ExitColumns
 from loopserve.scheduler.brownout import token_max_loops
@@ -34,6 +39,7 @@ class ParkedToken(NamedTuple):
     cdf: float
     survival: float
     exit_after: int
+    held: bool = False  # its loops exited; it waits for its leave
 
 
 class DecodeTable:
@@ -46,6 +52,9 @@ class DecodeTable:
         self._free = list(range(capacity - 1, -1, -1))
         self.ready = np.zeros(capacity, bool)
         self.cohort = np.zeros(capacity, bool)
+        self.held = np.zeros(capacity, bool)  # exited, waiting for its leave (coda batching)
+        self.waited = np.zeros(capacity, np.int64)  # steps a held token has waited
+        self.awaiting = np.zeros(capacity, bool)  # started ahead of its fed-back token
         self.position = np.zeros(capacity, np.int64)
         self.token_id = np.zeros(capacity, np.int64)
         self.order = np.zeros(capacity, np.int64)  # admission order: oldest first
@@ -77,12 +86,16 @@ class DecodeTable:
         if row is None:
             return
         self.requests[row] = self.ids[row] = None
-        self.ready[row] = self.cohort[row] = False
+        self.ready[row] = self.cohort[row] = self.held[row] = self.awaiting[row] = False
         self._free.append(row)
 
     @property
     def num_ready(self) -> int:
         return int(np.count_nonzero(self.ready))
+
+    @property
+    def num_held(self) -> int:
+        return int(np.count_nonzero(self.held))
 
     def lookup(self, request_ids: tuple[str, ...]) -> np.ndarray:
         """Each request's row, -1 for a request no longer here."""
@@ -100,22 +113,34 @@ class DecodeTable:
         trace = request.trace_loops(len(request.output_token_ids))
         self.exit.start(row, self.exit.trace_exit_after(row, trace))
         self.ready[row] = True
+        self.held[row] = False
         if self.brownout:
             self._budget([row], [request], resume=resume)
 
-    def start_tokens(self, rows: list[int], requests: list[Request]) -> None:
-        """`start_token` for many rows at once (the tokens that just exited, continuing)."""
+    def start_tokens(
+        self, rows: list[int], requests: list[Request], *, ahead: bool = False
+    ) -> None:
+        """`start_token` for many rows at once (the tokens that just exited, continuing).
+        `ahead`: the rows are held and their leave runs in this step; their next tokens
+        start in the same step, at the position after the held token, fed back the token
+        the leave samples (`token_id` -1 and `awaiting` until the results come)."""
         if not rows:
             return
         index = np.array(rows, np.int64)
-        self.position[index] = [r.next_position for r in requests]
-        self.token_id[index] = [r.output_token_ids[-1] for r in requests]
+        after = int(ahead)
+        self.position[index] = [r.next_position + after for r in requests]
+        if ahead:
+            self.token_id[index] = -1
+            self.awaiting[index] = True
+        else:
+            self.token_id[index] = [r.output_token_ids[-1] for r in requests]
         if self.exit.mode is ExitMode.TRACE:
-            traces = [r.trace_loops(len(r.output_token_ids)) for r in requests]
+            traces = [r.trace_loops(len(r.output_token_ids) + after) for r in requests]
             self.exit.start(index, self.exit.trace_exits_after(index, np.array(traces, np.int64)))
         else:
             self.exit.start(index, -1)
         self.ready[index] = True
+        self.held[index] = False
         if self.brownout:
             self._budget(rows, requests)
 
@@ -137,6 +162,21 @@ class DecodeTable:
             exit.max_loops[row] = budget
             exit.can_exit_early[row] = rule.threshold < 1.0 and rule.min_loops < budget
 
+    def hold(self, rows: np.ndarray) -> None:
+        """These rows' tokens exited (their loops are recorded): they wait for their leave."""
+        self.ready[rows] = False
+        self.held[rows] = True
+        self.waited[rows] = 0
+
+    def leave_rows(self, rows: np.ndarray) -> LeaveRows:
+        """The `LeaveRows` of these held rows (they stay held until their tokens come)."""
+        ids = self.ids
+        return LeaveRows(
+            tuple([ids[row] for row in rows.tolist()]),  # type: ignore[misc]
+            self.position[rows],
+            self.exit.depth[rows] - 1,
+        )
+
     def stop_token(self, request_id: str) -> None:
         """The request has no token that may run (a recompute replay comes first)."""
         self.ready[self.row_of[request_id]] = False
@@ -144,13 +184,14 @@ class DecodeTable:
     def park(self, request: Request) -> None:
         """Keep the exit state of the request's token in flight while it is swapped out."""
         row = self.row_of[request.request_id]
-        if self.ready[row]:
+        if self.ready[row] or self.held[row]:
             exit = self.exit
             self._parked[request.request_id] = ParkedToken(
                 int(exit.depth[row]),
                 float(exit.cdf[row]),
                 float(exit.survival[row]),
                 int(exit.exit_after[row]),
+                bool(self.held[row]),
             )
 
     def unpark(self, request: Request) -> bool:
@@ -161,7 +202,9 @@ class DecodeTable:
         row = self.row_of[request.request_id]
         self.start_token(request, resume=True)
         exit = self.exit
-        exit.depth[row], exit.cdf[row], exit.survival[row], exit.exit_after[row] = parked
+        exit.depth[row], exit.cdf[row], exit.survival[row], exit.exit_after[row] = parked[:4]
+        if parked.held:  # it exited before the swap: it waits for its leave again
+            self.hold(np.array([row], np.int64))
         return True
 
     def forget(self, request_id: str) -> None:
@@ -172,6 +215,11 @@ class DecodeTable:
         """The loop the request's token in flight runs next (None: no token in flight)."""
         row = self.row_of.get(request_id)
         return None if row is None or not self.ready[row] else int(self.exit.depth[row])
+
+    def is_held(self, request_id: str) -> bool:
+        """The request's token exited and waits for its leave (coda batching)."""
+        row = self.row_of.get(request_id)
+        return row is not None and bool(self.held[row])
 
     # ---- steps ------------------------------------------------------------------------------
 
@@ -208,3 +256,5 @@ class DecodeTable:
             assert self.ids[row] == request_id, f"row {row} is not {request_id}'s"
         free = np.array(self._free, np.int64)
         assert not self.ready[free].any() and not self.cohort[free].any(), "a free row is live"
+        assert not self.held[free].any(), "a free row waits for its leave"
+        assert not (self.ready & self.held).any(), "a held token is also ready"

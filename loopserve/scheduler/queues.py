@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from loopserve.contracts import (
     DecodeRows,
     KVTransfer,
+    LeaveRows,
     NewRequestData,
     SchedulerOutput,
     TableUpdate,
@@ -43,6 +44,7 @@ class StepOutbox:
         items: list[WorkItem],
         decode: DecodeRows | None,
         table_updates: tuple[TableUpdate, ...],
+        leave: LeaveRows | None = None,
     ) -> SchedulerOutput:
         out = SchedulerOutput(
             step_id=step_id,
@@ -54,6 +56,7 @@ class StepOutbox:
             kv_transfers=tuple(self.transfers),
             dropped_handles=tuple(self.dropped_handles),
             decode=decode,
+            leave=leave,
         )
         self.new_requests.clear()
         self.gone_request_ids.clear()

@@ -29,6 +29,7 @@ from loopserve.contracts import (
     ItemResult,
     KVHandle,
     KVTransfer,
+    LeaveRows,
     PromptChunk,
     RunnerOutput,
     SchedulerOutput,
@@ -45,6 +46,7 @@ from loopserve.scheduler.decode_table import DecodeTable
 from loopserve.scheduler.groups import PromptGroups
 from loopserve.scheduler.items import ItemBuilder, StepWork
 from loopserve.scheduler.kv_cache import KVCacheManager
+from loopserve.scheduler.leave_batch import LeaveBatcher
 from loopserve.scheduler.policies import (
     PROMPT_POLICIES,
     DecodePolicy,
@@ -77,17 +79,28 @@ class Scheduler:
         kv: KVCacheManager,
         prompt_loops_by_request: bool = False,
         leave_attends: bool = False,
+        defers_leave: bool = False,
+        once_weight: float = 0.0,
     ) -> None:
         """`prompt_loops_by_request`: prompts run the request's loop bound (`max_loops`)
         instead of the model's D (a family whose prompt K/V depends on it: Huginn);
         `leave_attends`: the family's leave attends to earlier positions' leave K/V
-        (Huginn's coda layers), so a speculative position's leave waits for older exits."""
+        (Huginn's coda layers), so a speculative position's leave waits for older exits;
+        `defers_leave`: coda batching in time (`scheduler/leave_batch.py`), with the
+        family's once-per-token weight in loops (`once_weight`)."""
         self.config = config
         self.num_loops = num_loops
         self.prompt_loops_by_request = prompt_loops_by_request
         self.kv = kv
         self.exit_mode = ExitMode(config.exit.mode)
-        self.rules = StepRules.of(config.cache.layout, num_loops)  # what the executors decide
+        # What the executors decide.
+        self.rules = StepRules.of(config.cache.layout, num_loops, defers_leave=defers_leave)
+        self.leaver = LeaveBatcher(
+            enabled=defers_leave,
+            once_weight=once_weight,
+            max_wait=config.scheduler.coda_batch_max_wait,
+            min_rows=config.scheduler.coda_batch_min_rows,
+        )
         sched = config.scheduler
         self.max_num_seqs = sched.max_num_seqs
         self.decode_policy: DecodePolicy = (
@@ -275,7 +288,7 @@ class Scheduler:
         """A bookkeeping-only output (no items) carrying the pending releases."""
         return self._output(StepWork([], None))
 
-    def _output(self, work: StepWork) -> SchedulerOutput:
+    def _output(self, work: StepWork, leave: LeaveRows | None = None) -> SchedulerOutput:
         """The next `SchedulerOutput`: the step's work plus every pending announcement,
         release, preemption and KV transfer (each delivered exactly once)."""
         self._step_id += 1
@@ -290,7 +303,7 @@ class Scheduler:
                     seats -= len(followers)
                     items[i] = self._seal_forks(item, followers)
         updates = self.kv.take_table_updates()
-        return self.outbox.take(self._step_id, items, work.decode, updates)
+        return self.outbox.take(self._step_id, items, work.decode, updates, leave)
 
     def _seal_forks(self, item: PromptChunk, followers: list[Request]) -> PromptChunk:
         """The leader's last prompt position runs this step: its followers' first tokens are
@@ -328,6 +341,7 @@ class Scheduler:
         self.admission.grow_running()
         if self.speculator.num_tokens:
             self.speculator.grow()
+        leave = self._select_leave()
         prompt_requests: list[Request] = []
         replay_requests: list[Request] = []
         spec_requests: list[Request] = []
@@ -343,7 +357,29 @@ class Scheduler:
             work = self.items.mixed(prompt_requests, replay_requests, spec_requests)
         else:
             work = self.items.alternating(prompt_requests, replay_requests, spec_requests)
-        return self._output(work)
+        return self._output(work, leave)
+
+    def _select_leave(self) -> LeaveRows | None:
+        """The held tokens whose leave runs this step (`LeaveBatcher`). Each request's next
+        token starts in the same step, fed back the token its leave samples, unless that
+        token is its last (`max_tokens`) or its position needs a block not allocated yet
+        (then it starts once the token is appended, as without batching)."""
+        leave = self.leaver.select(self.decode)
+        if leave is None:
+            return None
+        decode, tables, block_size = self.decode, self.kv.tables, self.kv.block_size
+        rows, requests = [], []
+        for row in decode.lookup(leave.request_ids).tolist():
+            request = decode.requests[row]
+            assert request is not None
+            if len(request.output_token_ids) + 1 >= request.params.max_tokens:
+                continue
+            if len(tables[request.request_id][0]) * block_size <= request.next_position + 1:
+                continue
+            rows.append(row)
+            requests.append(request)
+        decode.start_tokens(rows, requests, ahead=True)
+        return leave
 
     # ---- self-speculative decoding ---------------------------------------------------------
 
@@ -386,6 +422,10 @@ class Scheduler:
                 f"step {scheduled.step_id}: {len(scheduled.items)} items, "
                 f"{len(output.results)} results"
             )
+        if scheduled.leave is not None:  # before the decode rows: the tokens come in order
+            if output.leave is None or len(output.leave.exited) != len(scheduled.leave):
+                raise RuntimeError(f"step {scheduled.step_id}: leave rows without results")
+            self._apply_leave(scheduled.leave, output.leave, now, touched)
         if scheduled.decode is not None:
             if output.decode is None or len(output.decode.exited) != len(scheduled.decode):
                 raise RuntimeError(f"step {scheduled.step_id}: decode rows without results")
@@ -512,12 +552,49 @@ class Scheduler:
         if not len(exits):
             return
         self.decode_policy.on_token_exits(decode, rows[exits])
+        if self.rules.defers_leave:  # sampled later, with a batch of leaves
+            decode.hold(rows[exits])
+            return
+        self._append_exits(exits, rows[exits], results, rows_run.depths, now, touched)
+
+    def _apply_leave(
+        self, rows_run: LeaveRows, results: DecodeResults, now: float, touched: list[Request]
+    ) -> None:
+        """Append the tokens of held rows whose leave ran and start their next tokens. A row
+        not sampled (its request failed) stays held; the engine aborts its request."""
+        decode = self.decode
+        rows = decode.lookup(rows_run.request_ids)
+        live = rows >= 0  # a row whose request left while the step ran is skipped
+        sampled = np.flatnonzero(results.exited & live)
+        ahead = decode.awaiting[rows[sampled]]
+        decode.awaiting[rows[sampled]] = False
+        decode.token_id[rows[sampled[ahead]]] = results.token_ids[sampled[ahead]]
+        self._append_exits(
+            sampled, rows[sampled], results, rows_run.depths, now, touched, started=ahead
+        )
+
+    def _append_exits(
+        self,
+        exits: np.ndarray,
+        rows: np.ndarray,
+        results: DecodeResults,
+        depths: np.ndarray,
+        now: float,
+        touched: list[Request],
+        started: np.ndarray | None = None,
+    ) -> None:
+        """Append the sampled tokens of result rows `exits` (table rows `rows`, each exited
+        after loop `depths[i]`) and start their requests' next tokens (except where
+        `started`: their next tokens started ahead, `_select_leave`)."""
+        decode = self.decode
         self.step_tokens += len(exits)
-        self.step_loops += int(rows_run.depths[exits].sum()) + len(exits)
+        self.step_loops += int(depths[exits].sum()) + len(exits)
         continuing: list[int] = []
         continuing_requests: list[Request] = []
-        token_ids, depths = results.token_ids, rows_run.depths
-        for i, row in zip(exits.tolist(), rows[exits].tolist()):
+        token_ids = results.token_ids
+        if started is None:
+            started = np.zeros(len(exits), bool)
+        for i, row, ahead in zip(exits.tolist(), rows.tolist(), started.tolist()):
             request = decode.requests[row]
             assert request is not None
             sampled = results.logprobs.get(i)
@@ -525,7 +602,7 @@ class Scheduler:
             touched.append(request)
             if reason is not None:
                 self.finish(request, reason)
-            else:
+            elif not ahead:
                 continuing.append(row)
                 continuing_requests.append(request)
         decode.start_tokens(continuing, continuing_requests)
@@ -581,6 +658,10 @@ class Scheduler:
             assert all(chunk.start >= cached_end for chunk in request.prompt_chunks)
             depth = self.decode.depth_of(request.request_id)
             decoding = request.replay is None and not request.in_prompt_phase
+            if self.decode.is_held(request.request_id):  # exited; its leave comes
+                assert decoding and self.rules.defers_leave, f"{request.request_id} held"
+                assert covered >= request.next_position + 1
+                continue
             if request.speculative and decoding:
                 assert depth is None
                 self.speculator.check(request, covered)

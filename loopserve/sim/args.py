@@ -33,6 +33,9 @@ SIM_ENGINE_ARGS = (
     "speculative_tokens",
     "draft_loops",
     "speculative_max_seqs",
+    "coda_batching",
+    "coda_batch_max_wait",
+    "coda_batch_min_rows",
 )
 
 

@@ -46,6 +46,7 @@ from loopserve.contracts import (
     DecodeRows,
     ItemKind,
     ItemResult,
+    LeaveRows,
     RunnerOutput,
     RunnerStats,
     SampledToken,
@@ -118,6 +119,7 @@ class SimExecutor(Executor):
         block_size: int = 16,
         coda_every_loop: bool = False,
         draft_stable_dist: tuple[float, ...] | None = None,
+        defers_leave: bool = False,
     ) -> None:
         """`draft_stable_dist` (self-speculative decoding): P(s = j), j = 0..D-1, where s is the
         first loop from which the coda's argmax stays the token the position emits; a draft
@@ -125,7 +127,8 @@ class SimExecutor(Executor):
         not capped at an early exit: pessimistic for exits before it). `kv_block_bytes`: one block of one plane, to price swap copies over the host link;
         `cascade`: price cascade attention (groups over `block_size`-position blocks);
         `coda_every_loop`: decode rows run the coda and lm_head after every loop (an exit
-        criterion that reads the next-token distribution, e.g. Huginn's KL)."""
+        criterion that reads the next-token distribution, e.g. Huginn's KL); `defers_leave`:
+        coda batching in time (exited decode rows are priced no coda; `LeaveRows` are)."""
         self.cost = cost_model
         self.coda_every_loop = coda_every_loop
         self._prompt_len: dict[str, int] = {}
@@ -139,7 +142,7 @@ class SimExecutor(Executor):
                 f"{self.num_loops} loops"
             )
         self.draft_stable_dist = draft_stable_dist
-        self.rules = StepRules.of(layout, self.num_loops)
+        self.rules = StepRules.of(layout, self.num_loops, defers_leave=defers_leave)
         self.shared = self.rules.shared
         self.exit_mode = ExitMode(exit_mode)
         if self.exit_mode.uses_gate and exit_dist is None:
@@ -221,6 +224,11 @@ class SimExecutor(Executor):
         decode_results = None
         if scheduled.decode is not None:
             decode_results, coda_rows, num_early = self._run_decode(scheduled.decode, tallies[1])
+        leave_results = None
+        if scheduled.leave is not None:
+            leave_results, num_leave_early = self._run_leave(scheduled.leave)
+            coda_rows += len(scheduled.leave)
+            num_early += num_leave_early
         for item in items:
             result, sampled = self._run_item(item, tallies[item.num_depths])
             results.append(result)
@@ -254,8 +262,22 @@ class SimExecutor(Executor):
             num_finalize_copies=self._step_finalized,
         )
         return RunnerOutput(
-            scheduled.step_id, tuple(results), decode=decode_results, stats=step_stats
-        )
+            scheduled.step_id, tuple(results), decode=decode_results, stats=step_stats,
+            leave=leave_results,
+        )  # fmt: skip
+
+    def _run_leave(self, rows: LeaveRows) -> tuple[DecodeResults, int]:
+        """Held tokens' leave, priced as a coda over their rows (sampling is priced with
+        the step's other sampled rows); (results, early exits)."""
+        m = len(rows)
+        for request_id in rows.request_ids:
+            assert request_id in self._decoding, f"{request_id}: a leave without decode state"
+        context = int(rows.positions.sum()) + m
+        if not self.coda_every_loop:
+            self._coda.add(m, m, context, context)
+        token_ids = np.full(m, SYNTHETIC_TOKEN.token_id, np.int64)
+        results = DecodeResults(np.ones(m, bool), np.full(m, np.nan), token_ids)
+        return results, int(np.count_nonzero(rows.depths + 1 < self.num_loops))
 
     def _run_decode(self, rows: DecodeRows, tally: _CallTally) -> tuple[DecodeResults, int, int]:
         """Exits, hazards and pricing of a call's decode rows (one loop each); (results, rows
@@ -304,6 +326,8 @@ class SimExecutor(Executor):
             request_id = rows.request_ids[i]
             self._targets.pop((request_id, self._num_sampled[request_id]), None)
             self._num_sampled[request_id] += 1
+        if self.rules.defers_leave:  # sampled with a later step's leave rows
+            return DecodeResults(exited, hazards, np.full(n, -1, np.int64), fired=fired), 0, 0
         token_ids = np.where(exited, SYNTHETIC_TOKEN.token_id, -1).astype(np.int64)
         num_exits = int(np.count_nonzero(exited))
         if not self.coda_every_loop:
@@ -445,6 +469,8 @@ class SimExecutor(Executor):
         call = _CallTally()
         for k in range(len(tallies) - 1, 0, -1):
             call.add(tallies[k])  # now: every item with >= k depths, i.e. call k - 1
+            if not call.rows:  # a step of leave rows only: no core call
+                continue
             prelude = call.prelude_rows if k == 1 else 0
             kv_read = call.kv_read
             if len(call.singles) > 1:

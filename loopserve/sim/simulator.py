@@ -28,11 +28,12 @@ from loopserve.config import (
     cascade_enabled,
     max_inflight_rows,
     prefix_caching_enabled,
+    resolve_coda_batching,
     resolve_num_blocks,
 )
 from loopserve.contracts import RunnerOutput, SchedulerOutput
 from loopserve.engine.build import build_engine_core
-from loopserve.models.family import LoopedConfig
+from loopserve.models.family import LoopedConfig, once_weight
 from loopserve.models.registry import family_of_config
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request
@@ -123,10 +124,16 @@ class Simulator:
         block_bytes = kv_bytes_per_block(self.shape, cache.block_size)
         # CPU seconds: the scheduler's share is robust to other load on the host. A
         # synchronous core: async overlap is priced by `_step_s`.
+        weight = once_weight(model_config)
+        self.defers_leave = resolve_coda_batching(
+            self.config, once_weight=weight, reads_logits=coda_every_loop
+        )
         self.core = build_engine_core(
             self.config,
             num_loops=self.num_loops,
             bytes_per_block=block_bytes,
+            defers_leave=self.defers_leave,
+            once_weight=weight,
             make_executor=lambda _kv: SimExecutor(
                 self.cost_model,
                 layout=cache.layout,
@@ -138,6 +145,7 @@ class Simulator:
                 block_size=cache.block_size,
                 coda_every_loop=coda_every_loop,
                 draft_stable_dist=draft_stable_dist,
+                defers_leave=self.defers_leave,
             ),
             async_scheduling=False,
             clock=time.process_time,

@@ -153,6 +153,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
             "speculative_tokens": 0,
             "draft_loops": 2,
             "speculative_max_seqs": 32,
+            "coda_batching": "auto",
+            "coda_batch_max_wait": 8,
+            "coda_batch_min_rows": None,
         },
         engine_helps={
             "num_blocks": "KV blocks (None: enough for the workload's largest requests)",

@@ -187,6 +187,9 @@ def build_engine(
         speculative_tokens=args.speculative_tokens if arm is SPEC_ARM else 0,
         draft_loops=args.draft_loops,
         speculative_max_seqs=args.speculative_max_seqs,
+        coda_batching=args.coda_batching,
+        coda_batch_max_wait=args.coda_batch_max_wait,
+        coda_batch_min_rows=args.coda_batch_min_rows,
     )
 
 

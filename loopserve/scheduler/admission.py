@@ -221,7 +221,7 @@ class Admission:
             request = decode.requests[row]
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # preempted while an older request grew
-            needed = request.next_position + 1
+            needed = int(decode.position[row]) + 1  # (a token started ahead: one further)
             while not self.kv.grow(request.request_id, needed):
                 victim = pick_victim(self.queues.running)
                 self.preempt(victim)

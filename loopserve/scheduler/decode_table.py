@@ -55,6 +55,7 @@ class DecodeTable:
         self.held = np.zeros(capacity, bool)  # exited, waiting for its leave (coda batching)
         self.waited = np.zeros(capacity, np.int64)  # steps a held token has waited
         self.awaiting = np.zeros(capacity, bool)  # started ahead of its fed-back token
+        self.held_loops = np.zeros(capacity, np.int64)  # loops the held token ran
         self.position = np.zeros(capacity, np.int64)
         self.token_id = np.zeros(capacity, np.int64)
         self.order = np.zeros(capacity, np.int64)  # admission order: oldest first
@@ -167,6 +168,7 @@ class DecodeTable:
         self.ready[rows] = False
         self.held[rows] = True
         self.waited[rows] = 0
+        self.held_loops[rows] = self.exit.depth[rows]
 
     def leave_rows(self, rows: np.ndarray) -> LeaveRows:
         """The `LeaveRows` of these held rows (they stay held until their tokens come)."""
@@ -174,7 +176,7 @@ class DecodeTable:
         return LeaveRows(
             tuple([ids[row] for row in rows.tolist()]),  # type: ignore[misc]
             self.position[rows],
-            self.exit.depth[rows] - 1,
+            self.held_loops[rows] - 1,
         )
 
     def stop_token(self, request_id: str) -> None:
@@ -184,7 +186,11 @@ class DecodeTable:
     def park(self, request: Request) -> None:
         """Keep the exit state of the request's token in flight while it is swapped out."""
         row = self.row_of[request.request_id]
-        if self.ready[row] or self.held[row]:
+        if self.awaiting[row]:  # its held token's leave never ran: it parks as held
+            self._parked[request.request_id] = ParkedToken(
+                int(self.held_loops[row]), 0.0, 0.0, -1, held=True
+            )
+        elif self.ready[row] or self.held[row]:
             exit = self.exit
             self._parked[request.request_id] = ParkedToken(
                 int(exit.depth[row]),

@@ -338,10 +338,12 @@ class Scheduler:
             self.brownout.observe(len(self.waiting))
             self.decode.brownout_cut = self.brownout.cut
         self.admission.admit()
+        leave = self._select_leave()  # before growth: tokens started ahead may need a block
         self.admission.grow_running()
+        if leave is not None:  # without the requests growth preempted
+            leave = self._still_held(leave)
         if self.speculator.num_tokens:
             self.speculator.grow()
-        leave = self._select_leave()
         prompt_requests: list[Request] = []
         replay_requests: list[Request] = []
         spec_requests: list[Request] = []
@@ -361,25 +363,33 @@ class Scheduler:
 
     def _select_leave(self) -> LeaveRows | None:
         """The held tokens whose leave runs this step (`LeaveBatcher`). Each request's next
-        token starts in the same step, fed back the token its leave samples, unless that
-        token is its last (`max_tokens`) or its position needs a block not allocated yet
-        (then it starts once the token is appended, as without batching)."""
+        token starts in the same step, fed back the token its leave samples (KV growth,
+        which runs next, gives its position a block), unless the held token is its last
+        (`max_tokens`)."""
         leave = self.leaver.select(self.decode)
         if leave is None:
             return None
-        decode, tables, block_size = self.decode, self.kv.tables, self.kv.block_size
+        decode = self.decode
         rows, requests = [], []
         for row in decode.lookup(leave.request_ids).tolist():
             request = decode.requests[row]
             assert request is not None
-            if len(request.output_token_ids) + 1 >= request.params.max_tokens:
-                continue
-            if len(tables[request.request_id][0]) * block_size <= request.next_position + 1:
-                continue
-            rows.append(row)
-            requests.append(request)
+            if len(request.output_token_ids) + 1 < request.params.max_tokens:
+                rows.append(row)
+                requests.append(request)
         decode.start_tokens(rows, requests, ahead=True)
         return leave
+
+    def _still_held(self, leave: LeaveRows) -> LeaveRows | None:
+        """The leave rows whose requests KV growth left running (a preempted one's held
+        token is parked as held under swap, or recomputed)."""
+        decode = self.decode
+        rows = decode.lookup(leave.request_ids)
+        kept = rows >= 0
+        kept[kept] = decode.held[rows[kept]] | decode.awaiting[rows[kept]]
+        if kept.all():
+            return leave
+        return leave.take(np.flatnonzero(kept)) if kept.any() else None
 
     # ---- self-speculative decoding ---------------------------------------------------------
 

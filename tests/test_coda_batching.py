@@ -181,6 +181,17 @@ def test_huginn_batched_leaves_through_the_decode_graphs_and_prefix_hits(huginn_
     assert_matches_reference(engine, work, finished, "latent-diff")
     assert engine.stats.num_prefix_cache_hit_tokens > 0 and engine.stats.num_graph_calls > 0
     assert log.batch_sizes and log.check_started_ahead() > 0
+    # The counters say what the steps carried, and /metrics exports them.
+    stats = engine.stats
+    assert stats.num_leave_batches == len(log.batch_sizes)
+    assert stats.num_leave_rows == sum(log.batch_sizes)
+    assert stats.num_held_steps >= stats.num_leave_rows
+    from loopserve.engine.metrics import ServingMetrics
+    from tests.server_utils import prometheus_values
+
+    values = prometheus_values(ServingMetrics().render(stats, num_in_flight=0, is_ready=True))
+    assert values["loopserve_leave_batches_total"] == stats.num_leave_batches
+    assert values["loopserve_held_token_steps_total"] == stats.num_held_steps
     assert_released(engine)
 
 

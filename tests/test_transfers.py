@@ -68,13 +68,19 @@ def test_the_static_check_finds_a_forbidden_copy(tmp_path):
 
 def _decode_steps(engine, work):
     """(D2H, H2D, gate decided) copies of every decode-only step (one core call, decode rows
-    only); "gate decided": some row's exit was this loop's gate's to decide."""
+    only); "gate decided": some row's exit was this loop's gate's to decide. A step that also
+    runs a batch of held tokens' leaves (coda batching in time) counts without that batch's
+    own copy each way (its slots in, its sampled tokens out)."""
     per_step = []
 
     def watch(scheduled, output):
         if scheduled.decode is not None and not scheduled.items:
             gated = bool((scheduled.decode.exit_code == GATE).any())
-            per_step.append((output.stats.num_d2h_transfers, output.stats.num_h2d_transfers, gated))
+            leave = scheduled.leave is not None
+            stats = output.stats
+            per_step.append(
+                (stats.num_d2h_transfers - leave, stats.num_h2d_transfers - leave, gated)
+            )
 
     engine.core.add_observer(watch)
     finished = run_steps(engine, work)

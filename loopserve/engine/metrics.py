@@ -152,6 +152,23 @@ class _EngineCollector:
                 g.num_brownout_changes,
             ),
             (
+                "loopserve_leave_batches",
+                "Coda batching in time: batches of held tokens' leaves (coda, lm_head, "
+                "sampling) run.",
+                g.num_leave_batches,
+            ),
+            (
+                "loopserve_leave_batch_rows",
+                "Coda batching in time: held tokens those batches carried.",
+                g.num_leave_rows,
+            ),
+            (
+                "loopserve_held_token_steps",
+                "Coda batching in time: steps those tokens were held, each counting its "
+                "leave's step (divided by the rows: the mean wait).",
+                g.num_held_steps,
+            ),
+            (
                 "loopserve_kv_swapped_bytes",
                 "KV bytes copied between device and host by swap preemption (both ways).",
                 g.num_swapped_bytes,

@@ -115,6 +115,12 @@ class EngineStats:
     # Overload brownout (`scheduler/brownout.py`): its level now, and its changes so far.
     brownout_level: int = 0
     num_brownout_changes: int = 0
+    # Coda batching in time (`scheduler/leave_batch.py`), since construction: leave batches
+    # run, the held tokens they carried, and the steps those tokens were held (each
+    # counting its leave's step: over the tokens, the mean wait a batch cost them).
+    num_leave_batches: int = 0
+    num_leave_rows: int = 0
+    num_held_steps: int = 0
     # Rows per call by stage: (stage, counts per `ROWS_BUCKETS` bucket and above, row sum).
     rows_per_call: tuple[tuple[str, tuple[int, ...], int], ...] = ()
     model_time_s: float = 0.0  # the executor's whole `execute` (as it reports it)

@@ -89,7 +89,8 @@ def _fed_back(decode: DecodeRows | None, leave: LeaveRows, results: DecodeResult
     its row's result is dropped)."""
     if decode is None or not (decode.token_ids < 0).any():
         return decode
-    sampled = dict(zip(leave.request_ids, np.maximum(results.token_ids, 0).tolist()))
+    tokens = np.maximum(results.token_ids, 0).tolist()  # host array
+    sampled = dict(zip(leave.request_ids, tokens))
     token_ids = decode.token_ids.copy()
     for row in np.flatnonzero(token_ids < 0).tolist():  # host array
         token_ids[row] = sampled[decode.request_ids[row]]

@@ -43,6 +43,7 @@ class LeaveBatcher:
         self.min_rows = min_rows
         self.num_batches = 0  # leave batches run
         self.num_rows = 0  # tokens they carried
+        self.num_waited_steps = 0  # steps those tokens were held, each counting its leave's
 
     def select(self, table: DecodeTable) -> LeaveRows | None:
         """The held tokens whose leave runs this step (all of them, or none); the others'
@@ -57,6 +58,7 @@ class LeaveBatcher:
             return None
         self.num_batches += 1
         self.num_rows += len(held)
+        self.num_waited_steps += int(table.waited[held].sum()) + len(held)
         return table.leave_rows(table.oldest_first(held))
 
     def _fires(self, table: DecodeTable, held: np.ndarray) -> bool:

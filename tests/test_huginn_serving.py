@@ -31,19 +31,24 @@ def huginn_tok_dir(tmp_path_factory):
     )
 
 
-def test_completions_and_streamed_chat_return_the_engines_tokens_and_steps(huginn_tok_dir):
-    direct_engine = LLMEngine.from_engine_args(model=str(huginn_tok_dir), **ENGINE_ARGS)
+@pytest.mark.parametrize("criterion, threshold", [("kl", 0.3), ("latent-diff", 0.6)])
+def test_completions_and_streamed_chat_return_the_engines_tokens_and_steps(
+    huginn_tok_dir, criterion, threshold
+):
+    """kl: leaves at exits; latent-diff: leaves batched in time (auto), counted in /metrics."""
+    args = {**ENGINE_ARGS, "exit_criterion": criterion}
+    direct_engine = LLMEngine.from_engine_args(model=str(huginn_tok_dir), **args)
     prompt_ids = direct_engine.tokenizer.encode("Once upon a time")
-    params = SamplingParams(max_tokens=8, temperature=0.0, exit_threshold=0.3, max_loops=6,
+    params = SamplingParams(max_tokens=8, temperature=0.0, exit_threshold=threshold, max_loops=6,
                             ignore_eos=True)  # fmt: skip
     direct = run_steps(direct_engine, [("d", prompt_ids, params, 0)])["d"]
     assert max(direct.exit_depths) <= 6 and min(direct.exit_depths) < 6
 
     completion = {"model": "huginn", "prompt": prompt_ids, "max_tokens": 8, "temperature": 0,
-                  "exit_threshold": 0.3, "max_loops": 6, "ignore_eos": True}  # fmt: skip
+                  "exit_threshold": threshold, "max_loops": 6, "ignore_eos": True}  # fmt: skip
     chat = {"model": "huginn", "messages": [{"role": "user", "content": "Hi"}],
             "max_tokens": 6, "temperature": 0.8, "seed": 5, "stream": True,
-            "exit_threshold": 0.3}  # fmt: skip
+            "exit_threshold": threshold}  # fmt: skip
 
     async def calls(client):
         plain, streamed = await asyncio.gather(
@@ -53,7 +58,8 @@ def test_completions_and_streamed_chat_return_the_engines_tokens_and_steps(hugin
         metrics = await client.get("/metrics")
         return plain, streamed, metrics
 
-    engine = LLMEngine.from_engine_args(model=str(huginn_tok_dir), **ENGINE_ARGS)
+    engine = LLMEngine.from_engine_args(model=str(huginn_tok_dir), **args)
+    assert engine.scheduler.rules.defers_leave == (criterion == "latent-diff")
     plain, streamed, metrics = in_process_calls(engine, "huginn", calls)
     assert plain.status_code == 200, plain.text
     choice = plain.json()["choices"][0]
@@ -70,3 +76,6 @@ def test_completions_and_streamed_chat_return_the_engines_tokens_and_steps(hugin
         if line.startswith('loopserve_requests_finished_total{finish_reason="length"}')
     ]  # fmt: skip
     assert finished and float(finished[0].split()[-1]) == 2.0
+    batches = [line for line in metrics.text.splitlines()
+               if line.startswith("loopserve_leave_batches_total")]  # fmt: skip
+    assert (float(batches[0].split()[-1]) > 0) == (criterion == "latent-diff")

@@ -106,6 +106,19 @@ def test_ouro_with_coda_batching_equals_the_dense_reference(tiny_dir, case):
     assert_all_released(engine)
 
 
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_ouro_batched_leaves_feed_the_graphed_decode_step(tiny_dir, mode):
+    """The graphed decode step (emulated) takes its loop-0 tokens from the step's leave
+    batch on the device: tokens equal the dense reference, every decode step graphed."""
+    engine = make_engine(tiny_dir, mode=mode, coda_batching="on", graph_mode="emulate")
+    log = LeaveLog(engine)
+    work = priority_workload(400, 6, engine.model.config.vocab_size, sampled=True)
+    finished = run_steps(engine, work)
+    assert_match_reference(engine, work, finished)
+    assert engine.stats.num_graph_calls > 0 and log.check_started_ahead() > 0
+    assert_all_released(engine)
+
+
 def test_auto_leaves_ouro_unbatched(tiny_dir):
     engine = make_engine(tiny_dir)
     assert once_weight(engine.model.config) == 0.0

@@ -680,25 +680,26 @@ def test_the_decode_graphs_serve_huginn(huginn_dir, criterion, layout, mode):
     candidates attend to the once plane from the static tables, the criterion is checked
     inside the step; tokens and steps equal the dense reference, every decode call runs
     graphed (one copy each way), with early exits. Under coda batching in time (on for a
-    criterion that reads no logits) a step's batch of leaves is a call of its own, with its
-    own copy each way."""
+    criterion that reads no logits) a step's batch of leaves adds its own copy in; its
+    sampled tokens feed the loop-0 rows on the device and are read with the step's copy
+    out."""
     engine = make_engine(huginn_dir, exit_criterion=criterion, layout=layout, mode=mode,
                          graph_mode="emulate")  # fmt: skip
     seed = GRAPH_CASES.index((criterion, layout, mode)) + 70
     work = workload(seed, criterion, count=6)
     if layout == "shared":  # the model's r for every request (SHARED runs prompts all r)
         work = [(r, p, dataclasses.replace(q, max_loops=8), a) for r, p, q, a in work]
-    copies = []  # (H2D, D2H) of graphed decode-only steps, less their leave batch's
+    copies = []  # (H2D, D2H) of graphed decode-only steps, less their leave batch's copy in
 
     def watch(scheduled, output):
         if scheduled.decode is not None and not scheduled.items and output.stats.num_graph_calls:
             leave = scheduled.leave is not None
             stats = output.stats
-            copies.append((stats.num_h2d_transfers - leave, stats.num_d2h_transfers - leave))
+            copies.append((stats.num_h2d_transfers - leave, stats.num_d2h_transfers))
 
     engine.core.add_observer(watch)
     finished = run_steps(engine, work, abort_at={"r4": 3})
-    assert len(copies) > 10 and all(h2d == 1 and 0 <= d2h <= 1 for h2d, d2h in copies), copies
+    assert len(copies) > 10 and all(h2d == 1 and d2h <= 1 for h2d, d2h in copies), copies
     steps = []
     for request_id, prompt, params, _ in work:
         ref = reference(engine.model, prompt, params, criterion,

@@ -68,19 +68,18 @@ def test_the_static_check_finds_a_forbidden_copy(tmp_path):
 
 def _decode_steps(engine, work):
     """(D2H, H2D, gate decided) copies of every decode-only step (one core call, decode rows
-    only); "gate decided": some row's exit was this loop's gate's to decide. A step that also
-    runs a batch of held tokens' leaves (coda batching in time) counts without that batch's
-    own copy each way (its slots in, its sampled tokens out)."""
+    only); "gate decided": some row's exit was this loop's gate's to decide, or a batch of
+    held tokens' leaves ran (coda batching in time: its sampled tokens are read with the
+    step's one copy out). Such a batch's own copy in (its slots, positions and which loop-0
+    rows take its tokens) is counted apart."""
     per_step = []
 
     def watch(scheduled, output):
         if scheduled.decode is not None and not scheduled.items:
-            gated = bool((scheduled.decode.exit_code == GATE).any())
             leave = scheduled.leave is not None
+            gated = bool((scheduled.decode.exit_code == GATE).any()) or leave
             stats = output.stats
-            per_step.append(
-                (stats.num_d2h_transfers - leave, stats.num_h2d_transfers - leave, gated)
-            )
+            per_step.append((stats.num_d2h_transfers, stats.num_h2d_transfers - leave, gated))
 
     engine.core.add_observer(watch)
     finished = run_steps(engine, work)

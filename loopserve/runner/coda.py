@@ -129,6 +129,37 @@ class _DecodeRead:
             self.fired = read[:n] != 0.0
 
 
+class PendingLeave:
+    """A batch of leaves sampled on the device, its read deferred (`Coda.leave_rows`):
+    `tokens` [m] on the device; `results()` once the step's copy out has read it."""
+
+    def __init__(self, coda: Coda, leave: LeaveRows, batch, failures, has_history) -> None:
+        self.coda, self.leave, self.batch = coda, leave, batch
+        self.failures = failures
+        self.has_history = has_history
+        self.tokens = batch.packed[: len(leave)].long()
+        self._read: list[float] | None = None
+
+    def receive(self, values: list[float]) -> None:
+        self._read = values
+
+    def results(self) -> tuple[DecodeResults, tuple[RequestFailure, ...]]:
+        """One result per row, `exited` False where sampling raised (that request fails
+        alone, reported); the tokens recorded in their requests' histories."""
+        assert self._read is not None, "the leave batch's samples were never read"
+        sampled, with_logprobs = read_samples(self.batch, self._read)
+        ids, m = self.leave.request_ids, len(self.leave)
+        token_ids = np.array(sampled, np.int64)
+        exited = np.ones(m, bool)
+        exited[list(self.failures)] = False
+        token_ids[~exited] = -1
+        if self.has_history:
+            self.coda._record_decode(ids, token_ids)
+        logprobs = {row: token for row, token in with_logprobs.items() if exited[row]}
+        results = DecodeResults(exited, np.full(m, np.nan), token_ids, logprobs)
+        return results, tuple(_failure(ids[row], error) for row, error in self.failures.items())
+
+
 class Coda:
     """Explicit inputs: the step rules, the exit mode, the (timed) coda and exit-signal
     functions, the per-request samplers, the transfer counter and the in-flight handle
@@ -358,23 +389,19 @@ class Coda:
 
     def leave_rows(
         self, leave: LeaveRows, carried: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[DecodeResults, tuple[RequestFailure, ...]]:
+    ) -> PendingLeave:
         """Held tokens' leave (from their carried states [m, W] at `positions`) and one
-        sampling pass: one result per row, `exited` False where sampling raised (that request
-        fails alone, reported)."""
+        sampling pass on the device; the sampled ids stay there for the step's loop-0 rows
+        (`PendingLeave.tokens`), and their read rides along with the step's next copy out."""
         ids = leave.request_ids
         logits = self.coda(carried, lambda: decode_spans(leave, range(len(leave))), positions)
         pairs = [self.samplers[rid] for rid in ids]
-        sampled, with_logprobs, failures = self._sample_logits(logits, pairs)
-        token_ids = np.array(sampled, np.int64)
-        exited = np.ones(len(leave), bool)
-        exited[list(failures)] = False
-        token_ids[~exited] = -1
-        if any(pair[2] is not None for pair in pairs):
-            self._record_decode(ids, token_ids)
-        logprobs = {row: token for row, token in with_logprobs.items() if exited[row]}
-        results = DecodeResults(exited, np.full(len(leave), np.nan), token_ids, logprobs)
-        return results, tuple(_failure(ids[row], error) for row, error in failures.items())
+        specs, generators, histories = zip(*pairs)
+        failures: dict[int, str] = {}
+        batch = sample_on_device(logits, list(specs), list(generators), failures, histories)
+        pending = PendingLeave(self, leave, batch, failures, any(h is not None for h in histories))
+        self.transfers.defer(batch.packed, pending.receive)
+        return pending
 
     def drop(self, request_id: str, handle: int | None = None) -> None:
         """Forget a request's stored draft distributions (released or preempted), or only

@@ -167,6 +167,16 @@ class DecodeSlots:
         return index, values
 
 
+class FedBack(NamedTuple):
+    """Decode rows at loop 0 whose token was sampled this step by a batch of leaves (coda
+    batching in time; their host `token_ids` are -1): the rows (host and device) and their
+    tokens on the device, in the rows' order. Nothing is read to the host for them."""
+
+    rows: np.ndarray  # int64 [a], decode row indices
+    rows_on_device: torch.Tensor  # the same
+    tokens: torch.Tensor  # int64 [a]
+
+
 class HostColumns(NamedTuple):
     """The host half of one decode call (see the module docstring)."""
 
@@ -330,12 +340,15 @@ class DecodeStep:
             bool((codes == GATE).any()),
         )
 
-    def begin(self, rows: DecodeRows, block_tables) -> DecodeInputs:
-        """Stage an eager call's decode rows (one copy) and gather their inputs."""
+    def begin(self, rows: DecodeRows, block_tables, fed: FedBack | None = None) -> DecodeInputs:
+        """Stage an eager call's decode rows (one copy) and gather their inputs (`fed`: rows
+        whose loop-0 token comes from this step's leave batch, on the device)."""
         host = self.host_columns(rows, block_tables)
         n, starts = len(rows), host.starts
         parts = [host.slots, rows.positions, host.table_index, starts, rows.token_ids[starts]]
         parts += [np.array(host.update_index, np.int64), np.array(host.update_value, np.int64)]
+        if fed is not None:  # where those rows are among the rows that start
+            parts.append(np.searchsorted(starts, fed.rows))
         candidates = host.candidates if self.finalizes else np.zeros(0, np.int64)
         pairs = FinalizePairs.of(
             rows, candidates, host.slots, host.table_index, self.num_planes,
@@ -354,9 +367,12 @@ class DecodeStep:
             parts.append(np.searchsorted(left, host.candidates))
         staged = self.transfers.to_device(np.concatenate(parts))  # the call's one copy in
         views = iter(staged.split([len(part) for part in parts]))
-        slots_t, positions_t, table_index_t, starts_t, tokens_t, index_t, values_t, cand_t = (
-            next(views) for _ in range(8)
+        slots_t, positions_t, table_index_t, starts_t, tokens_t, index_t, values_t = (
+            next(views) for _ in range(7)
         )
+        if fed is not None:
+            tokens_t.index_copy_(0, next(views), fed.tokens)
+        cand_t = next(views)
         pairs_t = tuple(next(views) for _ in range(5))  # rows, src, dst, blocks, offsets
         staged_gate = host.gate_decides or checks
         gate_t = next(views).view(torch.float64).view(4, n) if staged_gate else None

@@ -88,15 +88,16 @@ class EagerStep:
         self.score_store = score_store  # [slots, hidden]: prompt rows' last-loop outputs
         self._num_finalized = 0
 
-    def run(self, scheduled: SchedulerOutput, tables, groups) -> EagerResult:
+    def run(self, scheduled: SchedulerOutput, tables, groups, fed=None) -> EagerResult:
         """The step's core calls run eagerly: decode rows (first) and items share call 0;
         atomic prompt items run their further depths in calls 1.. . `tables`: the runner's
-        block tables (`BlockTables`)."""
+        block tables (`BlockTables`); `fed`: decode rows fed back a leave batch's tokens
+        (`decode_rows.FedBack`)."""
         items = scheduled.items
         self._num_finalized = 0
         decode = None
         if scheduled.decode is not None:
-            decode = self.decode.begin(scheduled.decode, tables)
+            decode = self.decode.begin(scheduled.decode, tables, fed)
         hazards: list[list[float]] = [[] for _ in items]
         last_outputs: list[list[torch.Tensor]] = [[] for _ in items]
         states = self._initial_states(items, hazards, last_outputs)

@@ -52,6 +52,7 @@ from loopserve.runner.attention.torch_paged import (
 from loopserve.runner.decode_rows import (
     DecodeSignals,
     DecodeSlots,
+    FedBack,
     HostColumns,
     decide_exits_on_device,
     finalize_pairs,
@@ -265,6 +266,11 @@ class DecodeGraphs:
         self.num_calls += 1
         self.num_padded_rows += bucket - n
         return bucket
+
+    def feed(self, bucket: int, fed: FedBack) -> None:
+        """Put a leave batch's tokens (on the device) into the staged bucket's loop-0 rows
+        that wait for them (`decode_rows.FedBack`)."""
+        self.inputs[bucket].columns[TOKENS].index_copy_(0, fed.rows_on_device, fed.tokens)
 
     def launch(self, bucket: int, rows: DecodeRows, host: HostColumns) -> DecodeSignals:
         """Replay (or, emulated, run) the bucket's step over its staged buffer; the first

@@ -34,7 +34,6 @@ import torch
 
 from loopserve.contracts import (
     BlockTables,
-    DecodeResults,
     DecodeRows,
     KVHandle,
     LeaveRows,
@@ -54,8 +53,8 @@ from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
 from loopserve.runner.capabilities import unsupported_options
-from loopserve.runner.coda import Coda, CodaOutput
-from loopserve.runner.decode_rows import DecodeSlots, DecodeStep
+from loopserve.runner.coda import Coda, CodaOutput, PendingLeave
+from loopserve.runner.decode_rows import DecodeSlots, DecodeStep, FedBack
 from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.exit_scores import ExitScores
 from loopserve.runner.graphs import build_decode_graphs
@@ -81,20 +80,6 @@ logger = logging.getLogger(__name__)
 # A request's sampling state: its spec, generator (None when greedy) and logits-adjustment
 # history (None without adjustments).
 Sampler = tuple[SampleSpec, torch.Generator | None, TokenHistory | None]
-
-
-def _fed_back(decode: DecodeRows | None, leave: LeaveRows, results: DecodeResults):
-    """Decode rows whose token started ahead of its leave (`token_ids` -1) fed back the
-    token the leave sampled this step (0 where its sampling failed: that request fails and
-    its row's result is dropped)."""
-    if decode is None or not (decode.token_ids < 0).any():
-        return decode
-    tokens = np.maximum(results.token_ids, 0).tolist()  # host array
-    sampled = dict(zip(leave.request_ids, tokens))
-    token_ids = decode.token_ids.copy()
-    for row in np.flatnonzero(token_ids < 0).tolist():  # host array
-        token_ids[row] = sampled[decode.request_ids[row]]
-    return dataclasses.replace(decode, token_ids=token_ids)
 
 
 class ModelRunner(Executor):
@@ -434,11 +419,9 @@ class ModelRunner(Executor):
             segments = self.decode.segments(decode, tables)
             starts = [segment.start for segment in segments]
             groups = plan_prefix_groups([s.block_table for s in segments], starts, self.block_size)
-        leave_results, leave_failed = None, ()
-        if scheduled.leave is not None:  # held tokens: their leave and sampling
-            leave_results, leave_failed = self._run_leave(scheduled.leave)
-            decode = _fed_back(decode, scheduled.leave, leave_results)
-            scheduled = dataclasses.replace(scheduled, decode=decode)
+        pending = fed = None
+        if scheduled.leave is not None:  # held tokens: their leave and sampling first
+            pending, fed = self._run_leave(scheduled.leave, decode)
         graphs = self.graphs
         if decode is None and not items:  # only leave rows this step
             coda, rows_per_call = CodaOutput([], (), None), []
@@ -451,11 +434,19 @@ class ModelRunner(Executor):
         ):  # the graphed decode step: one copy in, one replay
             host = self.decode.host_columns(decode, tables)
             bucket = graphs.stage(decode, host)
+            if fed is not None:
+                graphs.feed(bucket, fed)
             signals = self._timed(graphs.launch, bucket, decode, host)
             coda = self.coda((), [], [], [], [], signals)
             rows_per_call = [len(decode)]
         else:
-            coda, rows_per_call, self._num_finalized = self.eager.run(scheduled, tables, groups)
+            coda, rows_per_call, self._num_finalized = self.eager.run(
+                scheduled, tables, groups, fed
+            )
+        leave_results, leave_failed = None, ()
+        if pending is not None:
+            self.transfers.flush()  # read already when the step read anything else
+            leave_results, leave_failed = pending.results()
         for item in items:  # a prompt group's followers get the leader's prompt state
             forks = getattr(item, "forks", ())
             state = self.calls.export_state(item.request_id) if forks else None
@@ -503,19 +494,36 @@ class ModelRunner(Executor):
             stats, leave_results,
         )  # fmt: skip
 
-    def _run_leave(self, leave: LeaveRows) -> tuple[DecodeResults, tuple[RequestFailure, ...]]:
+    def _run_leave(
+        self, leave: LeaveRows, decode: DecodeRows | None
+    ) -> tuple[PendingLeave, FedBack | None]:
         """The leave and sampling of held tokens (coda batching in time) from the carried
-        state each kept in its decode slot since its exit: one staged copy in (slots and
-        positions), one leave over the rows, one sampling pass."""
+        state each kept in its decode slot since its exit, in one staged copy in (slots,
+        positions, and which decode rows at loop 0 take which sampled token) and no copy
+        out of its own: the tokens feed those rows on the device (`FedBack`) and their read
+        rides along with the step's."""
         slot_of = self.decode_slots.slot_of
         missing = [rid for rid in leave.request_ids if rid not in slot_of]
         if missing:
             raise RuntimeError(f"leave rows of requests without a decode slot: {missing}")
-        slots = np.fromiter((slot_of[rid] for rid in leave.request_ids), np.int64, len(leave))
-        staged = self.transfers.to_device(np.concatenate([slots, leave.positions]))
-        slots_t, positions_t = staged.split(len(leave))
+        m = len(leave)
+        slots = np.fromiter((slot_of[rid] for rid in leave.request_ids), np.int64, m)
+        ahead = np.zeros(0, np.int64) if decode is None else np.flatnonzero(decode.token_ids < 0)
+        sources = np.zeros(0, np.int64)
+        if len(ahead):
+            where = {rid: i for i, rid in enumerate(leave.request_ids)}
+            ids = decode.request_ids  # type: ignore[union-attr]
+            rows = ahead.tolist()  # host array
+            sources = np.fromiter((where[ids[row]] for row in rows), np.int64, len(rows))
+        parts = [slots, leave.positions, ahead, sources]
+        staged = self.transfers.to_device(np.concatenate(parts))
+        slots_t, positions_t, ahead_t, sources_t = staged.split([len(p) for p in parts])
         carried = self.decode_slots.hidden.index_select(0, slots_t)
-        return self.coda.leave_rows(leave, carried, positions_t)
+        pending = self.coda.leave_rows(leave, carried, positions_t)
+        fed = None
+        if len(ahead):
+            fed = FedBack(ahead, ahead_t, pending.tokens.index_select(0, sources_t))
+        return pending, fed
 
     def _finalize_exits(self, exits) -> int:
         """LAST_EXITED copies of tokens exiting below full depth (`exits`: (block tables,

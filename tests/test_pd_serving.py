@@ -222,17 +222,7 @@ def test_aborts_around_the_hand_off_free_both_replicas(pools, loop):
     closes = {"a-before": 0, "a-first": 1, "a-first-2": 1, "a-third": 3, "a-third-2": 3}
     seen = _gather(loop, *(close_after(rid, n) for rid, n in closes.items()))
 
-    async def settle():
-        while True:
-            stats = await _stats(pool)
-            if all(
-                s.snapshot.num_running == s.snapshot.num_waiting == s.num_in_flight == 0
-                for s in stats
-            ):
-                return stats
-            await asyncio.sleep(0.05)
-
-    after = loop.run_until_complete(asyncio.wait_for(settle(), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
     for rid, outputs in zip(closes, seen):
         assert len(outputs) == closes[rid] and not any(o.finished for o in outputs), rid
     for stats in after:  # every KV block came back, on both sides
@@ -245,6 +235,17 @@ def test_aborts_around_the_hand_off_free_both_replicas(pools, loop):
     assert after[DECODE].num_imported - before[DECODE].num_imported >= 2
     assert _finished(pool, "abort") == aborts_before + len(closes)
     assert pool.num_in_flight == 0 and not pool.streams
+
+
+async def _settled(pool: PDReplicaPool) -> list:
+    """Every replica's stats once none runs, waits or has a request in flight."""
+    while True:
+        stats = await _stats(pool)
+        if all(
+            s.snapshot.num_running == s.snapshot.num_waiting == s.num_in_flight == 0 for s in stats
+        ):
+            return stats
+        await asyncio.sleep(0.05)
 
 
 def _finished(pool: PDReplicaPool, reason: str) -> float:
@@ -332,6 +333,12 @@ def test_decode_replica_dying_mid_stream_ends_it_with_503(pools, loop):
     assert outputs[-1].finish_reason == "length" and stream.decode_replicas == {
         "after-restart": DECODE
     }
+    # No block leaked on either side: the prefill replica's copy of the hand-off and the
+    # restarted decode replica's pool are all free once nothing runs.
+    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    for stats in after:
+        assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
+    assert pool.num_in_flight == 0 and not pool.streams
 
 
 def _params_for(exit_mode: str) -> list[SamplingParams]:

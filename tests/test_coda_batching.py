@@ -119,6 +119,31 @@ def test_ouro_batched_leaves_feed_the_graphed_decode_step(tiny_dir, mode):
     assert_all_released(engine)
 
 
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_ouro_batched_leaves_with_prefix_hits_and_a_hand_off(tiny_dir, layout):
+    """Batching on both sides of a prefill/decode hand-off (after the first token), with
+    prompts that share cached pages on the prefill side: tokens and exit depths equal the
+    dense reference, and both engines end clean."""
+    from tests.test_pd_handoff import run_disaggregated
+
+    args = dict(layout=layout, coda_batching="on", enable_prefix_caching=True)
+    prefill = make_engine(tiny_dir, **args)
+    decode = make_engine(tiny_dir, **args)
+    log = LeaveLog(decode)
+    shared = [5, 9, 13, 2, 7, 11, 3, 8]  # two blocks of 4
+    work = [(r, shared + p, q, 1)
+            for r, p, q, _ in priority_workload(410, 6, prefill.model.config.vocab_size,
+                                                sampled=True)]  # fmt: skip
+    finished, exported, _ = run_disaggregated(prefill, decode, work)
+    assert sorted(exported) == sorted(r for r, *_ in work if finished[r].num_output_tokens > 1)
+    assert prefill.stats.num_prefix_cache_hit_tokens > 0
+    assert_match_reference(prefill, work, finished)
+    assert log.batch_sizes and log.check_started_ahead() > 0
+    for engine in (prefill, decode):
+        assert not engine.has_unfinished_requests()
+        assert_all_released(engine)
+
+
 def test_auto_leaves_ouro_unbatched(tiny_dir):
     engine = make_engine(tiny_dir)
     assert once_weight(engine.model.config) == 0.0

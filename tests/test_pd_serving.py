@@ -341,6 +341,57 @@ def test_decode_replica_dying_mid_stream_ends_it_with_503(pools, loop):
     assert pool.num_in_flight == 0 and not pool.streams
 
 
+def test_prefill_replica_dying_loses_no_request_and_leaks_no_block(pools, tiny_tok_dir, loop):
+    """Kill the prefill replica while requests queue on it: each stream either ends with
+    the tokens one colocated engine returns (handed off before the kill) or with the
+    documented retry error, `EngineNotReadyError` (503: it had produced output,
+    `ReplicaFailedError`; or its re-route found no prefill replica serving while the only
+    one restarts); none ends short without an error, and once the replica is back both
+    replicas have every block free."""
+    from loopserve.errors import EngineNotReadyError
+
+    pool = pools.get()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    requests = [(f"k{i}", _prompt(60 + i, 90)) for i in range(10)]
+    llm = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro"))
+    expected = {
+        rid: out.token_ids
+        for (rid, _), out in zip(requests, llm.generate([p for _, p in requests], params))
+    }
+
+    async def one(request_id, prompt):
+        outputs = []
+        try:
+            stream = await pool.submit([GenerateRequest(request_id, prompt, params)])
+            with stream:
+                async for output in stream:
+                    outputs.append(output)
+        except EngineNotReadyError:
+            return request_id, outputs, "failed"
+        return request_id, outputs, "done"
+
+    async def main():
+        tasks = [asyncio.ensure_future(one(rid, p)) for rid, p in requests]
+        while not any(s.replica == PREFILL for s in pool.streams):
+            await asyncio.sleep(0.001)
+        ray.kill(pool.replicas[PREFILL].actor, no_restart=False)
+        done = await asyncio.gather(*tasks)
+        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
+        return done
+
+    done = loop.run_until_complete(main())
+    outcomes = {rid: how for rid, _, how in done}
+    for request_id, outputs, how in done:
+        if how == "done":
+            assert outputs[-1].finished and outputs[-1].token_ids == expected[request_id]
+    assert "failed" in outcomes.values()  # the kill reached requests on the replica
+    assert pool.replicas[PREFILL].num_restarts >= 1
+    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    for stats in after:
+        assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
+    assert pool.num_in_flight == 0 and not pool.streams
+
+
 def _params_for(exit_mode: str) -> list[SamplingParams]:
     """Greedy and seeded requests with different loop settings, one that ends at its first
     token; trace mode replays per-request exit depths."""

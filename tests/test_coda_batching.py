@@ -348,4 +348,6 @@ def test_the_simulator_prices_batched_leaves_for_huginn():
     assert on.num_output_tokens == off.num_output_tokens == sum(r.output_len for r in workload)
     assert on.once_time_share < off.once_time_share
     assert on.duration_s < off.duration_s
+    assert off.leave_batches == 0 and on.leave_batches > 0
+    assert on.mean_leave_batch_rows > 1 and on.mean_held_steps >= 1
     assert not Simulator(OURO_1P4B, h200).defers_leave

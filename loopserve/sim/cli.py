@@ -29,6 +29,7 @@ from loopserve.sim.report import (
     format_capacity,
     format_cdb_table,
     format_host_table,
+    format_leave_table,
     format_memory_table,
     format_table,
     plot,
@@ -217,6 +218,9 @@ def main_from_args(args: argparse.Namespace) -> int:
     if cdb:
         print(cdb)
     print(format_memory_table(points))
+    leave = format_leave_table(points)
+    if leave:
+        print(leave)
     if setup.host_model is not None:
         print(format_host_table(points, setup.host_model))
     shape = ModelShape.from_config(model_config)

@@ -115,6 +115,11 @@ class SimResult:
     # Of simulated GPU seconds: once-per-token work (the prelude's part of core calls, the
     # coda, sampling): what continuous depth batching cannot save by exiting early.
     once_time_share: float = 0.0
+    # Coda batching in time: leave batches run, mean tokens per batch, mean steps a token
+    # was held (counting its leave's step; 0 without batching).
+    leave_batches: int = 0
+    mean_leave_batch_rows: float = 0.0
+    mean_held_steps: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -142,6 +147,10 @@ class SimRun:
     prefix_hit_tokens: int = 0
     host_s: float = 0.0  # priced host time of every step (`HostModel`; 0 without one)
     host_bound_steps: int = 0  # steps whose host time exceeded their device time
+    # Coda batching in time (`scheduler/leave_batch.py`): batches, tokens, steps held.
+    leave_batches: int = 0
+    leave_rows: int = 0
+    held_steps: int = 0
 
 
 def summarize(run: SimRun) -> SimResult:
@@ -199,4 +208,7 @@ def summarize(run: SimRun) -> SimResult:
         once_time_share=_ratio(
             ex.prelude_time_s + ex.coda_time_s + ex.sampling_time_s, ex.model_time_s
         ),
+        leave_batches=run.leave_batches,
+        mean_leave_batch_rows=_ratio(run.leave_rows, run.leave_batches),
+        mean_held_steps=_ratio(run.held_steps, run.leave_rows),
     )

@@ -136,6 +136,26 @@ def format_memory_table(points: list[PointResult]) -> str:
     return "\n".join(lines)
 
 
+def format_leave_table(points: list[PointResult]) -> str:
+    """Coda batching in time, per point that ran it: leave batches, tokens per batch, steps
+    a token was held (counting its leave's step); empty when no point batched."""
+    rows = [p for p in points if p.result is not None and p.result.leave_batches]
+    if not rows:
+        return ""
+    lines = [
+        "coda batching in time (held tokens' leaves run together)",
+        f"{'policy':>11} {'rate':>7} {'batches':>8} {'rows/batch':>10} {'held steps':>10}",
+    ]
+    for p in rows:
+        r = p.result
+        rate = "inf" if math.isinf(p.request_rate) else f"{p.request_rate:.2f}"
+        lines.append(
+            f"{p.arm:>11} {rate:>7} {r.leave_batches:>8} {r.mean_leave_batch_rows:>10.1f} "
+            f"{r.mean_held_steps:>10.2f}"
+        )
+    return "\n".join(lines)
+
+
 def plot(points: list[PointResult], slo_s: float, path: Path, title: str) -> None:
     import matplotlib
 

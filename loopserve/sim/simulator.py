@@ -231,6 +231,8 @@ class Simulator:
 
             remove_observer = core.add_observer(record)
         before = core.stats()
+        leaver = scheduler.leaver
+        leaver0 = (leaver.num_batches, leaver.num_rows, leaver.num_waited_steps)
         while clients.pending or core.has_unfinished_requests():
             for sim, release_s in clients.release():
                 core.add_request(self.make_request(sim, len(clients.records), release_s))
@@ -281,6 +283,9 @@ class Simulator:
             else 0,
             host_s=self.host_s,
             host_bound_steps=self.host_bound_steps,
+            leave_batches=scheduler.leaver.num_batches - leaver0[0],
+            leave_rows=scheduler.leaver.num_rows - leaver0[1],
+            held_steps=scheduler.leaver.num_waited_steps - leaver0[2],
         )
 
 

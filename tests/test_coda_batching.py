@@ -144,6 +144,36 @@ def test_ouro_batched_leaves_with_prefix_hits_and_a_hand_off(tiny_dir, layout):
         assert_all_released(engine)
 
 
+def test_batched_leaves_report_the_same_logprobs(tiny_dir):
+    """Log-probabilities come from the leave batch's sampling as from a leave at the exit:
+    outputs, logprobs and finish reasons equal the unbatched engine's. (A token that stops
+    its request while its next token started in the same step: the `coda_batching` arm of
+    tests/test_structured_output.py, whose requests stop at the grammar's end.)"""
+    work = [
+        (f"p{i}", [3 + i, 17, 42, 7 * i + 1], SamplingParams(
+            max_tokens=20, temperature=0.0 if i % 2 else 0.9, seed=i, logprobs=3,
+            exit_threshold=0.6), i)
+        for i in range(5)
+    ]  # fmt: skip
+    runs = {}
+    for batching in ("off", "on"):
+        engine = make_engine(tiny_dir, coda_batching=batching)
+        runs[batching] = run_steps(engine, work)
+        assert_all_released(engine)
+    for request_id, on in runs["on"].items():
+        off = runs["off"][request_id]
+        assert (on.token_ids, on.exit_depths, on.finish_reason) == (
+            off.token_ids, off.exit_depths, off.finish_reason
+        ), request_id  # fmt: skip
+        for a, b in zip(on.logprobs, off.logprobs, strict=True):
+            # float32 sums over differently sized batches: equal to about 1e-6
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            assert [v for _, v in a.top_logprobs] == pytest.approx(
+                [v for _, v in b.top_logprobs], abs=1e-4
+            )
+
+
 def test_auto_leaves_ouro_unbatched(tiny_dir):
     engine = make_engine(tiny_dir)
     assert once_weight(engine.model.config) == 0.0

@@ -67,8 +67,9 @@ def check_tokens_allowed(engine, constraint, token_ids) -> bool:
         {"mode": "no_refill"},
         {"graph_mode": "emulate", "max_num_seqs": 8},
         {"preemption_mode": "recompute", "num_blocks": 40},
+        {"coda_batching": "on"},
     ],
-    ids=["refill", "wavefront_mixed", "no_refill", "graphs", "preemption"],
+    ids=["refill", "wavefront_mixed", "no_refill", "graphs", "preemption", "coda_batching"],
 )
 def test_constrained_outputs_follow_the_grammar_and_equal_the_reference(tiny_tok_dir, name, arm):
     engine = make_engine(tiny_tok_dir, **arm)

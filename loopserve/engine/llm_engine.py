@@ -181,7 +181,10 @@ class LLMEngine:
     def can_export(self, request_id: str) -> bool:
         """Whether the request can be handed off now: running, prompt complete at every depth,
         at least one token sampled, and no loop of its next token run yet. Not with async
-        scheduling (a step planned ahead may already hold the request's next loop)."""
+        scheduling (a step planned ahead may already hold the request's next loop). Under
+        coda batching in time a decode token starts in its predecessor's leave step and runs
+        loop 0 there, so a request hands off after its first token (as the PD modes do), not
+        between later tokens."""
         request = self.scheduler.requests.get(request_id)
         return (
             not self.config.async_scheduling

@@ -381,3 +381,30 @@ def test_the_simulator_prices_batched_leaves_for_huginn():
     assert off.leave_batches == 0 and on.leave_batches > 0
     assert on.mean_leave_batch_rows > 1 and on.mean_held_steps >= 1
     assert not Simulator(OURO_1P4B, h200).defers_leave
+
+
+def test_bench_throughput_reports_the_batches_of_a_run(huginn_dir):
+    """`loopserve bench throughput` reads the engine's counters: tokens per leave batch and
+    steps held, printed for the arms that batched."""
+    from loopserve.bench.throughput import REFILL, run_workload
+    from loopserve.bench.throughput_report import RunResult, format_report
+    from loopserve.bench.throughput_workload import make_workload, sampling_params
+
+    engine = make_engine(huginn_dir, exit_criterion="latent-diff", max_num_seqs=8)
+    requests = make_workload(8, input_len=8, output_len=10, range_ratio=0.25,
+                             vocab_size=128, exit_probs=None, seed=1)  # fmt: skip
+    params = [sampling_params(r, REFILL, 8, 0.1) for r in requests]
+    run = run_workload(engine, requests, params, "refill")
+    assert run.leave_batch_rows > 1 and run.held_steps >= 1
+    unbatched = dataclasses.replace(run, leave_batch_rows=0.0, held_steps=0.0)
+    result = {
+        "arms": {"refill": {"median": dataclasses.asdict(run)},
+                 "full_depth": {"median": dataclasses.asdict(unbatched)}},
+        "ratios": {},
+        "host_overhead_at_rows": {"rows": 8, "host_overhead_share": 0.1, "host_ms": 1.0,
+                                  "step_ms": 10.0, "runner_host_ms": 0.5, "num_steps": 3},
+    }  # fmt: skip
+    text = format_report(result)
+    assert f"refill      {run.leave_batch_rows:.1f} per batch" in text
+    assert "full_depth  " not in text.split("coda batching in time")[1]
+    assert isinstance(RunResult(**result["arms"]["refill"]["median"]), RunResult)

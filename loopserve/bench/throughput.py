@@ -122,6 +122,8 @@ def run_workload(
         host_overhead_share=stats.host_overhead_share,
         host_ms_per_step=1e3 * (stats.step_time_s - stats.forward_time_s) / max(stats.num_steps, 1),
         runner_host_share=stats.runner_host_share,
+        leave_batch_rows=stats.num_leave_rows / max(stats.num_leave_batches, 1),
+        held_steps=stats.num_held_steps / max(stats.num_leave_rows, 1),
         **latency_ms(arrivals),
     )
 

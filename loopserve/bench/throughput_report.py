@@ -31,6 +31,10 @@ class RunResult:
     tpot_ms_p99: float = 0.0
     itl_ms_p50: float = 0.0
     itl_ms_p99: float = 0.0
+    # Coda batching in time (0 without it): tokens per leave batch, steps a token was held
+    # (counting its leave's step).
+    leave_batch_rows: float = 0.0
+    held_steps: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +92,14 @@ def format_report(result: dict) -> str:
             f"{m.tpot_ms_p50:.2f} / {m.tpot_ms_p99:.2f}  ITL {m.itl_ms_p50:.2f} / "
             f"{m.itl_ms_p99:.2f}"
         )
+    batched = {name: RunResult(**arm["median"]) for name, arm in result["arms"].items()}
+    batched = {name: m for name, m in batched.items() if m.leave_batch_rows}
+    if batched:
+        lines.append("coda batching in time: tokens per leave batch, steps held per token")
+        for name, m in batched.items():
+            lines.append(
+                f"  {name:<11} {m.leave_batch_rows:.1f} per batch, {m.held_steps:.2f} held"
+            )
     for name, r in result["ratios"].items():
         rounds = ", ".join(f"{x:.2f}" for x in r["cpu_per_round"])
         lines.append(

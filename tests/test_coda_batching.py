@@ -408,3 +408,22 @@ def test_bench_throughput_reports_the_batches_of_a_run(huginn_dir):
     assert f"refill      {run.leave_batch_rows:.1f} per batch" in text
     assert "full_depth  " not in text.split("coda batching in time")[1]
     assert isinstance(RunResult(**result["arms"]["refill"]["median"]), RunResult)
+
+
+def test_a_token_started_ahead_and_preempted_gives_back_its_loop_budget(tiny_dir):
+    """Brownout records one loop budget per token (`Request.loop_budgets`, which the dense
+    reference replays by token index); a token started ahead of its predecessor's leave and
+    then dropped by a preemption must not leave its budget behind."""
+    engine = make_engine(tiny_dir, coda_batching="on", brownout_waiting_high=1)
+    params = SamplingParams(max_tokens=6, brownout_floor=1, ignore_eos=True)
+    engine.add_request("b", [5, 9, 13], params)
+    scheduler = engine.scheduler
+    while not scheduler.decode.held.any():
+        engine.step()
+    request = scheduler.requests["b"]
+    budgets = list(request.loop_budgets)
+    assert budgets  # the held token's among them
+    leave = scheduler._select_leave()  # its next token starts ahead, with a budget
+    assert leave is not None and len(request.loop_budgets) == len(budgets) + 1
+    scheduler.preempt("b")
+    assert request.loop_budgets == budgets

@@ -86,6 +86,11 @@ class DecodeTable:
         row = self.row_of.pop(request_id, None)
         if row is None:
             return
+        request = self.requests[row]
+        if self.awaiting[row] and self.brownout and request is not None:
+            # Its token started ahead never ran to its exit: its budget goes with it.
+            if request.params.brownout_floor is not None and request.loop_budgets:
+                request.loop_budgets.pop()
         self.requests[row] = self.ids[row] = None
         self.ready[row] = self.cohort[row] = self.held[row] = self.awaiting[row] = False
         self._free.append(row)

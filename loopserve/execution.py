@@ -20,8 +20,10 @@ import numpy as np
 
 from loopserve.contracts import (
     DecodeResults,
+    DecodeRows,
     ItemKind,
     ItemResult,
+    LeaveRows,
     NewRequestData,
     PromptChunk,
     RequestFailure,
@@ -131,48 +133,45 @@ def run_without_failed(
     results with only `request_id` and `handle`, so results stay one per item, in order."""
     failed_ids = {failure.request_id for failure in failures}
     kept = tuple(item for item in scheduled.items if item.request_id not in failed_ids)
-    decode, kept_rows = scheduled.decode, None
-    if decode is not None:  # (a handed-off request decodes in the step that announces it)
-        kept_rows = np.array(
-            [i for i, rid in enumerate(decode.request_ids) if rid not in failed_ids], np.int64
-        )
-        decode = decode.take(kept_rows) if len(kept_rows) else None
-    leave, kept_leave = scheduled.leave, None
-    if leave is not None:
-        kept_leave = np.array(
-            [i for i, rid in enumerate(leave.request_ids) if rid not in failed_ids], np.int64
-        )
-        leave = leave.take(kept_leave) if len(kept_leave) else None
+    decode, kept_rows = _without(scheduled.decode, failed_ids)
+    leave, kept_leave = _without(scheduled.leave, failed_ids)
     output = run(dataclasses.replace(scheduled, items=kept, decode=decode, leave=leave))
     ran = iter(output.results)
     results = tuple(
         ItemResult(item.request_id, item.handle) if item.request_id in failed_ids else next(ran)
         for item in scheduled.items
     )
-    decode_results = None
-    if scheduled.decode is not None:
-        num_rows = len(scheduled.decode)
-        ran_rows = output.decode
-        decode_results = (
-            DecodeResults.empty(num_rows)
-            if ran_rows is None
-            else ran_rows.scatter(kept_rows, num_rows)  # type: ignore[arg-type]
-        )
-    leave_results = None
-    if scheduled.leave is not None:
-        num_rows = len(scheduled.leave)
-        leave_results = (
-            DecodeResults.empty(num_rows)
-            if output.leave is None
-            else output.leave.scatter(kept_leave, num_rows)  # type: ignore[arg-type]
-        )
     return dataclasses.replace(
         output,
         results=results,
-        decode=decode_results,
-        leave=leave_results,
+        decode=_scattered(scheduled.decode, output.decode, kept_rows),
+        leave=_scattered(scheduled.leave, output.leave, kept_leave),
         failed_requests=failures + output.failed_requests,
     )
+
+
+def _without(
+    rows: DecodeRows | LeaveRows | None, failed_ids: set[str]
+) -> tuple[DecodeRows | LeaveRows | None, np.ndarray | None]:
+    """Decode or leave rows without the failed requests' (None when none is left), and the
+    indices kept. (A handed-off request decodes in the step that announces it.)"""
+    if rows is None:
+        return None, None
+    kept = np.array(
+        [i for i, rid in enumerate(rows.request_ids) if rid not in failed_ids], np.int64
+    )
+    return (rows.take(kept) if len(kept) else None), kept
+
+
+def _scattered(
+    rows: DecodeRows | LeaveRows | None, ran: DecodeResults | None, kept: np.ndarray | None
+) -> DecodeResults | None:
+    """One result per row of `rows`: those that ran at their indices, empty elsewhere."""
+    if rows is None:
+        return None
+    if ran is None or kept is None:
+        return DecodeResults.empty(len(rows))
+    return ran.scatter(kept, len(rows))
 
 
 def set_up_each(

@@ -396,10 +396,9 @@ class Coda:
         ids = leave.request_ids
         logits = self.coda(carried, lambda: decode_spans(leave, range(len(leave))), positions)
         pairs = [self.samplers[rid] for rid in ids]
-        specs, generators, histories = zip(*pairs)
-        failures: dict[int, str] = {}
-        batch = sample_on_device(logits, list(specs), list(generators), failures, histories)
-        pending = PendingLeave(self, leave, batch, failures, any(h is not None for h in histories))
+        batch, failures = self._sample_on_device(logits, pairs)
+        has_history = any(pair[2] is not None for pair in pairs)
+        pending = PendingLeave(self, leave, batch, failures, has_history)
         self.transfers.defer(batch.packed, pending.receive)
         return pending
 
@@ -455,12 +454,18 @@ class Coda:
         token_ids = self.transfers.to_host(tokens)
         return {i: SampledToken(int(t)) for i, t in zip(wanted, token_ids)}, failed
 
-    def _sample_logits(self, logits: torch.Tensor, samplers: list[tuple]):
-        """One sampling pass over logits: (token ids, row -> `SampledToken` with
-        log-probabilities, row -> sampling error)."""
+    @staticmethod
+    def _sample_on_device(logits: torch.Tensor, samplers: list[tuple]):
+        """One sampling pass over logits, not read: (`SampleBatch`, row -> sampling error)."""
         specs, generators, histories = zip(*samplers)
         failures: dict[int, str] = {}
         batch = sample_on_device(logits, list(specs), list(generators), failures, histories)
+        return batch, failures
+
+    def _sample_logits(self, logits: torch.Tensor, samplers: list[tuple]):
+        """One sampling pass over logits, read: (token ids, row -> `SampledToken` with
+        log-probabilities, row -> sampling error)."""
+        batch, failures = self._sample_on_device(logits, samplers)
         token_ids, with_logprobs = read_samples(batch, self.transfers.to_host(batch.packed))
         return token_ids, with_logprobs, failures
 

@@ -99,10 +99,6 @@ class DecodeTable:
     def num_ready(self) -> int:
         return int(np.count_nonzero(self.ready))
 
-    @property
-    def num_held(self) -> int:
-        return int(np.count_nonzero(self.held))
-
     def lookup(self, request_ids: tuple[str, ...]) -> np.ndarray:
         """Each request's row, -1 for a request no longer here."""
         row_of = self.row_of

@@ -381,12 +381,9 @@ class Scheduler:
         return leave
 
     def _still_held(self, leave: LeaveRows) -> LeaveRows | None:
-        """The leave rows whose requests KV growth left running (a preempted one's held
-        token is parked as held under swap, or recomputed)."""
-        decode = self.decode
-        rows = decode.lookup(leave.request_ids)
-        kept = rows >= 0
-        kept[kept] = decode.held[rows[kept]] | decode.awaiting[rows[kept]]
+        """The leave rows whose requests KV growth left running (a preempted one left the
+        table: its held token is parked as held under swap, or recomputed)."""
+        kept = self.decode.lookup(leave.request_ids) >= 0
         if kept.all():
             return leave
         return leave.take(np.flatnonzero(kept)) if kept.any() else None
@@ -570,8 +567,9 @@ class Scheduler:
     def _apply_leave(
         self, rows_run: LeaveRows, results: DecodeResults, now: float, touched: list[Request]
     ) -> None:
-        """Append the tokens of held rows whose leave ran and start their next tokens. A row
-        not sampled (its request failed) stays held; the engine aborts its request."""
+        """Append the tokens of held rows whose leave ran and start their next tokens (those
+        started ahead get their fed-back token). A row not sampled (its request failed) is
+        left as it is; the engine aborts its request."""
         decode = self.decode
         rows = decode.lookup(rows_run.request_ids)
         live = rows >= 0  # a row whose request left while the step ran is skipped

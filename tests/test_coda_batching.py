@@ -423,7 +423,7 @@ def test_a_token_started_ahead_and_preempted_gives_back_its_loop_budget(tiny_dir
     request = scheduler.requests["b"]
     budgets = list(request.loop_budgets)
     assert budgets  # the held token's among them
-    leave = scheduler._select_leave()  # its next token starts ahead, with a budget
+    leave = scheduler.leaver.start(scheduler.decode)  # its next token starts ahead, with a budget
     assert leave is not None and len(request.loop_budgets) == len(budgets) + 1
     scheduler.preempt("b")
     assert request.loop_budgets == budgets

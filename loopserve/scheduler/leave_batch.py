@@ -45,6 +45,32 @@ class LeaveBatcher:
         self.num_rows = 0  # tokens they carried
         self.num_waited_steps = 0  # steps those tokens were held, each counting its leave's
 
+    def start(self, table: DecodeTable) -> LeaveRows | None:
+        """The held tokens whose leave runs this step (`select`). Each request's next token
+        starts in the same step, fed back the token its leave samples (KV growth, which runs
+        next, gives its position a block), unless the held token is its last (`max_tokens`)."""
+        leave = self.select(table)
+        if leave is None:
+            return None
+        rows, requests = [], []
+        for row in table.lookup(leave.request_ids).tolist():
+            request = table.requests[row]
+            assert request is not None
+            if len(request.output_token_ids) + 1 < request.params.max_tokens:
+                rows.append(row)
+                requests.append(request)
+        table.start_tokens(rows, requests, ahead=True)
+        return leave
+
+    @staticmethod
+    def still_held(table: DecodeTable, leave: LeaveRows) -> LeaveRows | None:
+        """The leave rows whose requests KV growth left running (a preempted one left the
+        table: its held token is parked as held under swap, or recomputed)."""
+        kept = table.lookup(leave.request_ids) >= 0
+        if kept.all():
+            return leave
+        return leave.take(np.flatnonzero(kept)) if kept.any() else None
+
     def select(self, table: DecodeTable) -> LeaveRows | None:
         """The held tokens whose leave runs this step (all of them, or none); the others'
         wait grows by one step."""

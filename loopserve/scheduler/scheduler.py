@@ -338,10 +338,10 @@ class Scheduler:
             self.brownout.observe(len(self.waiting))
             self.decode.brownout_cut = self.brownout.cut
         self.admission.admit()
-        leave = self._select_leave()  # before growth: tokens started ahead may need a block
-        self.admission.grow_running()
+        leave = self.leaver.start(self.decode)  # before growth: tokens started ahead need
+        self.admission.grow_running()  # their blocks
         if leave is not None:  # without the requests growth preempted
-            leave = self._still_held(leave)
+            leave = self.leaver.still_held(self.decode, leave)
         if self.speculator.num_tokens:
             self.speculator.grow()
         prompt_requests: list[Request] = []
@@ -360,33 +360,6 @@ class Scheduler:
         else:
             work = self.items.alternating(prompt_requests, replay_requests, spec_requests)
         return self._output(work, leave)
-
-    def _select_leave(self) -> LeaveRows | None:
-        """The held tokens whose leave runs this step (`LeaveBatcher`). Each request's next
-        token starts in the same step, fed back the token its leave samples (KV growth,
-        which runs next, gives its position a block), unless the held token is its last
-        (`max_tokens`)."""
-        leave = self.leaver.select(self.decode)
-        if leave is None:
-            return None
-        decode = self.decode
-        rows, requests = [], []
-        for row in decode.lookup(leave.request_ids).tolist():
-            request = decode.requests[row]
-            assert request is not None
-            if len(request.output_token_ids) + 1 < request.params.max_tokens:
-                rows.append(row)
-                requests.append(request)
-        decode.start_tokens(rows, requests, ahead=True)
-        return leave
-
-    def _still_held(self, leave: LeaveRows) -> LeaveRows | None:
-        """The leave rows whose requests KV growth left running (a preempted one left the
-        table: its held token is parked as held under swap, or recomputed)."""
-        kept = self.decode.lookup(leave.request_ids) >= 0
-        if kept.all():
-            return leave
-        return leave.take(np.flatnonzero(kept)) if kept.any() else None
 
     # ---- self-speculative decoding ---------------------------------------------------------
 
@@ -593,7 +566,7 @@ class Scheduler:
     ) -> None:
         """Append the sampled tokens of result rows `exits` (table rows `rows`, each exited
         after loop `depths[i]`) and start their requests' next tokens (except where
-        `started`: their next tokens started ahead, `_select_leave`)."""
+        `started`: their next tokens started ahead, `LeaveBatcher.start`)."""
         decode = self.decode
         self.step_tokens += len(exits)
         self.step_loops += int(depths[exits].sum()) + len(exits)

@@ -6,6 +6,10 @@ prefill engine EXPORTS a `HandoffState` and finishes the request locally without
 the decode engine IMPORTS it, allocates KV blocks for the written positions in every plane,
 writes them, restores the sampler's generator state and admits the request straight into
 decode. The tensors (`kv`) are opaque here: the runner builds and reads them.
+
+A streamed hand-off (engine/kv_stream.py) moves the same state in parts: the decode engine
+reserves the request's blocks first, each run of prompt blocks travels as a `KVChunk` as soon
+as every depth wrote it, and the `HandoffState` carries the rest (`first_block` on).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class HandoffState:
     - `runner_state`: what a family's executor keeps per request beyond K/V and sampler
       (Huginn: its random initial states and, under the `full` lookup, the steps each
       position ran); None for Ouro. Opaque here, small, picklable (CPU tensors).
+    - `first_block`: the first block of each plane `kv` holds (a streamed hand-off: the blocks
+      before it reached the importing engine as `KVChunk`s, or came from its prefix cache).
     - The importing engine must have the same model, layout, number of planes and block size.
     """
 
@@ -51,3 +57,17 @@ class HandoffState:
     num_cached_prompt_tokens: int = 0
     prompt_logprobs: list[SampledToken] = field(default_factory=list)  # when asked for
     runner_state: object = None
+    first_block: int = 0
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    """Part of a streamed hand-off: blocks `[first_block, first_block + num_blocks)` of every
+    plane of a request's prompt, complete at every depth while its later chunks still run.
+    `kv` as `HandoffState.kv` (`[layers, K/V, planes * num_blocks, block_size, heads,
+    head_dim]`, plane-major); None inside a transport's descriptor."""
+
+    request_id: str
+    first_block: int
+    num_blocks: int
+    kv: object

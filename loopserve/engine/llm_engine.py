@@ -33,7 +33,8 @@ from loopserve.config import (
 )
 from loopserve.contracts import SampledToken
 from loopserve.engine.build import build_engine_core
-from loopserve.engine.handoff import HandoffState
+from loopserve.engine.handoff import HandoffState, KVChunk
+from loopserve.engine.kv_stream import KVStreamOut
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.exit import ExitMode
@@ -122,6 +123,7 @@ class LLMEngine:
         self._tracked: dict[str, Request] = {}
         self._reported: dict[str, int] = {}  # output tokens already in an output
         self._arrivals = itertools.count()
+        self.kv_stream = KVStreamOut(self.kv.block_size)  # streamed hand-offs out
 
     @property
     def stats(self) -> EngineStats:
@@ -210,7 +212,10 @@ class LLMEngine:
         if self.scheduler.has_pending_copy(request_id):  # a fork's copy of its last block
             self.core.deliver_bookkeeping()
         handle = self.scheduler.kv_handle(request_id)
-        kv, generator_state = self.runner.export_request(handle, to_host=to_host)
+        first_block = self.kv_stream.finish(request_id, request.num_preemptions)
+        kv, generator_state = self.runner.export_request(
+            handle, to_host=to_host, first_block=first_block
+        )
         runner_state = self.runner.export_runner_state(request_id)
         times = request.times
         state = HandoffState(
@@ -232,6 +237,7 @@ class LLMEngine:
             token_times_s=list(times.token_times_s),
             num_cached_prompt_tokens=request.num_cached_prompt_tokens,
             runner_state=runner_state,
+            first_block=first_block,
         )
         # Finished internally as an abort, never reported: the request lives on elsewhere.
         self._untrack(request_id)
@@ -271,6 +277,7 @@ class LLMEngine:
             token_times_s=state.token_times_s,
         )
         assert state.num_kv_positions == request.next_position, "hand-off K/V does not match"
+        self._claim_reservation(state)
         self.runner.stage_import(
             state.request_id,
             state.kv,  # type: ignore[arg-type]
@@ -284,6 +291,76 @@ class LLMEngine:
             raise
         self._track(request, prompt_text)
         self.output_processor.mark_reported(self._delta(request, None))
+
+    # ---- streamed hand-off (engine/kv_stream.py) ----------------------------------------
+
+    def stream_export(self, request_id: str, skip_blocks: int = 0) -> None:
+        """Hand this request off chunk by chunk: `take_kv_chunks` returns its prompt blocks as
+        they complete, from block `skip_blocks` on (the receiver's prefix cache holds the
+        earlier ones); `export_request` then carries the rest."""
+        if request_id not in self._tracked:
+            raise InvalidRequestError(f"unknown request {request_id!r}", "request_id")
+        self.kv_stream.start(request_id, skip_blocks)
+
+    def take_kv_chunks(self, *, to_host: bool = True) -> list[KVChunk]:
+        """The K/V chunks of streamed requests that completed since the last call (call it
+        between steps; `to_host=False` leaves the copies on the engine's device)."""
+        return self.kv_stream.take(self.scheduler, self.runner, to_host=to_host)
+
+    def reserve_import(
+        self, request_id: str, prompt: list[int], params: SamplingParams | None = None
+    ) -> int | None:
+        """Reserve blocks for a request another engine will hand off chunk by chunk. Returns
+        the blocks per plane this engine's prefix cache already holds (the sender skips
+        them), or None when they do not fit now (then the request must come whole)."""
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        request = Request(
+            request_id,
+            list(prompt),
+            (params or SamplingParams()).resolve_loops(self.num_loops),
+            arrival_order=-1,
+            eos_token_ids=self.eos_token_ids,
+        )
+        return self.scheduler.admission.reserve_import(request)
+
+    def write_kv_chunk(self, chunk: KVChunk) -> None:
+        """Write a streamed request's chunk into the blocks `reserve_import` reserved."""
+        reservation = self.scheduler.admission.reserved.get(chunk.request_id)
+        if reservation is None or reservation.first_block is not None:
+            raise InvalidRequestError(
+                f"no reservation waits for K/V of {chunk.request_id!r}", "request_id"
+            )
+        table = self.kv.tables[chunk.request_id]
+        end = chunk.first_block + chunk.num_blocks
+        if chunk.first_block < reservation.num_cached_blocks or end > len(table[0]):
+            raise InvalidRequestError(
+                f"chunk of blocks [{chunk.first_block}, {end}) of {chunk.request_id!r} is "
+                f"outside its reserved blocks [{reservation.num_cached_blocks}, {len(table[0])})"
+            )
+        ids = [plane[chunk.first_block : end] for plane in table]
+        self.runner.write_blocks(chunk.request_id, chunk.kv, ids)  # type: ignore[arg-type]
+
+    def release_import(self, request_id: str) -> bool:
+        """Free a reservation whose request will not come (its sender failed); False when
+        there is none (never reserved, already imported, or released)."""
+        return self.scheduler.admission.release_reserved(request_id)
+
+    def _claim_reservation(self, state: HandoffState) -> None:
+        """Match an arriving hand-off with its reservation: a streamed one (`first_block` > 0)
+        needs one; a whole one frees a reservation it makes unnecessary."""
+        admission = self.scheduler.admission
+        reservation = admission.reserved.get(state.request_id)
+        if state.first_block == 0:
+            admission.release_reserved(state.request_id)
+            return
+        if reservation is None or state.first_block < reservation.num_cached_blocks:
+            raise InvalidRequestError(
+                f"streamed hand-off of {state.request_id!r} starts at block "
+                f"{state.first_block} without a reservation holding the blocks before it",
+                "request_id",
+            )
+        reservation.first_block = state.first_block
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -36,6 +36,7 @@ from loopserve.contracts import (
     BlockTables,
     DecodeRows,
     KVHandle,
+    KVTransfer,
     LeaveRows,
     NewRequestData,
     RequestFailure,
@@ -43,6 +44,7 @@ from loopserve.contracts import (
     RunnerStats,
     SampleSpec,
     SchedulerOutput,
+    SwapKind,
 )
 from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.execution import Executor, StepRules, run_without_failed, set_up_each
@@ -320,14 +322,35 @@ class ModelRunner(Executor):
     # ---- hand-off (prefill/decode disaggregation) -------------------------------------------
 
     def export_request(
-        self, handle: KVHandle, *, to_host: bool = True
+        self, handle: KVHandle, *, to_host: bool = True, first_block: int = 0
     ) -> tuple[torch.Tensor, bytes | None]:
-        """A copy of the K/V `handle` names (every plane, see `KVMoves.export`) and the
-        request's generator state (None when greedy); nothing of it may be in flight."""
+        """A copy of the K/V `handle` names (every plane, see `KVMoves.export`; from block
+        `first_block` of each plane on) and the request's generator state (None when greedy);
+        nothing of it may be in flight."""
         request_id = handle.request_id
         assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
-        kv = self.moves.export(handle.block_tables, handle.num_positions, to_host=to_host)
+        kv = self.export_blocks(handle, first_block, to_host=to_host)
         return kv, generator_state(self.samplers[request_id][1])
+
+    def export_blocks(
+        self, handle: KVHandle, first_block: int, *, to_host: bool = True
+    ) -> torch.Tensor:
+        """A copy of blocks `[first_block, ...)` of every plane that cover the positions
+        `handle` names as written (a streamed hand-off's chunk). Complete blocks of a prompt are
+        final once every depth wrote them, also while later chunks still run."""
+        table = tuple(plane[first_block:] for plane in handle.block_tables)
+        positions = handle.num_positions - first_block * self.moves.block_size
+        return self.moves.export(table, positions, to_host=to_host)
+
+    def write_blocks(self, request_id: str, kv: torch.Tensor, block_ids: list[list[int]]) -> None:
+        """Write a streamed hand-off's chunk (`kv`, as `export_blocks` made it) into the blocks
+        `block_ids` (one list per plane) that this cache reserved for it."""
+        self.moves.swap.check_import(kv)
+        count = len(block_ids[0])
+        moves = tuple(
+            (p * count + i, b) for p, ids in enumerate(block_ids) for i, b in enumerate(ids)
+        )
+        self.moves.swap.import_blocks(kv, KVTransfer(SwapKind.IMPORT, request_id, moves))
 
     def export_runner_state(self, request_id: str) -> dict | None:
         """What the runner keeps of a request besides K/V and the sampler (drawn initial

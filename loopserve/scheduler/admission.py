@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from loopserve.config import EngineConfig
 from loopserve.contracts import KVTransfer, NewRequestData, SampleSpec, SwapKind
+from loopserve.errors import InvalidRequestError
 from loopserve.scheduler.decode_table import DecodeTable
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.preemption import pick_victim, reset_for_recompute
@@ -38,6 +39,17 @@ class MemoryStats:
     @property
     def num_preemptions(self) -> int:
         return self.num_preemptions_recompute + self.num_preemptions_swap
+
+
+@dataclass
+class ImportReservation:
+    """Blocks a streamed KV import holds before its request arrives (`Admission.reserve_import`):
+    its table is allocated (the executor learns it at admission). `num_cached_blocks` blocks per
+    plane come from this engine's prefix cache (the sender skips them); `first_block` is the
+    first block per plane the final hand-off's K/V carries (set when the request arrives)."""
+
+    num_cached_blocks: int
+    first_block: int | None = None
 
 
 def admission_key(request: Request) -> tuple[int, int]:
@@ -71,6 +83,50 @@ class Admission:
         # The prompt exits as one token (Huginn's `prompt_exits`): recompute replays it
         # through the loops it used.
         self.prompt_exits = config.exit.prompt_exits
+        self.reserved: dict[str, ImportReservation] = {}  # streamed KV imports
+
+    # ---- streamed KV imports ----------------------------------------------------------------
+
+    def reserve_import(self, request: Request) -> int | None:
+        """Allocate the blocks a request handed off chunk by chunk will need (its prompt and
+        first token, or its whole reservation) before its K/V arrives; its prompt's cached
+        pages serve its first blocks. Returns how many blocks per plane the prefix cache
+        supplied (the sender skips them), or None when the blocks do not fit now (the hand-off
+        then moves whole). `request` is not queued: it arrives later (`add_imported`)."""
+        request_id = request.request_id
+        if request_id in self.reserved or request_id in self.queues.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        positions = (
+            request.max_positions if self.full_reservation else request.num_prompt_tokens + 1
+        )
+        hits = self.kv.match_prefix(
+            request_id, request.prompt_token_ids, max_loops=request.exit_rule.max_loops
+        )
+        if not self.kv.can_admit(
+            self.kv.admission_blocks(positions, hits), idle=not self.queues.running
+        ):
+            self.kv.forget(request_id)
+            return None
+        self.kv.allocate(request_id, positions, prefix=hits)
+        self.kv.hold_table(request_id)
+        self.kv.mark_unscored(request_id)  # its K/V arrive by copy
+        self.reserved[request_id] = ImportReservation(len(hits))
+        return len(hits)
+
+    def release_reserved(self, request_id: str) -> bool:
+        """Free a reservation's blocks (its request never came, or finished before admission);
+        False when there is none."""
+        if self.reserved.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        self.kv.forget(request_id)
+        return True
+
+    def _import_blocks(self, request: Request, positions: int) -> int:
+        """Free blocks an imported request's admission consumes (none of a reservation's)."""
+        if request.request_id in self.reserved:
+            return self.kv.blocks_to_grow(request.request_id, positions)
+        return self.kv.admission_blocks(positions, [])
 
     def admit(self) -> None:
         """Admit waiting requests in (priority, arrival) order while seats and KV allow; stop
@@ -84,7 +140,7 @@ class Admission:
             if request.swapped:
                 hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
             elif request.pending_import:
-                hits, blocks = [], self.kv.admission_blocks(positions, [])
+                hits, blocks = [], self._import_blocks(request, positions)
             else:
                 hits = self._prefix_hits(request)
                 blocks = self.kv.admission_blocks(positions, hits)
@@ -157,11 +213,22 @@ class Admission:
             moves = self.kv.swap_in(request_id)
             self.outbox.transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
         elif request.pending_import:
-            table = self.kv.allocate(request_id, positions)
+            reservation = self.reserved.pop(request_id, None)
+            first = 0
+            if reservation is None:
+                table = self.kv.allocate(request_id, positions)
+            else:  # streamed: blocks before `first` were written as they arrived
+                assert self.kv.grow(request_id, positions), "admitted without room"
+                self.kv.resend_table(request_id)
+                table = self.kv.tables[request_id]
+                first = reservation.first_block or 0
             self.kv.mark_unscored(request_id)  # its K/V arrive by copy
-            blocks = self.kv.blocks_per_plane(request.next_position)  # written positions
+            # The blocks the hand-off carries: of the written positions, from `first` on.
+            blocks = self.kv.blocks_per_plane(request.next_position) - first
             moves = tuple(
-                (p * blocks + i, plane[i]) for p, plane in enumerate(table) for i in range(blocks)
+                (p * blocks + i, plane[first + i])
+                for p, plane in enumerate(table)
+                for i in range(blocks)
             )
             self.outbox.transfers.append(KVTransfer(SwapKind.IMPORT, request_id, moves))
         else:
@@ -272,7 +339,7 @@ class Admission:
         if request.swapped:
             blocks = self.kv.swap_in_blocks(request.request_id)
         elif request.pending_import:
-            blocks = self.kv.admission_blocks(self._admission_positions(request), [])
+            blocks = self._import_blocks(request, self._admission_positions(request))
         else:
             hits = self._prefix_hits(request)
             blocks = self.kv.admission_blocks(self._admission_positions(request), hits)

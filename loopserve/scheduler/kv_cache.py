@@ -213,6 +213,16 @@ class KVCacheManager:
         self.num_cached_pages[request_id] = len(prefix)
         return table
 
+    def hold_table(self, request_id: str) -> None:
+        """Do not send the request's new table to the executor yet (a reservation for a
+        streamed KV import: the executor learns it at admission, `resend_table`)."""
+        self._changed.pop(request_id, None)
+
+    def resend_table(self, request_id: str) -> None:
+        """Send the request's whole table with the next updates."""
+        self._sent.pop(request_id, None)
+        self._changed[request_id] = 0
+
     def take_table_updates(self) -> tuple[TableUpdate, ...]:
         """The tables changed since the last call, as updates of the executor's copy (each
         change is sent once; a request's new blocks, not its whole table)."""

@@ -255,9 +255,10 @@ class Scheduler:
             if request.swapped:
                 self.kv.drop_swapped(request.request_id)
             # Preempted earlier: the runner still holds its sampler; or imported: the runner
-            # holds its staged K/V and generator state.
+            # holds its staged K/V and generator state (and a streamed one, its blocks).
             if request.announced or request.pending_import:
                 self.outbox.gone_request_ids.append(request.request_id)
+                self.admission.release_reserved(request.request_id)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.kv.free(request.request_id)
@@ -623,7 +624,9 @@ class Scheduler:
         self.decode.check_invariants()
         self.groups.check_invariants(self.requests)
         running_ids = {r.request_id for r in self.running}
-        assert running_ids == set(self.kv.tables), "running requests and KV owners differ"
+        reserved = self.admission.reserved  # streamed imports: blocks before the request
+        assert running_ids | set(reserved) == set(self.kv.tables), "KV owners differ"
+        assert not running_ids & set(reserved), "a running request still holds a reservation"
         assert running_ids == set(self.decode.row_of), "running requests and decode rows differ"
         swapped_ids = {r.request_id for r in self.waiting if r.swapped}
         assert swapped_ids == set(self.kv.host_tables), "swapped requests and host KV differ"
@@ -653,7 +656,7 @@ class Scheduler:
                 assert covered >= request.next_position + (depth > 0)
         for request in self.waiting:
             assert request.status is RequestStatus.WAITING
-            assert request.request_id not in self.kv.tables
+            assert request.request_id not in self.kv.tables or request.request_id in reserved
 
     def kv_handle(self, request_id: str) -> KVHandle:
         """The K/V a running request holds: every position written so far, on every plane."""

@@ -91,10 +91,17 @@ def _serve_and_complete(
 
 
 def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
+    """`--pd prefill=1,decode=1 --kv-handoff stream`: the prompt's complete block goes to
+    the decode replica as a chunk before the hand-off (its chunk counters say so)."""
+    received = 'loopserve_kv_stream_chunks_total{direction="received",replica="1",role="decode"}'
     health = _serve_and_complete(
-        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1"], tmp_path, expected
+        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-handoff", "stream"],
+        tmp_path,
+        expected,
+        metrics_until=lambda metrics: metrics.get(received, 0) > 0,
     )
     assert health["replicas"] == 2
+    assert health["metrics"][received] == 1  # 5 prompt tokens: one complete block of 4
 
 
 def test_pd_serve_with_the_nixl_transport_starts_from_the_command_line(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from loopserve.errors import InvalidRequestError
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
@@ -41,12 +42,23 @@ class StreamLog:
         return sum(n for _, n in self.chunks.get(request_id, []))
 
 
-def run_streamed(prefill, decode, work, *, on_prefill_step=None, on_chunk=None, streamed_only=True):
+def run_streamed(
+    prefill,
+    decode,
+    work,
+    *,
+    on_prefill_step=None,
+    on_chunk=None,
+    streamed_only=True,
+    sender_skips=None,
+    on_export=None,
+):
     """Every request is reserved on `decode`, prefilled on `prefill` with its K/V streamed
     chunk by chunk, handed off after its first token and decoded on `decode`; both engines
     step in turn. A request that finishes with its first token releases its reservation;
     one the decode pool has no room to reserve for (`streamed_only=False`) moves whole.
-    Returns (final outputs, `StreamLog`)."""
+    `sender_skips`: the blocks the prefill engine skips instead of those the reservation
+    reports (chunks cut for another replica's cache). Returns (final outputs, `StreamLog`)."""
     log = StreamLog()
     for request_id, prompt, params, _ in work:
         skip = decode.reserve_import(request_id, prompt, params)
@@ -55,7 +67,7 @@ def run_streamed(prefill, decode, work, *, on_prefill_step=None, on_chunk=None, 
             assert not streamed_only, "the decode pool is sized for every reservation"
             continue
         log.skipped[request_id] = skip
-        prefill.stream_export(request_id, skip)
+        prefill.stream_export(request_id, skip if sender_skips is None else sender_skips)
     finished: dict = {}
     step = 0
     while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
@@ -83,6 +95,8 @@ def run_streamed(prefill, decode, work, *, on_prefill_step=None, on_chunk=None, 
             for request_id in list(prefill.scheduler.requests):
                 if prefill.can_export(request_id):
                     state = prefill.export_request(request_id)
+                    if on_export is not None:
+                        on_export(state)
                     log.final_first_block[request_id] = state.first_block
                     decode.import_request(state)
             prefill.scheduler.check_invariants()
@@ -204,6 +218,60 @@ def test_decode_prefix_hits_are_not_sent(tiny_dir):
             assert first >= expected_skip
     for engine in (prefill, decode):
         assert_all_released(engine)
+
+
+def test_chunks_cut_for_another_cache_leave_cached_blocks_alone(tiny_dir):
+    """The prefill engine streams every block (cut for a replica that cached nothing, as
+    when a hand-off is replayed to another decode replica), but this decode engine's prefix
+    cache holds the first three: chunk writes and the final hand-off skip those blocks (the
+    pages other requests share stay as they are) and tokens equal the reference."""
+    args = dict(enable_prefix_caching=True)
+    prefill = make_engine(tiny_dir, **args)
+    decode = make_engine(tiny_dir, **args)
+    warm = [("warm", SHARED + [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0), 0)]
+    run_steps(decode, warm)
+    work = workload(35, prefill.model.config.vocab_size, shared_every=1)
+    short = ("short", SHARED + [4], SamplingParams(max_tokens=5, temperature=0.0), 0)
+    work.append(short)  # its final hand-off starts inside the cached blocks
+    finished, log = run_streamed(prefill, decode, work, sender_skips=0)
+    assert all(log.skipped[r] == 3 for r, *_ in work)
+    assert any(first == 0 for r, *_ in work for first, _ in log.chunks.get(r, []))
+    assert log.final_first_block["short"] == 3 and len(short[1]) // 4 == 3
+    assert_match_reference(prefill, work, finished)
+    for engine in (prefill, decode):
+        assert_all_released(engine)
+    # Zeroed chunks and final hand-offs: the cached pages' bytes stay as they were.
+    pages = decode.kv.match_prefix("probe", SHARED + [0])
+    decode.kv.forget("probe")
+    index = torch.tensor([b for page in pages for b in page.blocks])
+    blocks = decode.runner.moves.swap._blocks(decode.runner.moves.kv_cache)
+    before = blocks[:, :, index].clone()
+    zero = lambda item: item.kv.zero_()  # noqa: E731
+    again = [(f"z{r}", p, q, a) for r, p, q, a in work]
+    run_streamed(prefill, decode, again, sender_skips=0, on_chunk=zero, on_export=zero)
+    assert len(pages) == 3 and torch.equal(blocks[:, :, index], before)
+    # A final hand-off that starts inside the cached blocks (the sender exported before
+    # taking its last chunks) leaves them alone too.
+    prompt, params = SHARED + [9, 9, 9, 9, 9], SamplingParams(max_tokens=3, temperature=0.0)
+    assert decode.reserve_import("late", prompt, params) == 3
+    prefill = make_engine(tiny_dir, prefill_chunk_size=4)  # a chunk per block
+    prefill.add_request("late", prompt, params)
+    prefill.stream_export("late", 0)
+    while not prefill.can_export("late"):
+        prefill.step()
+        if not log.chunks.get("late"):
+            for chunk in prefill.take_kv_chunks():
+                log.chunks["late"] = [(chunk.first_block, chunk.num_blocks)]
+                zero(chunk)
+                decode.write_kv_chunk(chunk)
+    state = prefill.export_request("late")
+    assert state.first_block < 3
+    zero(state)
+    decode.import_request(state)
+    while decode.has_unfinished_requests():
+        decode.step()
+    assert torch.equal(blocks[:, :, index], before)
+    assert_all_released(decode)
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])

@@ -96,3 +96,31 @@ def test_kv_transfer_timeout_must_be_positive_and_reaches_the_pool(capsys):
     )
     pool = build_pool(args, {"block_size": 4}, lambda err: None)
     assert (pool.kv_transport, pool.kv_transfer_timeout_s) == ("torch", 7.5)
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        (["--kv-handoff", "stream"], "--kv-handoff stream needs --pd"),
+        (["--pd", "prefill=1,decode=1", "--kv-handoff", "stream", "--kv-transport", "torch"],
+         "--kv-transport torch sends whole hand-offs point to point only"),
+    ],
+)  # fmt: skip
+def test_kv_handoff_stream_needs_pd_and_the_object_store(capsys, flags, says):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_kv_handoff_reaches_the_pool_and_auto_streams_through_the_object_store():
+    from loopserve.cli.serve import add_cli_args
+    from loopserve.distributed.launch import build_pool
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    flags = ["--pd", "prefill=1,decode=1", "--kv-handoff", "stream", "--kv-transport", "auto"]
+    pool = build_pool(parser.parse_args(flags), {"block_size": 4, "device": "cuda"}, print)
+    assert (pool.kv_handoff, pool.kv_transport, pool.streams_kv) == ("stream", "ray", True)
+    pool = build_pool(parser.parse_args(flags[:2]), {"block_size": 4}, print)
+    assert (pool.kv_handoff, pool.streams_kv) == ("whole", False)

@@ -34,6 +34,7 @@ from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
 from loopserve.distributed.pool import PoolConfig, ReplicaPool, ReplicaState, _Replica  # noqa: E402
 from loopserve.distributed.pool_stream import ReplicaFailedError  # noqa: E402
 from loopserve.distributed.replica import Accepted, Exported, Rejected  # noqa: E402
+from loopserve.distributed.replica_messages import ChunkSent  # noqa: E402
 from loopserve.distributed.router import RoutedRequest  # noqa: E402
 from loopserve.engine.async_llm import GenerateRequest, QueueFullError  # noqa: E402
 from loopserve.outputs import RequestMetrics, RequestOutput  # noqa: E402
@@ -98,7 +99,9 @@ class FakeReplica:
         self.calls: list[tuple[str, tuple]] = []
         self.streams: list[Stream] = []
         self.answers: list[Ref] = []
-        names = ("generate", "prefill", "import_handoff", "decode_stream", "abort", "drop_handoff")
+        self.scripted: dict[str, list[Ref]] = {}  # other calls' next answers (else Ref(None))
+        names = ("generate", "prefill", "import_handoff", "decode_stream", "abort", "drop_handoff",
+                 "reserve_imports", "write_kv_chunk", "release_imports")  # fmt: skip
         for name in names:
             setattr(self, name, Method(self._recorder(name)))
 
@@ -111,6 +114,8 @@ class FakeReplica:
                 return stream
             if name == "import_handoff":
                 return self.answers.pop(0)
+            if self.scripted.get(name):
+                return self.scripted[name].pop(0)
             return Ref(None)
 
         return call
@@ -354,8 +359,8 @@ def test_torch_transport_sends_to_the_decode_replica_chosen_at_submission():
 
     outputs, (p0, d1, d2) = asyncio.run(main())
     assert outputs[-1].token_ids == [5, 6]
-    ((requests, destinations),) = p0.called("prefill")
-    assert destinations == {"r": 2}  # the least-loaded decode replica (rank = index)
+    ((requests, destinations, stream_to),) = p0.called("prefill")
+    assert destinations == {"r": 2} and stream_to is None  # least loaded (rank = index)
     assert len(d2.called("import_handoff")) == 1 and not d1.calls
 
 
@@ -466,3 +471,123 @@ def test_a_client_leaving_before_the_first_item_aborts_on_the_replica(kind):
     started = [fake for fake in fakes if fake.streams]
     assert len(started) == 1
     assert started[0].called("abort") == [(["gone"],)]
+
+
+# ---- streamed hand-offs (`kv_handoff="stream"`, pd_kv_stream.py) ----------------------------
+
+
+def _stream_pool(spec: PDSpec) -> tuple[PDReplicaPool, list[FakeReplica]]:
+    pool, fakes = _pool(spec)
+    pool.kv_handoff = "stream"
+    return pool, fakes
+
+
+def _released(fake: FakeReplica) -> list[str]:
+    return [r for (ids,) in fake.called("release_imports") for r in ids]
+
+
+def test_a_streamed_hand_off_goes_where_its_chunks_went():
+    """Blocks are reserved on the least-loaded decode replica before the prompt runs; each
+    chunk's reference goes there unfetched; the final hand-off goes there too (not to the
+    other, idle-looking replica) once the writes succeeded; the import takes the
+    reservation, so nothing is released."""
+
+    async def main():
+        pool, (p0, d1, d2) = _stream_pool(PDSpec(1, 2))
+        pool.router.assign(1, [RoutedRequest("busy", 0, 500)])  # replica 1 has work
+        d2.scripted["reserve_imports"] = [Ref([1])]  # its cache holds the first block
+        d2.scripted["write_kv_chunk"] = [Ref(2)]
+        d2.answers.append(Ref(Accepted()))
+        submitting = asyncio.ensure_future(_submit(pool, prompt=list(range(1, 15))))
+        await _until(lambda: p0.streams)
+        chunk = Ref("chunk [1, 3)")
+        p0.streams[0].push(Accepted(), ChunkSent("r", 1, 2), chunk)
+        await _until(lambda: d2.called("write_kv_chunk"))
+        pool.router.finish("busy")  # replica 1 idle now: the final still goes to 2
+        p0.streams[0].push(_output("r", [5], finished=False, new=1))
+        stream = await submitting
+        p0.streams[0].push(Exported("r", 1, None, None, 3), Ref("state"), END)
+        await _until(lambda: d2.streams)
+        d2.streams[0].push(_output("r", [5, 6, 7], finished=True, new=2), END)
+        return [o async for o in stream], chunk, (p0, d1, d2)
+
+    outputs, chunk, (p0, d1, d2) = asyncio.run(main())
+    assert outputs[-1].token_ids == [5, 6, 7]
+    ((requests, destinations, stream_to),) = p0.called("prefill")
+    assert stream_to == {"r": 1} and destinations is None
+    assert d2.called("write_kv_chunk") == [(chunk,)] and not chunk.awaited
+    assert len(d2.called("import_handoff")) == 1 and not d1.calls
+    assert _released(d2) == []
+
+
+def test_a_failed_write_replays_the_kept_chunks_on_a_serving_replica():
+    """The reserving decode replica dies under a chunk write and when asked again: the
+    request is reserved on the other decode replica, every kept chunk is written there, and
+    the final hand-off goes there."""
+
+    async def main():
+        pool, (p0, d1, d2) = _stream_pool(PDSpec(1, 2))
+        pool.router.assign(2, [RoutedRequest("busy", 0, 500)])  # replica 1 is chosen first
+        d1.scripted["reserve_imports"] = [Ref([0]), Ref(ray.exceptions.RayActorError())]
+        d1.scripted["write_kv_chunk"] = [Ref(2), Ref(ray.exceptions.RayActorError())]
+        d2.scripted["reserve_imports"] = [Ref([0])]
+        d2.scripted["write_kv_chunk"] = [Ref(2), Ref(2)]
+        d2.answers.append(Ref(Accepted()))
+        submitting = asyncio.ensure_future(_submit(pool, prompt=list(range(1, 20))))
+        await _until(lambda: p0.streams)
+        chunks = [Ref("chunk [0, 2)"), Ref("chunk [2, 4)")]
+        p0.streams[0].push(Accepted(), ChunkSent("r", 0, 2), chunks[0])
+        p0.streams[0].push(ChunkSent("r", 2, 2), chunks[1])
+        p0.streams[0].push(_output("r", [5], finished=False, new=1))
+        stream = await submitting
+        p0.streams[0].push(Exported("r", 1, None, None, 4), Ref("state"), END)
+        await _until(lambda: d2.streams)
+        d2.streams[0].push(_output("r", [5, 6], finished=True, new=1), END)
+        return pool, [o async for o in stream], chunks, (p0, d1, d2)
+
+    pool, outputs, chunks, (p0, d1, d2) = asyncio.run(main())
+    assert outputs[-1].token_ids == [5, 6]
+    assert d1.called("write_kv_chunk") == [(chunks[0],), (chunks[1],)]
+    assert d2.called("write_kv_chunk") == [(chunks[0],), (chunks[1],)]  # replayed, in order
+    assert not d1.called("import_handoff") and len(d2.called("import_handoff")) == 1
+    assert _released(d1) == ["r"] and _released(d2) == []
+    assert pool.replicas[1].state is ReplicaState.RESTARTING
+
+
+@pytest.mark.parametrize("how", ["prefill_dies", "finishes_on_prefill", "client_leaves"])
+def test_a_request_that_will_not_be_imported_releases_its_reservation(how):
+    """Its prefill replica dies mid-stream (after output: the request fails with the retry
+    error), it finishes with its first token, or the client leaves: the reservation on the
+    decode replica is released, and a chunk that still arrives is not written."""
+
+    async def main():
+        pool, (p0, d1) = _stream_pool(PDSpec(1, 1))
+        d1.scripted["reserve_imports"] = [Ref([0])]
+        d1.scripted["write_kv_chunk"] = [Ref(2)]
+        submitting = asyncio.ensure_future(_submit(pool, prompt=list(range(1, 20))))
+        await _until(lambda: p0.streams)
+        p0.streams[0].push(Accepted(), ChunkSent("r", 0, 2), Ref("chunk"))
+        p0.streams[0].push(_output("r", [5], finished=how == "finishes_on_prefill", new=1))
+        stream = await submitting
+        error = None
+        if how == "prefill_dies":
+            p0.streams[0].push(ray.exceptions.RayActorError())
+            try:
+                [o async for o in stream]
+            except ReplicaFailedError as err:
+                error = err
+        elif how == "finishes_on_prefill":
+            p0.streams[0].push(END)
+            [o async for o in stream]
+        else:
+            await stream.__anext__()
+            stream.close()
+        await _until(lambda: d1.called("release_imports"))
+        p0.streams[0].push(ChunkSent("r", 2, 2), Ref("late chunk"))
+        await asyncio.sleep(0.01)
+        return error, (p0, d1)
+
+    error, (p0, d1) = asyncio.run(main())
+    assert _released(d1) == ["r"]
+    assert len(d1.called("write_kv_chunk")) == 1 and not d1.called("import_handoff")
+    assert (error is not None) == (how == "prefill_dies")

@@ -46,5 +46,6 @@ def build_pool(
             on_load_error=on_load_error,
             kv_transport=getattr(args, "kv_transport", "ray"),
             kv_transfer_timeout_s=getattr(args, "kv_transfer_timeout_s", 120.0),
+            kv_handoff=getattr(args, "kv_handoff", "whole"),
         )
     return ReplicaPool(engine_args, config, on_load_error=on_load_error)

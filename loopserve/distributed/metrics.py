@@ -14,7 +14,8 @@ A prefill/decode pool (`--pd`) labels every per-replica sample with the replica'
 replica exported, or a decode replica imported; `loopserve_kv_transport_bytes_total{replica,
 role,direction}`: K/V bytes the replica's torch KV transport sent or received (0 on the
 object-store path); and `loopserve_kv_transport_fallback`: 1 once hand-offs fell back from
-the torch transport to the object store.
+the torch transport to the object store; `loopserve_kv_stream_chunks_total{replica,role,
+direction}`: chunks of streamed hand-offs sent or written into reserved blocks.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class ReplicaGauges:
     num_handoffs: int = 0  # requests exported (prefill role) or imported (decode role)
     kv_bytes_sent: int = 0  # by the replica's KV transport (torch), since it started
     kv_bytes_received: int = 0
+    kv_chunks_sent: int = 0  # streamed hand-offs' chunks (`--kv-handoff stream`)
+    kv_chunks_received: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,16 @@ class _PoolCollector:
             kv_bytes.add_metric([*label_values(replica), "sent"], replica.kv_bytes_sent)
             kv_bytes.add_metric([*label_values(replica), "received"], replica.kv_bytes_received)
         yield kv_bytes
+        chunks = CounterMetricFamily(
+            "loopserve_kv_stream_chunks",
+            "Chunks of streamed hand-offs (--kv-handoff stream) the replica sent (prefill) or "
+            "wrote into reserved blocks (decode), by direction.",
+            labels=["replica", "role", "direction"],
+        )
+        for replica in pool.replicas:
+            chunks.add_metric([*label_values(replica), "sent"], replica.kv_chunks_sent)
+            chunks.add_metric([*label_values(replica), "received"], replica.kv_chunks_received)
+        yield chunks
         yield GaugeMetricFamily(
             "loopserve_kv_transport_fallback",
             "1 once hand-offs fell back from the torch KV transport to Ray's object store.",

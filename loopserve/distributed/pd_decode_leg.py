@@ -20,6 +20,14 @@ in flight. The prefill leg calls `on_exported` for each `Exported` item. Per exp
 - once accepted, `decode_stream` on that replica feeds the stream's queue; its death ends the
   request with `ReplicaFailedError`. A request aborted while in flight is aborted right after
   its acceptance.
+
+Streamed hand-offs (`--kv-handoff stream`, `StreamedKV` in pd_kv_stream.py): chunks go to the
+decode replica that reserved the request's blocks before its prompt ran; the final hand-off
+(`Exported.first_block` > 0) goes there once every chunk write succeeded. If a write failed,
+or that replica dies or stops serving before taking it, the request is reserved again on a
+serving decode replica and the kept chunks and the final hand-off are replayed there, for up
+to `HANDOFF_WAIT_S`; a request that will not be imported where it is reserved (it ended on its
+prefill replica, was aborted, failed, or moves whole) releases its reservation.
 """
 
 from __future__ import annotations
@@ -31,8 +39,20 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from loopserve.distributed.pd_kv_stream import (
+    DECODE,
+    REPLAYED,
+    SKIPPED_BLOCKS_LOST,
+    StreamedKV,
+)
 from loopserve.distributed.placement import StreamOwner
-from loopserve.distributed.replica_messages import Accepted, EngineFailed, Exported, Rejected
+from loopserve.distributed.replica_messages import (
+    Accepted,
+    ChunkSent,
+    EngineFailed,
+    Exported,
+    Rejected,
+)
 from loopserve.distributed.router import RoutedRequest
 from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError, QueueFullError
 from loopserve.outputs import RequestOutput
@@ -41,7 +61,8 @@ if TYPE_CHECKING:
     from loopserve.distributed.args import PDSpec
 
 logger = logging.getLogger(__name__)
-PREFILL, DECODE = "prefill", "decode"
+PREFILL = "prefill"
+REPLAY = "replay"  # `_take_over`: the replica holding a streamed K/V failed
 HANDOFF_WAIT_S = 30.0  # how long an exported request may wait for a decode replica to take it
 HANDOFF_RETRY_S = 0.05
 
@@ -112,6 +133,7 @@ class HandOffs:
         self._fail = fail
         self._raise = raise_error
         self._guarded = guarded
+        self.kv_stream = StreamedKV(owner)  # streamed hand-offs' reservations and chunks
         self.in_flight: set[str] = set()  # exported, not yet taken by a decode replica
         self.aborting: set[str] = set()  # in flight when aborted: abort once taken
 
@@ -128,9 +150,52 @@ class HandOffs:
             # dropped on its destination).
             self._drop(exported, state_ref)
             return
+        if exported.first_block == 0:
+            self.release(request_id)  # moves whole
         self.in_flight.add(request_id)
         remaining = max(0, self.requests.max_tokens[request_id] - exported.num_output_tokens)
         pool.spawn(self._guarded(self._hand_off(exported, state_ref, remaining)))
+
+    # ---- streamed hand-offs (pd_kv_stream.py) --------------------------------------------
+
+    def on_chunk(self, sent: ChunkSent, chunk_ref: Any) -> None:
+        if self._closed() or not self._wanted(sent.request_id):
+            return
+        self.kv_stream.on_chunk(sent, chunk_ref)
+
+    def release(self, request_id: str) -> None:
+        """The request will not be imported where its K/V streams (see `StreamedKV`)."""
+        self.kv_stream.release(request_id)
+
+    async def _hand_off_streamed(
+        self, exported: Exported, state_ref: Any, remaining_tokens: int
+    ) -> bool:
+        """Hand off a request whose K/V streamed: to the reserving replica once its chunks are
+        written there, else replayed to a serving decode replica (`StreamedKV.replay`), for
+        up to `HANDOFF_WAIT_S`."""
+        request_id = exported.request_id
+        deadline_s = time.monotonic() + HANDOFF_WAIT_S
+        while True:
+            if await self.kv_stream.ready(request_id) is not None:
+                taken = await self._take_over(exported, state_ref, remaining_tokens, deadline_s)
+                if taken is not REPLAY:
+                    return bool(taken)
+            while True:  # the reserving replica failed (or a write there): replay
+                if self._closed():
+                    self.in_flight.discard(request_id)
+                    return False
+                if time.monotonic() > deadline_s:
+                    self.in_flight.discard(request_id)
+                    why = "hand-off failed: no decode replica could take its streamed K/V"
+                    self._fail([request_id], None, why, replica_down=True)
+                    return False
+                outcome = await self.kv_stream.replay(request_id)
+                if outcome == REPLAYED:
+                    break
+                if outcome == SKIPPED_BLOCKS_LOST:
+                    why = "the serving decode replicas lack prompt blocks its stream skipped"
+                    return self._lost(exported, why)
+                await asyncio.sleep(HANDOFF_RETRY_S)
 
     def _drop(self, exported: Exported, state_ref: Any) -> None:
         """A hand-off that will not be imported: a descriptor is dropped on its destination
@@ -160,22 +225,34 @@ class HandOffs:
         is dropped on its destination, whatever ended the attempt."""
         accepted = False
         try:
-            accepted = await self._take_over(exported, state_ref, remaining_tokens)
+            if exported.first_block:
+                accepted = await self._hand_off_streamed(exported, state_ref, remaining_tokens)
+            else:
+                accepted = await self._take_over(exported, state_ref, remaining_tokens) is True
         finally:
             if not accepted:
                 self._drop(exported, state_ref)
+                self.release(exported.request_id)
         del state_ref  # taken: the decode replica holds the request (and Ray frees the state)
         if accepted:
             await self._stream_taken(exported.request_id)
 
-    async def _take_over(self, exported: Exported, state_ref: Any, remaining_tokens: int) -> bool:
+    async def _take_over(
+        self,
+        exported: Exported,
+        state_ref: Any,
+        remaining_tokens: int,
+        deadline_s: float | None = None,
+    ) -> bool | str:
         """Get the exported request taken by a decode replica; True once one accepted it
-        (then `_stream_taken` follows), False when the request ended otherwise."""
+        (then `_stream_taken` follows), False when the request ended otherwise, `REPLAY` when
+        the replica holding its streamed K/V failed."""
         import ray
 
         pool = self.owner
         request_id = exported.request_id
-        deadline_s = time.monotonic() + HANDOFF_WAIT_S
+        if deadline_s is None:
+            deadline_s = time.monotonic() + HANDOFF_WAIT_S
         why = "no decode replica is serving"
         while True:
             if self._closed():
@@ -186,10 +263,11 @@ class HandOffs:
                 self._fail([request_id], None, f"hand-off failed: {why}", replica_down=True)
                 return False
             candidates = pool.serving_of(DECODE)
-            if exported.destination is not None:  # its K/V went there: no other replica
-                if exported.destination not in candidates:
-                    return self._lost(exported, "its decode replica stopped serving")
-                candidates = [exported.destination]
+            required = self._required(exported)
+            if required is not None:  # its K/V went there: no other replica
+                if required not in candidates:
+                    return self._required_failed(exported, "its decode replica stopped serving")
+                candidates = [required]
             if not candidates:
                 await asyncio.sleep(HANDOFF_RETRY_S)
                 continue
@@ -204,8 +282,8 @@ class HandOffs:
                 pool.router.finish(request_id)
                 pool.replica_failed(index, leg.instance_id, err)
                 why = f"decode replica {index} failed: {type(err).__name__}"
-                if exported.destination is not None:
-                    return self._lost(exported, why)
+                if required is not None:
+                    return self._required_failed(exported, why)
                 await asyncio.sleep(HANDOFF_RETRY_S)  # the state is kept for the next try
                 continue
             except ray.exceptions.RayError as err:
@@ -229,19 +307,40 @@ class HandOffs:
                 self._raise(error)
                 return False
             assert isinstance(answer, Accepted), answer
+            self.kv_stream.taken(request_id)
             replica.num_handoffs += 1
             self.in_flight.discard(request_id)
             self.requests.legs[request_id] = leg
             self.requests.decode_replicas[request_id] = index
             return True
 
+    def _required(self, exported: Exported) -> int | None:
+        """The one decode replica that can import this hand-off (its K/V, or the streamed
+        part of it, went there), or None: any."""
+        if exported.destination is not None:
+            return exported.destination
+        if exported.first_block:
+            return self.kv_stream.reserved.get(exported.request_id, -1)  # -1: not reserved
+        return None
+
+    def _required_failed(self, exported: Exported, why: str) -> bool | str:
+        """The replica that alone could import the hand-off is gone: a streamed one is
+        replayed elsewhere, a point-to-point one is lost."""
+        if exported.destination is None:
+            return REPLAY
+        return self._lost(exported, why)
+
     def _lost(self, exported: Exported, why: str, *, replica_down: bool = True) -> bool:
-        """A descriptor's K/V cannot reach a decode replica any more: fail the request."""
+        """Its K/V (or a streamed part of it) cannot reach a decode replica any more: fail the
+        request."""
         request_id = exported.request_id
         self.in_flight.discard(request_id)
         self.aborting.discard(request_id)
         if not self._closed() and self._wanted(request_id):
-            leg = Leg(DECODE, exported.destination, None)  # type: ignore[arg-type]
+            where = exported.destination
+            if where is None:
+                where = self.kv_stream.streamed_to[request_id]
+            leg = Leg(DECODE, where, None)
             self._fail([request_id], leg, f"hand-off lost: {why}", replica_down=replica_down)
         return False
 

@@ -11,6 +11,12 @@ object's reference, unfetched, to the least-loaded serving decode replica
 streams the remaining outputs. `PDStream` (pd_stream.py) follows one submission through these
 steps, with the failure and abort semantics it documents.
 
+Hand-off (`kv_handoff`, `--kv-handoff`): "whole" moves each request's K/V after its first
+token; "stream" reserves blocks on a decode replica before the prompt runs and moves each run
+of prompt blocks as soon as every depth wrote it, while later chunks compute, so only the last
+blocks travel after the first token (engine/kv_stream.py; pd_decode_leg.py has the failure
+semantics). Streaming goes through the object store ("ray").
+
 KV transport (`kv_transport`, `--kv-transport`): "ray" moves every state with its K/V through
 the object store. "torch" ("auto" on CUDA): once every replica has loaded, the pool joins them
 into one `torch.distributed` group (`connect_kv_transport`; rank = replica index) and is not
@@ -56,6 +62,23 @@ from loopserve.models.loader import require_handoff
 logger = logging.getLogger(__name__)
 
 
+KV_HANDOFFS = ("whole", "stream")
+
+
+def check_kv_handoff(kv_handoff: str, kv_transport: str) -> str:
+    """The `--kv-handoff` value, checked against the resolved transport; `ValueError` names
+    what does not go together."""
+    if kv_handoff not in KV_HANDOFFS:
+        raise ValueError(f"unknown kv_handoff {kv_handoff!r}: choose one of {KV_HANDOFFS}")
+    if kv_handoff == "stream" and kv_transport != "ray":
+        raise ValueError(
+            f"--kv-handoff stream moves its chunks through Ray's object store; --kv-transport "
+            f"{kv_transport} sends whole hand-offs point to point only: use --kv-transport ray "
+            "with stream, or --kv-handoff whole"
+        )
+    return kv_handoff
+
+
 class PDRoles(Roles):
     """P prefill replicas (indices 0..P-1), then Q decode replicas."""
 
@@ -94,6 +117,7 @@ class PDReplicaPool(ReplicaPool):
         on_load_error: Callable[[BaseException], None] | None = None,
         kv_transport: str = "ray",
         kv_transfer_timeout_s: float = DEFAULT_TIMEOUT_S,
+        kv_handoff: str = "whole",
     ) -> None:
         if spec.num_prefill < 1 or spec.num_decode < 1:
             raise ValueError(f"--pd needs >= 1 replica per role, got {spec}")
@@ -111,11 +135,19 @@ class PDReplicaPool(ReplicaPool):
         )
         self._leg_tasks: set[asyncio.Task[None]] = set()
         device = str(engine_args.get("device") or "cpu")
+        if kv_handoff == "stream" and kv_transport == "auto":
+            kv_transport = "ray"  # the one transport chunks travel by
         self.kv_transport = resolve_kv_transport(kv_transport, device)  # "ray" | "torch" | "nixl"
         self.kv_transfer_timeout_s = kv_transfer_timeout_s
         self.kv_group: KVTransportGroup | None = None
         self.kv_transport_fallback: str | None = None  # why hand-offs left the torch transport
         self._kv_connecting = self.kv_transport in POINT_TO_POINT
+        self.kv_handoff = check_kv_handoff(kv_handoff, self.kv_transport)
+
+    @property
+    def streams_kv(self) -> bool:
+        """Whether hand-offs stream their K/V chunk by chunk (`--kv-handoff stream`)."""
+        return self.kv_handoff == "stream"
 
     # ---- the KV transport ----------------------------------------------------------------
 

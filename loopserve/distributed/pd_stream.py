@@ -61,7 +61,7 @@ from loopserve.distributed.pd_decode_leg import (
 )
 from loopserve.distributed.placement import place_submission
 from loopserve.distributed.pool_stream import MAX_REROUTES, ReplicaFailedError
-from loopserve.distributed.replica_messages import EngineFailed, Exported
+from loopserve.distributed.replica_messages import ChunkSent, EngineFailed, Exported
 from loopserve.distributed.router import RoutedRequest
 from loopserve.engine.async_llm import EngineDeadError, GenerateRequest
 from loopserve.engine.client import EngineStream
@@ -132,14 +132,28 @@ class PDStream(EngineStream):
         """Route to a prefill replica and submit; retry on another if the chosen one fails
         first (`place_submission`). Errors as `AsyncLLM.submit`, raised before any output."""
         pool = self.owner
+        stream_to = await self.handoffs.kv_stream.reserve(self.requests) if pool.streams_kv else {}
 
         def start(index: int, replica: _Replica) -> Any:
             self.replica = index
             destinations = pool.kv_destinations(self.request_ids)
             self.state.destinations = destinations or {}
-            return replica.actor.prefill.remote(self.requests, destinations)
+            return replica.actor.prefill.remote(self.requests, destinations, stream_to or None)
 
-        placed = await place_submission(
+        try:
+            placed = await self._place(start, excluded)
+        except BaseException:
+            for request_id in stream_to:
+                self.handoffs.release(request_id)
+            raise
+        leg = Leg(PREFILL, placed.replica, placed.instance_id)
+        for request_id in self._unfinished:
+            self.state.legs[request_id] = leg
+        pool.spawn(self._guarded(self._pump_prefill(placed.generator, leg)))
+
+    async def _place(self, start: Any, excluded: set[int]) -> Any:
+        pool = self.owner
+        return await place_submission(
             pool,
             serving=lambda: pool.serving_of(PREFILL),
             total=pool.spec.num_prefill,
@@ -150,10 +164,6 @@ class PDStream(EngineStream):
             excluded=excluded,
             start=start,
         )
-        leg = Leg(PREFILL, placed.replica, placed.instance_id)
-        for request_id in self._unfinished:
-            self.state.legs[request_id] = leg
-        pool.spawn(self._guarded(self._pump_prefill(placed.generator, leg)))
 
     async def _guarded(self, leg_work: Any) -> None:
         """Run a leg; a bug in it ends the stream with an error instead of leaving the consumer
@@ -172,7 +182,7 @@ class PDStream(EngineStream):
         while True:
             try:
                 item = await (await generator.__anext__())
-                if isinstance(item, Exported):
+                if isinstance(item, Exported | ChunkSent):
                     state_ref = await generator.__anext__()  # a reference; not fetched here
             except StopAsyncIteration:
                 if any(self.state.legs.get(r) == leg for r in self._unfinished - self.state.ended):
@@ -190,8 +200,13 @@ class PDStream(EngineStream):
             if isinstance(item, Exported):
                 self.handoffs.on_exported(item, state_ref, leg)
                 del state_ref  # the hand-off holds it now; it must not outlive that
+            elif isinstance(item, ChunkSent):
+                self.handoffs.on_chunk(item, state_ref)
+                del state_ref
             else:
                 self._received_any = True
+                if item.finished:  # ended on the prefill replica: no hand-off
+                    self.handoffs.release(item.request_id)
                 self._put(item)
 
     async def _prefill_failed(self, leg: Leg, why: str, *, replica_down: bool) -> None:
@@ -206,6 +221,7 @@ class PDStream(EngineStream):
             pool.replica_failed(leg.replica, leg.instance_id, why)
         for request_id in stranded:
             pool.router.finish(request_id)
+            self.handoffs.release(request_id)  # a half-streamed K/V is never imported
         if not self._received_any and self.num_reroutes < MAX_REROUTES and pool.is_accepting:
             self.num_reroutes += 1
             logger.warning(
@@ -288,6 +304,9 @@ class PDStream(EngineStream):
         self._abort_where_they_are(sorted(ids))
 
     def _closed_with(self, unfinished_ids: list[str]) -> None:
+        for request_id in unfinished_ids:
+            if request_id not in self.handoffs.in_flight:  # else its hand-off releases it
+                self.handoffs.release(request_id)
         if unfinished_ids:
             self._abort_where_they_are(unfinished_ids)
             self.owner.metrics.finished.labels(finish_reason="abort").inc(len(unfinished_ids))

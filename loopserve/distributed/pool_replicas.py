@@ -71,6 +71,8 @@ class _Replica:
     num_handoffs: int = 0  # requests it exported (prefill) or imported (decode)
     kv_bytes_sent: int = 0  # by its KV transport, since its instance started
     kv_bytes_received: int = 0
+    kv_chunks_sent: int = 0  # streamed hand-offs' chunks, since its instance started
+    kv_chunks_received: int = 0
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,8 @@ class ReplicaSet:
                     num_handoffs=r.num_handoffs,
                     kv_bytes_sent=r.kv_bytes_sent,
                     kv_bytes_received=r.kv_bytes_received,
+                    kv_chunks_sent=r.kv_chunks_sent,
+                    kv_chunks_received=r.kv_chunks_received,
                 )
                 for r in self.replicas
             ),
@@ -397,6 +401,8 @@ class ReplicaSet:
         replica.snapshot = stats.snapshot
         replica.kv_bytes_sent = stats.kv_bytes_sent
         replica.kv_bytes_received = stats.kv_bytes_received
+        replica.kv_chunks_sent = stats.num_kv_chunks_sent
+        replica.kv_chunks_received = stats.num_kv_chunks_received
         if stats.is_dead:  # its engine thread died; the actor lives on: restart it
             import ray
 

@@ -11,7 +11,9 @@ with `ray.remote`. Inside the actor process it owns an `LLMEngine` driven by an 
 - `abort(request_ids)`: abort requests (client disconnects, shutdown).
 - `generate_batch(...)`: the offline loop over a share of `LLM.generate`'s batch (a replica
   used offline never starts its `AsyncLLM`).
-- `prefill(requests, destinations)`, `import_handoff(state, prompt_text)`,
+- `reserve_imports`, `write_kv_chunk`, `release_imports`: a streamed
+  hand-off's extra steps (replica_handoff.py says what each does).
+- `prefill(requests, destinations, stream_to)`, `import_handoff(state, prompt_text)`,
   `decode_stream(request_id)`, `drop_handoff(item)`: the serving prefill/decode roles
   (`PDReplicaPool`). `prefill` streams like `generate`, but each request's part ends once it
   is handed off (normally after its first token): `Exported`, then, as the next item, its
@@ -72,7 +74,7 @@ from loopserve.distributed.transport import (
 )
 from loopserve.engine.async_llm import AsyncLLM, GenerateRequest
 from loopserve.engine.client import ModelInfo
-from loopserve.engine.handoff import HandoffState
+from loopserve.engine.handoff import HandoffState, KVChunk
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -137,6 +139,11 @@ class EngineReplica:
             num_imported=handoff.num_imported,
             kv_bytes_sent=transport.bytes_sent,
             kv_bytes_received=transport.bytes_received,
+            num_kv_chunks_sent=handoff.num_chunks_sent,
+            num_kv_chunks_received=handoff.num_chunks_received,
+            kv_chunk_blocks_received=handoff.chunk_blocks_received,
+            num_streamed_imports=handoff.num_streamed_imports,
+            num_reserved=len(self.engine.scheduler.admission.reserved),
         )
 
     async def generate(
@@ -208,11 +215,24 @@ class EngineReplica:
     # ---- the prefill/decode roles and the KV transport: `ReplicaHandoff`'s ---------------------
 
     async def prefill(
-        self, requests: Sequence[GenerateRequest], destinations: dict[str, int] | None = None
+        self,
+        requests: Sequence[GenerateRequest],
+        destinations: dict[str, int] | None = None,
+        stream_to: dict[str, int] | None = None,
     ) -> AsyncIterator[object]:
-        async with contextlib.aclosing(self.handoff.prefill(requests, destinations)) as items:
+        items = self.handoff.prefill(requests, destinations, stream_to)
+        async with contextlib.aclosing(items) as items:
             async for item in items:
                 yield item
+
+    async def reserve_imports(self, requests: Sequence[GenerateRequest]) -> object:
+        return await self.handoff.reserve_imports(requests)
+
+    async def write_kv_chunk(self, chunk: KVChunk) -> int | Rejected:
+        return await self.handoff.write_kv_chunk(chunk)
+
+    async def release_imports(self, request_ids: list[str]) -> int:
+        return await self.handoff.release_imports(request_ids)
 
     async def import_handoff(
         self,

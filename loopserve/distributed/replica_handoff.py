@@ -12,6 +12,10 @@ docstring; in short:
   (`Exported`, then its `HandoffState`, or a `KVDescriptor` when the torch transport sent the
   K/V); `import_handoff` takes one; `decode_stream` streams it on; `drop_handoff` receives and
   drops a descriptor's K/V that will not be imported;
+- streamed hand-offs (`--kv-handoff stream`, engine/kv_stream.py): `reserve_imports` reserves
+  a decode replica's blocks before the prompt runs, `prefill` yields `ChunkSent` and the
+  `KVChunk` as prompt blocks complete, `write_kv_chunk` writes one into the reserved blocks,
+  `release_imports` frees reservations whose request will not come;
 - offline (`DisaggregatedEngines`): `prefill_export` / `decode_import`;
 - the KV transport (`loopserve.distributed.transport`): `setup_kv_transport`,
   `kv_transport_stats`, `flush_kv_transport`, `close_kv_transport`, `discard_handoffs`.
@@ -21,6 +25,7 @@ docstring; in short:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -31,6 +36,7 @@ from typing import Any
 from loopserve.distributed.handoff_order import HandoffInbox
 from loopserve.distributed.replica_messages import (
     Accepted,
+    ChunkSent,
     EngineFailed,
     Exported,
     Rejected,
@@ -49,7 +55,7 @@ from loopserve.distributed.transport import (
     free_rendezvous_address,
 )
 from loopserve.engine.async_llm import AsyncLLM, GenerateRequest, OutputStream
-from loopserve.engine.handoff import HandoffState
+from loopserve.engine.handoff import HandoffState, KVChunk
 from loopserve.errors import LoopserveError
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
@@ -75,41 +81,122 @@ class ReplicaHandoff:
         self.kv_transport: KVTransport = RayObjectStoreTransport(rank=0)
         self.num_exported = 0
         self.num_imported = 0
+        self.num_chunks_sent = 0  # streamed hand-offs (prefill role)
+        self.num_reserved = 0  # ... (decode role)
+        self.num_chunks_received = 0
+        self.chunk_blocks_received = 0
+        self.num_streamed_imports = 0
         self.imported: dict[str, OutputStream] = {}  # imported, `decode_stream` not called yet
         self._inbox: HandoffInbox | None = None  # point-to-point hand-offs (decode role)
 
     # ---- serving: prefill, hand-off, decode ---------------------------------------------
 
     async def prefill(
-        self, requests: Sequence[GenerateRequest], destinations: dict[str, int] | None = None
+        self,
+        requests: Sequence[GenerateRequest],
+        destinations: dict[str, int] | None = None,
+        stream_to: dict[str, int] | None = None,
     ) -> AsyncIterator[
-        Accepted | Rejected | EngineFailed | RequestOutput | Exported | HandoffState | KVDescriptor
+        Accepted
+        | Rejected
+        | EngineFailed
+        | RequestOutput
+        | Exported
+        | HandoffState
+        | KVDescriptor
+        | ChunkSent
+        | KVChunk
     ]:
         """As `generate`, but each request is handed off once it can be (see the module
         docstring): `Exported`, then its `HandoffState` (or, sent to `destinations[id]` by the
-        torch transport, its `KVDescriptor`), end its part of the stream."""
+        torch transport, its `KVDescriptor`), end its part of the stream. A request in
+        `stream_to` (request -> blocks per plane its decode replica holds already) streams its
+        K/V: `ChunkSent`, then the `KVChunk`, for each run of prompt blocks as it completes;
+        its `HandoffState` then carries the rest (`Exported.first_block`)."""
         llm = self._started()
         await llm.wait_ready()
         try:
             # The torch transport sends device memory: keep the K/V there when it will be used.
             on_device = self.kv_transport.wants_device_kv and bool(destinations)
-            stream = await llm.submit(requests, export=True, export_on_device=on_device)
+            stream = await llm.submit(
+                requests, export=True, export_on_device=on_device, stream_kv=stream_to
+            )
         except LoopserveError as err:
             yield Rejected.of(err)
             return
         yield Accepted()
         async with contextlib.aclosing(relay(stream)) as items:
             async for item in items:
-                if isinstance(item, HandoffState):
+                if isinstance(item, KVChunk):
+                    self.num_chunks_sent += 1
+                    yield ChunkSent(item.request_id, item.first_block, item.num_blocks)
+                    yield item
+                elif isinstance(item, HandoffState):
                     self.num_exported += 1
                     offset_s = time.time() - time.monotonic()
                     sent = self._send(item, (destinations or {}).get(item.request_id))
                     destination = sent.dst_rank if isinstance(sent, KVDescriptor) else None
                     num_tokens = len(item.output_token_ids)
-                    yield Exported(item.request_id, num_tokens, offset_s, destination)
+                    yield Exported(
+                        item.request_id, num_tokens, offset_s, destination, item.first_block
+                    )
                     yield sent
                 else:
                     yield item
+
+    # ---- serving: the decode side of a streamed hand-off --------------------------------
+
+    async def reserve_imports(
+        self, requests: Sequence[GenerateRequest]
+    ) -> list[int | None] | Rejected:
+        """Reserve blocks for requests a prefill replica will stream here (one per request:
+        the blocks per plane this replica's prefix cache holds already, which the sender
+        skips, or None when it has no room now: that request's hand-off then moves whole)."""
+        llm = self._started()
+        await llm.wait_ready()
+        processor = self.engine.input_processor
+        try:
+            processed = await asyncio.to_thread(
+                lambda: [processor.process(r.prompt).token_ids for r in requests]  # type: ignore[arg-type]
+            )
+
+            def reserve(engine: Any) -> list[int | None]:
+                skips: list[int | None] = []
+                for request, token_ids in zip(requests, processed, strict=True):
+                    try:
+                        skips.append(
+                            engine.reserve_import(request.request_id, token_ids, request.params)
+                        )
+                    except LoopserveError:  # (an id in use) it comes whole, or is refused then
+                        skips.append(None)
+                return skips
+
+            skips = await llm.call(reserve)
+        except LoopserveError as err:
+            return Rejected.of(err)
+        self.num_reserved += sum(skip is not None for skip in skips)
+        return skips
+
+    async def write_kv_chunk(self, chunk: KVChunk) -> int | Rejected:
+        """Write a streamed chunk into its reserved blocks; the blocks per plane written, or
+        `Rejected` (no reservation: released meanwhile)."""
+        llm = self._started()
+        try:
+            await llm.call(lambda engine: engine.write_kv_chunk(chunk))
+        except LoopserveError as err:
+            return Rejected.of(err)
+        self.num_chunks_received += 1
+        self.chunk_blocks_received += chunk.num_blocks
+        return chunk.num_blocks
+
+    async def release_imports(self, request_ids: list[str]) -> int:
+        """Free the reservations of requests that will not come (ended on their prefill
+        replica, or it failed); how many there were."""
+        llm = self._started()
+        if llm.is_dead:
+            return 0
+        released = await llm.call(lambda engine: sum(engine.release_import(r) for r in request_ids))
+        return int(released)
 
     def _send(self, state: HandoffState, destination: int | None) -> HandoffState | KVDescriptor:
         """The point-to-point transport's descriptor of `state` sent to `destination`, or
@@ -154,6 +241,7 @@ class ReplicaHandoff:
             inbox.imported(state.request_id)
         self.imported[state.request_id] = stream
         self.num_imported += 1
+        self.num_streamed_imports += state.first_block > 0
         return Accepted()
 
     async def drop_handoff(self, item: HandoffState | KVDescriptor) -> str | None:

@@ -6,6 +6,7 @@ Plain frozen dataclasses (they cross Ray by pickle), torch-free and Ray-free:
   of `import_handoff`; `Rejected.error()` rebuilds the `LoopserveError` the replica raised.
 - `EngineFailed`: the replica's engine died (or shut down) under a stream; `relay` yields it.
 - `Exported`: `prefill` handed a request off; the stream's next item is its state.
+- `ChunkSent`: `prefill` streams a request's K/V; the stream's next item is the `KVChunk`.
 - `ReplicaStats`: what the pool reads per probe (`stats()`); once, it reads the replica's
   `ModelInfo` (engine/client.py) with `info()`.
 
@@ -83,6 +84,19 @@ class Exported:
     # The rank the K/V was sent to by the torch transport (the next item is a
     # `KVDescriptor` only that replica can import); None: the state carries its K/V.
     destination: int | None = None
+    # A streamed hand-off: its K/V starts at this block of each plane (the earlier ones went
+    # as chunks to the replica that reserved them, which alone can import it); 0: whole.
+    first_block: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSent:
+    """`prefill` with streamed K/V: a chunk of the request's prompt blocks is ready; the
+    stream's next item is its `KVChunk` (a separate object, passed on unfetched)."""
+
+    request_id: str
+    first_block: int
+    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +110,11 @@ class ReplicaStats:
     num_imported: int = 0  # requests taken over from a prefill replica (decode role)
     kv_bytes_sent: int = 0  # K/V bytes the replica's KV transport sent (completed sends)
     kv_bytes_received: int = 0  # ... and received (imported or discarded)
+    num_kv_chunks_sent: int = 0  # streamed hand-offs' chunks (prefill role)
+    num_kv_chunks_received: int = 0  # ... written into reserved blocks (decode role)
+    kv_chunk_blocks_received: int = 0  # blocks per plane those chunks carried
+    num_streamed_imports: int = 0  # imports whose K/V came partly as chunks
+    num_reserved: int = 0  # reservations waiting for their request (decode role)
 
 
 async def relay(

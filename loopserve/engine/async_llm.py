@@ -14,7 +14,9 @@ the pool. If the engine thread dies, the engine is marked dead and every open st
 For prefill/decode disaggregation (a Ray replica in the prefill or decode role),
 `submit(..., export=True)` hands each request off once it can be exported (after its first
 token): its stream then yields the request's `HandoffState` as its last item instead of further
-outputs; `submit_import(state)` continues such a request here and streams its outputs.
+outputs; `submit_import(state)` continues such a request here and streams its outputs. With
+`stream_kv` the K/V leaves in `KVChunk`s before the state (engine/kv_stream.py), and `call`
+runs the decode side's reservations and chunk writes on the engine thread.
 
 This module does not speak HTTP; the serving modules map its errors to status codes.
 """
@@ -27,7 +29,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from loopserve.engine.client import (
     EngineStream,
@@ -39,6 +41,7 @@ from loopserve.engine.client import (
 from loopserve.engine.engine_thread import (
     AbortCommand,
     AddCommand,
+    CallCommand,
     EngineThread,
     ImportCommand,
     StopCommand,
@@ -59,6 +62,7 @@ from loopserve.text.tokenizer import Tokenizer
 if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` stays fast
     from loopserve.engine.llm_engine import LLMEngine
 
+T = TypeVar("T")
 __all__ = [
     "AsyncLLM",
     "EngineDeadError",
@@ -237,6 +241,7 @@ class AsyncLLM(SubmitGenerate):
         *,
         export: bool = False,
         export_on_device: bool = False,
+        stream_kv: dict[str, int] | None = None,
     ) -> OutputStream:
         """Add `requests` atomically and return their output stream.
 
@@ -246,7 +251,10 @@ class AsyncLLM(SubmitGenerate):
         in a worker thread first, so neither this event loop nor the engine thread tokenizes.
         `export`: hand each request off once it can be exported (see the module docstring);
         `export_on_device`: its K/V stays on the engine's device (a transport sends it from
-        there) instead of being copied to host memory.
+        there) instead of being copied to host memory; `stream_kv` (with `export`): stream
+        these requests' K/V chunk by chunk (request -> blocks per plane the receiver holds
+        already): the stream yields each `KVChunk` as it completes, before the
+        `HandoffState` that carries the rest (engine/kv_stream.py).
         """
         self._check_usable()
         if not all(isinstance(r.prompt, ProcessedPrompt) for r in requests):
@@ -256,7 +264,15 @@ class AsyncLLM(SubmitGenerate):
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         assert self._thread is not None
         self._thread.send(
-            AddCommand(list(requests), stream, time.monotonic(), done, export, export_on_device)
+            AddCommand(
+                list(requests),
+                stream,
+                time.monotonic(),
+                done,
+                export,
+                export_on_device,
+                stream_kv if export else None,
+            )
         )
         try:
             await asyncio.wrap_future(done)
@@ -278,6 +294,16 @@ class AsyncLLM(SubmitGenerate):
             stream.close()
             raise
         return stream
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result (or
+        raise its exception): the decode side of a streamed hand-off reserves blocks, writes
+        chunks and releases reservations this way."""
+        self._check_usable()
+        done: concurrent.futures.Future[object] = concurrent.futures.Future()
+        assert self._thread is not None
+        self._thread.send(CallCommand(fn, done))
+        return await asyncio.wrap_future(done)  # type: ignore[return-value]
 
     def _open_stream(self, request_ids: list[str]) -> OutputStream:
         """A stream for `request_ids`, counted in flight; raises when they may not be added."""

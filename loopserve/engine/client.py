@@ -70,7 +70,8 @@ class ModelInfo:
 
 class EngineStream:
     """One submission's outputs; see the module docstring. An item is a `RequestOutput`, or,
-    for a submission made with `export=True`, a `HandoffState` (that request left the engine)."""
+    for a submission made with `export=True`, a `HandoffState` (that request left the engine)
+    and, streaming its K/V (`stream_kv`), `KVChunk`s before it."""
 
     def __init__(self, request_ids: Sequence[str]) -> None:
         self.request_ids = list(request_ids)
@@ -108,7 +109,7 @@ class EngineStream:
             if item is None or item.request_id not in self._unfinished:
                 continue
             self._delivered(item)
-            if isinstance(item, HandoffState) or item.finished:
+            if isinstance(item, HandoffState) or getattr(item, "finished", False):
                 self._unfinished.discard(item.request_id)
                 if not self._unfinished:
                     self.close()

@@ -14,7 +14,11 @@ Prefill/decode disaggregation uses two more commands: an add with `export=True` 
 its requests off as soon as the engine can export it (after the step that sampled its first
 token, normally): the thread exports it between steps and delivers the `HandoffState` to the
 request's sink in place of further outputs. An `ImportCommand` admits a `HandoffState` exported
-by another engine; its outputs then flow like any request's.
+by another engine; its outputs then flow like any request's. A streamed hand-off
+(engine/kv_stream.py: `AddCommand.stream_kv`) also delivers each `KVChunk` to the request's
+sink between steps, as soon as its blocks are complete, before the `HandoffState`; a
+`CallCommand` runs a function on the engine between steps (the decode side's reservation,
+chunk writes and releases) and returns its result.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from loopserve.engine.client import GenerateRequest, ModelInfo
-from loopserve.engine.handoff import HandoffState
+from loopserve.engine.handoff import HandoffState, KVChunk
 from loopserve.engine.metrics import ServingMetrics
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import EngineDeadError, EngineNotReadyError, LoopserveError
@@ -43,9 +47,10 @@ logger = logging.getLogger(__name__)
 
 class OutputSink(Protocol):
     """Where a submission's outputs go; `put` is called on the event loop thread. A
-    `HandoffState` arrives only for requests added with `export=True`, as their last item."""
+    `HandoffState` arrives only for requests added with `export=True`, as their last item;
+    `KVChunk`s before it when their K/V streams (`stream_kv`)."""
 
-    def put(self, item: RequestOutput | HandoffState | BaseException) -> None: ...
+    def put(self, item: RequestOutput | HandoffState | KVChunk | BaseException) -> None: ...
 
 
 @dataclass(slots=True)
@@ -59,6 +64,9 @@ class AddCommand:
     export: bool = False  # hand each request off once it can be exported (prefill role)
     # Export the K/V on the engine's device (for a transport that sends device memory).
     export_on_device: bool = False
+    # Stream these requests' K/V chunk by chunk: request -> blocks per plane to skip (the
+    # receiver's prefix cache holds them). Only with `export`.
+    stream_kv: dict[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -72,6 +80,14 @@ class ImportCommand:
 
 
 @dataclass(slots=True)
+class CallCommand:
+    """Run `fn(engine)` between steps; `done` gets its result or its exception."""
+
+    fn: Callable[[LLMEngine], object]
+    done: concurrent.futures.Future[object]
+
+
+@dataclass(slots=True)
 class AbortCommand:
     request_ids: list[str] | None  # None: every request in flight
 
@@ -81,7 +97,8 @@ class StopCommand:
     """Abort everything in flight and end the thread."""
 
 
-Command = AddCommand | ImportCommand | AbortCommand | StopCommand
+Command = AddCommand | ImportCommand | CallCommand | AbortCommand | StopCommand
+WITH_DONE = (AddCommand, ImportCommand, CallCommand)  # commands a caller waits on
 
 
 class EngineThread:
@@ -129,7 +146,7 @@ class EngineThread:
             if closed_error is None:
                 self._commands.append(command)
                 self._wakeup.notify()
-        if closed_error is not None and isinstance(command, AddCommand | ImportCommand):
+        if closed_error is not None and isinstance(command, WITH_DONE):
             command.done.set_exception(closed_error)
 
     def call_on_loop(self, callback: Callable[..., object], *args: object) -> None:
@@ -174,10 +191,13 @@ class EngineThread:
                     self._add(engine, command)
                 elif isinstance(command, ImportCommand):
                     self._import(engine, command)
+                elif isinstance(command, CallCommand):
+                    self._call(engine, command)
                 else:
                     self._abort(engine, command.request_ids)
             if engine.has_unfinished_requests():
                 self._dispatch(engine, engine.step())
+                self._send_chunks(engine)
                 self._export_ready(engine)
             self._publish_snapshot(engine)
 
@@ -206,6 +226,8 @@ class EngineThread:
             self._routes[request_id] = command.sink
         if command.export:
             self._exports.update(dict.fromkeys(added, command.export_on_device))
+            for request_id, skip_blocks in (command.stream_kv or {}).items():
+                engine.stream_export(request_id, skip_blocks)
         command.done.set_result(None)
 
     def _import(self, engine: LLMEngine, command: ImportCommand) -> None:
@@ -216,6 +238,25 @@ class EngineThread:
             return
         self._routes[command.state.request_id] = command.sink
         command.done.set_result(None)
+
+    def _call(self, engine: LLMEngine, command: CallCommand) -> None:
+        try:
+            result = command.fn(engine)
+        except Exception as err:  # the caller's to handle; the engine stays as it was
+            command.done.set_exception(err)
+            return
+        command.done.set_result(result)
+
+    def _send_chunks(self, engine: LLMEngine) -> None:
+        """Deliver the K/V chunks (in host memory) that streamed requests completed in this
+        step, after the step's outputs."""
+        batch: list[tuple[OutputSink, RequestOutput | HandoffState | KVChunk | BaseException]] = []
+        for chunk in engine.take_kv_chunks(to_host=True):
+            sink = self._routes.get(chunk.request_id)
+            if sink is not None:
+                batch.append((sink, chunk))
+        if batch:
+            self.call_on_loop(_deliver, batch)
 
     def _export_ready(self, engine: LLMEngine) -> None:
         """Export every request marked for hand-off that can leave now; each one's sink gets
@@ -269,7 +310,7 @@ class EngineThread:
             self._commands.clear()
         self._exports.clear()
         for command in pending:
-            if isinstance(command, AddCommand | ImportCommand) and not command.done.done():
+            if isinstance(command, WITH_DONE) and not command.done.done():
                 command.done.set_exception(error)
         sinks = list(dict.fromkeys(self._routes.values()))
         self._routes.clear()
@@ -277,6 +318,8 @@ class EngineThread:
             self.call_on_loop(_deliver, [(sink, error) for sink in sinks])
 
 
-def _deliver(batch: list[tuple[OutputSink, RequestOutput | HandoffState | BaseException]]) -> None:
+def _deliver(
+    batch: list[tuple[OutputSink, RequestOutput | HandoffState | KVChunk | BaseException]],
+) -> None:
     for sink, item in batch:
         sink.put(item)

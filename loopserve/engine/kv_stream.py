@@ -56,9 +56,6 @@ class KVStreamOut:
     def start(self, request_id: str, skip_blocks: int) -> None:
         self._streams[request_id] = _Outgoing(skip_blocks, skip_blocks, 0)
 
-    def is_streaming(self, request_id: str) -> bool:
-        return request_id in self._streams
-
     def take(self, scheduler: Scheduler, runner: ModelRunner, *, to_host: bool) -> list[KVChunk]:
         """A chunk for each streamed request whose complete prompt blocks grew since the last
         call; requests that finished or were aborted are forgotten."""

@@ -325,7 +325,9 @@ class LLMEngine:
         return self.scheduler.admission.reserve_import(request)
 
     def write_kv_chunk(self, chunk: KVChunk) -> None:
-        """Write a streamed request's chunk into the blocks `reserve_import` reserved."""
+        """Write a streamed request's chunk into the blocks `reserve_import` reserved; blocks
+        this engine's prefix cache supplied are left as they are (a chunk replayed to another
+        replica than the one it was cut for may cover some)."""
         reservation = self.scheduler.admission.reserved.get(chunk.request_id)
         if reservation is None or reservation.first_block is not None:
             raise InvalidRequestError(
@@ -333,13 +335,20 @@ class LLMEngine:
             )
         table = self.kv.tables[chunk.request_id]
         end = chunk.first_block + chunk.num_blocks
-        if chunk.first_block < reservation.num_cached_blocks or end > len(table[0]):
+        if end > len(table[0]):
             raise InvalidRequestError(
                 f"chunk of blocks [{chunk.first_block}, {end}) of {chunk.request_id!r} is "
-                f"outside its reserved blocks [{reservation.num_cached_blocks}, {len(table[0])})"
+                f"outside its {len(table[0])} reserved blocks"
             )
-        ids = [plane[chunk.first_block : end] for plane in table]
-        self.runner.write_blocks(chunk.request_id, chunk.kv, ids)  # type: ignore[arg-type]
+        first = max(chunk.first_block, reservation.num_cached_blocks)
+        if first < end:
+            ids = [plane[first:end] for plane in table]
+            kv = self.runner.drop_leading_blocks(
+                chunk.kv,  # type: ignore[arg-type]
+                chunk.num_blocks,
+                first - chunk.first_block,
+            )
+            self.runner.write_blocks(chunk.request_id, kv, ids)
 
     def release_import(self, request_id: str) -> bool:
         """Free a reservation whose request will not come (its sender failed); False when
@@ -354,7 +363,7 @@ class LLMEngine:
         if state.first_block == 0:
             admission.release_reserved(state.request_id)
             return
-        if reservation is None or state.first_block < reservation.num_cached_blocks:
+        if reservation is None:
             raise InvalidRequestError(
                 f"streamed hand-off of {state.request_id!r} starts at block "
                 f"{state.first_block} without a reservation holding the blocks before it",

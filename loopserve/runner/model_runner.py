@@ -342,6 +342,16 @@ class ModelRunner(Executor):
         positions = handle.num_positions - first_block * self.moves.block_size
         return self.moves.export(table, positions, to_host=to_host)
 
+    @staticmethod
+    def drop_leading_blocks(kv: torch.Tensor, num_blocks: int, count: int) -> torch.Tensor:
+        """`kv` (`num_blocks` blocks of each plane, plane-major, as `export_blocks` makes it)
+        without the first `count` blocks of each plane."""
+        if count == 0:
+            return kv
+        planes = kv.shape[2] // num_blocks
+        split = kv.unflatten(2, (planes, num_blocks))[:, :, :, count:]
+        return split.flatten(2, 3)
+
     def write_blocks(self, request_id: str, kv: torch.Tensor, block_ids: list[list[int]]) -> None:
         """Write a streamed hand-off's chunk (`kv`, as `export_blocks` made it) into the blocks
         `block_ids` (one list per plane) that this cache reserved for it."""

@@ -214,7 +214,7 @@ class Admission:
             self.outbox.transfers.append(KVTransfer(SwapKind.IN, request_id, tuple(moves)))
         elif request.pending_import:
             reservation = self.reserved.pop(request_id, None)
-            first = 0
+            first = cached = 0
             if reservation is None:
                 table = self.kv.allocate(request_id, positions)
             else:  # streamed: blocks before `first` were written as they arrived
@@ -222,6 +222,7 @@ class Admission:
                 self.kv.resend_table(request_id)
                 table = self.kv.tables[request_id]
                 first = reservation.first_block or 0
+                cached = reservation.num_cached_blocks  # pages of this cache: left as they are
             self.kv.mark_unscored(request_id)  # its K/V arrive by copy
             # The blocks the hand-off carries: of the written positions, from `first` on.
             blocks = self.kv.blocks_per_plane(request.next_position) - first
@@ -229,6 +230,7 @@ class Admission:
                 (p * blocks + i, plane[first + i])
                 for p, plane in enumerate(table)
                 for i in range(blocks)
+                if first + i >= cached
             )
             self.outbox.transfers.append(KVTransfer(SwapKind.IMPORT, request_id, moves))
         else:

@@ -176,25 +176,22 @@ class _PoolCollector:
     def _kv_transport(
         self, pool: PoolSnapshot, label_values: Callable[[ReplicaGauges], list[str]]
     ) -> Iterator[Metric]:
-        kv_bytes = CounterMetricFamily(
-            "loopserve_kv_transport_bytes",
-            "K/V bytes of hand-offs moved by the replica's torch KV transport, by direction.",
-            labels=["replica", "role", "direction"],
-        )
-        for replica in pool.replicas:
-            kv_bytes.add_metric([*label_values(replica), "sent"], replica.kv_bytes_sent)
-            kv_bytes.add_metric([*label_values(replica), "received"], replica.kv_bytes_received)
-        yield kv_bytes
-        chunks = CounterMetricFamily(
-            "loopserve_kv_stream_chunks",
-            "Chunks of streamed hand-offs (--kv-handoff stream) the replica sent (prefill) or "
-            "wrote into reserved blocks (decode), by direction.",
-            labels=["replica", "role", "direction"],
-        )
-        for replica in pool.replicas:
-            chunks.add_metric([*label_values(replica), "sent"], replica.kv_chunks_sent)
-            chunks.add_metric([*label_values(replica), "received"], replica.kv_chunks_received)
-        yield chunks
+        by_direction = (
+            ("loopserve_kv_transport_bytes",
+             "K/V bytes of hand-offs moved by the replica's torch KV transport, by direction.",
+             lambda r: (r.kv_bytes_sent, r.kv_bytes_received)),
+            ("loopserve_kv_stream_chunks",
+             "Chunks of streamed hand-offs (--kv-handoff stream) the replica sent (prefill) or "
+             "wrote into reserved blocks (decode), by direction.",
+             lambda r: (r.kv_chunks_sent, r.kv_chunks_received)),
+        )  # fmt: skip
+        for name, help_text, values_of in by_direction:
+            family = CounterMetricFamily(name, help_text, labels=["replica", "role", "direction"])
+            for replica in pool.replicas:
+                sent, received = values_of(replica)
+                family.add_metric([*label_values(replica), "sent"], sent)
+                family.add_metric([*label_values(replica), "received"], received)
+            yield family
         yield GaugeMetricFamily(
             "loopserve_kv_transport_fallback",
             "1 once hand-offs fell back from the torch KV transport to Ray's object store.",

@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from loopserve.distributed.pd_kv_stream import (
     DECODE,
@@ -45,7 +45,7 @@ from loopserve.distributed.pd_kv_stream import (
     SKIPPED_BLOCKS_LOST,
     StreamedKV,
 )
-from loopserve.distributed.placement import StreamOwner
+from loopserve.distributed.placement import PDStreamOwner
 from loopserve.distributed.replica_messages import (
     Accepted,
     ChunkSent,
@@ -58,7 +58,7 @@ from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError, Que
 from loopserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from loopserve.distributed.args import PDSpec
+    pass
 
 logger = logging.getLogger(__name__)
 PREFILL = "prefill"
@@ -82,20 +82,6 @@ class Leg:
     role: str
     replica: int
     instance_id: str | None
-
-
-class PDStreamOwner(StreamOwner, Protocol):
-    """What a `PDStream` uses of its `PDReplicaPool` beyond `StreamOwner`."""
-
-    spec: PDSpec
-
-    def serving_of(self, role: str) -> list[int]: ...
-
-    def kv_destinations(self, request_ids: list[str]) -> dict[str, int] | None: ...
-
-    def fall_back(self, why: str) -> None: ...
-
-    def spawn(self, work: Any) -> asyncio.Task[None]: ...
 
 
 @dataclass

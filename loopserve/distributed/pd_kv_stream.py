@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from loopserve.distributed.replica_messages import ChunkSent, Rejected
 
 if TYPE_CHECKING:
-    from loopserve.distributed.pd_decode_leg import PDStreamOwner
+    from loopserve.distributed.placement import PDStreamOwner
 
 logger = logging.getLogger(__name__)
 DECODE = "decode"

@@ -31,6 +31,7 @@ from loopserve.distributed.router import RoutedRequest
 from loopserve.engine.async_llm import EngineDeadError, EngineNotReadyError
 
 if TYPE_CHECKING:
+    from loopserve.distributed.args import PDSpec
     from loopserve.distributed.metrics import PoolMetrics
     from loopserve.distributed.pool_replicas import _Replica
     from loopserve.distributed.router import Router
@@ -57,6 +58,20 @@ class StreamOwner(Protocol):
     def replica_failed(self, index: int, instance_id: str | None, why: object) -> None: ...
 
     def on_stream_closed(self, stream: Any) -> None: ...
+
+
+class PDStreamOwner(StreamOwner, Protocol):
+    """What a `PDStream` uses of its `PDReplicaPool` beyond `StreamOwner`."""
+
+    spec: PDSpec
+
+    def serving_of(self, role: str) -> list[int]: ...
+
+    def kv_destinations(self, request_ids: list[str]) -> dict[str, int] | None: ...
+
+    def fall_back(self, why: str) -> None: ...
+
+    def spawn(self, work: Any) -> asyncio.Task[None]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ optional `nixl` extra, which CI installs)."""
 from __future__ import annotations
 
 # ruff: noqa: E402 - skips run before the optional imports
+import asyncio
 import time
 import uuid
 
@@ -194,4 +195,63 @@ def test_nixl_serving_equals_colocated_and_reads_the_kv_point_to_point(
     assert (stats[PREFILL].kind, stats[DECODE].kind) == ("nixl", "nixl")
     assert stats[PREFILL].num_sent == stats[DECODE].num_received == 4
     assert stats[PREFILL].bytes_sent == stats[DECODE].bytes_received == kv_bytes
+    assert stats[PREFILL].num_pending_sends == 0 and pool.kv_transport_fallback is None
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_nixl_streamed_serving_equals_colocated_and_reads_every_chunk_over_nixl(
+    tiny_tok_dir, ray_cluster, loop
+):
+    """`PDReplicaPool(..., kv_transport="nixl", kv_handoff="stream")` (`serve --pd ...
+    --kv-transport nixl --kv-handoff stream`): each complete prompt block is read over NIXL
+    by the decode replica that reserved it, as a chunk, before the final hand-off, which is
+    read over NIXL too; outputs equal colocated and every block is read exactly once (the
+    request that ends with its first token had one chunk out already: it is read too)."""
+    from loopserve.distributed.args import PDSpec
+    from loopserve.distributed.pd_pool import PDReplicaPool
+    from loopserve.distributed.pool import PoolConfig
+    from tests.test_pd_serving_torch import (
+        CASES,
+        DECODE,
+        PREFILL,
+        _engine_args,
+        _run_all,
+        _transport_stats,
+    )
+    from tests.test_pd_serving_torch import expected_kv_bytes as serving_kv_bytes
+
+    args = {**_engine_args(tiny_tok_dir, "last_exited", "ouro"), "prefill_chunk_size": 4}
+    pool = PDReplicaPool(args, PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2),
+                         PDSpec(1, 1), kv_transport="nixl", kv_handoff="stream")  # fmt: skip
+
+    async def start() -> None:
+        pool.start()
+        assert await pool.wait_ready(timeout_s=120.0), pool.health()
+        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
+
+    async def replica_stats():
+        return await asyncio.gather(*(r.actor.stats.remote() for r in pool.replicas))
+
+    loop.run_until_complete(start())
+    try:
+        results = _run_all(pool, loop, CASES)
+        stats = _transport_stats(pool, loop)
+        counters = loop.run_until_complete(replica_stats())
+    finally:
+        loop.run_until_complete(pool.shutdown(5.0))
+    expected = LLM(**args).generate([p for p, _ in CASES.values()],
+                                    [sp for _, sp in CASES.values()])  # fmt: skip
+    for rid, (outputs, _), want in zip(CASES, results, expected):
+        final = outputs[-1]
+        assert (final.token_ids, final.exit_depths) == (want.token_ids, want.exit_depths), rid
+    chunks = counters[PREFILL].num_kv_chunks_sent
+    # "one"'s chunk is read too; written or not depending on whether its release came first.
+    assert chunks - counters[DECODE].num_kv_chunks_received in (0, 1)
+    assert counters[DECODE].num_streamed_imports == 3  # g, s, k; m has no complete block
+    assert stats[PREFILL].num_sent == stats[DECODE].num_received + stats[DECODE].num_discarded
+    assert stats[PREFILL].num_sent == chunks + 4  # every chunk and final hand-off over NIXL
+    handed_off = sum(serving_kv_bytes(tiny_tok_dir, "last_exited", len(p))
+                     for rid, (p, _) in CASES.items() if rid != "one")  # fmt: skip
+    one_chunk = serving_kv_bytes(tiny_tok_dir, "last_exited", 4)
+    assert stats[PREFILL].bytes_sent == stats[DECODE].bytes_received == handed_off + one_chunk
     assert stats[PREFILL].num_pending_sends == 0 and pool.kv_transport_fallback is None

@@ -103,7 +103,7 @@ def test_kv_transfer_timeout_must_be_positive_and_reaches_the_pool(capsys):
     [
         (["--kv-handoff", "stream"], "--kv-handoff stream needs --pd"),
         (["--pd", "prefill=1,decode=1", "--kv-handoff", "stream", "--kv-transport", "torch"],
-         "--kv-transport torch sends whole hand-offs point to point only"),
+         "--kv-transport torch sends whole hand-offs only"),
     ],
 )  # fmt: skip
 def test_kv_handoff_stream_needs_pd_and_the_object_store(capsys, flags, says):

@@ -204,12 +204,12 @@ def test_a_failed_chunk_write_replays_the_stream(pools, tiny_tok_dir, loop, monk
     real = StreamedKV._written
     calls = []
 
-    async def first_fails(answer_ref):
-        ok = await real(answer_ref)
+    async def first_fails(self, answer_ref, index):
+        ok = await real(self, answer_ref, index)
         calls.append(ok)
         return ok and len(calls) > 1
 
-    monkeypatch.setattr(StreamedKV, "_written", staticmethod(first_fails))
+    monkeypatch.setattr(StreamedKV, "_written", first_fails)
     replays = []
     real_replay = StreamedKV.replay
 

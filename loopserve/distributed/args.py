@@ -106,8 +106,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         choices=("whole", "stream"),
         help="with --pd: whole moves each request's K/V after its first token; stream "
         "reserves blocks on a decode replica before the prompt runs and sends each run of "
-        "prompt blocks as soon as every loop wrote it, while later chunks compute (through "
-        "Ray's object store: --kv-transport ray or auto)",
+        "prompt blocks as soon as every loop wrote it, while later chunks compute (by Ray's "
+        "object store or NIXL: --kv-transport ray, nixl or auto)",
     )
     group.add_argument(
         "--kv-transfer-timeout-s",
@@ -142,12 +142,10 @@ def check_distributed_args(args: argparse.Namespace) -> None:
     kv_handoff = getattr(args, "kv_handoff", "whole")
     if kv_handoff == "stream" and args.pd is None:
         raise UsageError("--kv-handoff stream needs --pd: it is how prefill replicas hand off")
-    if kv_handoff == "stream" and getattr(args, "kv_transport", "ray") not in ("ray", "auto"):
-        raise UsageError(
-            f"--kv-handoff stream moves its chunks through Ray's object store; --kv-transport "
-            f"{args.kv_transport} sends whole hand-offs point to point only: use --kv-transport "
-            "ray (or auto) with stream, or --kv-handoff whole"
-        )
+    if kv_handoff == "stream" and getattr(args, "kv_transport", "ray") == "torch":
+        from loopserve.distributed.pd_pool import STREAM_WITH_TORCH
+
+        raise UsageError(STREAM_WITH_TORCH)
     if args.pd is not None and getattr(args, "async_scheduling", False):
         raise UsageError(
             "--pd needs --async-scheduling off: a request is handed off between two tokens, "

@@ -145,8 +145,8 @@ class HandOffs:
     # ---- streamed hand-offs (pd_kv_stream.py) --------------------------------------------
 
     def on_chunk(self, sent: ChunkSent, chunk_ref: Any) -> None:
-        if self._closed() or not self._wanted(sent.request_id):
-            return
+        if sent.destination is None and (self._closed() or not self._wanted(sent.request_id)):
+            return  # (a point-to-point chunk must still reach its destination)
         self.kv_stream.on_chunk(sent, chunk_ref)
 
     def release(self, request_id: str) -> None:
@@ -160,6 +160,10 @@ class HandOffs:
         written there, else replayed to a serving decode replica (`StreamedKV.replay`), for
         up to `HANDOFF_WAIT_S`."""
         request_id = exported.request_id
+        if exported.destination is not None:  # chunks went point to point: there or nowhere
+            if await self.kv_stream.ready(request_id) != exported.destination:
+                return self._lost(exported, "its K/V chunks did not reach its decode replica")
+            return await self._take_over(exported, state_ref, remaining_tokens) is True
         deadline_s = time.monotonic() + HANDOFF_WAIT_S
         while True:
             if await self.kv_stream.ready(request_id) is not None:

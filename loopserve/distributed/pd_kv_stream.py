@@ -14,9 +14,12 @@ Per request of the submission:
   once every chunk write there succeeded.
 - `replay`: when a write failed or the reserving replica died or stopped serving, the request
   is reserved again on a serving decode replica (the restarted one, or another), every kept
-  chunk is written there, and the final hand-off goes there. Impossible only when that
-  replica's prefix cache holds fewer of the prompt's first blocks than the first one did
-  (those blocks were never sent): then the request fails with the retry error.
+  chunk is written there, and the final hand-off goes there. Impossible when that replica's
+  prefix cache holds fewer of the prompt's first blocks than the first one did (those blocks
+  were never sent), and with chunks sent point to point (`nixl`: a chunk's bytes are read
+  once, by its destination): then the request fails with the retry error. A point-to-point
+  chunk always goes to its destination, whatever became of the request, so that replica
+  takes it off the wire in its turn.
 - `release`: a request that will not be imported where it is reserved (it ended on its
   prefill replica, was aborted, failed, or hands off whole) frees its reservation and the
   kept chunks; an accepted import took the reservation (`taken`).
@@ -93,8 +96,13 @@ class StreamedKV:
         return request_id in self.skips
 
     def on_chunk(self, sent: ChunkSent, chunk_ref: Any) -> None:
-        """Keep a chunk (by reference) and write it into the request's reservation."""
+        """Keep a chunk (by reference) and write it into the request's reservation. A chunk
+        sent point to point goes to its destination whatever became of the request: that
+        replica must take it off the wire in its turn (then drops it if nothing is reserved)."""
         request_id = sent.request_id
+        if sent.destination is not None:
+            self._write(request_id, sent.destination, chunk_ref, track=request_id in self.skips)
+            return
         if request_id not in self.skips:
             return  # released: ended, aborted, or handing off whole
         kept = self.chunks.setdefault(request_id, [])
@@ -105,19 +113,21 @@ class StreamedKV:
         if index is not None:
             self._write(request_id, index, chunk_ref)
 
-    def _write(self, request_id: str, index: int, chunk_ref: Any) -> None:
+    def _write(self, request_id: str, index: int, chunk_ref: Any, *, track: bool = True) -> None:
         answer = self.owner.replicas[index].actor.write_kv_chunk.remote(chunk_ref)
-        task = self.owner.spawn(self._written(answer))
-        self.writes.setdefault(request_id, []).append(task)  # type: ignore[arg-type]
+        task = self.owner.spawn(self._written(answer, index))
+        if track:
+            self.writes.setdefault(request_id, []).append(task)  # type: ignore[arg-type]
 
-    @staticmethod
-    async def _written(answer_ref: Any) -> bool:
+    async def _written(self, answer_ref: Any, index: int) -> bool:
         import ray
 
         try:
             answer = await answer_ref
         except ray.exceptions.RayError:
             return False
+        if isinstance(answer, Rejected) and answer.kind == "KVTransportError":
+            self.owner.fall_back(f"decode replica {index}: {answer.message}")
         return not isinstance(answer, Rejected)
 
     async def ready(self, request_id: str) -> int | None:

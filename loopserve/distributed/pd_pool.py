@@ -15,7 +15,8 @@ Hand-off (`kv_handoff`, `--kv-handoff`): "whole" moves each request's K/V after 
 token; "stream" reserves blocks on a decode replica before the prompt runs and moves each run
 of prompt blocks as soon as every depth wrote it, while later chunks compute, so only the last
 blocks travel after the first token (engine/kv_stream.py; pd_decode_leg.py has the failure
-semantics). Streaming goes through the object store ("ray").
+semantics). Chunks go through the object store ("ray") or are read over NIXL ("nixl"), not
+by "torch".
 
 KV transport (`kv_transport`, `--kv-transport`): "ray" moves every state with its K/V through
 the object store. "torch" ("auto" on CUDA): once every replica has loaded, the pool joins them
@@ -63,6 +64,12 @@ logger = logging.getLogger(__name__)
 
 
 KV_HANDOFFS = ("whole", "stream")
+STREAMING_TRANSPORTS = ("ray", "nixl")
+STREAM_WITH_TORCH = (
+    "--kv-handoff stream sends chunks by Ray's object store or NIXL (--kv-transport ray, nixl "
+    "or auto); --kv-transport torch sends whole hand-offs only (NCCL sends device memory in "
+    "pair order, and streamed chunks leave the engine in host memory)"
+)
 
 
 def check_kv_handoff(kv_handoff: str, kv_transport: str) -> str:
@@ -70,12 +77,8 @@ def check_kv_handoff(kv_handoff: str, kv_transport: str) -> str:
     what does not go together."""
     if kv_handoff not in KV_HANDOFFS:
         raise ValueError(f"unknown kv_handoff {kv_handoff!r}: choose one of {KV_HANDOFFS}")
-    if kv_handoff == "stream" and kv_transport != "ray":
-        raise ValueError(
-            f"--kv-handoff stream moves its chunks through Ray's object store; --kv-transport "
-            f"{kv_transport} sends whole hand-offs point to point only: use --kv-transport ray "
-            "with stream, or --kv-handoff whole"
-        )
+    if kv_handoff == "stream" and kv_transport not in STREAMING_TRANSPORTS:
+        raise ValueError(STREAM_WITH_TORCH)
     return kv_handoff
 
 

@@ -137,6 +137,8 @@ class PDStream(EngineStream):
         def start(index: int, replica: _Replica) -> Any:
             self.replica = index
             destinations = pool.kv_destinations(self.request_ids)
+            if destinations is not None:  # a streamed request's chunks go where it reserved
+                destinations.update({r: self.handoffs.kv_stream.streamed_to[r] for r in stream_to})
             self.state.destinations = destinations or {}
             return replica.actor.prefill.remote(self.requests, destinations, stream_to or None)
 

@@ -228,7 +228,7 @@ class EngineReplica:
     async def reserve_imports(self, requests: Sequence[GenerateRequest]) -> object:
         return await self.handoff.reserve_imports(requests)
 
-    async def write_kv_chunk(self, chunk: KVChunk) -> int | Rejected:
+    async def write_kv_chunk(self, chunk: KVChunk | KVDescriptor) -> int | Rejected:
         return await self.handoff.write_kv_chunk(chunk)
 
     async def release_imports(self, request_ids: list[str]) -> int:

@@ -129,8 +129,10 @@ class ReplicaHandoff:
             async for item in items:
                 if isinstance(item, KVChunk):
                     self.num_chunks_sent += 1
-                    yield ChunkSent(item.request_id, item.first_block, item.num_blocks)
-                    yield item
+                    sent = self._send(item, (destinations or {}).get(item.request_id))
+                    destination = sent.dst_rank if isinstance(sent, KVDescriptor) else None
+                    yield ChunkSent(item.request_id, item.first_block, item.num_blocks, destination)
+                    yield sent
                 elif isinstance(item, HandoffState):
                     self.num_exported += 1
                     offset_s = time.time() - time.monotonic()
@@ -177,10 +179,18 @@ class ReplicaHandoff:
         self.num_reserved += sum(skip is not None for skip in skips)
         return skips
 
-    async def write_kv_chunk(self, chunk: KVChunk) -> int | Rejected:
+    async def write_kv_chunk(self, chunk: KVChunk | KVDescriptor) -> int | Rejected:
         """Write a streamed chunk into its reserved blocks; the blocks per plane written, or
-        `Rejected` (no reservation: released meanwhile)."""
+        `Rejected` (no reservation: released meanwhile). A chunk sent point to point (its
+        `KVDescriptor`) is received first, in its turn per source, also when its reservation
+        is gone (so that later hand-offs from that source pair up); a transport failure is
+        `Rejected` of kind "KVTransportError"."""
         llm = self._started()
+        if isinstance(chunk, KVDescriptor):
+            try:
+                chunk = await self._handoff_inbox().receiver.take(chunk)
+            except KVTransportError as err:
+                return Rejected.of(err)
         try:
             await llm.call(lambda engine: engine.write_kv_chunk(chunk))
         except LoopserveError as err:
@@ -198,7 +208,9 @@ class ReplicaHandoff:
         released = await llm.call(lambda engine: sum(engine.release_import(r) for r in request_ids))
         return int(released)
 
-    def _send(self, state: HandoffState, destination: int | None) -> HandoffState | KVDescriptor:
+    def _send(
+        self, state: HandoffState | KVChunk, destination: int | None
+    ) -> HandoffState | KVChunk | KVDescriptor:
         """The point-to-point transport's descriptor of `state` sent to `destination`, or
         `state` as is (its K/V through the object store) without a destination, without a
         point-to-point transport, or when the transport refuses (it failed: the pool falls
@@ -206,7 +218,7 @@ class ReplicaHandoff:
         if destination is None or self.kv_transport.kind not in POINT_TO_POINT:
             return _on_host(state)
         try:
-            return self.kv_transport.send(state, destination)
+            return self.kv_transport.send(state, destination)  # type: ignore[arg-type]
         except KVTransportError as err:
             logger.error("hand-off %r goes by the object store: %s", state.request_id, err)
             return _on_host(state)
@@ -403,7 +415,7 @@ def rebase_times(state: HandoffState, exporter_offset_s: float | None) -> Handof
     )
 
 
-def _on_host(state: HandoffState) -> HandoffState:
+def _on_host(state: HandoffState | KVChunk) -> HandoffState | KVChunk:
     """`state` with its K/V in host memory (the object store path), copied there if it was
     exported on a GPU for the torch transport."""
     kv = state.kv

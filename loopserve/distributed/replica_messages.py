@@ -97,6 +97,9 @@ class ChunkSent:
     request_id: str
     first_block: int
     num_blocks: int
+    # The rank a point-to-point transport sent it to (the next item is a `KVDescriptor`
+    # only that replica can take, and must, in its turn); None: the chunk carries its K/V.
+    destination: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,12 @@ from dataclasses import dataclass
 from loopserve.distributed.router import ROUTING_POLICIES
 from loopserve.distributed.transport import KV_TRANSPORTS
 
+STREAM_WITH_TORCH = (
+    "--kv-handoff stream sends chunks by Ray's object store or NIXL (--kv-transport ray, nixl "
+    "or auto); --kv-transport torch sends whole hand-offs only (NCCL sends device memory in "
+    "pair order, and streamed chunks leave the engine in host memory)"
+)
+
 
 @dataclass(frozen=True, slots=True)
 class PDSpec:
@@ -143,8 +149,6 @@ def check_distributed_args(args: argparse.Namespace) -> None:
     if kv_handoff == "stream" and args.pd is None:
         raise UsageError("--kv-handoff stream needs --pd: it is how prefill replicas hand off")
     if kv_handoff == "stream" and getattr(args, "kv_transport", "ray") == "torch":
-        from loopserve.distributed.pd_pool import STREAM_WITH_TORCH
-
         raise UsageError(STREAM_WITH_TORCH)
     if args.pd is not None and getattr(args, "async_scheduling", False):
         raise UsageError(

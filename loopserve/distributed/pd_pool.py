@@ -46,7 +46,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from loopserve.distributed.args import PDSpec
+from loopserve.distributed.args import STREAM_WITH_TORCH, PDSpec
 from loopserve.distributed.pd_stream import DECODE, PREFILL, PDStream
 from loopserve.distributed.pool import ReplicaPool
 from loopserve.distributed.pool_replicas import PoolConfig, Roles
@@ -65,11 +65,6 @@ logger = logging.getLogger(__name__)
 
 KV_HANDOFFS = ("whole", "stream")
 STREAMING_TRANSPORTS = ("ray", "nixl")
-STREAM_WITH_TORCH = (
-    "--kv-handoff stream sends chunks by Ray's object store or NIXL (--kv-transport ray, nixl "
-    "or auto); --kv-transport torch sends whole hand-offs only (NCCL sends device memory in "
-    "pair order, and streamed chunks leave the engine in host memory)"
-)
 
 
 def check_kv_handoff(kv_handoff: str, kv_transport: str) -> str:

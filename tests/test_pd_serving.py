@@ -348,8 +348,6 @@ def test_prefill_replica_dying_loses_no_request_and_leaks_no_block(pools, tiny_t
     `ReplicaFailedError`; or its re-route found no prefill replica serving while the only
     one restarts); none ends short without an error, and once the replica is back both
     replicas have every block free."""
-    from loopserve.errors import EngineNotReadyError
-
     pool = pools.get()
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     requests = [(f"k{i}", _prompt(60 + i, 90)) for i in range(10)]
@@ -359,29 +357,10 @@ def test_prefill_replica_dying_loses_no_request_and_leaks_no_block(pools, tiny_t
         for (rid, _), out in zip(requests, llm.generate([p for _, p in requests], params))
     }
 
-    async def one(request_id, prompt):
-        outputs = []
-        try:
-            stream = await pool.submit([GenerateRequest(request_id, prompt, params)])
-            with stream:
-                async for output in stream:
-                    outputs.append(output)
-        except EngineNotReadyError:
-            return request_id, outputs, "failed"
-        return request_id, outputs, "done"
-
-    async def main():
-        tasks = [asyncio.ensure_future(one(rid, p)) for rid, p in requests]
-        while not any(s.replica == PREFILL for s in pool.streams):
-            await asyncio.sleep(0.001)
-        ray.kill(pool.replicas[PREFILL].actor, no_restart=False)
-        done = await asyncio.gather(*tasks)
-        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
-        return done
-
-    done = loop.run_until_complete(main())
-    outcomes = {rid: how for rid, _, how in done}
-    for request_id, outputs, how in done:
+    on_prefill = lambda: any(s.replica == PREFILL for s in pool.streams)  # noqa: E731
+    done = _outcomes(pool, loop, requests, params, on_prefill, PREFILL)
+    outcomes = {rid: how for rid, how, _ in done}
+    for request_id, how, outputs in done:
         if how == "done":
             assert outputs[-1].finished and outputs[-1].token_ids == expected[request_id]
     # How many the kill caught depends on how fast this machine prefills (on the 2-vCPU
@@ -392,6 +371,36 @@ def test_prefill_replica_dying_loses_no_request_and_leaks_no_block(pools, tiny_t
     for stats in after:
         assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
     assert pool.num_in_flight == 0 and not pool.streams
+
+
+def _outcomes(pool, loop, requests, params, kill_when, kill_index):
+    """Submit `requests`, kill replica `kill_index` once `kill_when()` holds, and collect each
+    stream's outcome: ("done", outputs) or ("failed", outputs) for the documented retry
+    error (`ReplicaFailedError`/`EngineNotReadyError`, HTTP 503)."""
+
+    from loopserve.errors import EngineNotReadyError
+
+    async def one(request_id, prompt):
+        outputs = []
+        try:
+            stream = await pool.submit([GenerateRequest(request_id, prompt, params)])
+            with stream:
+                async for output in stream:
+                    outputs.append(output)
+        except EngineNotReadyError:
+            return request_id, "failed", outputs
+        return request_id, "done", outputs
+
+    async def main():
+        tasks = [asyncio.ensure_future(one(rid, p)) for rid, p in requests]
+        while not kill_when():
+            await asyncio.sleep(0.001)
+        ray.kill(pool.replicas[kill_index].actor, no_restart=False)
+        done = await asyncio.gather(*tasks)
+        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
+        return done
+
+    return loop.run_until_complete(main())
 
 
 def _params_for(exit_mode: str) -> list[SamplingParams]:

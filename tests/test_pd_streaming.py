@@ -22,13 +22,11 @@ ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip ins
 from loopserve.distributed.args import PDSpec
 from loopserve.distributed.pd_pool import PDReplicaPool
 from loopserve.distributed.pool import PoolConfig
-from loopserve.engine.async_llm import GenerateRequest
-from loopserve.errors import EngineNotReadyError
 from loopserve.llm import LLM
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sampling_params import SamplingParams
 from tests.ray_utils import start_local_ray, stop_local_ray
-from tests.test_pd_serving import _collect, _gather, _prompt, _settled, _stats
+from tests.test_pd_serving import _collect, _gather, _outcomes, _prompt, _settled, _stats
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 PREFILL, DECODE = 0, 1
@@ -255,34 +253,6 @@ def test_a_failed_chunk_write_replays_the_stream(pools, tiny_tok_dir, loop, monk
     for stats in after:
         assert stats.num_reserved == 0
         assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
-
-
-def _outcomes(pool, loop, requests, params, kill_when, kill_index):
-    """Submit `requests`, kill replica `kill_index` once `kill_when()` holds, and collect each
-    stream's outcome: ("done", outputs) or ("failed", outputs) for the documented retry
-    error (`ReplicaFailedError`/`EngineNotReadyError`, HTTP 503)."""
-
-    async def one(request_id, prompt):
-        outputs = []
-        try:
-            stream = await pool.submit([GenerateRequest(request_id, prompt, params)])
-            with stream:
-                async for output in stream:
-                    outputs.append(output)
-        except EngineNotReadyError:
-            return request_id, "failed", outputs
-        return request_id, "done", outputs
-
-    async def main():
-        tasks = [asyncio.ensure_future(one(rid, p)) for rid, p in requests]
-        while not kill_when():
-            await asyncio.sleep(0.001)
-        ray.kill(pool.replicas[kill_index].actor, no_restart=False)
-        done = await asyncio.gather(*tasks)
-        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
-        return done
-
-    return loop.run_until_complete(main())
 
 
 @pytest.mark.parametrize("victim", [PREFILL, DECODE])

@@ -82,7 +82,6 @@ class ReplicaHandoff:
         self.num_exported = 0
         self.num_imported = 0
         self.num_chunks_sent = 0  # streamed hand-offs (prefill role)
-        self.num_reserved = 0  # ... (decode role)
         self.num_chunks_received = 0
         self.chunk_blocks_received = 0
         self.num_streamed_imports = 0
@@ -176,7 +175,6 @@ class ReplicaHandoff:
             skips = await llm.call(reserve)
         except LoopserveError as err:
             return Rejected.of(err)
-        self.num_reserved += sum(skip is not None for skip in skips)
         return skips
 
     async def write_kv_chunk(self, chunk: KVChunk | KVDescriptor) -> int | Rejected:

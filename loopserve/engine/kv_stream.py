@@ -50,8 +50,6 @@ class KVStreamOut:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._streams: dict[str, _Outgoing] = {}
-        self.num_chunks = 0
-        self.num_blocks = 0  # blocks per plane sent in chunks
 
     def start(self, request_id: str, skip_blocks: int) -> None:
         self._streams[request_id] = _Outgoing(skip_blocks, skip_blocks, 0)
@@ -78,8 +76,6 @@ class KVStreamOut:
             )
             kv = runner.export_blocks(handle, out.next_block, to_host=to_host)
             chunks.append(KVChunk(request_id, out.next_block, complete - out.next_block, kv))
-            self.num_chunks += 1
-            self.num_blocks += complete - out.next_block
             out.next_block = complete
         return chunks
 

@@ -218,7 +218,8 @@ class Admission:
             if reservation is None:
                 table = self.kv.allocate(request_id, positions)
             else:  # streamed: blocks before `first` were written as they arrived
-                assert self.kv.grow(request_id, positions), "admitted without room"
+                grown = self.kv.grow(request_id, positions)  # (not inside the assert: -O)
+                assert grown, "admitted without room"
                 self.kv.resend_table(request_id)
                 table = self.kv.tables[request_id]
                 first = reservation.first_block or 0

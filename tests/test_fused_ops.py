@@ -163,12 +163,10 @@ def test_huginn_with_every_fused_kernel_matches_its_torch_logits(
     from loopserve.models.huginn_dense import generate, teacher_forced_logits
     from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 
-    fewer_loops = {}  # interpreted programs run in Python: three loops a token, not eight
     if attention_backend == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        fewer_loops = {"mean_recurrence": 3}
-    engine = make_engine(
-        make_tiny_huginn_checkpoint(tmp_path, **fewer_loops), exit_criterion="kl",
+    engine = make_engine(  # the fused kernels are interpreted: three loops a token, not eight
+        make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=3), exit_criterion="kl",
         attention_backend=attention_backend,
     )  # fmt: skip
     model = engine.model

@@ -40,3 +40,17 @@ def loop():
     event_loop = asyncio.new_event_loop()
     yield event_loop
     event_loop.close()
+
+
+@pytest.fixture(scope="module")
+def pd_pools(loop):
+    """The prefill/decode serving tests' pools (`tests.pd_pools.PDPools`) on the process's Ray
+    cluster; the module ends with every replica shut down."""
+    from tests.pd_pools import PDPools
+    from tests.ray_utils import start_local_ray, stop_local_ray
+
+    start_local_ray(4)  # logical: a pool's two replicas, and room while a killed one restarts
+    holder = PDPools(loop)
+    yield holder
+    holder.close()
+    stop_local_ray()

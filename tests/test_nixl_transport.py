@@ -10,7 +10,6 @@ optional `nixl` extra, which CI installs)."""
 from __future__ import annotations
 
 # ruff: noqa: E402 - skips run before the optional imports
-import asyncio
 import time
 import uuid
 
@@ -102,13 +101,22 @@ ray = pytest.importorskip("ray", reason="needs Ray (the nixl extra includes it)"
 
 from loopserve.distributed.offline import DisaggregatedEngines
 from loopserve.llm import LLM
+from tests.pd_pools import (
+    DECODE,
+    PREFILL,
+    exported_kv_bytes,
+    replica_stats,
+    run_cases,
+    start_pool,
+    transport_stats,
+)
 from tests.ray_utils import start_local_ray, stop_local_ray
+from tests.test_pd_serving_torch import CASES, _engine_args
 from tests.test_pd_transport import (
     BASE_ARGS,
     PARAMS,
     PROMPT_LENGTHS,
     PROMPTS,
-    expected_kv_bytes,
 )
 
 
@@ -141,7 +149,7 @@ def test_nixl_hand_offs_equal_colocated_serving(tiny_dir, ray_cluster, layout, e
         assert output.finish_reason == expected.finish_reason
     assert any(depth < 4 for o in outputs for depth in o.exit_depths)
     handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
-    expected = sum(expected_kv_bytes(tiny_dir, layout, n) for n in handed_off)
+    expected = sum(exported_kv_bytes(tiny_dir, layout, n) for n in handed_off)
     *senders, decode = stats
     assert {s.kind for s in stats} == {"nixl"}
     assert sum(s.num_sent for s in senders) == decode.num_received == 3
@@ -155,33 +163,13 @@ def test_nixl_serving_equals_colocated_and_reads_the_kv_point_to_point(
 ):
     """`PDReplicaPool(..., kv_transport="nixl")` (what `serve --pd prefill=1,decode=1
     --kv-transport nixl` builds): five concurrent streams, four hand-offs read over NIXL."""
-    from loopserve.distributed.args import PDSpec
-    from loopserve.distributed.pd_pool import PDReplicaPool
-    from loopserve.distributed.pool import PoolConfig
-    from tests.test_pd_serving_torch import (
-        CASES,
-        DECODE,
-        PREFILL,
-        _engine_args,
-        _run_all,
-        _transport_stats,
-    )
-    from tests.test_pd_serving_torch import expected_kv_bytes as serving_kv_bytes
 
     args = _engine_args(tiny_tok_dir, "last_exited", "ouro_delayed")
-    pool = PDReplicaPool(args, PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2),
-                         PDSpec(1, 1), kv_transport="nixl")  # fmt: skip
-
-    async def start() -> None:
-        pool.start()
-        assert await pool.wait_ready(timeout_s=120.0), pool.health()
-        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
-
-    loop.run_until_complete(start())
+    pool = start_pool(loop, args, kv_transport="nixl")
     try:
         assert pool.uses_point_to_point and pool.health()["kv_transport"] == "nixl"
-        results = _run_all(pool, loop, CASES)
-        stats = _transport_stats(pool, loop)
+        results = run_cases(pool, loop, CASES)
+        stats = transport_stats(pool, loop)
     finally:
         loop.run_until_complete(pool.shutdown(5.0))
     expected = LLM(**args).generate([p for p, _ in CASES.values()],
@@ -190,7 +178,7 @@ def test_nixl_serving_equals_colocated_and_reads_the_kv_point_to_point(
         final = outputs[-1]
         assert (final.token_ids, final.exit_depths) == (want.token_ids, want.exit_depths), rid
         assert (rid in stream.decode_replicas) == (rid != "one"), rid
-    kv_bytes = sum(serving_kv_bytes(tiny_tok_dir, "last_exited", len(p))
+    kv_bytes = sum(exported_kv_bytes(tiny_tok_dir, "last_exited", len(p))
                    for rid, (p, _) in CASES.items() if rid != "one")  # fmt: skip
     assert (stats[PREFILL].kind, stats[DECODE].kind) == ("nixl", "nixl")
     assert stats[PREFILL].num_sent == stats[DECODE].num_received == 4
@@ -207,36 +195,13 @@ def test_nixl_streamed_serving_equals_colocated_and_reads_every_chunk_over_nixl(
     by the decode replica that reserved it, as a chunk, before the final hand-off, which is
     read over NIXL too; outputs equal colocated and every block is read exactly once (the
     request that ends with its first token had one chunk out already: it is read too)."""
-    from loopserve.distributed.args import PDSpec
-    from loopserve.distributed.pd_pool import PDReplicaPool
-    from loopserve.distributed.pool import PoolConfig
-    from tests.test_pd_serving_torch import (
-        CASES,
-        DECODE,
-        PREFILL,
-        _engine_args,
-        _run_all,
-        _transport_stats,
-    )
-    from tests.test_pd_serving_torch import expected_kv_bytes as serving_kv_bytes
 
     args = {**_engine_args(tiny_tok_dir, "last_exited", "ouro"), "prefill_chunk_size": 4}
-    pool = PDReplicaPool(args, PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2),
-                         PDSpec(1, 1), kv_transport="nixl", kv_handoff="stream")  # fmt: skip
-
-    async def start() -> None:
-        pool.start()
-        assert await pool.wait_ready(timeout_s=120.0), pool.health()
-        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
-
-    async def replica_stats():
-        return await asyncio.gather(*(r.actor.stats.remote() for r in pool.replicas))
-
-    loop.run_until_complete(start())
+    pool = start_pool(loop, args, kv_transport="nixl", kv_handoff="stream")
     try:
-        results = _run_all(pool, loop, CASES)
-        stats = _transport_stats(pool, loop)
-        counters = loop.run_until_complete(replica_stats())
+        results = run_cases(pool, loop, CASES)
+        stats = transport_stats(pool, loop)
+        counters = loop.run_until_complete(replica_stats(pool))
     finally:
         loop.run_until_complete(pool.shutdown(5.0))
     expected = LLM(**args).generate([p for p, _ in CASES.values()],
@@ -250,8 +215,8 @@ def test_nixl_streamed_serving_equals_colocated_and_reads_every_chunk_over_nixl(
     assert counters[DECODE].num_streamed_imports == 3  # g, s, k; m has no complete block
     assert stats[PREFILL].num_sent == stats[DECODE].num_received + stats[DECODE].num_discarded
     assert stats[PREFILL].num_sent == chunks + 4  # every chunk and final hand-off over NIXL
-    handed_off = sum(serving_kv_bytes(tiny_tok_dir, "last_exited", len(p))
+    handed_off = sum(exported_kv_bytes(tiny_tok_dir, "last_exited", len(p))
                      for rid, (p, _) in CASES.items() if rid != "one")  # fmt: skip
-    one_chunk = serving_kv_bytes(tiny_tok_dir, "last_exited", 4)
+    one_chunk = exported_kv_bytes(tiny_tok_dir, "last_exited", 4)
     assert stats[PREFILL].bytes_sent == stats[DECODE].bytes_received == handed_off + one_chunk
     assert stats[PREFILL].num_pending_sends == 0 and pool.kv_transport_fallback is None

@@ -4,8 +4,8 @@ replica and the rest from the decode replica, outputs equal to one colocated eng
 layouts and every exit mode, aborts around the hand-off that free both replicas, the role label
 in /metrics and /health, and a decode replica dying mid-stream.
 
-One Ray cluster serves the module; one 1P1D pool runs at a time (one per layout and exit mode,
-started when a test first needs it). The tiny checkpoint has a tokenizer, so text deltas are
+The test process's Ray cluster serves the module; one 1P1D pool runs at a time (one per
+layout and exit mode, started when a test first needs it). The tiny checkpoint has a tokenizer, so text deltas are
 checked too. Skipped when Ray is not installed (it is the optional `ray` extra).
 """
 
@@ -22,20 +22,26 @@ require("ray", "serve")
 import httpx
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
-from loopserve.distributed.args import PDSpec  # noqa: E402
 from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
-from loopserve.distributed.pool import PoolConfig  # noqa: E402
 from loopserve.engine.async_llm import GenerateRequest  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from loopserve.server.api_server import build_app  # noqa: E402
-from tests.ray_utils import start_local_ray, stop_local_ray  # noqa: E402
+from tests.pd_pools import (  # noqa: E402
+    DECODE,
+    PREFILL,
+    collect,
+    gather,
+    kill_during,
+    prompt_ids,
+    replica_stats,
+    settled,
+)
 from tests.server_utils import prometheus_values, sse_payloads  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ENGINE_ARGS = {"dtype": "float32", "num_blocks": 512, "block_size": 4, "max_num_seqs": 4}
 NUM_LOOPS = 4  # the tiny checkpoint's loops per token
-PREFILL, DECODE = 0, 1  # replica indices in a 1P1D pool
 
 
 def _engine_args(model_dir, layout: str, exit_mode: str, num_blocks: int = 512) -> dict:
@@ -48,89 +54,30 @@ def _engine_args(model_dir, layout: str, exit_mode: str, num_blocks: int = 512) 
     }
 
 
-class _Pools:
-    """Starts a 1P1D pool per (layout, exit mode) on demand; one alive at a time."""
+@pytest.fixture
+def pools(pd_pools, tiny_tok_dir):
+    """The module's pool for (layout, exit mode, KV blocks) on the tokenizer checkpoint."""
 
-    def __init__(self, model_dir, loop: asyncio.AbstractEventLoop) -> None:
-        self.model_dir = model_dir
-        self.loop = loop
-        self.key: tuple[str, str, int] | None = None
-        self.pool: PDReplicaPool | None = None
+    def get(layout: str = "last_exited", exit_mode: str = "ouro", num_blocks: int = 512):
+        return pd_pools.get(_engine_args(tiny_tok_dir, layout, exit_mode, num_blocks))
 
-    def get(
-        self, layout: str = "last_exited", exit_mode: str = "ouro", num_blocks: int = 512
-    ) -> PDReplicaPool:
-        if self.key == (layout, exit_mode, num_blocks):
-            assert self.pool is not None
-            assert self.loop.run_until_complete(self.pool.wait_serving(2, 120.0))
-            return self.pool
-        self.close()
-        config = PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2)
-        pool = PDReplicaPool(
-            _engine_args(self.model_dir, layout, exit_mode, num_blocks), config, PDSpec(1, 1)
-        )
-
-        async def start() -> None:
-            pool.start()
-            assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
-
-        self.loop.run_until_complete(start())
-        self.key, self.pool = (layout, exit_mode, num_blocks), pool
-        return pool
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.loop.run_until_complete(self.pool.shutdown(5.0))
-        self.key = self.pool = None
-
-
-@pytest.fixture(scope="module")
-def pools(tiny_tok_dir, loop):
-    start_local_ray(4)  # logical: a pool's two replicas, and room while a killed one restarts
-    holder = _Pools(tiny_tok_dir, loop)
-    yield holder
-    holder.close()
-    stop_local_ray()
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    return [(seed * 37 + i * 11) % 400 + 3 for i in range(length)]
-
-
-async def _collect(pool: PDReplicaPool, request_id: str, prompt: list[int], params):
-    stream = await pool.submit([GenerateRequest(request_id, prompt, params)])
-    outputs = []
-    with stream:
-        async for output in stream:
-            outputs.append(output)
-    return outputs, stream
-
-
-async def _stats(pool: PDReplicaPool):
-    return await asyncio.gather(*(r.actor.stats.remote() for r in pool.replicas))
-
-
-def _gather(loop, *coroutines):
-    async def main():
-        return await asyncio.gather(*coroutines)
-
-    return loop.run_until_complete(main())
+    return get
 
 
 def test_first_token_streams_from_prefill_and_the_rest_from_decode(pools, tiny_tok_dir, loop):
-    pool = pools.get()
+    pool = pools()
     reference = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro"))
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    first_token = reference.generate([_prompt(9, 7)], greedy)[0].token_ids[0]
+    first_token = reference.generate([prompt_ids(9, 7)], greedy)[0].token_ids[0]
     cases = {  # request id -> (prompt, params, hands off)
-        "long": (_prompt(1, 9), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), True),
-        "seeded": (_prompt(2, 4), SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True), True),
-        "one": (_prompt(3, 6), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), False),
-        "stop_at_first": (_prompt(9, 7), SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[first_token]), False),
+        "long": (prompt_ids(1, 9), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), True),
+        "seeded": (prompt_ids(2, 4), SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True), True),
+        "one": (prompt_ids(3, 6), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), False),
+        "stop_at_first": (prompt_ids(9, 7), SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[first_token]), False),
     }  # fmt: skip
-    before = _gather(loop, _stats(pool))[0]
-    results = _gather(loop, *(_collect(pool, rid, p, sp) for rid, (p, sp, _) in cases.items()))
-    after = _gather(loop, _stats(pool))[0]
+    before = gather(loop, replica_stats(pool))[0]
+    results = gather(loop, *(collect(pool, rid, p, sp) for rid, (p, sp, _) in cases.items()))
+    after = gather(loop, replica_stats(pool))[0]
     expected = reference.generate(
         [p for p, _, _ in cases.values()], [sp for _, sp, _ in cases.values()]
     )
@@ -169,8 +116,8 @@ def test_first_token_streams_from_prefill_and_the_rest_from_decode(pools, tiny_t
 def test_a_submission_of_several_requests_hands_each_off(pools, tiny_tok_dir, loop):
     """One submission (as `n` > 1 or a batch of prompts makes): one prefill stream, one
     hand-off and decode stream per request, merged into one stream."""
-    pool = pools.get()
-    prompt = _prompt(11, 8)
+    pool = pools()
+    prompt = prompt_ids(11, 8)
     params = [
         SamplingParams(max_tokens=6 + i, temperature=0.8, seed=70 + i, ignore_eos=True)
         for i in range(3)
@@ -199,14 +146,14 @@ def test_a_submission_of_several_requests_hands_each_off(pools, tiny_tok_dir, lo
 
 
 def test_aborts_around_the_hand_off_free_both_replicas(pools, loop):
-    pool = pools.get()
+    pool = pools()
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    before = _gather(loop, _stats(pool))[0]
+    before = gather(loop, replica_stats(pool))[0]
     aborts_before = _finished(pool, "abort")
 
     async def close_after(request_id: str, num_outputs: int) -> list:
         stream = await pool.submit(
-            [GenerateRequest(request_id, _prompt(20 + len(request_id), 11), params)]
+            [GenerateRequest(request_id, prompt_ids(20 + len(request_id), 11), params)]
         )
         seen = []
         if num_outputs:
@@ -220,9 +167,9 @@ def test_aborts_around_the_hand_off_free_both_replicas(pools, loop):
     # Closed before any output (on the prefill replica), right at the first token (while the
     # request is exported and in flight), and after three tokens (on the decode replica).
     closes = {"a-before": 0, "a-first": 1, "a-first-2": 1, "a-third": 3, "a-third-2": 3}
-    seen = _gather(loop, *(close_after(rid, n) for rid, n in closes.items()))
+    seen = gather(loop, *(close_after(rid, n) for rid, n in closes.items()))
 
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     for rid, outputs in zip(closes, seen):
         assert len(outputs) == closes[rid] and not any(o.finished for o in outputs), rid
     for stats in after:  # every KV block came back, on both sides
@@ -237,17 +184,6 @@ def test_aborts_around_the_hand_off_free_both_replicas(pools, loop):
     assert pool.num_in_flight == 0 and not pool.streams
 
 
-async def _settled(pool: PDReplicaPool) -> list:
-    """Every replica's stats once none runs, waits or has a request in flight."""
-    while True:
-        stats = await _stats(pool)
-        if all(
-            s.snapshot.num_running == s.snapshot.num_waiting == s.num_in_flight == 0 for s in stats
-        ):
-            return stats
-        await asyncio.sleep(0.05)
-
-
 def _finished(pool: PDReplicaPool, reason: str) -> float:
     text = pool.metrics.render(pool.snapshot, num_in_flight=0, is_ready=True)
     key = f'loopserve_requests_finished_total{{finish_reason="{reason}"}}'
@@ -255,9 +191,9 @@ def _finished(pool: PDReplicaPool, reason: str) -> float:
 
 
 def test_http_stream_health_and_metrics_carry_roles(pools, loop):
-    pool = pools.get()
+    pool = pools()
     app = build_app(pool, "tiny")
-    body = {"prompt": _prompt(4, 8), "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    body = {"prompt": prompt_ids(4, 8), "max_tokens": 6, "ignore_eos": True, "temperature": 0}
     handoffs_before = prometheus_values(
         pool.metrics.render(pool.snapshot, num_in_flight=0, is_ready=True)
     )
@@ -291,7 +227,7 @@ def test_http_stream_health_and_metrics_carry_roles(pools, loop):
 
 
 def test_decode_replica_dying_mid_stream_ends_it_with_503(pools, loop):
-    pool = pools.get()
+    pool = pools()
     app = build_app(pool, "tiny")
 
     async def http_stream() -> httpx.Response:
@@ -299,7 +235,12 @@ def test_decode_replica_dying_mid_stream_ends_it_with_503(pools, loop):
         async with httpx.AsyncClient(
             transport=transport, base_url="http://localhost", timeout=120.0
         ) as client:
-            body = {"prompt": _prompt(5, 6), "max_tokens": 400, "ignore_eos": True, "stream": True}
+            body = {
+                "prompt": prompt_ids(5, 6),
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
             return await client.post("/v1/completions", json=body)
 
     async def main():
@@ -326,8 +267,8 @@ def test_decode_replica_dying_mid_stream_ends_it_with_503(pools, loop):
     )
     # The restarted decode replica takes hand-offs again.
     outputs, stream = loop.run_until_complete(
-        _collect(
-            pool, "after-restart", _prompt(6, 5), SamplingParams(max_tokens=5, ignore_eos=True)
+        collect(
+            pool, "after-restart", prompt_ids(6, 5), SamplingParams(max_tokens=5, ignore_eos=True)
         )
     )
     assert outputs[-1].finish_reason == "length" and stream.decode_replicas == {
@@ -335,7 +276,7 @@ def test_decode_replica_dying_mid_stream_ends_it_with_503(pools, loop):
     }
     # No block leaked on either side: the prefill replica's copy of the hand-off and the
     # restarted decode replica's pool are all free once nothing runs.
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     for stats in after:
         assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
     assert pool.num_in_flight == 0 and not pool.streams
@@ -348,9 +289,9 @@ def test_prefill_replica_dying_loses_no_request_and_leaks_no_block(pools, tiny_t
     `ReplicaFailedError`; or its re-route found no prefill replica serving while the only
     one restarts); none ends short without an error, and once the replica is back both
     replicas have every block free."""
-    pool = pools.get()
+    pool = pools()
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    requests = [(f"k{i}", _prompt(60 + i, 90)) for i in range(10)]
+    requests = [(f"k{i}", prompt_ids(60 + i, 90)) for i in range(10)]
     llm = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro"))
     expected = {
         rid: out.token_ids
@@ -358,7 +299,7 @@ def test_prefill_replica_dying_loses_no_request_and_leaks_no_block(pools, tiny_t
     }
 
     on_prefill = lambda: any(s.replica == PREFILL for s in pool.streams)  # noqa: E731
-    done = _outcomes(pool, loop, requests, params, on_prefill, PREFILL)
+    done = kill_during(pool, loop, requests, params, on_prefill, PREFILL)
     outcomes = {rid: how for rid, how, _ in done}
     for request_id, how, outputs in done:
         if how == "done":
@@ -367,40 +308,10 @@ def test_prefill_replica_dying_loses_no_request_and_leaks_no_block(pools, tiny_t
     # development VM it caught all ten); which outcome each gets is what is checked.
     assert set(outcomes.values()) <= {"done", "failed"} and len(outcomes) == len(requests)
     assert pool.replicas[PREFILL].num_restarts >= 1
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     for stats in after:
         assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
     assert pool.num_in_flight == 0 and not pool.streams
-
-
-def _outcomes(pool, loop, requests, params, kill_when, kill_index):
-    """Submit `requests`, kill replica `kill_index` once `kill_when()` holds, and collect each
-    stream's outcome: ("done", outputs) or ("failed", outputs) for the documented retry
-    error (`ReplicaFailedError`/`EngineNotReadyError`, HTTP 503)."""
-
-    from loopserve.errors import EngineNotReadyError
-
-    async def one(request_id, prompt):
-        outputs = []
-        try:
-            stream = await pool.submit([GenerateRequest(request_id, prompt, params)])
-            with stream:
-                async for output in stream:
-                    outputs.append(output)
-        except EngineNotReadyError:
-            return request_id, "failed", outputs
-        return request_id, "done", outputs
-
-    async def main():
-        tasks = [asyncio.ensure_future(one(rid, p)) for rid, p in requests]
-        while not kill_when():
-            await asyncio.sleep(0.001)
-        ray.kill(pool.replicas[kill_index].actor, no_restart=False)
-        done = await asyncio.gather(*tasks)
-        assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
-        return done
-
-    return loop.run_until_complete(main())
 
 
 def _params_for(exit_mode: str) -> list[SamplingParams]:
@@ -439,14 +350,14 @@ def _fields(params: SamplingParams) -> dict[str, object]:
 def test_serving_one_prefill_one_decode_equals_colocated(
     pools, tiny_tok_dir, loop, layout, exit_mode
 ):
-    pool = pools.get(layout, exit_mode)
-    prompts = [_prompt(30 + k, n) for k, n in enumerate([1, 6, 13, 22, 5])]
+    pool = pools(layout, exit_mode)
+    prompts = [prompt_ids(30 + k, n) for k, n in enumerate([1, 6, 13, 22, 5])]
     params = _params_for(exit_mode)
-    before = _gather(loop, _stats(pool))[0]
-    results = _gather(
-        loop, *(_collect(pool, f"eq-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params)))
+    before = gather(loop, replica_stats(pool))[0]
+    results = gather(
+        loop, *(collect(pool, f"eq-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params)))
     )
-    after = _gather(loop, _stats(pool))[0]
+    after = gather(loop, replica_stats(pool))[0]
     expected = LLM(**_engine_args(tiny_tok_dir, layout, exit_mode)).generate(prompts, params)
     for (outputs, _), want in zip(results, expected):
         final = outputs[-1]
@@ -471,15 +382,15 @@ def test_a_full_decode_replica_makes_hand_offs_wait_not_fail(pools, tiny_tok_dir
     """96 KV blocks: a request here grows to 12 blocks in each of the 4 planes (8 prompt + 40
     output positions), so the decode replica holds two at their peak; the other hand-offs
     wait in its queue or are preempted, and every request still completes exactly."""
-    pool = pools.get(num_blocks=96)
-    prompts = [_prompt(50 + k, 8) for k in range(5)]
+    pool = pools(num_blocks=96)
+    prompts = [prompt_ids(50 + k, 8) for k in range(5)]
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in prompts]
-    before = _gather(loop, _stats(pool))[0]
-    results = _gather(
+    before = gather(loop, replica_stats(pool))[0]
+    results = gather(
         loop,
-        *(_collect(pool, f"full-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))),
+        *(collect(pool, f"full-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))),
     )
-    after = _gather(loop, _stats(pool))[0]
+    after = gather(loop, replica_stats(pool))[0]
     expected = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro", 96)).generate(
         prompts, params
     )

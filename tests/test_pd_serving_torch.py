@@ -7,15 +7,13 @@ right after the first token leaves both replicas idle and the pair's order intac
 request still hands off exactly), and a decode replica dying makes later hand-offs fall back
 to the object store.
 
-One Ray cluster serves the module; one pool runs at a time. Skipped when Ray is not installed
-(it is the optional `ray` extra)."""
+The test process's Ray cluster serves the module; one pool runs at a time. Skipped when Ray
+is not installed (it is the optional `ray` extra)."""
 
 from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
-import json
-import math
 import time
 
 import pytest
@@ -25,18 +23,22 @@ from tests.optional import require
 require("ray", "serve")
 
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
-from loopserve.distributed.args import PDSpec  # noqa: E402
-from loopserve.distributed.pd_pool import PDReplicaPool  # noqa: E402
-from loopserve.distributed.pool import PoolConfig  # noqa: E402
 from loopserve.engine.async_llm import GenerateRequest  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
-from tests.ray_utils import start_local_ray, stop_local_ray  # noqa: E402
+from tests.pd_pools import (  # noqa: E402
+    DECODE,
+    PREFILL,
+    collect,
+    exported_kv_bytes,
+    prompt_ids,
+    run_cases,
+    transport_stats,
+)
 from tests.server_utils import prometheus_values  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 ENGINE_ARGS = {"dtype": "float32", "num_blocks": 512, "block_size": 4, "max_num_seqs": 4}
-PREFILL, DECODE = 0, 1  # replica indices (and ranks) in a 1P1D pool
 NUM_LOOPS = 4
 
 
@@ -50,92 +52,22 @@ def _engine_args(model_dir, layout: str, exit_mode: str) -> dict:
     }
 
 
-class _Pools:
-    """One torch-transport 1P1D pool per (layout, exit mode), started on demand."""
+@pytest.fixture
+def pools(pd_pools, tiny_tok_dir):
+    """The module's torch-transport pool for (layout, exit mode)."""
 
-    def __init__(self, model_dir, loop: asyncio.AbstractEventLoop) -> None:
-        self.model_dir, self.loop = model_dir, loop
-        self.key: tuple[str, str] | None = None
-        self.pool: PDReplicaPool | None = None
+    def get(layout: str, exit_mode: str):
+        return pd_pools.get(_engine_args(tiny_tok_dir, layout, exit_mode), kv_transport="torch")
 
-    def get(self, layout: str, exit_mode: str) -> PDReplicaPool:
-        if self.key == (layout, exit_mode):
-            assert self.pool is not None
-            return self.pool
-        self.close()
-        config = PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2)
-        args = _engine_args(self.model_dir, layout, exit_mode)
-        pool = PDReplicaPool(args, config, PDSpec(1, 1), kv_transport="torch")
-
-        async def start() -> None:
-            pool.start()
-            assert await pool.wait_ready(timeout_s=120.0), pool.health()
-            assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
-
-        self.loop.run_until_complete(start())
-        self.key, self.pool = (layout, exit_mode), pool
-        return pool
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.loop.run_until_complete(self.pool.shutdown(5.0))
-        self.key = self.pool = None
-
-
-@pytest.fixture(scope="module")
-def pools(tiny_tok_dir, loop):
-    start_local_ray(4)
-    holder = _Pools(tiny_tok_dir, loop)
-    yield holder
-    holder.close()
-    stop_local_ray()
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    return [(seed * 37 + i * 11) % 400 + 3 for i in range(length)]
-
-
-def expected_kv_bytes(model_dir, layout: str, num_positions: int) -> int:
-    """Bytes of one exported request, from the checkpoint's config: layers x K/V x planes x
-    whole blocks of 4 positions x kv heads x head dim x 4 bytes (float32)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    planes = config["total_ut_steps"] if layout == "last_exited" else 1
-    blocks = math.ceil(num_positions / 4)
-    per_position = config["num_key_value_heads"] * config["head_dim"] * 4
-    return config["num_hidden_layers"] * 2 * planes * blocks * 4 * per_position
-
-
-async def _collect(pool: PDReplicaPool, request_id: str, prompt: list[int], params):
-    stream = await pool.submit([GenerateRequest(request_id, prompt, params)])
-    with stream:
-        return [output async for output in stream], stream
-
-
-def _run_all(pool, loop, cases: dict[str, tuple[list[int], SamplingParams]]):
-    async def main():
-        return await asyncio.gather(*(_collect(pool, rid, p, sp) for rid, (p, sp) in cases.items()))
-
-    return loop.run_until_complete(main())
-
-
-def _transport_stats(pool: PDReplicaPool, loop: asyncio.AbstractEventLoop):
-    """Both endpoints' counters, after the prefill side's pending sends completed (bounded).
-    It runs the pool's event loop meanwhile: the server's hand-off tasks (imports, drops)
-    must go on for the sends to complete."""
-
-    async def main():
-        await pool.replicas[PREFILL].actor.flush_kv_transport.remote(30.0)
-        return await asyncio.gather(*(r.actor.kv_transport_stats.remote() for r in pool.replicas))
-
-    return loop.run_until_complete(main())
+    return get
 
 
 CASES = {  # request id -> (prompt, params): greedy, seeded, loop settings, one ends at once
-    "g": (_prompt(1, 9), SamplingParams(max_tokens=9, temperature=0.0, exit_threshold=0.5, ignore_eos=True)),
-    "s": (_prompt(2, 13), SamplingParams(max_tokens=7, temperature=1.0, seed=41, exit_threshold=0.7, ignore_eos=True)),
-    "one": (_prompt(3, 6), SamplingParams(max_tokens=1, temperature=0.8, seed=42, ignore_eos=True)),
-    "k": (_prompt(4, 22), SamplingParams(max_tokens=11, temperature=0.7, top_k=30, seed=43, min_loops=2, ignore_eos=True)),
-    "m": (_prompt(5, 1), SamplingParams(max_tokens=6, temperature=0.0, max_loops=2, ignore_eos=True)),
+    "g": (prompt_ids(1, 9), SamplingParams(max_tokens=9, temperature=0.0, exit_threshold=0.5, ignore_eos=True)),
+    "s": (prompt_ids(2, 13), SamplingParams(max_tokens=7, temperature=1.0, seed=41, exit_threshold=0.7, ignore_eos=True)),
+    "one": (prompt_ids(3, 6), SamplingParams(max_tokens=1, temperature=0.8, seed=42, ignore_eos=True)),
+    "k": (prompt_ids(4, 22), SamplingParams(max_tokens=11, temperature=0.7, top_k=30, seed=43, min_loops=2, ignore_eos=True)),
+    "m": (prompt_ids(5, 1), SamplingParams(max_tokens=6, temperature=0.0, max_loops=2, ignore_eos=True)),
 }  # fmt: skip
 
 
@@ -145,11 +77,11 @@ CASES = {  # request id -> (prompt, params): greedy, seeded, loop settings, one 
 def test_torch_transport_serving_equals_colocated_and_moves_the_kv_point_to_point(
     pools, tiny_tok_dir, loop, layout, exit_mode
 ):
-    pool = pools.get(layout, exit_mode)
+    pool = pools(layout, exit_mode)
     assert pool.uses_point_to_point and pool.health()["kv_transport"] == "torch"
-    before = _transport_stats(pool, loop)
-    results = _run_all(pool, loop, CASES)  # five streams at once: their hand-offs race
-    after = _transport_stats(pool, loop)
+    before = transport_stats(pool, loop)
+    results = run_cases(pool, loop, CASES)  # five streams at once: their hand-offs race
+    after = transport_stats(pool, loop)
     expected = LLM(**_engine_args(tiny_tok_dir, layout, exit_mode)).generate(
         [p for p, _ in CASES.values()], [sp for _, sp in CASES.values()]
     )
@@ -164,7 +96,7 @@ def test_torch_transport_serving_equals_colocated_and_moves_the_kv_point_to_poin
     # Four hand-offs (not max_tokens=1), each the K/V of its prompt (one token sampled, not
     # yet fed), sent by rank 0 and received by rank 1 over torch.distributed.
     kv_bytes = sum(
-        expected_kv_bytes(tiny_tok_dir, layout, len(p))
+        exported_kv_bytes(tiny_tok_dir, layout, len(p))
         for rid, (p, _) in CASES.items()
         if rid != "one"
     )
@@ -187,17 +119,17 @@ def test_torch_transport_serving_equals_colocated_and_moves_the_kv_point_to_poin
 
 
 def test_many_concurrent_streams_all_hand_off_exactly(pools, tiny_tok_dir, loop):
-    pool = pools.get("last_exited", "ouro_delayed")
+    pool = pools("last_exited", "ouro_delayed")
     cases = {
         f"c{i}": (
-            _prompt(60 + i, 3 + 2 * i),
+            prompt_ids(60 + i, 3 + 2 * i),
             SamplingParams(max_tokens=4 + i % 3, temperature=0.9, seed=500 + i, ignore_eos=True),
         )
         for i in range(8)
     }
-    before = _transport_stats(pool, loop)
-    results = _run_all(pool, loop, cases)
-    after = _transport_stats(pool, loop)
+    before = transport_stats(pool, loop)
+    results = run_cases(pool, loop, cases)
+    after = transport_stats(pool, loop)
     expected = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro_delayed")).generate(
         [p for p, _ in cases.values()], [sp for _, sp in cases.values()]
     )
@@ -212,12 +144,12 @@ def test_many_concurrent_streams_all_hand_off_exactly(pools, tiny_tok_dir, loop)
 def test_abort_at_the_first_token_drops_the_kv_and_keeps_the_pair_in_order(
     pools, tiny_tok_dir, loop
 ):
-    pool = pools.get("last_exited", "ouro_delayed")
+    pool = pools("last_exited", "ouro_delayed")
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    before = _transport_stats(pool, loop)
+    before = transport_stats(pool, loop)
 
     async def close_at_first_token(request_id: str, seed: int) -> list:
-        stream = await pool.submit([GenerateRequest(request_id, _prompt(seed, 10), params)])
+        stream = await pool.submit([GenerateRequest(request_id, prompt_ids(seed, 10), params)])
         first = await stream.__anext__()
         stream.close()  # what a client disconnect does, while the hand-off is under way
         return [first]
@@ -246,7 +178,7 @@ def test_abort_at_the_first_token_drops_the_kv_and_keeps_the_pair_in_order(
     # A hand-off can still be on the wire when both replicas are idle: wait for it to land.
     deadline_s = time.monotonic() + 30.0
     while True:
-        mid = _transport_stats(pool, loop)
+        mid = transport_stats(pool, loop)
         num_sent = mid[PREFILL].num_sent - before[PREFILL].num_sent
         num_received = mid[DECODE].num_received - before[DECODE].num_received
         num_discarded = mid[DECODE].num_discarded - before[DECODE].num_discarded
@@ -257,12 +189,12 @@ def test_abort_at_the_first_token_drops_the_kv_and_keeps_the_pair_in_order(
     assert mid[PREFILL].num_pending_sends == 0 and mid[PREFILL].failure is None
     # A later request still pairs up.
     later = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outputs, stream = loop.run_until_complete(_collect(pool, "after", _prompt(90, 7), later))
+    outputs, stream = loop.run_until_complete(collect(pool, "after", prompt_ids(90, 7), later))
     want = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro_delayed")).generate(
-        [_prompt(90, 7)], [later]
+        [prompt_ids(90, 7)], [later]
     )[0]
     assert outputs[-1].token_ids == want.token_ids and stream.decode_replicas == {"after": DECODE}
-    final = _transport_stats(pool, loop)
+    final = transport_stats(pool, loop)
     assert final[DECODE].num_received == mid[DECODE].num_received + 1
     assert final[DECODE].failure is None and pool.kv_transport_fallback is None
 
@@ -271,11 +203,11 @@ def test_a_later_hand_off_waits_for_an_earlier_one_to_be_dropped(pools, tiny_tok
     """Drive the prefill replica directly so that one descriptor is certainly in flight and
     never imported: the next hand-off from that replica waits on the decode replica until the
     earlier one is dropped (its K/V taken off the wire), then decodes exactly."""
-    pool = pools.get("last_exited", "ouro_delayed")
+    pool = pools("last_exited", "ouro_delayed")
     assert pool.info is not None
-    prompt = pool.info.input_processor.process(_prompt(70, 5))
+    prompt = pool.info.input_processor.process(prompt_ids(70, 5))
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
-    before = _transport_stats(pool, loop)
+    before = transport_stats(pool, loop)
 
     async def export_one() -> list:
         generator = pool.replicas[PREFILL].actor.prefill.remote(
@@ -288,7 +220,7 @@ def test_a_later_hand_off_waits_for_an_earlier_one_to_be_dropped(pools, tiny_tok
     assert descriptor.state.kv is None and (descriptor.src_rank, descriptor.dst_rank) == (0, 1)
 
     async def later_while_held():
-        task = asyncio.ensure_future(_collect(pool, "next", _prompt(71, 8), params))
+        task = asyncio.ensure_future(collect(pool, "next", prompt_ids(71, 8), params))
         while not any("next" in s.handoffs.in_flight for s in pool.streams):
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # the import call reaches the decode replica and waits
@@ -299,17 +231,17 @@ def test_a_later_hand_off_waits_for_an_earlier_one_to_be_dropped(pools, tiny_tok
     waiting, done_while_held, (outputs, _) = loop.run_until_complete(later_while_held())
     assert not done_while_held and waiting.num_received == before[DECODE].num_received
     want = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro_delayed")).generate(
-        [_prompt(71, 8)], [params]
+        [prompt_ids(71, 8)], [params]
     )[0]
     assert outputs[-1].token_ids == want.token_ids and outputs[-1].exit_depths == want.exit_depths
-    after = _transport_stats(pool, loop)
+    after = transport_stats(pool, loop)
     assert after[DECODE].num_discarded == before[DECODE].num_discarded + 1
     assert after[DECODE].num_received == before[DECODE].num_received + 1
     assert after[DECODE].failure is None and after[PREFILL].num_pending_sends == 0
 
 
 def test_a_decode_replica_dying_falls_back_to_the_object_store(pools, tiny_tok_dir, loop):
-    pool = pools.get("last_exited", "ouro_delayed")
+    pool = pools("last_exited", "ouro_delayed")
     ray.kill(pool.replicas[DECODE].actor, no_restart=False)
 
     async def wait_fallback_and_restart():
@@ -321,9 +253,9 @@ def test_a_decode_replica_dying_falls_back_to_the_object_store(pools, tiny_tok_d
     assert not pool.uses_point_to_point
     assert "replica 1" in pool.health()["kv_transport_fallback"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outputs, stream = loop.run_until_complete(_collect(pool, "fallback", _prompt(95, 9), params))
+    outputs, stream = loop.run_until_complete(collect(pool, "fallback", prompt_ids(95, 9), params))
     want = LLM(**_engine_args(tiny_tok_dir, "last_exited", "ouro_delayed")).generate(
-        [_prompt(95, 9)], [params]
+        [prompt_ids(95, 9)], [params]
     )[0]
     assert outputs[-1].token_ids == want.token_ids and outputs[-1].exit_depths == want.exit_depths
     assert stream.decode_replicas == {"fallback": DECODE}

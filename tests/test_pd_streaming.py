@@ -6,7 +6,7 @@ layouts, both families and decode-side prefix hits; the decode replica receives 
 last chunk's blocks as chunks (counted); killing either replica mid-stream loses no request
 silently and leaks no block on either side.
 
-One Ray cluster serves the module; one 1P1D pool runs at a time. Skipped without Ray."""
+The test process's Ray cluster serves the module; one 1P1D pool runs at a time. Skipped without Ray."""
 
 from __future__ import annotations
 
@@ -19,19 +19,23 @@ from tests.optional import require
 
 require("ray", "serve")
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
-from loopserve.distributed.args import PDSpec
-from loopserve.distributed.pd_pool import PDReplicaPool
-from loopserve.distributed.pool import PoolConfig
 from loopserve.llm import LLM
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sampling_params import SamplingParams
-from tests.ray_utils import start_local_ray, stop_local_ray
-from tests.test_pd_serving import _collect, _gather, _outcomes, _prompt, _settled, _stats
+from tests.pd_pools import (
+    DECODE,
+    PREFILL,
+    collect,
+    gather,
+    kill_during,
+    prompt_ids,
+    replica_stats,
+    settled,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-PREFILL, DECODE = 0, 1
 BASE = {"dtype": "float32", "num_blocks": 512, "block_size": 4, "max_num_seqs": 4}
-SHARED = [_prompt(90, 12)]  # three blocks of 4 every "shared" prompt starts with
+SHARED = [prompt_ids(90, 12)]  # three blocks of 4 every "shared" prompt starts with
 
 
 @pytest.fixture(scope="module")
@@ -39,45 +43,10 @@ def huginn_dir(tmp_path_factory):
     return make_tiny_huginn_checkpoint(tmp_path_factory.mktemp("huginn"))
 
 
-class _StreamPools:
-    """A 1P1D streaming pool per engine-args key, started on demand; one alive at a time."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.key: tuple | None = None
-        self.pool: PDReplicaPool | None = None
-
-    def get(self, engine_args: dict) -> PDReplicaPool:
-        key = tuple(sorted(engine_args.items()))
-        if self.key == key:
-            assert self.pool is not None
-            assert self.loop.run_until_complete(self.pool.wait_serving(2, 120.0))
-            return self.pool
-        self.close()
-        config = PoolConfig(num_replicas=2, torch_threads=1, max_restarts=2)
-        pool = PDReplicaPool(engine_args, config, PDSpec(1, 1), kv_handoff="stream")
-
-        async def start() -> None:
-            pool.start()
-            assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
-
-        self.loop.run_until_complete(start())
-        self.key, self.pool = key, pool
-        return pool
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.loop.run_until_complete(self.pool.shutdown(5.0))
-        self.key = self.pool = None
-
-
-@pytest.fixture(scope="module")
-def pools(loop):
-    start_local_ray(4)
-    holder = _StreamPools(loop)
-    yield holder
-    holder.close()
-    stop_local_ray()
+@pytest.fixture
+def pools(pd_pools):
+    """The module's streaming pool for the engine arguments."""
+    return lambda engine_args: pd_pools.get(engine_args, kv_handoff="stream")
 
 
 def _ouro_args(model_dir, **overrides) -> dict:
@@ -88,7 +57,7 @@ def _work(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
     """Prompts of 1 to 41 tokens (two start with SHARED), greedy and seeded sampling, one
     that ends with its first token."""
     lengths = [7, 29, 1, 18, 41]
-    prompts = [_prompt(seed + k, n) for k, n in enumerate(lengths)]
+    prompts = [prompt_ids(seed + k, n) for k, n in enumerate(lengths)]
     prompts[1] = SHARED[0] + prompts[1]
     prompts[3] = SHARED[0] + prompts[3]
     params = [
@@ -106,9 +75,9 @@ def _delta(after, before, name: str) -> int:
 
 
 def _assert_equal_to_colocated(pool, loop, engine_args, prompts, params, tag):
-    results = _gather(
+    results = gather(
         loop,
-        *(_collect(pool, f"{tag}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))),
+        *(collect(pool, f"{tag}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))),
     )
     expected = LLM(**engine_args).generate(prompts, params)
     for (outputs, _), want in zip(results, expected, strict=True):
@@ -134,13 +103,13 @@ def test_streamed_serving_equals_colocated(
         tiny_tok_dir, layout=layout, prefill_mode=prefill_mode, mixed_prefill_decode=mixed,
         enable_prefix_caching=prefix_caching,
     )  # fmt: skip
-    pool = pools.get(args)
+    pool = pools(args)
     if prefix_caching:  # the decode replica caches SHARED (a request decoded there)
-        _gather(loop, _collect(pool, "warm", SHARED[0] + [5], SamplingParams(max_tokens=3)))
-    before = _gather(loop, _stats(pool))[0]
+        gather(loop, collect(pool, "warm", SHARED[0] + [5], SamplingParams(max_tokens=3)))
+    before = gather(loop, replica_stats(pool))[0]
     prompts, params = _work(40)
     _assert_equal_to_colocated(pool, loop, args, prompts, params, f"eq-{prefill_mode}")
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     decode, prefill = after[DECODE], after[PREFILL]
     assert _delta(decode, before[DECODE], "num_imported") == 4  # all but max_tokens=1
     assert _delta(decode, before[DECODE], "num_streamed_imports") >= 3  # 7+ token prompts
@@ -157,16 +126,16 @@ def test_streamed_huginn_serving_equals_colocated(pools, huginn_dir, loop):
         "model": str(huginn_dir), **BASE, "prefill_chunk_size": 5, "exit_criterion": "latent-diff",
         "prefill_mode": "per_depth", "enable_prefix_caching": True,
     }  # fmt: skip
-    pool = pools.get(args)
+    pool = pools(args)
     prompts = [[(7 * k + 3 * i) % 120 + 1 for i in range(n)] for k, n in enumerate([3, 14, 22])]
     params = [
         SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=0.1, ignore_eos=True),
         SamplingParams(max_tokens=5, temperature=0.0, max_loops=6, ignore_eos=True),
         SamplingParams(max_tokens=4, temperature=0.0, exit_threshold=0.2, ignore_eos=True),
     ]
-    before = _gather(loop, _stats(pool))[0]
+    before = gather(loop, replica_stats(pool))[0]
     _assert_equal_to_colocated(pool, loop, args, prompts, params, "huginn")
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     assert _delta(after[DECODE], before[DECODE], "num_streamed_imports") == 2  # 14, 22 tokens
     for stats in after:
         assert stats.num_reserved == 0
@@ -178,12 +147,12 @@ def test_all_but_the_last_chunk_arrive_as_chunks(pools, tiny_tok_dir, loop):
     least the first n - 1 chunks' blocks as chunks, and the final hand-off carries only what
     the last chunk and the first token add (counted by the replicas, not timed)."""
     args = _ouro_args(tiny_tok_dir, max_num_batched_tokens=8, prefill_mode="per_depth")
-    pool = pools.get(args)
-    before = _gather(loop, _stats(pool))[0]
-    prompt = _prompt(77, 8 * 6 - 1)
+    pool = pools(args)
+    before = gather(loop, replica_stats(pool))[0]
+    prompt = prompt_ids(77, 8 * 6 - 1)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     _assert_equal_to_colocated(pool, loop, args, [prompt], [params], "long")
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     received = _delta(after[DECODE], before[DECODE], "kv_chunk_blocks_received")
     assert received >= (6 - 1) * 2
     assert received == len(prompt) // 4  # every complete prompt block, none twice
@@ -198,12 +167,12 @@ def test_a_decode_replica_short_of_blocks_preempts_streamed_requests_exactly(
     replica preempts imported requests as they grow: every request still equals colocated,
     and nothing stays reserved or held."""
     args = _ouro_args(tiny_tok_dir, num_blocks=96, prefill_chunk_size=4)
-    pool = pools.get(args)
-    before = _gather(loop, _stats(pool))[0]
-    prompts = [_prompt(120 + k, 16) for k in range(5)]
+    pool = pools(args)
+    before = gather(loop, replica_stats(pool))[0]
+    prompts = [prompt_ids(120 + k, 16) for k in range(5)]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
     _assert_equal_to_colocated(pool, loop, args, prompts, params, "short")
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     snap_before, snap_after = before[DECODE].snapshot, after[DECODE].snapshot
     preempted = (snap_after.num_preemptions_recompute + snap_after.num_preemptions_swap) - (
         snap_before.num_preemptions_recompute + snap_before.num_preemptions_swap
@@ -223,7 +192,7 @@ def test_a_failed_chunk_write_replays_the_stream(pools, tiny_tok_dir, loop, monk
     from loopserve.distributed.pd_kv_stream import StreamedKV
 
     args = _ouro_args(tiny_tok_dir, max_num_batched_tokens=8, prefill_mode="per_depth")
-    pool = pools.get(args)
+    pool = pools(args)
     real = StreamedKV._written
     calls = []
 
@@ -242,11 +211,11 @@ def test_a_failed_chunk_write_replays_the_stream(pools, tiny_tok_dir, loop, monk
         return outcome
 
     monkeypatch.setattr(StreamedKV, "replay", counted)
-    before = _gather(loop, _stats(pool))[0]
-    prompt = _prompt(81, 40)
+    before = gather(loop, replica_stats(pool))[0]
+    prompt = prompt_ids(81, 40)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     _assert_equal_to_colocated(pool, loop, args, [prompt], [params], "replay")
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     assert replays == ["replayed"] and calls[0] is True  # the write itself had landed
     received = _delta(after[DECODE], before[DECODE], "kv_chunk_blocks_received")
     assert received == 2 * (len(prompt) // 4)  # every chunk twice: streamed, then replayed
@@ -264,24 +233,24 @@ def test_a_replica_killed_mid_stream_loses_nothing_silently(pools, tiny_tok_dir,
     long prompts stream: every stream ends with the colocated tokens or the retry error,
     never short, and once both replicas serve again neither holds a block or a reservation."""
     args = _ouro_args(tiny_tok_dir, max_num_batched_tokens=8, prefill_mode="per_depth")
-    pool = pools.get(args)
+    pool = pools(args)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    requests = [(f"kill{victim}-{i}", _prompt(200 + i, 60)) for i in range(4)]
+    requests = [(f"kill{victim}-{i}", prompt_ids(200 + i, 60)) for i in range(4)]
     expected = {
         rid: out.token_ids
         for (rid, _), out in zip(requests, LLM(**args).generate([p for _, p in requests], params))
     }
     chunks_seen = lambda: any(s.handoffs.kv_stream.writes for s in pool.streams)  # noqa: E731
-    done = _outcomes(pool, loop, requests, params, chunks_seen, victim)
+    done = kill_during(pool, loop, requests, params, chunks_seen, victim)
     for request_id, how, outputs in done:
         assert how in ("done", "failed"), request_id
         if how == "done":
             assert outputs[-1].finished and outputs[-1].token_ids == expected[request_id]
     assert pool.replicas[victim].num_restarts >= 1
-    after = loop.run_until_complete(asyncio.wait_for(_settled(pool), 60.0))
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     for stats in after:
         assert stats.num_reserved == 0
         assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
     assert pool.num_in_flight == 0 and not pool.streams
     # Both replicas serve streamed hand-offs again.
-    _assert_equal_to_colocated(pool, loop, args, [_prompt(300, 30)], [params], f"again{victim}")
+    _assert_equal_to_colocated(pool, loop, args, [prompt_ids(300, 30)], [params], f"again{victim}")

@@ -8,8 +8,6 @@ Skipped when Ray is not installed (it is the optional `ray` extra)."""
 from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
-import json
-import math
 import pickle
 
 import pytest
@@ -28,6 +26,7 @@ from loopserve.distributed.transport import (  # noqa: E402
 from loopserve.errors import ConfigError  # noqa: E402
 from loopserve.llm import LLM  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
+from tests.pd_pools import exported_kv_bytes  # noqa: E402
 from tests.ray_utils import start_local_ray, stop_local_ray  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -47,16 +46,6 @@ def ray_cluster():
     start_local_ray(3)  # logical: up to three one-CPU replicas on the 2-core machine
     yield
     stop_local_ray()
-
-
-def expected_kv_bytes(tiny_dir, layout: str, num_positions: int) -> int:
-    """Bytes of one exported request, from the checkpoint's config: layers x K/V x planes x
-    whole blocks of 4 positions x kv heads x head dim x 4 bytes (float32)."""
-    config = json.loads((tiny_dir / "config.json").read_text())
-    planes = config["total_ut_steps"] if layout == "last_exited" else 1
-    blocks = math.ceil(num_positions / 4)
-    per_position = config["num_key_value_heads"] * config["head_dim"] * 4
-    return config["num_hidden_layers"] * 2 * planes * blocks * 4 * per_position
 
 
 def test_unknown_kv_transport_is_a_clear_error(tiny_dir):
@@ -102,7 +91,7 @@ def test_torch_transport_one_prefill_one_decode_equals_colocated(
     # Three hand-offs (not the max_tokens=1 request), each of its prompt's K/V (one token
     # sampled, not yet fed), sent by rank 0 and received by rank 1 over torch.distributed.
     handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
-    expected = sum(expected_kv_bytes(tiny_dir, layout, n) for n in handed_off)
+    expected = sum(exported_kv_bytes(tiny_dir, layout, n) for n in handed_off)
     assert engines.last_num_handed_off == 3
     assert (prefill_stats.kind, prefill_stats.rank, decode_stats.rank) == ("torch", 0, 1)
     assert (prefill_stats.num_sent, prefill_stats.bytes_sent) == (3, expected)
@@ -135,7 +124,7 @@ def test_torch_transport_two_prefill_one_decode_equals_colocated(tiny_dir, ray_c
     assert first.num_sent >= 2 and second.num_sent >= 2
     assert first.num_sent + second.num_sent == decode.num_received == 6
     handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
-    expected = 2 * sum(expected_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off)
+    expected = 2 * sum(exported_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off)
     assert first.bytes_sent + second.bytes_sent == decode.bytes_received == expected
 
 
@@ -158,7 +147,7 @@ def test_torch_transport_pairs_in_order_discards_aborts_and_bounds_unreceived(
         assert isinstance(a, KVDescriptor) and isinstance(c, KVDescriptor)
         assert a.state.kv is None and c.state.kv is None
         assert [(d.src_rank, d.dst_rank, d.seq) for d in (a, c)] == [(0, 1, 0), (0, 1, 1)]
-        kv_bytes = expected_kv_bytes(tiny_dir, "last_exited", PROMPT_LENGTHS[3])
+        kv_bytes = exported_kv_bytes(tiny_dir, "last_exited", PROMPT_LENGTHS[3])
         assert len(pickle.dumps(c)) < kv_bytes  # what Ray stored cannot hold the K/V
         assert ray.get(prefill.kv_transport_stats.remote()).num_pending_sends == 2
         # Receiving the second before the first is refused, and posts nothing.
@@ -173,7 +162,7 @@ def test_torch_transport_pairs_in_order_discards_aborts_and_bounds_unreceived(
         )
         sent = ray.get(prefill.flush_kv_transport.remote(5.0))
         assert (sent.num_sent, sent.num_pending_sends, sent.failure) == (2, 0, None)
-        assert sent.bytes_sent == expected_kv_bytes(tiny_dir, "last_exited", 6) + kv_bytes
+        assert sent.bytes_sent == exported_kv_bytes(tiny_dir, "last_exited", 6) + kv_bytes
         got = ray.get(decode.kv_transport_stats.remote())
         assert (got.num_received, got.num_discarded, got.bytes_received) == (
             1,
@@ -216,6 +205,6 @@ def test_nccl_transport_one_prefill_one_decode_equals_colocated_on_cuda(tiny_dir
     for output, expected in zip(outputs, colocated):
         assert (output.token_ids, output.exit_depths) == (expected.token_ids, expected.exit_depths)
     handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
-    expected = sum(expected_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off)
+    expected = sum(exported_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off)
     assert prefill_stats.kind == "torch"
     assert prefill_stats.bytes_sent == decode_stats.bytes_received == expected

@@ -4,8 +4,8 @@ replica and the rest from the decode replica, outputs equal to one colocated eng
 layouts and every exit mode, aborts around the hand-off that free both replicas, the role label
 in /metrics and /health, and a decode replica dying mid-stream.
 
-The test process's Ray cluster serves the module; one 1P1D pool runs at a time (one per
-layout and exit mode, started when a test first needs it). The tiny checkpoint has a tokenizer, so text deltas are
+One Ray cluster serves the module; one 1P1D pool runs at a time (one per layout and exit mode,
+started when a test first needs it). The tiny checkpoint has a tokenizer, so text deltas are
 checked too. Skipped when Ray is not installed (it is the optional `ray` extra).
 """
 

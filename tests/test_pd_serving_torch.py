@@ -7,7 +7,7 @@ right after the first token leaves both replicas idle and the pair's order intac
 request still hands off exactly), and a decode replica dying makes later hand-offs fall back
 to the object store.
 
-The test process's Ray cluster serves the module; one pool runs at a time. Skipped when Ray
+One Ray cluster serves the module; one pool runs at a time. Skipped when Ray
 is not installed (it is the optional `ray` extra)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ layouts, both families and decode-side prefix hits; the decode replica receives 
 last chunk's blocks as chunks (counted); killing either replica mid-stream loses no request
 silently and leaks no block on either side.
 
-The test process's Ray cluster serves the module; one 1P1D pool runs at a time. Skipped without Ray."""
+One Ray cluster serves the module; one 1P1D pool runs at a time. Skipped without Ray."""
 
 from __future__ import annotations
 

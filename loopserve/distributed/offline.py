@@ -92,8 +92,9 @@ class DisaggregatedEngines:
     replica's hand-offs go, as one Ray object ref (the object store; the driver never
     fetches them), to decode replica `i % num_decode`, which receives, imports and finishes
     them (`decode_import`). Requests are split over prefill replicas by the router's
-    least-load rule. No streaming, no failure recovery (a replica that dies fails
-    `generate`); the serving side (`--pd` in `ReplicaPool`) is not built.
+    least-load rule. Whole hand-offs only, no failure recovery (a replica that dies fails
+    `generate`): streamed hand-offs and recovery are the serving pool's
+    (`distributed/pd_pool.PDReplicaPool`, `serve --pd ... --kv-handoff stream`).
 
     `kv_transport` moves the K/V (`loopserve.distributed.transport`): "ray" (default) keeps
     it in the states, in the object store; "torch" sends it point to point over one

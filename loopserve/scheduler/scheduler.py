@@ -527,9 +527,13 @@ class Scheduler:
         decode = self.decode
         rows = decode.lookup(rows_run.request_ids)
         live = rows >= 0  # a row whose request left while the step ran is skipped
-        fired = None if results.fired is None else results.fired[live]
-        decode.exit.record(rows[live], rows_run.needs_gate[live], results.hazards[live], fired)
-        exits = np.flatnonzero(results.exited & live)  # indices into `rows_run`
+        if live.all():  # the common case: no copies of the columns
+            decode.exit.record(rows, rows_run.needs_gate, results.hazards, results.fired)
+            exits = np.flatnonzero(results.exited)  # indices into `rows_run`
+        else:
+            fired = None if results.fired is None else results.fired[live]
+            decode.exit.record(rows[live], rows_run.needs_gate[live], results.hazards[live], fired)
+            exits = np.flatnonzero(results.exited & live)
         if not len(exits):
             return
         self.decode_policy.on_token_exits(decode, rows[exits])
@@ -569,18 +573,21 @@ class Scheduler:
         after loop `depths[i]`) and start their requests' next tokens (except where
         `started`: their next tokens started ahead, `LeaveBatcher.start`)."""
         decode = self.decode
-        self.step_tokens += len(exits)
-        self.step_loops += int(depths[exits].sum()) + len(exits)
+        tokens = results.token_ids[exits].tolist()
+        loops = (depths[exits] + 1).tolist()  # loops each token ran
+        self.step_tokens += len(tokens)
+        self.step_loops += sum(loops)
+        aheads = [False] * len(tokens) if started is None else started.tolist()
+        logprobs = results.logprobs
         continuing: list[int] = []
         continuing_requests: list[Request] = []
-        token_ids = results.token_ids
-        if started is None:
-            started = np.zeros(len(exits), bool)
-        for i, row, ahead in zip(exits.tolist(), rows.tolist(), started.tolist()):
+        for i, row, token, loops_used, ahead in zip(
+            exits.tolist(), rows.tolist(), tokens, loops, aheads
+        ):
             request = decode.requests[row]
             assert request is not None
-            sampled = results.logprobs.get(i)
-            reason = request.append_token(int(token_ids[i]), int(depths[i]) + 1, now, sampled)
+            sampled = logprobs.get(i) if logprobs else None
+            reason = request.append_token(token, loops_used, now, sampled)
             touched.append(request)
             if reason is not None:
                 self.finish(request, reason)

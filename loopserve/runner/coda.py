@@ -23,6 +23,7 @@ The leave reads where its rows are (`Span`s, built only for a family with once p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -226,7 +227,7 @@ class Coda:
             else:
                 coda_rows.append(batch.rows)
                 spans += decode_spans(decode.rows, batch.candidates)  # type: ignore[union-attr]
-                positions = _candidate_positions(decode, batch)
+                positions = functools.partial(_candidate_positions, decode, batch)
         first_tokens = [
             self.rules.samples_first_token(item) or completed.get(i, (None, None))[1] is not None
             for i, item in enumerate(items)
@@ -360,7 +361,7 @@ class Coda:
         return self.coda(
             batch.rows,
             lambda: decode_spans(decode.rows, batch.candidates),
-            _candidate_positions(decode, batch),
+            lambda: _candidate_positions(decode, batch),
         )
 
     def _decode_candidates(self, decode: DecodeSignals) -> _DecodeBatch:
@@ -394,7 +395,9 @@ class Coda:
         sampling pass on the device; the sampled ids stay there for the step's loop-0 rows
         (`PendingLeave.tokens`), and their read rides along with the step's next copy out."""
         ids = leave.request_ids
-        logits = self.coda(carried, lambda: decode_spans(leave, range(len(leave))), positions)
+        logits = self.coda(
+            carried, lambda: decode_spans(leave, range(len(leave))), lambda: positions
+        )
         pairs = [self.samplers[rid] for rid in ids]
         batch, failures = self._sample_on_device(logits, pairs)
         has_history = any(pair[2] is not None for pair in pairs)

@@ -381,8 +381,10 @@ class DecodeStep:
             self.slots.tables.view(-1).index_copy_(0, index_t, values_t)
         if len(starts):
             spans = lambda: decode_spans(rows, starts.tolist())  # noqa: E731  # host array
-            start_positions = positions_t if len(starts) == n else positions_t[starts_t]
-            entered = self.calls.enter(tokens_t, spans, start_positions)
+            every = len(starts) == n
+            entered = self.calls.enter(
+                tokens_t, spans, lambda: positions_t if every else positions_t[starts_t]
+            )
         if len(starts) == n:  # every row starts a token
             hidden = entered
         else:
@@ -477,7 +479,7 @@ class DecodeStep:
             left = calls.leave(
                 out.index_select(0, checks.left_rows),
                 spans,
-                inputs.positions.index_select(0, checks.left_rows),
+                lambda: inputs.positions.index_select(0, checks.left_rows),
             )
             checked_logits = left.index_select(0, checks.checked_in_left)
             same = len(checks.left) == len(inputs.candidates)  # every checked row a candidate

@@ -162,8 +162,10 @@ class LoopCalls:
         ]
 
     def _context(self, spans, positions):
-        """(where the rows are, their positions on the device) for a call that reads them."""
+        """(where the rows are, their positions on the device) for a call that reads them
+        (`positions()`: on the device already, when the caller has them)."""
         where = spans()
+        positions = None if positions is None else positions()
         if positions is None:
             positions = self.transfers.to_device(
                 [p for _, start, count in where for p in range(start, start + count)]
@@ -174,10 +176,11 @@ class LoopCalls:
         self,
         token_ids: torch.Tensor,
         spans: Callable[[], Sequence[Span]],
-        positions: torch.Tensor | None = None,
+        positions: Callable[[], torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
-        """The carried state of rows that start (`spans()`: where they are, read only by a
-        family with once planes or drawn initial states)."""
+        """The carried state of rows that start (`spans()`: where they are, and
+        `positions()`: their positions on the device or None, read only by a family with
+        once planes or drawn initial states)."""
         if not self.needs_context and self.init_scale <= 0:
             return self.timed(self.model.enter, token_ids)
         where, positions = self._context(spans, positions)
@@ -205,9 +208,10 @@ class LoopCalls:
         self,
         carried: torch.Tensor,
         spans: Callable[[], Sequence[Span]],
-        positions: torch.Tensor | None = None,
+        positions: Callable[[], torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
-        """Logits of carried rows (`spans()`: where they are, for a family with once planes)."""
+        """Logits of carried rows (`spans()`: where they are, and `positions()`: their
+        positions on the device or None, asked only by a family with once planes)."""
         if not self.needs_context:
             return self.timed(self.model.leave, carried)
         where, positions = self._context(spans, positions)

@@ -15,7 +15,7 @@ import torch
 from loopserve.errors import InvalidRequestError
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sampling_params import SamplingParams
-from tests.engine_utils import assert_match_reference, make_engine, run_steps
+from tests.engine_utils import assert_match_reference, make_engine, reference_for, run_steps
 from tests.test_huginn_engine import assert_matches_reference
 from tests.test_preemption import PROMPT_ARMS, assert_all_released
 
@@ -416,3 +416,38 @@ def test_streamed_huginn_equals_reference(huginn_dir, arm):
     assert sum(log.received(r) for r, *_ in work) > 0
     for engine in (prefill, decode):
         assert_all_released(engine)
+
+
+def test_an_import_into_a_reservation_is_admitted_past_a_request_waiting_for_blocks(tiny_dir):
+    """The decode pool (40 blocks) holds a reservation of 20; a request whose prompt needs 28
+    waits at the head of the queue for blocks the reservation holds. The reserved request's
+    final hand-off arrives behind it: admitted anyway (its blocks are held already), it
+    decodes, finishes and frees them, and then the waiting request runs. Holding the import
+    back behind the head would wait forever (how a 1P1D serving test hung)."""
+    prefill, decode = make_engine(tiny_dir), make_engine(tiny_dir, num_blocks=40)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    streamed, big = list(range(3, 19)), list(range(40, 68))  # 16 and 28 prompt tokens
+    assert decode.reserve_import("r", streamed, params) == 0
+    assert decode.kv.num_free_blocks == 20  # 5 blocks of 4 positions in each of 4 planes
+    decode.add_request("big", big, params)
+    prefill.add_request("r", streamed, params)
+    prefill.stream_export("r")
+    finished = {}
+    while not prefill.can_export("r"):
+        prefill.step()
+        for chunk in prefill.take_kv_chunks():
+            decode.write_kv_chunk(chunk)
+        decode.step()  # "big" does not fit and waits
+    assert decode.scheduler.waiting[0].request_id == "big" and not decode.scheduler.running
+    decode.import_request(prefill.export_request("r"))
+    for _ in range(100):
+        for output in decode.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if not decode.has_unfinished_requests():
+            break
+    assert set(finished) == {"r", "big"}
+    assert finished["r"].metrics.finished_s <= finished["big"].metrics.first_token_s
+    for request_id, prompt in (("r", streamed), ("big", big)):
+        assert finished[request_id].token_ids == reference_for(decode, prompt, params).token_ids
+    assert_all_released(decode)

@@ -129,13 +129,24 @@ class Admission:
         return self.kv.admission_blocks(positions, [])
 
     def admit(self) -> None:
-        """Admit waiting requests in (priority, arrival) order while seats and KV allow; stop
-        at the first that does not fit, so later requests never jump ahead."""
+        """Admit waiting requests in (priority, arrival) order while seats and KV allow; past
+        the first that does not fit, later requests never jump ahead, except an import into
+        a reservation (streamed hand-off): its blocks are held already, so admitting it
+        takes no block the ones ahead wait for, and holding it back could wait forever (the
+        first may wait for exactly the blocks that reservation holds)."""
         victims: set[str] = set()
-        while self.queues.waiting:
-            request = self.queues.waiting[0]
-            if request.request_id in victims:
-                break  # preempted by this very pass
+        waiting = self.queues.waiting
+        index = 0  # 0: the head; past it, only imports into a reservation are admitted
+        while index < len(waiting):
+            request = waiting[index]
+            if request.request_id in victims:  # preempted by this very pass
+                if index == 0:
+                    break
+                index += 1
+                continue
+            if index > 0 and not (request.pending_import and request.request_id in self.reserved):
+                index += 1
+                continue
             positions = self._admission_positions(request)
             if request.swapped:
                 hits, blocks = [], self.kv.swap_in_blocks(request.request_id)
@@ -145,14 +156,18 @@ class Admission:
                 hits = self._prefix_hits(request)
                 blocks = self.kv.admission_blocks(positions, hits)
             if not self._has_room(blocks):
-                if not (self.priority_preemption and self._preempt_for(request, blocks, victims)):
-                    break
+                if index > 0 or not (
+                    self.priority_preemption and self._preempt_for(request, blocks, victims)
+                ):
+                    index += 1
+                    continue
                 # A victim's release may have made some hits idle.
                 if not (request.swapped or request.pending_import):
                     blocks = self.kv.admission_blocks(positions, hits)
                     if not self._has_room(blocks):
-                        break
-            del self.queues.waiting[0]
+                        index += 1
+                        continue
+            del waiting[index]
             self._start_running(request, positions, hits)
 
     def _prefix_hits(self, request: Request) -> list:

@@ -75,9 +75,12 @@ async def collect(pool: PDReplicaPool, request_id: str, prompt: list[int], param
         return [output async for output in stream], stream
 
 
-def gather(loop: asyncio.AbstractEventLoop, *coroutines):
+def gather(loop: asyncio.AbstractEventLoop, *coroutines, timeout_s: float = 300.0):
+    """The coroutines' results; a pool that stops making progress fails the test after
+    `timeout_s` instead of hanging the suite (a decode replica once deadlocked here)."""
+
     async def main():
-        return await asyncio.gather(*coroutines)
+        return await asyncio.wait_for(asyncio.gather(*coroutines), timeout_s)
 
     return loop.run_until_complete(main())
 
@@ -136,7 +139,7 @@ def kill_during(pool, loop, requests, params, kill_when: Callable[[], bool], kil
         while not kill_when():
             await asyncio.sleep(0.001)
         ray.kill(pool.replicas[kill_index].actor, no_restart=False)
-        done = await asyncio.gather(*tasks)
+        done = await asyncio.wait_for(asyncio.gather(*tasks), 300.0)
         assert await pool.wait_serving(2, timeout_s=120.0), pool.health()
         return done
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -270,3 +272,42 @@ def test_merged_projections_keep_names_and_equal_separate_gemms(tiny_dir):
     separate = full_forward_logits(model, [5, 9, 2, 7])
     for a, b in zip(merged, separate):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_each_family_skips_initialisation_and_imports_no_compiler(tiny_dir, tmp_path):
+    """A model is built on the meta device and receives the checkpoint's tensors; the modules'
+    random fills are skipped, since on meta tensors they import torch._dynamo, about one
+    CPU-second in every process that loads a model (each Ray replica, each CLI run)."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopserve.models.momentum_tiny import make_tiny_momentum_checkpoint
+
+    directories = [
+        tiny_dir,
+        make_tiny_huginn_checkpoint(tmp_path / "huginn"),
+        make_tiny_momentum_checkpoint(tmp_path / "momentum"),
+    ]
+    code = (
+        "import sys; from loopserve.models import load_model\n"
+        "for d in sys.argv[1:]: load_model(d, dtype='float32')\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *map(str, directories)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+def test_initialisation_is_skipped_only_for_meta_tensors():
+    from loopserve.models.loader import _SkipInitialisation
+
+    real = torch.zeros(64)
+    with torch.device("meta"), _SkipInitialisation():
+        layer = torch.nn.Linear(4, 4)
+        torch.nn.init.normal_(real)
+        real.uniform_(1.0, 2.0)
+    assert layer.weight.is_meta
+    assert bool((real >= 1.0).all()) and bool((real <= 2.0).all())

@@ -41,7 +41,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+        # On the host, whatever the default device: a model built on the meta device (the
+        # loader) gets a real table, which `load_model` moves to the model's device.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+        exponents = exponents.to(torch.float32) / head_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

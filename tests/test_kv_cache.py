@@ -21,6 +21,20 @@ def test_pool_hands_out_distinct_blocks_and_takes_them_back():
     pool.check_invariants()
 
 
+def test_pool_hands_out_never_used_ids_in_order_then_freed_ids_in_freeing_order():
+    pool = BlockPool(6)
+    assert pool.allocate(2) == [0, 1]
+    pool.free([1, 0])
+    assert pool.is_free(0) and pool.is_free(2) and pool.num_free_blocks == 6
+    assert pool.allocate(5) == [2, 3, 4, 5, 1]
+    assert pool.num_free_blocks == 1 and pool.is_free(0) and not pool.is_free(3)
+    with pytest.raises(AssertionError, match="double free of block 0"):
+        pool.free([0])
+    pool.free([4])
+    assert pool.allocate(2) == [0, 4]
+    pool.check_invariants()
+
+
 def test_pool_refuses_more_than_it_has_and_stays_intact():
     pool = BlockPool(5)
     pool.allocate(3)
@@ -41,9 +55,12 @@ def test_pool_detects_a_double_free():
 
 def test_pool_invariants_catch_a_foreign_block():
     pool = BlockPool(4)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match="block id 7 out of range"):
         pool.free([7])  # never belonged to this pool
-        pool.check_invariants()
+    with pytest.raises(AssertionError, match="block id -1 out of range"):
+        pool.free([-1])
+    assert pool.num_free_blocks == 4
+    pool.check_invariants()
 
 
 # 11 positions with block_size 4 need ceil(11 / 4) = 3 blocks per plane; LAST_EXITED with

@@ -35,36 +35,48 @@ if TYPE_CHECKING:
 
 
 class BlockPool:
-    """A free list of block ids `[0, num_blocks)`."""
+    """A free list of block ids `[0, num_blocks)`, first in first out: the ids never handed
+    out, in order, then freed ids in the order they were freed. The never-used ids are a
+    counter rather than a list, so a pool costs nothing to create however many blocks it has
+    (an engine's default 4 GiB host pool is about 84,000 tiny-model blocks, and building
+    their list took 0.07 s per engine)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._free_set = set(self._free)
+        self._fresh = 0  # ids [_fresh, num_blocks) were never handed out
+        self._freed: deque[int] = deque()
+        self._freed_set: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._fresh + len(self._freed)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise MemoryError(f"asked for {count} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        self._free_set.difference_update(blocks)
-        return blocks
+        if count > self.num_free_blocks:
+            raise MemoryError(f"asked for {count} blocks, {self.num_free_blocks} free")
+        fresh = min(count, self.num_blocks - self._fresh)
+        blocks = list(range(self._fresh, self._fresh + fresh))
+        self._fresh += fresh
+        reused = [self._freed.popleft() for _ in range(count - fresh)]
+        self._freed_set.difference_update(reused)
+        return blocks + reused
 
     def free(self, blocks: list[int]) -> None:
         for block in blocks:
-            assert block not in self._free_set, f"double free of block {block}"
-            self._free_set.add(block)
-            self._free.append(block)
+            assert 0 <= block < self.num_blocks, f"block id {block} out of range"
+            assert not self.is_free(block), f"double free of block {block}"
+            self._freed_set.add(block)
+            self._freed.append(block)
 
     def is_free(self, block: int) -> bool:
-        return block in self._free_set
+        return block >= self._fresh or block in self._freed_set
 
     def check_invariants(self) -> None:
-        assert len(self._free) == len(self._free_set), "free list has duplicates"
-        assert all(0 <= b < self.num_blocks for b in self._free_set), "block id out of range"
+        """Constant time: ids enter the free list only through `free`, which checks their
+        range and that they were handed out (a scan of the free set here cost the tests that
+        check every step 13 ms a step over the default host pool)."""
+        assert len(self._freed) == len(self._freed_set), "free list has duplicates"
+        assert 0 <= self._fresh <= self.num_blocks, "never-used ids out of range"
 
 
 class BlockMove(NamedTuple):

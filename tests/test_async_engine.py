@@ -352,3 +352,53 @@ def test_export_submission_hands_off_with_the_k_v_where_asked(make_engine, on_de
     assert isinstance(items[-1], HandoffState) and len(items[-1].output_token_ids) == 1
     assert items[-1].kv is not None and items[-1].kv.numel() > 0
     assert calls == [not on_device]
+
+
+def test_a_stalled_engine_waits_for_a_command_instead_of_stepping(tiny_dir):
+    """A reservation holds 20 of the decode engine's 40 blocks; a request whose prompt needs
+    28 waits for them, so no step can run anything until the reserved request's hand-off
+    arrives. The engine thread waits for that command (at most `STALL_WAIT_S` at a time)
+    instead of stepping again at once, which kept a core busy for as long as the stall
+    lasted; the import then wakes it, and both requests finish with the reference tokens."""
+    from loopserve.engine.engine_thread import STALL_WAIT_S
+    from tests.engine_utils import make_engine as make_step_engine
+    from tests.engine_utils import reference_for
+
+    prefill = make_step_engine(tiny_dir)
+    decode = make_step_engine(tiny_dir, num_blocks=40)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    streamed, big = list(range(3, 19)), list(range(40, 68))  # 16 and 28 prompt tokens
+    assert decode.reserve_import("r", streamed, params) == 0
+    prefill.add_request("r", streamed, params)
+    prefill.stream_export("r")
+    while not prefill.can_export("r"):
+        prefill.step()
+        for chunk in prefill.take_kv_chunks():
+            decode.write_kv_chunk(chunk)
+    state = prefill.export_request("r")
+    window_s = 0.4
+
+    async def main() -> tuple[int, dict]:
+        async_llm = await started(decode)
+        try:
+            big_stream = await async_llm.submit([GenerateRequest("big", big, params)])
+            await asyncio.sleep(window_s / 4)  # "big" waits for blocks: the engine stalls
+            before = await async_llm.call(lambda engine: engine.stats.num_steps)
+            await asyncio.sleep(window_s)
+            steps = await async_llm.call(lambda engine: engine.stats.num_steps) - before
+            assert await async_llm.call(lambda engine: engine.stalled)
+            r_stream = await async_llm.submit_import(state, None)
+            outputs = {}
+            for stream in (r_stream, big_stream):
+                async for output in stream:
+                    if output.finished:
+                        outputs[output.request_id] = output
+            return steps, outputs
+        finally:
+            await async_llm.shutdown(timeout_s=10)
+
+    steps, outputs = asyncio.run(main())
+    # One step per wait plus one per command; stepping at once ran thousands in the window.
+    assert steps <= window_s / STALL_WAIT_S + 4, steps
+    for request_id, prompt in (("r", streamed), ("big", big)):
+        assert outputs[request_id].token_ids == reference_for(decode, prompt, params).token_ids

@@ -3,7 +3,11 @@
 The thread loads the engine (so the server can answer 503 while it loads), then loops: take the
 queued commands (add, abort, stop) and apply them, run one `engine.step()` while work remains,
 publish the engine's `EngineStats` snapshot, and hand the step's outputs to the event loop
-with one `loop.call_soon_threadsafe` per step. It blocks on a condition variable when idle.
+with one `loop.call_soon_threadsafe` per step. It blocks on a condition variable when idle,
+and also, for at most `STALL_WAIT_S`, after a step that ran nothing while requests remain
+(`LLMEngine.stalled`: a request waiting for blocks that a reservation holds, a reservation
+waiting for its chunks): only a command can change that, and stepping again at once kept a
+core busy for as long as it lasted.
 Nothing else ever touches the engine, so the engine stays single-threaded.
 
 If a command or a step raises out of the engine (the engine already contains failures of a
@@ -43,6 +47,10 @@ if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` s
     from loopserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+# How long a stalled engine waits for a command before it steps again anyway: the bound on a
+# missed wake-up, never reached when commands are what unblocks it.
+STALL_WAIT_S = 0.05
 
 
 class OutputSink(Protocol):
@@ -180,7 +188,10 @@ class EngineThread:
 
     def _serve(self, engine: LLMEngine) -> None:
         while True:
-            self._in_hand.extend(self._take_commands(block=not engine.has_unfinished_requests()))
+            if not engine.has_unfinished_requests():
+                self._in_hand.extend(self._take_commands(timeout_s=None))
+            else:
+                self._in_hand.extend(self._take_commands(STALL_WAIT_S if engine.stalled else 0))
             while self._in_hand:
                 command = self._in_hand.popleft()
                 if isinstance(command, StopCommand):
@@ -201,10 +212,11 @@ class EngineThread:
                 self._export_ready(engine)
             self._publish_snapshot(engine)
 
-    def _take_commands(self, *, block: bool) -> list[Command]:
+    def _take_commands(self, timeout_s: float | None) -> list[Command]:
+        """The queued commands, waiting for one at most `timeout_s` (None: until one comes)."""
         with self._wakeup:
-            while block and not self._commands:
-                self._wakeup.wait()
+            if not self._commands and timeout_s != 0:
+                self._wakeup.wait_for(lambda: bool(self._commands), timeout_s)
             commands = list(self._commands)
             self._commands.clear()
         return commands

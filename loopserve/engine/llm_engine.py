@@ -124,6 +124,9 @@ class LLMEngine:
         self._reported: dict[str, int] = {}  # output tokens already in an output
         self._arrivals = itertools.count()
         self.kv_stream = KVStreamOut(self.kv.block_size)  # streamed hand-offs out
+        # The last step scheduled nothing, moved no K/V and reported nothing: the next one
+        # would do the same until a request, import, chunk or abort arrives (`step`).
+        self.stalled = False
 
     @property
     def stats(self) -> EngineStats:
@@ -391,6 +394,8 @@ class LLMEngine:
             output = self._output(request, error=result.errors[request.request_id])
             if output is not None:
                 outputs.append(output)
+        scheduled = result.scheduled
+        self.stalled = scheduled.is_empty and not scheduled.kv_transfers and not outputs
         return outputs
 
     def _process(self, request: Request) -> RequestOutput | None:

@@ -649,7 +649,7 @@ def test_graph_mode_auto_starts_huginn_eagerly_and_drawn_states_refuse_graphs(hu
     captured on a GPU), so a CUDA engine starts without naming it; graphs with initial
     states drawn per request on the host are a start-up error naming both options."""
     from loopserve.config import EngineConfig, effective_graph_mode
-    from loopserve.engine.llm_engine import resolve_model_options
+    from loopserve.engine.model_setup import resolve_model_options
     from loopserve.models import load_model
 
     model = load_model(huginn_dir)

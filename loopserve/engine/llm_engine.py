@@ -1,8 +1,8 @@
 """`LLMEngine`: loads the model and wires config → KV manager → scheduler → runner → core.
 
 The step loop is `EngineCore` (loopserve/engine/core.py, token ids only) over a `ModelRunner`.
-This class adds what sits around it: loading the model and tokenizer, the memory plan (KV
-blocks from the byte budget), and text at the edges: the `InputProcessor` checks and tokenizes
+This class adds what sits around it: the model and the memory plan (KV blocks from the byte
+budget; both from engine/model_setup.py), the tokenizer, and text at the edges: the `InputProcessor` checks and tokenizes
 prompts, the `OutputProcessor` detokenizes, matches stop strings and assembles outputs; a
 stop-string hit finishes the request through the core. `step` runs one core step, builds one
 `RequestDelta` per request that produced a token or finished (only what is new, `_delta`,
@@ -18,38 +18,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from pathlib import Path
 
-from loopserve.config import (
-    EngineConfig,
-    check_draft_loops,
-    cuda_kv_budget,
-    effective_graph_mode,
-    max_inflight_rows,
-    prefix_caching_enabled,
-    resolve_coda_batching,
-    resolve_dtype,
-    resolve_num_blocks,
-)
+from loopserve.config import EngineConfig, resolve_coda_batching
 from loopserve.contracts import SampledToken
 from loopserve.engine.build import build_engine_core
 from loopserve.engine.handoff import HandoffState, KVChunk
 from loopserve.engine.kv_stream import KVStreamOut
+from loopserve.engine.model_setup import load_engine_model, reads_logits, size_kv_cache
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import ConfigError, InvalidRequestError
-from loopserve.exit import ExitMode
-from loopserve.exit.criteria import make_criterion
-from loopserve.models import load_model, resolve_model_path
 from loopserve.models.family import once_weight
-from loopserve.models.registry import (
-    read_config,
-    require_engine_family,
-    resolve_exit_mode,
-)
 from loopserve.outputs import RequestDelta, RequestOutput, TokenLogprob
-from loopserve.runner.attention.registry import resolve_attention_backend
-from loopserve.runner.capabilities import unsupported_options
-from loopserve.runner.memory_profile import profile_cuda_memory
 from loopserve.runner.model_runner import ModelRunner
 from loopserve.runner.options import RunnerOptions
 from loopserve.sampling_params import SamplingParams
@@ -60,7 +39,6 @@ from loopserve.text.structured import StructuredOutputs
 from loopserve.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
 
 
 class LLMEngine:
@@ -491,119 +469,3 @@ def _token_logprobs(samples: list[SampledToken]) -> list[TokenLogprob]:
 def _spec_counts(request: Request) -> tuple[int, int, int, int]:
     stats = request.spec_stats
     return stats.drafted, stats.accepted, stats.rejected, stats.redrafted
-
-
-def reads_logits(config: EngineConfig, model) -> bool:
-    """The engine's exit signal reads logits at every checked loop (a convergence criterion
-    such as kl or argmax-stability): the coda runs there already."""
-    if not ExitMode(config.exit.mode).reads_criterion:
-        return False
-    vocab = model.config.vocab_size
-    return make_criterion(config.exit.criterion, vocab_size=vocab).needs_logits
-
-
-def load_engine_model(config: EngineConfig):
-    """(family, model, config) of an engine: the model resolved (a directory, or a Hub id in
-    the local cache or downloaded when allowed), its family checked, loaded, and the config
-    with what `auto` and the default exit mode mean for it (a start-up error names every
-    option it cannot run)."""
-    config = resolve_dtype(config)
-    model_path = resolve_model_path(
-        config.model or DEFAULT_MODEL_DIR,
-        revision=config.revision,
-        download_dir=config.download_dir,
-    )
-    family = read_config(model_path)[0]
-    require_engine_family(family)
-    exit_mode = resolve_exit_mode(family, config.exit.mode)
-    config = dataclasses.replace(config, exit=dataclasses.replace(config.exit, mode=exit_mode))
-    model = load_model(
-        model_path, dtype=config.dtype, device=config.device, num_loops=config.num_loops
-    )
-    config = resolve_model_options(config, model, family.name)
-    check_draft_loops(config, model.num_loops)
-    return family, model, config
-
-
-def size_kv_cache(config: EngineConfig, model, max_model_len: int):
-    """(the cache config with its block count, K/V bytes per block, bytes reserved for
-    in-flight hidden states). On CUDA without an explicit size the device is profiled first
-    (weights, activation peak, the graphs' pool) and the blocks fill what is left."""
-    element_size = model.lm_head.weight.element_size()
-    bytes_per_block = model.config.kv_bytes_per_block(config.cache.block_size, element_size)
-    budget = None
-    sized = config.cache.num_blocks is not None or config.cache.kv_cache_bytes is not None
-    if config.device.startswith("cuda") and not sized:
-        profile = profile_cuda_memory(
-            model,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            prefill_chunk_size=config.scheduler.prefill_chunk_size,
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_model_len=max_model_len,
-            block_size=config.cache.block_size,
-            graphs=effective_graph_mode(config) == "capture",
-            paged_attention=resolve_attention_backend(
-                config.attention_backend, config.device, batch_invariant=config.batch_invariant
-            )
-            == "triton",
-        )
-        budget = cuda_kv_budget(
-            total_bytes=profile.total_bytes,
-            gpu_memory_utilization=config.cache.gpu_memory_utilization,
-            peak_bytes=profile.peak_bytes,
-            graph_bytes=profile.graph_bytes,
-        )
-    inflight_rows = max_inflight_rows(config, model.num_loops)
-    inflight_hidden_bytes = inflight_rows * model.config.hidden_size * element_size
-    # With prefix caching, the runner's score store keeps one hidden vector per KV slot
-    # (prompt rows' last-loop outputs): sized with the blocks.
-    store_bytes = 0
-    if prefix_caching_enabled(config.cache):
-        store_bytes = config.cache.block_size * model.config.hidden_size * element_size
-    cache = resolve_num_blocks(
-        config.cache,
-        bytes_per_block=bytes_per_block + store_bytes,
-        free_bytes=None,
-        reserved_bytes=inflight_hidden_bytes,
-        budget_bytes=budget,
-    )
-    return cache, bytes_per_block, inflight_hidden_bytes
-
-
-def resolve_model_options(config: EngineConfig, model, family_name: str) -> EngineConfig:
-    """`config` with what `auto` means for this model (graph_mode auto runs eagerly for a
-    model or options the decode graphs do not run, or have not run on a GPU, so a CUDA
-    engine starts without naming it), and
-    a start-up error naming every option the runner cannot run for it
-    (`unsupported_options`)."""
-    # `auto` captures graphs only for what has run captured on a GPU: a family with once
-    # planes or a criterion runs graphs when asked (emulate is tested on CPU; capture has not
-    # run on a GPU yet), and eagerly by default.
-    unverified = model.signal_kind == "criterion" or bool(model.config.extra_kv_planes)
-    if config.graph_mode == "auto" and (
-        unverified
-        or unsupported_options(
-            model, graph_mode="capture", init_scale=config.init_scale, lookup=config.exit.lookup
-        )
-    ):
-        config = dataclasses.replace(config, graph_mode="off")
-    scheduler = config.scheduler
-    problems = unsupported_options(
-        model,
-        graph_mode="off"
-        if config.enforce_eager or config.graph_mode == "auto"
-        else config.graph_mode,
-        speculative=bool(scheduler.speculative_tokens),
-        batch_invariant=config.batch_invariant,
-        lookup=config.exit.lookup,
-        layout=config.cache.layout,
-        attention_backend=resolve_attention_backend(config.attention_backend, config.device),
-        prompt_exits=config.exit.prompt_exits,
-        chunked_or_mixed_prompts=scheduler.prefill_mode != "atomic"
-        or scheduler.mixed_prefill_decode,
-        prefix_caching=config.cache.enable_prefix_caching is not False,
-        init_scale=config.init_scale,
-    )
-    if problems:
-        raise ConfigError(f"{family_name} does not run with " + "; ".join(problems))
-    return config

@@ -93,16 +93,25 @@ class Scheduler:
         self.prompt_loops_by_request = prompt_loops_by_request
         self.kv = kv
         self.exit_mode = ExitMode(config.exit.mode)
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.step_tokens = self.step_loops = 0  # appended by the last `update`
+        self._next_handle = 0
+        self._step_id = 0
+        self._build_policies(defers_leave=defers_leave, once_weight=once_weight)
+        self._build_collaborators(leave_attends=leave_attends)
+
+    def _build_policies(self, *, defers_leave: bool, once_weight: float) -> None:
+        """What the config decides once: the executors' step rules, the decode, prompt,
+        coda-batching and brownout policies."""
+        config, sched, num_loops = self.config, self.config.scheduler, self.num_loops
         # What the executors decide.
         self.rules = StepRules.of(config.cache.layout, num_loops, defers_leave=defers_leave)
         self.leaver = LeaveBatcher(
             enabled=defers_leave,
             once_weight=once_weight,
-            max_wait=config.scheduler.coda_batch_max_wait,
-            min_rows=config.scheduler.coda_batch_min_rows,
+            max_wait=sched.coda_batch_max_wait,
+            min_rows=sched.coda_batch_min_rows,
         )
-        sched = config.scheduler
-        self.max_num_seqs = sched.max_num_seqs
         self.decode_policy: DecodePolicy = (
             RefillPolicy() if sched.mode == "refill" else NoRefillPolicy()
         )
@@ -114,21 +123,24 @@ class Scheduler:
         self.prompt_policy: PromptPolicy = PROMPT_POLICIES[sched.prefill_mode](
             chunk_size, num_loops, self._handle, fill=fill
         )
-        self.step_tokens = self.step_loops = 0  # appended by the last `update`
-        self.queues = Queues()
-        self.outbox = StepOutbox()
-        self.decode = DecodeTable(self.max_num_seqs, exit_mode=self.exit_mode)
         self.brownout = Brownout(
             sched.brownout_waiting_high, sched.brownout_waiting_low, sched.brownout_step_loops,
             sched.brownout_max_level, sched.brownout_dwell_steps,
         )  # fmt: skip
+
+    def _build_collaborators(self, *, leave_attends: bool) -> None:
+        """The shared state (`Queues`, `StepOutbox`, `DecodeTable`, memory counters, prompt
+        groups) and the collaborators over it: `Admission`, `ItemBuilder`, `Speculator`,
+        `AheadPlanner`."""
+        config, sched, kv = self.config, self.config.scheduler, self.kv
+        self.queues = Queues()
+        self.outbox = StepOutbox()
+        self.decode = DecodeTable(self.max_num_seqs, exit_mode=self.exit_mode)
         self.decode.brownout = self.brownout.enabled
         self.memory_stats = MemoryStats()
         # One prefill for requests with the same prompt (scheduler/groups.py); not when
         # initial states are drawn (each request's prompt K/V depends on its seed).
         self.groups = PromptGroups(sched.share_prompts and config.init_scale == 0)
-        self._next_handle = 0
-        self._step_id = 0
         self.admission = Admission(
             config,
             kv=kv,
@@ -144,7 +156,7 @@ class Scheduler:
             max_rows=sched.max_num_batched_tokens,
             max_prompt_steps_in_a_row=sched.max_prefill_batches_before_decode,
             exit_mode=self.exit_mode,
-            num_loops=num_loops,
+            num_loops=self.num_loops,
             shared=config.cache.layout == "shared",
             new_handle=self._handle,
             memory_stats=self.memory_stats,

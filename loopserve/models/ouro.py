@@ -41,11 +41,15 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        # On the host, whatever the default device: a model built on the meta device (the
-        # loader) gets a real table, which `load_model` moves to the model's device.
+        # Computed on the host, then placed on the default device; on the meta device (the
+        # loader builds there) the table stays a real one on the host, which `load_model`
+        # moves to the model's device (meta arithmetic would import torch._dynamo).
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
-        exponents = exponents.to(torch.float32) / head_dim
-        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
+        inv_freq = 1.0 / (theta ** (exponents.to(torch.float32) / head_dim))
+        default = torch.get_default_device()
+        if default.type != "meta":
+            inv_freq = inv_freq.to(default)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)

@@ -12,13 +12,15 @@ from __future__ import annotations
 import pytest
 
 from loopserve.bench.kernels import VIEW_OPS, count_kernels, kernel_model
-from loopserve.sim.cost_model import KERNEL_COUNTS
+from loopserve.sim.cost_model import HUGINN_0125, KERNEL_COUNTS, OURO_1P4B
 
 # Kernels per loop on the tiny checkpoints (2 Ouro layers, 4 Huginn core layers), measured
 # on 2026-12-03 (docs/gpu.md, "Kernels per layer"): Ouro 139 before merged projections, 133
 # before fused norms, 62 before fused rotary and SiLU-and-multiply with the torch attention
-# backend; Huginn 321, then 194; then 26 and 53 before rotary moved into the K/V write.
-BOUNDS = {"ouro": 24, "huginn": 49}
+# backend; Huginn 321, then 194; then 26 and 53 before rotary moved into the K/V write;
+# Huginn 49 before its rotary frequencies were cached and its adapter read the carried state
+# without a concatenation (2026-12-06).
+BOUNDS = {"ouro": 24, "huginn": 43}
 
 
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
@@ -44,6 +46,11 @@ def test_kernels_per_layer_meet_the_goal():
     ouro, huginn = kernel_model("ouro"), kernel_model("huginn")
     assert ouro.per_layer <= 10
     assert huginn.per_layer <= 1.2 * ouro.per_layer
+    # Per core layer of a whole loop at the published shapes (the per-loop kernels shared
+    # by 24 Ouro-1.4B layers, by Huginn-0125's 4): within 1.2x too.
+    ouro_loop = ouro.per_layer + ouro.per_loop / OURO_1P4B.num_core_layers
+    huginn_loop = huginn.per_layer + huginn.per_loop / HUGINN_0125.num_core_layers
+    assert huginn_loop <= 1.2 * ouro_loop, (huginn_loop, ouro_loop)
     for model in (ouro, huginn):
         assert KERNEL_COUNTS[model.family] == (model.per_layer, model.per_loop), model
 

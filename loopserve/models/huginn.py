@@ -189,12 +189,19 @@ class HuginnRMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+def rope_inverse_frequencies(head_dim: int, base: float, device) -> torch.Tensor:
+    """The interleaved rotary's inverse frequencies [head_dim / 2], float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+    return 1.0 / (base ** (exponents / head_dim))
+
+
 def interleaved_rope_tables(
-    positions: torch.Tensor, head_dim: int, base: float
+    positions: torch.Tensor, head_dim: int, base: float, inv_freq: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [rows, head_dim / 2] in float32 for pairs (2i, 2i+1)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
-    inv_freq = 1.0 / (base ** (exponents / head_dim))
+    """cos/sin [rows, head_dim / 2] in float32 for pairs (2i, 2i+1); `inv_freq`: the
+    `rope_inverse_frequencies` on the positions' device, computed here when not given."""
+    if inv_freq is None:
+        inv_freq = rope_inverse_frequencies(head_dim, base, positions.device)
     freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
     return torch.cos(freqs), torch.sin(freqs)
 
@@ -307,6 +314,7 @@ class HuginnForLoopedLM(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         # The runner's fused residual-add + norms (`use_fused_norms`); None: torch ops.
         self.add_norm_norm = None
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # `rope`'s, per device
 
     @property
     def num_loops(self) -> int:
@@ -331,10 +339,9 @@ class HuginnForLoopedLM(nn.Module):
         return torch.cat([state.to(device=e.device, dtype=e.dtype), e], dim=-1)
 
     def loop(self, carried, positions, attn) -> torch.Tensor:
-        width = self.config.n_embd
-        state, e = carried[:, :width], carried[:, width:]
         router = LayerRouter(self.config.layer_groups, core=attn)
-        return torch.cat([self.core(state, e, positions, router), e], dim=-1)
+        e = carried[:, self.config.n_embd :]
+        return torch.cat([self._step(carried, positions, router), e], dim=-1)
 
     def latent(self, carried: torch.Tensor) -> torch.Tensor:
         return carried[:, : self.config.n_embd]
@@ -381,7 +388,17 @@ class HuginnForLoopedLM(nn.Module):
         self.rope = rope_row_by_row
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return interleaved_rope_tables(positions, self.config.head_dim, self.config.rope_base)
+        """cos/sin of `positions`. The inverse frequencies are computed once per device (the
+        same operations, so the same values) rather than in every call: 5 kernels fewer in
+        every prelude, core step and coda, which a graphed loop replays once per step."""
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            config = self.config
+            inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_base, positions.device)
+            self._inv_freq[positions.device] = inv_freq
+        return interleaved_rope_tables(
+            positions, self.config.head_dim, self.config.rope_base, inv_freq
+        )
 
     def prelude(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -416,7 +433,12 @@ class HuginnForLoopedLM(nn.Module):
     ) -> torch.Tensor:
         """One recurrence step: adapter over [state, e], then the core layers. Returns the new
         (un-normed) state; the coda and the latent exit criteria read it."""
-        x = self.transformer.adapter(torch.cat([state, e.to(state.device)], dim=-1))
+        return self._step(torch.cat([state, e.to(state.device)], dim=-1), positions, attn)
+
+    def _step(self, carried: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """`core` from the rows' [state, e] as one tensor (the carried state the runner
+        keeps): the adapter reads it as it is, no concatenation."""
+        x = self.transformer.adapter(carried.contiguous())
         rope = self.rope(positions)
         blocks, fused = self.transformer.core_block, self.add_norm_norm
         if fused is None:

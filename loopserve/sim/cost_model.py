@@ -52,13 +52,15 @@ ROOFLINES = ("call", "phase")
 # Device kernels of one decode loop: (per core layer, per loop besides the layers), counted by
 # dispatch on CPU under graph emulation with views left out (`loopserve bench kernels`, the
 # split from counts at two core depths, the model as the runner prepares it on CUDA with the
-# Triton attention backend; measured 2026-12-04: Ouro 9 + 6 and Huginn 9 + 13 with merged
-# projections, fused norms, SiLU-and-multiply and rotary inside the K/V write; 10 + 6 and
-# 10 + 13 with rotary and the write apart. Earlier builds, counted with the torch attention
+# Triton attention backend; measured 2026-12-06: Ouro 9 + 6 and Huginn 9 + 7 with merged
+# projections, fused norms, SiLU-and-multiply and rotary inside the K/V write, Huginn's
+# rotary frequencies computed once and its adapter reading the carried state as it is
+# (2026-12-04, before those two: Huginn 9 + 13); 10 + 6 and 10 + 13 with rotary and the
+# write apart. Earlier builds, counted with the torch attention
 # backend: Ouro 61 + 17, 58 + 17 with merged projections, 26 + 10 with fused norms; Huginn
 # 77 + 13, 45 + 14 with fused norms). `DeviceProfile.kernels_per_layer` models another build;
 # tests/test_kernel_count.py checks these against the counter.
-KERNEL_COUNTS = {"ouro": (9.0, 6.0), "huginn": (9.0, 13.0)}
+KERNEL_COUNTS = {"ouro": (9.0, 6.0), "huginn": (9.0, 7.0)}
 CODA_KERNELS = 2  # final norm (when the coda has layers) and the lm_head
 SAMPLING_KERNELS = 6  # softmax, filtering, the draw, the argmax, the gathers
 LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler

@@ -159,3 +159,21 @@ def test_group_size_adds_a_group_rollout_arm_counting_one_prefill_per_prompt(tmp
     assert shared["prompt_row_loops"] == 4 * prompt_tokens
     assert alone["prompt_row_loops"] == 3 * shared["prompt_row_loops"]
     assert group["shared_over_independent"]["prompt_row_loops"] == pytest.approx(1 / 3)
+
+
+def test_a_huginn_checkpoint_gets_room_for_its_once_planes(tmp_path) -> None:
+    """The benchmark sizes its KV for every request at once in every plane: Huginn's prelude
+    and coda plane too, or a lone request does not fit (it failed with "request needs 18 KV
+    blocks ... the cache has 16")."""
+    from loopserve.cli.main import main
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    model_dir = make_tiny_huginn_checkpoint(tmp_path / "huginn", mean_recurrence=3)
+    out = tmp_path / "huginn.json"
+    argv = ["bench", "throughput", "--model", str(model_dir), "--num-requests", "1",
+            "--input-len", "8", "--output-len", "10", "--range-ratio", "0", "--repeats", "1",
+            "--exit-threshold", "0.1", "--exit-criterion", "latent-diff", "--threads", "1",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    arms = json.loads(out.read_text())["arms"]
+    assert {arm["median"]["output_tokens"] for arm in arms.values()} == {10}

@@ -199,6 +199,8 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
     """Warm up, run the arms interleaved for `--repeats` rounds, then the host-overhead run."""
     model_config = read_config(model_dir)[1]
     num_loops, gate = model_config.num_loops, args.exit_threshold is not None
+    # LAST_EXITED: one KV plane per depth, and a family's once planes (Huginn's prelude/coda)
+    num_planes = num_loops + model_config.extra_kv_planes
     requests = make_workload(
         args.num_requests,
         input_len=args.input_len,
@@ -212,8 +214,8 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
     arms = ARMS + ((SPEC_ARM,) if args.speculative_tokens else ())
     params = {a.name: [sampling_params(r, a, num_loops, threshold) for r in requests] for a in arms}
     runs: dict[str, list[RunResult]] = {arm.name: [] for arm in arms}
-    num_blocks = args.num_blocks or blocks_for(  # LAST_EXITED: one KV plane per depth
-        requests, args.max_num_seqs, args.block_size, num_loops
+    num_blocks = args.num_blocks or blocks_for(
+        requests, args.max_num_seqs, args.block_size, num_planes
     )
     total = len(arms) * (args.repeats + 1) + 1 + len(args.cost_rows)
     if args.group_size > 1:
@@ -248,7 +250,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         if args.group_size > 1:
 
             def build_group_engine(share: bool, work: list[BenchRequest]) -> LLMEngine:
-                blocks = blocks_for(work, args.max_num_seqs, args.block_size, num_loops)
+                blocks = blocks_for(work, args.max_num_seqs, args.block_size, num_planes)
                 return build_engine(
                     args, model_dir, REFILL, args.max_num_seqs, blocks, gate=True,
                     share_prompts=share,
@@ -272,7 +274,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         rows = min(args.host_rows, len(requests))
         # (the warm-up runs its first requests on this engine too: room for the largest)
         host_blocks = blocks_for(
-            requests[: max(rows, NUM_WARMUP_REQUESTS)], rows, args.block_size, num_loops
+            requests[: max(rows, NUM_WARMUP_REQUESTS)], rows, args.block_size, num_planes
         )
         engine = build_engine(args, model_dir, REFILL, rows, host_blocks)
         refill_params, n = params[REFILL.name], NUM_WARMUP_REQUESTS
@@ -282,7 +284,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, object
         del engine
         if args.cost_rows:
             bar.set_postfix_str(f"decode step cost @ rows {args.cost_rows}")
-        curve = measure_cost_curve(args, model_dir, requests, params["full_depth"], num_loops)
+        curve = measure_cost_curve(args, model_dir, requests, params["full_depth"], num_planes)
         bar.update(len(curve))
     m = {name: median_of(arm_runs) for name, arm_runs in runs.items()}
     config = {k: v for k, v in vars(args).items() if k != "func"}
@@ -338,7 +340,7 @@ def measure_cost_curve(
     model_dir: Path,
     requests: list[BenchRequest],
     full_params: list[SamplingParams],
-    num_loops: int,
+    num_planes: int,
 ) -> list[HostOverhead]:
     """Step time of decode steps of exactly n rows (one core call), for n in `--cost-rows`:
     n requests at `max_num_seqs` n, every token at all D loops (the coda runs every D-th step)."""
@@ -346,7 +348,7 @@ def measure_cost_curve(
     for rows in args.cost_rows:
         if rows > len(requests):
             raise ConfigError(f"--cost-rows {rows} exceeds --num-requests {len(requests)}")
-        blocks = blocks_for(requests[:rows], rows, args.block_size, num_loops)
+        blocks = blocks_for(requests[:rows], rows, args.block_size, num_planes)
         engine = build_engine(args, model_dir, ARMS[0], rows, blocks)
         curve.append(measure_host_overhead(engine, requests[:rows], full_params[:rows], rows))
     return curve

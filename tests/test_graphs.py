@@ -251,3 +251,48 @@ def test_merged_projections_decode_like_the_dense_reference(tiny_dir):
         out = finished[request_id]
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
     assert engine.stats.num_graph_calls > 0
+
+
+def test_a_graphed_step_packs_its_exit_signals_itself(tiny_dir):
+    """The gate's exits and hazards leave a graphed call already packed as float64 (inside
+    the step, `DecodeSignals.packed`): outside the replay the host converts no exit flag and
+    no hazard, it reads them with the sampled tokens in one copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    class Conversions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sources = []  # dtypes converted to float64 outside the replay
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket in (torch.ops.aten.to, torch.ops.aten._to_copy):
+                dtype = kwargs.get("dtype", args[1] if len(args) > 1 else None)
+                if dtype is torch.float64:
+                    self.sources.append(args[0].dtype)
+            return func(*args, **kwargs)
+
+    engine = make_engine(tiny_dir, max_model_len=96, graph_mode="emulate", exit_mode="ouro")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_threshold=0.5)
+    for i in range(3):
+        engine.add_request(f"g{i}", [5 + i, 9, 11], params)
+    graphs = engine.runner.graphs
+    launch, replays = graphs.launch, []
+
+    def replay(*args):  # the emulated device: its own conversions are not the host's
+        with _disable_current_modes():
+            out = launch(*args)
+        replays.append(out.packed)
+        return out
+
+    graphs.launch = replay
+    sampled = 0
+    while engine.has_unfinished_requests():
+        before = len(replays)
+        with Conversions() as seen:
+            engine.step()
+        if len(replays) == before:  # a prompt step: eager calls
+            continue
+        assert torch.bool not in seen.sources and torch.float32 not in seen.sources, seen.sources
+        sampled += seen.sources.count(torch.int64)  # the sampled ids: the counter sees them
+    assert replays and all(packed is not None for packed in replays) and sampled

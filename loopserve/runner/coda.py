@@ -104,6 +104,16 @@ class _DecodeRead:
         self.exited = rows.exit_code == EXIT  # final unless the gate decides
         self.hazards = np.full(self.num_rows, np.nan)
         self.fired: np.ndarray | None = None
+        self.gate_decides = signals.exits is not None
+        self.has_hazards = signals.hazards is not None
+        self.has_fired = signals.fired is not None
+        self.needs_gate = rows.needs_gate
+        # The read's layout: parts of `width` values, the exits part when `reads_exits`.
+        self.width, self.reads_exits = self.num_rows, self.gate_decides
+        if signals.packed is not None:  # a graphed step packed them (`DecodeSignals.packed`)
+            self.packed: torch.Tensor | None = signals.packed.view(-1)
+            self.width, self.reads_exits = signals.packed.shape[1], True
+            return
         parts = []
         if signals.exits is not None:
             parts.append(signals.exits.double())
@@ -112,22 +122,19 @@ class _DecodeRead:
         if signals.fired is not None:
             parts.append(signals.fired.double())
         self.packed = torch.cat(parts) if parts else None
-        self.gate_decides = signals.exits is not None
-        self.has_hazards = signals.hazards is not None
-        self.has_fired = signals.fired is not None
-        self.needs_gate = rows.needs_gate
 
     def receive(self, values: list[float]) -> None:
         read = np.array(values)
-        n = self.num_rows
-        if self.gate_decides:
-            self.exited = read[:n] != 0.0
-            read = read[n:]
+        n, width, at = self.num_rows, self.width, 0
+        if self.reads_exits:
+            if self.gate_decides:
+                self.exited = read[:n] != 0.0
+            at += width
         if self.has_hazards:
-            self.hazards[self.needs_gate] = read[:n][self.needs_gate]
-            read = read[n:]
+            self.hazards[self.needs_gate] = read[at : at + n][self.needs_gate]
+            at += width
         if self.has_fired:
-            self.fired = read[:n] != 0.0
+            self.fired = read[at : at + n] != 0.0
 
 
 class PendingLeave:
@@ -480,7 +487,7 @@ class Coda:
 
     def _record_decode(self, request_ids, token_ids: np.ndarray) -> None:
         """The decode rows' final tokens (-1: none) into their requests' histories."""
-        for row in np.flatnonzero(token_ids >= 0).tolist():  # host array
+        for row in (token_ids >= 0).nonzero()[0].tolist():  # host array
             self._record(request_ids[row], int(token_ids[row]))
 
     def _rows_at_exit_loops(self, items, by_rule: list[int], loop_outputs) -> tuple[dict, dict]:

@@ -151,7 +151,7 @@ class DecodeSlots:
         """(flat indices into `tables`, block ids) of the entries the rows' tables gained
         since they were last written: blocks up to each row's position, every plane."""
         needed = positions // self.block_size + 1
-        stale = np.flatnonzero(self.written[slots] < needed)
+        stale = (self.written[slots] < needed).nonzero()[0]
         index: list[int] = []
         values: list[int] = []
         width, stride = self.max_blocks, self.stride
@@ -233,6 +233,10 @@ class DecodeSignals(NamedTuple):
     # logits checks its rows from the leave of every candidate), else None.
     logits: torch.Tensor | None = None
     fired: torch.Tensor | None = None  # [n] bool: criterion families, where it fired
+    # A graphed call's signals as the host reads them, packed by the step itself: float64
+    # [parts, bucket], the exits of every row, then its hazards and where it fired (each
+    # when present), the call's rows first.
+    packed: torch.Tensor | None = None
 
 
 def decide_exits_on_device(
@@ -333,10 +337,10 @@ class DecodeStep:
         return HostColumns(
             slots,
             table_index,
-            np.flatnonzero(depths == 0),
+            (depths == 0).nonzero()[0],
             index,
             values,
-            np.flatnonzero(codes != CONTINUE),
+            (codes != CONTINUE).nonzero()[0],
             bool((codes == GATE).any()),
         )
 
@@ -361,7 +365,7 @@ class DecodeStep:
                        rows.survival_before, rows.threshold)  # fmt: skip
             parts.append(np.concatenate(columns).view(np.int64))
         if checks:  # the checked rows, and the rows left for them (candidates among them)
-            checked = np.flatnonzero(rows.needs_gate)
+            checked = rows.needs_gate.nonzero()[0]
             left = np.union1d(host.candidates, checked)
             parts += [checked, left, np.searchsorted(left, checked)]
             parts.append(np.searchsorted(left, host.candidates))

@@ -277,10 +277,10 @@ class DecodeGraphs:
         `len(rows)` rows of its static outputs (read by the coda before the next call)."""
         graph = self.graphs.get(bucket)
         if graph is None:
-            out, hazards, exits, logits, fired = self._forward(bucket)
+            out, hazards, exits, logits, fired, packed = self._forward(bucket)
         else:
             graph.replay()
-            out, hazards, exits, logits, fired = self.outputs[bucket]
+            out, hazards, exits, logits, fired, packed = self.outputs[bucket]
         n = len(rows)
         gate = exits if host.gate_decides else None
         candidates = self.inputs[bucket].columns[CANDIDATES]
@@ -289,7 +289,7 @@ class DecodeGraphs:
         return DecodeSignals(
             rows, out[:n], None if hazards is None else hazards[:n],
             None if gate is None else gate[:n], host.candidates, candidates,
-            self.positions[:n], logits, None if fired is None else fired[:n],
+            self.positions[:n], logits, None if fired is None else fired[:n], packed,
         )  # fmt: skip
 
     # ---- the captured step ------------------------------------------------------------------
@@ -363,7 +363,14 @@ class DecodeGraphs:
                 keep=(dst_rows > src_rows) & exits.repeat(deeper), block_size=size,
                 finalize=self.finalize,
             )  # fmt: skip
-        return out, hazards, exits, logits, fired
+        # What the host reads of the signals, packed inside the step (`DecodeSignals.packed`)
+        # so that the host launches no conversion of its own; nothing when the exits are the
+        # plans' (no gate, no criterion: the host knows them already).
+        packed = None
+        if hazards is not None or fired is not None:
+            parts = [exits] + [part for part in (hazards, fired) if part is not None]
+            packed = torch.stack([part.double() for part in parts])
+        return out, hazards, exits, logits, fired, packed
 
     @torch.inference_mode()
     def capture(self) -> None:

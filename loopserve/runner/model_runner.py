@@ -498,7 +498,7 @@ class ModelRunner(Executor):
                     np.count_nonzero(decode_exits & (loops < self.rules.num_planes))
                 )
             if self.calls.full_lookup:  # below-full exits hide their position from deeper loops
-                for row in np.flatnonzero(decode_exits).tolist():  # host array
+                for row in decode_exits.nonzero()[0].tolist():  # host array
                     rid = decode.request_ids[row]  # type: ignore[union-attr]
                     self.calls.ran(rid, [int(decode.positions[row])], int(loops[row]))  # type: ignore[union-attr]
         # No synchronize: the step's last copy to the host (sampled ids, hazards) waited for
@@ -541,7 +541,7 @@ class ModelRunner(Executor):
             raise RuntimeError(f"leave rows of requests without a decode slot: {missing}")
         m = len(leave)
         slots = np.fromiter((slot_of[rid] for rid in leave.request_ids), np.int64, m)
-        ahead = np.zeros(0, np.int64) if decode is None else np.flatnonzero(decode.token_ids < 0)
+        ahead = np.zeros(0, np.int64) if decode is None else (decode.token_ids < 0).nonzero()[0]
         sources = np.zeros(0, np.int64)
         if len(ahead):
             where = {rid: i for i, rid in enumerate(leave.request_ids)}

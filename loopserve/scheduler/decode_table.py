@@ -252,9 +252,9 @@ class DecodeTable:
     def rows_entering_a_block(self, block_size: int) -> np.ndarray:
         """Rows whose token is about to write the first position of a block, oldest first:
         the only ones that may need KV growth before the step."""
-        candidates = np.flatnonzero(
+        candidates = (
             self.ready & (self.exit.depth == 0) & (self.position % block_size == 0)
-        )
+        ).nonzero()[0]
         return self.oldest_first(candidates)
 
     def check_invariants(self) -> None:

@@ -69,14 +69,14 @@ class LeaveBatcher:
         kept = table.lookup(leave.request_ids) >= 0
         if kept.all():
             return leave
-        return leave.take(np.flatnonzero(kept)) if kept.any() else None
+        return leave.take(kept.nonzero()[0]) if kept.any() else None
 
     def select(self, table: DecodeTable) -> LeaveRows | None:
         """The held tokens whose leave runs this step (all of them, or none); the others'
         wait grows by one step."""
         if not self.enabled:
             return None
-        held = np.flatnonzero(table.held)
+        held = table.held.nonzero()[0]
         if not len(held):
             return None
         if not self._fires(table, held):

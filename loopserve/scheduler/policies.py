@@ -47,12 +47,12 @@ class DecodePolicy(ABC):
         step). Default: every other ready row, oldest first."""
         ready = table.ready.copy()
         ready[leaving] = False
-        return table.oldest_first(np.flatnonzero(ready))[:max_rows]
+        return table.oldest_first(ready.nonzero()[0])[:max_rows]
 
 
 class RefillPolicy(DecodePolicy):
     def select(self, table: DecodeTable, max_rows: int) -> np.ndarray:
-        return table.oldest_first(np.flatnonzero(table.ready))[:max_rows]
+        return table.oldest_first(table.ready.nonzero()[0])[:max_rows]
 
     def select_ahead(self, table: DecodeTable, leaving: np.ndarray, max_rows: int) -> np.ndarray:
         """The same rows as `select`: a leaving token's request keeps its row for its next
@@ -66,8 +66,8 @@ class NoRefillPolicy(DecodePolicy):
 
     def select(self, table: DecodeTable, max_rows: int) -> np.ndarray:
         if not table.cohort.any():
-            table.cohort[table.oldest_first(np.flatnonzero(table.ready))[:max_rows]] = True
-        return table.oldest_first(np.flatnonzero(table.ready & table.cohort))
+            table.cohort[table.oldest_first(table.ready.nonzero()[0])[:max_rows]] = True
+        return table.oldest_first((table.ready & table.cohort).nonzero()[0])
 
     def on_token_exits(self, table: DecodeTable, rows: np.ndarray) -> None:
         table.cohort[rows] = False
@@ -77,7 +77,7 @@ class NoRefillPolicy(DecodePolicy):
         forms only once results are applied, as in synchronous scheduling)."""
         cohort = table.cohort & table.ready
         cohort[leaving] = False
-        return table.oldest_first(np.flatnonzero(cohort))
+        return table.oldest_first(cohort.nonzero()[0])
 
 
 @dataclass(frozen=True, slots=True)

@@ -541,11 +541,11 @@ class Scheduler:
         live = rows >= 0  # a row whose request left while the step ran is skipped
         if live.all():  # the common case: no copies of the columns
             decode.exit.record(rows, rows_run.needs_gate, results.hazards, results.fired)
-            exits = np.flatnonzero(results.exited)  # indices into `rows_run`
+            exits = results.exited.nonzero()[0]  # indices into `rows_run`
         else:
             fired = None if results.fired is None else results.fired[live]
             decode.exit.record(rows[live], rows_run.needs_gate[live], results.hazards[live], fired)
-            exits = np.flatnonzero(results.exited & live)
+            exits = (results.exited & live).nonzero()[0]
         if not len(exits):
             return
         self.decode_policy.on_token_exits(decode, rows[exits])
@@ -563,7 +563,7 @@ class Scheduler:
         decode = self.decode
         rows = decode.lookup(rows_run.request_ids)
         live = rows >= 0  # a row whose request left while the step ran is skipped
-        sampled = np.flatnonzero(results.exited & live)
+        sampled = (results.exited & live).nonzero()[0]
         ahead = decode.awaiting[rows[sampled]]
         decode.awaiting[rows[sampled]] = False
         decode.token_id[rows[sampled[ahead]]] = results.token_ids[sampled[ahead]]

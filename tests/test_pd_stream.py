@@ -591,3 +591,36 @@ def test_a_request_that_will_not_be_imported_releases_its_reservation(how):
     assert _released(d1) == ["r"]
     assert len(d1.called("write_kv_chunk")) == 1 and not d1.called("import_handoff")
     assert (error is not None) == (how == "prefill_dies")
+
+
+def test_a_replica_unreachable_after_its_restart_serves_again_at_its_next_reply():
+    """A call to a replica that restarted can still fail with `ActorUnavailableError` ("the
+    actor is restarting": the caller's view of the actor lags the restart). That takes the
+    new instance out of rotation, but only until it answers: treating it as that instance's
+    death made the pool drop every later reply as stale and wait forever for a restart that
+    had already happened (seen in tests/test_pd_streaming.py under load). A call that finds
+    the instance dead still makes its late replies stale."""
+    import ray.exceptions
+
+    from loopserve.distributed.replica_messages import ReplicaStats
+    from loopserve.engine.stats import EngineStats
+
+    pool = ReplicaPool({"block_size": 4}, PoolConfig(num_replicas=1))
+    replicas = pool.replica_set
+    replica = _Replica(0, FakeReplica(), ReplicaState.SERVING, instance_id="new")
+    replicas.replicas = [replica]
+
+    def reply(instance_id):
+        replicas._apply_stats(replica, ReplicaStats(instance_id, True, False, 0, EngineStats()))
+
+    unavailable = ray.exceptions.ActorUnavailableError("The actor is restarting.", None)
+    replicas.replica_failed(0, "new", unavailable)
+    assert replica.state is ReplicaState.RESTARTING and replicas.serving_replicas() == []
+    reply("new")
+    assert replica.state is ReplicaState.SERVING and replica.num_restarts == 0
+
+    replicas.replica_failed(0, "new", ray.exceptions.ActorDiedError())
+    reply("new")  # sent before it died
+    assert replica.state is ReplicaState.RESTARTING
+    reply("newer")  # the restarted instance
+    assert replica.state is ReplicaState.SERVING and replica.num_restarts == 1

@@ -125,6 +125,21 @@ def _retrieve(task: asyncio.Future) -> None:
         task.exception()  # marks the exception as read; the probes report replica failures
 
 
+PROBE_TIMED_OUT = "probe timed out"  # alive but unresponsive
+
+
+def _is_unreachable(why: object) -> bool:
+    """A failure that does not mean the instance died: a probe that timed out, or Ray's
+    `ActorUnavailableError` (the actor is restarting or unreachable, as the caller sees it)."""
+    if why == PROBE_TIMED_OUT:
+        return True
+    try:
+        from ray.exceptions import ActorUnavailableError
+    except ImportError:  # no Ray: no such error
+        return False
+    return isinstance(why, ActorUnavailableError)
+
+
 class ReplicaSet:
     """The replicas of a pool and their states; see the module docstring."""
 
@@ -338,16 +353,23 @@ class ReplicaSet:
     def replica_failed(self, index: int, instance_id: str | None, why: object) -> None:
         """A call to replica `index` (instance `instance_id`) failed: stop routing to it
         until the probe sees it serve again. Stale reports about an older instance are
-        ignored."""
+        ignored. An instance known to have died has its late replies ignored too; one that
+        was only unreachable (Ray's `ActorUnavailableError`: the caller's view of the actor
+        may lag a restart that already finished, or the network dropped a call) serves again
+        at its next reply, or a pool that saw its restart would wait for another forever."""
         replica = self.replicas[index]
         if replica.instance_id == instance_id:
             for listener in self.on_failure:
                 listener(index, instance_id, why)
         if replica.state is not ReplicaState.SERVING or replica.instance_id != instance_id:
             return
-        logger.warning("replica %d failed (%s); waiting for its restart", index, why)
+        unreachable = _is_unreachable(why)
+        logger.warning(
+            "replica %d %s (%s); %s", index, "unreachable" if unreachable else "failed", why,
+            "out of rotation until it answers" if unreachable else "waiting for its restart",
+        )  # fmt: skip
         replica.state = ReplicaState.RESTARTING
-        replica.failed_instance_id = instance_id
+        replica.failed_instance_id = None if unreachable else instance_id
         self.router.forget_replica(index)
 
     async def _probe(self, replica: _Replica) -> None:
@@ -371,8 +393,7 @@ class ReplicaSet:
             except ray.exceptions.RayError as err:  # the call failed, the replica did not
                 logger.error("probing replica %d failed: %r", replica.index, err)
             except asyncio.TimeoutError:  # alive but unresponsive: out of rotation until it answers
-                self.replica_failed(replica.index, replica.instance_id, "probe timed out")
-                replica.failed_instance_id = None
+                self.replica_failed(replica.index, replica.instance_id, PROBE_TIMED_OUT)
             else:
                 self._apply_stats(replica, stats)
             await asyncio.sleep(PROBE_INTERVAL_S)

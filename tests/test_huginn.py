@@ -17,6 +17,7 @@ from loopserve.exit.criteria import CRITERIA, make_criterion
 from loopserve.models import load_model
 from loopserve.models.huginn import HuginnConfig, HuginnForLoopedLM
 from loopserve.models.huginn_dense import generate, teacher_forced_logits
+from loopserve.models.huginn_dense import step_logits as every_step_logits
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint, weights_digest
 from loopserve.models.registry import (
     HUGINN,
@@ -51,6 +52,16 @@ def test_teacher_forced_logits_equal_the_authors(huginn, steps):
     ours = teacher_forced_logits(huginn, GOLDEN["prompt"], num_steps=int(steps))
     theirs = torch.tensor(GOLDEN["teacher_forced"][steps])
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_every_step_logits_equal_a_run_of_that_many_steps(huginn):
+    """`step_logits` (every step's logits of one run, which `bench speculative` reads for
+    its stable-loop distribution) equals `teacher_forced_logits` at each step count."""
+    prompt = GOLDEN["prompt"]
+    every = every_step_logits(huginn, prompt, num_steps=5)
+    assert len(every) == 5
+    for steps, logits in enumerate(every, start=1):
+        assert torch.equal(logits, teacher_forced_logits(huginn, prompt, num_steps=steps)), steps
 
 
 @pytest.mark.parametrize("steps", sorted(GOLDEN["greedy"]))

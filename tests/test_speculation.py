@@ -469,3 +469,22 @@ def test_bench_speculative_runs_side_by_side(tmp_path):
     assert (plain["K"], spec["K"], spec["d"]) == (0, 2, 1)
     assert spec["drafted"] > 0 and spec["core_calls_per_token"] < plain["core_calls_per_token"]
     assert abs(sum(row["stable_loop_dist"]) - 1) < 1e-9
+
+
+def test_bench_speculative_runs_on_a_huginn_checkpoint(tmp_path):
+    """Its stable-loop distribution comes from the family's own dense reference (it called
+    Ouro's, and crashed on Huginn with a TypeError)."""
+    import json
+
+    from loopserve.cli.main import main
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    model_dir = make_tiny_huginn_checkpoint(tmp_path / "huginn", mean_recurrence=3)
+    out = tmp_path / "spec.json"
+    argv = ["bench", "speculative", "--model", str(model_dir), "--streams", "1",
+            "--temperatures", "0", "--configs", "2:1", "--repeats", "1", "--output-len", "6",
+            "--no-progress", "--output-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    distribution = row["stable_loop_dist"]
+    assert len(distribution) == 3 and abs(sum(distribution) - 1.0) < 1e-9

@@ -27,6 +27,8 @@ from loopserve.bench.args import add_speculative_args as add_cli_args  # noqa: F
 from loopserve.bench.common import machine_info, write_json
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
+from loopserve.models.huginn import HuginnForLoopedLM
+from loopserve.models.huginn_dense import step_logits
 from loopserve.models.tiny import DEFAULT_MODEL_DIR
 from loopserve.reference import _prompt_loop_outputs
 from loopserve.sampling_params import SamplingParams
@@ -86,6 +88,15 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, ta
     }
 
 
+def _loop_logits(model, token_ids: list[int], start: int) -> list[torch.Tensor]:
+    """Logits [S - start, vocab] of positions start.. after each loop, teacher forced at full
+    depth, from the family's dense reference."""
+    if isinstance(model, HuginnForLoopedLM):
+        return [logits[start:] for logits in step_logits(model, token_ids)]
+    loops = _prompt_loop_outputs(model, token_ids + [0], "last_exited")
+    return [model.coda(h[start:]) for h in loops]
+
+
 def stable_loop_distribution(engine: LLMEngine, prompts, token_lists) -> list[float]:
     """P(s = j): s the first loop from which the coda's argmax stays the emitted token, over
     every emitted position, by teacher forcing prompt + outputs at full depth."""
@@ -94,8 +105,8 @@ def stable_loop_distribution(engine: LLMEngine, prompts, token_lists) -> list[fl
     with torch.inference_mode():
         for prompt, tokens in zip(prompts, token_lists):
             ids = list(prompt) + list(tokens)
-            loops = _prompt_loop_outputs(model, ids + [0], "last_exited")
-            argmax = torch.stack([model.coda(h[len(prompt) - 1 :]).argmax(-1) for h in loops])
+            loops = _loop_logits(model, ids, len(prompt) - 1)
+            argmax = torch.stack([logits.argmax(-1) for logits in loops])
             for column in argmax.T.tolist():
                 s = len(column) - 1
                 while s > 0 and column[s - 1] == column[-1]:

@@ -245,6 +245,27 @@ def teacher_forced_logits(
 
 
 @torch.no_grad()
+def step_logits(
+    model: HuginnForLoopedLM, token_ids: list[int], *, num_steps: int | None = None
+) -> list[torch.Tensor]:
+    """`teacher_forced_logits` after every step 1..r of one run: [S, vocab] per step (a
+    step's state depends only on the steps before it, so step s's logits equal a run of s
+    steps)."""
+    steps = num_steps or model.config.mean_recurrence
+    kv = HuginnDenseKV(model, max_len=len(token_ids), max_steps=steps)
+    device = model.lm_head.weight.device
+    ids = torch.tensor(list(token_ids), device=device)
+    pos = torch.arange(len(token_ids), device=device)
+    e = model.prelude(ids, pos, kv.attention(pos, None))
+    state = model.initial_state(e, init_scale=0.0)
+    logits = []
+    for step in range(steps):
+        state = model.core(state, e, pos, kv.attention(pos, step))
+        logits.append(model.coda(state, pos, kv.attention(pos, None)))
+    return logits
+
+
+@torch.no_grad()
 def score_tokens(
     model: HuginnForLoopedLM,
     token_ids: list[int],

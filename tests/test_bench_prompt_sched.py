@@ -121,3 +121,17 @@ def test_list_arguments_are_validated() -> None:
         _parse(prompt_sched, ["--chunk-sizes", "16,x"])
     with pytest.raises(ConfigError, match="distinct"):
         prompt_sched.main_from_args(_parse(prompt_sched, ["--chunk-sizes", "16,16"]))
+
+
+@pytest.mark.parametrize("bench", ["wcpb", "interference"])
+def test_the_prompt_benchmarks_name_themselves_when_given_another_family(tmp_path, capsys, bench):
+    """They replay Ouro exit traces: a Huginn checkpoint is a one-line usage error naming the
+    benchmark (it said "loopserve supports ('ouro',)", which is not so)."""
+    from loopserve.cli.main import main
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    model_dir = make_tiny_huginn_checkpoint(tmp_path / "huginn", mean_recurrence=2)
+    assert main(["bench", bench, "--model", str(model_dir), "--no-progress"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and f"bench {bench} runs Ouro checkpoints only" in error
+    assert "huginn_raven" in error and "loopserve supports" not in error

@@ -15,6 +15,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from loopserve.errors import ConfigError, ModelLoadError
+from loopserve.models.config import OuroConfig
 from loopserve.models.loader import resolve_model_path
 from loopserve.models.tiny import make_tiny_checkpoint
 
@@ -33,6 +35,15 @@ def model_dir_for(args: argparse.Namespace, tmp: str, max_positions: int) -> Pat
     return make_tiny_checkpoint(
         tmp, total_ut_steps=args.loops, max_position_embeddings=positions, **sizes
     )
+
+
+def ouro_config(model_dir: Path, bench: str) -> OuroConfig:
+    """The checkpoint's Ouro config; for another family, a usage error naming `bench` (the
+    prompt benchmarks replay exit traces, which only Ouro's gate runs)."""
+    try:
+        return OuroConfig.from_file(Path(model_dir) / "config.json")
+    except ModelLoadError as err:
+        raise ConfigError(f"bench {bench} runs Ouro checkpoints only: {err}") from None
 
 
 def blocks_for(positions: list[int], block_size: int, num_loops: int) -> int:

@@ -38,13 +38,13 @@ from loopserve.bench.prompt_sched import (
     machine_info,
     median_of,
     model_dir_for,
+    ouro_config,
     pyplot,
     random_prompts,
     write_outputs,
 )
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
-from loopserve.models.config import OuroConfig
 from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams
 from loopserve.workloads.arms import prompt_arm_args
@@ -143,7 +143,7 @@ def run_arm(engine: LLMEngine, work: Workload, arm: str) -> InterferenceRun:
 
 def run_interference(args: argparse.Namespace, model_dir: Path) -> dict:
     info = machine_info(loadavg_1m_start=os.getloadavg()[0])
-    model_config = OuroConfig.from_file(model_dir / "config.json")
+    model_config = ouro_config(model_dir, "interference")
     D = model_config.num_loops
     work = make_workload(args, model_config.vocab_size, D)
     positions = [args.decode_prompt_len + args.decode_max_tokens - 1] * args.num_decode

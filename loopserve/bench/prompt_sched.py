@@ -36,6 +36,7 @@ from loopserve.bench.common import (  # noqa: F401  (re-exported for bench inter
     machine_info,
     median_of,
     model_dir_for,
+    ouro_config,
     pyplot,
     random_prompts,
     write_outputs,
@@ -43,7 +44,6 @@ from loopserve.bench.common import (  # noqa: F401  (re-exported for bench inter
 from loopserve.contracts import ItemKind, RunnerOutput, SchedulerOutput
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError, LoopserveError
-from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.workloads.arms import prompt_arm_args
 
@@ -175,7 +175,7 @@ def run_prompts(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[
 
 def run_wcpb(args: argparse.Namespace, model_dir: Path) -> dict:
     info = machine_info(loadavg_1m_start=os.getloadavg()[0])
-    model_config = OuroConfig.from_file(model_dir / "config.json")
+    model_config = ouro_config(model_dir, "wcpb")
     D, vocab = model_config.num_loops, model_config.vocab_size
     prompts = random_prompts(args.prompt_lens, vocab, args.seed)
     num_blocks = blocks_for(args.prompt_lens, args.block_size, D)

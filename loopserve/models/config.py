@@ -158,7 +158,7 @@ class OuroConfig(ConfigFile):
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(
-                f"config.json has model_type {model_type!r}; loopserve supports {SUPPORTED_MODEL_TYPES}"
+                f"config.json has model_type {model_type!r}, not Ouro's {SUPPORTED_MODEL_TYPES}"
             )
         if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
             raise ModelLoadError("sliding-window attention layers are not supported yet")

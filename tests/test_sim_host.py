@@ -96,3 +96,11 @@ def test_bench_host_calls_have_the_rows_and_exit_regime_asked_for(monkeypatch, f
     assert (seen["gated"] > 0) == reads_signal
     if reads_signal:  # every row but each token's last loop (its max_loops: no signal read)
         assert seen["gated"] >= seen["rows"] // 2
+
+
+def test_bench_host_refuses_contexts_the_checkpoint_cannot_hold():
+    """The tiny Huginn checkpoint holds 256 positions: the default --context 256 asks for more
+    per request, a usage error naming the flags (the engine's generic length error told the
+    user nothing about --context)."""
+    with pytest.raises(ConfigError, match="--context 256 with --steps 60 needs 379 positions"):
+        host_bench.measure(8, context=256, steps=60, device_profile="h200", family="huginn")

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from loopserve.engine.llm_engine import LLMEngine
+from loopserve.errors import ConfigError
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.sampling_params import SamplingParams
@@ -126,6 +127,12 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
         )  # fmt: skip
         args.update(engine_args or {})
         engine = LLMEngine.from_engine_args(model=str(model_dir), **args)
+    needed = context - 1 + steps + 64  # each request's prompt + max_tokens
+    if needed > engine.max_model_len:
+        raise ConfigError(
+            f"--context {context} with --steps {steps} needs {needed} positions per request; "
+            f"this {family} checkpoint allows {engine.max_model_len}: lower --context or --steps"
+        )
     null_core(engine)
     vocab = engine.model.config.vocab_size
     for i in range(rows):

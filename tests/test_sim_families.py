@@ -208,3 +208,29 @@ def test_simulate_cli_runs_huginn_on_its_authors_recorded_steps(tmp_path):
     assert exit_distribution("huginn_0125_latent_diff", 32).mean_loops == pytest.approx(4000 / 154)
     with pytest.raises(ConfigError, match="defined for 32 steps"):
         exit_distribution("huginn_0125_latent_diff", 4)
+
+
+def test_simulate_defaults_to_the_models_own_exits_and_names_a_workload_too_long(tmp_path, capsys):
+    """Without --exit-dist the simulated model's measured exits are used (Ouro-1.4B's
+    gate, Huginn-0125's latent-diff steps; the Ouro default failed for Huginn: "defined for 4
+    loops"); a workload longer than the model holds is a usage error naming the flags (it
+    was a bare ValueError)."""
+    import json
+
+    from loopserve.cli.main import main
+    from loopserve.sim.cli import default_exit_dist
+    from loopserve.sim.cost_model import HUGINN_0125, OURO_1P4B
+
+    assert default_exit_dist(OURO_1P4B) == "ouro_1p4b_t0.5"
+    assert default_exit_dist(HUGINN_0125) == "huginn_0125_latent_diff"
+    argv = ["simulate", "--model-config", "huginn-0125", "--dataset", "synthetic",
+            "--num-requests", "6", "--input-len", "32", "--output-len", "8",
+            "--policies", "refill", "--output-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    record = json.loads((tmp_path / "simulate.json").read_text())
+    assert record["args"]["exit_dist"] == "huginn_0125_latent_diff"
+    argv[argv.index("--input-len") + 1] = "5000"  # Huginn-0125 holds 4096 positions
+    assert main([*argv, "--range-ratio", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "exceed the simulated model's 4096" in error and "--input-len" in error
+    assert "Traceback" not in error

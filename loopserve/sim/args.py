@@ -138,9 +138,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--exit-dist",
-        default="ouro_1p4b_t0.5",
+        default=None,
         help="ouro_1p4b_t0.5 | huginn_0125_latent_diff | huginn_0125_argmax10 | uniform | full | "
-        "probs:p1,..,pD | trace:l1,l2,..",
+        "probs:p1,..,pD | trace:l1,l2,.. (None: the model's measured one, ouro_1p4b_t0.5 for "
+        "Ouro-1.4B, huginn_0125_latent_diff for Huginn-0125, else uniform)",
     )
     add_engine_args(parser, names=SIM_ENGINE_ARGS, title="engine (simulated)")
     parser.add_argument(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from loopserve.engine_args import engine_args_from
 from loopserve.models.config import OuroConfig
+from loopserve.models.huginn import HuginnConfig
 from loopserve.sim.args import SIM_ENGINE_ARGS
 from loopserve.sim.args import add_cli_args as add_cli_args  # noqa: F401  (re-export)
 from loopserve.sim.calibration import load_calibrated_profile
@@ -145,10 +146,20 @@ def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int
     return 0
 
 
+def default_exit_dist(model_config) -> str:
+    """The simulated model's own measured exits: Ouro-1.4B's gate at threshold 0.5 (4 loops),
+    Huginn-0125's latent-diff 0.03 (32 steps); uniform over any other depth."""
+    if isinstance(model_config, HuginnConfig):
+        return "huginn_0125_latent_diff" if model_config.num_loops == 32 else "uniform"
+    return "ouro_1p4b_t0.5" if model_config.num_loops == 4 else "uniform"
+
+
 def main_from_args(args: argparse.Namespace) -> int:
     if args.sched_bench:
         return _sched_bench(args)
     model_config = sim_model_config(args.model_config)
+    if args.exit_dist is None:
+        args.exit_dist = default_exit_dist(model_config)
     device = (
         get_device_profile(args.device_profile)
         if args.calibration is None

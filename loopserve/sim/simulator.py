@@ -33,6 +33,7 @@ from loopserve.config import (
 )
 from loopserve.contracts import RunnerOutput, SchedulerOutput
 from loopserve.engine.build import build_engine_core
+from loopserve.errors import ConfigError
 from loopserve.models.family import LoopedConfig, once_weight
 from loopserve.models.registry import family_of_config
 from loopserve.sampling_params import SamplingParams
@@ -195,7 +196,12 @@ class Simulator:
         ).resolve_loops(self.num_loops)
         total = sim.prompt_len + sim.output_len
         if total > self.max_model_len:
-            raise ValueError(f"{sim.request_id}: {total} tokens exceed {self.max_model_len}")
+            raise ConfigError(
+                f"request {sim.request_id}: {sim.prompt_len} prompt + {sim.output_len} output "
+                f"tokens exceed the simulated model's {self.max_model_len}; shorten the "
+                "workload's prompts or outputs (--input-len, --output-len, a scenario's --prompt-lens "
+                "or --long-lens)"
+            )
         return Request(
             sim.request_id,
             # Token ids only matter to prefix caching: a shared prefix of 1s, then ids unique

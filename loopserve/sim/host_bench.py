@@ -127,7 +127,8 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
         )  # fmt: skip
         args.update(engine_args or {})
         engine = LLMEngine.from_engine_args(model=str(model_dir), **args)
-    needed = context - 1 + steps + 64  # each request's prompt + max_tokens
+    prompt_len, max_tokens = context - 1, steps + 64  # per request
+    needed = prompt_len + max_tokens
     if needed > engine.max_model_len:
         raise ConfigError(
             f"--context {context} with --steps {steps} needs {needed} positions per request; "
@@ -136,13 +137,13 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
     null_core(engine)
     vocab = engine.model.config.vocab_size
     for i in range(rows):
-        prompt = [3 + (i * 31 + j * 7) % (vocab - 3) for j in range(context - 1)]
+        prompt = [3 + (i * 31 + j * 7) % (vocab - 3) for j in range(prompt_len)]
         trace = EXIT_TRACE[i % len(EXIT_TRACE) :] + EXIT_TRACE[: i % len(EXIT_TRACE)]
         exits = dict(exit_trace=trace * 64)
         if signal:  # a criterion (kl) below 0 and a CDF above 1 - 1e-9 are never reached
             exits = dict(max_loops=trace[0], exit_threshold=0.0 if huginn else 1 - 1e-9)
         params = SamplingParams(  # "delta" outputs: what the server's streams ask for
-            max_tokens=steps + 64,
+            max_tokens=max_tokens,
             temperature=0.0,
             ignore_eos=True,
             output_kind="delta",

@@ -140,6 +140,44 @@ def test_eval_cli_rejects_min_loops_deeper_than_the_model(tiny_tok_dir, tmp_path
     assert "--min-loops must be <= 4" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--batch-size", "0"),
+        ("--seq-len", "0"),
+        ("--max-tokens", "-5"),
+        ("--heldout-percent", "101"),
+    ],
+)
+def test_eval_cli_refuses_a_size_it_cannot_use_naming_the_flag(flag, value, capsys):
+    # --batch-size 0 ended in range()'s ValueError traceback after the model had loaded.
+    with pytest.raises(SystemExit) as exit_info:
+        eval_cli.main([flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_eval_cli_refuses_a_window_longer_than_the_model_before_scoring(
+    tiny_tok_dir, tmp_path, capsys, monkeypatch
+):
+    # A window is seq_len + 1 tokens; --seq-len 100000 on the embedded model scored one
+    # 100,001-token window for minutes instead of saying it cannot be positioned.
+    max_length = load_model(str(tiny_tok_dir)).config.max_position_embeddings
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 50)
+    monkeypatch.setattr(eval_cli, "load_token_windows", _must_not_read_text)
+    argv = ["--model", str(tiny_tok_dir), "--text-file", str(text), "--seq-len", str(max_length)]
+    assert eval_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--seq-len {max_length} needs windows of {max_length + 1} tokens" in err
+    assert f"--seq-len <= {max_length - 1}" in err
+    eval_cli.check_window_fits(max_length - 1, max_length)  # the longest window that fits
+
+
+def _must_not_read_text(*args, **kwargs):
+    raise AssertionError("the text was read before the window length was checked")
+
+
 def test_eval_cli_reports_cross_entropy_per_character_of_the_scored_text(
     tiny_tok_dir, tmp_path, capsys
 ):

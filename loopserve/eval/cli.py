@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from loopserve.engine_args import MODEL_ID_ARGS, add_engine_args
 from loopserve.errors import LoopserveError
 from loopserve.threads import add_threads_arg
-from loopserve.workloads.args import add_progress_arg, int_list
+from loopserve.workloads.args import add_progress_arg, int_list, positive_int
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +43,13 @@ def _positive_floats(text: str) -> list[float]:
     return _number_list(text, lambda v: v > 0, "> 0")
 
 
+def _percent(text: str) -> int:
+    value = positive_int(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"expected a percentage in 1..100, got {text!r}")
+    return value
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory or Hub id "
                         "(default: embedded)")  # fmt: skip
@@ -50,15 +57,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-file", default=None, help="plain text to score (default: "
                         "the held-out ShareGPT split)")  # fmt: skip
     parser.add_argument("--data-file", default=None, help="ShareGPT-format JSON for the split")
-    parser.add_argument("--heldout-percent", type=int, default=2,
+    parser.add_argument("--heldout-percent", type=_percent, default=2,
                         help="share of conversations held out, as in training")  # fmt: skip
     parser.add_argument("--thresholds", type=_floats, default=[0.3, 0.5, 0.7, 0.9, 1.0],
                         help="comma-separated exit thresholds to sweep (1.0: never exit early)")  # fmt: skip
     parser.add_argument("--min-loops", type=int_list, default=[1],
                         help="comma-separated min_loops values to sweep")  # fmt: skip
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per scored window")
-    parser.add_argument("--max-tokens", type=int, default=32768, help="scored tokens at most")
-    parser.add_argument("--batch-size", type=int, default=16, help="windows per forward")
+    parser.add_argument("--seq-len", type=positive_int, default=128,
+                        help="tokens per scored window (+1 must fit the model's maximum length)")  # fmt: skip
+    parser.add_argument("--max-tokens", type=positive_int, default=32768,
+                        help="scored tokens at most")  # fmt: skip
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="windows per forward")
     parser.add_argument("--dtype", default="float32", help="model dtype for scoring")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random-depth control")
     parser.add_argument("--criterion", default="kl", help="Huginn: the exit criterion "
@@ -71,6 +80,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_progress_arg(parser)
     parser.add_argument("--output-json", default=None, help="write the results as JSON here")
     parser.add_argument("--plot", default=None, help="PNG of CE versus mean loops")
+
+
+def check_window_fits(seq_len: int, max_length: int) -> None:
+    """A window is seq_len + 1 tokens (its last is only a target): refuse one the model cannot
+    position, before any text is read or scored."""
+    if seq_len + 1 > max_length:
+        raise LoopserveError(
+            f"--seq-len {seq_len} needs windows of {seq_len + 1} tokens; the model's maximum "
+            f"length is {max_length} (use --seq-len <= {max_length - 1})"
+        )
 
 
 def load_token_windows(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, str]:
@@ -133,6 +152,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         )
     )
     model = load_model(model_dir, dtype=args.dtype)
+    check_window_fits(args.seq_len, model.config.max_position_embeddings)
     if isinstance(model, HuginnForLoopedLM):
         return _eval_huginn(args, model, model_dir)
     if max(args.min_loops) > model.num_loops:

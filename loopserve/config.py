@@ -99,6 +99,7 @@ class EngineConfig:
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
     batch_invariant: bool = default("batch_invariant")
+    fused_linears: bool = default("fused_linears")
     cascade_attention: bool | None = default("cascade_attention")  # None: see cascade_enabled
     init_scale: float = default("init_scale")
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -182,6 +182,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("batch_invariant", "top", "batch_invariant", False, "every row of a core call "
               "gets bits that depend only on its own inputs, never on the other rows of the call "
               "(per-row linears and attention; slower; torch attention, no CUDA graphs)", bool),
+    EngineArg("fused_linears", "top", "fused_linears", False, "on CUDA, decode calls of up "
+              "to 16 rows run each layer's GEMMs as Triton kernels with the residual adds, "
+              "norms, rotary + K/V write and SiLU-and-multiply folded in (5 launches per Ouro "
+              "layer instead of 9; off until a GPU measures them against cuBLAS)", bool),
     EngineArg("cascade_attention", "top", "cascade_attention", None, "decode rows of a core "
               "call that share leading KV blocks of one plane (prefix-cache hits) attend over "
               "that prefix once as a group, merged with their own suffix by log-sum-exp (None: "

@@ -43,6 +43,8 @@ def test_every_kernel_compiles_for_real_targets_without_spills(sweep):
         ("add_norm_norm_kernel", "norms"), ("rope_qkv_kernel", "rope"),
         ("rope_qkv_kernel", "rope_interleaved"), ("rope_qkv_kernel", "rope_write"),
         ("rope_qkv_kernel", "rope_interleaved_write"), ("silu_mul_kernel", "silu_mul"),
+        ("fused_linear_kernel", "linear_qkv"), ("fused_linear_kernel", "linear_gate_up"),
+        ("fused_linear_kernel", "linear_down"),
     }  # fmt: skip
     assert {r.target for r in sweep} == {80, 90, 100}
     assert {r.dtype for r in sweep} == {"bfloat16", "float16", "float32"}

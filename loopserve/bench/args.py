@@ -250,4 +250,7 @@ def add_kernels_args(parser) -> None:
     parser.add_argument("--rows", type=int, default=4, help="rows of the decode call")
     parser.add_argument("--attention-backend", choices=("triton", "torch"), default="triton",
                         help="the attention backend counted (CUDA resolves to triton)")  # fmt: skip
+    parser.add_argument("--fused-linears", action="store_true",
+                        help="count the model as --fused-linears runs it (GEMMs with their "
+                        "neighbours fused in; calls of up to 16 rows)")  # fmt: skip
     parser.add_argument("--output-json", default=None, help="write the counts here")

@@ -123,10 +123,12 @@ def count_kernels(
     rows: int = 4,
     num_layers: int | None = None,
     attention_backend: str = "triton",
+    fused_linears: bool = False,
 ) -> KernelCount:
     """Kernels of one graphed decode loop of `rows` rows on a tiny `family` checkpoint (its
     core with `num_layers` layers; None: the tiny default, 2 for Ouro, 4 for Huginn), with
-    the model as the loader and runner prepare it for CUDA."""
+    the model as the loader and runner prepare it for CUDA (`fused_linears`: as the runner
+    option of that name prepares it)."""
     with tempfile.TemporaryDirectory() as directory:
         if family == "huginn":
             layers = {} if num_layers is None else {"n_layers_in_recurrent_block": num_layers}
@@ -146,7 +148,7 @@ def count_kernels(
     merge = getattr(engine.model, "merge_projections", None)
     if merge is not None:  # count the model as the loader and runner prepare it on CUDA
         merge()
-    install_fused_kernels(engine.model)
+    install_fused_kernels(engine.model, linears=fused_linears)
     # One-token prompts: the count is of a decode call, and every interpreted program of a
     # prompt call runs in Python.
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -191,11 +193,18 @@ class KernelModel:
 
 
 def kernel_model(
-    family: str = "ouro", *, rows: int = 4, attention_backend: str = "triton"
+    family: str = "ouro",
+    *,
+    rows: int = 4,
+    attention_backend: str = "triton",
+    fused_linears: bool = False,
 ) -> KernelModel:
     """Count at 2 and 4 core layers (Huginn: 4 and 8) and split the count."""
     low = 2 if family == "ouro" else 4
-    count = functools.partial(count_kernels, family, rows=rows, attention_backend=attention_backend)
+    count = functools.partial(
+        count_kernels, family, rows=rows, attention_backend=attention_backend,
+        fused_linears=fused_linears,
+    )  # fmt: skip
     small, large = count(num_layers=low), count(num_layers=2 * low)
     per_layer = (large.kernels_per_loop - small.kernels_per_loop) / low
     return KernelModel(family, per_layer, small.kernels_per_loop - per_layer * low)
@@ -203,14 +212,19 @@ def kernel_model(
 
 def main_from_args(args) -> int:
     torch.set_num_threads(1)
-    backend = args.attention_backend
-    count = count_kernels(args.family, rows=args.rows, attention_backend=backend)
+    backend, fused = args.attention_backend, args.fused_linears
+    count = count_kernels(
+        args.family, rows=args.rows, attention_backend=backend, fused_linears=fused
+    )
     print(f"{count.family}: {count.kernels_per_loop} kernels per loop over "
           f"{count.num_layers} core layers = {count.kernels_per_layer:.1f} per layer "
-          f"({count.views_per_loop} view operators left out; attention: {backend})")  # fmt: skip
+          f"({count.views_per_loop} view operators left out; attention: {backend}"
+          f"{'; fused linears' if fused else ''})")  # fmt: skip
     for op, n in count.by_op.items():
         print(f"  {op:<40} {n:>4}  ({n / count.num_layers:.1f} per layer)")
-    model = kernel_model(args.family, rows=args.rows, attention_backend=backend)
+    model = kernel_model(
+        args.family, rows=args.rows, attention_backend=backend, fused_linears=fused
+    )
     print(f"split (counted at two core depths): {model.per_layer:g} per layer + "
           f"{model.per_loop:g} per loop")  # fmt: skip
     if args.output_json:

@@ -196,6 +196,42 @@ class OuroDecoderLayer(nn.Module):
         mlp_out = self.mlp(normed)
         return add_norm_norm(hidden, mlp_out, self.post_attention_layernorm_2, next_norm)
 
+    def forward_fused_linear(
+        self,
+        hidden: torch.Tensor,
+        branch: torch.Tensor | None,
+        branch_norm: RMSNorm | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+        linear: Callable,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in five launches (`fused_linear`, runner/fused_linear.py), the residual
+        add of the previous layer's MLP branch deferred into this layer's first GEMM: takes
+        the residual and that branch (None for a loop's first layer) with its norm, returns
+        the new residual and this layer's MLP branch (its `post_attention_layernorm_2` still
+        to apply)."""
+        attn_mod, mlp = self.self_attn, self.mlp
+        rope = (cos, sin, attn_mod.num_heads, attn_mod.num_kv_heads)
+        residual: list[torch.Tensor] = []
+
+        def project(_, cache=None):
+            # residual + branch_norm(branch), input_layernorm, q/k/v, rotary, K/V write.
+            qkv, new_residual = linear(
+                branch, attn_mod.qkv_weight, residual=hidden, norm_a=branch_norm,
+                norm_b=self.input_layernorm, rope=rope, cache=cache,
+            )  # fmt: skip
+            residual.append(new_residual)
+            return qkv
+
+        out = attend_qkv(attn, self.layer_idx, hidden, project)
+        attn_out = attn_mod.o_proj(out.reshape(out.shape[0], -1))
+        gate_up, hidden = linear(
+            attn_out, mlp.gate_up_weight, residual=residual[0], norm_a=self.input_layernorm_2,
+            norm_b=self.post_attention_layernorm,
+        )  # fmt: skip
+        return hidden, linear(gate_up, mlp.down_proj.weight, silu=True)
+
 
 class OuroBackbone(nn.Module):
     """Holds the checkpoint's `model.*` tensors."""
@@ -221,6 +257,10 @@ class OuroForLoopedLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         # The runner's fused residual-add + norms (`use_fused_norms`); None: torch ops.
         self.add_norm_norm: Callable | None = None
+        # The runner's GEMMs with fused neighbours (`use_fused_linears`) and the most rows
+        # they take; None: the GEMMs above.
+        self.fused_linear: Callable | None = None
+        self.fused_linear_rows = 0
 
     @property
     def num_loops(self) -> int:
@@ -271,6 +311,12 @@ class OuroForLoopedLM(nn.Module):
             layer.self_attn.rope_qkv = rope_qkv
             layer.mlp.silu_mul = silu_mul
 
+    def use_fused_linears(self, fused_linear: Callable | None, max_rows: int = 0) -> None:
+        """Run core calls of up to `max_rows` rows through `fused_linear` (the runner's,
+        `runner/fused_linear.py`): each layer in 5 launches (`forward_fused_linear`). Needs
+        the merged projections and the fused norms; None: back to them."""
+        self.fused_linear, self.fused_linear_rows = fused_linear, max_rows
+
     def make_rows_invariant(self) -> None:
         """Back to one linear per projection: the runner made those row by row (a merged
         GEMM would bypass them)."""
@@ -295,6 +341,14 @@ class OuroForLoopedLM(nn.Module):
         """One loop over every layer, then `model.norm`. hidden [rows, hidden] -> same."""
         cos, sin = self.rotary(positions, hidden.dtype)
         layers, fused = self.model.layers, self.add_norm_norm
+        if fused is not None and self._fuses_linears(hidden.shape[0]):
+            branch, branch_norm = None, None
+            for layer in layers:
+                hidden, branch = layer.forward_fused_linear(
+                    hidden, branch, branch_norm, cos, sin, attn, self.fused_linear
+                )
+                branch_norm = layer.post_attention_layernorm_2
+            return fused(hidden, branch, branch_norm, self.model.norm)[1]
         if fused is not None:
             normed = fused(hidden, None, None, layers[0].input_layernorm)[1]
             norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
@@ -306,6 +360,16 @@ class OuroForLoopedLM(nn.Module):
         for layer in layers:
             hidden = layer(hidden, cos, sin, attn)
         return self.model.norm(hidden)
+
+    def _fuses_linears(self, rows: int) -> bool:
+        first = self.model.layers[0]
+        return (
+            self.fused_linear is not None
+            and 0 < rows <= self.fused_linear_rows
+            and first.self_attn.qkv_weight is not None
+            and first.mlp.gate_up_weight is not None
+            and first.self_attn.rope_qkv is not None
+        )
 
     def gate(self, hidden: torch.Tensor) -> torch.Tensor:
         """Exit hazard λ = sigmoid(early_exit_gate(h)) of normed loop outputs, [rows] float32

@@ -196,12 +196,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def install_fused_kernels(model) -> None:
+def install_fused_kernels(model, *, linears: bool = False) -> None:
     """Give `model` the fused kernels its math takes (`use_fused_norms`, `use_fused_ops`,
-    where it has them). Importing this module needs Triton: the runner imports it lazily."""
+    and with `linears` `use_fused_linears`, where it has them). Importing this module needs
+    Triton: the runner imports it lazily."""
+    from loopserve.runner import fused_linear
     from loopserve.runner.fused_norms import add_norm_norm
 
     if hasattr(model, "use_fused_norms"):
         model.use_fused_norms(add_norm_norm)
     if hasattr(model, "use_fused_ops"):
         model.use_fused_ops(rope_qkv, silu_mul)
+    if linears and hasattr(model, "use_fused_linears"):
+        model.use_fused_linears(fused_linear.fused_linear, fused_linear.MAX_ROWS)

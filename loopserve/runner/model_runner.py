@@ -107,7 +107,7 @@ class ModelRunner(Executor):
             except ImportError:
                 pass  # no Triton: the torch ops
             else:
-                install_fused_kernels(model)
+                install_fused_kernels(model, linears=options.fused_linears)
         self.model, self.options = model, options
         self.num_loops = model.num_loops
         self.block_size = options.block_size

@@ -19,7 +19,8 @@ class RunnerOptions:
     `score_store` (with prefix caching): keep every prompt row's last-loop output per KV
     slot, so requests that reuse a cached page can score its positions. `batch_invariant`:
     run the model row by row, in place (`loopserve.runner.batch_invariant`); needs graph_mode
-    'off'. A criterion family (`signal_kind`): `criterion` and its engine-wide
+    'off'. `fused_linears`: on CUDA, decode calls of few rows run the GEMMs with their
+    neighbours fused in (`runner/fused_linear.py`). A criterion family (`signal_kind`): `criterion` and its engine-wide
     `criterion_threshold` (None: the authors' default; each request's `exit_threshold`
     overrides it where the criterion takes one), `init_scale` (> 0: drawn initial states),
     `prompt_exits` and `lookup` (`runner/loop_calls.py`); `per_request_prompt_loops`: prompts
@@ -37,6 +38,7 @@ class RunnerOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 1
     batch_invariant: bool = False
+    fused_linears: bool = False
     cascade_attention: bool = False
     score_store: bool = False
     criterion: str = "none"
@@ -73,6 +75,7 @@ class RunnerOptions:
             max_model_len=max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             batch_invariant=config.batch_invariant,
+            fused_linears=config.fused_linears,
             cascade_attention=cascade_enabled(config),
             score_store=score_store,
             criterion=exit_.criterion,

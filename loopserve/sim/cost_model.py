@@ -61,6 +61,9 @@ ROOFLINES = ("call", "phase")
 # 77 + 13, 45 + 14 with fused norms). `DeviceProfile.kernels_per_layer` models another build;
 # tests/test_kernel_count.py checks these against the counter.
 KERNEL_COUNTS = {"ouro": (9.0, 6.0), "huginn": (9.0, 7.0)}
+# Per layer with the runner's `fused_linears` (calls of up to 16 rows; the per-loop count
+# unchanged), measured 2026-12-06; price it with `--kernels-per-layer` (Ouro only so far).
+FUSED_LINEAR_KERNELS_PER_LAYER = {"ouro": 5.0}
 CODA_KERNELS = 2  # final norm (when the coda has layers) and the lm_head
 SAMPLING_KERNELS = 6  # softmax, filtering, the draw, the argmax, the gathers
 LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler

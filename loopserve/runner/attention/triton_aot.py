@@ -3,8 +3,8 @@
 `triton.compile` with a `GPUTarget` runs Triton's whole pipeline (TTIR, TTGIR, LLVM, PTX,
 ptxas) on the CPU. This module compiles exactly what the engine's launchers would launch:
 it calls them (`write_kv`, `copy_slots`, `decode_attention`, `prefill_attention`, the
-fused norms' `add_norm_norm`, and `fused_ops`' `rope_qkv` and `silu_mul`) on
-`meta`-device tensors shaped like a model's, inside `triton_jit.record_launches`, and turns
+fused norms' `add_norm_norm`, `fused_ops`' `rope_qkv` and `silu_mul`, and the GEMMs of
+`fused_linear`) on `meta`-device tensors shaped like a model's, inside `triton_jit.record_launches`, and turns
 each recorded launch into Triton's compile signature the way `JITFunction` specializes a
 real call (pointer and integer arguments divisible by 16 get the divisibility hint, an
 integer equal to 1 becomes a constant, arguments in `do_not_specialize` get neither).
@@ -34,6 +34,7 @@ from triton.compiler import ASTSource
 
 from loopserve.runner.attention import triton_kernels, triton_prefill
 from loopserve.runner.attention.triton_jit import Launch, record_launches
+from loopserve.runner.fused_linear import MAX_ROWS, fused_linear
 from loopserve.runner.fused_norms import add_norm_norm
 from loopserve.runner.fused_ops import rope_qkv, silu_mul
 
@@ -215,6 +216,21 @@ def engine_launches(
                    interleaved=True, bias=bias, cache=write)  # fmt: skip
     inner = shape.intermediate or 4 * hidden
     record("silu_mul", silu_mul, _meta(rows, 2 * inner, dtype=dtype))
+    # `fused_linears` (rotate-half models): one form per GEMM of a layer, up to MAX_ROWS rows.
+    few = _meta(min(rows, MAX_ROWS), hidden, dtype=dtype)
+    few_table = _meta(min(rows, MAX_ROWS), dim, dtype=dtype)
+    few_write = (key_cache, value_cache, _meta(min(rows, MAX_ROWS), dtype=torch.int64))
+    w_qkv = _meta((heads + 2 * kv_heads) * dim, hidden, dtype=dtype)
+    rope = (few_table, few_table, heads, kv_heads)
+    for branch in (few, None):  # a layer's, a loop's first
+        record("linear_qkv", fused_linear, branch, w_qkv, residual=few, norm_a=norm,
+               norm_b=norm, rope=rope, cache=few_write)  # fmt: skip
+    record("linear_qkv", fused_linear, few, w_qkv, residual=few, norm_a=norm, norm_b=norm,
+           rope=rope)  # fmt: skip
+    record("linear_gate_up", fused_linear, few, _meta(2 * inner, hidden, dtype=dtype),
+           residual=few, norm_a=norm, norm_b=norm)  # fmt: skip
+    record("linear_down", fused_linear, _meta(min(rows, MAX_ROWS), 2 * inner, dtype=dtype),
+           _meta(hidden, inner, dtype=dtype), silu=True)  # fmt: skip
     return recorded
 
 

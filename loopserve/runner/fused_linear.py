@@ -1,0 +1,290 @@
+"""Skinny GEMMs with their neighbours fused in: a decode layer in five launches.
+
+At a few rows a decode loop is bound by how many kernels it launches, not by what they read
+(every launch costs its gap, ramp-up and tail, even inside a CUDA graph). With the fused
+norms and ops an Ouro layer is 9 launches: two add-and-norms, the q/k/v GEMM, the rotary
+with the K/V write, attention, o_proj, gate/up, SiLU-and-multiply, down_proj.
+`fused_linear` folds each elementwise neighbour of a GEMM into it:
+
+- prologue `add_norm`: the residual add of the previous branch's normed output and the norm
+  of the result, computed per K chunk from the raw inputs (each program recomputes the rows'
+  two sums of squares first; the activations are a few KB, read from L2); program 0 stores
+  the new residual;
+- prologue `silu`: silu(gate) x up of a merged gate/up output, as the A operand of
+  down_proj;
+- epilogue `rope`: each program owns `BLOCK_N` columns of one head's lower half and the
+  matching columns of its upper half, so the rotate-half rotary is applied to the GEMM's
+  output tile, q goes to its buffer and rotated k and v to the attention backend's caches
+  at each row's slot (`rope_qkv`'s interface: `attend_rotated` calls it).
+
+So a layer is: [add+norm+q/k/v+rotary+K/V write] [attention] [o_proj] [add+norm+gate/up]
+[SiLU+down_proj] = 5 launches, and a loop's first norm folds into its first GEMM.
+
+Rows are one `BLOCK_M` tile (at most `MAX_ROWS`): each program reads its weight columns
+once for every row. More rows would re-read the weights per tile, so the model keeps the
+cuBLAS GEMMs above `MAX_ROWS` (prompt chunks, large decode buckets). Every elementwise step
+rounds where the torch path rounds (the norms and SiLU as in `fused_norms` / `fused_ops`);
+the GEMM accumulates in float32 and rounds once, as cuBLAS does, in its own order, so
+results equal the torch path within a tolerance, not bitwise. On CPU tensors the kernel runs
+under Triton's interpreter (the tests' parity check); the runner turns it on only on CUDA
+and only when asked (`RunnerOptions.fused_linears`, off by default until a GPU measures it
+against cuBLAS).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loopserve.runner.attention.triton_jit import device_kernel
+
+MAX_ROWS = 16  # one tl.dot tile of rows; the smallest M tl.dot takes
+BLOCK_K = 128
+PLAIN, ADD_NORM, SILU = 0, 1, 2  # prologues
+
+
+@device_kernel(do_not_specialize=("rows",))
+def _fused_linear_kernel(
+    x_ptr,  # the A operand (PLAIN), the branch (ADD_NORM), [gate | up] (SILU)
+    res_ptr,  # ADD_NORM: the residual
+    w_a_ptr,
+    w_b_ptr,
+    weight_ptr,  # [n_out, K]
+    out_ptr,  # [rows, n_out], or q [rows, HQ, D] with ROPE
+    out_res_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    k_ptr,
+    v_ptr,
+    rows,
+    n_out,
+    stride_x,
+    stride_table,
+    stride_kv_row,
+    eps_a,
+    eps_b,
+    K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_BRANCH: tl.constexpr,
+    ROPE: tl.constexpr,
+    WRITE: tl.constexpr,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dtype = weight_ptr.dtype.element_ty
+    m = tl.arange(0, BLOCK_M)[:, None]
+    m_ok = m < rows
+    if ROPE:  # BLOCK_N columns of one head's lower half and the same of its upper half
+        per_head: tl.constexpr = (D // 2 + BLOCK_N - 1) // BLOCK_N
+        head = pid // per_head
+        half = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # within the half
+        cols = head * D + half
+        n_ok = half < D // 2
+    else:
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = cols < n_out
+    inv_a = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    inv_b = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    if PROLOGUE == 1:
+        # The rows' sums of squares: of the branch (norm_a), then of the new residual.
+        if HAS_BRANCH:
+            ss = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)[None, :]
+                mk = m_ok & (k < K)
+                y = tl.load(x_ptr + m * stride_x + k, mask=mk, other=0.0).to(tl.float32)
+                ss += tl.sum(y * y, axis=1, keep_dims=True)
+            inv_a = tl.rsqrt(ss / K + eps_a)
+        ss = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            mk = m_ok & (k < K)
+            res = tl.load(res_ptr + m * K + k, mask=mk, other=0.0).to(tl.float32)
+            if HAS_BRANCH:
+                y = tl.load(x_ptr + m * stride_x + k, mask=mk, other=0.0).to(tl.float32)
+                w_a = tl.load(w_a_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                branch = (w_a * (y * inv_a).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                res = (res + branch).to(dtype).to(tl.float32)
+                if pid == 0:
+                    tl.store(out_res_ptr + m * K + k, res.to(dtype), mask=mk)
+            ss += tl.sum(res * res, axis=1, keep_dims=True)
+        inv_b = tl.rsqrt(ss / K + eps_b)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        mk = m_ok & (k < K)
+        if PROLOGUE == 1:
+            a = tl.load(res_ptr + m * K + k, mask=mk, other=0.0).to(tl.float32)
+            if HAS_BRANCH:
+                y = tl.load(x_ptr + m * stride_x + k, mask=mk, other=0.0).to(tl.float32)
+                w_a = tl.load(w_a_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                branch = (w_a * (y * inv_a).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                a = (a + branch).to(dtype).to(tl.float32)
+            w_b = tl.load(w_b_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            a = (w_b * (a * inv_b).to(dtype).to(tl.float32)).to(dtype)
+        elif PROLOGUE == 2:
+            gate = tl.load(x_ptr + m * stride_x + k, mask=mk, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + m * stride_x + K + k, mask=mk, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            a = (act * up).to(dtype)
+        else:
+            a = tl.load(x_ptr + m * stride_x + k, mask=mk, other=0.0).to(dtype)
+        w = tl.load(weight_ptr + cols[:, None] * K + k, mask=n_ok[:, None] & (k < K), other=0.0)
+        if FP32_DOT:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w))
+        if ROPE:
+            w_hi = tl.load(
+                weight_ptr + (cols[:, None] + D // 2) * K + k,
+                mask=n_ok[:, None] & (k < K),
+                other=0.0,
+            )
+            if FP32_DOT:
+                acc_hi += tl.dot(
+                    a.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee"
+                )
+            else:
+                acc_hi += tl.dot(a, tl.trans(w_hi))
+    if ROPE:
+        # The projection rounded as F.linear rounds it, then rotate-half as `rope_qkv` does.
+        j = half[None, :]
+        ok = m_ok & n_ok[None, :]
+        x1 = acc.to(dtype)
+        x2 = acc_hi.to(dtype)
+        a1 = x1.to(tl.float32)
+        b1 = x2.to(tl.float32)
+        table = m.to(tl.int64) * stride_table
+        c1 = tl.load(cos_ptr + table + j, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + table + j, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + table + j + D // 2, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + table + j + D // 2, mask=ok, other=0.0).to(tl.float32)
+        o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-b1 * s1).to(dtype).to(tl.float32)).to(dtype)
+        o2 = ((b1 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+        if head < HQ:
+            dst = out_ptr + m * (HQ * D) + head * D + j
+            tl.store(dst, o1, mask=ok)
+            tl.store(dst + D // 2, o2, mask=ok)
+        else:
+            if WRITE:
+                kv_row = tl.load(slots_ptr + m, mask=m_ok, other=0).to(tl.int64)
+            else:
+                kv_row = m.to(tl.int64)
+            if head < HQ + HKV:
+                dst = k_ptr + kv_row * stride_kv_row + (head - HQ) * D + j
+                tl.store(dst, o1, mask=ok)
+                tl.store(dst + D // 2, o2, mask=ok)
+            else:
+                dst = v_ptr + kv_row * stride_kv_row + (head - HQ - HKV) * D + j
+                tl.store(dst, x1, mask=ok)
+                tl.store(dst + D // 2, x2, mask=ok)
+    else:
+        tl.store(out_ptr + m * n_out + cols[None, :], acc.to(dtype), mask=m_ok & n_ok[None, :])
+
+
+def fits(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `fused_linear` takes `rows` rows of this weight (one row tile; contiguous)."""
+    return 0 < rows <= MAX_ROWS and weight.is_contiguous()
+
+
+def _block_n(n_out: int, device: torch.device) -> int:
+    """Columns per program: on a GPU the widest of 64, 32, 16 that still gives ~2 programs
+    per SM of a 132-SM GPU (decode GEMMs are weight reads; too few programs leave SMs idle);
+    under the interpreter, where each program runs in Python, the widest."""
+    if device.type == "cpu":
+        return 64
+    for block in (64, 32):
+        if n_out // block >= 264:
+            return block
+    return 16
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_a=None,
+    norm_b=None,
+    silu: bool = False,
+    rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+):
+    """One launch of A @ weight.T for A of at most `MAX_ROWS` rows, where A is
+
+    - `x` (neither `residual` nor `silu`);
+    - with `residual` and `norm_b`: norm_b(residual + norm_a(x)), or norm_b(residual) when
+      `x` is None; returns (out, the new residual) — the new residual is `residual` itself
+      when `x` is None;
+    - with `silu`: silu(gate) x up of `x` = [gate | up] [rows, 2K].
+
+    With `rope` = (cos, sin, Hq, Hkv) the weight is a merged q/k/v projection and the result
+    is `rope_qkv`'s: (q, k, v) rotated rotate-half, or (q, None, None) with `cache` =
+    (key_cache, value_cache, slots), k and v written there."""
+    n_out, k_dim = weight.shape
+    source = residual if residual is not None else x
+    rows = source.shape[0]
+    assert fits(rows, weight), f"fused_linear takes 1..{MAX_ROWS} rows and a contiguous weight"
+    prologue = ADD_NORM if residual is not None else SILU if silu else PLAIN
+    has_branch = prologue == ADD_NORM and x is not None
+    if prologue == ADD_NORM:
+        assert norm_b is not None and (norm_a is not None or not has_branch)
+        residual = residual.contiguous()
+    if x is not None and x.stride(1) != 1:
+        x = x.contiguous()
+    x_arg = x if x is not None else residual
+    out_res = torch.empty_like(residual) if has_branch else residual
+    q = k = v = None
+    cos = sin = slots = key_out = value_out = weight  # unread unless `rope`
+    stride_table = stride_kv = 0
+    num_heads = num_kv_heads = head_dim = 1
+    if rope is None:
+        out = weight.new_empty((rows, n_out))
+        block_n = _block_n(n_out, weight.device)
+        grid = (triton.cdiv(n_out, block_n),)
+    else:
+        cos, sin, num_heads, num_kv_heads = rope
+        head_dim = n_out // (num_heads + 2 * num_kv_heads)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        stride_table = cos.stride(0)
+        block_n = 16
+        if weight.device.type == "cpu":  # interpreted: the fewest programs
+            block_n = max(16, min(64, triton.next_power_of_2(head_dim // 2)))
+        out = q = weight.new_empty((rows, num_heads, head_dim))
+        if cache is None:
+            k = key_out = weight.new_empty((rows, num_kv_heads, head_dim))
+            v = value_out = weight.new_empty((rows, num_kv_heads, head_dim))
+            slots = q
+        else:
+            key_out, value_out, slots = cache
+            assert key_out.stride() == value_out.stride() and key_out.stride(1) == head_dim
+        stride_kv = key_out.stride(0)
+        grid = ((num_heads + 2 * num_kv_heads) * triton.cdiv(head_dim // 2, block_n),)
+    norm_a = norm_a or norm_b
+    _fused_linear_kernel[grid](
+        x_arg, residual if residual is not None else x_arg,
+        weight if norm_a is None else norm_a.weight, weight if norm_b is None else norm_b.weight,
+        weight, out, weight if out_res is None else out_res, cos, sin, slots, key_out, value_out,
+        rows, n_out, x_arg.stride(0), stride_table, stride_kv,
+        1e-6 if norm_a is None else norm_a.eps, 1e-6 if norm_b is None else norm_b.eps,
+        K=k_dim, PROLOGUE=prologue, HAS_BRANCH=has_branch, ROPE=rope is not None,
+        WRITE=cache is not None, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        # float32 products, exact for bfloat16 operands: for float32 weights (no TF32), and
+        # under the interpreter, which has no bfloat16 dot.
+        FP32_DOT=weight.dtype == torch.float32 or weight.device.type == "cpu",
+    )  # fmt: skip
+    if rope is not None:
+        out = (q, k, v)
+    if prologue == ADD_NORM:
+        return out, out_res
+    return out

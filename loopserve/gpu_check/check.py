@@ -213,6 +213,18 @@ def run_perf(record: CheckRecord, plan: Plan, profile, profile_name: str) -> Non
                                    base_args, eager)  # fmt: skip
         record.data["graph_decode_s"] = graph_decode or {}
         record.write()
+        if plan.device.startswith("cuda"):  # the fused GEMMs run on CUDA only
+            fused = record.step("graphed decode, fused linears", measure_graph_decode, model_dir,
+                                plan, {**base_args, "fused_linears": True}, eager)  # fmt: skip
+            record.data["graph_decode_fused_linears_s"] = fused or {}
+            for rows, seconds in sorted((fused or {}).items()):
+                if rows in (graph_decode or {}):
+                    print(f"fused linears / cuBLAS GEMMs at {rows} rows: "
+                          f"{seconds / graph_decode[rows]:.2f}x (< 1: the fused path is faster)",
+                          flush=True)  # fmt: skip
+            record.write()
+        else:
+            record.skip("graphed decode, fused linears", "the fused GEMMs run on CUDA only")
         throughput = record.step("throughput", measure_throughput, model_dir, plan,
                                  profile_name, base_args)  # fmt: skip
         record.data["throughput"] = throughput or []

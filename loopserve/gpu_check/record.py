@@ -47,7 +47,9 @@ class CheckRecord:
         return result
 
     def skip(self, name: str, reason: str) -> None:
-        self.data["steps"].append({"name": name, "status": "skipped", "reason": reason})
+        self.data["steps"].append(
+            {"name": name, "status": "skipped", "reason": reason, "wall_s": 0.0}
+        )
         self.write()
 
 

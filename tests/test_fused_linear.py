@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from loopserve.models.huginn import HuginnRMSNorm, apply_interleaved_rope, interleaved_rope_tables
 from loopserve.models.ouro import RMSNorm, RotaryEmbedding, apply_rope
 
 pytest.importorskip("triton")
@@ -31,8 +32,8 @@ def _randn(*shape, dtype, seed, scale=1.0):
     return (scale * torch.randn(*shape, generator=generator)).to(dtype)
 
 
-def _norm(hidden: int, dtype, seed: int, eps: float = 1e-6) -> RMSNorm:
-    norm = RMSNorm(hidden, eps)
+def _norm(hidden: int, dtype, seed: int, eps: float = 1e-6, cls=RMSNorm):
+    norm = cls(hidden, eps)
     with torch.no_grad():
         norm.weight.copy_(1.0 + 0.5 * _randn(hidden, dtype=torch.float32, seed=seed))
     return norm.to(dtype)
@@ -68,6 +69,49 @@ def test_add_norm_prologue_equals_the_residual_add_the_norms_and_the_gemm(dtype,
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+def test_norm_of_the_sum_prologue_equals_huginns_sandwich(dtype, tolerance):
+    """`norm_sum`: the new residual is norm_a(branch + residual) (Huginn's norm_2 / norm_4),
+    then norm_b of it feeds the GEMM (norm_3 / the next block's norm_1)."""
+    rows, hidden, n_out = 4, 144, 56
+    residual = _randn(rows, hidden, dtype=dtype, seed=11, scale=2.0)
+    branch = _randn(rows, hidden, dtype=dtype, seed=12)
+    norm_a = _norm(hidden, dtype, seed=13, cls=HuginnRMSNorm)
+    norm_b = _norm(hidden, dtype, seed=14, eps=1e-5, cls=HuginnRMSNorm)
+    weight = _randn(n_out, hidden, dtype=dtype, seed=15, scale=0.1)
+    out, new_residual = fused_linear(
+        branch, weight, residual=residual, norm_a=norm_a, norm_b=norm_b, norm_sum=True
+    )
+    want_residual = norm_a(branch + residual)
+    torch.testing.assert_close(new_residual, want_residual, **tolerance)
+    torch.testing.assert_close(out, F.linear(norm_b(want_residual), weight), **tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_interleaved_rope_epilogue_equals_huginns_attention_input(dtype, tolerance, with_bias):
+    """Huginn's form: pairs (2j, 2j + 1), float32 tables, the q/k bias added in the
+    activations' dtype first; into the caches at the rows' slots."""
+    rows, hidden, heads, head_dim = 3, 64, 2, 48
+    x = _randn(rows, hidden, dtype=dtype, seed=16)
+    weight = _randn(3 * heads * head_dim, hidden, dtype=dtype, seed=17, scale=0.2)
+    cos, sin = interleaved_rope_tables(torch.tensor([2, 40, 900]), head_dim, 50_000.0)
+    bias = _randn(2, heads, head_dim, dtype=dtype, seed=18, scale=0.5) if with_bias else None
+    key_cache = torch.zeros(8, heads, head_dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.tensor([5, 1, 6])
+    q, _, _ = fused_linear(
+        x, weight, rope=(cos, sin, heads, heads), interleaved=True, bias=bias,
+        cache=(key_cache, value_cache, slots),
+    )  # fmt: skip
+    query, key, value = (p.reshape(rows, heads, head_dim) for p in F.linear(x, weight).chunk(3, -1))
+    if bias is not None:
+        query, key = (query + bias[0]).to(dtype), (key + bias[1]).to(dtype)
+    torch.testing.assert_close(q, apply_interleaved_rope(query, cos, sin), **tolerance)
+    torch.testing.assert_close(key_cache[slots], apply_interleaved_rope(key, cos, sin), **tolerance)
+    torch.testing.assert_close(value_cache[slots], value, **tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), TOLERANCES)
 def test_silu_prologue_equals_silu_and_multiply_then_the_gemm(dtype, tolerance):
     rows, inner, n_out = 3, 176, 40
     gate_up = _randn(rows, 2 * inner, dtype=dtype, seed=7, scale=2.0)
@@ -86,7 +130,8 @@ def test_rope_epilogue_equals_projection_then_rotary_and_kv_write(
     rows, hidden = 6, 96
     x = _randn(rows, hidden, dtype=dtype, seed=9)
     weight = _randn((heads + 2 * kv_heads) * head_dim, hidden, dtype=dtype, seed=10, scale=0.2)
-    cos, sin = RotaryEmbedding(head_dim, 10_000.0)(torch.tensor([0, 1, 5, 77, 300, 4095]), dtype)
+    positions = torch.tensor([0, 1, 5, 77, 300, 4095])
+    cos, sin = RotaryEmbedding(head_dim, 10_000.0)(positions, dtype)
     q_w, k_w, v_w = F.linear(x, weight).split(
         (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1
     )
@@ -111,6 +156,11 @@ def test_rope_epilogue_equals_projection_then_rotary_and_kv_write(
     untouched = torch.ones(20, dtype=torch.bool)
     untouched[slots] = False
     assert (key_cache[untouched] == 7).all() and (value_cache[untouched] == 7).all()
+    # Tables over every position (what the models install), each row's read by its position.
+    every = RotaryEmbedding(head_dim, 10_000.0)(torch.arange(4096), dtype)
+    q3, k3, _ = fused_linear(x, weight, rope=(*every, heads, kv_heads), positions=positions)
+    torch.testing.assert_close(q3, want_q, **tolerance)
+    torch.testing.assert_close(k3, want_k, **tolerance)
 
 
 def test_rows_above_one_tile_are_refused():
@@ -168,3 +218,44 @@ def test_the_ouro_engine_with_fused_linears_equals_the_dense_reference(tiny_dir,
         ref, out = references[request_id], finished[request_id]
         assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
     assert engine.stats.num_graph_calls > 0
+
+
+def test_huginn_with_fused_linears_matches_its_torch_path(tmp_path, monkeypatch):
+    """Huginn's core steps with `fused_linears` (norms of the sum, interleaved rotary with a
+    q/k bias, each block in five launches): teacher-forced logits equal the unfused torch
+    path's to float32 rounding, and the engine (Triton backend, interpreted) equals the
+    dense reference of the unfused model in tokens and exit steps."""
+    from loopserve.models.huginn_dense import generate, teacher_forced_logits
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopserve.runner.fused_ops import install_fused_kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    engine = make_engine(  # interpreted kernels: three steps a token, not eight
+        make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=3), exit_criterion="kl",
+        attention_backend="triton",
+    )  # fmt: skip
+    model = engine.model
+    for block in model.modules():
+        if getattr(block, "qk_bias", None) is not None:
+            block.qk_bias.data.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(4))
+    prompt = [7, 3, 99, 42, 5]
+    plain = teacher_forced_logits(model, prompt)
+    params = SamplingParams(max_tokens=2, temperature=0.0, exit_threshold=0.01, ignore_eos=True)
+    work = [("a", [11, 64], params, 0)]  # one request: every launch runs interpreted
+    references = {
+        rid: generate(model, tokens, max_new_tokens=2, num_steps=None, criterion="kl",
+                      threshold=0.01, min_steps=0, lookup="last_exited", exit_in_prompt=False)
+        for rid, tokens, _, _ in work
+    }  # fmt: skip
+    install_fused_kernels(model, linears=True)
+    launches = []
+    model.use_fused_linears(lambda *a, **kw: launches.append(kw) or fused_linear(*a, **kw), 16)
+    fused = teacher_forced_logits(model, prompt)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    assert any(kw.get("interleaved") and kw.get("bias") is not None for kw in launches)
+    assert any(kw.get("norm_sum") and kw.get("rope") is None for kw in launches)
+    finished = run_steps(engine, work)
+    assert any(kw.get("cache") is not None for kw in launches)  # the engine's K/V writes
+    for request_id, *_ in work:
+        ref, out = references[request_id], finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id

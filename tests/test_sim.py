@@ -404,3 +404,22 @@ def test_kernel_pricing_adds_each_launched_kernel_to_a_calls_time():
         plain.sampling(1).time_s + SAMPLING_KERNELS * 2e-6
     )
     assert plain.core_call(**call).bytes_moved == priced.core_call(**call).bytes_moved
+
+
+def test_fused_linears_price_narrow_core_calls_at_the_fused_count():
+    """`fused_linears`: a core call of up to 16 rows launches the fused build's kernels
+    (5 per layer + 1 per loop for Ouro), a wider one today's; off, every call today's."""
+    from loopserve.sim.cost_model import FUSED_LINEAR_KERNEL_COUNTS, KERNEL_COUNTS
+
+    h200 = dataclasses.replace(get_device_profile("h200"), kernel_s=2e-6)
+    shape = ModelShape.from_config(OURO_1P4B)
+    plain = CostModel(shape, h200)
+    fused = CostModel(shape, dataclasses.replace(h200, fused_linears=True))
+    (f_layer, f_loop), (layer, loop) = FUSED_LINEAR_KERNEL_COUNTS["ouro"], KERNEL_COUNTS["ouro"]
+    for rows, kernels in ((1, f_layer * 24 + f_loop), (16, f_layer * 24 + f_loop),
+                          (17, layer * 24 + loop)):  # fmt: skip
+        call = dict(rows=rows, kv_read_positions=100 * rows, attention_pairs=100 * rows)
+        saved = (layer * 24 + loop - kernels) * 2e-6
+        assert fused.core_call(**call).time_s == pytest.approx(
+            plain.core_call(**call).time_s - saved
+        ), rows

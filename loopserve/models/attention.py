@@ -42,6 +42,22 @@ def attend_qkv(
     return attn.attend(layer_idx, *rotate(qkv))
 
 
+def attend_projected(
+    attn: AttentionBackend, layer_idx: int, project: Callable
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention output [rows, Hq, Dh], new residual) of a projection that also advances the
+    residual: `project(cache=None) -> ((q, k, v), residual)` (the runner's `fused_linear`
+    with its add-and-norm prologue and rotary epilogue), through `attend_qkv`."""
+    residual: list[torch.Tensor] = []
+
+    def rotate(_, cache=None):
+        qkv, new_residual = project(cache=cache)
+        residual.append(new_residual)
+        return qkv
+
+    return attend_qkv(attn, layer_idx, None, rotate), residual[0]
+
+
 def attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from loopserve.errors import ModelLoadError
-from loopserve.models.attention import AttentionBackend, attend_qkv
+from loopserve.models.attention import AttentionBackend, attend_projected, attend_qkv
 from loopserve.models.config import ConfigFile, once_kv_planes, once_layer_slot
 
 HUGINN_MODEL_TYPE = "huginn_raven"
@@ -287,6 +287,37 @@ class SandwichBlock(nn.Module):
         x = self.norm_2(self.attn(self.norm_1(x), rope, attn, self.layer_idx) + x)
         return self.norm_4(self.mlp(self.norm_3(x)) + x)
 
+    def forward_fused_linear(
+        self,
+        x: torch.Tensor,
+        branch: torch.Tensor | None,
+        branch_norm: HuginnRMSNorm | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        linear,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in five launches (`fused_linear`, runner/fused_linear.py), the previous
+        block's last sandwich norm deferred into this block's first GEMM: takes the residual
+        and that block's MLP branch (None for a step's first block) with its `norm_4`,
+        returns the new residual and this block's MLP branch (`norm_4(branch + residual)`
+        still to apply). `rope`: cos/sin tables over every position (`use_fused_linears`)."""
+        attn_mod, mlp = self.attn, self.mlp
+        heads = attn_mod.num_heads
+        bias = attn_mod.qk_bias
+        # norm_4'(branch + x), norm_1, Wqkv, the q/k bias, interleaved rotary, K/V write.
+        project = functools.partial(
+            linear, branch, attn_mod.Wqkv.weight, residual=x, norm_a=branch_norm,
+            norm_b=self.norm_1, norm_sum=True, rope=(*rope, heads, heads), interleaved=True,
+            bias=None if bias is None else bias.view(2, heads, attn_mod.head_dim),
+            positions=positions,
+        )  # fmt: skip
+        out, x = attend_projected(attn, self.layer_idx, project)
+        attn_out = attn_mod.proj(out.reshape(out.shape[0], -1))
+        fc, x = linear(attn_out, mlp.fc.weight, residual=x, norm_a=self.norm_2,
+                       norm_b=self.norm_3, norm_sum=True)  # fmt: skip
+        return x, linear(fc, mlp.proj.weight, silu=True)
+
 
 class HuginnTransformer(nn.Module):
     """Holds the checkpoint's `transformer.*` tensors."""
@@ -314,6 +345,9 @@ class HuginnForLoopedLM(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         # The runner's fused residual-add + norms (`use_fused_norms`); None: torch ops.
         self.add_norm_norm = None
+        self.fused_linear = None  # `use_fused_linears`, with the most rows it takes
+        self.fused_linear_rows = 0
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # `rope`'s, per device
 
     @property
@@ -367,6 +401,26 @@ class HuginnForLoopedLM(nn.Module):
                 block.rope_qkv = rope_qkv
             elif isinstance(block, HuginnMLP):
                 block.silu_mul = silu_mul
+
+    def use_fused_linears(self, fused_linear, max_rows: int = 0) -> None:
+        """Run core steps of up to `max_rows` rows through `fused_linear` (the runner's,
+        `runner/fused_linear.py`): each core block in 5 launches (`forward_fused_linear`).
+        Needs the fused norms and rotary; None: back to them. The prelude and coda (once per
+        token) keep their path. The rotary's cos/sin tables are computed here for every
+        position (`rope`'s operations), so a step launches no table kernels."""
+        self.fused_linear, self.fused_linear_rows = fused_linear, max_rows
+        self._rope_tables = None
+        if fused_linear is not None:
+            device = self.lm_head.weight.device
+            self._rope_tables = self.rope(torch.arange(self.config.block_size, device=device))
+
+    def _fuses_linears(self, rows: int) -> bool:
+        first = self.transformer.core_block[0]
+        return (
+            self.fused_linear is not None
+            and 0 < rows <= self.fused_linear_rows
+            and first.attn.rope_qkv is not None
+        )
 
     def make_rows_invariant(self) -> None:
         """Its RoPE tables one row at a time (after the runner made its linears and SiLUs
@@ -439,8 +493,16 @@ class HuginnForLoopedLM(nn.Module):
         """`core` from the rows' [state, e] as one tensor (the carried state the runner
         keeps): the adapter reads it as it is, no concatenation."""
         x = self.transformer.adapter(carried.contiguous())
-        rope = self.rope(positions)
         blocks, fused = self.transformer.core_block, self.add_norm_norm
+        if fused is not None and self._fuses_linears(x.shape[0]):
+            branch, branch_norm = None, None
+            for block in blocks:
+                x, branch = block.forward_fused_linear(
+                    x, branch, branch_norm, self._rope_tables, positions, attn, self.fused_linear
+                )
+                branch_norm = block.norm_4
+            return fused(x, branch, branch_norm, None, norm_sum=True)[0]
+        rope = self.rope(positions)
         if fused is None:
             for block in blocks:
                 x = block(x, rope, attn)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from loopserve.models.attention import AttentionBackend, attend_qkv
+from loopserve.models.attention import AttentionBackend, attend_projected, attend_qkv
 from loopserve.models.config import OuroConfig
 
 
@@ -201,8 +201,8 @@ class OuroDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         branch: torch.Tensor | None,
         branch_norm: RMSNorm | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
         attn: AttentionBackend,
         linear: Callable,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,24 +210,18 @@ class OuroDecoderLayer(nn.Module):
         add of the previous layer's MLP branch deferred into this layer's first GEMM: takes
         the residual and that branch (None for a loop's first layer) with its norm, returns
         the new residual and this layer's MLP branch (its `post_attention_layernorm_2` still
-        to apply)."""
+        to apply). `rope`: cos/sin tables over every position (`use_fused_linears`)."""
         attn_mod, mlp = self.self_attn, self.mlp
-        rope = (cos, sin, attn_mod.num_heads, attn_mod.num_kv_heads)
-        residual: list[torch.Tensor] = []
-
-        def project(_, cache=None):
-            # residual + branch_norm(branch), input_layernorm, q/k/v, rotary, K/V write.
-            qkv, new_residual = linear(
-                branch, attn_mod.qkv_weight, residual=hidden, norm_a=branch_norm,
-                norm_b=self.input_layernorm, rope=rope, cache=cache,
-            )  # fmt: skip
-            residual.append(new_residual)
-            return qkv
-
-        out = attend_qkv(attn, self.layer_idx, hidden, project)
+        # residual + branch_norm(branch), input_layernorm, q/k/v, rotary, K/V write.
+        project = functools.partial(
+            linear, branch, attn_mod.qkv_weight, residual=hidden, norm_a=branch_norm,
+            norm_b=self.input_layernorm, rope=(*rope, attn_mod.num_heads, attn_mod.num_kv_heads),
+            positions=positions,
+        )  # fmt: skip
+        out, hidden = attend_projected(attn, self.layer_idx, project)
         attn_out = attn_mod.o_proj(out.reshape(out.shape[0], -1))
         gate_up, hidden = linear(
-            attn_out, mlp.gate_up_weight, residual=residual[0], norm_a=self.input_layernorm_2,
+            attn_out, mlp.gate_up_weight, residual=hidden, norm_a=self.input_layernorm_2,
             norm_b=self.post_attention_layernorm,
         )  # fmt: skip
         return hidden, linear(gate_up, mlp.down_proj.weight, silu=True)
@@ -261,6 +255,7 @@ class OuroForLoopedLM(nn.Module):
         # they take; None: the GEMMs above.
         self.fused_linear: Callable | None = None
         self.fused_linear_rows = 0
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin
 
     @property
     def num_loops(self) -> int:
@@ -314,8 +309,15 @@ class OuroForLoopedLM(nn.Module):
     def use_fused_linears(self, fused_linear: Callable | None, max_rows: int = 0) -> None:
         """Run core calls of up to `max_rows` rows through `fused_linear` (the runner's,
         `runner/fused_linear.py`): each layer in 5 launches (`forward_fused_linear`). Needs
-        the merged projections and the fused norms; None: back to them."""
+        the merged projections and the fused norms; None: back to them. The rotary's cos/sin
+        tables are computed here for every position (the same operations as per call), so
+        a loop launches no table kernels: the fused GEMM reads each row's by its position."""
         self.fused_linear, self.fused_linear_rows = fused_linear, max_rows
+        self._rope_tables = None
+        if fused_linear is not None:
+            param = self.lm_head.weight
+            every = torch.arange(self.config.max_position_embeddings, device=param.device)
+            self._rope_tables = self.rotary(every, param.dtype)
 
     def make_rows_invariant(self) -> None:
         """Back to one linear per projection: the runner made those row by row (a merged
@@ -339,16 +341,17 @@ class OuroForLoopedLM(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """One loop over every layer, then `model.norm`. hidden [rows, hidden] -> same."""
-        cos, sin = self.rotary(positions, hidden.dtype)
         layers, fused = self.model.layers, self.add_norm_norm
         if fused is not None and self._fuses_linears(hidden.shape[0]):
             branch, branch_norm = None, None
             for layer in layers:
                 hidden, branch = layer.forward_fused_linear(
-                    hidden, branch, branch_norm, cos, sin, attn, self.fused_linear
-                )
+                    hidden, branch, branch_norm, self._rope_tables, positions, attn,
+                    self.fused_linear,
+                )  # fmt: skip
                 branch_norm = layer.post_attention_layernorm_2
             return fused(hidden, branch, branch_norm, self.model.norm)[1]
+        cos, sin = self.rotary(positions, hidden.dtype)
         if fused is not None:
             normed = fused(hidden, None, None, layers[0].input_layernorm)[1]
             norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]

@@ -55,6 +55,8 @@ def _fused_linear_kernel(
     out_res_ptr,
     cos_ptr,
     sin_ptr,
+    bias_ptr,
+    pos_ptr,
     slots_ptr,
     k_ptr,
     v_ptr,
@@ -68,7 +70,11 @@ def _fused_linear_kernel(
     K: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_BRANCH: tl.constexpr,
+    NORM_SUM: tl.constexpr,
     ROPE: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_POS: tl.constexpr,
     WRITE: tl.constexpr,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
@@ -82,11 +88,17 @@ def _fused_linear_kernel(
     dtype = weight_ptr.dtype.element_ty
     m = tl.arange(0, BLOCK_M)[:, None]
     m_ok = m < rows
-    if ROPE:  # BLOCK_N columns of one head's lower half and the same of its upper half
+    if ROPE:  # BLOCK_N rotary pairs of one head: their first elements here, seconds in acc_hi
         per_head: tl.constexpr = (D // 2 + BLOCK_N - 1) // BLOCK_N
         head = pid // per_head
-        half = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # within the half
-        cols = head * D + half
+        half = (pid % per_head) * BLOCK_N + tl.arange(0, BLOCK_N)  # pair index in the head
+        if INTERLEAVED:  # pairs (2j, 2j + 1)
+            i1 = 2 * half
+            i2 = 2 * half + 1
+        else:  # rotate-half: pairs (j, j + D/2)
+            i1 = half
+            i2 = half + D // 2
+        cols = head * D + i1
         n_ok = half < D // 2
     else:
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,6 +113,9 @@ def _fused_linear_kernel(
                 k = k0 + tl.arange(0, BLOCK_K)[None, :]
                 mk = m_ok & (k < K)
                 y = tl.load(x_ptr + m * stride_x + k, mask=mk, other=0.0).to(tl.float32)
+                if NORM_SUM:  # norm_a(branch + residual) (Huginn's sandwich)
+                    res = tl.load(res_ptr + m * K + k, mask=mk, other=0.0).to(tl.float32)
+                    y = (y + res).to(dtype).to(tl.float32)
                 ss += tl.sum(y * y, axis=1, keep_dims=True)
             inv_a = tl.rsqrt(ss / K + eps_a)
         ss = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
@@ -111,8 +126,12 @@ def _fused_linear_kernel(
             if HAS_BRANCH:
                 y = tl.load(x_ptr + m * stride_x + k, mask=mk, other=0.0).to(tl.float32)
                 w_a = tl.load(w_a_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                branch = (w_a * (y * inv_a).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                res = (res + branch).to(dtype).to(tl.float32)
+                if NORM_SUM:
+                    y = (y + res).to(dtype).to(tl.float32)
+                    res = (w_a * (y * inv_a).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                else:  # residual + norm_a(branch) (Ouro's)
+                    y = (w_a * (y * inv_a).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                    res = (res + y).to(dtype).to(tl.float32)
                 if pid == 0:
                     tl.store(out_res_ptr + m * K + k, res.to(dtype), mask=mk)
             ss += tl.sum(res * res, axis=1, keep_dims=True)
@@ -127,8 +146,12 @@ def _fused_linear_kernel(
             if HAS_BRANCH:
                 y = tl.load(x_ptr + m * stride_x + k, mask=mk, other=0.0).to(tl.float32)
                 w_a = tl.load(w_a_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                branch = (w_a * (y * inv_a).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                a = (a + branch).to(dtype).to(tl.float32)
+                if NORM_SUM:
+                    y = (y + a).to(dtype).to(tl.float32)
+                    a = (w_a * (y * inv_a).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                else:
+                    y = (w_a * (y * inv_a).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                    a = (a + y).to(dtype).to(tl.float32)
             w_b = tl.load(w_b_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             a = (w_b * (a * inv_b).to(dtype).to(tl.float32)).to(dtype)
         elif PROLOGUE == 2:
@@ -145,7 +168,7 @@ def _fused_linear_kernel(
             acc += tl.dot(a, tl.trans(w))
         if ROPE:
             w_hi = tl.load(
-                weight_ptr + (cols[:, None] + D // 2) * K + k,
+                weight_ptr + (cols[:, None] + i2[:, None] - i1[:, None]) * K + k,
                 mask=n_ok[:, None] & (k < K),
                 other=0.0,
             )
@@ -156,37 +179,56 @@ def _fused_linear_kernel(
             else:
                 acc_hi += tl.dot(a, tl.trans(w_hi))
     if ROPE:
-        # The projection rounded as F.linear rounds it, then rotate-half as `rope_qkv` does.
+        # The projection rounded as F.linear rounds it, then the rotary as `rope_qkv` does.
         j = half[None, :]
+        c1 = i1[None, :]
+        c2 = i2[None, :]
         ok = m_ok & n_ok[None, :]
         x1 = acc.to(dtype)
         x2 = acc_hi.to(dtype)
         a1 = x1.to(tl.float32)
         b1 = x2.to(tl.float32)
-        table = m.to(tl.int64) * stride_table
-        c1 = tl.load(cos_ptr + table + j, mask=ok, other=0.0).to(tl.float32)
-        s1 = tl.load(sin_ptr + table + j, mask=ok, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + table + j + D // 2, mask=ok, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + table + j + D // 2, mask=ok, other=0.0).to(tl.float32)
-        o1 = ((a1 * c1).to(dtype).to(tl.float32) + (-b1 * s1).to(dtype).to(tl.float32)).to(dtype)
-        o2 = ((b1 * c2).to(dtype).to(tl.float32) + (a1 * s2).to(dtype).to(tl.float32)).to(dtype)
+        if HAS_BIAS:  # bias [2, H, D]: q's heads, then k's (HQ == HKV)
+            if head < HQ + HKV:
+                a1 = a1 + tl.load(bias_ptr + head * D + c1, mask=ok, other=0.0).to(tl.float32)
+                b1 = b1 + tl.load(bias_ptr + head * D + c2, mask=ok, other=0.0).to(tl.float32)
+                a1 = a1.to(dtype).to(tl.float32)
+                b1 = b1.to(dtype).to(tl.float32)
+        if HAS_POS:  # tables over every position, a row's by its position
+            table = tl.load(pos_ptr + m, mask=m_ok, other=0).to(tl.int64) * stride_table
+        else:  # a table row per row
+            table = m.to(tl.int64) * stride_table
+        if INTERLEAVED:  # float32 tables [rows, D/2], one rounding
+            cs = tl.load(cos_ptr + table + j, mask=ok, other=0.0)
+            sn = tl.load(sin_ptr + table + j, mask=ok, other=0.0)
+            o1 = (a1 * cs - b1 * sn).to(dtype)
+            o2 = (b1 * cs + a1 * sn).to(dtype)
+        else:  # tables [rows, D] in the activations' dtype, every product rounded
+            cs1 = tl.load(cos_ptr + table + c1, mask=ok, other=0.0).to(tl.float32)
+            sn1 = tl.load(sin_ptr + table + c1, mask=ok, other=0.0).to(tl.float32)
+            cs2 = tl.load(cos_ptr + table + c2, mask=ok, other=0.0).to(tl.float32)
+            sn2 = tl.load(sin_ptr + table + c2, mask=ok, other=0.0).to(tl.float32)
+            p1 = (a1 * cs1).to(dtype).to(tl.float32) + (-b1 * sn1).to(dtype).to(tl.float32)
+            p2 = (b1 * cs2).to(dtype).to(tl.float32) + (a1 * sn2).to(dtype).to(tl.float32)
+            o1 = p1.to(dtype)
+            o2 = p2.to(dtype)
         if head < HQ:
-            dst = out_ptr + m * (HQ * D) + head * D + j
-            tl.store(dst, o1, mask=ok)
-            tl.store(dst + D // 2, o2, mask=ok)
+            dst = out_ptr + m * (HQ * D) + head * D
+            tl.store(dst + c1, o1, mask=ok)
+            tl.store(dst + c2, o2, mask=ok)
         else:
             if WRITE:
                 kv_row = tl.load(slots_ptr + m, mask=m_ok, other=0).to(tl.int64)
             else:
                 kv_row = m.to(tl.int64)
             if head < HQ + HKV:
-                dst = k_ptr + kv_row * stride_kv_row + (head - HQ) * D + j
-                tl.store(dst, o1, mask=ok)
-                tl.store(dst + D // 2, o2, mask=ok)
+                dst = k_ptr + kv_row * stride_kv_row + (head - HQ) * D
+                tl.store(dst + c1, o1, mask=ok)
+                tl.store(dst + c2, o2, mask=ok)
             else:
-                dst = v_ptr + kv_row * stride_kv_row + (head - HQ - HKV) * D + j
-                tl.store(dst, x1, mask=ok)
-                tl.store(dst + D // 2, x2, mask=ok)
+                dst = v_ptr + kv_row * stride_kv_row + (head - HQ - HKV) * D
+                tl.store(dst + c1, x1, mask=ok)
+                tl.store(dst + c2, x2, mask=ok)
     else:
         tl.store(out_ptr + m * n_out + cols[None, :], acc.to(dtype), mask=m_ok & n_ok[None, :])
 
@@ -215,21 +257,27 @@ def fused_linear(
     residual: torch.Tensor | None = None,
     norm_a=None,
     norm_b=None,
+    norm_sum: bool = False,
     silu: bool = False,
     rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+    interleaved: bool = False,
+    bias: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
     """One launch of A @ weight.T for A of at most `MAX_ROWS` rows, where A is
 
     - `x` (neither `residual` nor `silu`);
-    - with `residual` and `norm_b`: norm_b(residual + norm_a(x)), or norm_b(residual) when
-      `x` is None; returns (out, the new residual) — the new residual is `residual` itself
-      when `x` is None;
+    - with `residual` and `norm_b`: norm_b(r) of the new residual r = residual +
+      norm_a(x) (with `norm_sum`, Huginn's order: r = norm_a(x + residual)), or of r =
+      `residual` when `x` is None; returns (out, r);
     - with `silu`: silu(gate) x up of `x` = [gate | up] [rows, 2K].
 
     With `rope` = (cos, sin, Hq, Hkv) the weight is a merged q/k/v projection and the result
-    is `rope_qkv`'s: (q, k, v) rotated rotate-half, or (q, None, None) with `cache` =
-    (key_cache, value_cache, slots), k and v written there."""
+    is `rope_qkv`'s with the same arguments (`interleaved`, `bias`, `cache`): (q, k, v)
+    rotated, or (q, None, None) with `cache` = (key_cache, value_cache, slots), k and v
+    written there. With `positions` [rows], cos/sin are tables over every position and row
+    i reads row `positions[i]` of them (no per-call table kernels); else one row per row."""
     n_out, k_dim = weight.shape
     source = residual if residual is not None else x
     rows = source.shape[0]
@@ -254,6 +302,7 @@ def fused_linear(
     else:
         cos, sin, num_heads, num_kv_heads = rope
         head_dim = n_out // (num_heads + 2 * num_kv_heads)
+        assert bias is None or (interleaved and num_heads == num_kv_heads)
         cos, sin = cos.contiguous(), sin.contiguous()
         stride_table = cos.stride(0)
         block_n = 16
@@ -273,10 +322,14 @@ def fused_linear(
     _fused_linear_kernel[grid](
         x_arg, residual if residual is not None else x_arg,
         weight if norm_a is None else norm_a.weight, weight if norm_b is None else norm_b.weight,
-        weight, out, weight if out_res is None else out_res, cos, sin, slots, key_out, value_out,
+        weight, out, weight if out_res is None else out_res, cos, sin,
+        weight if bias is None else bias.contiguous(), weight if positions is None else positions,
+        slots, key_out, value_out,
         rows, n_out, x_arg.stride(0), stride_table, stride_kv,
         1e-6 if norm_a is None else norm_a.eps, 1e-6 if norm_b is None else norm_b.eps,
-        K=k_dim, PROLOGUE=prologue, HAS_BRANCH=has_branch, ROPE=rope is not None,
+        K=k_dim, PROLOGUE=prologue, HAS_BRANCH=has_branch, NORM_SUM=norm_sum,
+        ROPE=rope is not None, INTERLEAVED=interleaved, HAS_BIAS=bias is not None,
+        HAS_POS=positions is not None,
         WRITE=cache is not None, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         # float32 products, exact for bfloat16 operands: for float32 weights (no TF32), and

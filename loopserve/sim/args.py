@@ -93,6 +93,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "count (to model a fused build)",
     )
     parser.add_argument(
+        "--fused-linears",
+        action="store_true",
+        help="with --kernel-us: core calls of up to 16 rows launch what the engine's "
+        "--fused-linears build launches (5 per layer; counted by `loopserve bench kernels "
+        "--fused-linears`)",
+    )
+    parser.add_argument(
         "--model-config",
         default=None,
         help="a checkpoint's config.json (Ouro or Huginn), or a preset: ouro-1.4b (default), "

@@ -166,8 +166,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         else load_calibrated_profile(args.calibration)
     )
     device = dataclasses.replace(
-        device, kernel_s=args.kernel_us * 1e-6, kernels_per_layer=args.kernels_per_layer
-    )
+        device, kernel_s=args.kernel_us * 1e-6, kernels_per_layer=args.kernels_per_layer,
+        fused_linears=args.fused_linears,
+    )  # fmt: skip
     if args.scenario is not None:
         return _scenario(args, model_config, device)
     arms = [get_arm(name) for name in args.policies]

@@ -61,9 +61,12 @@ ROOFLINES = ("call", "phase")
 # 77 + 13, 45 + 14 with fused norms). `DeviceProfile.kernels_per_layer` models another build;
 # tests/test_kernel_count.py checks these against the counter.
 KERNEL_COUNTS = {"ouro": (9.0, 6.0), "huginn": (9.0, 7.0)}
-# Per layer with the runner's `fused_linears` (calls of up to 16 rows; the per-loop count
-# unchanged), measured 2026-12-06; price it with `--kernels-per-layer` (Ouro only so far).
-FUSED_LINEAR_KERNELS_PER_LAYER = {"ouro": 5.0}
+# With the runner's `fused_linears` (`simulate --fused-linears`), for core calls of up to
+# FUSED_LINEAR_MAX_ROWS rows (wider calls keep the counts above), measured 2026-12-06: 5 per
+# layer, and per loop Ouro's last add + norm, Huginn's adapter, concatenation and last norm
+# (the rotary tables are read by position inside the fused GEMM).
+FUSED_LINEAR_KERNEL_COUNTS = {"ouro": (5.0, 1.0), "huginn": (5.0, 3.0)}
+FUSED_LINEAR_MAX_ROWS = 16  # runner/fused_linear.py's MAX_ROWS
 CODA_KERNELS = 2  # final norm (when the coda has layers) and the lm_head
 SAMPLING_KERNELS = 6  # softmax, filtering, the draw, the argmax, the gathers
 LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler
@@ -139,6 +142,7 @@ class ModelShape:
     gate_params: int | None = None  # a learned exit head's; None: Ouro's (hidden_size + 1)
     kernels_per_layer: float = 0.0  # `KERNEL_COUNTS` of the family
     kernels_per_loop: float = 0.0
+    fused_kernels: tuple[float, float] = (0.0, 0.0)  # `FUSED_LINEAR_KERNEL_COUNTS`'
 
     @classmethod
     def from_config(cls, config: LoopedConfig, dtype_bytes: int = 2) -> ModelShape:
@@ -159,6 +163,7 @@ class ModelShape:
             tied_embeddings=config.tie_word_embeddings,
             gate_params=config.exit_gate_params,
             **dict(zip(("kernels_per_layer", "kernels_per_loop"), _kernel_counts(config))),
+            fused_kernels=FUSED_LINEAR_KERNEL_COUNTS[_family(config)],
         )
 
     @property
@@ -245,8 +250,12 @@ class ModelShape:
         return 2 * layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
+def _family(config: LoopedConfig) -> str:
+    return "huginn" if isinstance(config, HuginnConfig) else "ouro"
+
+
 def _kernel_counts(config: LoopedConfig) -> tuple[float, float]:
-    return KERNEL_COUNTS["huginn" if isinstance(config, HuginnConfig) else "ouro"]
+    return KERNEL_COUNTS[_family(config)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +291,11 @@ class CostModel:
             per_layer = device.kernels_per_layer
         self._layer_kernels = per_layer
         self.core_kernels = per_layer * shape.num_layers + shape.kernels_per_loop
+        # `DeviceProfile.fused_linears`: narrow core calls launch the fused build's kernels.
+        self.fused_core_kernels = None
+        if device.fused_linears:
+            fused_layer, fused_loop = shape.fused_kernels
+            self.fused_core_kernels = fused_layer * shape.num_layers + fused_loop
 
     def _kernels_s(self, kernels: float) -> float:
         return kernels * self._kernel_s
@@ -320,6 +334,8 @@ class CostModel:
             )
             attention_flops += shape.layer_pair_flops(shape.prelude_layers) * prelude_pairs
         kernels = self.core_kernels
+        if self.fused_core_kernels is not None and rows <= FUSED_LINEAR_MAX_ROWS:
+            kernels = self.fused_core_kernels
         if shape.prelude_layers and prelude_rows:
             kernels += self._layer_kernels * shape.prelude_layers
         if not self.split_phases:

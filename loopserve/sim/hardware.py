@@ -52,9 +52,12 @@ class DeviceProfile:
     # Device time of one kernel inside a CUDA graph beyond its roofline (launch gap, ramp and
     # tail), charged per kernel the family's layers launch (`cost_model.KERNEL_COUNTS`); 0:
     # not priced. `kernels_per_layer`: price that many per layer instead of the measured
-    # count (a fused build's, to model it); None: the measured count.
+    # count (a fused build's, to model it); None: the measured count. `fused_linears`: core
+    # calls of up to 16 rows launch the counts of the runner's `fused_linears` build
+    # (`cost_model.FUSED_LINEAR_KERNEL_COUNTS`) instead.
     kernel_s: float = 0.0
     kernels_per_layer: float | None = None
+    fused_linears: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_efficiency", "compute_efficiency"):

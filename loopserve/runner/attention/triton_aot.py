@@ -216,19 +216,25 @@ def engine_launches(
                    interleaved=True, bias=bias, cache=write)  # fmt: skip
     inner = shape.intermediate or 4 * hidden
     record("silu_mul", silu_mul, _meta(rows, 2 * inner, dtype=dtype))
-    # `fused_linears` (rotate-half models): one form per GEMM of a layer, up to MAX_ROWS rows.
-    few = _meta(min(rows, MAX_ROWS), hidden, dtype=dtype)
-    few_table = _meta(min(rows, MAX_ROWS), dim, dtype=dtype)
-    few_write = (key_cache, value_cache, _meta(min(rows, MAX_ROWS), dtype=torch.int64))
+    # `fused_linears`: each GEMM of a layer as the models call it (up to MAX_ROWS rows; rotary
+    # tables over every position, read by position), with and without the K/V write.
+    n_few = min(rows, MAX_ROWS)
+    few = _meta(n_few, hidden, dtype=dtype)
+    positions = _meta(n_few, dtype=torch.int64)
+    few_write = (key_cache, value_cache, _meta(n_few, dtype=torch.int64))
     w_qkv = _meta((heads + 2 * kv_heads) * dim, hidden, dtype=dtype)
-    rope = (few_table, few_table, heads, kv_heads)
-    for branch in (few, None):  # a layer's, a loop's first
-        record("linear_qkv", fused_linear, branch, w_qkv, residual=few, norm_a=norm,
-               norm_b=norm, rope=rope, cache=few_write)  # fmt: skip
-    record("linear_qkv", fused_linear, few, w_qkv, residual=few, norm_a=norm, norm_b=norm,
-           rope=rope)  # fmt: skip
-    record("linear_gate_up", fused_linear, few, _meta(2 * inner, hidden, dtype=dtype),
-           residual=few, norm_a=norm, norm_b=norm)  # fmt: skip
+    w_gate_up = _meta(2 * inner, hidden, dtype=dtype)
+    families = [dict(rope=(_meta(4096, dim, dtype=dtype),) * 2 + (heads, kv_heads))]  # Ouro's
+    if heads == kv_heads:  # Huginn's: float32 tables of pairs, a q/k bias, norms of the sum
+        pairs = _meta(4096, dim // 2, dtype=torch.float32)
+        families += [dict(rope=(pairs, pairs, heads, heads), interleaved=True, norm_sum=True,
+                       bias=_meta(2, heads, dim, dtype=dtype))]  # fmt: skip
+    for family in families:
+        for branch, cache in ((few, few_write), (None, few_write), (few, None)):
+            record("linear_qkv", fused_linear, branch, w_qkv, residual=few, norm_a=norm,
+                   norm_b=norm, positions=positions, cache=cache, **family)  # fmt: skip
+        record("linear_gate_up", fused_linear, few, w_gate_up, residual=few, norm_a=norm,
+               norm_b=norm, norm_sum=family.get("norm_sum", False))  # fmt: skip
     record("linear_down", fused_linear, _meta(min(rows, MAX_ROWS), 2 * inner, dtype=dtype),
            _meta(hidden, inner, dtype=dtype), silu=True)  # fmt: skip
     return recorded

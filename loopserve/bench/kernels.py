@@ -116,6 +116,9 @@ def _counting_triton(launches: Counter[str]):
         DeviceKernel.__getitem__ = original
 
 
+TINY_CORE_LAYERS = {"ouro": 2, "huginn": 4}  # the tiny checkpoints' core depth
+
+
 @functools.lru_cache(maxsize=16)  # deterministic per arguments: counted once per process
 def count_kernels(
     family: str = "ouro",
@@ -199,15 +202,20 @@ def kernel_model(
     attention_backend: str = "triton",
     fused_linears: bool = False,
 ) -> KernelModel:
-    """Count at 2 and 4 core layers (Huginn: 4 and 8) and split the count."""
-    low = 2 if family == "ouro" else 4
+    """Count at 2 and 4 core layers and split the count (the tiny default depth, 2 for Ouro
+    and 4 for Huginn, counted as the default so that `count_kernels(family)` reuses it)."""
+    default = TINY_CORE_LAYERS[family]
     count = functools.partial(
         count_kernels, family, rows=rows, attention_backend=attention_backend,
         fused_linears=fused_linears,
     )  # fmt: skip
-    small, large = count(num_layers=low), count(num_layers=2 * low)
-    per_layer = (large.kernels_per_loop - small.kernels_per_loop) / low
-    return KernelModel(family, per_layer, small.kernels_per_loop - per_layer * low)
+
+    def at(layers: int) -> KernelCount:
+        return count(num_layers=None if layers == default else layers)
+
+    small, large = at(2), at(4)
+    per_layer = (large.kernels_per_loop - small.kernels_per_loop) / 2
+    return KernelModel(family, per_layer, small.kernels_per_loop - per_layer * 2)
 
 
 def main_from_args(args) -> int:

@@ -33,6 +33,7 @@ from loopserve.runner.attention import triton_prefill
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
 from loopserve.runner.attention.cascade import CascadePlan, merge_partial
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
+from loopserve.runner.attention.splits import auto_split_len
 from loopserve.runner.transfers import Staged, Transfers
 
 
@@ -159,18 +160,6 @@ class SuffixRows:
             seq_lens=lens,
             max_seq_len=max(seq_lens),
         )
-
-
-def auto_split_len(
-    num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *, min_split: int = 128
-) -> int:
-    """Positions per decode split so that (rows x KV heads x splits) programs fill about two
-    waves of `num_sms` multiprocessors, never splitting below `min_split` positions (below
-    that the reduce costs more than the parallelism gains). >= max_seq_len means one split."""
-    programs = max(1, num_rows * num_kv_heads)
-    wanted = -(-2 * num_sms // programs)
-    splits = max(1, min(wanted, max_seq_len // min_split))
-    return -(-max_seq_len // splits) if max_seq_len else min_split
 
 
 class TritonAttention:

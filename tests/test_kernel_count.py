@@ -95,3 +95,12 @@ def test_fused_linears_keep_huginn_within_the_goal_of_ouro():
     ouro = o_layer + o_loop / OURO_1P4B.num_core_layers
     huginn = h_layer + h_loop / HUGINN_0125.num_core_layers
     assert huginn <= 1.2 * ouro, (huginn, ouro)
+
+
+def test_a_one_row_call_merges_its_split_attention_in_the_same_launch():
+    """One row splits its attention over the GPU (here the backend's nominal 4 SMs: 4 KV
+    heads' programs, 2 splits); the splits merge inside the decode launch, so one row launches
+    what four rows launch, no reduce kernel (10 per layer before)."""
+    one, four = count_kernels("ouro", rows=1), count_kernels("ouro")
+    assert "triton.decode_reduce_kernel" not in one.by_op
+    assert one.kernels_per_loop == four.kernels_per_loop

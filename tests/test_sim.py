@@ -390,8 +390,7 @@ def test_kernel_pricing_adds_each_launched_kernel_to_a_calls_time():
     off = CostModel(shape, dataclasses.replace(h200, kernel_s=0.0))
     priced = CostModel(shape, dataclasses.replace(h200, kernel_s=2e-6))
     fused = CostModel(shape, dataclasses.replace(h200, kernel_s=2e-6, kernels_per_layer=10))
-    # 32 rows x 16 KV heads fill two waves of an H200's 132 SMs: attention in one split.
-    call = dict(rows=32, kv_read_positions=100, attention_pairs=100)
+    call = dict(rows=1, kv_read_positions=100, attention_pairs=100)
     assert off.core_call(**call) == plain.core_call(**call)
     kernels = per_layer * 24 + per_loop
     assert priced.core_call(**call).time_s == pytest.approx(
@@ -399,12 +398,6 @@ def test_kernel_pricing_adds_each_launched_kernel_to_a_calls_time():
     )
     assert fused.core_call(**call).time_s == pytest.approx(
         plain.core_call(**call).time_s + (10 * 24 + per_loop) * 2e-6
-    )
-    # One row splits its attention (16 programs for 264 slots): a reduce launch per layer.
-    one = dict(rows=1, kv_read_positions=100, attention_pairs=100)
-    assert priced.splits_attention(1) and not priced.splits_attention(32)
-    assert priced.core_call(**one).time_s == pytest.approx(
-        plain.core_call(**one).time_s + (kernels + 24) * 2e-6
     )
     assert priced.coda(1).time_s == pytest.approx(plain.coda(1).time_s + CODA_KERNELS * 2e-6)
     assert priced.sampling(1).time_s == pytest.approx(
@@ -415,8 +408,7 @@ def test_kernel_pricing_adds_each_launched_kernel_to_a_calls_time():
 
 def test_fused_linears_price_narrow_core_calls_at_the_fused_count():
     """`fused_linears`: a core call of up to 16 rows launches the fused build's kernels
-    (5 per layer + 1 per loop for Ouro), a wider one today's; off, every call today's (the
-    split attention's reduce launch, 16 rows and fewer here, is the same either way)."""
+    (5 per layer + 1 per loop for Ouro), a wider one today's; off, every call today's."""
     from loopserve.sim.cost_model import FUSED_LINEAR_KERNEL_COUNTS, KERNEL_COUNTS
 
     h200 = dataclasses.replace(get_device_profile("h200"), kernel_s=2e-6)

@@ -37,9 +37,9 @@ def test_every_kernel_compiles_for_real_targets_without_spills(sweep):
     assert kernels == {
         ("write_kv_kernel", "write"), ("copy_slots_kernel", "finalize"),
         ("decode_kernel", "decode"), ("decode_kernel", "split_k"),
-        ("decode_reduce_kernel", "split_k"), ("decode_kernel", "split_k_lse"),
+        ("decode_kernel", "split_k_lse"),
         ("decode_reduce_kernel", "split_k_lse"), ("prefill_kernel", "prompt"),
-        ("decode_kernel", "graphed"), ("decode_reduce_kernel", "graphed"),
+        ("decode_kernel", "graphed"),
         ("add_norm_norm_kernel", "norms"), ("rope_qkv_kernel", "rope"),
         ("rope_qkv_kernel", "rope_interleaved"), ("rope_qkv_kernel", "rope_write"),
         ("rope_qkv_kernel", "rope_interleaved_write"), ("silu_mul_kernel", "silu_mul"),
@@ -149,16 +149,16 @@ def test_every_form_the_engine_launches_is_in_the_compiled_set(family, tmp_path,
     assert missing == set(), "\n".join(map(str, sorted(missing)))
 
 
-def test_the_sweep_compiles_every_reduce_tile_the_decode_graphs_use():
+def test_the_decode_graphs_merge_their_splits_in_one_launch_form():
     """At a GPU's settings (132 multiprocessors, 65,536 positions, buckets up to 256 rows), a
-    one-row bucket splits its context 17 ways (16 KV heads) or 33 ways (8): reduce tiles of
-    32 and 64 positions, and every smaller power of two for wider buckets, each compiled."""
-    for name, kv_heads, widest in (("mha16", 16, 32), ("gqa32/8", 8, 64)):
+    one-row bucket splits its context 17 ways (16 KV heads) or 33 ways (8), and wide buckets
+    do not split: the graphs launch the decode kernel in two forms, merging in-launch (a
+    fixed merge tile, whatever the split count) or in one split, and never a reduce."""
+    for name, kv_heads in (("mha16", 16), ("gqa32/8", 8)):
         shape = triton_aot.ModelShape(name, 16 if kv_heads == 16 else 32, kv_heads, 128,
                                       torch.bfloat16)  # fmt: skip
-        tiles = {
-            launch.constexprs["BLOCK_S"]
-            for variant, launch in triton_aot.engine_launches(shape, 90)
-            if variant == "graphed" and launch.kernel.fn.__name__ == "_decode_reduce_kernel"
-        }
-        assert max(tiles) == widest and {2, 4, 8, 16} <= tiles, (name, tiles)
+        graphed = [lch for variant, lch in triton_aot.engine_launches(shape, 90)
+                   if variant == "graphed"]  # fmt: skip
+        assert {lch.kernel.fn.__name__ for lch in graphed} == {"_decode_kernel"}, name
+        forms = {(lch.constexprs["SPLIT"], lch.constexprs["MERGE"]) for lch in graphed}
+        assert forms == {(True, True), (False, False)}, (name, forms)

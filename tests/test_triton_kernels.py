@@ -135,6 +135,46 @@ def test_each_row_splits_its_own_context_over_a_launch_sized_for_longer_ones():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_last_split_to_finish_merges_them_in_the_same_launch():
+    """With `counters` the decode launch merges its splits itself (the last split of each row
+    and KV head to finish reads the others' partials): no reduce launch, the same output as
+    the two-launch path (to float32 rounding: it sums splits 8 at a time), empty splits of a
+    short row included, more splits than one merge tile, and the counters left at zero for
+    the next launch (a graph replays with the same buffer). Grouped query heads, 3 per KV
+    head: a padded head tile."""
+    block_size, block_n, num_heads, num_kv_heads = 4, 4, 6, 2
+    tables = random_tables(41, 3, 120, 40)
+    cache = random_cache(9, 120, block_size, num_kv_heads)
+    query = torch.randn(3, num_heads, HEAD_DIM, generator=torch.Generator().manual_seed(10))
+    args = dict(
+        tables=torch.tensor(tables, dtype=torch.int32),
+        table_idx=torch.tensor([0, 1, 2], dtype=torch.int32),
+        rows=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 160, 33], dtype=torch.int32),
+        max_seq_len=160, scale=0.3, block_size=block_size, split_len=4, block_n=block_n,
+    )  # fmt: skip
+    two_launches, merged = torch.empty_like(query), torch.empty_like(query)
+    triton_kernels.decode_attention(query, cache[0, 0], cache[0, 1], two_launches, **args)
+    counters = torch.zeros(16, dtype=torch.int32)
+    with observe_launches() as launches:
+        triton_kernels.decode_attention(
+            query, cache[0, 0], cache[0, 1], merged, counters=counters, **args
+        )
+    assert [lch.kernel.fn.__name__ for lch in launches] == ["_decode_kernel"]
+    assert launches[0].grid[2] > triton_kernels.MERGE_SPLITS  # two merge tiles
+    torch.testing.assert_close(merged, two_launches, atol=1e-6, rtol=1e-6)
+    assert not counters.any()
+    # Too few counters for rows x KV heads: the reduce launch, as without them.
+    with observe_launches() as launches:
+        triton_kernels.decode_attention(
+            query, cache[0, 0], cache[0, 1], merged, counters=counters[:2], **args
+        )
+    assert [lch.kernel.fn.__name__ for lch in launches] == [
+        "_decode_kernel",
+        "_decode_reduce_kernel",
+    ]
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa2"])
 def test_prompt_chunks_of_several_requests_and_depths_share_one_launch(num_heads, num_kv_heads):
     block_size = 3

@@ -46,7 +46,6 @@ from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig, once_kv_planes
 from loopserve.models.family import LoopedConfig
 from loopserve.models.huginn import HuginnConfig
-from loopserve.runner.attention.splits import decode_splits
 from loopserve.sim.hardware import DeviceProfile
 
 ROOFLINES = ("call", "phase")
@@ -144,7 +143,6 @@ class ModelShape:
     kernels_per_layer: float = 0.0  # `KERNEL_COUNTS` of the family
     kernels_per_loop: float = 0.0
     fused_kernels: tuple[float, float] = (0.0, 0.0)  # `FUSED_LINEAR_KERNEL_COUNTS`'
-    max_model_len: int = 65_536  # the decode graphs' context bound (their split count's)
 
     @classmethod
     def from_config(cls, config: LoopedConfig, dtype_bytes: int = 2) -> ModelShape:
@@ -166,7 +164,6 @@ class ModelShape:
             gate_params=config.exit_gate_params,
             **dict(zip(("kernels_per_layer", "kernels_per_loop"), _kernel_counts(config))),
             fused_kernels=FUSED_LINEAR_KERNEL_COUNTS[_family(config)],
-            max_model_len=config.max_position_embeddings,
         )
 
     @property
@@ -300,13 +297,6 @@ class CostModel:
             fused_layer, fused_loop = shape.fused_kernels
             self.fused_core_kernels = fused_layer * shape.num_layers + fused_loop
 
-    def splits_attention(self, rows: int) -> bool:
-        """Whether a decode call of `rows` rows splits its attention (the Triton backend's
-        rule over the graphs' context bound): `KERNEL_COUNTS` were counted at a call that
-        does not, so one that does launches a reduce kernel per attention layer more."""
-        shape = self.shape
-        return decode_splits(rows, shape.num_kv_heads, shape.max_model_len, self.device.num_sms) > 1
-
     def _kernels_s(self, kernels: float) -> float:
         return kernels * self._kernel_s
 
@@ -346,12 +336,8 @@ class CostModel:
         kernels = self.core_kernels
         if self.fused_core_kernels is not None and rows <= FUSED_LINEAR_MAX_ROWS:
             kernels = self.fused_core_kernels
-        attention_layers = shape.num_layers
         if shape.prelude_layers and prelude_rows:
             kernels += self._layer_kernels * shape.prelude_layers
-            attention_layers += shape.prelude_layers
-        if self.splits_attention(rows):  # the split-K reduce, once per attention layer
-            kernels += attention_layers
         if not self.split_phases:
             return self._with_kernels(
                 self._price(linear_bytes + kv_bytes, linear_flops + attention_flops), kernels

@@ -58,9 +58,6 @@ class DeviceProfile:
     kernel_s: float = 0.0
     kernels_per_layer: float | None = None
     fused_linears: bool = False
-    # Multiprocessors: a decode call of few rows splits its attention to fill them, and each
-    # split launch adds a reduce kernel per layer (`runner/attention/splits.py`).
-    num_sms: int = 132
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_efficiency", "compute_efficiency"):
@@ -98,11 +95,8 @@ DEVICE_PROFILES: dict[str, DeviceProfile] = {
         312e12,
         source="NVIDIA A100 SXM4 80GB datasheet",
         host_link_bytes_per_s=32 * GB,
-        num_sms=108,
     ),
-    "b200": DeviceProfile(
-        "b200", 180 * GB, 8.0 * TB, 2250e12, source="NVIDIA HGX B200 datasheet", num_sms=148
-    ),
+    "b200": DeviceProfile("b200", 180 * GB, 8.0 * TB, 2250e12, source="NVIDIA HGX B200 datasheet"),
 }
 
 

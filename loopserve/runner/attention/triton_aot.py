@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from loopserve.runner.attention import triton_kernels, triton_prefill
+from loopserve.runner.attention.triton_backend import SPLIT_COUNTERS
 from loopserve.runner.attention.triton_jit import Launch, record_launches
 from loopserve.runner.fused_linear import MAX_ROWS, fused_linear
 from loopserve.runner.fused_norms import add_norm_norm
@@ -165,12 +166,13 @@ def engine_launches(
     pairs = _meta(rows, dtype=torch.int64)
     record("finalize", triton_kernels.copy_slots, cache, pairs, pairs)
     decode = dict(scale=dim**-0.5, block_size=shape.block_size, block_n=settings.decode_block_n)
+    counters = _meta(SPLIT_COUNTERS, dtype=torch.int32)  # the backend's: splits merge in-launch
     eager = dict(tables=tables, table_idx=index, rows=index, seq_lens=index, **decode)
     out = _meta(rows, heads, dim, dtype=dtype)
     record("decode", triton_kernels.decode_attention, query, key_cache, value_cache, out,
-           max_seq_len=512, split_len=512, **eager)  # fmt: skip
+           max_seq_len=512, split_len=512, counters=counters, **eager)  # fmt: skip
     record("split_k", triton_kernels.decode_attention, query, key_cache, value_cache, out,
-           max_seq_len=4096, split_len=512, **eager)  # fmt: skip
+           max_seq_len=4096, split_len=512, counters=counters, **eager)  # fmt: skip
     lse = _meta(rows, heads, dtype=torch.float32)
     out32 = _meta(rows, heads, dim, dtype=torch.float32)
     record("split_k_lse", triton_kernels.decode_attention, query, key_cache, value_cache, out32,
@@ -193,7 +195,7 @@ def engine_launches(
         record("graphed", triton_kernels.decode_attention, rows_b, key_cache, value_cache, rows_b,
                tables=_meta(bucket, 64, dtype=torch.int64), table_idx=column, rows=column,
                seq_lens=_meta(bucket, dtype=torch.int32), max_seq_len=settings.max_model_len,
-               split_len=split_len, **decode)  # fmt: skip
+               split_len=split_len, counters=counters, **decode)  # fmt: skip
     hidden = shape.hidden or heads * dim
     norm = _MetaNorm(_meta(hidden, dtype=dtype), 1e-6)
     rows_h = _meta(rows, hidden, dtype=dtype)

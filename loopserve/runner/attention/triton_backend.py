@@ -33,8 +33,9 @@ from loopserve.runner.attention import triton_prefill
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
 from loopserve.runner.attention.cascade import CascadePlan, merge_partial
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
-from loopserve.runner.attention.splits import auto_split_len
 from loopserve.runner.transfers import Staged, Transfers
+
+SPLIT_COUNTERS = 4096  # (row, KV head) pairs a splitting decode launch may merge in-launch
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,18 @@ class SuffixRows:
         )
 
 
+def auto_split_len(
+    num_rows: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *, min_split: int = 128
+) -> int:
+    """Positions per decode split so that (rows x KV heads x splits) programs fill about two
+    waves of `num_sms` multiprocessors, never splitting below `min_split` positions (below
+    that the reduce costs more than the parallelism gains). >= max_seq_len means one split."""
+    programs = max(1, num_rows * num_kv_heads)
+    wanted = -(-2 * num_sms // programs)
+    splits = max(1, min(wanted, max_seq_len // min_split))
+    return -(-max_seq_len // splits) if max_seq_len else min_split
+
+
 class TritonAttention:
     """The per-call object the model's layers call (`AttentionBackend` protocol)."""
 
@@ -211,6 +224,7 @@ class TritonAttention:
             block_size=backend.block_size,
             split_len=backend.decode_split_len(meta),
             block_n=backend.decode_block_n,
+            counters=backend.split_counters,
         )
         triton_prefill.prefill_attention(
             query,
@@ -297,6 +311,9 @@ class TritonBackend(PagedAttentionBackend):
         self.write_rows = self.write_rows_for(kv_cache.device.type)
         self.split_len = split_len  # None: `auto_split_len` per call
         device = kv_cache.device
+        # Zeros the decode launch's splits count on to merge in the launch (it leaves them
+        # zeros; a graph replays with the same buffer). Calls that split have few rows.
+        self.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
         # multiprocessors to fill; on CPU (interpreter) a nominal count keeps the same logic
         self.num_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count

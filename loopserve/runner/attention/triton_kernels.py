@@ -147,6 +147,9 @@ def copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
     )
 
 
+MERGE_SPLITS = 8  # splits the in-launch merge reads at a time (a constant: one compile)
+
+
 # Per-call integers (split length, the partial buffers' strides, which depend on the split
 # count) are not specialized on: one compile serves every call of a model.
 @device_kernel(
@@ -169,6 +172,7 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counters_ptr,
     scale,
     stride_q_row,
     stride_q_head,
@@ -189,6 +193,8 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -242,6 +248,50 @@ def _decode_kernel(
         lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
         pl = i * stride_pl_row + heads * stride_pl_head + split
         tl.store(part_lse_ptr + pl, lse, mask=g_mask)
+        if MERGE:
+            # The last of this (row, KV head)'s splits to finish merges them all (what the
+            # reduce kernel would do in a launch of its own): the counter's acquire-release
+            # add orders every split's stores before its reads; it then resets the counter
+            # for the next launch (a graph replay included).
+            # Merge: every split's output weighted by exp(lse - max lse), BLOCK_S at a time.
+            counter = counters_ptr + i * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed")
+                top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for s0 in range(0, num_splits, BLOCK_S):
+                    merge_s = s0 + tl.arange(0, BLOCK_S)
+                    merge_mask = g_mask[:, None] & (merge_s[None, :] < num_splits)
+                    merge_pl = (
+                        i * stride_pl_row + heads[:, None] * stride_pl_head + merge_s[None, :]
+                    )
+                    merge_lse = tl.load(
+                        part_lse_ptr + merge_pl, mask=merge_mask, other=float("-inf")
+                    )
+                    top = tl.maximum(top, tl.max(merge_lse, axis=1))  # split 0 is never empty
+                top = tl.where(g_mask, top, 0.0)  # padding heads: no inf - inf
+                total = tl.zeros([BLOCK_G], tl.float32)
+                merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+                for s0 in range(0, num_splits, BLOCK_S):
+                    merge_s = s0 + tl.arange(0, BLOCK_S)
+                    merge_mask = g_mask[:, None] & (merge_s[None, :] < num_splits)
+                    merge_pl = (
+                        i * stride_pl_row + heads[:, None] * stride_pl_head + merge_s[None, :]
+                    )
+                    merge_lse = tl.load(
+                        part_lse_ptr + merge_pl, mask=merge_mask, other=float("-inf")
+                    )
+                    weight = tl.exp(merge_lse - top[:, None])  # [G, S]
+                    merge_po = (i * stride_po_row + heads[:, None, None] * stride_po_head
+                                + merge_s[None, :, None] * stride_po_split
+                                + d[None, None, :])  # fmt: skip
+                    parts = tl.load(part_out_ptr + merge_po, other=0.0,
+                                    mask=merge_mask[:, :, None] & d_mask[None, None, :])  # fmt: skip
+                    total += tl.sum(weight, axis=1)
+                    merged += tl.sum(weight[:, :, None] * parts, axis=1)
+                total = tl.where(g_mask, total, 1.0)  # padding heads: no 0 / 0
+                o_offs = row * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
+                tl.store(out_ptr + o_offs, (merged / total[:, None]).to(out_ptr.dtype.element_ty),
+                         mask=store_mask)  # fmt: skip
     else:
         o_offs = row * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -317,6 +367,7 @@ def decode_attention(
     split_len: int,
     block_n: int,
     lse_out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Rows `rows` [n] of query [rows, Hq, Dh] attend to positions [0, seq_lens[i]) of block
     table `tables[table_idx[i]]`; results go to the same rows of `out`. The launch runs
@@ -325,7 +376,9 @@ def decode_attention(
     row shorter than the splits' tiles leaves the rest empty); one split writes `out`
     directly.
     `lse_out` (float32 [n, Hq]): also write each row's log-sum-exp (always through the
-    split-and-reduce path, which has it)."""
+    split-and-reduce path, which has it). `counters` (int32, zeros, at least n x Hkv; left
+    zeros): with more than one split and no `lse_out`, the last split of each row and KV head
+    to finish merges the splits inside the launch instead of a second, reduce launch."""
     num_rows = rows.numel()
     if num_rows == 0:
         return
@@ -336,6 +389,12 @@ def decode_attention(
     split_len = triton.cdiv(split_len, block_n) * block_n
     num_splits = triton.cdiv(max_seq_len, split_len)
     split = num_splits > 1 or lse_out is not None
+    merge = (
+        num_splits > 1
+        and lse_out is None
+        and counters is not None
+        and counters.numel() >= num_rows * num_kv_heads
+    )
     if split:
         part_out = torch.empty(
             (num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
@@ -359,6 +418,7 @@ def decode_attention(
         out,
         part_out,
         part_lse,
+        counters if merge else part_lse,
         scale,
         query.stride(0),
         query.stride(1),
@@ -376,8 +436,10 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         SPLIT=split,
+        MERGE=merge,
+        BLOCK_S=MERGE_SPLITS,
     )
-    if split:
+    if split and not merge:
         _decode_reduce_kernel[(num_rows, num_heads)](
             part_out,
             part_lse,

@@ -156,16 +156,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def count_kernels_per_layer() -> dict:
-    """`loopserve bench kernels`' split for both families (counted by dispatch on the host,
-    the same on every machine; recorded beside the timings they explain)."""
-    from loopserve.bench.kernels import kernel_model
+    """`loopserve bench kernels`' split for both families, default and with fused linears,
+    recorded beside the timings they explain. The count is made by dispatch on the host and
+    is the same on every machine, so this reads the simulator's record of it
+    (`KERNEL_COUNTS`, `FUSED_LINEAR_KERNEL_COUNTS`), which tests/test_kernel_count.py holds
+    equal to the counter, instead of spending the GPU machine's minutes recounting."""
+    from loopserve.sim.cost_model import FUSED_LINEAR_KERNEL_COUNTS, KERNEL_COUNTS
 
     counts = {}
     for family in ("ouro", "huginn"):
-        model = kernel_model(family)
-        counts[family] = {"per_layer": model.per_layer, "per_loop": model.per_loop}
-        print(f"{family}: {model.per_layer:g} kernels per layer + {model.per_loop:g} per loop",
-              flush=True)  # fmt: skip
+        (per_layer, per_loop), fused = KERNEL_COUNTS[family], FUSED_LINEAR_KERNEL_COUNTS[family]
+        counts[family] = {"per_layer": per_layer, "per_loop": per_loop,
+                          "fused_linears": {"per_layer": fused[0], "per_loop": fused[1]}}  # fmt: skip
+        print(f"{family}: {per_layer:g} kernels per layer + {per_loop:g} per loop; "
+              f"--fused-linears {fused[0]:g} + {fused[1]:g}", flush=True)  # fmt: skip
     return counts
 
 

@@ -218,8 +218,11 @@ def run_perf(record: CheckRecord, plan: Plan, profile, profile_name: str) -> Non
         record.data["graph_decode_s"] = graph_decode or {}
         record.write()
         if plan.device.startswith("cuda"):  # the fused GEMMs run on CUDA only
+            from loopserve.runner.fused_linear import MAX_ROWS
+
+            narrow = replace(plan, decode_rows=tuple(r for r in plan.decode_rows if r <= MAX_ROWS))
             fused = record.step("graphed decode, fused linears", measure_graph_decode, model_dir,
-                                plan, {**base_args, "fused_linears": True}, eager)  # fmt: skip
+                                narrow, {**base_args, "fused_linears": True}, eager)  # fmt: skip
             record.data["graph_decode_fused_linears_s"] = fused or {}
             for rows, seconds in sorted((fused or {}).items()):
                 if rows in (graph_decode or {}):

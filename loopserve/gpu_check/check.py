@@ -218,7 +218,7 @@ def run_perf(record: CheckRecord, plan: Plan, profile, profile_name: str) -> Non
         record.data["graph_decode_s"] = graph_decode or {}
         record.write()
         if plan.device.startswith("cuda"):  # the fused GEMMs run on CUDA only
-            from loopserve.runner.fused_linear import MAX_ROWS
+            from loopserve.sim.cost_model import FUSED_LINEAR_MAX_ROWS as MAX_ROWS  # no Triton
 
             narrow = replace(plan, decode_rows=tuple(r for r in plan.decode_rows if r <= MAX_ROWS))
             fused = record.step("graphed decode, fused linears", measure_graph_decode, model_dir,

@@ -252,23 +252,12 @@ def _decode_kernel(
             # The last of this (row, KV head)'s splits to finish merges them all (what the
             # reduce kernel would do in a launch of its own): the counter's acquire-release
             # add orders every split's stores before its reads; it then resets the counter
-            # for the next launch (a graph replay included).
-            # Merge: every split's output weighted by exp(lse - max lse), BLOCK_S at a time.
+            # for the next launch (a graph replay included). Each split's output weighs
+            # exp(lse - max lse), BLOCK_S splits at a time with a running max.
             counter = counters_ptr + i * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed")
                 top = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                for s0 in range(0, num_splits, BLOCK_S):
-                    merge_s = s0 + tl.arange(0, BLOCK_S)
-                    merge_mask = g_mask[:, None] & (merge_s[None, :] < num_splits)
-                    merge_pl = (
-                        i * stride_pl_row + heads[:, None] * stride_pl_head + merge_s[None, :]
-                    )
-                    merge_lse = tl.load(
-                        part_lse_ptr + merge_pl, mask=merge_mask, other=float("-inf")
-                    )
-                    top = tl.maximum(top, tl.max(merge_lse, axis=1))  # split 0 is never empty
-                top = tl.where(g_mask, top, 0.0)  # padding heads: no inf - inf
                 total = tl.zeros([BLOCK_G], tl.float32)
                 merged = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
                 for s0 in range(0, num_splits, BLOCK_S):
@@ -280,14 +269,19 @@ def _decode_kernel(
                     merge_lse = tl.load(
                         part_lse_ptr + merge_pl, mask=merge_mask, other=float("-inf")
                     )
-                    weight = tl.exp(merge_lse - top[:, None])  # [G, S]
+                    # Split 0 is never empty, so the max is finite from the first tile on;
+                    # padding heads (all -inf) take 0, not inf - inf.
+                    new_top = tl.where(g_mask, tl.maximum(top, tl.max(merge_lse, axis=1)), 0.0)
+                    rescale = tl.exp(top - new_top)
+                    weight = tl.exp(merge_lse - new_top[:, None])  # [G, S]
                     merge_po = (i * stride_po_row + heads[:, None, None] * stride_po_head
                                 + merge_s[None, :, None] * stride_po_split
                                 + d[None, None, :])  # fmt: skip
                     parts = tl.load(part_out_ptr + merge_po, other=0.0,
                                     mask=merge_mask[:, :, None] & d_mask[None, None, :])  # fmt: skip
-                    total += tl.sum(weight, axis=1)
-                    merged += tl.sum(weight[:, :, None] * parts, axis=1)
+                    total = total * rescale + tl.sum(weight, axis=1)
+                    merged = merged * rescale[:, None] + tl.sum(weight[:, :, None] * parts, axis=1)
+                    top = new_top
                 total = tl.where(g_mask, total, 1.0)  # padding heads: no 0 / 0
                 o_offs = row * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
                 tl.store(out_ptr + o_offs, (merged / total[:, None]).to(out_ptr.dtype.element_ty),

@@ -234,3 +234,24 @@ def test_simulate_defaults_to_the_models_own_exits_and_names_a_workload_too_long
     error = capsys.readouterr().err
     assert "exceed the simulated model's 4096" in error and "--input-len" in error
     assert "Traceback" not in error
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--policies", "full_depth", "--exit-dist", "nosuch"], "unknown exit distribution"),
+        (["--fused-linears"], "--kernel-us"),
+        (["--kernels-per-layer", "5"], "--kernel-us"),
+    ],
+)
+def test_simulate_refuses_flags_it_would_ignore(flags, message, tmp_path, capsys):
+    """A bad --exit-dist with full_depth alone ran (no arm sampled it), and the kernel
+    pricing flags without --kernel-us priced nothing: each is a usage error now, before any
+    simulation runs."""
+    from loopserve.cli.main import main
+
+    argv = ["simulate", "--dataset", "synthetic", "--num-requests", "1", "--input-len", "8",
+            "--output-len", "8", "--output-dir", str(tmp_path), "--no-progress", *flags]  # fmt: skip
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "simulate.json").exists()

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from loopserve.engine_args import engine_args_from
+from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
 from loopserve.models.huginn import HuginnConfig
 from loopserve.sim.args import SIM_ENGINE_ARGS
@@ -44,6 +45,7 @@ from loopserve.sim.scenarios import (
 )
 from loopserve.sim.sweep import PointResult, SweepSetup, find_capacity, get_arm, run_point
 from loopserve.sim.workload import WorkloadSpec, sample_lengths
+from loopserve.workloads.exits import exit_distribution
 from loopserve.workloads.progress import progress_bar
 
 
@@ -160,6 +162,13 @@ def main_from_args(args: argparse.Namespace) -> int:
     model_config = sim_model_config(args.model_config)
     if args.exit_dist is None:
         args.exit_dist = default_exit_dist(model_config)
+    # Checked here, not only where an arm samples it: a run of full_depth alone accepted any.
+    exit_distribution(args.exit_dist, model_config.num_loops)
+    if args.kernel_us <= 0 and (args.fused_linears or args.kernels_per_layer is not None):
+        raise ConfigError(
+            "--fused-linears and --kernels-per-layer change how kernels are priced; price them "
+            "with --kernel-us (e.g. --kernel-us 1.5)"
+        )
     device = (
         get_device_profile(args.device_profile)
         if args.calibration is None

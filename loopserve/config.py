@@ -308,6 +308,11 @@ def _check_batch_invariant(config: EngineConfig) -> None:
             "context to the bucket's bound, which changes the row's reduction; use "
             "graph_mode='auto' (eager in this mode) or 'off'"
         )
+    if config.fused_linears:
+        raise ConfigError(
+            "batch_invariant=True cannot run fused_linears=True: the fused GEMMs take a call's "
+            "rows in one tile, so a row's sums depend on the call; turn one of them off"
+        )
 
 
 def effective_graph_mode(config: EngineConfig) -> str:

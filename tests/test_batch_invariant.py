@@ -132,6 +132,8 @@ def test_batch_invariant_rejects_triton_and_graph_buckets_and_avoids_them_on_aut
         make_engine(tiny_dir, batch_invariant=True, attention_backend="triton")
     with pytest.raises(ConfigError, match="graph_mode='emulate'"):
         make_engine(tiny_dir, batch_invariant=True, graph_mode="emulate")
+    with pytest.raises(ConfigError, match="fused_linears=True"):  # one tile of a call's rows
+        make_engine(tiny_dir, batch_invariant=True, fused_linears=True)
     # On CUDA, 'auto' picks torch attention and eager execution in this mode.
     assert resolve_attention_backend("auto", "cuda:0", batch_invariant=True) == "torch"
     assert resolve_attention_backend("auto", "cuda:0") == "triton"

@@ -259,3 +259,12 @@ def test_huginn_with_fused_linears_matches_its_torch_path(tmp_path, monkeypatch)
     for request_id, *_ in work:
         ref, out = references[request_id], finished[request_id]
         assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+
+
+def test_fused_linears_on_a_cpu_engine_say_they_run_on_cuda_only(tiny_dir, caplog):
+    """The option on a CPU engine: a warning naming the device, and the torch path runs
+    (nothing installed)."""
+    with caplog.at_level("WARNING", logger="loopserve.runner.model_runner"):
+        engine = make_engine(tiny_dir, fused_linears=True)
+    assert "fused_linears runs on CUDA only; on cpu" in caplog.text
+    assert engine.model.fused_linear is None and engine.model.add_norm_norm is None

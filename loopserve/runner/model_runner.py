@@ -98,14 +98,20 @@ class ModelRunner(Executor):
         if options.batch_invariant:
             make_batch_invariant(model)
             model.make_rows_invariant()
+        elif options.fused_linears and not model.lm_head.weight.is_cuda:
+            logger.warning(
+                "fused_linears runs on CUDA only; on %s the model runs its torch path",
+                model.lm_head.weight.device,
+            )
         elif model.lm_head.weight.is_cuda:
             # Each residual add and the norms around it, the rotary embedding, SiLU-and-
             # multiply: one kernel each (on CUDA, with Triton installed; the CPU torch path
             # stays the oracle, tests/test_fused_norms.py, tests/test_fused_ops.py).
             try:
                 from loopserve.runner.fused_ops import install_fused_kernels
-            except ImportError:
-                pass  # no Triton: the torch ops
+            except ImportError:  # no Triton: the torch ops
+                if options.fused_linears:
+                    logger.warning("fused_linears needs Triton (not installed): the torch ops run")
             else:
                 install_fused_kernels(model, linears=options.fused_linears)
         self.model, self.options = model, options

@@ -104,3 +104,15 @@ def test_a_one_row_call_merges_its_split_attention_in_the_same_launch():
     one, four = count_kernels("ouro", rows=1), count_kernels("ouro")
     assert "triton.decode_reduce_kernel" not in one.by_op
     assert one.kernels_per_loop == four.kernels_per_loop
+
+
+def test_bench_kernels_refuses_rows_it_cannot_count_as_asked(capsys):
+    """`--rows 0` named the engine's max_num_seqs; `--fused-linears` with more rows than the
+    fused path takes counted the merged GEMMs under the fused label."""
+    from loopserve.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "kernels", "--rows", "0"])
+    assert exit_info.value.code == 2 and "argument --rows" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--rows", str(MAX_ROWS + 1), "--fused-linears"]) == 2
+    assert f"up to {MAX_ROWS} rows" in capsys.readouterr().err

@@ -11,7 +11,13 @@ import argparse
 import math
 
 from loopserve.engine_args import MODEL_ID_ARGS, add_engine_args
-from loopserve.workloads.args import add_output_args, add_progress_arg, arm_list, int_list
+from loopserve.workloads.args import (
+    add_output_args,
+    add_progress_arg,
+    arm_list,
+    int_list,
+    positive_int,
+)
 from loopserve.workloads.exits import NAMED_EXIT_DISTRIBUTIONS
 
 ENDPOINT_NAMES = ("chat", "completions")
@@ -247,7 +253,7 @@ def add_kernels_args(parser) -> None:
     """Flags of `loopserve bench kernels` (`loopserve.bench.kernels`)."""
     parser.add_argument("--family", choices=("ouro", "huginn"), default="ouro",
                         help="the tiny checkpoint's family")  # fmt: skip
-    parser.add_argument("--rows", type=int, default=4, help="rows of the decode call")
+    parser.add_argument("--rows", type=positive_int, default=4, help="rows of the decode call")
     parser.add_argument("--attention-backend", choices=("triton", "torch"), default="triton",
                         help="the attention backend counted (CUDA resolves to triton)")  # fmt: skip
     parser.add_argument("--fused-linears", action="store_true",

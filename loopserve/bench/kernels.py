@@ -34,9 +34,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from loopserve.engine.llm_engine import LLMEngine
+from loopserve.errors import ConfigError
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.models.tiny import make_tiny_checkpoint
 from loopserve.runner.attention.triton_jit import DeviceKernel
+from loopserve.runner.fused_linear import MAX_ROWS as FUSED_MAX_ROWS
 from loopserve.runner.fused_ops import install_fused_kernels
 from loopserve.sampling_params import SamplingParams
 
@@ -221,6 +223,11 @@ def kernel_model(
 def main_from_args(args) -> int:
     torch.set_num_threads(1)
     backend, fused = args.attention_backend, args.fused_linears
+    if fused and args.rows > FUSED_MAX_ROWS:
+        raise ConfigError(
+            f"--fused-linears runs calls of up to {FUSED_MAX_ROWS} rows; --rows {args.rows} "
+            "would count the merged GEMMs it keeps for wider calls"
+        )
     count = count_kernels(
         args.family, rows=args.rows, attention_backend=backend, fused_linears=fused
     )

@@ -254,8 +254,12 @@ def _decode_kernel(
             # add orders every split's stores before its reads; it then resets the counter
             # for the next launch (a graph replay included). Each split's output weighs
             # exp(lse - max lse), BLOCK_S splits at a time with a running max.
+            # Every thread of the program has stored its part before the (one-thread) add
+            # releases them; the merge reads around L1 (".cg"), which may hold lines of the
+            # partial buffers another split wrote since.
             counter = counters_ptr + i * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.debug_barrier()
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 tl.atomic_xchg(counter, 0, sem="relaxed")
                 top = tl.full([BLOCK_G], float("-inf"), tl.float32)
                 total = tl.zeros([BLOCK_G], tl.float32)
@@ -267,8 +271,9 @@ def _decode_kernel(
                         i * stride_pl_row + heads[:, None] * stride_pl_head + merge_s[None, :]
                     )
                     merge_lse = tl.load(
-                        part_lse_ptr + merge_pl, mask=merge_mask, other=float("-inf")
-                    )
+                        part_lse_ptr + merge_pl, mask=merge_mask, other=float("-inf"),
+                        cache_modifier=".cg",
+                    )  # fmt: skip
                     # Split 0 is never empty, so the max is finite from the first tile on;
                     # padding heads (all -inf) take 0, not inf - inf.
                     new_top = tl.where(g_mask, tl.maximum(top, tl.max(merge_lse, axis=1)), 0.0)
@@ -277,7 +282,7 @@ def _decode_kernel(
                     merge_po = (i * stride_po_row + heads[:, None, None] * stride_po_head
                                 + merge_s[None, :, None] * stride_po_split
                                 + d[None, None, :])  # fmt: skip
-                    parts = tl.load(part_out_ptr + merge_po, other=0.0,
+                    parts = tl.load(part_out_ptr + merge_po, other=0.0, cache_modifier=".cg",
                                     mask=merge_mask[:, :, None] & d_mask[None, None, :])  # fmt: skip
                     total = total * rescale + tl.sum(weight, axis=1)
                     merged = merged * rescale[:, None] + tl.sum(weight[:, :, None] * parts, axis=1)

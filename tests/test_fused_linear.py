@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from loopserve.models import load_model
 from loopserve.models.huginn import HuginnRMSNorm, apply_interleaved_rope, interleaved_rope_tables
 from loopserve.models.ouro import RMSNorm, RotaryEmbedding, apply_rope
 
@@ -268,3 +269,24 @@ def test_fused_linears_on_a_cpu_engine_say_they_run_on_cuda_only(tiny_dir, caplo
         engine = make_engine(tiny_dir, fused_linears=True)
     assert "fused_linears runs on CUDA only; on cpu" in caplog.text
     assert engine.model.fused_linear is None and engine.model.add_norm_norm is None
+
+
+def test_the_rotary_tables_cover_the_engines_length_not_the_models(tiny_dir, tmp_path):
+    """The fused path's cos/sin tables (read by position) hold the engine's max_model_len
+    positions when given, not the checkpoint's maximum (Ouro-1.4B's 65,536 would be 32 MB);
+    rows equal the per-call tables at those positions."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopserve.runner.fused_ops import install_fused_kernels
+
+    ouro = load_model(str(tiny_dir))
+    ouro.merge_projections()
+    install_fused_kernels(ouro, linears=True, max_positions=100)
+    cos, sin = ouro._rope_tables
+    assert cos.shape[0] == sin.shape[0] == 100
+    want = ouro.rotary(torch.tensor([0, 57, 99]), cos.dtype)
+    assert torch.equal(cos[[0, 57, 99]], want[0]) and torch.equal(sin[[0, 57, 99]], want[1])
+    install_fused_kernels(ouro, linears=True)  # no bound: the checkpoint's
+    assert ouro._rope_tables[0].shape[0] == ouro.config.max_position_embeddings
+    huginn = load_model(str(make_tiny_huginn_checkpoint(tmp_path)))
+    install_fused_kernels(huginn, linears=True, max_positions=50)
+    assert huginn._rope_tables[0].shape[0] == 50

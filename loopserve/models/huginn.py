@@ -402,17 +402,22 @@ class HuginnForLoopedLM(nn.Module):
             elif isinstance(block, HuginnMLP):
                 block.silu_mul = silu_mul
 
-    def use_fused_linears(self, fused_linear, max_rows: int = 0) -> None:
+    def use_fused_linears(
+        self, fused_linear, max_rows: int = 0, max_positions: int | None = None
+    ) -> None:
         """Run core steps of up to `max_rows` rows through `fused_linear` (the runner's,
         `runner/fused_linear.py`): each core block in 5 launches (`forward_fused_linear`).
         Needs the fused norms and rotary; None: back to them. The prelude and coda (once per
         token) keep their path. The rotary's cos/sin tables are computed here for every
-        position (`rope`'s operations), so a step launches no table kernels."""
+        position (`rope`'s operations) up to `max_positions` (the engine's length bound;
+        None: the model's), so a step launches no table kernels."""
         self.fused_linear, self.fused_linear_rows = fused_linear, max_rows
         self._rope_tables = None
         if fused_linear is not None:
             device = self.lm_head.weight.device
-            self._rope_tables = self.rope(torch.arange(self.config.block_size, device=device))
+            limit = self.config.block_size
+            positions = torch.arange(min(limit, max_positions or limit), device=device)
+            self._rope_tables = self.rope(positions)
 
     def _fuses_linears(self, rows: int) -> bool:
         first = self.transformer.core_block[0]

@@ -306,17 +306,21 @@ class OuroForLoopedLM(nn.Module):
             layer.self_attn.rope_qkv = rope_qkv
             layer.mlp.silu_mul = silu_mul
 
-    def use_fused_linears(self, fused_linear: Callable | None, max_rows: int = 0) -> None:
+    def use_fused_linears(
+        self, fused_linear: Callable | None, max_rows: int = 0, max_positions: int | None = None
+    ) -> None:
         """Run core calls of up to `max_rows` rows through `fused_linear` (the runner's,
         `runner/fused_linear.py`): each layer in 5 launches (`forward_fused_linear`). Needs
         the merged projections and the fused norms; None: back to them. The rotary's cos/sin
         tables are computed here for every position (the same operations as per call), so
-        a loop launches no table kernels: the fused GEMM reads each row's by its position."""
+        a loop launches no table kernels: the fused GEMM reads each row's by its position.
+        `max_positions`: the engine's length bound (None: the model's)."""
         self.fused_linear, self.fused_linear_rows = fused_linear, max_rows
         self._rope_tables = None
         if fused_linear is not None:
             param = self.lm_head.weight
-            every = torch.arange(self.config.max_position_embeddings, device=param.device)
+            limit = self.config.max_position_embeddings
+            every = torch.arange(min(limit, max_positions or limit), device=param.device)
             self._rope_tables = self.rotary(every, param.dtype)
 
     def make_rows_invariant(self) -> None:

@@ -196,10 +196,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def install_fused_kernels(model, *, linears: bool = False) -> None:
+def install_fused_kernels(
+    model, *, linears: bool = False, max_positions: int | None = None
+) -> None:
     """Give `model` the fused kernels its math takes (`use_fused_norms`, `use_fused_ops`,
-    and with `linears` `use_fused_linears`, where it has them). Importing this module needs
-    Triton: the runner imports it lazily."""
+    and with `linears` `use_fused_linears`, its rotary tables up to `max_positions`, where
+    it has them). Importing this module needs Triton: the runner imports it lazily."""
     from loopserve.runner import fused_linear
     from loopserve.runner.fused_norms import add_norm_norm
 
@@ -208,4 +210,4 @@ def install_fused_kernels(model, *, linears: bool = False) -> None:
     if hasattr(model, "use_fused_ops"):
         model.use_fused_ops(rope_qkv, silu_mul)
     if linears and hasattr(model, "use_fused_linears"):
-        model.use_fused_linears(fused_linear.fused_linear, fused_linear.MAX_ROWS)
+        model.use_fused_linears(fused_linear.fused_linear, fused_linear.MAX_ROWS, max_positions)

@@ -113,7 +113,9 @@ class ModelRunner(Executor):
                 if options.fused_linears:
                     logger.warning("fused_linears needs Triton (not installed): the torch ops run")
             else:
-                install_fused_kernels(model, linears=options.fused_linears)
+                install_fused_kernels(
+                    model, linears=options.fused_linears, max_positions=options.max_model_len
+                )
         self.model, self.options = model, options
         self.num_loops = model.num_loops
         self.block_size = options.block_size

@@ -121,7 +121,6 @@ def _counting_triton(launches: Counter[str]):
 TINY_CORE_LAYERS = {"ouro": 2, "huginn": 4}  # the tiny checkpoints' core depth
 
 
-@functools.lru_cache(maxsize=16)  # deterministic per arguments: counted once per process
 def count_kernels(
     family: str = "ouro",
     *,
@@ -133,15 +132,24 @@ def count_kernels(
     """Kernels of one graphed decode loop of `rows` rows on a tiny `family` checkpoint (its
     core with `num_layers` layers; None: the tiny default, 2 for Ouro, 4 for Huginn), with
     the model as the loader and runner prepare it for CUDA (`fused_linears`: as the runner
-    option of that name prepares it)."""
+    option of that name prepares it). Counted once per process for each distinct count,
+    however the arguments are spelled."""
+    layers = TINY_CORE_LAYERS[family] if num_layers is None else num_layers
+    return _count_kernels(family, rows, layers, attention_backend, fused_linears)
+
+
+@functools.lru_cache(maxsize=16)  # deterministic per arguments: counted once per process
+def _count_kernels(
+    family: str, rows: int, num_layers: int, attention_backend: str, fused_linears: bool
+) -> KernelCount:
     with tempfile.TemporaryDirectory() as directory:
         if family == "huginn":
-            layers = {} if num_layers is None else {"n_layers_in_recurrent_block": num_layers}
             # Two steps per token: a loop's kernels do not depend on r, the prompt's time does.
-            model_dir = make_tiny_huginn_checkpoint(Path(directory), mean_recurrence=2, **layers)
+            model_dir = make_tiny_huginn_checkpoint(
+                Path(directory), mean_recurrence=2, n_layers_in_recurrent_block=num_layers
+            )
         else:
-            layers = {} if num_layers is None else {"num_layers": num_layers}
-            model_dir = make_tiny_checkpoint(Path(directory), seed=0, **layers)
+            model_dir = make_tiny_checkpoint(Path(directory), seed=0, num_layers=num_layers)
         # The Triton backend on CPU runs interpreted (the engine asks for this switch).
         interpret = {"TRITON_INTERPRET": "1"} if attention_backend == "triton" else {}
         with mock.patch.dict(os.environ, interpret):
@@ -204,18 +212,13 @@ def kernel_model(
     attention_backend: str = "triton",
     fused_linears: bool = False,
 ) -> KernelModel:
-    """Count at 2 and 4 core layers and split the count (the tiny default depth, 2 for Ouro
-    and 4 for Huginn, counted as the default so that `count_kernels(family)` reuses it)."""
-    default = TINY_CORE_LAYERS[family]
+    """Count at 2 and 4 core layers and split the count (one of them is the tiny default
+    depth, which `count_kernels(family)` shares)."""
     count = functools.partial(
         count_kernels, family, rows=rows, attention_backend=attention_backend,
         fused_linears=fused_linears,
     )  # fmt: skip
-
-    def at(layers: int) -> KernelCount:
-        return count(num_layers=None if layers == default else layers)
-
-    small, large = at(2), at(4)
+    small, large = count(num_layers=2), count(num_layers=4)
     per_layer = (large.kernels_per_loop - small.kernels_per_loop) / 2
     return KernelModel(family, per_layer, small.kernels_per_loop - per_layer * 2)
 

@@ -6,16 +6,19 @@ norms and ops an Ouro layer is 9 launches: two add-and-norms, the q/k/v GEMM, th
 with the K/V write, attention, o_proj, gate/up, SiLU-and-multiply, down_proj.
 `fused_linear` folds each elementwise neighbour of a GEMM into it:
 
-- prologue `add_norm`: the residual add of the previous branch's normed output and the norm
-  of the result, computed per K chunk from the raw inputs (each program recomputes the rows'
-  two sums of squares first; the activations are a few KB, read from L2); program 0 stores
-  the new residual;
+- prologue `add_norm`: the residual add of the previous branch's normed output (Ouro's
+  `residual + norm_a(branch)`, or Huginn's `norm_a(branch + residual)`) and the norm of the
+  result, computed per K chunk from the raw inputs (each program recomputes the rows' two
+  sums of squares first; the activations are a few KB, read from L2); program 0 stores the
+  new residual;
 - prologue `silu`: silu(gate) x up of a merged gate/up output, as the A operand of
   down_proj;
-- epilogue `rope`: each program owns `BLOCK_N` columns of one head's lower half and the
-  matching columns of its upper half, so the rotate-half rotary is applied to the GEMM's
-  output tile, q goes to its buffer and rotated k and v to the attention backend's caches
-  at each row's slot (`rope_qkv`'s interface: `attend_rotated` calls it).
+- epilogue `rope`: each program owns `BLOCK_N` rotary pairs of one head (their first
+  elements in one accumulator, their partners in another: j and j + D/2 for rotate-half,
+  2j and 2j + 1 for interleaved), so the rotary is applied to the GEMM's output tile, q
+  goes to its buffer and rotated k and v to the attention backend's caches at each row's
+  slot (`rope_qkv`'s interface: `attend_rotated` calls it); cos/sin either per row or
+  tables over every position read by each row's position.
 
 So a layer is: [add+norm+q/k/v+rotary+K/V write] [attention] [o_proj] [add+norm+gate/up]
 [SiLU+down_proj] = 5 launches, and a loop's first norm folds into its first GEMM.
@@ -323,7 +326,8 @@ def fused_linear(
         x_arg, residual if residual is not None else x_arg,
         weight if norm_a is None else norm_a.weight, weight if norm_b is None else norm_b.weight,
         weight, out, weight if out_res is None else out_res, cos, sin,
-        weight if bias is None else bias.contiguous(), weight if positions is None else positions,
+        weight if bias is None else bias.contiguous(),
+        weight if positions is None else positions.contiguous(),
         slots, key_out, value_out,
         rows, n_out, x_arg.stride(0), stride_table, stride_kv,
         1e-6 if norm_a is None else norm_a.eps, 1e-6 if norm_b is None else norm_b.eps,

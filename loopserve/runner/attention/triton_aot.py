@@ -237,7 +237,7 @@ def engine_launches(
                    norm_b=norm, positions=positions, cache=cache, **family)  # fmt: skip
         record("linear_gate_up", fused_linear, few, w_gate_up, residual=few, norm_a=norm,
                norm_b=norm, norm_sum=family.get("norm_sum", False))  # fmt: skip
-    record("linear_down", fused_linear, _meta(min(rows, MAX_ROWS), 2 * inner, dtype=dtype),
+    record("linear_down", fused_linear, _meta(n_few, 2 * inner, dtype=dtype),
            _meta(hidden, inner, dtype=dtype), silu=True)  # fmt: skip
     return recorded
 

@@ -250,13 +250,12 @@ def _decode_kernel(
         tl.store(part_lse_ptr + pl, lse, mask=g_mask)
         if MERGE:
             # The last of this (row, KV head)'s splits to finish merges them all (what the
-            # reduce kernel would do in a launch of its own): the counter's acquire-release
-            # add orders every split's stores before its reads; it then resets the counter
-            # for the next launch (a graph replay included). Each split's output weighs
-            # exp(lse - max lse), BLOCK_S splits at a time with a running max.
-            # Every thread of the program has stored its part before the (one-thread) add
-            # releases them; the merge reads around L1 (".cg"), which may hold lines of the
-            # partial buffers another split wrote since.
+            # reduce kernel would do in a launch of its own) and resets the counter for the
+            # next launch (a graph replay included). The barrier puts every thread's stores
+            # before the one-thread acquire-release add that publishes them; the merge reads
+            # around L1 (".cg"), which may hold lines of partials another split wrote since.
+            # Each split's output weighs exp(lse - max lse), BLOCK_S splits at a time with a
+            # running max.
             counter = counters_ptr + i * tl.num_programs(1) + kv_head
             tl.debug_barrier()
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:

@@ -290,3 +290,36 @@ def test_the_rotary_tables_cover_the_engines_length_not_the_models(tiny_dir, tmp
     huginn = load_model(str(make_tiny_huginn_checkpoint(tmp_path)))
     install_fused_kernels(huginn, linears=True, max_positions=50)
     assert huginn._rope_tables[0].shape[0] == 50
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_the_memory_plan_reserves_the_rotary_tables(family, tiny_dir, tmp_path, monkeypatch):
+    """On CUDA the blocks are sized before the runner builds the fused linears' cos/sin
+    tables, so the plan reserves their bytes: with `fused_linears` the KV budget is smaller
+    by exactly what the tables take (counted from the tensors the model builds), and not
+    at all without it. The device profile is stubbed: the sizing is host arithmetic."""
+    from loopserve.config import EngineConfig
+    from loopserve.engine import model_setup
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopserve.runner.memory_profile import CudaMemoryProfile
+
+    path = tiny_dir if family == "ouro" else make_tiny_huginn_checkpoint(tmp_path)
+    model = load_model(str(path))
+    profile = CudaMemoryProfile(total_bytes=1 << 30, peak_bytes=1 << 28, graph_bytes=0)
+    monkeypatch.setattr(model_setup, "profile_cuda_memory", lambda *a, **kw: profile)
+
+    def plan(fused: bool) -> tuple[int, int]:
+        config = EngineConfig.from_engine_args(
+            model=str(path), device="cuda", block_size=16, fused_linears=fused,
+            enable_prefix_caching=False,
+        )  # fmt: skip
+        cache, per_block, inflight = model_setup.size_kv_cache(config, model, 777)
+        return cache.num_blocks, budget - inflight, per_block
+
+    budget = int((1 << 30) * 0.9) - (1 << 28)  # total x utilization 0.9, less the peak
+    model.use_fused_linears(lambda *a, **kw: None, 16, 777)
+    tables = sum(t.numel() * t.element_size() for t in model._rope_tables)
+    assert tables == model.rope_table_bytes(777) > 0
+    (with_tables, _, _), (without, free, per_block) = plan(True), plan(False)
+    assert without == free // per_block
+    assert with_tables == (free - tables) // per_block < without

@@ -94,6 +94,11 @@ def size_kv_cache(config: EngineConfig, model, max_model_len: int):
         )
     inflight_rows = max_inflight_rows(config, model.num_loops)
     inflight_hidden_bytes = inflight_rows * model.config.hidden_size * element_size
+    # The fused linears' rotary tables (every position up to max_model_len) come after the
+    # profile, with the runner: reserved here so that the blocks leave room for them.
+    table_bytes = 0
+    if config.fused_linears and config.device.startswith("cuda"):
+        table_bytes = getattr(model, "rope_table_bytes", lambda _: 0)(max_model_len)
     # With prefix caching, the runner's score store keeps one hidden vector per KV slot
     # (prompt rows' last-loop outputs): sized with the blocks.
     store_bytes = 0
@@ -103,7 +108,7 @@ def size_kv_cache(config: EngineConfig, model, max_model_len: int):
         config.cache,
         bytes_per_block=bytes_per_block + store_bytes,
         free_bytes=None,
-        reserved_bytes=inflight_hidden_bytes,
+        reserved_bytes=inflight_hidden_bytes + table_bytes,
         budget_bytes=budget,
     )
     return cache, bytes_per_block, inflight_hidden_bytes

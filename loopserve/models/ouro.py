@@ -319,9 +319,18 @@ class OuroForLoopedLM(nn.Module):
         self._rope_tables = None
         if fused_linear is not None:
             param = self.lm_head.weight
-            limit = self.config.max_position_embeddings
-            every = torch.arange(min(limit, max_positions or limit), device=param.device)
+            every = torch.arange(self._table_positions(max_positions), device=param.device)
             self._rope_tables = self.rotary(every, param.dtype)
+
+    def _table_positions(self, max_positions: int | None) -> int:
+        limit = self.config.max_position_embeddings
+        return min(limit, max_positions or limit)
+
+    def rope_table_bytes(self, max_positions: int | None) -> int:
+        """Device bytes of the cos/sin tables `use_fused_linears` keeps (the memory plan
+        reserves them): two [positions, head_dim] tables in the model's dtype."""
+        element = self.lm_head.weight.element_size()
+        return 2 * self._table_positions(max_positions) * self.config.head_dim * element
 
     def make_rows_invariant(self) -> None:
         """Back to one linear per projection: the runner made those row by row (a merged

@@ -99,30 +99,30 @@ def test_a_mixed_workload_triggers_one_compile_per_kernel_form(tiny_dir, monkeyp
     assert by_kernel.get("_decode_reduce_kernel", 0) <= 3
 
 
-@pytest.mark.parametrize("family", ["ouro", "huginn"])
-def test_every_form_the_engine_launches_is_in_the_compiled_set(family, tmp_path, monkeypatch):
-    """The engine as it runs on CUDA (decode graphs, merged projections, every fused kernel,
-    the Triton backend; interpreted here) on a mixed workload: each kernel form it launches
-    (`launch_form`: kernel, tensor dtypes, constexprs, warps and stages) is one that
-    `engine_launches` compiles at the model's shape with the backend's own settings, so the
-    ahead-of-time sweep at a GPU's settings misses no form the engine takes there."""
+def _launched_and_compiled(family, tmp_path, *, linears=False, lengths=(2, 9, 1), small=False):
+    """(forms the engine launched on a mixed workload, forms `engine_launches` compiles at
+    the model's shape with the backend's own settings). `small`: one layer per block and
+    two loops (forms do not depend on either; interpreted launches cost per program)."""
     from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
     from loopserve.models.tiny import make_tiny_checkpoint
     from loopserve.runner.fused_ops import install_fused_kernels
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     if family == "huginn":
-        model_dir = make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=2)
+        layers = dict(n_layers_in_prelude=1, n_layers_in_recurrent_block=1, n_layers_in_coda=1)
+        model_dir = make_tiny_huginn_checkpoint(
+            tmp_path, mean_recurrence=2, **(layers if small else {})
+        )
     else:
-        model_dir = make_tiny_checkpoint(tmp_path, seed=0)
+        layers = dict(num_layers=1, total_ut_steps=2)
+        model_dir = make_tiny_checkpoint(tmp_path, seed=0, **(layers if small else {}))
     engine = make_engine(model_dir, attention_backend="triton", graph_mode="emulate",
                          prefill_mode="wavefront", mixed_prefill_decode=True, max_num_seqs=4)  # fmt: skip
     model = engine.model
     if hasattr(model, "merge_projections"):
         model.merge_projections()
-    install_fused_kernels(model)
+    install_fused_kernels(model, linears=linears, max_positions=engine.max_model_len)
     work = []
-    for i, length in enumerate([2, 9, 1]):
+    for i, length in enumerate(lengths):
         params = SamplingParams(max_tokens=3 + i % 2, temperature=0.0, exit_threshold=0.5,
                                 ignore_eos=True)  # fmt: skip
         work.append((f"f{i}", [(11 * i + j) % 200 + 3 for j in range(length)], params, i))
@@ -143,8 +143,38 @@ def test_every_form_the_engine_launches_is_in_the_compiled_set(family, tmp_path,
     )  # fmt: skip
     compiled = {triton_aot.launch_form(lch) for _, lch in
                 triton_aot.engine_launches(shape, 90, settings=settings)}  # fmt: skip
+    return launched, compiled
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_every_form_the_engine_launches_is_in_the_compiled_set(family, tmp_path, monkeypatch):
+    """The engine as it runs on CUDA (decode graphs, merged projections, every fused kernel,
+    the Triton backend; interpreted here) on a mixed workload: each kernel form it launches
+    (`launch_form`: kernel, tensor dtypes, constexprs, warps and stages) is one that
+    `engine_launches` compiles at the model's shape with the backend's own settings, so the
+    ahead-of-time sweep at a GPU's settings misses no form the engine takes there."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launched, compiled = _launched_and_compiled(family, tmp_path)
     kernels = {form[0] for form in launched}
     assert {"_rope_qkv_kernel", "_decode_kernel", "_prefill_kernel"} <= kernels
+    missing = launched - compiled
+    assert missing == set(), "\n".join(map(str, sorted(missing)))
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_every_form_the_fused_linears_launch_is_in_the_compiled_set(family, tmp_path, monkeypatch):
+    """The same with `fused_linears` (calls of up to 16 rows run each layer's GEMMs fused),
+    their tiles chosen as on a GPU (`WIDE_TILES_ON_CPU` off): every fused GEMM form the
+    engine launches, and every other, is in the compiled set."""
+    from loopserve.runner import fused_linear
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fused_linear, "WIDE_TILES_ON_CPU", False)
+    launched, compiled = _launched_and_compiled(
+        family, tmp_path, linears=True, lengths=(2,), small=True
+    )
+    fused = {form for form in launched if form[0] == "_fused_linear_kernel"}
+    assert len(fused) >= 3  # q/k/v with the K/V write, gate/up, down at least
     missing = launched - compiled
     assert missing == set(), "\n".join(map(str, sorted(missing)))
 

@@ -241,12 +241,20 @@ def fits(rows: int, weight: torch.Tensor) -> bool:
     return 0 < rows <= MAX_ROWS and weight.is_contiguous()
 
 
-def _block_n(n_out: int, device: torch.device) -> int:
-    """Columns per program: on a GPU the widest of 64, 32, 16 that still gives ~2 programs
-    per SM of a 132-SM GPU (decode GEMMs are weight reads; too few programs leave SMs idle);
-    under the interpreter, where each program runs in Python, the widest."""
-    if device.type == "cpu":
-        return 64
+# Under the interpreter each program runs in Python: the widest tiles there (the fewest
+# programs). The launch-form test turns it off to launch what a GPU launches.
+WIDE_TILES_ON_CPU = True
+
+
+def _block_n(n_out: int, device: torch.device, head_dim: int | None = None) -> int:
+    """Columns (with `head_dim`: rotary pairs of one head) per program. On a GPU the widest
+    of 64, 32, 16 that still gives ~2 programs per SM of a 132-SM GPU (decode GEMMs are
+    weight reads; too few programs leave SMs idle), 16 pairs for the rotary epilogue; on
+    the CPU (`WIDE_TILES_ON_CPU`) the widest."""
+    if device.type == "cpu" and WIDE_TILES_ON_CPU:
+        return 64 if head_dim is None else max(16, min(64, triton.next_power_of_2(head_dim // 2)))
+    if head_dim is not None:
+        return 16
     for block in (64, 32):
         if n_out // block >= 264:
             return block
@@ -308,9 +316,7 @@ def fused_linear(
         assert bias is None or (interleaved and num_heads == num_kv_heads)
         cos, sin = cos.contiguous(), sin.contiguous()
         stride_table = cos.stride(0)
-        block_n = 16
-        if weight.device.type == "cpu":  # interpreted: the fewest programs
-            block_n = max(16, min(64, triton.next_power_of_2(head_dim // 2)))
+        block_n = _block_n(n_out, weight.device, head_dim)
         out = q = weight.new_empty((rows, num_heads, head_dim))
         if cache is None:
             k = key_out = weight.new_empty((rows, num_kv_heads, head_dim))

@@ -2,7 +2,8 @@
 
 A Prometheus binary from the Debian package (`deploy/prometheus/install.sh` puts one in
 .cache/prometheus; one on PATH or in $LOOPSERVE_PROMETHEUS works too; without one the test
-skips) scrapes the server on loopback every second while a short bounded load runs; then
+skips) scrapes the server on loopback every second while a short bounded load runs (from
+its first scrape on); then
 every query of every panel of deploy/grafana/loopserve.json is evaluated through
 Prometheus's HTTP API and must return data."""
 
@@ -49,6 +50,20 @@ def _queries(served_name: str) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
+def _wait_for_a_scrape(api: str) -> None:
+    """Until Prometheus has scraped the server once (`up` is 1); bounded, not timed."""
+    deadline_s = time.monotonic() + 60
+    while time.monotonic() < deadline_s:
+        try:
+            result = httpx.get(api, params={"query": "up"}, timeout=5).json()["data"]["result"]
+        except (httpx.HTTPError, KeyError, ValueError):  # not listening yet
+            result = []
+        if any(sample["value"][1] == "1" for sample in result):
+            return
+        time.sleep(0.2)
+    raise AssertionError("Prometheus never scraped the server")
+
+
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
     binary = _prometheus()
     if binary is None:
@@ -59,8 +74,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
         tmp_path / "server.log",
     )  # fmt: skip
     prometheus = None
-    try:
-        server.wait_healthy()
+    try:  # Prometheus starts while the server does (it retries the scrape until it is up)
         port = free_port()
         config = tmp_path / "prometheus.yml"
         config.write_text(
@@ -74,8 +88,10 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         api = f"http://127.0.0.1:{port}/api/v1/query"
-        # A short bounded load over ~10 s: repeated prompts (prefix-cache hits), streams.
-        deadline_s = time.monotonic() + 10
+        server.wait_healthy()
+        _wait_for_a_scrape(api)  # the load then spans several scrapes
+        # A short bounded load over ~4 s: repeated prompts (prefix-cache hits), streams.
+        deadline_s = time.monotonic() + 4
         i = 0
         while time.monotonic() < deadline_s:
             body = {"model": "demo", "prompt": "The loop " * 20 + str(i % 3), "max_tokens": 12,
@@ -83,7 +99,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
             response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
             i += 1
-        time.sleep(3)  # a few scrapes after the last request
+        time.sleep(2.5)  # two scrapes after the last request
         failures = []
         for title, expr in _queries("demo"):
             result = httpx.get(api, params={"query": expr}, timeout=10).json()

@@ -87,7 +87,7 @@ def test_the_openai_sdk_tool_loop_runs_a_call_the_answer_and_the_final_message(e
 
 
 def test_required_and_named_calls_always_parse_greedy_and_sampled(engine):
-    """50 requests: `required` and a named function, greedy and sampled (seeded), over five
+    """24 requests: `required` and a named function, greedy and sampled (seeded), over five
     questions; every answer is calls only, each valid under its function's schema."""
     choices = ["required", {"type": "function", "function": {"name": "add"}}]
 
@@ -96,9 +96,9 @@ def test_required_and_named_calls_always_parse_greedy_and_sampled(engine):
             sdk.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": QUESTIONS[i % 5]}],
                 tools=TOOLS, tool_choice=choices[i % 2], max_tokens=400,
-                temperature=0.0 if i < 10 else 1.0, seed=i,
+                temperature=0.0 if i < 6 else 1.0, seed=i,
             )
-            for i in range(50)
+            for i in range(24)
         ]  # fmt: skip
         return await asyncio.gather(*requests)
 

@@ -100,7 +100,7 @@ def assert_equals_reference(engine, work, finished, criterion, exit_mode):
 
 def assert_released(engine):
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
-    assert engine.runner.num_live_handles == 0 and engine.runner.coda.drafts == {}
+    assert engine.runner.num_live_handles == 0 and engine.runner.coda.spec.drafts == {}
     assert engine.runner.eager.spec_criteria.fields == {}
 
 

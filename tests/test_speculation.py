@@ -119,7 +119,7 @@ def check_outputs(engine, work, finished, aborted=()) -> tuple[int, int, int]:
 def assert_released(engine) -> None:
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
     assert engine.runner.num_live_handles == 0
-    assert engine.runner.coda.drafts == {}
+    assert engine.runner.coda.spec.drafts == {}
 
 
 @pytest.mark.parametrize(
@@ -150,7 +150,7 @@ def test_greedy_speculation_equals_plain_decoding(calm_dir, mode, exit_mode, kd,
                 live = {p.handle for p in request.spec.positions}
                 live |= {h for r, h in pending if r == rid}
                 assert engine.runner.inflight.handles_of(rid) <= live
-                assert {h for r, h in engine.runner.coda.drafts if r == rid} <= live
+                assert {h for r, h in engine.runner.coda.spec.drafts if r == rid} <= live
 
     finished = run_steps(engine, work, abort_at={"r2": 12}, on_step=on_step)
     drafted, accepted, rejected = check_outputs(engine, work, finished, aborted={"r2"})

@@ -19,6 +19,10 @@ A family whose leave writes K/V (Huginn) has already run the leave of its comple
 chunks over all their rows (`EagerStep`): those logits (`completed`) sample the first token
 and score the prompt here, with the loops a prompt exit chose when it exited as one token.
 The leave reads where its rows are (`Span`s, built only for a family with once planes).
+
+Two parts of a step's end have rooms of their own, called from here: prompt logprobs
+(`runner/prompt_scores.py`) and speculative rows' tokens and drafts
+(`runner/spec_samples.py`).
 """
 
 from __future__ import annotations
@@ -45,13 +49,13 @@ from loopserve.exit.columns import EXIT
 from loopserve.runner.decode_rows import DecodeSignals, decode_spans
 from loopserve.runner.exit_scores import ExitScores
 from loopserve.runner.handles import HandleTable
+from loopserve.runner.prompt_scores import PromptScores
 from loopserve.runner.sampler import (
-    filtered_probs,
     is_greedy,
     read_samples,
     sample_on_device,
-    speculative_sample,
 )
+from loopserve.runner.spec_samples import SpecSamples
 from loopserve.runner.swap import InFlight
 from loopserve.runner.transfers import Transfers
 
@@ -188,17 +192,17 @@ class Coda:
         self.rules = rules
         self.exit_mode = exit_mode
         self.coda = coda
-        # A family whose leave writes K/V: its leave that writes none (`LoopCalls.peek_leave`),
-        # for cached positions scored again from the score store.
-        self.peek = peek
-        self.hazards = hazards
         # A criterion family's pick of prompt rows at their exit loops (the runner sets it).
         self.exit_scores: ExitScores | None = None
         self.samplers = samplers
         self.transfers = transfers
         self.inflight = inflight
-        # (request id, handle) -> a speculative row's draft distribution q, until its exit.
-        self.drafts: dict[tuple[str, int], torch.Tensor] = {}
+        self.spec = SpecSamples(coda=coda, samplers=samplers, transfers=transfers)
+        # A family whose leave writes K/V: its leave that writes none (`peek`,
+        # `LoopCalls.peek_leave`), for cached positions scored again from the score store.
+        self.prompt_scores = PromptScores(
+            num_loops=rules.num_loops, coda=coda, peek=peek, hazards=hazards, transfers=transfers
+        )
 
     def __call__(
         self,
@@ -217,7 +221,9 @@ class Coda:
         if not items and decode is not None:
             return self.decode_only(decode)
         completed = completed or {}
-        scores = self._score_prompts(items, states, last_outputs, cached_rows or {}, completed)
+        scores = self.prompt_scores(
+            items, states, last_outputs, cached_rows or {}, completed, self.exit_scores
+        )
         coda_rows: list[torch.Tensor] = []
         spans: list[tuple[str, int, int]] = []  # where the coda rows are
         # Per coda row: (a decode row?, its index), and its request's (spec, generator).
@@ -310,7 +316,7 @@ class Coda:
                 else:
                     sampled[index] = with_logprobs.get(row) or SampledToken(token_id)
                     self._record(request_ids[row], token_id)
-        spec_sampled, spec_failed = self._spec_samples(items, states, exited)
+        spec_sampled, spec_failed = self.spec(items, states, exited)
         sampled.update(spec_sampled)
         failed += spec_failed
         self.transfers.flush()  # hazards and exits not read yet (no coda this step)
@@ -412,58 +418,6 @@ class Coda:
         self.transfers.defer(batch.packed, pending.receive)
         return pending
 
-    def drop(self, request_id: str, handle: int | None = None) -> None:
-        """Forget a request's stored draft distributions (released or preempted), or only
-        that of `handle` (a rolled-back speculative position)."""
-        if handle is not None:
-            self.drafts.pop((request_id, handle), None)
-            return
-        for key in [key for key in self.drafts if key[0] == request_id]:
-            del self.drafts[key]
-
-    def _spec_samples(self, items, states, exited) -> tuple[dict[int, SampledToken], list]:
-        """Speculative rows that exit (their real next token) or draft (a draft of it): one
-        coda call and one copy of the tokens. Greedy rows take the argmax. A sampling row's
-        draft is drawn from its filtered distribution q, kept under its handle; at its exit,
-        with a next position running on that draft, its token is the speculative-sampling
-        test (`speculative_sample`: the draft with probability min(1, p/q), else a draw
-        from the normalized max(0, p - q)), so the token follows p, its exit distribution.
-        A deeper loop's draft of a row that already drafted passes the earlier draft through
-        the same rule from the earlier q to its own: the draft then follows the deepest q
-        (which the exit's test uses) and changes only when the rule rejects it."""
-        wanted = [
-            i
-            for i, item in enumerate(items)
-            if item.kind is ItemKind.SPEC and (exited[i] or item.draft)
-        ]
-        if not wanted:
-            return {}, []
-        spans = lambda: [  # noqa: E731
-            (items[i].request_id, items[i].token_start, items[i].token_count) for i in wanted
-        ]
-        logits = self.coda(torch.cat([states[i] for i in wanted]), spans).float()
-        tokens = torch.argmax(logits, dim=-1)
-        failed = []
-        for row, i in enumerate(wanted):
-            item = items[i]
-            spec, generator, _ = self.samplers[item.request_id]
-            if is_greedy(spec):
-                continue
-            key = (item.request_id, item.handle)
-            try:
-                probs = filtered_probs(logits[row], spec)
-                if not exited[i]:  # a draft; a deeper loop's keeps the last one by the rule
-                    earlier = self.drafts.get(key)
-                    tokens[row] = speculative_sample(probs, earlier, item.verify_token, generator)
-                    self.drafts[key] = probs
-                else:
-                    draft = self.drafts.pop(key, None)
-                    tokens[row] = speculative_sample(probs, draft, item.verify_token, generator)
-            except (RuntimeError, ValueError) as err:
-                failed.append(_failure(item.request_id, f"{type(err).__name__}: {err}"))
-        token_ids = self.transfers.to_host(tokens)
-        return {i: SampledToken(int(t)) for i, t in zip(wanted, token_ids)}, failed
-
     @staticmethod
     def _sample_on_device(logits: torch.Tensor, samplers: list[tuple]):
         """One sampling pass over logits, not read: (`SampleBatch`, row -> sampling error)."""
@@ -490,33 +444,6 @@ class Coda:
         for row in (token_ids >= 0).nonzero()[0].tolist():  # host array
             self._record(request_ids[row], int(token_ids[row]))
 
-    def _rows_at_exit_loops(self, items, by_rule: list[int], loop_outputs) -> tuple[dict, dict]:
-        """Per item with `score_rule`: each scored row's output at the loop the rule picks
-        over that row's exit signals (the CDF threshold within min/max loops, as the first
-        output token's exit is chosen), and those loops: one exit-signal call over every
-        loop's rows of all such items and one copy of the hazards to the host."""
-        if not by_rule:
-            return {}, {}
-        stacked = {}  # item -> its rows' outputs of every loop [D, n, H]
-        for i in by_rule:
-            outputs = loop_outputs[i]
-            assert len(outputs) == self.rules.num_loops, "scored before every loop ran"
-            stacked[i] = torch.stack([o[: len(items[i].score_ids)] for o in outputs])
-        hidden = torch.cat([s.reshape(-1, s.shape[-1]) for s in stacked.values()])
-        hazards = self.transfers.to_host(self.hazards(hidden).float())
-        picked, picked_loops, at = {}, {}, 0
-        for i, outputs in stacked.items():
-            num_loops, n = outputs.shape[:2]
-            table = np.array(hazards[at : at + num_loops * n]).reshape(num_loops, n)
-            at += num_loops * n
-            rule = items[i].score_rule
-            columns = table.T.tolist()  # host array
-            loops = [choose_exit_from_hazards(ExitMode.OURO, rule, c) for c in columns]
-            index = self.transfers.to_device([loop - 1 for loop in loops])
-            picked[i] = outputs[index, torch.arange(n, device=outputs.device)]
-            picked_loops[i] = loops
-        return picked, picked_loops
-
     def _item_results(self, items, states, hazards, last_outputs, exited, sampled):
         results = []
         for i, item in enumerate(items):
@@ -540,73 +467,3 @@ class Coda:
         token_ids[~read.exited] = -1  # a greedy candidate that did not exit drops its token
         logprobs = {row: token for row, token in sampled.logprobs.items() if read.exited[row]}
         return DecodeResults(read.exited, read.hazards, token_ids, logprobs, read.fired)
-
-    def _score_prompts(
-        self, items, states, loop_outputs, cached_rows, completed
-    ) -> dict[int, tuple[SampledToken, ...]]:
-        """Prompt logprobs of the items with `score_ids`, from their rows' last-loop output
-        (or, with `score_rule`, the output of the loop the rule picks per row), after the
-        stored outputs of the cached positions an item scores first (`score_cached`): one
-        coda call over all of them and one copy to the host. An item whose leave already ran
-        (`completed`) is scored from those logits."""
-        scored = [
-            i for i, item in enumerate(items) if item.kind is ItemKind.PROMPT and item.score_ids
-        ]
-        if not scored:
-            return {}
-        by_rule = [i for i in scored if items[i].score_rule is not None]
-        if self.exit_scores is not None:  # a criterion picks them, with their logits
-            ready, picked_loops = self.exit_scores.pick(items, by_rule, loop_outputs)
-            picked = {}
-        else:
-            ready = {}
-            picked, picked_loops = self._rows_at_exit_loops(items, by_rule, loop_outputs)
-        parts, spans = [], []
-        for i in scored:
-            own = len(items[i].score_ids) - items[i].score_cached
-            if i in ready:
-                continue
-            if i in completed:
-                ready[i] = completed[i][0][:own]
-                if i in cached_rows:  # the store's rows, through the leave that writes nothing
-                    assert self.peek is not None, "a completed leave is a family's that writes K/V"
-                    cached = range(items[i].score_cached)
-                    before = self.peek(cached_rows[i], items[i].request_id, list(cached))
-                    ready[i] = torch.cat([before, ready[i]])
-                continue
-            if i in cached_rows:
-                parts.append(cached_rows[i])
-                spans.append((items[i].request_id, 0, items[i].score_cached))
-            parts.append(picked[i] if i in picked else states[i][:own])
-            spans.append((items[i].request_id, items[i].token_start, own))
-        # Rows in `scored` order: those needing the leave, then those with logits already.
-        scored = [i for i in scored if i not in ready] + [i for i in scored if i in ready]
-        logits = [self.coda(torch.cat(parts), lambda: spans)] if parts else []
-        logits += [ready[i] for i in scored if i in ready]
-        logprobs = torch.log_softmax(torch.cat(logits).float(), dim=-1)
-        ids = [t for i in scored for t in items[i].score_ids]
-        index = self.transfers.to_device(ids)
-        chosen = logprobs.gather(1, index[:, None])
-        rank = (logprobs > chosen).sum(dim=1, keepdim=True) + 1
-        columns = [chosen.double(), rank.double()]
-        top = max(items[i].score_top for i in scored)
-        if top:
-            values, indices = logprobs.topk(top, dim=-1)
-            columns += [values.double(), indices.double()]
-        width = 2 + 2 * top  # per row: the chosen logprob, its rank, top values, top ids
-        flat = self.transfers.to_host(torch.cat(columns, dim=1).reshape(-1))
-        scores: dict[int, tuple[SampledToken, ...]] = {}
-        at = 0
-        for i in scored:
-            k = items[i].score_top
-            entries = []
-            loops = picked_loops.get(i) or [
-                (completed.get(i, (None, None))[1] or items[i].prompt_loops or self.rules.num_loops)
-            ] * len(items[i].score_ids)
-            for token_id, loop in zip(items[i].score_ids, loops):
-                row = flat[at : at + width]
-                alternatives = tuple((int(row[2 + top + j]), row[2 + j]) for j in range(k))
-                entries.append(SampledToken(token_id, row[0], alternatives, int(row[1]), loop))
-                at += width
-            scores[i] = tuple(entries)
-        return scores

@@ -283,14 +283,14 @@ class ModelRunner(Executor):
         failures = set_up_each(scheduled.new_requests, self._install, self._drop_request, logger)
         for request_id, handle in scheduled.dropped_handles:  # rolled-back speculation
             self.inflight.drop(request_id, handle)
-            self.coda.drop(request_id, handle)
+            self.coda.spec.drop(request_id, handle)
             self._drop_spec_criterion(request_id, handle)
         for transfer in scheduled.kv_transfers:  # in order: see `runner.swap`
             self.moves.apply(transfer, self.decode_slots)
         for request_id in scheduled.preempted_request_ids:
             self.inflight.release(request_id)  # recompute: hidden states go, the sampler stays
             self.decode_slots.release(request_id)
-            self.coda.drop(request_id)
+            self.coda.spec.drop(request_id)
             self._drop_spec_criterion(request_id)
         return failures
 
@@ -398,7 +398,7 @@ class ModelRunner(Executor):
         self.samplers.pop(request_id, None)
         self.inflight.release(request_id)
         self.moves.drop(request_id)
-        self.coda.drop(request_id)
+        self.coda.spec.drop(request_id)
         self._drop_spec_criterion(request_id)
 
     def _drop_spec_criterion(self, request_id: str, handle: int | None = None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from loopserve.bench.kernels import VIEW_OPS, count_kernels, kernel_model
+from loopserve.bench.kernels import VIEW_OPS, count_kernels, counting, kernel_model, kernels_of
 from loopserve.runner.fused_linear import MAX_ROWS
 from loopserve.sim.cost_model import (
     FUSED_LINEAR_KERNEL_COUNTS,
@@ -86,6 +86,47 @@ def test_fused_linears_run_a_layer_in_five_launches(family):
     per_layer, per_loop = FUSED_LINEAR_KERNEL_COUNTS[family]
     assert count.kernels_per_loop == per_layer * layers + per_loop
     assert per_layer == 5 and FUSED_LINEAR_MAX_ROWS == MAX_ROWS
+
+
+@pytest.mark.parametrize("linears", [False, True])
+def test_huginns_prelude_and_coda_run_the_cores_fused_blocks(linears, tmp_path, monkeypatch):
+    """Once per token, Huginn's prelude (in the graphed step's enter) and coda with the
+    final norms (its leave) run the same fused blocks as its core: every norm in a fused
+    kernel (the loop-first norm, two per layer, the coda's ln_f before and after), and with
+    `fused_linears` three fused GEMMs a layer. Before, each norm was 5 aten kernels there:
+    74 and 83 kernels against 27 and 26 (15 and 14 with fused linears)."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+    from loopserve.runner.fused_ops import install_fused_kernels
+    from loopserve.sampling_params import SamplingParams
+    from tests.engine_utils import make_engine
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    engine = make_engine(
+        # one core layer: what is counted is once per token (interpreted launches are slow)
+        make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=2, n_layers_in_recurrent_block=1),
+        graph_mode="emulate",
+        attention_backend="triton", max_num_seqs=2,
+    )  # fmt: skip
+    install_fused_kernels(engine.model, linears=linears, max_positions=engine.max_model_len)
+    for i in range(2):
+        engine.add_request(f"k{i}", [3 + i], SamplingParams(max_tokens=2, temperature=0.0))
+    graphs, seen = engine.runner.graphs, {"enter": [], "leave": []}
+    for name in seen:
+        setattr(graphs, name, counting(getattr(graphs, name), seen[name]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    config = engine.model.config
+    layers = {"enter": config.n_layers_in_prelude, "leave": config.n_layers_in_coda}
+    for name, calls in seen.items():
+        assert calls, f"no graphed {name} ran"
+        ops = kernels_of(calls[-1])
+        assert not {"aten.pow", "aten.rsqrt", "aten.mean"} & set(ops), (name, ops)
+        norms = ops["triton.add_norm_norm_kernel"]
+        fused = ops.get("triton.fused_linear_kernel", 0)
+        if linears:  # the branch's last norm (and the coda's first ln_f) stand alone
+            assert fused == 3 * layers[name] and norms == 1 + (name == "leave"), (name, ops)
+        else:
+            assert fused == 0 and norms == 2 * layers[name] + 1 + (name == "leave"), (name, ops)
 
 
 def test_fused_linears_keep_huginn_within_the_goal_of_ouro():

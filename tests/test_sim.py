@@ -22,7 +22,7 @@ from loopserve.exit import ExitRule
 from loopserve.exit.columns import CONTINUE, GATE
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
-from loopserve.sim.cost_model import OURO_1P4B, CostModel, ModelShape
+from loopserve.sim.cost_model import HUGINN_0125, OURO_1P4B, CostModel, ModelShape
 from loopserve.sim.executor import SimExecutor
 from loopserve.sim.hardware import DEVICE_PROFILES, get_device_profile
 from loopserve.sim.metrics import summarize
@@ -404,6 +404,30 @@ def test_kernel_pricing_adds_each_launched_kernel_to_a_calls_time():
         plain.sampling(1).time_s + SAMPLING_KERNELS * 2e-6
     )
     assert plain.core_call(**call).bytes_moved == priced.core_call(**call).bytes_moved
+
+
+def test_fused_linears_price_narrow_prelude_and_coda_layers_at_the_fused_count():
+    """Huginn's prelude and coda run the core's blocks, fused the same way: with
+    `fused_linears` a narrow call's prelude and coda layers cost the fused per-layer count,
+    a wide one's today's."""
+    from loopserve.sim.cost_model import FUSED_LINEAR_KERNEL_COUNTS, KERNEL_COUNTS
+
+    h200 = dataclasses.replace(get_device_profile("h200"), kernel_s=2e-6)
+    shape = ModelShape.from_config(HUGINN_0125)
+    plain = CostModel(shape, h200)
+    fused = CostModel(shape, dataclasses.replace(h200, fused_linears=True))
+    fewer = (KERNEL_COUNTS["huginn"][0] - FUSED_LINEAR_KERNEL_COUNTS["huginn"][0]) * 2e-6
+    for rows, layers_saved in ((4, 2), (17, 0)):  # 2 coda layers on narrow calls only
+        coda = dict(rows=rows, kv_read_positions=50 * rows, attention_pairs=50 * rows)
+        assert fused.coda(**coda).time_s == pytest.approx(
+            plain.coda(**coda).time_s - layers_saved * fewer
+        ), rows
+    call = dict(rows=4, prelude_rows=4, kv_read_positions=400, attention_pairs=400)
+    core_only = dict(call, prelude_rows=0)
+    prelude_saved = (plain.core_call(**call).time_s - plain.core_call(**core_only).time_s) - (
+        fused.core_call(**call).time_s - fused.core_call(**core_only).time_s
+    )
+    assert prelude_saved == pytest.approx(2 * fewer)  # 2 prelude layers
 
 
 def test_fused_linears_price_narrow_core_calls_at_the_fused_count():

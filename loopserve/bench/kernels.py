@@ -118,6 +118,25 @@ def _counting_triton(launches: Counter[str]):
         DeviceKernel.__getitem__ = original
 
 
+def counting(fn, seen: list[Counter[str]]):
+    """`fn` that appends each call's device operators (dispatched aten ops and Triton
+    launches, views and allocations included) to `seen`."""
+
+    def counted(*args, **kwargs):
+        launches: Counter[str] = Counter()
+        with _counting_triton(launches), _Counter() as counter:
+            out = fn(*args, **kwargs)
+        seen.append(counter.ops + launches)
+        return out
+
+    return counted
+
+
+def kernels_of(ops: Counter[str]) -> dict[str, int]:
+    """The operators of `ops` that launch a kernel (views and allocations left out)."""
+    return {op: n for op, n in ops.items() if op not in VIEW_OPS | ALLOC_OPS | {ALIAS}}
+
+
 TINY_CORE_LAYERS = {"ouro": 2, "huginn": 4}  # the tiny checkpoints' core depth
 
 
@@ -170,22 +189,14 @@ def _count_kernels(
     graphs = engine.runner.graphs
     assert graphs is not None
     core, seen = graphs.core, []
-
-    def counted(hidden, positions, attn):
-        launches: Counter[str] = Counter()
-        with _counting_triton(launches), _Counter() as counter:
-            out = core(hidden, positions, attn)
-        seen.append(counter.ops + launches)
-        return out
-
     while not seen and engine.has_unfinished_requests():
         if not any(r.in_prompt_phase for r in engine.scheduler.running):
-            graphs.core = counted
+            graphs.core = counting(core, seen)
         engine.step()
     graphs.core = core
     assert seen, "no graphed decode call ran"
     ops = seen[0]
-    kernels = {op: n for op, n in ops.items() if op not in VIEW_OPS | ALLOC_OPS | {ALIAS}}
+    kernels = kernels_of(ops)
     views = sum(n for op, n in ops.items() if op in VIEW_OPS | {ALIAS})
     return KernelCount(
         family, engine.model.config.num_core_layers, sum(kernels.values()), views,

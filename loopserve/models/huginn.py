@@ -405,10 +405,10 @@ class HuginnForLoopedLM(nn.Module):
     def use_fused_linears(
         self, fused_linear, max_rows: int = 0, max_positions: int | None = None
     ) -> None:
-        """Run core steps of up to `max_rows` rows through `fused_linear` (the runner's,
-        `runner/fused_linear.py`): each core block in 5 launches (`forward_fused_linear`).
-        Needs the fused norms and rotary; None: back to them. The prelude and coda (once per
-        token) keep their path. The rotary's cos/sin tables are computed here for every
+        """Run calls of up to `max_rows` rows through `fused_linear` (the runner's,
+        `runner/fused_linear.py`): each block, the prelude's and coda's too, in 5 launches
+        (`forward_fused_linear`). Needs the fused norms and rotary; None: back to them. The
+        rotary's cos/sin tables are computed here for every
         position (`rope`'s operations) up to `max_positions` (the engine's length bound;
         None: the model's), so a step launches no table kernels."""
         self.fused_linear, self.fused_linear_rows = fused_linear, max_rows
@@ -473,10 +473,7 @@ class HuginnForLoopedLM(nn.Module):
         """token_ids [rows] -> e [rows, hidden]: scaled embedding through the prelude layers.
         `e` is injected into every core step of the same position."""
         x = self.transformer.wte(token_ids) * self.config.embed_scale
-        rope = self.rope(positions)
-        for block in self.transformer.prelude:
-            x = block(x, rope, attn)
-        return x
+        return self._blocks(x, self.transformer.prelude, positions, attn)
 
     def initial_state(
         self, e: torch.Tensor, *, init_scale: float = 1.0, generator: torch.Generator | None = None
@@ -506,7 +503,18 @@ class HuginnForLoopedLM(nn.Module):
         """`core` from the rows' [state, e] as one tensor (the carried state the runner
         keeps): the adapter reads it as it is, no concatenation."""
         x = self.transformer.adapter(carried.contiguous())
-        blocks, fused = self.transformer.core_block, self.add_norm_norm
+        return self._blocks(x, self.transformer.core_block, positions, attn)
+
+    def _blocks(
+        self, x: torch.Tensor, blocks, positions: torch.Tensor, attn, last_norm=None
+    ) -> torch.Tensor:
+        """`x` through a group of sandwich blocks (prelude, core or coda), then `last_norm`
+        when given (the coda's `ln_f`): in five launches a block with `fused_linears` (calls
+        of few rows), with the fused norms (each residual add and the norms around it in one
+        kernel, `last_norm` in the last), or block by block."""
+        fused = self.add_norm_norm
+        if not blocks:
+            return x if last_norm is None else last_norm(x)
         if fused is not None and self._fuses_linears(x.shape[0]):
             branch, branch_norm = None, None
             for block in blocks:
@@ -514,19 +522,20 @@ class HuginnForLoopedLM(nn.Module):
                     x, branch, branch_norm, self._rope_tables, positions, attn, self.fused_linear
                 )
                 branch_norm = block.norm_4
-            return fused(x, branch, branch_norm, None, norm_sum=True)[0]
+            x, normed = fused(x, branch, branch_norm, last_norm, norm_sum=True)
+            return x if last_norm is None else normed
         rope = self.rope(positions)
         if fused is None:
             for block in blocks:
                 x = block(x, rope, attn)
-            return x
+            return x if last_norm is None else last_norm(x)
         normed = fused(x, None, None, blocks[0].norm_1)[1]
-        nexts = [block.norm_1 for block in blocks[1:]] + [None]
+        nexts = [block.norm_1 for block in blocks[1:]] + [last_norm]
         for block, next_norm in zip(blocks, nexts):
             out = block.attn(normed, rope, attn, block.layer_idx)
             x, normed = fused(x, out, block.norm_2, block.norm_3, norm_sum=True)
             x, normed = fused(x, block.mlp(normed), block.norm_4, next_norm, norm_sum=True)
-        return x
+        return x if last_norm is None else normed
 
     def profile_forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -541,11 +550,10 @@ class HuginnForLoopedLM(nn.Module):
         self, state: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """ln_f(state) -> coda layers -> ln_f -> LM head: logits [rows, vocab] in float32."""
-        x = self.transformer.ln_f(state)
-        rope = self.rope(positions)
-        for block in self.transformer.coda:
-            x = block(x, rope, attn)
-        return self.lm_head(self.transformer.ln_f(x)).float()
+        ln_f, fused = self.transformer.ln_f, self.add_norm_norm
+        x = ln_f(state) if fused is None else fused(state, None, None, ln_f)[1]
+        x = self._blocks(x, self.transformer.coda, positions, attn, last_norm=ln_f)
+        return self.lm_head(x).float()
 
 
 class LayerRouter:

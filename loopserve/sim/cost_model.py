@@ -30,8 +30,8 @@ Kernel count (when the device profile prices it, `DeviceProfile.kernel_s` > 0): 
 kernel a call launches costs `kernel_s` beyond the roofline (inside a CUDA graph a small
 kernel still pays its launch gap, ramp-up and tail). A core call launches `per_layer x
 layers + per_loop` kernels (`KERNEL_COUNTS`: counted by dispatch on CPU, `loopserve bench
-kernels`; a prelude row adds the prelude layers' kernels), a coda `CODA_KERNELS` plus its
-layers', a sampling pass `SAMPLING_KERNELS`.
+kernels`; a prelude row adds the prelude layers' kernels, at the core's per-layer count: the
+same blocks), a coda `CODA_KERNELS` plus its layers', a sampling pass `SAMPLING_KERNELS`.
 
 Not modelled (documented in docs/simulator.md): activation traffic between kernels, the exit
 gate (`hidden + 1` weights, negligible) and attention-kernel inefficiency at short contexts.
@@ -292,10 +292,18 @@ class CostModel:
         self._layer_kernels = per_layer
         self.core_kernels = per_layer * shape.num_layers + shape.kernels_per_loop
         # `DeviceProfile.fused_linears`: narrow core calls launch the fused build's kernels.
-        self.fused_core_kernels = None
+        self.fused_core_kernels = self._fused_layer_kernels = None
         if device.fused_linears:
             fused_layer, fused_loop = shape.fused_kernels
             self.fused_core_kernels = fused_layer * shape.num_layers + fused_loop
+            self._fused_layer_kernels = fused_layer
+
+    def _once_layer_kernels(self, rows: int) -> float:
+        """Kernels of one prelude or coda layer over `rows` rows (the same blocks as the
+        core's: the fused build's per-layer count on narrow calls)."""
+        if self._fused_layer_kernels is not None and rows <= FUSED_LINEAR_MAX_ROWS:
+            return self._fused_layer_kernels
+        return self._layer_kernels
 
     def _kernels_s(self, kernels: float) -> float:
         return kernels * self._kernel_s
@@ -337,7 +345,7 @@ class CostModel:
         if self.fused_core_kernels is not None and rows <= FUSED_LINEAR_MAX_ROWS:
             kernels = self.fused_core_kernels
         if shape.prelude_layers and prelude_rows:
-            kernels += self._layer_kernels * shape.prelude_layers
+            kernels += self._once_layer_kernels(rows) * shape.prelude_layers
         if not self.split_phases:
             return self._with_kernels(
                 self._price(linear_bytes + kv_bytes, linear_flops + attention_flops), kernels
@@ -395,7 +403,7 @@ class CostModel:
             )
             flops += 2 * shape.coda_params * layer_rows
             flops += shape.layer_pair_flops(shape.coda_layers) * attention_pairs
-            kernels += self._layer_kernels * shape.coda_layers
+            kernels += self._once_layer_kernels(layer_rows) * shape.coda_layers
         return self._with_kernels(self._price(bytes_moved, flops), kernels)
 
     def sampling(self, rows: int) -> CallCost:

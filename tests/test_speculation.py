@@ -488,3 +488,32 @@ def test_bench_speculative_runs_on_a_huginn_checkpoint(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     distribution = row["stable_loop_dist"]
     assert len(distribution) == 3 and abs(sum(distribution) - 1.0) < 1e-9
+
+
+def test_a_speculative_row_whose_sampling_raises_fails_only_its_request(calm_dir, monkeypatch):
+    """A sampling request's draft or exit test raising (fault injected in the speculative
+    rows' filter for top_k 13): that request fails alone with the error every sampling
+    failure carries ("sampling failed: ..."), and the other request equals plain decoding."""
+    from loopserve.runner import spec_samples
+
+    real = spec_samples.filtered_probs
+
+    def faulty(logits, spec):
+        if spec.top_k == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, spec)
+
+    monkeypatch.setattr(spec_samples, "filtered_probs", faulty)
+    engine = make_engine(calm_dir, exit_mode="trace", speculative_tokens=2, draft_loops=1)
+    bad = SamplingParams(max_tokens=8, temperature=0.8, top_k=13, seed=3, exit_trace=(3,),
+                         ignore_eos=True)  # fmt: skip
+    good = SamplingParams(max_tokens=8, temperature=0.0, exit_trace=(3,), ignore_eos=True)
+    work = [("bad", [5, 9, 2], bad, 0), ("good", [7, 1], good, 0)]
+    finished = run_steps(engine, work)
+    out = finished["bad"]
+    assert out.finish_reason == "abort" and out.error.startswith("sampling failed: Runtime")
+    ref = reference_for(engine, [7, 1], good)
+    assert (finished["good"].token_ids, finished["good"].exit_depths) == (
+        ref.token_ids,
+        ref.exit_depths,
+    )

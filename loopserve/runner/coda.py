@@ -54,6 +54,7 @@ from loopserve.runner.sampler import (
     is_greedy,
     read_samples,
     sample_on_device,
+    sampling_failure,
 )
 from loopserve.runner.spec_samples import SpecSamples
 from loopserve.runner.swap import InFlight
@@ -78,10 +79,6 @@ def _candidate_positions(decode: DecodeSignals, batch: _DecodeBatch) -> torch.Te
     if decode.positions is None:
         return None
     return decode.positions.index_select(0, decode.candidates_on_device[: len(batch.candidates)])
-
-
-def _failure(request_id: str, error: str) -> RequestFailure:
-    return RequestFailure(request_id, f"sampling failed: {error}")
 
 
 class DecodeSampled(NamedTuple):
@@ -169,7 +166,9 @@ class PendingLeave:
             self.coda._record_decode(ids, token_ids)
         logprobs = {row: token for row, token in with_logprobs.items() if exited[row]}
         results = DecodeResults(exited, np.full(m, np.nan), token_ids, logprobs)
-        return results, tuple(_failure(ids[row], error) for row, error in self.failures.items())
+        return results, tuple(
+            sampling_failure(ids[row], error) for row, error in self.failures.items()
+        )
 
 
 class Coda:
@@ -295,7 +294,7 @@ class Coda:
             for k, (_, index, request_id) in enumerate(forks):
                 row = len(owners) + k
                 if row in failures:
-                    failed.append(_failure(request_id, failures[row]))
+                    failed.append(sampling_failure(request_id, failures[row]))
                     forked.setdefault(index, {})[request_id] = None
                     continue
                 token = with_logprobs.get(row) or SampledToken(token_ids[row])
@@ -307,7 +306,7 @@ class Coda:
             ]
             for row, ((is_decode, index), token_id) in enumerate(zip(owners, token_ids)):
                 if row in failures:  # this request fails alone; the call's other rows go on
-                    failed.append(_failure(request_ids[row], failures[row]))
+                    failed.append(sampling_failure(request_ids[row], failures[row]))
                 elif is_decode:
                     decode_sampled.rows.append(index)
                     decode_sampled.token_ids.append(token_id)
@@ -358,7 +357,9 @@ class Coda:
                 if read.exited[candidates[j]]
             }
             ids = decode.rows.request_ids
-            failed = tuple(_failure(ids[candidates[j]], error) for j, error in failures.items())
+            failed = tuple(
+                sampling_failure(ids[candidates[j]], error) for j, error in failures.items()
+            )
             if batch.has_history:
                 self._record_decode(ids, token_ids)
         else:

@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from loopserve.contracts import NewRequestData, SampledToken, SampleSpec
+from loopserve.contracts import NewRequestData, RequestFailure, SampledToken, SampleSpec
 from loopserve.errors import InvalidRequestError, describe_failure
 from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import StructuredOutput
@@ -186,6 +186,11 @@ class TokenHistory:
         if spec.presence_penalty != 0.0:
             logits = logits - spec.presence_penalty * (counts > 0).float()
         return logits
+
+
+def sampling_failure(request_id: str, error: str) -> RequestFailure:
+    """A request that fails alone because its sampling raised (`error`: "Type: message")."""
+    return RequestFailure(request_id, f"sampling failed: {error}")
 
 
 class SampleBatch(NamedTuple):

@@ -10,8 +10,13 @@ from collections.abc import Callable
 
 import torch
 
-from loopserve.contracts import ItemKind, RequestFailure, SampledToken
-from loopserve.runner.sampler import filtered_probs, is_greedy, speculative_sample
+from loopserve.contracts import ItemKind, SampledToken
+from loopserve.runner.sampler import (
+    filtered_probs,
+    is_greedy,
+    sampling_failure,
+    speculative_sample,
+)
 from loopserve.runner.transfers import Transfers
 
 
@@ -76,6 +81,6 @@ class SpecSamples:
                     draft = self.drafts.pop(key, None)
                     tokens[row] = speculative_sample(probs, draft, item.verify_token, generator)
             except (RuntimeError, ValueError) as err:
-                failed.append(RequestFailure(item.request_id, f"{type(err).__name__}: {err}"))
+                failed.append(sampling_failure(item.request_id, f"{type(err).__name__}: {err}"))
         token_ids = self.transfers.to_host(tokens)
         return {i: SampledToken(int(t)) for i, t in zip(wanted, token_ids)}, failed

@@ -163,3 +163,10 @@ def once_weight(config: LoopedConfig) -> float:
     (every layer of a family has the core's shape; the lm_head, read by every leave, is left
     out). Huginn-0125: (2 + 2) / 4 = 1.0; Ouro: 0. Coda batching in time reads it."""
     return (config.num_prelude_layers + config.num_coda_layers) / config.num_core_layers
+
+
+def table_positions(config: LoopedConfig, max_positions: int | None) -> int:
+    """Positions a model's precomputed position tables cover (the fused linears' rotary
+    cos/sin): the engine's length bound when given, at most the checkpoint's maximum."""
+    limit = config.max_position_embeddings
+    return min(limit, max_positions or limit)

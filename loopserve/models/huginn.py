@@ -32,6 +32,7 @@ from torch import nn
 from loopserve.errors import ModelLoadError
 from loopserve.models.attention import AttentionBackend, attend_projected, attend_qkv
 from loopserve.models.config import ConfigFile, once_kv_planes, once_layer_slot
+from loopserve.models.family import table_positions
 
 HUGINN_MODEL_TYPE = "huginn_raven"
 
@@ -415,17 +416,13 @@ class HuginnForLoopedLM(nn.Module):
         self._rope_tables = None
         if fused_linear is not None:
             device = self.lm_head.weight.device
-            positions = torch.arange(self._table_positions(max_positions), device=device)
+            positions = torch.arange(table_positions(self.config, max_positions), device=device)
             self._rope_tables = self.rope(positions)
-
-    def _table_positions(self, max_positions: int | None) -> int:
-        limit = self.config.block_size
-        return min(limit, max_positions or limit)
 
     def rope_table_bytes(self, max_positions: int | None) -> int:
         """Device bytes of the cos/sin tables `use_fused_linears` keeps (the memory plan
         reserves them): two [positions, head_dim / 2] tables in float32."""
-        return 2 * self._table_positions(max_positions) * (self.config.head_dim // 2) * 4
+        return 2 * table_positions(self.config, max_positions) * (self.config.head_dim // 2) * 4
 
     def _fuses_linears(self, rows: int) -> bool:
         first = self.transformer.core_block[0]

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from loopserve.models.attention import AttentionBackend, attend_projected, attend_qkv
 from loopserve.models.config import OuroConfig
+from loopserve.models.family import table_positions
 
 
 class RMSNorm(nn.Module):
@@ -319,18 +320,14 @@ class OuroForLoopedLM(nn.Module):
         self._rope_tables = None
         if fused_linear is not None:
             param = self.lm_head.weight
-            every = torch.arange(self._table_positions(max_positions), device=param.device)
+            every = torch.arange(table_positions(self.config, max_positions), device=param.device)
             self._rope_tables = self.rotary(every, param.dtype)
-
-    def _table_positions(self, max_positions: int | None) -> int:
-        limit = self.config.max_position_embeddings
-        return min(limit, max_positions or limit)
 
     def rope_table_bytes(self, max_positions: int | None) -> int:
         """Device bytes of the cos/sin tables `use_fused_linears` keeps (the memory plan
         reserves them): two [positions, head_dim] tables in the model's dtype."""
         element = self.lm_head.weight.element_size()
-        return 2 * self._table_positions(max_positions) * self.config.head_dim * element
+        return 2 * table_positions(self.config, max_positions) * self.config.head_dim * element
 
     def make_rows_invariant(self) -> None:
         """Back to one linear per projection: the runner made those row by row (a merged

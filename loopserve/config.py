@@ -18,6 +18,7 @@ from loopserve.engine_args import (  # noqa: F401  (the choice lists, re-exporte
     ENGINE_ARGS_BY_NAME,
     EXIT_MODES,
     GRAPH_MODES,
+    KV_CACHE_DTYPES,
     KV_RESERVATIONS,
     LAYOUTS,
     MODES,
@@ -36,6 +37,7 @@ class CacheConfig:
     block_size: int = default("block_size")
     num_blocks: int | None = default("num_blocks")  # None: from kv_cache_bytes or free memory
     kv_cache_bytes: int | None = default("kv_cache_bytes")
+    kv_cache_dtype: str = default("kv_cache_dtype")  # auto: the model's dtype
     layout: str = default("layout")
     gpu_memory_utilization: float = default("gpu_memory_utilization")
     kv_reservation: str = default("kv_reservation")
@@ -158,6 +160,13 @@ def validate(config: EngineConfig) -> None:
             f"gpu_memory_utilization must be in (0, 1], got {cache.gpu_memory_utilization}"
         )
     _choice("layout", cache.layout, LAYOUTS)
+    _choice("kv_cache_dtype", cache.kv_cache_dtype, KV_CACHE_DTYPES)
+    if config.fused_linears and cache.kv_cache_dtype != "auto":
+        raise ConfigError(
+            f"fused_linears=True cannot run kv_cache_dtype={cache.kv_cache_dtype!r}: its "
+            "rotary kernel writes K/V in the model's dtype; use kv_cache_dtype='auto' or turn "
+            "fused_linears off"
+        )
     _choice("kv_reservation", cache.kv_reservation, KV_RESERVATIONS)
     if not 0.0 <= cache.kv_watermark < 1.0:
         raise ConfigError(f"kv_watermark must be in [0, 1), got {cache.kv_watermark}")

@@ -19,6 +19,7 @@ EXIT_MODES = (
     "ouro", "ouro_delayed", "random_lookahead", "trace", "criterion", "criterion_delayed"
 )  # fmt: skip
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # models/kv_dtype.py
 KV_RESERVATIONS = ("incremental", "full")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -70,6 +71,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "--kv-cache-bytes on CPU, free memory x --gpu-memory-utilization on CUDA)", int),
     EngineArg("kv_cache_bytes", "cache", "kv_cache_bytes", None, "KV cache byte budget "
               "(None: 512 MiB on CPU, free memory on CUDA)", int),
+    EngineArg("kv_cache_dtype", "cache", "kv_cache_dtype", "auto", "K/V element type: auto "
+              "(the model's dtype), or fp8_e4m3 / fp8_e5m2 (one byte per element, values "
+              "clamped to the type's range, no scale): twice the tokens per byte of bf16 and "
+              "half the bytes each loop reads", choices=KV_CACHE_DTYPES),
     EngineArg("layout", "cache", "layout", "last_exited", "KV layout: last_exited keeps a token's "
               "K/V of every depth it ran; shared keeps one per position", choices=LAYOUTS),
     EngineArg("gpu_memory_utilization", "cache", "gpu_memory_utilization", 0.9,

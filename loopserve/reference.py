@@ -25,6 +25,7 @@ from loopserve.errors import InvalidRequestError
 from loopserve.exit import ExitMode, ExitRule, TokenExit, choose_exit_from_hazards
 from loopserve.models.attention import DenseAttention, DenseKV
 from loopserve.models.family import LoopedModel
+from loopserve.models.kv_dtype import kv_storage_dtype
 from loopserve.runner.sampler import Matcher, TokenHistory, make_generator, sample_rows
 from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import SamplingParams, StructuredOutput
@@ -56,11 +57,13 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     make_matcher: Callable[[StructuredOutput], Matcher] | None = None,
     loop_budgets: Sequence[int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> ReferenceOutput:
     """One request, densely. `make_matcher`: the grammar matchers of structured output (the
     tokenizer's `StructuredOutputs.matcher`), needed when `params` has one. `loop_budgets`:
     each decode token's max_loops (output tokens 1..; an engine's brownout recorded them,
-    `Request.loop_budgets`) in place of the request's."""
+    `Request.loop_budgets`) in place of the request's. `kv_cache_dtype`: every K/V is
+    stored as an engine with that setting stores it (`models/kv_dtype.py`)."""
     if layout not in LAYOUTS:
         raise InvalidRequestError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     mode = ExitMode(exit_mode)
@@ -76,7 +79,8 @@ def generate(
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
     prompt = list(prompt_token_ids)
     shared = layout == "shared"
-    run = _DenseRun(model, shared=shared, max_len=len(prompt) + params.max_tokens)
+    run = _DenseRun(model, shared=shared, max_len=len(prompt) + params.max_tokens,
+                    kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     device = run.device
     # Prompt at full depth; keep the last position's output of every loop.
     last_outputs = [loop[-1:] for loop in run.prompt(prompt)]
@@ -137,7 +141,9 @@ class _DenseRun:
     """One request's contiguous per-plane K/V and its loop runner (`generate` and
     `prompt_logprobs` run the prompt the same way)."""
 
-    def __init__(self, model: LoopedModel, *, shared: bool, max_len: int) -> None:
+    def __init__(
+        self, model: LoopedModel, *, shared: bool, max_len: int, kv_cache_dtype: str = "auto"
+    ) -> None:
         config = model.config
         self.model, self.shared, self.num_loops = model, shared, model.num_loops
         self.device = model.lm_head.weight.device
@@ -149,6 +155,7 @@ class _DenseRun:
             head_dim=config.head_dim,
             dtype=model.lm_head.weight.dtype,
             device=self.device,
+            storage_dtype=kv_storage_dtype(kv_cache_dtype, model.lm_head.weight.dtype),
         )
         self.scale = config.head_dim**-0.5
 

@@ -124,6 +124,7 @@ def reference_for(engine: LLMEngine, prompt, params):
         lookahead_seed=config.exit.lookahead_seed,
         eos_token_ids=sorted(engine.eos_token_ids),
         make_matcher=None if engine.structured is None else engine.structured.matcher,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
     )
 
 

@@ -101,10 +101,10 @@ def reference(model, prompt, params, criterion, lookup="last_exited", **extra):
     )  # fmt: skip
 
 
-def assert_matches_reference(engine, work, finished, criterion, aborted=()):
+def assert_matches_reference(engine, work, finished, criterion, aborted=(), **extra):
     steps = []
     for request_id, prompt, params, _ in work:
-        ref = reference(engine.model, prompt, params, criterion)
+        ref = reference(engine.model, prompt, params, criterion, **extra)
         out = finished[request_id]
         if request_id in aborted:
             assert out.token_ids == ref.tokens[: len(out.token_ids)]

@@ -157,3 +157,24 @@ def test_bench_kernels_refuses_rows_it_cannot_count_as_asked(capsys):
     assert exit_info.value.code == 2 and "argument --rows" in capsys.readouterr().err
     assert main(["bench", "kernels", "--rows", str(MAX_ROWS + 1), "--fused-linears"]) == 2
     assert f"up to {MAX_ROWS} rows" in capsys.readouterr().err
+
+
+def test_an_fp8_cache_costs_the_kernels_the_simulator_prices():
+    """`kv_cache_dtype` fp8: K and V are clamped and cast in torch and written apart from the
+    rotary kernel, which then writes nothing; the simulator adds what the counter counts."""
+    from loopserve.cli.main import main
+    from loopserve.sim.cost_model import KV_STORE_KERNELS, ModelShape
+
+    count = count_kernels("ouro", kv_cache_dtype="fp8_e4m3")
+    plain, layers = count_kernels("ouro"), count.num_layers
+    assert count.by_op["triton.write_kv_kernel"] == count.by_op["triton.rope_qkv_kernel"] == layers
+    assert count.by_op["aten.clamp"] == 2 * layers
+    added = count.kernels_per_loop - plain.kernels_per_loop
+    assert added == KV_STORE_KERNELS * layers
+    shape = ModelShape.from_config(OURO_1P4B, kv_dtype_bytes=1)
+    assert shape.kernels_per_layer == KERNEL_COUNTS["ouro"][0] + KV_STORE_KERNELS
+    assert (
+        2 * shape.kv_bytes_per_token_per_depth
+        == ModelShape.from_config(OURO_1P4B).kv_bytes_per_token_per_depth
+    )
+    assert main(["bench", "kernels", "--kv-cache-dtype", "fp8_e4m3", "--fused-linears"]) == 2

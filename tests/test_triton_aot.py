@@ -3,13 +3,15 @@
 The launchers run on `meta` tensors shaped like Ouro-1.4B (MHA 16/16) and a GQA 32/8 model
 at head_dim 128, in bf16, fp16 and fp32, and what they would launch is compiled for real
 targets (`loopserve.runner.attention.triton_aot`; the test compiles its `representative`
-subset, about half a minute cold; `python -m loopserve.runner.attention.triton_aot` runs the
+subset, 84 s cold on a 2-vCPU VM under Triton 3.9 before the 8-bit forms were cut to two targets; `python -m loopserve.runner.attention.triton_aot` runs the
 full sweep whose table is in docs/gpu.md). Every kernel must keep its registers:
 no stack or local memory in bf16/fp16, none in fp32 prompt tiles, shared memory within the
 target's limit. A second test counts the distinct compiles a mixed engine workload triggers.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -47,6 +49,9 @@ def test_every_kernel_compiles_for_real_targets_without_spills(sweep):
         ("fused_linear_kernel", "linear_down"),
     }  # fmt: skip
     assert {r.target for r in sweep} == {80, 90, 100}
+    # an 8-bit cache's forms: e5m2 on sm_80 (where e4m3 is refused), e4m3 on sm_90
+    fp8 = {(r.shape, r.target) for r in sweep if "/kv-" in r.shape}
+    assert fp8 == {("mha16/kv-e5m2", 80), ("mha16/kv-e4m3", 90)}
     assert {r.dtype for r in sweep} == {"bfloat16", "float16", "float32"}
     bad = [r for r in sweep if not triton_aot.acceptable(r)]
     assert bad == [], triton_aot.format_table(bad)
@@ -99,7 +104,9 @@ def test_a_mixed_workload_triggers_one_compile_per_kernel_form(tiny_dir, monkeyp
     assert by_kernel.get("_decode_reduce_kernel", 0) <= 3
 
 
-def _launched_and_compiled(family, tmp_path, *, linears=False, lengths=(2, 9, 1), small=False):
+def _launched_and_compiled(
+    family, tmp_path, *, linears=False, lengths=(2, 9, 1), small=False, kv_cache_dtype="auto"
+):
     """(forms the engine launched on a mixed workload, forms `engine_launches` compiles at
     the model's shape with the backend's own settings). `small`: one layer per block and
     two loops (forms do not depend on either; interpreted launches cost per program)."""
@@ -116,7 +123,8 @@ def _launched_and_compiled(family, tmp_path, *, linears=False, lengths=(2, 9, 1)
         layers = dict(num_layers=1, total_ut_steps=2)
         model_dir = make_tiny_checkpoint(tmp_path, seed=0, **(layers if small else {}))
     engine = make_engine(model_dir, attention_backend="triton", graph_mode="emulate",
-                         prefill_mode="wavefront", mixed_prefill_decode=True, max_num_seqs=4)  # fmt: skip
+                         prefill_mode="wavefront", mixed_prefill_decode=True, max_num_seqs=4,
+                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     model = engine.model
     if hasattr(model, "merge_projections"):
         model.merge_projections()
@@ -135,14 +143,17 @@ def _launched_and_compiled(family, tmp_path, *, linears=False, lengths=(2, 9, 1)
     shape = triton_aot.ModelShape(
         family, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
         torch.float32, block_size=backend.block_size, hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
+        intermediate=config.intermediate_size, kv_dtype=engine.runner.kv_cache.dtype,
     )  # fmt: skip
     settings = triton_aot.LaunchSettings.of_backend(
         backend, max_model_len=engine.runner.graphs.max_blocks * backend.block_size,
         max_graph_rows=max(engine.runner.graphs.buckets),
     )  # fmt: skip
-    compiled = {triton_aot.launch_form(lch) for _, lch in
-                triton_aot.engine_launches(shape, 90, settings=settings)}  # fmt: skip
+    # A narrow cache's shape compiles the forms that touch the cache; the model's dtype's
+    # shape the rest (norms, rotary without the write, SiLU).
+    shapes = {shape, dataclasses.replace(shape, kv_dtype=None)}
+    compiled = {triton_aot.launch_form(lch) for each in shapes for _, lch in
+                triton_aot.engine_launches(each, 90, settings=settings)}  # fmt: skip
     return launched, compiled
 
 
@@ -175,6 +186,24 @@ def test_every_form_the_fused_linears_launch_is_in_the_compiled_set(family, tmp_
     )
     fused = {form for form in launched if form[0] == "_fused_linear_kernel"}
     assert len(fused) >= 3  # q/k/v with the K/V write, gate/up, down at least
+    missing = launched - compiled
+    assert missing == set(), "\n".join(map(str, sorted(missing)))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_form_an_fp8_engine_launches_is_in_the_compiled_set(
+    kv_cache_dtype, tmp_path, monkeypatch
+):
+    """With an 8-bit cache the K/V write, finalize, decode (graphed too) and prompt kernels
+    read or write it: each such form is compiled (`FP8_SHAPES` in the sweep)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launched, compiled = _launched_and_compiled("ouro", tmp_path, lengths=(2, 5), small=True,
+                                                kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    fp8 = "torch." + kv_cache_dtype.replace("fp8_", "float8_").replace("e4m3", "e4m3fn")
+    reading = {form[0] for form in launched if (("key_cache_ptr", fp8) in form[1])}
+    assert {"_write_kv_kernel", "_decode_kernel", "_prefill_kernel"} <= reading
+    rotary = {form for form in launched if form[0] == "_rope_qkv_kernel"}
+    assert rotary and all(("WRITE", "False") in form[2] for form in rotary)
     missing = launched - compiled
     assert missing == set(), "\n".join(map(str, sorted(missing)))
 

@@ -147,19 +147,25 @@ def count_kernels(
     num_layers: int | None = None,
     attention_backend: str = "triton",
     fused_linears: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> KernelCount:
     """Kernels of one graphed decode loop of `rows` rows on a tiny `family` checkpoint (its
     core with `num_layers` layers; None: the tiny default, 2 for Ouro, 4 for Huginn), with
     the model as the loader and runner prepare it for CUDA (`fused_linears`: as the runner
-    option of that name prepares it). Counted once per process for each distinct count,
-    however the arguments are spelled."""
+    option of that name prepares it; `kv_cache_dtype`: the engine's). Counted once per
+    process for each distinct count, however the arguments are spelled."""
     layers = TINY_CORE_LAYERS[family] if num_layers is None else num_layers
-    return _count_kernels(family, rows, layers, attention_backend, fused_linears)
+    return _count_kernels(family, rows, layers, attention_backend, fused_linears, kv_cache_dtype)
 
 
 @functools.lru_cache(maxsize=16)  # deterministic per arguments: counted once per process
 def _count_kernels(
-    family: str, rows: int, num_layers: int, attention_backend: str, fused_linears: bool
+    family: str,
+    rows: int,
+    num_layers: int,
+    attention_backend: str,
+    fused_linears: bool,
+    kv_cache_dtype: str,
 ) -> KernelCount:
     with tempfile.TemporaryDirectory() as directory:
         if family == "huginn":
@@ -175,7 +181,7 @@ def _count_kernels(
             engine = LLMEngine.from_engine_args(
                 model=str(model_dir), dtype="float32", num_blocks=128, block_size=16,
                 max_num_seqs=rows, graph_mode="emulate", attention_backend=attention_backend,
-                enable_prefix_caching=False,
+                enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
             )  # fmt: skip
     merge = getattr(engine.model, "merge_projections", None)
     if merge is not None:  # count the model as the loader and runner prepare it on CUDA
@@ -222,12 +228,13 @@ def kernel_model(
     rows: int = 4,
     attention_backend: str = "triton",
     fused_linears: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> KernelModel:
     """Count at 2 and 4 core layers and split the count (one of them is the tiny default
     depth, which `count_kernels(family)` shares)."""
     count = functools.partial(
         count_kernels, family, rows=rows, attention_backend=attention_backend,
-        fused_linears=fused_linears,
+        fused_linears=fused_linears, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     small, large = count(num_layers=2), count(num_layers=4)
     per_layer = (large.kernels_per_loop - small.kernels_per_loop) / 2
@@ -236,15 +243,21 @@ def kernel_model(
 
 def main_from_args(args) -> int:
     torch.set_num_threads(1)
-    backend, fused = args.attention_backend, args.fused_linears
+    backend, fused, kv_dtype = args.attention_backend, args.fused_linears, args.kv_cache_dtype
+    if fused and kv_dtype != "auto":
+        raise ConfigError(
+            f"--fused-linears cannot run --kv-cache-dtype {kv_dtype}: the fused rotary kernel "
+            "writes K/V in the model's dtype (the engine refuses the pair too)"
+        )
     if fused and args.rows > FUSED_MAX_ROWS:
         raise ConfigError(
             f"--fused-linears runs calls of up to {FUSED_MAX_ROWS} rows; --rows {args.rows} "
             "would count the merged GEMMs it keeps for wider calls"
         )
     count = count_kernels(
-        args.family, rows=args.rows, attention_backend=backend, fused_linears=fused
-    )
+        args.family, rows=args.rows, attention_backend=backend, fused_linears=fused,
+        kv_cache_dtype=kv_dtype,
+    )  # fmt: skip
     print(f"{count.family}: {count.kernels_per_loop} kernels per loop over "
           f"{count.num_layers} core layers = {count.kernels_per_layer:.1f} per layer "
           f"({count.views_per_loop} view operators left out; attention: {backend}"
@@ -252,8 +265,9 @@ def main_from_args(args) -> int:
     for op, n in count.by_op.items():
         print(f"  {op:<40} {n:>4}  ({n / count.num_layers:.1f} per layer)")
     model = kernel_model(
-        args.family, rows=args.rows, attention_backend=backend, fused_linears=fused
-    )
+        args.family, rows=args.rows, attention_backend=backend, fused_linears=fused,
+        kv_cache_dtype=kv_dtype,
+    )  # fmt: skip
     print(f"split (counted at two core depths): {model.per_layer:g} per layer + "
           f"{model.per_loop:g} per loop")  # fmt: skip
     if args.output_json:

@@ -192,6 +192,7 @@ def build_engine(
         coda_batching=args.coda_batching,
         coda_batch_max_wait=args.coda_batch_max_wait,
         coda_batch_min_rows=args.coda_batch_min_rows,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

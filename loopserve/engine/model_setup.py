@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from loopserve.config import (
     EngineConfig,
     check_draft_loops,
@@ -25,6 +27,7 @@ from loopserve.errors import ConfigError
 from loopserve.exit import ExitMode
 from loopserve.exit.criteria import make_criterion
 from loopserve.models import load_model, resolve_model_path
+from loopserve.models.kv_dtype import FP8_E4M3_MIN_CAPABILITY, kv_storage_dtype
 from loopserve.models.registry import read_config, require_engine_family, resolve_exit_mode
 from loopserve.models.tiny import DEFAULT_MODEL_DIR
 from loopserve.runner.attention.registry import resolve_attention_backend
@@ -61,7 +64,28 @@ def load_engine_model(config: EngineConfig):
     )
     config = resolve_model_options(config, model, family.name)
     check_draft_loops(config, model.num_loops)
+    if config.device.startswith("cuda"):
+        major, minor = torch.cuda.get_device_capability(config.device)
+        check_kv_cache_dtype(config, 10 * major + minor)
     return family, model, config
+
+
+def check_kv_cache_dtype(config: EngineConfig, capability: int) -> None:
+    """A start-up error for a cache the attention kernels cannot read on this GPU (compute
+    capability `capability`, e.g. 80): e4m3 before sm_89 with the Triton backend."""
+    backend = resolve_attention_backend(
+        config.attention_backend, config.device, batch_invariant=config.batch_invariant
+    )
+    if (
+        config.cache.kv_cache_dtype == "fp8_e4m3"
+        and backend == "triton"
+        and capability < FP8_E4M3_MIN_CAPABILITY
+    ):
+        raise ConfigError(
+            f"kv_cache_dtype='fp8_e4m3' needs compute capability 8.9 or later with the Triton "
+            f"attention backend (this GPU: {capability // 10}.{capability % 10}; Triton has no "
+            "e4m3 conversion before it); use kv_cache_dtype='fp8_e5m2' or 'auto'"
+        )
 
 
 def size_kv_cache(config: EngineConfig, model, max_model_len: int):
@@ -69,7 +93,8 @@ def size_kv_cache(config: EngineConfig, model, max_model_len: int):
     in-flight hidden states). On CUDA without an explicit size the device is profiled first
     (weights, activation peak, the graphs' pool) and the blocks fill what is left."""
     element_size = model.lm_head.weight.element_size()
-    bytes_per_block = model.config.kv_bytes_per_block(config.cache.block_size, element_size)
+    kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, model.lm_head.weight.dtype)
+    bytes_per_block = model.config.kv_bytes_per_block(config.cache.block_size, kv_dtype.itemsize)
     budget = None
     sized = config.cache.num_blocks is not None or config.cache.kv_cache_bytes is not None
     if config.device.startswith("cuda") and not sized:

@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from loopserve.models.kv_dtype import round_trip
+
 
 class AttentionBackend(Protocol):
     """Stores this call's K/V and attends. Shapes: q [rows, Hq, Dh], k/v [rows, Hkv, Dh].
@@ -85,7 +87,9 @@ def attention_reference(
 
 
 class DenseKV:
-    """Contiguous K/V of one request: `num_planes` planes × layers × [max_len, Hkv, Dh]."""
+    """Contiguous K/V of one request: `num_planes` planes × layers × [max_len, Hkv, Dh].
+    `storage_dtype`: each written K/V is rounded as a cache of that element type stores it
+    (`kv_dtype.round_trip`; None or `dtype`: kept as computed)."""
 
     def __init__(
         self,
@@ -97,7 +101,9 @@ class DenseKV:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        storage_dtype: torch.dtype | None = None,
     ) -> None:
+        self.storage_dtype = storage_dtype
         shape = (num_planes, num_layers, max_len, num_kv_heads, head_dim)
         self.key = torch.zeros(shape, dtype=dtype, device=device)
         self.value = torch.zeros(shape, dtype=dtype, device=device)
@@ -138,6 +144,10 @@ class DenseAttention:
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
         out = torch.empty_like(query)
+        key, value = (
+            round_trip(key, self.kv.storage_dtype),
+            round_trip(value, self.kv.storage_dtype),
+        )
         for plane, rows, _, _ in self.groups:
             self.kv.key[plane, layer_idx, self.positions[rows]] = key[rows]
             self.kv.value[plane, layer_idx, self.positions[rows]] = value[rows]

@@ -33,20 +33,30 @@ import torch
 from loopserve.exit.criteria import ExitCriterion, make_criterion
 from loopserve.models.attention import attention_reference
 from loopserve.models.huginn import HuginnForLoopedLM
+from loopserve.models.kv_dtype import kv_storage_dtype, round_trip
 
 LOOKUPS = ("full", "last_exited", "always_last", "shared")
 
 
 class HuginnDenseKV:
     def __init__(
-        self, model: HuginnForLoopedLM, *, max_len: int, max_steps: int, lookup: str = "full"
+        self,
+        model: HuginnForLoopedLM,
+        *,
+        max_len: int,
+        max_steps: int,
+        lookup: str = "full",
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        """`kv_cache_dtype`: each written K/V is rounded as an engine with that setting
+        stores it (`models/kv_dtype.py`)."""
         if lookup not in LOOKUPS:
             raise ValueError(f"lookup must be one of {LOOKUPS}, got {lookup!r}")
         config = model.config
         param = model.lm_head.weight
         heads, dim = config.num_key_value_heads, config.head_dim
         kw = {"dtype": param.dtype, "device": param.device}
+        self.storage_dtype = kv_storage_dtype(kv_cache_dtype, param.dtype)
         self.groups = config.layer_groups
         self.lookup = lookup
         self.once_k = torch.zeros(config.num_once_layers, max_len, heads, dim, **kw)
@@ -79,6 +89,7 @@ class HuginnDenseAttention:
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
         kv, pos, n = self.kv, self.positions, self.context_len
+        key, value = round_trip(key, kv.storage_dtype), round_trip(value, kv.storage_dtype)
         if layer_idx not in kv.groups["core"]:
             slot = kv._once_index(layer_idx)
             kv.once_k[slot, pos], kv.once_v[slot, pos] = key, value
@@ -184,14 +195,16 @@ def generate(
     eos_token_ids: tuple[int, ...] = (),
     prompt_by_position: bool = False,
     delayed: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> HuginnGeneration:
     """`prompt_by_position`: run the prompt one position at a time, each through all its
     steps before the next starts (loopserve's SHARED layout runs prompts that way); the
     initial states are still drawn as one block for the whole prompt. `delayed`: tokens exit
-    one step after their criterion fires (loopserve's `criterion_delayed`)."""
+    one step after their criterion fires (loopserve's `criterion_delayed`). `kv_cache_dtype`:
+    K/V stored as an engine with that setting stores it."""
     max_steps = num_steps or model.config.mean_recurrence
     kv = HuginnDenseKV(model, max_len=len(prompt) + max_new_tokens, max_steps=max_steps,
-                       lookup=lookup)  # fmt: skip
+                       lookup=lookup, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     rule = make_criterion(criterion, vocab_size=model.config.vocab_size, threshold=threshold)
     generator = None if latent_seed is None else torch.Generator().manual_seed(latent_seed)
     kwargs = {"max_steps": max_steps, "min_steps": min_steps, "criterion": rule,
@@ -306,6 +319,7 @@ def prompt_logprobs_at_exit(
     threshold: float | None = None,
     min_steps: int = 0,
     num_steps: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[torch.Tensor, list[int]]:
     """loopserve's prompt logprobs at the exit loop (`prompt_logprobs_loop='exit'`): the
     prompt runs all `num_steps` steps (zero initial state); each position is then scored
@@ -313,11 +327,13 @@ def prompt_logprobs_at_exit(
     the position's state after each step, from its initial state, with the coda of that
     step attending to the earlier positions' coda K/V of the last step and to its own of
     that step. Returns the log-probability of every next token [len - 1] and the steps
-    each position's score used."""
+    each position's score used. `kv_cache_dtype`: K/V stored as an engine with that setting
+    stores it."""
     steps = num_steps or model.config.mean_recurrence
     device = model.lm_head.weight.device
     n = len(token_ids)
-    kv = HuginnDenseKV(model, max_len=n, max_steps=steps, lookup="last_exited")
+    kv = HuginnDenseKV(model, max_len=n, max_steps=steps, lookup="last_exited",
+                       kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     ids = torch.tensor(token_ids, device=device)
     pos = torch.arange(n, device=device)
     e = model.prelude(ids, pos, kv.attention(pos, None))

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loopserve.models.kv_dtype import to_storage
 from loopserve.runner.attention.base import RowSegment, write_slots_of
-from loopserve.runner.attention.torch_paged import TorchBackend, Workspace
+from loopserve.runner.attention.torch_paged import TorchBackend, Workspace, gather_blocks
 
 
 def row_invariant_linear(
@@ -144,25 +145,25 @@ class RowInvariantPagedAttention:
             self.items.append(ItemRows(row, seg.start, seg.count, blocks))
             row += seg.count
 
-    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """[len(blocks) * block_size, Hkv, Dh]: the item's context, whole blocks."""
-        pieces = cache.view(-1, self.block_size, cache.shape[1], cache.shape[2])
-        out = self.workspace.take(name, (blocks.numel(), *pieces.shape[1:]), cache)
-        torch.index_select(pieces, 0, blocks, out=out)
+    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor,
+                like: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """[len(blocks) * block_size, Hkv, Dh]: the item's context, whole blocks, in
+        `like`'s dtype."""
+        out = gather_blocks(self.workspace, name, cache, blocks, self.block_size, like)
         return out.view(-1, cache.shape[1], cache.shape[2])
 
     def attend(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
         key_cache, value_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
-        key_cache[self.write_slots] = key
-        value_cache[self.write_slots] = value
+        key_cache[self.write_slots] = to_storage(key, key_cache.dtype)
+        value_cache[self.write_slots] = to_storage(value, value_cache.dtype)
         num_heads, head_dim = query.shape[1], query.shape[2]
         gqa = key_cache.shape[1] != num_heads
         out = torch.empty_like(query)
         for item in self.items:
-            keys = self._gather("row_k", key_cache, item.blocks)  # [C, Hkv, Dh]
-            values = self._gather("row_v", value_cache, item.blocks)
+            keys = self._gather("row_k", key_cache, item.blocks, query)  # [C, Hkv, Dh]
+            values = self._gather("row_v", value_cache, item.blocks, query)
             for offset in range(item.count):
                 row, length = item.first_row + offset, item.start + offset + 1
                 out[row] = torch.nn.functional.scaled_dot_product_attention(

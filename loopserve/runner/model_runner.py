@@ -50,6 +50,7 @@ from loopserve.errors import ConfigError, InvalidRequestError
 from loopserve.execution import Executor, StepRules, run_without_failed, set_up_each
 from loopserve.exit import ExitMode
 from loopserve.models.family import LoopedModel
+from loopserve.models.kv_dtype import kv_storage_dtype
 from loopserve.runner.attention.base import finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
@@ -186,7 +187,8 @@ class ModelRunner(Executor):
         blocks = options.num_blocks + (options.graph_mode != "off")
         shape = (self.model.kv_layers, 2, blocks * options.block_size,
                  config.num_key_value_heads, config.head_dim)  # fmt: skip
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        dtype = kv_storage_dtype(options.kv_cache_dtype, self.dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _hazard_fn(self):
         """The model's exit hazard over carried rows (the lookahead head's under

@@ -25,7 +25,8 @@ class RunnerOptions:
     overrides it where the criterion takes one), `init_scale` (> 0: drawn initial states),
     `prompt_exits` and `lookup` (`runner/loop_calls.py`); `per_request_prompt_loops`: prompts
     run the request's loop bound (the registry's `prompt_loops_by_request`);
-    `defers_leave`: coda batching in time (`StepRules.defers_leave`)."""
+    `defers_leave`: coda batching in time (`StepRules.defers_leave`). `kv_cache_dtype`: the
+    KV cache's element type (`models/kv_dtype.py`; auto: the model's dtype)."""
 
     num_blocks: int
     block_size: int
@@ -33,6 +34,7 @@ class RunnerOptions:
     exit_mode: str = "ouro"
     lookahead_seed: int = 0
     num_host_blocks: int = 0
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     graph_mode: str = "off"
     max_model_len: int | None = None
@@ -70,6 +72,7 @@ class RunnerOptions:
             exit_mode=exit_.mode,
             lookahead_seed=exit_.lookahead_seed,
             num_host_blocks=num_host_blocks,
+            kv_cache_dtype=cache.kv_cache_dtype,
             attention_backend=config.attention_backend,
             graph_mode=effective_graph_mode(config),
             max_model_len=max_model_len,

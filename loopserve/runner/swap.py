@@ -119,8 +119,13 @@ class SwapSpace:
         cache = self.device_cache
         expected = (*cache.shape[:2], self.block_size, *cache.shape[3:])
         shape = (*kv.shape[:2], *kv.shape[3:])
-        if shape != expected or kv.dtype != cache.dtype:
-            raise ValueError(f"hand-off K/V {tuple(kv.shape)} {kv.dtype} does not fit this cache")
+        if kv.dtype != cache.dtype:
+            raise ValueError(
+                f"hand-off K/V stored as {kv.dtype} does not fit this cache ({cache.dtype}): "
+                "the prefill and decode replicas need the same dtype and kv_cache_dtype"
+            )
+        if shape != expected:
+            raise ValueError(f"hand-off K/V {tuple(kv.shape)} does not fit this cache")
 
     def import_blocks(self, kv: torch.Tensor, transfer: KVTransfer) -> None:
         """Write a handed-off request's blocks (`kv`, as `export_blocks` made it) into the

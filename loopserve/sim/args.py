@@ -23,6 +23,7 @@ SIM_ENGINE_ARGS = (
     "num_blocks",
     "gpu_memory_utilization",
     "layout",
+    "kv_cache_dtype",
     "kv_reservation",
     "kv_watermark",
     "preemption_mode",

@@ -67,6 +67,11 @@ KERNEL_COUNTS = {"ouro": (9.0, 6.0), "huginn": (9.0, 7.0)}
 # (the rotary tables are read by position inside the fused GEMM).
 FUSED_LINEAR_KERNEL_COUNTS = {"ouro": (5.0, 1.0), "huginn": (5.0, 3.0)}
 FUSED_LINEAR_MAX_ROWS = 16  # runner/fused_linear.py's MAX_ROWS
+# A cache narrower than the model (`kv_cache_dtype` fp8): each layer's K and V are clamped
+# and cast in torch (`models/kv_dtype.to_storage`, 4 kernels) and written by `write_kv`
+# apart from the rotary kernel (1): 14 per layer + 6 per loop for Ouro, counted by `bench
+# kernels --kv-cache-dtype fp8_e4m3` on 2026-12-06 against 9 + 6.
+KV_STORE_KERNELS = 5
 CODA_KERNELS = 2  # final norm (when the coda has layers) and the lm_head
 SAMPLING_KERNELS = 6  # softmax, filtering, the draw, the argmax, the gathers
 LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler
@@ -135,6 +140,7 @@ class ModelShape:
     vocab_size: int
     num_loops: int
     dtype_bytes: int = 2  # BF16
+    kv_dtype_bytes: int | None = None  # the K/V element's (None: dtype_bytes; fp8: 1)
     prelude_layers: int = 0
     coda_layers: int = 0
     step_extra_params: int | None = None  # None: the final norm (hidden_size)
@@ -145,8 +151,14 @@ class ModelShape:
     fused_kernels: tuple[float, float] = (0.0, 0.0)  # `FUSED_LINEAR_KERNEL_COUNTS`'
 
     @classmethod
-    def from_config(cls, config: LoopedConfig, dtype_bytes: int = 2) -> ModelShape:
-        """The shape of any family's config, read through the `LoopedConfig` seam."""
+    def from_config(
+        cls, config: LoopedConfig, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None
+    ) -> ModelShape:
+        """The shape of any family's config, read through the `LoopedConfig` seam;
+        `kv_dtype_bytes`: a K/V element's bytes when the cache stores another type."""
+        per_layer, per_loop = _kernel_counts(config)
+        if kv_dtype_bytes is not None and kv_dtype_bytes < dtype_bytes:
+            per_layer += KV_STORE_KERNELS
         return cls(
             num_layers=config.num_core_layers,
             hidden_size=config.hidden_size,
@@ -157,12 +169,14 @@ class ModelShape:
             vocab_size=config.vocab_size,
             num_loops=config.num_loops,
             dtype_bytes=dtype_bytes,
+            kv_dtype_bytes=kv_dtype_bytes,
             prelude_layers=config.num_prelude_layers,
             coda_layers=config.num_coda_layers,
             step_extra_params=config.step_extra_params,
             tied_embeddings=config.tie_word_embeddings,
             gate_params=config.exit_gate_params,
-            **dict(zip(("kernels_per_layer", "kernels_per_loop"), _kernel_counts(config))),
+            kernels_per_layer=per_layer,
+            kernels_per_loop=per_loop,
             fused_kernels=FUSED_LINEAR_KERNEL_COUNTS[_family(config)],
         )
 
@@ -229,13 +243,17 @@ class ModelShape:
         return params * self.dtype_bytes
 
     @property
+    def kv_element_bytes(self) -> int:
+        return self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+
+    @property
     def kv_bytes_per_token_per_depth(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.layer_kv_bytes(self.num_layers)
 
     @property
     def kv_bytes_per_token_once(self) -> int:
         """K/V one position stores in the prelude and coda layers (not per loop)."""
-        return 2 * self.once_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.layer_kv_bytes(self.once_layers)
 
     @property
     def attention_flops_per_pair(self) -> int:
@@ -247,7 +265,12 @@ class ModelShape:
 
     def layer_kv_bytes(self, layers: int) -> int:
         """K/V bytes of one position in `layers` layers."""
-        return 2 * layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * layers * self.num_kv_heads * self.head_dim * self.kv_element_bytes
+
+
+def kv_element_bytes(kv_cache_dtype: str) -> int | None:
+    """A K/V element's bytes under an engine's `kv_cache_dtype` (None: the model's dtype)."""
+    return None if kv_cache_dtype == "auto" else 1  # fp8_e4m3, fp8_e5m2
 
 
 def _family(config: LoopedConfig) -> str:

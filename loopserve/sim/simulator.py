@@ -39,7 +39,7 @@ from loopserve.models.registry import family_of_config
 from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.request import FinishReason, Request
 from loopserve.scheduler.scheduler import Scheduler
-from loopserve.sim.cost_model import CostModel, ModelShape
+from loopserve.sim.cost_model import CostModel, ModelShape, kv_element_bytes
 from loopserve.sim.executor import SimExecutor
 from loopserve.sim.hardware import DeviceProfile
 from loopserve.sim.host_model import HostModel, step_time_s
@@ -112,11 +112,13 @@ class Simulator:
         the engine's brownout arguments say whether and when it engages)."""
         self.exit_threshold = exit_threshold
         self.brownout_floor = brownout_floor
-        self.shape = ModelShape.from_config(model_config)
+        config = build_engine_config(engine_args or {})
+        self.shape = ModelShape.from_config(
+            model_config, kv_dtype_bytes=kv_element_bytes(config.cache.kv_cache_dtype)
+        )
         family = family_of_config(model_config)  # its K/V and prompt rules, as the engine's
         self.device = device
         self.cost_model = CostModel(self.shape, device, roofline)
-        config = build_engine_config(engine_args or {})
         self.config = resolve_sim_config(config, self.shape, device)
         self.num_loops = self.shape.num_loops
         self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from loopserve.models.kv_dtype import round_trip
+
 
 class PeekAttention:
     """One leave call's attention for one once plane: row i, at position p of the request
@@ -35,6 +37,9 @@ class PeekAttention:
         cache = self.kv_cache[layer_idx]  # [2, slots, Hkv, Dh]
         pieces = cache.view(2, -1, self.block_size, cache.shape[2], head_dim)
         context = pieces[:, self.blocks.reshape(-1)].reshape(2, n, -1, cache.shape[2], head_dim)
+        context = context.to(query.dtype)  # widened exactly from a narrower cache
+        # The row's own K/V as the cache would hold it (the reference stores, then reads).
+        key, value = round_trip(key, cache.dtype), round_trip(value, cache.dtype)
         keys = torch.cat([context[0], key.unsqueeze(1)], dim=1)  # [n, C + 1, Hkv, Dh]
         values = torch.cat([context[1], value.unsqueeze(1)], dim=1)
         if cache.shape[2] != num_heads:

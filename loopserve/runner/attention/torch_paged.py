@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loopserve.models.kv_dtype import to_storage
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
 from loopserve.runner.attention.cascade import (
     CascadePlan,
@@ -41,6 +42,7 @@ __all__ = [
     "TorchBackend",
     "TorchPagedAttention",
     "Workspace",
+    "gather_blocks",
 ]
 
 
@@ -192,6 +194,25 @@ class Workspace:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
+def gather_blocks(
+    workspace: Workspace,
+    name: str,
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """Whole blocks of one layer's K or V, [len(blocks), block_size, Hkv, Dh], in `like`'s
+    dtype: a cache stored narrower (`kv_cache_dtype` fp8) is gathered, then widened exactly."""
+    pieces = cache.view(-1, block_size, cache.shape[1], cache.shape[2])
+    shape = (blocks.numel(), *pieces.shape[1:])
+    out = workspace.take(name, shape, cache)
+    torch.index_select(pieces, 0, blocks, out=out)
+    if cache.dtype == like.dtype:
+        return out
+    return workspace.take(name + "_wide", shape, like).copy_(out)
+
+
 class TorchPagedAttention:
     """`AttentionBackend` for one core call over the engine's paged KV tensor."""
 
@@ -207,18 +228,18 @@ class TorchPagedAttention:
         self.scale = scale
         self.workspace = workspace if workspace is not None else Workspace()
 
-    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """Whole blocks of one layer's K or V: [len(blocks), block_size, Hkv, Dh]."""
-        pieces = cache.view(-1, self.meta.block_size, cache.shape[1], cache.shape[2])
-        out = self.workspace.take(name, (blocks.numel(), *pieces.shape[1:]), cache)
-        return torch.index_select(pieces, 0, blocks, out=out)
+    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor,
+                like: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Whole blocks of one layer's K or V: [len(blocks), block_size, Hkv, Dh], in `like`'s
+        dtype."""
+        return gather_blocks(self.workspace, name, cache, blocks, self.meta.block_size, like)
 
     def attend(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
         key_cache, value_cache = self.kv_cache[layer_idx, 0], self.kv_cache[layer_idx, 1]
-        key_cache[self.meta.write_slots] = key
-        value_cache[self.meta.write_slots] = value
+        key_cache[self.meta.write_slots] = to_storage(key, key_cache.dtype)
+        value_cache[self.meta.write_slots] = to_storage(value, value_cache.dtype)
         single = self.meta.single
         if not self.meta.multi and self.meta.cascade is None:
             # decode-only call without groups: every row is a one-row item, in row order
@@ -240,8 +261,10 @@ class TorchPagedAttention:
         count, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[1]
         group = num_heads // num_kv_heads
-        keys = self._gather("chunk_k", key_cache, span.blocks).view(-1, num_kv_heads, head_dim)
-        values = self._gather("chunk_v", value_cache, span.blocks)
+        keys = self._gather("chunk_k", key_cache, span.blocks, query).view(
+            -1, num_kv_heads, head_dim
+        )
+        values = self._gather("chunk_v", value_cache, span.blocks, query)
         values = values.view(-1, num_kv_heads, head_dim)[: span.end].transpose(0, 1)
         # Query heads of one KV head side by side: [Hkv, group * count, Dh].
         q = query.view(count, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -262,13 +285,13 @@ class TorchPagedAttention:
         for all its queries, each row's suffix on its own, merged exactly."""
         num_heads = query.shape[1]
         num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[2]
-        keys = self._gather("prefix_k", key_cache, plan.prefix_blocks)
-        values = self._gather("prefix_v", value_cache, plan.prefix_blocks)
+        keys = self._gather("prefix_k", key_cache, plan.prefix_blocks, query)
+        values = self._gather("prefix_v", value_cache, plan.prefix_blocks, query)
         prefix_out, prefix_lse = plan.attend_prefix(query, keys, values, self.scale)
         suffix = self.meta.cascade_suffix
         assert suffix is not None
-        keys = self._gather("suffix_k", key_cache, suffix.blocks)
-        values = self._gather("suffix_v", value_cache, suffix.blocks)
+        keys = self._gather("suffix_k", key_cache, suffix.blocks, query)
+        values = self._gather("suffix_v", value_cache, suffix.blocks, query)
         context = (suffix.num_items, -1, num_kv_heads, head_dim)  # [R, suffix, Hkv, Dh]
         queries = query.index_select(0, suffix.query_index).view(suffix.num_items, 1, num_heads, -1)
         suffix_out, suffix_lse = attend_with_lse(
@@ -287,8 +310,8 @@ class TorchPagedAttention:
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key_cache.shape[1]
         n, q = group.num_items, group.max_queries
-        keys = self._gather("single_k", key_cache, group.blocks)
-        values = self._gather("single_v", value_cache, group.blocks)
+        keys = self._gather("single_k", key_cache, group.blocks, query)
+        values = self._gather("single_v", value_cache, group.blocks, query)
         context = (n, -1, num_kv_heads, head_dim)  # [n, C, Hkv, Dh]
         queries = query.index_select(0, group.query_index).view(n, q, num_heads, head_dim)
         out = torch.nn.functional.scaled_dot_product_attention(

@@ -32,6 +32,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from loopserve.models.kv_dtype import FP8_E4M3_MIN_CAPABILITY
 from loopserve.runner.attention import triton_kernels, triton_prefill
 from loopserve.runner.attention.triton_backend import SPLIT_COUNTERS
 from loopserve.runner.attention.triton_jit import Launch, record_launches
@@ -49,6 +50,8 @@ _TRITON_TYPES = {
     torch.float16: "fp16",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
 }
 
 
@@ -65,6 +68,17 @@ class ModelShape:
     num_layers: int = 2  # only the finalize copy's grid depends on it
     hidden: int | None = None  # the residual width; None: num_heads x head_dim
     intermediate: int | None = None  # the MLP's width; None: 4 x hidden
+    kv_dtype: torch.dtype | None = None  # the cache's element type; None: dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+    @property
+    def narrow_cache(self) -> bool:
+        """K/V stored narrower than the model (`kv_cache_dtype` fp8): the engine rounds them
+        in torch and writes them with `write_kv`, never inside rotary or a fused GEMM."""
+        return self.cache_dtype != self.dtype
 
 
 @dataclass(frozen=True)
@@ -143,7 +157,7 @@ def engine_launches(
     settings = settings or LaunchSettings.for_target(target, shape.dtype)
     dtype, heads, kv_heads, dim = shape.dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim
     slots = 64 * shape.block_size
-    cache = _meta(shape.num_layers, 2, slots, kv_heads, dim, dtype=dtype)
+    cache = _meta(shape.num_layers, 2, slots, kv_heads, dim, dtype=shape.cache_dtype)
     key_cache, value_cache = cache[0, 0], cache[0, 1]
     query = _meta(rows, heads, dim, dtype=dtype)
     index = _meta(rows, dtype=torch.int32)
@@ -160,7 +174,7 @@ def engine_launches(
                 forms.add(form)
                 recorded.append((variant, launch))
 
-    kv = _meta(rows, kv_heads, dim, dtype=dtype)
+    kv = _meta(rows, kv_heads, dim, dtype=shape.cache_dtype)  # rounded to the cache's type
     record("write", triton_kernels.write_kv, kv, kv, key_cache, value_cache,
            _meta(rows, dtype=torch.int64), rows_per_program=settings.write_rows)  # fmt: skip
     pairs = _meta(rows, dtype=torch.int64)
@@ -196,6 +210,8 @@ def engine_launches(
                tables=_meta(bucket, 64, dtype=torch.int64), table_idx=column, rows=column,
                seq_lens=_meta(bucket, dtype=torch.int32), max_seq_len=settings.max_model_len,
                split_len=split_len, counters=counters, **decode)  # fmt: skip
+    if shape.narrow_cache:
+        return recorded  # the rest never touches the cache, or is refused with a narrow one
     hidden = shape.hidden or heads * dim
     norm = _MetaNorm(_meta(hidden, dtype=dtype), 1e-6)
     rows_h = _meta(rows, hidden, dtype=dtype)
@@ -385,12 +401,28 @@ OURO_SHAPES = tuple(
 )
 
 
-def sweep(shapes=OURO_SHAPES, targets=TARGETS, block_sizes=(16,)) -> list[KernelResources]:
+# bf16 models with an 8-bit cache (`kv_cache_dtype`): the forms that read or write it.
+FP8_SHAPES = tuple(
+    ModelShape(f"{name}/kv-{kind}", heads, kv_heads, 128, torch.bfloat16, kv_dtype=kv_dtype)
+    for name, heads, kv_heads in (("mha16", 16, 16), ("gqa32/8", 32, 8))
+    for kind, kv_dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2))
+)
+
+
+def runs_on(shape: ModelShape, target: int) -> bool:
+    """Whether the engine runs `shape` on a GPU of `target` (it refuses an e4m3 cache before
+    sm_89)."""
+    return shape.cache_dtype != torch.float8_e4m3fn or target >= FP8_E4M3_MIN_CAPABILITY
+
+
+def sweep(
+    shapes=OURO_SHAPES + FP8_SHAPES, targets=TARGETS, block_sizes=(16,)
+) -> list[KernelResources]:
     results = []
     for base in shapes:
         for block_size in block_sizes:
             shape = dataclasses.replace(base, block_size=block_size)
-            for target in targets:
+            for target in filter(lambda t: runs_on(shape, t), targets):
                 for variant, launch in engine_launches(shape, target):
                     results.append(compile_for(shape, variant, launch, target))
     return results
@@ -400,7 +432,8 @@ def representative() -> list[KernelResources]:
     """The test's subset: every kernel form at each target in bf16 (the decode graphs' every
     reduce tile included); the attention kernels (decode, prompt) in every dtype; the GQA
     shape's decode and decode graphs (its group changes the kernel's tiles, its split counts
-    the reduce's) in bf16."""
+    the reduce's) in bf16; with an 8-bit cache, Ouro's shape's every cache form (e5m2 on
+    sm_80, e4m3 on sm_90; the full sweep has both wherever they run)."""
     results = []
     for target in TARGETS:
         for shape in OURO_SHAPES:
@@ -413,6 +446,11 @@ def representative() -> list[KernelResources]:
                 else:
                     wanted = variant in ("decode", "graphed")
                 if wanted:
+                    results.append(compile_for(shape, variant, launch, target))
+        for shape in FP8_SHAPES:  # e5m2 where e4m3 cannot run (sm_80), e4m3 on sm_90
+            wanted = {80: "mha16/kv-e5m2", 90: "mha16/kv-e4m3"}.get(target)
+            if shape.name == wanted:
+                for variant, launch in engine_launches(shape, target):
                     results.append(compile_for(shape, variant, launch, target))
     return results
 

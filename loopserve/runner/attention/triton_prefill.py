@@ -71,7 +71,8 @@ def _prefill_kernel(
         slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offs = slot[:, None] * stride_c_slot + kv_head * stride_c_head + d[None, :]
         kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [N, D]
+        # [N, D] in the query's dtype (a no-op unless the cache is stored narrower: fp8)
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -83,7 +84,7 @@ def _prefill_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

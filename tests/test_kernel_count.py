@@ -159,22 +159,19 @@ def test_bench_kernels_refuses_rows_it_cannot_count_as_asked(capsys):
     assert f"up to {MAX_ROWS} rows" in capsys.readouterr().err
 
 
-def test_an_fp8_cache_costs_the_kernels_the_simulator_prices():
-    """`kv_cache_dtype` fp8: K and V are clamped and cast in torch and written apart from the
-    rotary kernel, which then writes nothing; the simulator adds what the counter counts."""
+def test_an_fp8_cache_costs_no_kernel_more():
+    """`kv_cache_dtype` fp8: the rotary kernel writes K/V as fp8 bytes itself (`fp8_bits`),
+    so a loop launches what it launches with the model's dtype, as the simulator prices it."""
     from loopserve.cli.main import main
-    from loopserve.sim.cost_model import KV_STORE_KERNELS, ModelShape
+    from loopserve.sim.cost_model import ModelShape
 
-    count = count_kernels("ouro", kv_cache_dtype="fp8_e4m3")
-    plain, layers = count_kernels("ouro"), count.num_layers
-    assert count.by_op["triton.write_kv_kernel"] == count.by_op["triton.rope_qkv_kernel"] == layers
-    assert count.by_op["aten.clamp"] == 2 * layers
-    added = count.kernels_per_loop - plain.kernels_per_loop
-    assert added == KV_STORE_KERNELS * layers
-    shape = ModelShape.from_config(OURO_1P4B, kv_dtype_bytes=1)
-    assert shape.kernels_per_layer == KERNEL_COUNTS["ouro"][0] + KV_STORE_KERNELS
-    assert (
-        2 * shape.kv_bytes_per_token_per_depth
-        == ModelShape.from_config(OURO_1P4B).kv_bytes_per_token_per_depth
+    count, plain = count_kernels("ouro", kv_cache_dtype="fp8_e4m3"), count_kernels("ouro")
+    assert count.by_op == plain.by_op
+    assert "triton.write_kv_kernel" not in count.by_op and "aten.clamp" not in count.by_op
+    narrow, wide = (
+        ModelShape.from_config(OURO_1P4B, kv_dtype_bytes=1),
+        ModelShape.from_config(OURO_1P4B),
     )
+    assert narrow.kernels_per_layer == wide.kernels_per_layer == KERNEL_COUNTS["ouro"][0]
+    assert 2 * narrow.kv_bytes_per_token_per_depth == wide.kv_bytes_per_token_per_depth
     assert main(["bench", "kernels", "--kv-cache-dtype", "fp8_e4m3", "--fused-linears"]) == 2

@@ -30,7 +30,7 @@ PATHS = {
     "torch": {},
     "triton": {"attention_backend": "triton"},
     "triton_graphs": {"attention_backend": "triton", "graph_mode": "emulate"},
-    # the model as the runner prepares it on CUDA: its rotary would write K/V itself
+    # the model as the runner prepares it on CUDA: its rotary writes the K/V bytes itself
     "triton_fused": {"attention_backend": "triton"},
     "swap": {"num_blocks": 56, "preemption_mode": "swap", "max_num_seqs": 4},
     "batch_invariant": {"batch_invariant": True},
@@ -248,3 +248,51 @@ def test_an_fp8_hand_off_carries_the_rounded_k_v_and_a_mismatch_is_refused(tiny_
         prefill.step()
     with pytest.raises(ValueError, match="same dtype and kv_cache_dtype"):
         wide.import_request(prefill.export_request("m"))
+
+
+def _hard_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of `dtype`, each midpoint between neighbours (ties) and the float
+    on either side of it, saturation, infinities, NaN, signed zeros and random values."""
+    every = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    finite = every[torch.isfinite(every)].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    inf = torch.tensor(float("inf"))
+    edges = torch.tensor([float("nan"), -float("nan"), 0.0, -0.0, 1e-30, -1e-45, 1e6, -1e6,
+                          float("inf"), -float("inf"), 449.0, 464.0, 61440.0, -7.9])  # fmt: skip
+    rng = torch.Generator().manual_seed(0)
+    return torch.cat([finite, mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf),
+                      edges, torch.randn(2000, generator=rng) * 50])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_store_the_bytes_torch_rounds_to(dtype, model_dtype):
+    """`write_kv` and the rotary K/V write encode in the kernel (`fp8_bits`, integer
+    arithmetic): byte for byte what `to_storage` stores, ties and saturation included.
+    (The interpreter's own float-to-fp8 cast gets 7.9 wrong, so a cast would fail here.)"""
+    from loopserve.runner.attention.triton_kernels import write_kv
+    from loopserve.runner.fused_ops import rope_qkv
+
+    heads, dim = 2, 16
+    values = _hard_values(dtype).to(model_dtype)
+    rows = -(-values.numel() // (heads * dim))
+    values = torch.cat([values, values[: rows * heads * dim - values.numel()]])
+    kv = values.view(rows, heads, dim)
+    expected = to_storage(kv, dtype).view(torch.uint8)
+    slots = torch.randperm(rows + 7, generator=torch.Generator().manual_seed(1))[:rows]
+    key_cache = torch.zeros(rows + 7, heads, dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    write_kv(kv, kv.flip(0), key_cache, value_cache, slots)
+    assert torch.equal(key_cache[slots].view(torch.uint8), expected)
+    assert torch.equal(value_cache[slots].view(torch.uint8), expected.flip(0))
+    # Rotary with cos 1, sin 0 leaves q and k as they are (x + (-y * 0): finite, nonzero
+    # values, as an infinity's pair would turn NaN and a zero's sign would follow its
+    # pair's); k and v land rounded in the cache.
+    kv = torch.where(torch.isfinite(kv) & (kv != 0), kv, 1.0)
+    expected = to_storage(kv, dtype).view(torch.uint8)
+    qkv = torch.cat([kv, kv, kv.flip(0)], dim=1).reshape(rows, 3 * heads * dim)
+    cos = torch.ones(rows, dim, dtype=model_dtype)
+    rope_qkv(qkv, cos, torch.zeros_like(cos), heads, heads,
+             cache=(key_cache, value_cache, slots))  # fmt: skip
+    assert torch.equal(key_cache[slots].view(torch.uint8), expected)
+    assert torch.equal(value_cache[slots].view(torch.uint8), expected.flip(0))

@@ -194,16 +194,21 @@ def test_every_form_the_fused_linears_launch_is_in_the_compiled_set(family, tmp_
 def test_every_form_an_fp8_engine_launches_is_in_the_compiled_set(
     kv_cache_dtype, tmp_path, monkeypatch
 ):
-    """With an 8-bit cache the K/V write, finalize, decode (graphed too) and prompt kernels
-    read or write it: each such form is compiled (`FP8_SHAPES` in the sweep)."""
+    """With an 8-bit cache the decode (graphed too) and prompt kernels read it as fp8 and
+    the rotary kernel writes its bytes (a `uint8` view, `FP8` set): each such form is
+    compiled (`FP8_SHAPES` in the sweep)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     launched, compiled = _launched_and_compiled("ouro", tmp_path, lengths=(2, 5), small=True,
                                                 kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     fp8 = "torch." + kv_cache_dtype.replace("fp8_", "float8_").replace("e4m3", "e4m3fn")
     reading = {form[0] for form in launched if (("key_cache_ptr", fp8) in form[1])}
-    assert {"_write_kv_kernel", "_decode_kernel", "_prefill_kernel"} <= reading
+    assert {"_decode_kernel", "_prefill_kernel"} <= reading
     rotary = {form for form in launched if form[0] == "_rope_qkv_kernel"}
-    assert rotary and all(("WRITE", "False") in form[2] for form in rotary)
+    code = "1" if kv_cache_dtype == "fp8_e4m3" else "2"
+    assert rotary and all(
+        {("WRITE", "True"), ("FP8", code)} <= set(form[2]) and ("k_ptr", "torch.uint8") in form[1]
+        for form in rotary
+    )
     missing = launched - compiled
     assert missing == set(), "\n".join(map(str, sorted(missing)))
 

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.runner.attention.fp8_bits import as_bytes, fp8_bits, fp8_code
 from loopserve.runner.attention.triton_jit import device_kernel
 
 SILU_BLOCK = 1024
@@ -60,6 +61,7 @@ def _rope_qkv_kernel(
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WRITE: tl.constexpr,
+    FP8: tl.constexpr = 0,
 ):
     # One program per row: every head of q, k and v as a [HEADS, BLOCK] tile of pairs. K and
     # V go to row `slots[row]` of the caches (WRITE), else to row `row` of their outputs.
@@ -114,11 +116,17 @@ def _rope_qkv_kernel(
     tl.store(q_dst + i1, o1, mask=is_q)
     tl.store(q_dst + i2, o2, mask=is_q)
     k_dst = k_ptr + kv_row * stride_kv_row + (h - HQ) * D
-    tl.store(k_dst + i1, o1, mask=is_k)
-    tl.store(k_dst + i2, o2, mask=is_k)
     v_dst = v_ptr + kv_row * stride_kv_row + (h - HQ - HKV) * D
-    tl.store(v_dst + i1, x1, mask=is_v)
-    tl.store(v_dst + i2, x2, mask=is_v)
+    if FP8:  # an 8-bit cache (its bytes): K/V rounded as torch's `to_storage` rounds them
+        tl.store(k_dst + i1, fp8_bits(o1.to(tl.float32), FP8), mask=is_k)
+        tl.store(k_dst + i2, fp8_bits(o2.to(tl.float32), FP8), mask=is_k)
+        tl.store(v_dst + i1, fp8_bits(x1.to(tl.float32), FP8), mask=is_v)
+        tl.store(v_dst + i2, fp8_bits(x2.to(tl.float32), FP8), mask=is_v)
+    else:
+        tl.store(k_dst + i1, o1, mask=is_k)
+        tl.store(k_dst + i2, o2, mask=is_k)
+        tl.store(v_dst + i1, x1, mask=is_v)
+        tl.store(v_dst + i2, x2, mask=is_v)
 
 
 def rope_qkv(
@@ -136,8 +144,8 @@ def rope_qkv(
     q and k rotated by `cos`/`sin` (rotate-half, or `interleaved`), after `bias` [2, H, Dh]
     when given (interleaved only). With `cache` = (key_cache, value_cache, slots), caches
     [slots, Hkv, Dh] as the attention backend keeps them, rotated k and v are written to row
-    `slots[i]` of the caches instead (the backend's K/V write, in the same launch) and
-    (q, None, None) is returned."""
+    `slots[i]` of the caches instead (the backend's K/V write, in the same launch; an 8-bit
+    cache gets its bytes, `fp8_bits`) and (q, None, None) is returned."""
     rows, width = qkv.shape
     head_dim = width // (num_heads + 2 * num_kv_heads)
     assert head_dim * (num_heads + 2 * num_kv_heads) == width and head_dim % 2 == 0
@@ -146,6 +154,7 @@ def rope_qkv(
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     q = qkv.new_empty((rows, num_heads, head_dim))
+    fp8 = 0
     if cache is None:
         k = qkv.new_empty((rows, num_kv_heads, head_dim))
         v = qkv.new_empty((rows, num_kv_heads, head_dim))
@@ -153,6 +162,8 @@ def rope_qkv(
     else:
         k = v = None
         key_out, value_out, slots = cache
+        fp8 = fp8_code(key_out, qkv)
+        key_out, value_out = as_bytes(key_out, fp8), as_bytes(value_out, fp8)
         assert key_out.stride() == value_out.stride() and key_out.shape[1:] == (
             num_kv_heads,
             head_dim,
@@ -165,7 +176,7 @@ def rope_qkv(
             HQ=num_heads, HKV=num_kv_heads, D=head_dim,
             HEADS=triton.next_power_of_2(num_heads + 2 * num_kv_heads),
             BLOCK=triton.next_power_of_2(head_dim // 2), INTERLEAVED=interleaved,
-            HAS_BIAS=bias is not None, WRITE=cache is not None,
+            HAS_BIAS=bias is not None, WRITE=cache is not None, FP8=fp8,
         )  # fmt: skip
     return q, k, v
 

@@ -67,11 +67,6 @@ KERNEL_COUNTS = {"ouro": (9.0, 6.0), "huginn": (9.0, 7.0)}
 # (the rotary tables are read by position inside the fused GEMM).
 FUSED_LINEAR_KERNEL_COUNTS = {"ouro": (5.0, 1.0), "huginn": (5.0, 3.0)}
 FUSED_LINEAR_MAX_ROWS = 16  # runner/fused_linear.py's MAX_ROWS
-# A cache narrower than the model (`kv_cache_dtype` fp8): each layer's K and V are clamped
-# and cast in torch (`models/kv_dtype.to_storage`, 4 kernels) and written by `write_kv`
-# apart from the rotary kernel (1): 14 per layer + 6 per loop for Ouro, counted by `bench
-# kernels --kv-cache-dtype fp8_e4m3` on 2026-12-06 against 9 + 6.
-KV_STORE_KERNELS = 5
 CODA_KERNELS = 2  # final norm (when the coda has layers) and the lm_head
 SAMPLING_KERNELS = 6  # softmax, filtering, the draw, the argmax, the gathers
 LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler
@@ -156,9 +151,8 @@ class ModelShape:
     ) -> ModelShape:
         """The shape of any family's config, read through the `LoopedConfig` seam;
         `kv_dtype_bytes`: a K/V element's bytes when the cache stores another type."""
+        # An 8-bit cache launches the same kernels (its writes encode in-kernel, `fp8_bits`).
         per_layer, per_loop = _kernel_counts(config)
-        if kv_dtype_bytes is not None and kv_dtype_bytes < dtype_bytes:
-            per_layer += KV_STORE_KERNELS
         return cls(
             num_layers=config.num_core_layers,
             hidden_size=config.hidden_size,

@@ -50,6 +50,7 @@ _TRITON_TYPES = {
     torch.float16: "fp16",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.uint8: "u8",  # an 8-bit cache as the K/V writes see it (its bytes)
     torch.float8_e4m3fn: "fp8e4nv",
     torch.float8_e5m2: "fp8e5",
 }
@@ -76,8 +77,8 @@ class ModelShape:
 
     @property
     def narrow_cache(self) -> bool:
-        """K/V stored narrower than the model (`kv_cache_dtype` fp8): the engine rounds them
-        in torch and writes them with `write_kv`, never inside rotary or a fused GEMM."""
+        """K/V stored narrower than the model (`kv_cache_dtype` fp8): `write_kv` and the
+        rotary write encode them (`fp8_bits`); the fused GEMMs are refused with it."""
         return self.cache_dtype != self.dtype
 
 
@@ -174,7 +175,7 @@ def engine_launches(
                 forms.add(form)
                 recorded.append((variant, launch))
 
-    kv = _meta(rows, kv_heads, dim, dtype=shape.cache_dtype)  # rounded to the cache's type
+    kv = _meta(rows, kv_heads, dim, dtype=dtype)  # an 8-bit cache's write rounds in-kernel
     record("write", triton_kernels.write_kv, kv, kv, key_cache, value_cache,
            _meta(rows, dtype=torch.int64), rows_per_program=settings.write_rows)  # fmt: skip
     pairs = _meta(rows, dtype=torch.int64)
@@ -210,8 +211,22 @@ def engine_launches(
                tables=_meta(bucket, 64, dtype=torch.int64), table_idx=column, rows=column,
                seq_lens=_meta(bucket, dtype=torch.int32), max_seq_len=settings.max_model_len,
                split_len=split_len, counters=counters, **decode)  # fmt: skip
+    qkv = _meta(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    table = _meta(rows, dim, dtype=dtype)
+    write = (key_cache, value_cache, _meta(rows, dtype=torch.int64))  # rotary in the K/V write
+    record("rope_write", rope_qkv, qkv, table, table, heads, kv_heads, cache=write)
+    if heads == kv_heads:  # Huginn's form: interleaved pairs, float32 tables, a q/k bias
+        half = _meta(rows, dim // 2, dtype=torch.float32)
+        for bias in (_meta(2, heads, dim, dtype=dtype), None):
+            record("rope_interleaved_write", rope_qkv, qkv, half, half, heads, kv_heads,
+                   interleaved=True, bias=bias, cache=write)  # fmt: skip
     if shape.narrow_cache:
         return recorded  # the rest never touches the cache, or is refused with a narrow one
+    record("rope", rope_qkv, qkv, table, table, heads, kv_heads)
+    if heads == kv_heads:
+        for bias in (_meta(2, heads, dim, dtype=dtype), None):
+            record("rope_interleaved", rope_qkv, qkv, half, half, heads, kv_heads,
+                   interleaved=True, bias=bias)  # fmt: skip
     hidden = shape.hidden or heads * dim
     norm = _MetaNorm(_meta(hidden, dtype=dtype), 1e-6)
     rows_h = _meta(rows, hidden, dtype=dtype)
@@ -220,18 +235,6 @@ def engine_launches(
     record("norms", add_norm_norm, rows_h, None, None, norm)  # the loop's first
     record("norms", add_norm_norm, rows_h, rows_h, norm, norm, norm_sum=True)  # Huginn's order
     record("norms", add_norm_norm, rows_h, rows_h, norm, None, norm_sum=True)
-    qkv = _meta(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
-    table = _meta(rows, dim, dtype=dtype)
-    write = (key_cache, value_cache, _meta(rows, dtype=torch.int64))  # rotary in the K/V write
-    record("rope", rope_qkv, qkv, table, table, heads, kv_heads)
-    record("rope_write", rope_qkv, qkv, table, table, heads, kv_heads, cache=write)
-    if heads == kv_heads:  # Huginn's form: interleaved pairs, float32 tables, a q/k bias
-        half = _meta(rows, dim // 2, dtype=torch.float32)
-        for bias in (_meta(2, heads, dim, dtype=dtype), None):
-            record("rope_interleaved", rope_qkv, qkv, half, half, heads, kv_heads,
-                   interleaved=True, bias=bias)  # fmt: skip
-            record("rope_interleaved_write", rope_qkv, qkv, half, half, heads, kv_heads,
-                   interleaved=True, bias=bias, cache=write)  # fmt: skip
     inner = shape.intermediate or 4 * hidden
     record("silu_mul", silu_mul, _meta(rows, 2 * inner, dtype=dtype))
     # `fused_linears`: each GEMM of a layer as the models call it (up to MAX_ROWS rows; rotary

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from loopserve.models.kv_dtype import to_storage
 from loopserve.runner.attention import triton_kernels as kernels
 from loopserve.runner.attention import triton_prefill
 from loopserve.runner.attention.base import PagedAttentionBackend, RowSegment, write_slots_of
@@ -190,8 +189,8 @@ class TritonAttention:
         key_cache = backend.kv_cache[layer_idx, 0]  # [slots, Hkv, Dh]
         value_cache = backend.kv_cache[layer_idx, 1]
         kernels.write_kv(
-            to_storage(key, key_cache.dtype),  # a narrower cache's rounding, in torch
-            to_storage(value, value_cache.dtype),
+            key,
+            value,
             key_cache,
             value_cache,
             meta.write_slots,
@@ -201,14 +200,10 @@ class TritonAttention:
 
     def attend_rotated(self, layer_idx: int, qkv: torch.Tensor, rotate) -> torch.Tensor:
         """`attend` of a merged projection whose fused rotary writes rotated K and V into
-        the caches itself (`AttentionBackend.attend_rotated`): one launch for both. A cache
-        stored narrower than the model (`kv_cache_dtype` fp8) takes the rotated K/V through
-        `attend` instead, whose write rounds them as `to_storage` does (the fused write would
-        cast without clamping, and Triton has no e4m3 conversion before sm_89)."""
+        the caches itself (`AttentionBackend.attend_rotated`): one launch for both (into an
+        8-bit cache, its bytes: `fp8_bits`)."""
         key_cache = self.backend.kv_cache[layer_idx, 0]
         value_cache = self.backend.kv_cache[layer_idx, 1]
-        if qkv is not None and key_cache.dtype != qkv.dtype:  # (fused linears refuse fp8)
-            return self.attend(layer_idx, *rotate(qkv))
         query, _, _ = rotate(qkv, cache=(key_cache, value_cache, self.meta.write_slots))
         return self._attend_cached(query, key_cache, value_cache)
 

@@ -60,11 +60,34 @@ class DeviceKernel:
             if observed is not None:  # `observe_launches`: describe it and run it
                 observed.append(Launch(self, tuple(grid), args, kwargs))
             if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
-                with _interpreted_language():
+                with _interpreted_language(), self._interpreted_helpers():
                     return self.interpreted[grid](*args, **kwargs)
             return self.compiled[grid](*args, **kwargs)
 
         return launch
+
+    @functools.cached_property
+    def _helpers(self) -> tuple[tuple[str, JITFunction, InterpretedFunction], ...]:
+        """(name, helper, its interpreted form) for every `@triton.jit` helper the kernel's
+        module holds (its own, such as `fp8_bits`, or imported)."""
+        return tuple(
+            (name, value, InterpretedFunction(fn=value.fn))
+            for name, value in self.fn.__globals__.items()
+            if isinstance(value, JITFunction)
+        )
+
+    @contextlib.contextmanager
+    def _interpreted_helpers(self):
+        """The kernel's own `@triton.jit` helpers interpreted for one launch: compiled
+        `JITFunction`s (what a compile needs) cannot be called by the interpreter."""
+        module = self.fn.__globals__
+        for name, _, interpreted in self._helpers:
+            module[name] = interpreted
+        try:
+            yield
+        finally:
+            for name, compiled, _ in self._helpers:
+                module[name] = compiled
 
 
 _LANGUAGE_MODULES = tuple(

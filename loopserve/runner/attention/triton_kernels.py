@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.runner.attention.fp8_bits import as_bytes, fp8_bits, fp8_code
 from loopserve.runner.attention.triton_jit import device_kernel
 
 
@@ -58,6 +59,7 @@ def _write_kv_kernel(
     ROW_ELEMS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    FP8: tl.constexpr = 0,
 ):
     # A row's K (and V) is ROW_ELEMS = Hkv * Dh contiguous elements both in the call's tensor
     # and in its cache slot, so a program copies BLOCK_R rows x BLOCK_W elements at once.
@@ -68,8 +70,13 @@ def _write_kv_kernel(
     slot = tl.load(slots_ptr + r, mask=r_mask, other=0).to(tl.int64)
     src = r.to(tl.int64)[:, None] * ROW_ELEMS + w[None, :]
     dst = slot[:, None] * stride_c_slot + w[None, :]
-    tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
-    tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
+    key = tl.load(key_ptr + src, mask=mask)
+    value = tl.load(value_ptr + src, mask=mask)
+    if FP8:  # an 8-bit cache (its bytes): rounded as torch's `to_storage` rounds them
+        key = fp8_bits(key.to(tl.float32), FP8)
+        value = fp8_bits(value.to(tl.float32), FP8)
+    tl.store(key_cache_ptr + dst, key, mask=mask)
+    tl.store(value_cache_ptr + dst, value, mask=mask)
 
 
 def write_kv(
@@ -81,11 +88,14 @@ def write_kv(
     *,
     rows_per_program: int = 8,
 ) -> None:
-    """key/value [rows, Hkv, Dh] -> caches [slots, Hkv, Dh] at `slots` [rows]."""
+    """key/value [rows, Hkv, Dh] -> caches [slots, Hkv, Dh] at `slots` [rows]; into an 8-bit
+    cache (`kv_cache_dtype` fp8) rounded in the kernel (`fp8_bits`)."""
     rows = key.shape[0]
     if rows == 0:
         return
     key, value = key.contiguous(), value.contiguous()
+    fp8 = fp8_code(key_cache, key)
+    key_cache, value_cache = as_bytes(key_cache, fp8), as_bytes(value_cache, fp8)
     assert key_cache.stride(1) == key_cache.shape[2] and key_cache.stride(2) == 1
     row_elems = key.shape[1] * key.shape[2]
     block_w = min(2048, _pow2(row_elems))
@@ -101,6 +111,7 @@ def write_kv(
         ROW_ELEMS=row_elems,
         BLOCK_R=rows_per_program,
         BLOCK_W=block_w,
+        FP8=fp8,
     )
 
 

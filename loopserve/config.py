@@ -161,12 +161,6 @@ def validate(config: EngineConfig) -> None:
         )
     _choice("layout", cache.layout, LAYOUTS)
     _choice("kv_cache_dtype", cache.kv_cache_dtype, KV_CACHE_DTYPES)
-    if config.fused_linears and cache.kv_cache_dtype != "auto":
-        raise ConfigError(
-            f"fused_linears=True cannot run kv_cache_dtype={cache.kv_cache_dtype!r}: its "
-            "rotary kernel writes K/V in the model's dtype; use kv_cache_dtype='auto' or turn "
-            "fused_linears off"
-        )
     _choice("kv_reservation", cache.kv_reservation, KV_RESERVATIONS)
     if not 0.0 <= cache.kv_watermark < 1.0:
         raise ConfigError(f"kv_watermark must be in [0, 1), got {cache.kv_watermark}")

@@ -162,7 +162,6 @@ def test_bench_kernels_refuses_rows_it_cannot_count_as_asked(capsys):
 def test_an_fp8_cache_costs_no_kernel_more():
     """`kv_cache_dtype` fp8: the rotary kernel writes K/V as fp8 bytes itself (`fp8_bits`),
     so a loop launches what it launches with the model's dtype, as the simulator prices it."""
-    from loopserve.cli.main import main
     from loopserve.sim.cost_model import ModelShape
 
     count, plain = count_kernels("ouro", kv_cache_dtype="fp8_e4m3"), count_kernels("ouro")
@@ -174,4 +173,6 @@ def test_an_fp8_cache_costs_no_kernel_more():
     )
     assert narrow.kernels_per_layer == wide.kernels_per_layer == KERNEL_COUNTS["ouro"][0]
     assert 2 * narrow.kv_bytes_per_token_per_depth == wide.kv_bytes_per_token_per_depth
-    assert main(["bench", "kernels", "--kv-cache-dtype", "fp8_e4m3", "--fused-linears"]) == 2
+    # with fused linears too: their q/k/v GEMM writes the bytes
+    fused = count_kernels("ouro", num_layers=2, fused_linears=True, kv_cache_dtype="fp8_e5m2")
+    assert fused.by_op == count_kernels("ouro", num_layers=2, fused_linears=True).by_op

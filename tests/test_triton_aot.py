@@ -3,7 +3,8 @@
 The launchers run on `meta` tensors shaped like Ouro-1.4B (MHA 16/16) and a GQA 32/8 model
 at head_dim 128, in bf16, fp16 and fp32, and what they would launch is compiled for real
 targets (`loopserve.runner.attention.triton_aot`; the test compiles its `representative`
-subset, 84 s cold on a 2-vCPU VM under Triton 3.9 before the 8-bit forms were cut to two targets; `python -m loopserve.runner.attention.triton_aot` runs the
+subset, 143 compiles in 84 s cold on a 2-vCPU VM under Triton 3.9, 2026-12-06;
+`python -m loopserve.runner.attention.triton_aot` runs the
 full sweep whose table is in docs/gpu.md). Every kernel must keep its registers:
 no stack or local memory in bf16/fp16, none in fp32 prompt tiles, shared memory within the
 target's limit. A second test counts the distinct compiles a mixed engine workload triggers.

@@ -244,11 +244,6 @@ def kernel_model(
 def main_from_args(args) -> int:
     torch.set_num_threads(1)
     backend, fused, kv_dtype = args.attention_backend, args.fused_linears, args.kv_cache_dtype
-    if fused and kv_dtype != "auto":
-        raise ConfigError(
-            f"--fused-linears cannot run --kv-cache-dtype {kv_dtype}: the fused rotary kernel "
-            "writes K/V in the model's dtype (the engine refuses the pair too)"
-        )
     if fused and args.rows > FUSED_MAX_ROWS:
         raise ConfigError(
             f"--fused-linears runs calls of up to {FUSED_MAX_ROWS} rows; --rows {args.rows} "

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loopserve.runner.attention.fp8_bits import as_bytes, fp8_bits, fp8_code
 from loopserve.runner.attention.triton_jit import device_kernel
 
 MAX_ROWS = 16  # one tl.dot tile of rows; the smallest M tl.dot takes
@@ -86,6 +87,7 @@ def _fused_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    FP8: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     dtype = weight_ptr.dtype.element_ty
@@ -225,13 +227,17 @@ def _fused_linear_kernel(
             else:
                 kv_row = m.to(tl.int64)
             if head < HQ + HKV:
-                dst = k_ptr + kv_row * stride_kv_row + (head - HQ) * D
-                tl.store(dst + c1, o1, mask=ok)
-                tl.store(dst + c2, o2, mask=ok)
+                kv_dst = k_ptr + kv_row * stride_kv_row + (head - HQ) * D
+                first, second = o1, o2
             else:
-                dst = v_ptr + kv_row * stride_kv_row + (head - HQ - HKV) * D
-                tl.store(dst + c1, x1, mask=ok)
-                tl.store(dst + c2, x2, mask=ok)
+                kv_dst = v_ptr + kv_row * stride_kv_row + (head - HQ - HKV) * D
+                first, second = x1, x2
+            if FP8:  # an 8-bit cache (its bytes), rounded as torch's `to_storage` rounds
+                tl.store(kv_dst + c1, fp8_bits(first.to(tl.float32), FP8), mask=ok)
+                tl.store(kv_dst + c2, fp8_bits(second.to(tl.float32), FP8), mask=ok)
+            else:
+                tl.store(kv_dst + c1, first, mask=ok)
+                tl.store(kv_dst + c2, second, mask=ok)
     else:
         tl.store(out_ptr + m * n_out + cols[None, :], acc.to(dtype), mask=m_ok & n_ok[None, :])
 
@@ -304,7 +310,7 @@ def fused_linear(
     out_res = torch.empty_like(residual) if has_branch else residual
     q = k = v = None
     cos = sin = slots = key_out = value_out = weight  # unread unless `rope`
-    stride_table = stride_kv = 0
+    stride_table = stride_kv = fp8 = 0
     num_heads = num_kv_heads = head_dim = 1
     if rope is None:
         out = weight.new_empty((rows, n_out))
@@ -325,6 +331,8 @@ def fused_linear(
         else:
             key_out, value_out, slots = cache
             assert key_out.stride() == value_out.stride() and key_out.stride(1) == head_dim
+            fp8 = fp8_code(key_out, weight)
+            key_out, value_out = as_bytes(key_out, fp8), as_bytes(value_out, fp8)
         stride_kv = key_out.stride(0)
         grid = ((num_heads + 2 * num_kv_heads) * triton.cdiv(head_dim // 2, block_n),)
     norm_a = norm_a or norm_b
@@ -344,7 +352,7 @@ def fused_linear(
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
         # float32 products, exact for bfloat16 operands: for float32 weights (no TF32), and
         # under the interpreter, which has no bfloat16 dot.
-        FP32_DOT=weight.dtype == torch.float32 or weight.device.type == "cpu",
+        FP32_DOT=weight.dtype == torch.float32 or weight.device.type == "cpu", FP8=fp8,
     )  # fmt: skip
     if rope is not None:
         out = (q, k, v)

@@ -169,11 +169,6 @@ def main_from_args(args: argparse.Namespace) -> int:
             "--fused-linears and --kernels-per-layer change how kernels are priced; price them "
             "with --kernel-us (e.g. --kernel-us 1.5)"
         )
-    if args.fused_linears and args.kv_cache_dtype != "auto":
-        raise ConfigError(
-            f"--fused-linears cannot run --kv-cache-dtype {args.kv_cache_dtype}: the fused "
-            "rotary kernel writes K/V in the model's dtype (as the engine refuses it)"
-        )
     device = (
         get_device_profile(args.device_profile)
         if args.calibration is None

@@ -211,34 +211,36 @@ def engine_launches(
                tables=_meta(bucket, 64, dtype=torch.int64), table_idx=column, rows=column,
                seq_lens=_meta(bucket, dtype=torch.int32), max_seq_len=settings.max_model_len,
                split_len=split_len, counters=counters, **decode)  # fmt: skip
+    # Rotary inside the K/V write, and the fused GEMMs (`fused_linears`: each GEMM of a layer
+    # as the models call it, up to MAX_ROWS rows, rotary tables over every position read by
+    # position) with and without it. A narrow cache's shape (`kv_cache_dtype` fp8) records
+    # only the forms that write the cache; the others are its model dtype's.
+    wide = not shape.narrow_cache
     qkv = _meta(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
     table = _meta(rows, dim, dtype=dtype)
-    write = (key_cache, value_cache, _meta(rows, dtype=torch.int64))  # rotary in the K/V write
+    write = (key_cache, value_cache, _meta(rows, dtype=torch.int64))
     record("rope_write", rope_qkv, qkv, table, table, heads, kv_heads, cache=write)
+    if wide:
+        record("rope", rope_qkv, qkv, table, table, heads, kv_heads)
     if heads == kv_heads:  # Huginn's form: interleaved pairs, float32 tables, a q/k bias
         half = _meta(rows, dim // 2, dtype=torch.float32)
         for bias in (_meta(2, heads, dim, dtype=dtype), None):
             record("rope_interleaved_write", rope_qkv, qkv, half, half, heads, kv_heads,
                    interleaved=True, bias=bias, cache=write)  # fmt: skip
-    if shape.narrow_cache:
-        return recorded  # the rest never touches the cache, or is refused with a narrow one
-    record("rope", rope_qkv, qkv, table, table, heads, kv_heads)
-    if heads == kv_heads:
-        for bias in (_meta(2, heads, dim, dtype=dtype), None):
-            record("rope_interleaved", rope_qkv, qkv, half, half, heads, kv_heads,
-                   interleaved=True, bias=bias)  # fmt: skip
+            if wide:
+                record("rope_interleaved", rope_qkv, qkv, half, half, heads, kv_heads,
+                       interleaved=True, bias=bias)  # fmt: skip
     hidden = shape.hidden or heads * dim
     norm = _MetaNorm(_meta(hidden, dtype=dtype), 1e-6)
-    rows_h = _meta(rows, hidden, dtype=dtype)
-    record("norms", add_norm_norm, rows_h, rows_h, norm, norm)  # a residual add, two norms
-    record("norms", add_norm_norm, rows_h, rows_h, norm, None)  # the loop's last
-    record("norms", add_norm_norm, rows_h, None, None, norm)  # the loop's first
-    record("norms", add_norm_norm, rows_h, rows_h, norm, norm, norm_sum=True)  # Huginn's order
-    record("norms", add_norm_norm, rows_h, rows_h, norm, None, norm_sum=True)
     inner = shape.intermediate or 4 * hidden
-    record("silu_mul", silu_mul, _meta(rows, 2 * inner, dtype=dtype))
-    # `fused_linears`: each GEMM of a layer as the models call it (up to MAX_ROWS rows; rotary
-    # tables over every position, read by position), with and without the K/V write.
+    if wide:
+        rows_h = _meta(rows, hidden, dtype=dtype)
+        record("norms", add_norm_norm, rows_h, rows_h, norm, norm)  # a residual add, two norms
+        record("norms", add_norm_norm, rows_h, rows_h, norm, None)  # the loop's last
+        record("norms", add_norm_norm, rows_h, None, None, norm)  # the loop's first
+        record("norms", add_norm_norm, rows_h, rows_h, norm, norm, norm_sum=True)  # Huginn's
+        record("norms", add_norm_norm, rows_h, rows_h, norm, None, norm_sum=True)
+        record("silu_mul", silu_mul, _meta(rows, 2 * inner, dtype=dtype))
     n_few = min(rows, MAX_ROWS)
     few = _meta(n_few, hidden, dtype=dtype)
     positions = _meta(n_few, dtype=torch.int64)
@@ -252,12 +254,15 @@ def engine_launches(
                        bias=_meta(2, heads, dim, dtype=dtype))]  # fmt: skip
     for family in families:
         for branch, cache in ((few, few_write), (None, few_write), (few, None)):
-            record("linear_qkv", fused_linear, branch, w_qkv, residual=few, norm_a=norm,
-                   norm_b=norm, positions=positions, cache=cache, **family)  # fmt: skip
-        record("linear_gate_up", fused_linear, few, w_gate_up, residual=few, norm_a=norm,
-               norm_b=norm, norm_sum=family.get("norm_sum", False))  # fmt: skip
-    record("linear_down", fused_linear, _meta(n_few, 2 * inner, dtype=dtype),
-           _meta(hidden, inner, dtype=dtype), silu=True)  # fmt: skip
+            if cache is not None or wide:
+                record("linear_qkv", fused_linear, branch, w_qkv, residual=few, norm_a=norm,
+                       norm_b=norm, positions=positions, cache=cache, **family)  # fmt: skip
+        if wide:
+            record("linear_gate_up", fused_linear, few, w_gate_up, residual=few, norm_a=norm,
+                   norm_b=norm, norm_sum=family.get("norm_sum", False))  # fmt: skip
+    if wide:
+        record("linear_down", fused_linear, _meta(n_few, 2 * inner, dtype=dtype),
+               _meta(hidden, inner, dtype=dtype), silu=True)  # fmt: skip
     return recorded
 
 

@@ -128,6 +128,27 @@ def test_torch_transport_two_prefill_one_decode_equals_colocated(tiny_dir, ray_c
     assert first.bytes_sent + second.bytes_sent == decode.bytes_received == expected
 
 
+def test_an_8_bit_cache_moves_a_quarter_of_the_float32_bytes_and_serves_the_same(
+    tiny_dir, ray_cluster
+):
+    """`kv_cache_dtype` fp8 through Ray and the torch transport (gloo): the hand-offs carry
+    the cache's bytes, one per element, and the outputs equal colocated serving with the same
+    cache."""
+    args = {**BASE_ARGS, "layout": "last_exited", "kv_cache_dtype": "fp8_e5m2"}
+    colocated = LLM(str(tiny_dir), **args).generate(PROMPTS, PARAMS, use_tqdm=False)
+    engines = DisaggregatedEngines({"model": str(tiny_dir), **args}, 1, 1, kv_transport="torch")
+    try:
+        outputs = engines.generate([f"r{i}" for i in range(len(PROMPTS))], PROMPTS, PARAMS)
+        stats = engines.transport.stats()
+    finally:
+        engines.shutdown()
+    for output, expected in zip(outputs, colocated):
+        assert (output.token_ids, output.exit_depths) == (expected.token_ids, expected.exit_depths)
+    handed_off = [n for n, p in zip(PROMPT_LENGTHS, PARAMS) if p.max_tokens > 1]
+    expected = sum(exported_kv_bytes(tiny_dir, "last_exited", n) for n in handed_off) // 4
+    assert stats[0].bytes_sent == stats[1].bytes_received == expected > 0
+
+
 def test_torch_transport_pairs_in_order_discards_aborts_and_bounds_unreceived(
     tiny_dir, ray_cluster
 ):

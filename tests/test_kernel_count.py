@@ -14,6 +14,7 @@ import pytest
 from loopserve.bench.kernels import VIEW_OPS, count_kernels, counting, kernel_model, kernels_of
 from loopserve.runner.fused_linear import MAX_ROWS
 from loopserve.sim.cost_model import (
+    FP8_WRITE_KERNELS,
     FUSED_LINEAR_KERNEL_COUNTS,
     FUSED_LINEAR_MAX_ROWS,
     HUGINN_0125,
@@ -172,6 +173,15 @@ def test_an_fp8_cache_costs_no_kernel_more():
         ModelShape.from_config(OURO_1P4B),
     )
     assert narrow.kernels_per_layer == wide.kernels_per_layer == KERNEL_COUNTS["ouro"][0]
+    # Huginn's interleaved rotary leaves the 8-bit write to `write_kv`: one launch more a
+    # layer, which the simulator adds
+    huginn = count_kernels("huginn", kv_cache_dtype="fp8_e4m3")
+    huginn_plain = count_kernels("huginn")
+    assert huginn.by_op["triton.write_kv_kernel"] == huginn.num_layers
+    added = huginn.kernels_per_loop - huginn_plain.kernels_per_loop
+    assert added == FP8_WRITE_KERNELS["huginn"] * huginn.num_layers
+    huginn_shape = ModelShape.from_config(HUGINN_0125, kv_dtype_bytes=1)
+    assert huginn_shape.kernels_per_layer == KERNEL_COUNTS["huginn"][0] + 1
     assert 2 * narrow.kv_bytes_per_token_per_depth == wide.kv_bytes_per_token_per_depth
     # with fused linears too: their q/k/v GEMM writes the bytes
     fused = count_kernels("ouro", num_layers=2, fused_linears=True, kv_cache_dtype="fp8_e5m2")

@@ -314,3 +314,27 @@ def test_kernel_writes_store_the_bytes_torch_rounds_to(dtype, model_dtype):
              cache=(key_cache, value_cache, slots))  # fmt: skip
     assert torch.equal(key_cache[slots].view(torch.uint8), expected)
     assert torch.equal(value_cache[slots].view(torch.uint8), expected.flip(0))
+
+
+def test_huginns_fused_rotary_with_an_8_bit_cache_rotates_then_writes(tmp_path, monkeypatch):
+    """Huginn's interleaved rotary leaves the 8-bit write to `write_kv` (the fused form spills
+    under Triton 3.6): the engine as on CUDA (Triton backend, fused kernels; interpreted)
+    equals the dense reference, and each such layer launches the write."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    layers = dict(n_layers_in_prelude=1, n_layers_in_recurrent_block=1, n_layers_in_coda=1)
+    huginn_dir = make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=3, **layers)
+    engine = make_engine(huginn_dir, kv_cache_dtype="fp8_e4m3", attention_backend="triton",
+                         exit_criterion="kl")  # fmt: skip
+    install_fused_kernels(engine.model, linears=False, max_positions=engine.max_model_len)
+    work = [
+        (f"h{i}", [(5 * i + 3 * j) % 120 + 3 for j in range(length)],
+         SamplingParams(max_tokens=3, temperature=0.0, exit_threshold=0.1, ignore_eos=True), i)
+        for i, length in enumerate([4, 2])
+    ]  # fmt: skip
+    with observe_launches() as launches:
+        finished = run_steps(engine, work)
+    assert_matches_reference(engine, work, finished, "kl", kv_cache_dtype="fp8_e4m3")
+    names = [lch.kernel.fn.__name__ for lch in launches]
+    rotary = [lch for lch in launches if lch.kernel.fn.__name__ == "_rope_qkv_kernel"]
+    assert rotary and not any(lch.constexprs["WRITE"] for lch in rotary)
+    assert names.count("_write_kv_kernel") >= len(rotary)

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from loopserve.runner.attention.fp8_bits import as_bytes, fp8_bits, fp8_code
 from loopserve.runner.attention.triton_jit import device_kernel
+from loopserve.runner.attention.triton_kernels import write_kv, write_rows_for
 
 SILU_BLOCK = 1024
 
@@ -150,6 +151,15 @@ def rope_qkv(
     head_dim = width // (num_heads + 2 * num_kv_heads)
     assert head_dim * (num_heads + 2 * num_kv_heads) == width and head_dim % 2 == 0
     assert bias is None or (interleaved and num_heads == num_kv_heads)
+    if cache is not None and interleaved and fp8_code(cache[0], qkv):
+        # Huginn's interleaved form holds every head of a row at once; with the 8-bit
+        # encoding besides, Triton 3.6 spills it (255 registers and 232-400 bytes of stack on
+        # sm_80). Rotate, then `write_kv` encodes: one launch more.
+        q, k, v = rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, interleaved=True, bias=bias)
+        key_cache, value_cache, slots = cache
+        write_kv(k, v, key_cache, value_cache, slots,
+                 rows_per_program=write_rows_for(qkv.device.type))  # fmt: skip
+        return q, None, None
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()

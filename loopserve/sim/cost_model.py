@@ -67,6 +67,11 @@ KERNEL_COUNTS = {"ouro": (9.0, 6.0), "huginn": (9.0, 7.0)}
 # (the rotary tables are read by position inside the fused GEMM).
 FUSED_LINEAR_KERNEL_COUNTS = {"ouro": (5.0, 1.0), "huginn": (5.0, 3.0)}
 FUSED_LINEAR_MAX_ROWS = 16  # runner/fused_linear.py's MAX_ROWS
+# Kernels more per core layer with an 8-bit cache (`kv_cache_dtype` fp8), outside the fused
+# linears' calls: Huginn's interleaved rotary writes no K/V then (Triton 3.6 spills it with
+# the encoding) and `write_kv` does; counted by `bench kernels --kv-cache-dtype fp8_e4m3`,
+# 2026-12-06: Ouro 9 + 6 as without it, Huginn 10 + 7 against 9 + 7.
+FP8_WRITE_KERNELS = {"ouro": 0.0, "huginn": 1.0}
 CODA_KERNELS = 2  # final norm (when the coda has layers) and the lm_head
 SAMPLING_KERNELS = 6  # softmax, filtering, the draw, the argmax, the gathers
 LOGIT_BYTES = 4  # the coda writes float32 logits for the sampler
@@ -151,8 +156,11 @@ class ModelShape:
     ) -> ModelShape:
         """The shape of any family's config, read through the `LoopedConfig` seam;
         `kv_dtype_bytes`: a K/V element's bytes when the cache stores another type."""
-        # An 8-bit cache launches the same kernels (its writes encode in-kernel, `fp8_bits`).
+        # An 8-bit cache launches the same kernels (its writes encode in-kernel, `fp8_bits`)
+        # but for Huginn's interleaved rotary, whose K/V write it leaves to `write_kv`.
         per_layer, per_loop = _kernel_counts(config)
+        if kv_dtype_bytes is not None and kv_dtype_bytes < dtype_bytes:
+            per_layer += FP8_WRITE_KERNELS[_family(config)]
         return cls(
             num_layers=config.num_core_layers,
             hidden_size=config.hidden_size,

@@ -225,6 +225,7 @@ def engine_launches(
     if heads == kv_heads:  # Huginn's form: interleaved pairs, float32 tables, a q/k bias
         half = _meta(rows, dim // 2, dtype=torch.float32)
         for bias in (_meta(2, heads, dim, dtype=dtype), None):
+            # (with a narrow cache: rotary alone, then `write_kv`; both forms recorded here)
             record("rope_interleaved_write", rope_qkv, qkv, half, half, heads, kv_heads,
                    interleaved=True, bias=bias, cache=write)  # fmt: skip
             if wide:

@@ -333,7 +333,7 @@ class TritonBackend(PagedAttentionBackend):
     @staticmethod
     def write_rows_for(device_type: str) -> int:
         """Rows per K/V-write program."""
-        return 16 if device_type == "cpu" else 2
+        return kernels.write_rows_for(device_type)
 
     @staticmethod
     def tile_sizes(device_type: str, dtype: torch.dtype) -> tuple[int, int, int]:

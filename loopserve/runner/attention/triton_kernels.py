@@ -79,6 +79,11 @@ def _write_kv_kernel(
     tl.store(value_cache_ptr + dst, value, mask=mask)
 
 
+def write_rows_for(device_type: str) -> int:
+    """Rows per K/V-write program (`TritonBackend.write_rows` and the rotary's own write)."""
+    return 16 if device_type == "cpu" else 2
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,

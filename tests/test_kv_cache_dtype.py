@@ -31,8 +31,6 @@ PATHS = {
     "torch": {},
     "triton": {"attention_backend": "triton"},
     "triton_graphs": {"attention_backend": "triton", "graph_mode": "emulate"},
-    # the model as the runner prepares it on CUDA: its rotary writes the K/V bytes itself
-    "triton_fused": {"attention_backend": "triton"},
     "swap": {"num_blocks": 56, "preemption_mode": "swap", "max_num_seqs": 4},
     "batch_invariant": {"batch_invariant": True},
     "mixed": {"prefill_mode": "wavefront", "mixed_prefill_decode": True},
@@ -45,7 +43,6 @@ CASES = [
     ("fp8_e5m2", "shared", "torch"),
     ("fp8_e4m3", "last_exited", "triton"),
     ("fp8_e5m2", "last_exited", "triton_graphs"),
-    ("fp8_e4m3", "last_exited", "triton_fused"),
     ("fp8_e5m2", "last_exited", "swap"),
     ("fp8_e4m3", "shared", "swap"),
     ("fp8_e4m3", "shared", "batch_invariant"),
@@ -86,9 +83,6 @@ def test_an_fp8_engine_equals_the_dense_reference_with_fp8_kv(
         overrides["num_blocks"] = 20  # one plane per position: fewer blocks to preempt
     engine = make_engine(tiny_dir, kv_cache_dtype=dtype, layout=layout, **overrides)
     assert engine.runner.kv_cache.dtype == kv_storage_dtype(dtype, torch.float32)
-    if path == "triton_fused":
-        engine.model.merge_projections()
-        install_fused_kernels(engine.model, linears=False, max_positions=engine.max_model_len)
     work = (
         small_workload() if path.startswith("triton") else random_workload(7, 8, 512, sampled=False)
     )
@@ -107,23 +101,28 @@ def test_an_fp8_engine_equals_the_dense_reference_with_fp8_kv(
     assert default != [finished[request_id].token_ids for request_id, *_ in work]
 
 
-def test_fused_linears_write_fp8_k_v_from_their_q_k_v_gemm(tmp_path, monkeypatch):
-    """With `fused_linears` the q/k/v GEMM (calls of up to 16 rows) writes the K/V bytes
-    itself; a one-layer, two-loop model (every GEMM of a call is interpreted on CPU)."""
+@pytest.mark.parametrize("linears", [False, True], ids=["rotary", "fused_linears"])
+def test_the_fused_kernels_write_the_fp8_bytes_themselves(linears, tmp_path, monkeypatch):
+    """The model as the runner prepares it on CUDA: its fused rotary writes the rotated K/V
+    bytes itself, and with `fused_linears` the q/k/v GEMM does (calls of up to 16 rows). A
+    one-layer, two-loop model: each interpreted program runs in Python."""
     from loopserve.models.tiny import make_tiny_checkpoint
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model_dir = make_tiny_checkpoint(tmp_path, seed=0, num_layers=1, total_ut_steps=2)
-    engine = make_engine(model_dir, kv_cache_dtype="fp8_e5m2", attention_backend="triton")
+    dtype = "fp8_e5m2" if linears else "fp8_e4m3"
+    engine = make_engine(model_dir, kv_cache_dtype=dtype, attention_backend="triton")
     engine.model.merge_projections()
-    install_fused_kernels(engine.model, linears=True, max_positions=engine.max_model_len)
+    install_fused_kernels(engine.model, linears=linears, max_positions=engine.max_model_len)
     work = small_workload()[:2]
     with observe_launches() as launches:
         finished = run_steps(engine, work)
     assert_match_reference(engine, work, finished)
-    writes = [lch for lch in launches if lch.kernel.fn.__name__ == "_fused_linear_kernel"
-              and lch.constexprs.get("WRITE")]  # fmt: skip
-    assert writes and all(lch.constexprs["FP8"] == 2 for lch in writes)
+    kernel = "_fused_linear_kernel" if linears else "_rope_qkv_kernel"
+    writes = [lch for lch in launches
+              if lch.kernel.fn.__name__ == kernel and lch.constexprs.get("WRITE")]  # fmt: skip
+    assert writes and all(lch.constexprs["FP8"] == (2 if linears else 1) for lch in writes)
+    assert not any(lch.kernel.fn.__name__ == "_write_kv_kernel" for lch in launches)
 
 
 def test_prefix_cache_hits_and_cascade_attention_read_fp8_blocks(tiny_dir):

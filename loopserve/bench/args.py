@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from loopserve.engine_args import KV_CACHE_DTYPES, MODEL_ID_ARGS, add_engine_args
+from loopserve.engine_args import MODEL_ID_ARGS, add_engine_args
 from loopserve.workloads.args import (
     add_output_args,
     add_progress_arg,
@@ -260,7 +260,5 @@ def add_kernels_args(parser) -> None:
     parser.add_argument("--fused-linears", action="store_true",
                         help="count the model as --fused-linears runs it (GEMMs with their "
                         "neighbours fused in; calls of up to 16 rows)")  # fmt: skip
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                        help="the engine's K/V element type (fp8: K and V are clamped and "
-                        "cast before each layer's write)")  # fmt: skip
+    add_engine_args(parser, names=["kv_cache_dtype"])
     parser.add_argument("--output-json", default=None, help="write the counts here")

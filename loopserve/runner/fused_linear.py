@@ -232,12 +232,8 @@ def _fused_linear_kernel(
             else:
                 kv_dst = v_ptr + kv_row * stride_kv_row + (head - HQ - HKV) * D
                 first, second = x1, x2
-            if FP8:  # an 8-bit cache (its bytes), rounded as torch's `to_storage` rounds
-                tl.store(kv_dst + c1, fp8_bits(first.to(tl.float32), FP8), mask=ok)
-                tl.store(kv_dst + c2, fp8_bits(second.to(tl.float32), FP8), mask=ok)
-            else:
-                tl.store(kv_dst + c1, first, mask=ok)
-                tl.store(kv_dst + c2, second, mask=ok)
+            tl.store(kv_dst + c1, fp8_bits(first, FP8), mask=ok)  # as the cache holds them
+            tl.store(kv_dst + c2, fp8_bits(second, FP8), mask=ok)
     else:
         tl.store(out_ptr + m * n_out + cols[None, :], acc.to(dtype), mask=m_ok & n_ok[None, :])
 

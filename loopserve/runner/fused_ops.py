@@ -118,16 +118,10 @@ def _rope_qkv_kernel(
     tl.store(q_dst + i2, o2, mask=is_q)
     k_dst = k_ptr + kv_row * stride_kv_row + (h - HQ) * D
     v_dst = v_ptr + kv_row * stride_kv_row + (h - HQ - HKV) * D
-    if FP8:  # an 8-bit cache (its bytes): K/V rounded as torch's `to_storage` rounds them
-        tl.store(k_dst + i1, fp8_bits(o1.to(tl.float32), FP8), mask=is_k)
-        tl.store(k_dst + i2, fp8_bits(o2.to(tl.float32), FP8), mask=is_k)
-        tl.store(v_dst + i1, fp8_bits(x1.to(tl.float32), FP8), mask=is_v)
-        tl.store(v_dst + i2, fp8_bits(x2.to(tl.float32), FP8), mask=is_v)
-    else:
-        tl.store(k_dst + i1, o1, mask=is_k)
-        tl.store(k_dst + i2, o2, mask=is_k)
-        tl.store(v_dst + i1, x1, mask=is_v)
-        tl.store(v_dst + i2, x2, mask=is_v)
+    tl.store(k_dst + i1, fp8_bits(o1, FP8), mask=is_k)  # as the cache holds them
+    tl.store(k_dst + i2, fp8_bits(o2, FP8), mask=is_k)
+    tl.store(v_dst + i1, fp8_bits(x1, FP8), mask=is_v)
+    tl.store(v_dst + i2, fp8_bits(x2, FP8), mask=is_v)
 
 
 def rope_qkv(

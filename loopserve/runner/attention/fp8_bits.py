@@ -2,7 +2,7 @@
 
 `kv_cache_dtype` fp8 stores K/V rounded by one rule (`models/kv_dtype.to_storage`: clamp to
 the type's finite range, round to nearest even). A kernel that writes K/V (`write_kv`, the
-fused rotary) encodes each value with `fp8_bits` instead of a cast: the same bytes as torch's
+fused rotary, the fused q/k/v GEMM) stores `fp8_bits` of each value instead of a cast: the same bytes as torch's
 rounding, on every GPU target (Triton has no e4m3 cast before sm_89) and under the
 interpreter on CPU (whose float-to-fp8 cast is wrong: 7.9 becomes 4.0 in e4m3 under Triton
 3.9), so the kernels are checked against torch byte for byte. The caches are passed as
@@ -33,37 +33,43 @@ def as_bytes(cache: torch.Tensor, code: int) -> torch.Tensor:
 
 
 @triton.jit
-def fp8_bits(x, FP8: tl.constexpr):
-    """x (float32) as the uint8 bits of e4m3fn (FP8 = 1: bias 7, 3 mantissa bits, largest
-    448) or e5m2 (FP8 = 2: bias 15, 2 mantissa bits, largest 57,344): clamped to the largest
-    finite value, rounded to nearest even, NaN as 0x7F (0xFF with the sign bit), as torch's
-    `to_storage` does."""
-    if FP8 == 1:
-        BIAS: tl.constexpr = 7
-        M: tl.constexpr = 3
-        LARGEST: tl.constexpr = 448.0
+def fp8_bits(value, FP8: tl.constexpr):
+    """`value` as the cache holds it: itself when FP8 = 0 (the model's type), else its uint8
+    bits in e4m3fn (FP8 = 1: bias 7, 3 mantissa bits, largest 448) or e5m2 (FP8 = 2: bias
+    15, 2 mantissa bits, largest 57,344): clamped to the largest finite value, rounded to
+    nearest even, NaN as 0x7F (0xFF with the sign bit), as torch's `to_storage` does. Every
+    K/V write stores `fp8_bits(value, FP8)`, so the rule lives here alone."""
+    if FP8 == 0:
+        stored = value
     else:
-        BIAS: tl.constexpr = 15
-        M: tl.constexpr = 2
-        LARGEST: tl.constexpr = 57344.0
-    SHIFT: tl.constexpr = 23 - M
-    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too
-    a = tl.minimum(tl.abs(x), LARGEST)  # NaN handled below
-    bits = a.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 127
-    # A normal result: drop SHIFT mantissa bits, ties to even; a carry moves the exponent.
-    lsb = (bits >> SHIFT) & 1
-    normal = ((bits + ((1 << (SHIFT - 1)) - 1) + lsb) >> SHIFT) - ((127 - BIAS) << M)
-    # A subnormal result: the significand (implicit 1 included) shifted to units of the
-    # smallest subnormal, 2^(1 - BIAS - M), ties to even; 2^M units is the smallest normal.
-    mantissa = (bits & 0x7FFFFF) | 0x800000
-    s = tl.minimum(tl.maximum(23 + 1 - BIAS - M - exponent, 1), 31)
-    kept = mantissa >> s
-    rest = mantissa & ((1 << s) - 1)
-    half = 1 << (s - 1)
-    up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
-    subnormal = kept + up.to(tl.int32)
-    code = tl.where(exponent < 1 - BIAS, subnormal, normal)
-    code = tl.where(x != x, 0x7F, code)  # NaN (its sign kept, as torch keeps it)
-    code = tl.where(negative, code | 0x80, code)
-    return code.to(tl.uint8)
+        if FP8 == 1:
+            BIAS: tl.constexpr = 7
+            M: tl.constexpr = 3
+            LARGEST: tl.constexpr = 448.0
+        else:
+            BIAS: tl.constexpr = 15
+            M: tl.constexpr = 2
+            LARGEST: tl.constexpr = 57344.0
+        SHIFT: tl.constexpr = 23 - M
+        x = value.to(tl.float32)
+        negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 too
+        a = tl.minimum(tl.abs(x), LARGEST)  # NaN handled below
+        bits = a.to(tl.int32, bitcast=True)
+        exponent = (bits >> 23) - 127
+        # A normal result: drop SHIFT mantissa bits, ties to even; a carry moves the exponent.
+        lsb = (bits >> SHIFT) & 1
+        normal = ((bits + ((1 << (SHIFT - 1)) - 1) + lsb) >> SHIFT) - ((127 - BIAS) << M)
+        # A subnormal result: the significand (implicit 1 included) shifted to units of the
+        # smallest subnormal, 2^(1 - BIAS - M), ties to even; 2^M units is the smallest normal.
+        mantissa = (bits & 0x7FFFFF) | 0x800000
+        s = tl.minimum(tl.maximum(23 + 1 - BIAS - M - exponent, 1), 31)
+        kept = mantissa >> s
+        rest = mantissa & ((1 << s) - 1)
+        half = 1 << (s - 1)
+        up = (rest > half) | ((rest == half) & ((kept & 1) == 1))
+        subnormal = kept + up.to(tl.int32)
+        code = tl.where(exponent < 1 - BIAS, subnormal, normal)
+        code = tl.where(x != x, 0x7F, code)  # NaN (its sign kept, as torch keeps it)
+        code = tl.where(negative, code | 0x80, code)
+        stored = code.to(tl.uint8)
+    return stored

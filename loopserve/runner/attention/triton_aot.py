@@ -77,8 +77,8 @@ class ModelShape:
 
     @property
     def narrow_cache(self) -> bool:
-        """K/V stored narrower than the model (`kv_cache_dtype` fp8): `write_kv` and the
-        rotary write encode them (`fp8_bits`); the fused GEMMs are refused with it."""
+        """K/V stored narrower than the model (`kv_cache_dtype` fp8): `write_kv`, the rotary
+        write and the fused q/k/v GEMM's write encode them (`fp8_bits`)."""
         return self.cache_dtype != self.dtype
 
 

@@ -70,13 +70,9 @@ def _write_kv_kernel(
     slot = tl.load(slots_ptr + r, mask=r_mask, other=0).to(tl.int64)
     src = r.to(tl.int64)[:, None] * ROW_ELEMS + w[None, :]
     dst = slot[:, None] * stride_c_slot + w[None, :]
-    key = tl.load(key_ptr + src, mask=mask)
-    value = tl.load(value_ptr + src, mask=mask)
-    if FP8:  # an 8-bit cache (its bytes): rounded as torch's `to_storage` rounds them
-        key = fp8_bits(key.to(tl.float32), FP8)
-        value = fp8_bits(value.to(tl.float32), FP8)
-    tl.store(key_cache_ptr + dst, key, mask=mask)
-    tl.store(value_cache_ptr + dst, value, mask=mask)
+    # as the cache holds them (an 8-bit cache: their bytes)
+    tl.store(key_cache_ptr + dst, fp8_bits(tl.load(key_ptr + src, mask=mask), FP8), mask=mask)
+    tl.store(value_cache_ptr + dst, fp8_bits(tl.load(value_ptr + src, mask=mask), FP8), mask=mask)
 
 
 def write_rows_for(device_type: str) -> int:

@@ -29,6 +29,26 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_two_loop_dir(tmp_path_factory):
+    """The tiny checkpoint's two layers run two loops a token, not four: for engine tests
+    whose kernels run interpreted (each program in Python), at half the launches; layer to
+    layer, loop to loop and early exits (at 1 of 2) all still happen."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny2"), seed=0, total_ut_steps=2)
+
+
+@pytest.fixture(scope="session")
+def huginn_small_dir(tmp_path_factory):
+    """A tiny Huginn with one prelude, two core and one coda layer, three steps a token (the
+    tiny default: 2 + 4 + 2 layers, eight steps), for tests whose kernels run interpreted."""
+    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+
+    layers = dict(n_layers_in_prelude=1, n_layers_in_recurrent_block=2, n_layers_in_coda=1)
+    return make_tiny_huginn_checkpoint(
+        tmp_path_factory.mktemp("huginn_small"), mean_recurrence=3, **layers
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_tok_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok"), seed=1, with_tokenizer=True)
 

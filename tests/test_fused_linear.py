@@ -172,7 +172,9 @@ def test_rows_above_one_tile_are_refused():
         fused_linear(torch.zeros(MAX_ROWS + 1, 8), weight)
 
 
-def test_the_ouro_engine_with_fused_linears_equals_the_dense_reference(tiny_dir, monkeypatch):
+def test_the_ouro_engine_with_fused_linears_equals_the_dense_reference(
+    tiny_two_loop_dir, monkeypatch
+):
     """The model as the runner prepares it on CUDA with `fused_linears` (here interpreted),
     through the emulated decode graphs: tokens and exits equal the dense reference of the
     unfused model. The row bound is lowered to 2 so calls of 1-2 rows take the fused GEMMs
@@ -188,7 +190,9 @@ def test_the_ouro_engine_with_fused_linears_equals_the_dense_reference(tiny_dir,
             ignore_eos=True), i)
         for i in range(4)
     ]  # fmt: skip
-    engine = make_engine(tiny_dir, max_num_seqs=4, graph_mode="emulate", attention_backend="triton")
+    engine = make_engine(
+        tiny_two_loop_dir, max_num_seqs=4, graph_mode="emulate", attention_backend="triton"
+    )
     references = {rid: reference_for(engine, prompt, params) for rid, prompt, params, _ in work}
     engine.model.merge_projections()
     install_fused_kernels(engine.model, linears=True)
@@ -221,18 +225,17 @@ def test_the_ouro_engine_with_fused_linears_equals_the_dense_reference(tiny_dir,
     assert engine.stats.num_graph_calls > 0
 
 
-def test_huginn_with_fused_linears_matches_its_torch_path(tmp_path, monkeypatch):
+def test_huginn_with_fused_linears_matches_its_torch_path(huginn_small_dir, monkeypatch):
     """Huginn's core steps with `fused_linears` (norms of the sum, interleaved rotary with a
     q/k bias, each block in five launches): teacher-forced logits equal the unfused torch
     path's to float32 rounding, and the engine (Triton backend, interpreted) equals the
     dense reference of the unfused model in tokens and exit steps."""
     from loopserve.models.huginn_dense import generate, teacher_forced_logits
-    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
     from loopserve.runner.fused_ops import install_fused_kernels
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    engine = make_engine(  # interpreted kernels: three steps a token, not eight
-        make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=3), exit_criterion="kl",
+    engine = make_engine(  # interpreted kernels: a small Huginn (conftest)
+        huginn_small_dir, exit_criterion="kl",
         attention_backend="triton",
     )  # fmt: skip
     model = engine.model

@@ -112,7 +112,7 @@ def test_silu_mul_equals_torch(dtype, tolerance, inner):
 
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 def test_the_ouro_engine_with_every_fused_kernel_equals_the_dense_reference(
-    tiny_dir, attention_backend, monkeypatch
+    tiny_two_loop_dir, attention_backend, monkeypatch
 ):
     """The model as the runner prepares it on CUDA (merged projections; fused norms, rotary
     and SiLU-and-multiply; here interpreted), through the emulated decode graphs: tokens and
@@ -127,7 +127,10 @@ def test_the_ouro_engine_with_every_fused_kernel_equals_the_dense_reference(
         for i in range(3)
     ]  # fmt: skip
     engine = make_engine(
-        tiny_dir, max_num_seqs=4, graph_mode="emulate", attention_backend=attention_backend
+        tiny_two_loop_dir,
+        max_num_seqs=4,
+        graph_mode="emulate",
+        attention_backend=attention_backend,
     )
     engine.model.merge_projections()
     install_fused_kernels(engine.model)
@@ -143,7 +146,7 @@ def test_the_ouro_engine_with_every_fused_kernel_equals_the_dense_reference(
 
     engine.model.use_fused_ops(counted("rope", rope_qkv), counted("silu", silu_mul))
     finished = run_steps(engine, work)
-    assert calls["rope"] > 40 and calls["silu"] > 40
+    assert calls["rope"] > 20 and calls["silu"] > 20  # 2 layers a loop, 36 here
     assert calls["rope_write"] == (calls["rope"] if attention_backend == "triton" else 0)
     for request_id, prompt, params, _ in work:
         ref = reference_for(engine, prompt, params)
@@ -154,19 +157,18 @@ def test_the_ouro_engine_with_every_fused_kernel_equals_the_dense_reference(
 
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 def test_huginn_with_every_fused_kernel_matches_its_torch_logits(
-    tmp_path, attention_backend, monkeypatch
+    huginn_small_dir, attention_backend, monkeypatch
 ):
     """Huginn's prelude, core and coda with fused norms, rotary (with a q/k bias) and
     SiLU-and-multiply: its teacher-forced logits equal the torch path's to float32
     rounding, and the engine equals the dense reference of the fused model. With the
     Triton backend, every layer's rotary runs inside its K/V write, routed to its plane."""
     from loopserve.models.huginn_dense import generate, teacher_forced_logits
-    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 
     if attention_backend == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    engine = make_engine(  # the fused kernels are interpreted: three loops a token, not eight
-        make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=3), exit_criterion="kl",
+    engine = make_engine(  # the fused kernels are interpreted: a small Huginn (conftest)
+        huginn_small_dir, exit_criterion="kl",
         attention_backend=attention_backend,
     )  # fmt: skip
     model = engine.model
@@ -181,13 +183,15 @@ def test_huginn_with_every_fused_kernel_matches_its_torch_logits(
     writes = []
     model.use_fused_ops(lambda *a, **kw: writes.append(kw.get("cache")) or rope_qkv(*a, **kw),
                         silu_mul)  # fmt: skip
-    params = SamplingParams(max_tokens=3, temperature=0.0, exit_threshold=0.01, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0.0, exit_threshold=0.2, ignore_eos=True)
     work = [("a", prompt, params, 0), ("b", [11, 64], params, 1)]
-    finished = run_steps(engine, work)
+    finished, depths = run_steps(engine, work), []
     for request_id, tokens, _, _ in work:
         ref = generate(model, tokens, max_new_tokens=3, num_steps=None, criterion="kl",
-                       threshold=0.01, min_steps=0, lookup="last_exited", exit_in_prompt=False)  # fmt: skip
+                       threshold=0.2, min_steps=0, lookup="last_exited", exit_in_prompt=False)  # fmt: skip
         out = finished[request_id]
         assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+        depths.extend(out.exit_depths)
+    assert min(depths) < 3  # early exits (finalize copies) too
     if attention_backend == "triton":  # the engine's calls; the references' go through attend
         assert sum(cache is not None for cache in writes) > 20

@@ -541,19 +541,19 @@ def test_shared_layout_refuses_a_smaller_r_per_request(huginn_dir):
 
 
 @pytest.mark.parametrize("graph_mode", ["off", "emulate"])
-def test_the_triton_attention_kernels_serve_huginn(tmp_path, monkeypatch, graph_mode):
+def test_the_triton_attention_kernels_serve_huginn(huginn_small_dir, monkeypatch, graph_mode):
     """The paged Triton kernels (under the interpreter on CPU) serving Huginn: the once plane
     and the step planes through the same kernels, eagerly and over the decode graphs' static
     buffers (`graph_call` for the core and for each once plane), equal to the dense
-    reference. r = 3 keeps the interpreter's kernel launches few."""
+    reference. A small Huginn (1 + 2 + 1 layers, r = 3) keeps the interpreter's kernel
+    launches few."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    model_dir = make_tiny_huginn_checkpoint(tmp_path / "r3", mean_recurrence=3)
-    engine = make_engine(model_dir, attention_backend="triton", exit_criterion="kl",
+    engine = make_engine(huginn_small_dir, attention_backend="triton", exit_criterion="kl",
                          graph_mode=graph_mode)  # fmt: skip
     assert engine.runner.attention.name == "triton"
     work = [(f"t{i}", [3 * i + 1, 7, 11], SamplingParams(
-        max_tokens=3, temperature=0.0, exit_threshold=0.05, ignore_eos=True), i)
+        max_tokens=3, temperature=0.0, exit_threshold=0.2, ignore_eos=True), i)
         for i in range(2)]  # fmt: skip
     finished = run_steps(engine, work)
     steps = assert_matches_reference(engine, work, finished, "kl")

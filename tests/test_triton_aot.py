@@ -109,20 +109,19 @@ def _launched_and_compiled(
     family, tmp_path, *, linears=False, lengths=(2, 9, 1), small=False, kv_cache_dtype="auto"
 ):
     """(forms the engine launched on a mixed workload, forms `engine_launches` compiles at
-    the model's shape with the backend's own settings). `small`: one layer per block and
-    two loops (forms do not depend on either; interpreted launches cost per program)."""
+    the model's shape with the backend's own settings). Two loops, one layer in the prelude
+    and coda, two in the core (a layer-to-layer norm is another form than a loop's last);
+    `small`: one (interpreted launches cost per program; forms do not depend on depth)."""
     from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
     from loopserve.models.tiny import make_tiny_checkpoint
     from loopserve.runner.fused_ops import install_fused_kernels
 
+    core = 1 if small else 2
     if family == "huginn":
-        layers = dict(n_layers_in_prelude=1, n_layers_in_recurrent_block=1, n_layers_in_coda=1)
-        model_dir = make_tiny_huginn_checkpoint(
-            tmp_path, mean_recurrence=2, **(layers if small else {})
-        )
+        layers = dict(n_layers_in_prelude=1, n_layers_in_recurrent_block=core, n_layers_in_coda=1)
+        model_dir = make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=2, **layers)
     else:
-        layers = dict(num_layers=1, total_ut_steps=2)
-        model_dir = make_tiny_checkpoint(tmp_path, seed=0, **(layers if small else {}))
+        model_dir = make_tiny_checkpoint(tmp_path, seed=0, num_layers=core, total_ut_steps=2)
     engine = make_engine(model_dir, attention_backend="triton", graph_mode="emulate",
                          prefill_mode="wavefront", mixed_prefill_decode=True, max_num_seqs=4,
                          kv_cache_dtype=kv_cache_dtype)  # fmt: skip
@@ -166,9 +165,12 @@ def test_every_form_the_engine_launches_is_in_the_compiled_set(family, tmp_path,
     `engine_launches` compiles at the model's shape with the backend's own settings, so the
     ahead-of-time sweep at a GPU's settings misses no form the engine takes there."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    launched, compiled = _launched_and_compiled(family, tmp_path)
+    # two short prompts decode together, the 9-token one alone at the end (split and merged)
+    launched, compiled = _launched_and_compiled(family, tmp_path, lengths=(2, 3, 9))
     kernels = {form[0] for form in launched}
     assert {"_rope_qkv_kernel", "_decode_kernel", "_prefill_kernel"} <= kernels
+    decode = [dict(form[2]) for form in launched if form[0] == "_decode_kernel"]
+    assert {(f["SPLIT"], f["MERGE"]) for f in decode} >= {("True", "True"), ("False", "False")}
     missing = launched - compiled
     assert missing == set(), "\n".join(map(str, sorted(missing)))
 

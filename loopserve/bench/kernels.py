@@ -168,13 +168,16 @@ def _count_kernels(
     kv_cache_dtype: str,
 ) -> KernelCount:
     with tempfile.TemporaryDirectory() as directory:
+        # Two loops per token: a loop's kernels do not depend on the loop count, the prompt
+        # step's time (every loop, interpreted) does.
         if family == "huginn":
-            # Two steps per token: a loop's kernels do not depend on r, the prompt's time does.
             model_dir = make_tiny_huginn_checkpoint(
                 Path(directory), mean_recurrence=2, n_layers_in_recurrent_block=num_layers
             )
         else:
-            model_dir = make_tiny_checkpoint(Path(directory), seed=0, num_layers=num_layers)
+            model_dir = make_tiny_checkpoint(
+                Path(directory), seed=0, num_layers=num_layers, total_ut_steps=2
+            )
         # The Triton backend on CPU runs interpreted (the engine asks for this switch).
         interpret = {"TRITON_INTERPRET": "1"} if attention_backend == "triton" else {}
         with mock.patch.dict(os.environ, interpret):

@@ -103,8 +103,9 @@ def test_huginns_prelude_and_coda_run_the_cores_fused_blocks(linears, tmp_path, 
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     engine = make_engine(
-        # one core layer: what is counted is once per token (interpreted launches are slow)
-        make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=2, n_layers_in_recurrent_block=1),
+        # one layer a block: what is counted is once per token (interpreted launches are slow)
+        make_tiny_huginn_checkpoint(tmp_path, mean_recurrence=2, n_layers_in_recurrent_block=1,
+                                    n_layers_in_prelude=1, n_layers_in_coda=1),  # fmt: skip
         graph_mode="emulate",
         attention_backend="triton", max_num_seqs=2,
     )  # fmt: skip

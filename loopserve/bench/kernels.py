@@ -168,12 +168,13 @@ def _count_kernels(
     kv_cache_dtype: str,
 ) -> KernelCount:
     with tempfile.TemporaryDirectory() as directory:
-        # Two loops per token: a loop's kernels do not depend on the loop count, the prompt
-        # step's time (every loop, interpreted) does.
+        # Two loops per token (and one prelude and coda layer): what a loop launches does not
+        # depend on them, the prompt step's time (every layer interpreted) does.
         if family == "huginn":
             model_dir = make_tiny_huginn_checkpoint(
-                Path(directory), mean_recurrence=2, n_layers_in_recurrent_block=num_layers
-            )
+                Path(directory), mean_recurrence=2, n_layers_in_recurrent_block=num_layers,
+                n_layers_in_prelude=1, n_layers_in_coda=1,
+            )  # fmt: skip
         else:
             model_dir = make_tiny_checkpoint(
                 Path(directory), seed=0, num_layers=num_layers, total_ut_steps=2

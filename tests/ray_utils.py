@@ -40,10 +40,14 @@ def start_local_ray(num_cpus: int = CLUSTER_CPUS) -> None:
 
 def stop_local_ray(timeout_s: float = 30.0) -> None:
     """Wait (at most `timeout_s`: actor exits are asynchronous) until every actor the module
-    started has released its CPU; the cluster stays for the next module."""
+    started has released its CPU; the cluster stays for the next module. A module that left
+    one running fails, and the cluster goes with its actors (the next module starts a fresh
+    one, not one with a leaked replica in it)."""
     deadline = time.monotonic() + timeout_s
     total = ray.cluster_resources().get("CPU", 0.0)
     while ray.available_resources().get("CPU", 0.0) < total:
         if time.monotonic() > deadline:
-            raise AssertionError(f"actors left running: {ray.available_resources()}")
+            left = ray.available_resources()
+            ray.shutdown()
+            raise AssertionError(f"actors left running: {left}")
         time.sleep(0.1)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loopserve.models import load_model
+from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.models.tiny import make_tiny_checkpoint
 from tests import triton_interpreter
 
@@ -40,8 +41,6 @@ def tiny_two_loop_dir(tmp_path_factory):
 def huginn_small_dir(tmp_path_factory):
     """A tiny Huginn with one prelude, two core and one coda layer, three steps a token (the
     tiny default: 2 + 4 + 2 layers, eight steps), for tests whose kernels run interpreted."""
-    from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
-
     layers = dict(n_layers_in_prelude=1, n_layers_in_recurrent_block=2, n_layers_in_coda=1)
     return make_tiny_huginn_checkpoint(
         tmp_path_factory.mktemp("huginn_small"), mean_recurrence=3, **layers

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loopserve.runner.attention.fp8_bits import as_bytes, fp8_bits, fp8_code
+from loopserve.runner.attention.fp8_bits import fp8_bits, kv_write_target
 from loopserve.runner.attention.triton_jit import device_kernel
 
 MAX_ROWS = 16  # one tl.dot tile of rows; the smallest M tl.dot takes
@@ -327,8 +327,7 @@ def fused_linear(
         else:
             key_out, value_out, slots = cache
             assert key_out.stride() == value_out.stride() and key_out.stride(1) == head_dim
-            fp8 = fp8_code(key_out, weight)
-            key_out, value_out = as_bytes(key_out, fp8), as_bytes(value_out, fp8)
+            fp8, key_out, value_out = kv_write_target(key_out, value_out, weight)
         stride_kv = key_out.stride(0)
         grid = ((num_heads + 2 * num_kv_heads) * triton.cdiv(head_dim // 2, block_n),)
     norm_a = norm_a or norm_b

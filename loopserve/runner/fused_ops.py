@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loopserve.runner.attention.fp8_bits import as_bytes, fp8_bits, fp8_code
+from loopserve.runner.attention.fp8_bits import fp8_bits, fp8_code, kv_write_target
 from loopserve.runner.attention.triton_jit import device_kernel
 from loopserve.runner.attention.triton_kernels import write_kv, write_rows_for
 
@@ -166,8 +166,7 @@ def rope_qkv(
     else:
         k = v = None
         key_out, value_out, slots = cache
-        fp8 = fp8_code(key_out, qkv)
-        key_out, value_out = as_bytes(key_out, fp8), as_bytes(value_out, fp8)
+        fp8, key_out, value_out = kv_write_target(key_out, value_out, qkv)
         assert key_out.stride() == value_out.stride() and key_out.shape[1:] == (
             num_kv_heads,
             head_dim,

@@ -6,7 +6,7 @@ fused rotary, the fused q/k/v GEMM) stores `fp8_bits` of each value instead of a
 rounding, on every GPU target (Triton has no e4m3 cast before sm_89) and under the
 interpreter on CPU (whose float-to-fp8 cast is wrong: 7.9 becomes 4.0 in e4m3 under Triton
 3.9), so the kernels are checked against torch byte for byte. The caches are passed as
-`uint8` views; `FP8_CODES` names the formats a kernel's `FP8` constexpr selects.
+`uint8` views (`kv_write_target`); `FP8_CODES` names the formats a kernel's `FP8` constexpr selects.
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ def fp8_code(cache: torch.Tensor, values: torch.Tensor) -> int:
     return FP8_CODES[cache.dtype]
 
 
-def as_bytes(cache: torch.Tensor, code: int) -> torch.Tensor:
-    """The cache as a kernel writes it: its `uint8` view when it encodes (`code` > 0)."""
-    return cache.view(torch.uint8) if code else cache
+def kv_write_target(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, values: torch.Tensor
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(the FP8 constexpr, key cache, value cache) of a K/V write of `values`, the caches as
+    the kernel writes them: their `uint8` views when it encodes."""
+    code = fp8_code(key_cache, values)
+    if code:
+        return code, key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    return code, key_cache, value_cache
 
 
 @triton.jit

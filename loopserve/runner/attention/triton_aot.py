@@ -129,7 +129,7 @@ class LaunchSettings:
         from loopserve.runner.attention.triton_backend import TritonBackend
 
         tile_m, tile_n, decode_n = TritonBackend.tile_sizes("cuda", dtype)
-        return cls(tile_m, tile_n, decode_n, TritonBackend.write_rows_for("cuda"),
+        return cls(tile_m, tile_n, decode_n, triton_kernels.write_rows_for("cuda"),
                    TARGET_SMS[target], triton_prefill.prompt_launch_options(target), **graphs)  # fmt: skip
 
     @classmethod

@@ -309,7 +309,7 @@ class TritonBackend(PagedAttentionBackend):
         )
         assert kv_cache.is_contiguous()
         tile_m, tile_n, decode_n = self.tile_sizes(kv_cache.device.type, kv_cache.dtype)
-        self.write_rows = self.write_rows_for(kv_cache.device.type)
+        self.write_rows = kernels.write_rows_for(kv_cache.device.type)
         self.split_len = split_len  # None: `auto_split_len` per call
         device = kv_cache.device
         # Zeros the decode launch's splits count on to merge in the launch (it leaves them
@@ -329,11 +329,6 @@ class TritonBackend(PagedAttentionBackend):
         self.decode_block_n = decode_block_n or decode_n
         self.prefill_block_m = prefill_block_m or tile_m
         self.prefill_block_n = prefill_block_n or tile_n
-
-    @staticmethod
-    def write_rows_for(device_type: str) -> int:
-        """Rows per K/V-write program."""
-        return kernels.write_rows_for(device_type)
 
     @staticmethod
     def tile_sizes(device_type: str, dtype: torch.dtype) -> tuple[int, int, int]:

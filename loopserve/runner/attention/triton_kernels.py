@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loopserve.runner.attention.fp8_bits import as_bytes, fp8_bits, fp8_code
+from loopserve.runner.attention.fp8_bits import fp8_bits, kv_write_target
 from loopserve.runner.attention.triton_jit import device_kernel
 
 
@@ -76,7 +76,7 @@ def _write_kv_kernel(
 
 
 def write_rows_for(device_type: str) -> int:
-    """Rows per K/V-write program (`TritonBackend.write_rows` and the rotary's own write)."""
+    """Rows per K/V-write program on `device_type` (the backend's writes and the rotary's)."""
     return 16 if device_type == "cpu" else 2
 
 
@@ -95,8 +95,7 @@ def write_kv(
     if rows == 0:
         return
     key, value = key.contiguous(), value.contiguous()
-    fp8 = fp8_code(key_cache, key)
-    key_cache, value_cache = as_bytes(key_cache, fp8), as_bytes(value_cache, fp8)
+    fp8, key_cache, value_cache = kv_write_target(key_cache, value_cache, key)
     assert key_cache.stride(1) == key_cache.shape[2] and key_cache.stride(2) == 1
     row_elems = key.shape[1] * key.shape[2]
     block_w = min(2048, _pow2(row_elems))

@@ -1,14 +1,27 @@
 """Sampling filters: temperature, top-k and top-p against an independent sort-based numpy
-implementation, and seeded sampling that only ever draws from the filtered support."""
+implementation, seeded sampling that only ever draws from the filtered support, and batched
+sampling: rows that share their values are filtered together (a fixed number of device
+operations per call, plus one draw per row) with each row's result equal to sampling it
+alone."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
 import torch
 
+from loopserve.bench.kernels import counting, kernels_of
 from loopserve.contracts import SampleSpec
-from loopserve.runner.sampler import filtered_probs, make_generator, sample_rows
+from loopserve.runner.sampler import (
+    MAX_BATCHED_GROUPS,
+    batches_filtering,
+    filtered_probs,
+    make_generator,
+    sample_on_device,
+    sample_rows,
+)
 
 
 def reference_filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
@@ -151,3 +164,65 @@ def test_seeded_sampling_draws_only_allowed_tokens_with_reference_frequencies():
     again = make_generator(1234)
     repeat = sample_rows(rows[:50], [spec] * 50, [again] * 50)
     assert [t.token_id for t in repeat] == tokens[:50]  # the seed reproduces the draws
+
+
+# Six groups of sampling values (more than MAX_BATCHED_GROUPS: the smallest are filtered row
+# by row), one of a single row, and greedy rows between them.
+MIXED_SPECS = (
+    [SampleSpec(temperature=0.8, top_p=0.9)] * 7
+    + [SampleSpec(temperature=0.0)] * 3
+    + [SampleSpec(temperature=1.0, top_k=5)] * 4
+    + [SampleSpec(temperature=0.6, top_k=20, top_p=0.7)] * 3
+    + [SampleSpec(temperature=1.2)] * 2
+    + [SampleSpec(temperature=0.9, top_p=0.5)] * 2
+    + [SampleSpec(temperature=0.7, top_k=3, top_p=0.95)]
+)
+
+
+def test_batched_filtering_gives_every_row_what_it_gets_alone():
+    assert len({(s.temperature, s.top_k, s.top_p) for s in MIXED_SPECS}) > MAX_BATCHED_GROUPS
+    torch.manual_seed(0)
+    logits = torch.randn(len(MIXED_SPECS), 4096) * 3
+    logits[3, 100:110] = logits[3, 99]  # tied logits sort the same way in a batch and alone
+    for spec in {s for s in MIXED_SPECS if s.temperature > 0}:
+        batched = filtered_probs(logits, spec)
+        for row in range(len(logits)):
+            assert torch.equal(batched[row], filtered_probs(logits[row], spec)), (spec, row)
+
+
+def test_a_batch_samples_each_row_as_that_row_alone_with_its_seed():
+    torch.manual_seed(1)
+    logits = torch.randn(len(MIXED_SPECS), 512) * 2
+    logits[8, 7] = float("nan")  # a greedy row with a NaN logit draws nothing, fails nothing
+    logits[5] = float("nan")  # a row of a batched group whose draw raises fails alone
+    for draw in range(3):  # the generators move on between draws
+        generators = [make_generator(100 * draw + row) for row in range(len(logits))]
+        failures: dict[int, str] = {}
+        batch = sample_on_device(logits, MIXED_SPECS, generators, failures, batched=True)
+        tokens = batch.packed.long().tolist()
+        assert list(failures) == [5]
+        for row, spec in enumerate(MIXED_SPECS):
+            if row == 5:
+                continue
+            alone = sample_rows(logits[row : row + 1], [spec], [make_generator(100 * draw + row)])
+            assert tokens[row] == alone[0].token_id, (draw, row)
+
+
+def test_sampling_a_call_costs_a_fixed_number_of_operations_plus_one_draw_per_row():
+    """Device operations (kernels on a GPU), counted by dispatch: rows with the same values
+    share one filtering, so 86 sampled rows with top-k and top-p cost 86 draws and a fixed
+    handful, not about 16 operations each (1,378 before batching). The default batches
+    exactly where operations are launches."""
+    spec = SampleSpec(temperature=0.8, top_k=50, top_p=0.9)
+
+    def count(rows: int) -> int:
+        seen: list = []
+        generators = [make_generator(row) for row in range(rows)]
+        sample = counting(functools.partial(sample_on_device, batched=True), seen)
+        sample(torch.randn(rows, 1024), [spec] * rows, generators, {})
+        return sum(kernels_of(seen[0]).values())
+
+    fixed = count(1) - 1
+    assert fixed <= 20
+    assert count(86) == fixed + 86
+    assert batches_filtering(torch.device("cuda")) and not batches_filtering(torch.device("cpu"))

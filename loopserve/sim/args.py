@@ -288,6 +288,14 @@ def add_host_bench_args(parser) -> None:
         "reached and each request's max_loops the trace's loop count: the same calls as "
         "Huginn's, for the family comparison); Huginn-shaped calls always read their signal",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's sampling temperature (0: greedy); above 0 each request samples "
+        "with its own seeded generator",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     parser.add_argument("--context", type=int, default=256, help="positions per row")
     parser.add_argument("--steps", type=int, default=200, help="measured calls per row count")
     parser.add_argument("--device-profile", default="h200", help="simulated GPU")

@@ -101,12 +101,15 @@ class HostPoint:
 
 def measure(rows: int, *, context: int, steps: int, device_profile: str, block_size: int = 16,
             engine_args: dict | None = None, family: str = "ouro",
-            exit: str = "trace") -> HostPoint:  # fmt: skip
+            exit: str = "trace", temperature: float = 0.0,
+            top_p: float = 1.0) -> HostPoint:  # fmt: skip
     """Steady decode calls of `rows` rows at about `context` positions. `family` "huginn":
     Huginn-shaped calls (a tiny Huginn: rows carry [state, e], loop-0 rows run the prelude
     over the once plane, the engine's criterion (kl) is checked at every loop from the
     first, with a threshold it never crosses, and request i runs `EXIT_TRACE[i]` loops per
-    token as its `max_loops`, the same mix of loops as Ouro's trace). `exit` "signal" gives
+    token as its `max_loops`, the same mix of loops as Ouro's trace). `temperature` > 0:
+    every request samples (request i seeded with i, with `top_p`) instead of taking the
+    argmax. `exit` "signal" gives
     Ouro-shaped calls the same regime: the gate read at every loop (`ouro`, a threshold the
     CDF never reaches) and the trace's loop count as each request's `max_loops`."""
     huginn = family == "huginn"
@@ -144,7 +147,9 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
             exits = dict(max_loops=trace[0], exit_threshold=0.0 if huginn else 1 - 1e-9)
         params = SamplingParams(  # "delta" outputs: what the server's streams ask for
             max_tokens=max_tokens,
-            temperature=0.0,
+            temperature=temperature,
+            top_p=top_p,
+            seed=i if temperature > 0 else None,
             ignore_eos=True,
             output_kind="delta",
             **exits,
@@ -214,7 +219,8 @@ def main_from_args(args) -> int:
     for rows in rows_list:
         point = measure(rows, context=args.context, steps=args.steps,
                         device_profile=args.device_profile, engine_args=engine_args,
-                        family=args.family, exit=args.exit)  # fmt: skip
+                        family=args.family, exit=args.exit, temperature=args.temperature,
+                        top_p=args.top_p)  # fmt: skip
         points.append(point)
         print(f"rows={rows}: host {point.host_us:.0f} us/call, device {point.device_us:.0f} us, "
               f"ratio {point.ratio:.2f}", flush=True)  # fmt: skip

@@ -110,7 +110,7 @@ class RequestDelta(NamedTuple):
     new_token_ids: list[int]
     new_exit_depths: list[int]
     new_logprobs: list[TokenLogprob] | None  # None when the request asked for none
-    new_token_times_s: list[float]
+    token_times_s: list[float]  # every output token's time so far: the request's own list
     num_output_tokens: int  # after this step
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     stop_token_id: int | None  # the stop token or EOS that finished it, if one did

@@ -382,7 +382,7 @@ class LLMEngine:
         stop_hit = self.output_processor.detokenize(request.request_id, new_token_ids)
         if stop_hit is not None and not request.is_finished:
             self.core.finish_request(request, FinishReason.STOP)
-        return self._output(request, stop_hit=stop_hit, new_token_ids=new_token_ids)
+        return self._output(request, stop_hit=stop_hit, new_token_ids=new_token_ids, start=start)
 
     def _output(
         self,
@@ -391,21 +391,27 @@ class LLMEngine:
         error: str | None = None,
         stop_hit: str | None = None,
         new_token_ids: list[int] | None = None,
+        start: int | None = None,
     ) -> RequestOutput | None:
-        delta = self._delta(request, stop_hit, new_token_ids)
+        delta = self._delta(request, stop_hit, new_token_ids, start)
         if request.is_finished:
             self._untrack(request.request_id)
         return self.output_processor.make_output(delta, error=error)
 
     def _delta(
-        self, request: Request, stop_hit: str | None, new_token_ids: list[int] | None = None
+        self,
+        request: Request,
+        stop_hit: str | None,
+        new_token_ids: list[int] | None = None,
+        start: int | None = None,
     ) -> RequestDelta:
-        """What is new for `request` since its last output (`new_token_ids`, when the caller
-        sliced them already), with the one decision of its reported finish reason: "stop"
-        when a stop string hit (also if the same token reached max_tokens), else the
-        scheduler's."""
+        """What is new for `request` since its last output (`new_token_ids` from `start`,
+        when the caller sliced them already), with the one decision of its reported finish
+        reason: "stop" when a stop string hit (also if the same token reached max_tokens),
+        else the scheduler's."""
         request_id = request.request_id
-        start = self._reported.get(request_id, 0)
+        if start is None:
+            start = self._reported.get(request_id, 0)
         num_tokens = len(request.output_token_ids)
         self._reported[request_id] = num_tokens
         if new_token_ids is None:
@@ -430,7 +436,7 @@ class LLMEngine:
             new_token_ids,
             request.exit_depths[start:num_tokens],
             logprobs,
-            times.token_times_s[start:],
+            times.token_times_s,
             num_tokens,
             finish_reason,
             stop_token_id,

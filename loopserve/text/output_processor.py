@@ -5,8 +5,8 @@ The engine core works in token ids; after each step the engine hands this room o
 request it keeps an `IncrementalDetokenizer`, the text released but not yet reported and, for
 callers that want whole outputs (`output_kind` "cumulative" or "final_only"), the accumulated
 tokens, exit depths and logprobs. A "delta" request keeps nothing that grows with its output
-except its token times (reported once, in its final output's metrics), so the work per step
-is the same at token 10 and at token 10,000.
+(its token times are the request's own list, copied once, into its final output's metrics),
+so the work per step is the same at token 10 and at token 10,000.
 
 Finish reasons are decided once, by the engine (`LLMEngine._delta`): a stop-string hit here
 (`detokenize`) makes the engine finish the request and report "stop" with `stop_reason` the
@@ -36,7 +36,6 @@ class _RequestText:
         "token_ids",
         "exit_depths",
         "logprobs",
-        "token_times_s",
         "prompt_logprobs",
     )
 
@@ -52,7 +51,6 @@ class _RequestText:
         self.token_ids: list[int] = []  # not kept for "delta"
         self.exit_depths: list[int] = []
         self.logprobs: list[TokenLogprob] = []
-        self.token_times_s: list[float] = []  # every kind: the final output's metrics
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def release(self, text: str) -> None:
@@ -61,7 +59,6 @@ class _RequestText:
             self.text += text
 
     def accumulate(self, delta: RequestDelta) -> None:
-        self.token_times_s.extend(delta.new_token_times_s)
         if delta.new_prompt_logprobs is not None and self.kind != "delta":
             self.prompt_logprobs = [None, *delta.new_prompt_logprobs]
         if self.kind != "delta":
@@ -146,7 +143,7 @@ class OutputProcessor:
             delta.first_scheduled_s,
             delta.first_token_s,
             delta.finished_s,
-            tuple(state.token_times_s) if final or state.kind == "cumulative" else (),
+            tuple(delta.token_times_s) if final or state.kind == "cumulative" else (),
             delta.num_cached_prompt_tokens,
             delta.num_preemptions,
             *delta.spec,

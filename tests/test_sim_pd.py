@@ -206,3 +206,35 @@ def test_streamed_handoffs_send_chunks_during_prefill_and_land_earlier():
     stats = cluster_stats("stream", runs[True])
     assert 0.5 < stats.hidden_transfer_share <= 1.0
     assert cluster_stats("whole", runs[False]).hidden_transfer_share == pytest.approx(0.0)
+
+
+def test_a_hand_off_is_copied_into_the_decode_replicas_blocks_within_hbm_or_over_the_host_link():
+    """The decode replica's step that admits a hand-off copies its K/V into its blocks: over
+    the host link when the K/V landed in host memory, as a read and a write of HBM when the
+    link wrote it into GPU memory (the default); all decode rows on the replica wait for it."""
+    work = _workload()
+    runs, sims = {}, {}
+    for landing in ("host", "device"):
+        cluster = Cluster(OURO_1P4B, H200, ENGINE_ARGS, num_prefill=1, num_decode=1,
+                          link_bytes_per_s=IB_NDR_BYTES_PER_S, handoff_landing=landing)  # fmt: skip
+        runs[landing], sims[landing] = cluster.run(work), cluster.decode[0].sim
+    host_stats = sims["host"].executor.stats
+    blocks = host_stats.swapped_blocks  # every import, every plane (nothing else swaps)
+    assert blocks >= sum(-(-s.prompt_len // 16) * 4 for s in work if s.output_len > 1)
+    block_bytes = 196_608 * 16
+    assert host_stats.swap_time_s == pytest.approx(blocks * block_bytes / H200.effective_host_link)
+    device_stats = sims["device"].executor.stats
+    assert device_stats.swapped_blocks == 0  # nothing crossed the host link
+    assert device_stats.swap_time_s == pytest.approx(
+        2 * blocks * block_bytes / H200.effective_bandwidth
+    )
+    assert device_stats.swap_time_s < host_stats.swap_time_s / 10
+    gap = {
+        landing: {r.request_id: r.token_times_s[1] - r.token_times_s[0] for r in run.records}
+        for landing, run in runs.items()
+    }
+    assert (
+        gap["device"]["r3"] < gap["host"]["r3"]
+    )  # 3,000 tokens: 41 ms over the host link, 1.1 in HBM
+    with pytest.raises(ValueError, match="handoff_landing"):
+        Cluster(OURO_1P4B, H200, ENGINE_ARGS, num_prefill=1, num_decode=1, handoff_landing="nic")

@@ -221,6 +221,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="pd: KV hand-off link (nvlink: 450 GB/s per direction; ib: NDR 50 GB/s)",
     )
     scenario.add_argument(
+        "--handoff-landing",
+        choices=["device", "host"],
+        default="device",
+        help="pd: where a hand-off's K/V lands on the decode replica (device: GPU memory, "
+        "written by the link as NIXL over VRAM does, then copied within HBM; host: host "
+        "memory, then copied over the host link), the copy serial with the decode step",
+    )
+    scenario.add_argument(
         "--long-share", type=float, default=0.15, help="pd: share of requests with a long prompt"
     )
     scenario.add_argument(

@@ -88,6 +88,7 @@ def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int
             num_prefill=args.pd[0],
             num_decode=args.pd[1],
             link=args.link,
+            handoff_landing=args.handoff_landing,
             long_share=args.long_share,
             long_min=args.long_lens[0],
             long_max=args.long_lens[1],

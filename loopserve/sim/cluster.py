@@ -14,7 +14,12 @@ starts at the event's time. With one colocated replica this is exactly `Simulato
   (prompt positions x planes x KV bytes per token per depth) is sent to the decode replica with
   the least outstanding work and lands `bytes / link_bandwidth` seconds later; transfers do
   not contend (one link per pair). The decode replica queues it with
-  `Scheduler.add_imported` and decodes from the second token.
+  `Scheduler.add_imported` and decodes from the second token; its step that admits the
+  request copies the K/V into its blocks: within HBM when the hand-off landed in device
+  memory (`handoff_landing="device"`, the default: NVLink, and RDMA into registered GPU
+  memory as NIXL over VRAM does, write GPU memory), over the host link when it landed in
+  host memory (`"host"`: the object store, the torch transport, NIXL over DRAM). Either
+  copy is serial with that step, which every decode row on the replica waits for.
 - PD streaming (`streaming=True`): instead of the whole K/V after the first token, each
   prompt chunk's K/V is sent as soon as the chunk finishes its last depth on the prefill
   replica (a request's chunks go one after another on its link), and what no chunk sent
@@ -50,6 +55,8 @@ NVLINK4_BYTES_PER_S = 450 * GB
 # NVIDIA ConnectX-7 / Quantum-2 NDR InfiniBand: 400 Gb/s per port -> 50 GB/s.
 IB_NDR_BYTES_PER_S = 50 * GB
 LINKS = {"nvlink": NVLINK4_BYTES_PER_S, "ib": IB_NDR_BYTES_PER_S}
+# Where a hand-off's K/V lands on the decode replica: GPU memory, or host memory.
+LANDINGS = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -135,14 +142,20 @@ class Cluster:
         link_bytes_per_s: float = NVLINK4_BYTES_PER_S,
         seed: int = 0,
         streaming: bool = False,
+        handoff_landing: str = "device",
     ) -> None:
         if num_prefill and not num_decode or not (num_colocated or num_prefill):
             raise ValueError("need colocated replicas, or prefill and decode replicas")
         if num_colocated and (num_prefill or num_decode):
             raise ValueError("colocated and PD replicas do not mix")
+        if handoff_landing not in LANDINGS:
+            raise ValueError(f"handoff_landing must be one of {LANDINGS}, not {handoff_landing!r}")
+        on_device = handoff_landing == "device"
 
         def make(kind: str, i: int) -> _Replica:
-            return _Replica(kind, i, Simulator(model_config, device, engine_args, seed=seed + i))
+            sim = Simulator(model_config, device, engine_args, seed=seed + i,
+                            imports_on_device=on_device)  # fmt: skip
+            return _Replica(kind, i, sim)
 
         self.colocated = [make("colocated", i) for i in range(num_colocated)]
         self.prefill = [make("prefill", i) for i in range(num_prefill)]
@@ -354,6 +367,7 @@ class PdSpec:
     exit_dist: str = "ouro_1p4b_t0.5"
     seed: int = 0
     streaming: bool = True  # also run the PD replicas with per-chunk streaming
+    handoff_landing: str = "device"  # `Cluster`'s
 
 
 def run_pd(
@@ -390,7 +404,7 @@ def run_pd(
             cluster = Cluster(
                 model_config, device, engine_args, num_prefill=spec.num_prefill,
                 num_decode=spec.num_decode, link_bytes_per_s=LINKS[spec.link], seed=spec.seed,
-                streaming=streaming,
+                streaming=streaming, handoff_landing=spec.handoff_landing,
             )  # fmt: skip
             name = f"{spec.num_prefill}P{spec.num_decode}D {spec.link}"
             return cluster_stats(name + (" stream" if streaming else ""), cluster.run(work))

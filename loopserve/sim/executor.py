@@ -120,6 +120,7 @@ class SimExecutor(Executor):
         coda_every_loop: bool = False,
         draft_stable_dist: tuple[float, ...] | None = None,
         defers_leave: bool = False,
+        imports_on_device: bool = False,
     ) -> None:
         """`draft_stable_dist` (self-speculative decoding): P(s = j), j = 0..D-1, where s is the
         first loop from which the coda's argmax stays the token the position emits; a draft
@@ -128,7 +129,10 @@ class SimExecutor(Executor):
         `cascade`: price cascade attention (groups over `block_size`-position blocks);
         `coda_every_loop`: decode rows run the coda and lm_head after every loop (an exit
         criterion that reads the next-token distribution, e.g. Huginn's KL); `defers_leave`:
-        coda batching in time (exited decode rows are priced no coda; `LeaveRows` are)."""
+        coda batching in time (exited decode rows are priced no coda; `LeaveRows` are);
+        `imports_on_device`: a hand-off's K/V landed in device memory (a link that writes
+        GPU memory: NVLink, RDMA as NIXL over VRAM does), so its import is a copy within HBM
+        like a fork's; otherwise it landed in host memory and crosses the host link."""
         self.cost = cost_model
         self.coda_every_loop = coda_every_loop
         self._prompt_len: dict[str, int] = {}
@@ -150,6 +154,7 @@ class SimExecutor(Executor):
         self.exit_dist = exit_dist
         self.seed = seed
         self.kv_block_bytes = kv_block_bytes
+        self.imports_on_device = imports_on_device
         self._swap_s = 0.0  # this step's swap copies
         self.stats = ExecutorStats()
         self._step_finalized = 0  # this step's finalized decode tokens
@@ -181,7 +186,8 @@ class SimExecutor(Executor):
         self._swap_s = 0.0
         for transfer in scheduled.kv_transfers:
             num_bytes = len(transfer.block_moves) * self.kv_block_bytes
-            if transfer.kind is SwapKind.FORK:  # device to device: read and write HBM
+            on_device = transfer.kind is SwapKind.IMPORT and self.imports_on_device
+            if transfer.kind is SwapKind.FORK or on_device:  # device to device: HBM read + write
                 self._swap_s += 2 * num_bytes / self.cost.device.effective_bandwidth
                 continue
             self.stats.swapped_blocks += len(transfer.block_moves)

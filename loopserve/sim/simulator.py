@@ -102,6 +102,7 @@ class Simulator:
         coda_every_loop: bool = False,
         draft_stable_dist: tuple[float, ...] | None = None,
         brownout_floor: int | None = None,
+        imports_on_device: bool = False,
     ) -> None:
         """`draft_stable_dist`: with `speculative_tokens` > 0, the distribution of the loop
         from which a position's draft is right (`SimExecutor`). `exit_dist` and `exit_threshold` matter only for gated exit modes (the executor
@@ -109,7 +110,8 @@ class Simulator:
         each request's `exit_trace`. `roofline`: see `CostModel`. `coda_every_loop`: price
         an exit criterion that runs the coda after every loop (Huginn's KL, entropy and
         argmax criteria). `brownout_floor`: every request's (`SamplingParams.brownout_floor`;
-        the engine's brownout arguments say whether and when it engages)."""
+        the engine's brownout arguments say whether and when it engages). `imports_on_device`:
+        hand-offs land in device memory (`SimExecutor`)."""
         self.exit_threshold = exit_threshold
         self.brownout_floor = brownout_floor
         config = build_engine_config(engine_args or {})
@@ -149,6 +151,7 @@ class Simulator:
                 coda_every_loop=coda_every_loop,
                 draft_stable_dist=draft_stable_dist,
                 defers_leave=self.defers_leave,
+                imports_on_device=imports_on_device,
             ),
             async_scheduling=False,
             clock=time.process_time,

@@ -16,12 +16,15 @@ from loopserve.bench.kernels import counting, kernels_of
 from loopserve.contracts import SampleSpec
 from loopserve.runner.sampler import (
     MAX_BATCHED_GROUPS,
+    TokenHistory,
+    adjust_rows,
     batches_filtering,
     filtered_probs,
     make_generator,
     sample_on_device,
     sample_rows,
 )
+from loopserve.runner.transfers import Transfers
 
 
 def reference_filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
@@ -226,3 +229,85 @@ def test_sampling_a_call_costs_a_fixed_number_of_operations_plus_one_draw_per_ro
     assert fixed <= 20
     assert count(86) == fixed + 86
     assert batches_filtering(torch.device("cuda")) and not batches_filtering(torch.device("cpu"))
+
+
+class _EveryOtherToken:
+    """A grammar that allows the even token ids only (a `Matcher`)."""
+
+    def allowed(self) -> np.ndarray:
+        return np.arange(VOCAB) % 2 == 0
+
+    def consume(self, token_id: int) -> None:
+        pass
+
+
+VOCAB = 256
+PENALIZED = SampleSpec(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.4)
+BIASED = SampleSpec(temperature=0.0, frequency_penalty=0.7, logit_bias=((3, 5.0), (9, -2.0)))
+HELD_BACK = SampleSpec(temperature=0.0, presence_penalty=0.4, min_tokens=5, stop_token_ids=(7,))
+
+
+def _histories(seed: int) -> tuple[list[SampleSpec], list[TokenHistory | None]]:
+    """Rows of two batched groups (one with prompts, one with a bias), a lone row of a third
+    (differing from the first only in its repetition penalty),
+    rows adjusted alone (a grammar; min_tokens holding back a stop token) and rows without
+    adjustments, interleaved."""
+    rng = np.random.default_rng(seed)
+    transfers = Transfers(torch.device("cpu"))
+    plan = [PENALIZED, BIASED, None, PENALIZED, HELD_BACK, BIASED, PENALIZED, "grammar",
+            SampleSpec(temperature=0.0, repetition_penalty=0.8, presence_penalty=0.4), None,
+            BIASED]  # fmt: skip
+    specs, histories = [], []
+    for entry in plan:
+        spec = PENALIZED if entry == "grammar" else entry or SampleSpec(temperature=0.5)
+        specs.append(spec)
+        if entry is None:
+            histories.append(None)
+            continue
+        outputs = rng.integers(0, VOCAB, size=int(rng.integers(1, 30))).tolist()
+        prompt = rng.integers(0, VOCAB, size=12).tolist() if spec.repetition_penalty != 1 else []
+        matcher = _EveryOtherToken() if entry == "grammar" else None
+        histories.append(TokenHistory(spec, VOCAB, transfers, prompt_token_ids=prompt,
+                                      output_token_ids=outputs, matcher=matcher))  # fmt: skip
+    return specs, histories
+
+
+def test_batched_adjustments_equal_each_rows_own():
+    specs, histories = _histories(3)
+    torch.manual_seed(3)
+    logits = torch.randn(len(specs), VOCAB) * 4
+    alone = logits.clone()
+    for row, history in enumerate(histories):
+        if history is not None:
+            alone[row] = history.adjust(alone[row], specs[row])
+    batched = adjust_rows(logits.clone(), specs, histories, {}, batched=True)
+    assert torch.equal(batched, alone)
+    assert not torch.equal(alone, logits)  # the adjustments did something
+    # A call whose rows are one group is adjusted without copies, to the same values.
+    same = [PENALIZED] * 5
+    group = [_histories(row)[1][0] for row in range(5)]
+    one = adjust_rows(logits[:5].clone(), same, group, {}, batched=True)
+    assert torch.equal(
+        one, torch.stack([h.adjust(logits[r], PENALIZED) for r, h in enumerate(group)])
+    )
+
+
+def test_penalized_rows_cost_a_fixed_number_of_operations_plus_one_draw_per_row():
+    """86 rows with the same repetition and presence penalties: one adjustment and one
+    filtering for the call, then a draw per row (1,292 operations when each row adjusted
+    and filtered alone)."""
+    spec = SampleSpec(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5)
+    transfers = Transfers(torch.device("cpu"))
+
+    def count(rows: int) -> int:
+        histories = [TokenHistory(spec, 1024, transfers, prompt_token_ids=[1, 2, 3],
+                                  output_token_ids=[4, 5]) for _ in range(rows)]  # fmt: skip
+        generators = [make_generator(row) for row in range(rows)]
+        seen: list = []
+        sample = counting(functools.partial(sample_on_device, batched=True), seen)
+        sample(torch.randn(rows, 1024), [spec] * rows, generators, {}, histories)
+        return sum(kernels_of(seen[0]).values())
+
+    fixed = count(2) - 2
+    assert fixed <= 30
+    assert count(86) == fixed + 86

@@ -15,6 +15,7 @@ import torch
 
 from loopserve.contracts import SampleSpec
 from loopserve.errors import InvalidRequestError
+from loopserve.runner import sampler
 from loopserve.runner.sampler import TokenHistory
 from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import SamplingParams
@@ -122,10 +123,18 @@ def _work(params_list, *, stop_token=None):
         {"graph_mode": "emulate"},
         {"prefill_mode": "wavefront", "mixed_prefill_decode": True, "exit_mode": "ouro_delayed"},
         {"preemption_mode": "recompute", "num_blocks": 18 * 4},
+        {"graph_mode": "emulate", "batched": True},
     ],
-    ids=["eager", "graphs", "mixed", "preemption"],
+    ids=["eager", "graphs", "mixed", "preemption", "graphs-batched"],
 )
-def test_controlled_requests_equal_the_dense_reference_in_a_busy_engine(tiny_dir, engine_args):
+def test_controlled_requests_equal_the_dense_reference_in_a_busy_engine(
+    tiny_dir, engine_args, monkeypatch
+):
+    """`batched`: the engine adjusts and filters rows together as on a GPU (the reference
+    samples row by row)."""
+    engine_args = dict(engine_args)
+    if engine_args.pop("batched", False):
+        monkeypatch.setattr(sampler, "batches_filtering", lambda device: True)
     engine = make_engine(tiny_dir, **engine_args)
     plain = [
         SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=0.5),
@@ -200,3 +209,24 @@ def test_a_handed_off_request_keeps_its_history(tiny_dir):
     finished = run_steps(decode, [])
     ref = reference_for(decode, prompt, params)
     assert (finished["h"].token_ids, finished["h"].exit_depths) == (ref.token_ids, ref.exit_depths)
+
+
+def test_rows_sharing_their_values_are_adjusted_and_filtered_together_exactly(
+    tiny_dir, monkeypatch
+):
+    """As on a GPU (`batches_filtering`): requests with the same penalties and sampling values
+    (each its own seed and history) are adjusted and filtered as one batch per call, and each
+    still gets the dense reference's tokens, which samples it alone."""
+    monkeypatch.setattr(sampler, "batches_filtering", lambda device: True)
+    shared = dict(temperature=0.9, top_p=0.9, presence_penalty=0.5, repetition_penalty=1.2)
+    params = [SamplingParams(max_tokens=10, seed=10 + i, exit_threshold=0.5, **shared)
+              for i in range(6)]  # fmt: skip
+    params += [SamplingParams(max_tokens=9, temperature=0.7, top_k=20, seed=20 + i)
+               for i in range(3)]  # fmt: skip
+    engine = make_engine(tiny_dir, graph_mode="emulate")
+    work = _work(params)
+    finished = run_steps(engine, work)
+    for request_id, prompt, request_params, _ in work:
+        ref = reference_for(engine, prompt, request_params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id

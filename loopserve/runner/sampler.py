@@ -15,7 +15,9 @@ Logits adjustments (`SampleSpec.adjusts_logits`; vLLM's semantics and order): a 
 `TokenHistory` holds, on the device, what they read: its logit bias as a dense [vocab]
 vector, its stop tokens (for `min_tokens`), the tokens of its prompt (a mask, for the
 repetition penalty) and the counts of its output tokens, which the caller updates with
-`record` as each token becomes final. Rows without adjustments pay nothing. A request with
+`record` as each token becomes final. Rows without adjustments pay nothing; rows whose
+adjustments are the same penalties (and a bias) are adjusted as one batch where filtering is
+batched (`adjust_rows`), the rest row by row. A request with
 structured output also holds its grammar matcher (`loopserve.text.structured`, on the host):
 the logits of tokens the grammar does not allow next are set to -inf (the mask reaches the
 device once per token), and the matcher consumes each final token.
@@ -209,19 +211,87 @@ class TokenHistory:
             logits = logits + self.bias
         if self.stop_ids is not None and self.num_output < spec.min_tokens:
             logits = logits.index_fill(0, self.stop_ids, float("-inf"))
-        counts = self.counts
-        if spec.repetition_penalty != 1.0:
-            seen = counts > 0
-            if self.prompt_seen is not None:
-                seen = seen | self.prompt_seen
-            penalty = spec.repetition_penalty
-            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-            logits = torch.where(seen, penalized, logits)
-        if spec.frequency_penalty != 0.0:
-            logits = logits - spec.frequency_penalty * counts
-        if spec.presence_penalty != 0.0:
-            logits = logits - spec.presence_penalty * (counts > 0).float()
-        return logits
+        return penalized(logits, spec, self.counts, self.prompt_seen)
+
+    def penalties_only(self, spec: SampleSpec) -> bool:
+        """True when `adjust` does nothing but the penalties (and the bias): no grammar, no
+        stop tokens held back for `min_tokens` now, so rows like it adjust as a batch."""
+        return self.matcher is None and not (
+            self.stop_ids is not None and self.num_output < spec.min_tokens
+        )
+
+
+def penalized(
+    logits: torch.Tensor,
+    spec: SampleSpec,
+    counts: torch.Tensor,
+    prompt_seen: torch.Tensor | None,
+) -> torch.Tensor:
+    """The repetition, frequency and presence penalties over logits [..., vocab], with each
+    row's output token `counts` and the prompt's tokens (`prompt_seen`, or None) alike."""
+    if spec.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt_seen is not None:
+            seen = seen | prompt_seen
+        penalty = spec.repetition_penalty
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if spec.frequency_penalty != 0.0:
+        logits = logits - spec.frequency_penalty * counts
+    if spec.presence_penalty != 0.0:
+        logits = logits - spec.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def adjust_rows(
+    logits: torch.Tensor,
+    specs: Sequence[SampleSpec],
+    histories: Sequence[TokenHistory | None],
+    failures: dict[int, str] | None,
+    batched: bool,
+) -> torch.Tensor:
+    """Each row's logits adjustments (`TokenHistory.adjust`); returns the logits (the same
+    tensor, written in place, unless every row was adjusted as one batch). `batched`: rows
+    whose adjustments are only the bias and the same penalties are adjusted together, a
+    fixed number of operations and one copy back per row (none when they are all the rows),
+    the same values as row by row; other rows (a grammar, `min_tokens` holding back stop
+    tokens) adjust alone."""
+    groups: dict[tuple, list[int]] = {}
+    for row, history in enumerate(histories):
+        if history is None:
+            continue
+        spec = specs[row]
+        if batched and history.penalties_only(spec):
+            key = (spec.repetition_penalty, spec.frequency_penalty, spec.presence_penalty,
+                   history.bias is not None, history.prompt_seen is not None)  # fmt: skip
+            groups.setdefault(key, []).append(row)
+            continue
+        try:
+            logits[row] = history.adjust(logits[row], spec)
+        except (RuntimeError, InvalidRequestError) as err:  # a grammar in error
+            if failures is None:
+                raise
+            failures[row] = describe_failure(err)
+    for rows in groups.values():
+        if len(rows) == 1:
+            logits[rows[0]] = histories[rows[0]].adjust(logits[rows[0]], specs[rows[0]])  # type: ignore[union-attr]
+            continue
+        group = [histories[row] for row in rows]
+        every = len(rows) == len(logits)  # the rows are all of them, in order
+        values = logits if every else torch.stack([logits[row] for row in rows])
+        if group[0].bias is not None:  # type: ignore[union-attr]
+            values = values + torch.stack([h.bias for h in group])  # type: ignore[union-attr,misc]
+        counts = torch.stack([h.counts for h in group])  # type: ignore[union-attr]
+        seen = None
+        if group[0].prompt_seen is not None:  # type: ignore[union-attr]
+            seen = torch.stack([h.prompt_seen for h in group])  # type: ignore[union-attr,misc]
+        values = penalized(values, specs[rows[0]], counts, seen)
+        if every:
+            logits = values
+        else:
+            for j, row in enumerate(rows):
+                logits[row] = values[j]
+    return logits
 
 
 def sampling_failure(request_id: str, error: str) -> RequestFailure:
@@ -257,18 +327,11 @@ def sample_on_device(
     message") and gets the greedy token instead, so one request's values never fail the
     other rows of the call (the caller fails that request); without it the error raises."""
     logits = logits.float()
+    batched = batches_filtering(logits.device) if batched is None else batched
     if histories is not None:
-        for row, history in enumerate(histories):
-            if history is not None:
-                try:
-                    logits[row] = history.adjust(logits[row], specs[row])
-                except (RuntimeError, InvalidRequestError) as err:  # a grammar in error
-                    if failures is None:
-                        raise
-                    failures[row] = describe_failure(err)
+        logits = adjust_rows(logits, specs, histories, failures, batched)
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
     groups = sorted(sampling_groups(specs).values(), key=len, reverse=True)
-    batched = batches_filtering(logits.device) if batched is None else batched
     for rank, rows in enumerate(groups):
         together = batched and len(rows) > 1 and rank < MAX_BATCHED_GROUPS
         probs = filtered_probs(logits, specs[rows[0]]) if together else None

@@ -12,7 +12,9 @@ cache exists, so it cannot be measured first): one forward at the largest bucket
 (`max_num_seqs` rows), plus, for the torch attention backend only, the gather workspace of
 that bucket over the graphs' context bound (`min(max_model_len, GRAPH_MAX_CONTEXT)`). The
 Triton backend (`paged_attention=True`) keeps scores and K/V tiles inside its kernels, so
-neither the prompt-chunk scores nor a gather workspace is added for it.
+neither the prompt-chunk scores nor a gather workspace is added for it. The sampler's
+batched workspace (`sampling_workspace_bytes`: `max_num_seqs` rows of the vocabulary) comes
+after the forward's activations are freed, so the activation peak is the larger of the two.
 `loopserve.config.cuda_kv_budget` turns these into the KV byte budget (pure arithmetic,
 unit-tested on CPU). Every function here but `dummy_forward` needs CUDA.
 """
@@ -25,6 +27,20 @@ import torch
 
 from loopserve.models.family import LoopedModel
 from loopserve.runner.graphs import GRAPH_MAX_CONTEXT
+
+# Sampling on CUDA filters a call's rows as one batch (`runner/sampler.py`), so its workspace
+# grows with the rows: at its peak (top-k, then top-p) `filtered_probs` holds, per logit,
+# the scaled logits (4 bytes), the sort's values (4) and order (int64, 8), the sorted
+# probabilities (4), their cumulative sums and the mass before each (4 + 4), three masks
+# (1 each) and the filtered logits and probabilities (4 + 4): 39 bytes, plus a float32 copy
+# of bf16 logits (4). Batched penalties need less (stacked counts, prompt mask, bias and
+# their arithmetic: about 30).
+SAMPLING_BYTES_PER_LOGIT = 44
+
+
+def sampling_workspace_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """The batched sampler's peak workspace for a call of `max_num_seqs` sampled rows."""
+    return max_num_seqs * vocab_size * SAMPLING_BYTES_PER_LOGIT
 
 
 class _SelfAttention:
@@ -94,6 +110,8 @@ def profile_cuda_memory(
     scores = 0  # the Triton kernels keep prompt-chunk scores on chip
     if not paged_attention:  # torch: [heads, chunk, context] float32, twice for softmax
         scores = config.num_attention_heads * prefill_chunk_size * max_model_len * 4 * 2
+    # Sampling runs after the model's activations are freed: the larger of the two is the peak.
+    activation = max(activation, sampling_workspace_bytes(max_num_seqs, config.vocab_size))
     graph_bytes = 0
     if graphs:
         gather = 0

@@ -273,18 +273,18 @@ def adjust_rows(
                 raise
             failures[row] = describe_failure(err)
     for rows in groups.values():
+        group = [history for row in rows if (history := histories[row]) is not None]
         if len(rows) == 1:
-            logits[rows[0]] = histories[rows[0]].adjust(logits[rows[0]], specs[rows[0]])  # type: ignore[union-attr]
+            logits[rows[0]] = group[0].adjust(logits[rows[0]], specs[rows[0]])
             continue
-        group = [histories[row] for row in rows]
         every = len(rows) == len(logits)  # the rows are all of them, in order
         values = logits if every else torch.stack([logits[row] for row in rows])
-        if group[0].bias is not None:  # type: ignore[union-attr]
-            values = values + torch.stack([h.bias for h in group])  # type: ignore[union-attr,misc]
-        counts = torch.stack([h.counts for h in group])  # type: ignore[union-attr]
-        seen = None
-        if group[0].prompt_seen is not None:  # type: ignore[union-attr]
-            seen = torch.stack([h.prompt_seen for h in group])  # type: ignore[union-attr,misc]
+        biases = [h.bias for h in group if h.bias is not None]  # all or none (the key)
+        if biases:
+            values = values + torch.stack(biases)
+        prompts = [h.prompt_seen for h in group if h.prompt_seen is not None]
+        seen = torch.stack(prompts) if prompts else None
+        counts = torch.stack([h.counts for h in group])
         values = penalized(values, specs[rows[0]], counts, seen)
         if every:
             logits = values

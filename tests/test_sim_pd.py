@@ -238,3 +238,30 @@ def test_a_hand_off_is_copied_into_the_decode_replicas_blocks_within_hbm_or_over
     )  # 3,000 tokens: 41 ms over the host link, 1.1 in HBM
     with pytest.raises(ValueError, match="handoff_landing"):
         Cluster(OURO_1P4B, H200, ENGINE_ARGS, num_prefill=1, num_decode=1, handoff_landing="nic")
+
+
+def test_streamed_chunks_are_written_as_they_land_so_no_copy_holds_a_decode_replica_long():
+    """With the K/V landing in host memory, a whole hand-off's import copies the prompt's K/V
+    in one step (3,000 tokens: 41 ms on the host link); streamed, each 256-token chunk is
+    written into the reserved blocks as it lands and the import copies only the rest, so no
+    copy holds the decode replica longer than about a chunk's, for the same bytes in all."""
+    work = _workload()
+    args = dict(ENGINE_ARGS, prefill_chunk_size=256)
+    stats = {}
+    for streaming in (False, True):
+        cluster = Cluster(OURO_1P4B, H200, args, num_prefill=1, num_decode=1,
+                          link_bytes_per_s=IB_NDR_BYTES_PER_S, streaming=streaming,
+                          handoff_landing="host")  # fmt: skip
+        cluster.run(work)
+        stats[streaming] = cluster.decode[0].sim.executor.stats
+        # The writes held the decode replica: its timeline moved by each one.
+        assert cluster.decode[0].held_s == pytest.approx(stats[streaming].streamed_write_s)
+    whole, streamed = stats[False], stats[True]
+    chunk_s = 256 * 4 * 196_608 / H200.effective_host_link
+    long_s = 3000 * 4 * 196_608 / H200.effective_host_link
+    assert whole.streamed_write_s == 0.0 and whole.max_copy_s >= long_s
+    assert streamed.streamed_write_s > 0.5 * whole.swap_time_s  # most of it came as chunks
+    assert streamed.max_copy_s <= chunk_s + 2 * 16 * 4 * 196_608 / H200.effective_host_link
+    assert streamed.swap_time_s + streamed.streamed_write_s == pytest.approx(
+        whole.swap_time_s, rel=0.05
+    )

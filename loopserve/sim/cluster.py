@@ -22,10 +22,13 @@ starts at the event's time. With one colocated replica this is exactly `Simulato
   copy is serial with that step, which every decode row on the replica waits for.
 - PD streaming (`streaming=True`): instead of the whole K/V after the first token, each
   prompt chunk's K/V is sent as soon as the chunk finishes its last depth on the prefill
-  replica (a request's chunks go one after another on its link), and what no chunk sent
-  (positions served by the prefill replica's prefix cache) follows the first token. The
-  hand-off lands when the last byte does; the share of a request's link time that ran
-  before its first token is hidden behind prefill (`ClusterStats.hidden_transfer_share`).
+  replica (a request's chunks go one after another on its link, to the decode replica
+  chosen with its first chunk), and what no chunk sent (positions served by the prefill
+  replica's prefix cache) follows the first token. Each chunk is written into the decode
+  replica's reserved blocks as it lands, holding that replica for the copy (as
+  `LLMEngine.write_kv_chunk` does between steps), and the import then copies only the
+  rest. The hand-off lands when the last byte does; the share of a request's link time that
+  ran before its first token is hidden behind prefill (`ClusterStats.hidden_transfer_share`).
 
 Client view: the first token is streamed when the prefill replica produces it, so a PD
 request's gap between tokens 1 and 2 includes the transfer and the decode queue; `itl` counts
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -107,6 +111,7 @@ class _Replica:
     def __init__(self, kind: str, index: int, sim: Simulator) -> None:
         self.kind, self.index, self.sim = kind, index, sim
         self.free_s = 0.0  # when its next step may start
+        self.held_s = 0.0  # how far landed streamed chunks' writes moved `free_s` (decode)
 
     @property
     def busy(self) -> bool:
@@ -178,11 +183,14 @@ class Cluster:
             for s in workload
         }
         produced: dict[str, list[tuple[str, int, int]]] = {s.request_id: [] for s in workload}
-        landing: list[tuple[float, int, str, int]] = []  # (end_s, seq, request_id, dst)
+        # (end_s, seq, request_id, dst, chunk bytes): a streamed chunk, or (0) a hand-off
+        landing: list[tuple[float, int, str, int, int]] = []
+        seq = itertools.count()
         transfers: list[Transfer] = []
         handoff: dict[str, int] = {}
         first_token: dict[str, tuple[int, int]] = {}  # request id -> (token id, loops)
-        # Streaming: request id -> [first send start, its link free at, bytes sent so far].
+        # Streaming: request id -> [first send start, its link free at, bytes sent so far,
+        # the decode replica it goes to (chosen with its first chunk, which it reserves)].
         streams: dict[str, list] = {}
         clock = 0.0
         entry = self.colocated or self.prefill
@@ -203,7 +211,14 @@ class Cluster:
                 replica.sim.core.add_request(request)
                 continue
             if next_landing <= next_step:
-                end_s, _, request_id, dst = heapq.heappop(landing)
+                end_s, _, request_id, dst, chunk = heapq.heappop(landing)
+                if chunk:  # written into the decode replica's reserved blocks as it lands
+                    replica = self.decode[dst]
+                    write_s = replica.sim.executor.write_streamed(request_id, chunk)
+                    start_s = max(replica.free_s, end_s)
+                    replica.free_s = start_s + write_s
+                    replica.held_s += replica.free_s - start_s
+                    continue
                 order, sim = by_id[request_id]
                 replica = self.decode[dst]
                 request = replica.sim.make_request(sim, order, sim.arrival_s)
@@ -224,7 +239,9 @@ class Cluster:
             now = replica.free_s
             clock = max(clock, now)
             if self.streaming and replica.kind == "prefill":
-                self._stream_chunks(result.scheduled.items, replica.sim.num_loops, now, streams)
+                self._stream_chunks(
+                    result.scheduled.items, replica.sim.num_loops, now, streams, landing, seq
+                )
             for request in result.touched:
                 rid = request.request_id
                 record = records[rid]
@@ -240,36 +257,44 @@ class Cluster:
                     continue
                 if replica.kind == "prefill" and record.output_len > 1:
                     first_token[rid] = (request.output_token_ids[0], request.exit_depths[0])
-                    dst = _least_loaded_after(self.decode, landing)
                     num_bytes = self.transfer_bytes(request.num_prompt_tokens)
-                    start_s, link_free_s, sent = now, now, 0
                     if rid in streams:  # the chunks already on their way
-                        start_s, link_free_s, sent = streams.pop(rid)
+                        start_s, link_free_s, sent, dst = streams.pop(rid)
+                    else:
+                        start_s, link_free_s, sent = now, now, 0
+                        dst = _least_loaded_after(self.decode, landing)
                     rest_s = (num_bytes - sent) / self.link_bytes_per_s
                     end_s = max(link_free_s, now) + rest_s
                     transfers.append(
                         Transfer(rid, replica.index, dst, num_bytes, start_s, end_s, end_s - now,
                                  num_bytes / self.link_bytes_per_s)
                     )  # fmt: skip
-                    heapq.heappush(landing, (end_s, len(transfers), rid, dst))
+                    heapq.heappush(landing, (end_s, next(seq), rid, dst, 0))
                     handoff[rid] = 0  # the gap between tokens 1 and 2
                 else:
                     record.finished_s = now
                     record.exit_depths = list(request.exit_depths)
         return ClusterRun(list(records.values()), transfers, clock, handoff, produced)
 
-    def _stream_chunks(self, items, num_loops: int, now: float, streams: dict) -> None:
+    def _stream_chunks(
+        self, items, num_loops: int, now: float, streams: dict, landing: list, seq
+    ) -> None:
         """Send the K/V of every prompt chunk this prefill step completed (its last depth
-        ran), after the request's earlier chunks on its link."""
+        ran), after the request's earlier chunks on its link; each lands on the decode
+        replica chosen with the request's first chunk."""
         for item in items:
             if item.kind is not ItemKind.PROMPT:
                 continue
             if item.depth + item.num_depths != (item.prompt_loops or num_loops):
                 continue
             num_bytes = self.transfer_bytes(item.token_count)
-            stream = streams.setdefault(item.request_id, [now, now, 0])
+            stream = streams.get(item.request_id)
+            if stream is None:
+                dst = _least_loaded_after(self.decode, landing)
+                stream = streams[item.request_id] = [now, now, 0, dst]
             stream[1] = max(stream[1], now) + num_bytes / self.link_bytes_per_s
             stream[2] += num_bytes
+            heapq.heappush(landing, (stream[1], next(seq), item.request_id, stream[3], num_bytes))
 
     @staticmethod
     def _deliver(replica: _Replica, at_s: float) -> None:
@@ -278,9 +303,10 @@ class Cluster:
 
 
 def _least_loaded_after(decode: list[_Replica], landing: list) -> int:
-    """Decode replica with the least outstanding work, counting hand-offs still in flight."""
+    """Decode replica with the least outstanding work, counting hand-offs still in flight
+    (a streamed request once, however many of its chunks are)."""
     inflight = [0] * len(decode)
-    for _, _, _, dst in landing:
+    for _, dst in {(request_id, dst) for _, _, request_id, dst, _ in landing}:
         inflight[dst] += 1
     return min(range(len(decode)), key=lambda i: (decode[i].outstanding_work(), inflight[i], i))
 

@@ -92,6 +92,8 @@ class ExecutorStats:
     num_finalize_copies: int = 0
     swapped_blocks: int = 0  # blocks (of one plane) copied between device and host
     swap_time_s: float = 0.0  # those copies over the host link (serial with the step)
+    streamed_write_s: float = 0.0  # streamed hand-offs' chunks written as they land
+    max_copy_s: float = 0.0  # the longest copy one step or one landed chunk made wait
     cascade_groups: int = 0  # cascade attention: groups over all core calls
     cascade_rows: int = 0  # rows in those groups
     cascade_saved_positions: int = 0  # KV positions not read thanks to the groups
@@ -155,6 +157,7 @@ class SimExecutor(Executor):
         self.seed = seed
         self.kv_block_bytes = kv_block_bytes
         self.imports_on_device = imports_on_device
+        self._prewritten: dict[str, int] = {}  # streamed hand-offs: bytes written as chunks
         self._swap_s = 0.0  # this step's swap copies
         self.stats = ExecutorStats()
         self._step_finalized = 0  # this step's finalized decode tokens
@@ -186,13 +189,36 @@ class SimExecutor(Executor):
         self._swap_s = 0.0
         for transfer in scheduled.kv_transfers:
             num_bytes = len(transfer.block_moves) * self.kv_block_bytes
-            on_device = transfer.kind is SwapKind.IMPORT and self.imports_on_device
-            if transfer.kind is SwapKind.FORK or on_device:  # device to device: HBM read + write
+            if transfer.kind is SwapKind.IMPORT:  # only what no streamed chunk wrote yet
+                num_bytes = max(0, num_bytes - self._prewritten.pop(transfer.request_id, 0))
+                self._swap_s += self._import_s(num_bytes)
+                if not self.imports_on_device:
+                    self.stats.swapped_blocks += len(transfer.block_moves)
+                continue
+            if transfer.kind is SwapKind.FORK:  # device to device: HBM read + write
                 self._swap_s += 2 * num_bytes / self.cost.device.effective_bandwidth
                 continue
             self.stats.swapped_blocks += len(transfer.block_moves)
             self._swap_s += num_bytes / self.cost.device.effective_host_link
         self.stats.swap_time_s += self._swap_s
+        self.stats.max_copy_s = max(self.stats.max_copy_s, self._swap_s)
+
+    def _import_s(self, num_bytes: int) -> float:
+        """A hand-off's K/V copied into this replica's blocks: within HBM (a read and a write)
+        when it landed in device memory, else over the host link."""
+        if self.imports_on_device:
+            return 2 * num_bytes / self.cost.device.effective_bandwidth
+        return num_bytes / self.cost.device.effective_host_link
+
+    def write_streamed(self, request_id: str, num_bytes: int) -> float:
+        """A streamed hand-off's chunk, written into this decode replica's reserved blocks as
+        it lands (outside any step, as `LLMEngine.write_kv_chunk` is); returns the seconds it
+        holds the replica. The request's import then copies only what is left."""
+        self._prewritten[request_id] = self._prewritten.get(request_id, 0) + num_bytes
+        seconds = self._import_s(num_bytes)
+        self.stats.streamed_write_s += seconds
+        self.stats.max_copy_s = max(self.stats.max_copy_s, seconds)
+        return seconds
 
     @property
     def num_live_handles(self) -> int:

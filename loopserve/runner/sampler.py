@@ -8,8 +8,9 @@ their sampling values (temperature, top-k, top-p) are filtered together, in one 
 are bit for bit those it gets alone), and each then makes one draw: a call costs a fixed
 number of device operations plus one per sampled row, where filtering rows one by one cost
 5-17 operations each (each a kernel launch on a GPU). On CPU rows are filtered one by one
-(`batches_filtering`: there an operation costs its arithmetic, not a launch). The dense reference generator and the
-engine runner both sample through `sample_rows` / `sample_on_device`.
+(`batches_filtering`: there an operation costs its arithmetic, not a launch). The dense
+reference generator and the engine runner both sample through `sample_rows` /
+`sample_on_device`.
 
 Logits adjustments (`SampleSpec.adjusts_logits`; vLLM's semantics and order): a request's
 `TokenHistory` holds, on the device, what they read: its logit bias as a dense [vocab]
@@ -17,8 +18,7 @@ vector, its stop tokens (for `min_tokens`), the tokens of its prompt (a mask, fo
 repetition penalty) and the counts of its output tokens, which the caller updates with
 `record` as each token becomes final. Rows without adjustments pay nothing; rows whose
 adjustments are the same penalties (and a bias) are adjusted as one batch where filtering is
-batched (`adjust_rows`), the rest row by row. A request with
-structured output also holds its grammar matcher (`loopserve.text.structured`, on the host):
+batched (`adjust_rows`), the rest row by row. A request with structured output also holds its grammar matcher (`loopserve.text.structured`, on the host):
 the logits of tokens the grammar does not allow next are set to -inf (the mask reaches the
 device once per token), and the matcher consumes each final token.
 """
@@ -89,7 +89,7 @@ def sampling_groups(specs: Sequence[SampleSpec]) -> dict[tuple[float, int, float
     group get their probabilities from one batched `filtered_probs`."""
     groups: dict[tuple[float, int, float], list[int]] = {}
     for row, spec in enumerate(specs):
-        if spec.temperature >= GREEDY_BELOW_TEMPERATURE:
+        if not is_greedy(spec):
             groups.setdefault((spec.temperature, spec.top_k, spec.top_p), []).append(row)
     return groups
 
@@ -202,23 +202,25 @@ class TokenHistory:
         if self.matcher is not None:
             if self._allowed is None:
                 allowed = self.matcher.allowed()
-                if self.stop_ids is not None and self.num_output < spec.min_tokens:
+                if self.holds_back_stops(spec):
                     self._check_grammar_reaches_min_tokens(allowed, spec.min_tokens)
                 mask = allowed.view(np.uint8)
                 self._allowed = self.transfers.to_device(mask, torch.uint8).bool()
             logits = logits.masked_fill(~self._allowed, float("-inf"))
         if self.bias is not None:
             logits = logits + self.bias
-        if self.stop_ids is not None and self.num_output < spec.min_tokens:
+        if self.holds_back_stops(spec):
             logits = logits.index_fill(0, self.stop_ids, float("-inf"))
         return penalized(logits, spec, self.counts, self.prompt_seen)
+
+    def holds_back_stops(self, spec: SampleSpec) -> bool:
+        """`min_tokens` still forbids the stop tokens."""
+        return self.stop_ids is not None and self.num_output < spec.min_tokens
 
     def penalties_only(self, spec: SampleSpec) -> bool:
         """True when `adjust` does nothing but the penalties (and the bias): no grammar, no
         stop tokens held back for `min_tokens` now, so rows like it adjust as a batch."""
-        return self.matcher is None and not (
-            self.stop_ids is not None and self.num_output < spec.min_tokens
-        )
+        return self.matcher is None and not self.holds_back_stops(spec)
 
 
 def penalized(

@@ -195,8 +195,8 @@ class SimExecutor(Executor):
                 if not self.imports_on_device:
                     self.stats.swapped_blocks += len(transfer.block_moves)
                 continue
-            if transfer.kind is SwapKind.FORK:  # device to device: HBM read + write
-                self._swap_s += 2 * num_bytes / self.cost.device.effective_bandwidth
+            if transfer.kind is SwapKind.FORK:  # device to device
+                self._swap_s += self._hbm_copy_s(num_bytes)
                 continue
             self.stats.swapped_blocks += len(transfer.block_moves)
             self._swap_s += num_bytes / self.cost.device.effective_host_link
@@ -207,8 +207,12 @@ class SimExecutor(Executor):
         """A hand-off's K/V copied into this replica's blocks: within HBM (a read and a write)
         when it landed in device memory, else over the host link."""
         if self.imports_on_device:
-            return 2 * num_bytes / self.cost.device.effective_bandwidth
+            return self._hbm_copy_s(num_bytes)
         return num_bytes / self.cost.device.effective_host_link
+
+    def _hbm_copy_s(self, num_bytes: int) -> float:
+        """A copy within device memory: a read and a write of HBM."""
+        return 2 * num_bytes / self.cost.device.effective_bandwidth
 
     def write_streamed(self, request_id: str, num_bytes: int) -> float:
         """A streamed hand-off's chunk, written into this decode replica's reserved blocks as

@@ -26,7 +26,8 @@ from loopserve.exit import ExitMode, ExitRule, TokenExit, choose_exit_from_hazar
 from loopserve.models.attention import DenseAttention, DenseKV
 from loopserve.models.family import LoopedModel
 from loopserve.models.kv_dtype import kv_storage_dtype
-from loopserve.runner.sampler import Matcher, TokenHistory, make_generator, sample_rows
+from loopserve.runner.logits_adjust import Matcher, TokenHistory
+from loopserve.runner.sampler import make_generator, sample_rows
 from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import SamplingParams, StructuredOutput
 

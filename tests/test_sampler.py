@@ -14,10 +14,9 @@ import torch
 
 from loopserve.bench.kernels import counting, kernels_of
 from loopserve.contracts import SampleSpec
+from loopserve.runner.logits_adjust import TokenHistory, adjust_rows
 from loopserve.runner.sampler import (
     MAX_BATCHED_GROUPS,
-    TokenHistory,
-    adjust_rows,
     batches_filtering,
     filtered_probs,
     make_generator,

@@ -16,7 +16,7 @@ import torch
 from loopserve.contracts import SampleSpec
 from loopserve.errors import InvalidRequestError
 from loopserve.runner import sampler
-from loopserve.runner.sampler import TokenHistory
+from loopserve.runner.logits_adjust import TokenHistory
 from loopserve.runner.transfers import Transfers
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import make_engine, reference_for, run_steps

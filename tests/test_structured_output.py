@@ -153,7 +153,7 @@ def test_structured_output_takes_exactly_one_well_formed_constraint(kwargs):
 def test_a_handed_off_request_resumes_its_grammar_where_it_was(tiny_tok_dir):
     """The matcher of an imported request consumes the outputs it already has."""
     from loopserve.contracts import SampleSpec
-    from loopserve.runner.sampler import TokenHistory
+    from loopserve.runner.logits_adjust import TokenHistory
     from loopserve.runner.transfers import Transfers
 
     engine = make_engine(tiny_tok_dir)

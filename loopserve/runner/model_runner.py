@@ -62,17 +62,15 @@ from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.exit_scores import ExitScores
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
+from loopserve.runner.logits_adjust import Matcher, TokenHistory, token_history
 from loopserve.runner.loop_calls import CriterionSlots, LoopCalls
 from loopserve.runner.options import RunnerOptions
 from loopserve.runner.prompt_exits import PromptExits, refused_items
 from loopserve.runner.sampler import (
-    Matcher,
-    TokenHistory,
     generator_state,
     is_greedy,
     make_generator,
     restore_generator,
-    token_history,
 )
 from loopserve.runner.spec_criteria import SpecCriteria
 from loopserve.runner.swap import InFlight, KVMoves

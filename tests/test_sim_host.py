@@ -8,6 +8,7 @@ import json
 import pytest
 
 from loopserve.errors import ConfigError
+from loopserve.runner import sampler
 from loopserve.sim import host_bench
 from loopserve.sim.cost_model import OURO_1P4B
 from loopserve.sim.hardware import get_device_profile
@@ -104,3 +105,36 @@ def test_bench_host_refuses_contexts_the_checkpoint_cannot_hold():
     user nothing about --context)."""
     with pytest.raises(ConfigError, match="--context 256 with --steps 60 needs 379 positions"):
         host_bench.measure(8, context=256, steps=60, device_profile="h200", family="huginn")
+
+
+@pytest.mark.parametrize("temperature, top_p, draws", [(0.0, 1.0, False), (0.8, 0.9, True)])
+def test_bench_host_samples_when_told_from_the_command_line(
+    monkeypatch, tmp_path, temperature, top_p, draws
+):
+    """`bench host --temperature T --top-p P`: every request samples (one seeded draw per
+    exiting token, top-p filtering before it); without the flags every token is greedy."""
+    import torch
+
+    from loopserve.cli.main import main
+
+    seen = {"draws": 0, "top_p": set()}
+    multinomial, filtered = torch.multinomial, sampler.filtered_probs
+
+    def draw(*args, **kwargs):
+        seen["draws"] += 1
+        return multinomial(*args, **kwargs)
+
+    def filtering(logits, spec):
+        seen["top_p"].add(spec.top_p)
+        return filtered(logits, spec)
+
+    monkeypatch.setattr(torch, "multinomial", draw)
+    monkeypatch.setattr(sampler, "filtered_probs", filtering)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the command sets it; restored after the test
+    out = tmp_path / "host.json"
+    argv = ["bench", "host", "--rows", "4", "--steps", "6", "--context", "24",
+            "--temperature", str(temperature), "--top-p", str(top_p), "--output-json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert [p["rows"] for p in json.loads(out.read_text())["points"]] == [4]
+    assert (seen["draws"] > 0) == draws
+    assert seen["top_p"] == ({top_p} if draws else set())

@@ -171,6 +171,12 @@ def test_simulate_cli_runs_the_pd_scenario(tmp_path, capsys):
     assert row["colocated"]["num_requests"] == row["pd"]["num_requests"] == 10
     assert row["pd"]["mean_transfer_ms"] > 0 and row["colocated"]["mean_transfer_ms"] == 0
     assert "PD/colocated: ITL p99" in capsys.readouterr().out
+    # Landing in host memory, each long hand-off's copy holds the decode replica longer.
+    host = tmp_path / "host"
+    assert main([*argv[:-1], str(host), "--handoff-landing", "host"]) == 0
+    (slow,) = json.loads((host / "scenario_pd.json").read_text())["results"]
+    assert slow["pd"]["decode_itl"]["max_s"] > row["pd"]["decode_itl"]["max_s"]
+    assert slow["colocated"] == row["colocated"]  # colocated replicas import nothing
 
 
 def test_streamed_handoffs_send_chunks_during_prefill_and_land_earlier():

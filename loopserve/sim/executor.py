@@ -36,7 +36,6 @@ are unchanged (every query still scores every position).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,53 +57,14 @@ from loopserve.execution import Executor, StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
 from loopserve.exit.columns import EXIT, GATE, decide_criterion_exits, decide_exits
 from loopserve.exit.policies import GateState, loop_exits
-from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.handles import HandleTable
+from loopserve.sim.call_pricing import CallPricer, CallTally, CodaTally, ExecutorStats
 from loopserve.sim.cost_model import CostModel
 from loopserve.sim.workload import ExitDistribution
 
 SYNTHETIC_TOKEN = SampledToken(1)
 PROMPT, REPLAY, SPEC = ItemKind.PROMPT, ItemKind.REPLAY, ItemKind.SPEC
 DRAFT_TOKEN_BASE = 100  # a wrong draft after loop j is id 100 + j (the emitted token is 1)
-
-
-@dataclass
-class ExecutorStats:
-    """Totals over a run; call kinds by the rows they carry."""
-
-    num_steps: int = 0
-    decode_calls: int = 0
-    decode_rows: int = 0
-    decode_bytes: float = 0.0  # HBM bytes of decode-only calls (weights + KV + embeddings)
-    decode_time_s: float = 0.0
-    prompt_calls: int = 0
-    prompt_rows: int = 0
-    prompt_time_s: float = 0.0
-    mixed_calls: int = 0  # calls carrying both prompt and decode rows
-    mixed_rows: int = 0
-    mixed_time_s: float = 0.0
-    core_time_s: float = 0.0
-    prelude_time_s: float = 0.0  # of core time: the prelude (its layers, embedding reads)
-    coda_time_s: float = 0.0
-    sampling_time_s: float = 0.0
-    coda_rows: int = 0
-    num_early_exits: int = 0
-    num_finalize_copies: int = 0
-    swapped_blocks: int = 0  # blocks (of one plane) copied between device and host
-    swap_time_s: float = 0.0  # those copies over the host link (serial with the step)
-    streamed_write_s: float = 0.0  # streamed hand-offs' chunks written as they land
-    max_copy_s: float = 0.0  # the longest copy one step or one landed chunk made wait
-    cascade_groups: int = 0  # cascade attention: groups over all core calls
-    cascade_rows: int = 0  # rows in those groups
-    cascade_saved_positions: int = 0  # KV positions not read thanks to the groups
-
-    @property
-    def num_core_calls(self) -> int:
-        return self.decode_calls + self.prompt_calls + self.mixed_calls
-
-    @property
-    def model_time_s(self) -> float:
-        return self.core_time_s + self.coda_time_s + self.sampling_time_s + self.swap_time_s
 
 
 class SimExecutor(Executor):
@@ -138,9 +98,8 @@ class SimExecutor(Executor):
         self.cost = cost_model
         self.coda_every_loop = coda_every_loop
         self._prompt_len: dict[str, int] = {}
-        self._coda = _CodaTally()
+        self._coda = CodaTally()
         self.cascade = cascade
-        self.block_size = block_size
         self.num_loops = cost_model.shape.num_loops
         if draft_stable_dist is not None and len(draft_stable_dist) != self.num_loops:
             raise ValueError(
@@ -160,6 +119,7 @@ class SimExecutor(Executor):
         self._prewritten: dict[str, int] = {}  # streamed hand-offs: bytes written as chunks
         self._swap_s = 0.0  # this step's swap copies
         self.stats = ExecutorStats()
+        self.pricer = CallPricer(cost_model, self.stats, shared=self.shared, block_size=block_size)
         self._step_finalized = 0  # this step's finalized decode tokens
         self._handles: HandleTable[None] = HandleTable()
         self.block_tables = BlockTables()  # kept from the steps' updates (cascade pricing)
@@ -252,11 +212,11 @@ class SimExecutor(Executor):
         num_calls = max([item.num_depths for item in items] + [1])
         # Per-call totals by item depth count: an item with n depths runs in calls 0..n-1, and
         # its rows, context and KV traffic are the same at every depth (prelude only at 0).
-        tallies = [_CallTally() for _ in range(num_calls + 1)]
+        tallies = [CallTally() for _ in range(num_calls + 1)]
         results = []
         coda_rows = num_early = 0
         self._step_finalized = 0
-        self._coda = coda = _CodaTally()
+        self._coda = coda = CodaTally()
         decode_results = None
         if scheduled.decode is not None:
             decode_results, coda_rows, num_early = self._run_decode(scheduled.decode, tallies[1])
@@ -271,7 +231,7 @@ class SimExecutor(Executor):
             if sampled:
                 coda_rows += 1 + len(result.forked)  # a prompt group's followers sample too
                 num_early += result.loops_used < self.num_loops  # type: ignore[operator]
-        rows_per_call, core_s = self._price_calls(tallies, self.block_tables.tables)
+        rows_per_call, core_s = self.pricer.price(tallies, self.block_tables.tables)
         coda_s = (
             coda.checks_s
             + self.cost.coda(
@@ -315,7 +275,7 @@ class SimExecutor(Executor):
         results = DecodeResults(np.ones(m, bool), np.full(m, np.nan), token_ids)
         return results, int(np.count_nonzero(rows.depths + 1 < self.num_loops))
 
-    def _run_decode(self, rows: DecodeRows, tally: _CallTally) -> tuple[DecodeResults, int, int]:
+    def _run_decode(self, rows: DecodeRows, tally: CallTally) -> tuple[DecodeResults, int, int]:
         """Exits, hazards and pricing of a call's decode rows (one loop each); (results, rows
         sampled, early exits)."""
         n, depths = len(rows), rows.depths
@@ -372,7 +332,7 @@ class SimExecutor(Executor):
         num_early = int(np.count_nonzero(exited & (depths + 1 < self.num_loops)))
         return DecodeResults(exited, hazards, token_ids, fired=fired), num_exits, num_early
 
-    def _run_item(self, item: WorkItem, tally: _CallTally) -> tuple[ItemResult, int]:
+    def _run_item(self, item: WorkItem, tally: CallTally) -> tuple[ItemResult, int]:
         """Exit decision, coda and handle bookkeeping of one prompt or replay item; adds its
         rows to `tally`."""
         request_id, handle = item.request_id, item.handle
@@ -474,117 +434,3 @@ class SimExecutor(Executor):
         return ItemResult(
             item.request_id, item.handle, hazards, True, loops, SYNTHETIC_TOKEN, forked=forked
         )
-
-    def _cascade_saved(self, singles: list[tuple[str, int, int]], call_index: int,
-                       block_tables) -> int:  # fmt: skip
-        """KV positions cascade attention does not read in one core call: per group of
-        one-row rows (request, depth, position) sharing `n` leading blocks of a plane,
-        `(rows - 1) * n * block_size`."""
-        tables = [
-            block_tables[request_id][0 if self.shared else depth + call_index]
-            for request_id, depth, _ in singles
-        ]
-        positions = [position for _, _, position in singles]
-        saved = 0
-        stats = self.stats
-        for group in plan_prefix_groups(tables, positions, self.block_size):
-            saved += (len(group.rows) - 1) * group.num_blocks * self.block_size
-            stats.cascade_groups += 1
-            stats.cascade_rows += len(group.rows)
-        stats.cascade_saved_positions += saved
-        return saved
-
-    def _price_calls(
-        self, tallies: list[_CallTally], block_tables
-    ) -> tuple[tuple[int, ...], float]:
-        """Rows and simulated seconds of each core call of the step (call k: items with more
-        than k depths)."""
-        stats = self.stats
-        rows_per_call = []
-        total_s = 0.0
-        call = _CallTally()
-        for k in range(len(tallies) - 1, 0, -1):
-            call.add(tallies[k])  # now: every item with >= k depths, i.e. call k - 1
-            if not call.rows:  # a step of leave rows only: no core call
-                continue
-            prelude = call.prelude_rows if k == 1 else 0
-            kv_read = call.kv_read
-            if len(call.singles) > 1:
-                kv_read -= self._cascade_saved(call.singles, k - 1, block_tables)
-            cost = self.cost.core_call(
-                rows=call.rows,
-                prelude_rows=prelude,
-                kv_read_positions=kv_read,
-                attention_pairs=call.pairs,
-                finalize_copies=call.finalize,
-                prelude_kv_read=call.prelude_kv_read if k == 1 else 0,
-                prelude_pairs=call.prelude_pairs if k == 1 else 0,
-            )
-            if prelude:  # the prelude's share of the call: the call priced without it
-                bare = self.cost.core_call(
-                    rows=call.rows, kv_read_positions=kv_read, attention_pairs=call.pairs,
-                    finalize_copies=call.finalize,
-                )  # fmt: skip
-                stats.prelude_time_s += cost.time_s - bare.time_s
-            rows_per_call.append(call.rows)
-            total_s += cost.time_s
-            if call.has_prompt and call.has_decode:
-                stats.mixed_calls += 1
-                stats.mixed_rows += call.rows
-                stats.mixed_time_s += cost.time_s
-            elif call.has_prompt:
-                stats.prompt_calls += 1
-                stats.prompt_rows += call.rows
-                stats.prompt_time_s += cost.time_s
-            else:
-                stats.decode_calls += 1
-                stats.decode_rows += call.rows
-                stats.decode_bytes += cost.bytes_moved
-                stats.decode_time_s += cost.time_s
-        rows_per_call.reverse()
-        return tuple(rows_per_call), total_s
-
-
-@dataclass(slots=True)
-class _CodaTally:
-    """A step's coda work: lm_head rows, coda-layer rows with their context, and the
-    criterion checks' coda time (`coda_every_loop`)."""
-
-    head_rows: int = 0
-    layer_rows: int = 0
-    kv_read: int = 0
-    pairs: int = 0
-    checks_s: float = 0.0
-
-    def add(self, head_rows: int, layer_rows: int, kv_read: int, pairs: int) -> None:
-        self.head_rows += head_rows
-        self.layer_rows += layer_rows
-        self.kv_read += kv_read
-        self.pairs += pairs
-
-
-@dataclass(slots=True)
-class _CallTally:
-    rows: int = 0
-    prelude_rows: int = 0
-    prelude_kv_read: int = 0
-    prelude_pairs: int = 0
-    kv_read: int = 0
-    pairs: int = 0
-    finalize: int = 0
-    has_prompt: bool = False
-    has_decode: bool = False
-    # One-row rows (request, depth, position), for cascade pricing only.
-    singles: list[tuple[str, int, int]] = field(default_factory=list)
-
-    def add(self, other: _CallTally) -> None:
-        self.singles += other.singles
-        self.rows += other.rows
-        self.prelude_rows += other.prelude_rows
-        self.prelude_kv_read += other.prelude_kv_read
-        self.prelude_pairs += other.prelude_pairs
-        self.kv_read += other.kv_read
-        self.pairs += other.pairs
-        self.finalize += other.finalize
-        self.has_prompt |= other.has_prompt
-        self.has_decode |= other.has_decode

@@ -19,7 +19,7 @@ from loopserve.scheduler.admission import MemoryStats
 
 if TYPE_CHECKING:
     from loopserve.config import EngineConfig
-    from loopserve.sim.executor import ExecutorStats
+    from loopserve.sim.call_pricing import ExecutorStats
 
 
 @dataclass

@@ -229,3 +229,44 @@ def test_the_decode_graphs_merge_their_splits_in_one_launch_form():
         assert {lch.kernel.fn.__name__ for lch in graphed} == {"_decode_kernel"}, name
         forms = {(lch.constexprs["SPLIT"], lch.constexprs["MERGE"]) for lch in graphed}
         assert forms == {(True, True), (False, False)}, (name, forms)
+
+
+def test_compiles_ask_for_fp_contraction_whatever_tritons_default(monkeypatch):
+    """Triton 3.9 contracts a*b+c into an FMA unless told otherwise and 3.10 will not; the
+    engine asks for it on every compiled launch and ahead-of-time compile, so the kernels'
+    numerics do not change with the Triton version. With the default turned off through
+    Triton's own variable, a compile of the KV-write kernel still contracts."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's CUDA backend")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    shape = triton_aot.ModelShape("mha16", 16, 16, 128, torch.bfloat16)
+    (launch,) = [lch for v, lch in triton_aot.engine_launches(shape, 90) if v == "write"]
+    compiled = triton.compile(
+        triton_aot.compile_source(launch),
+        target=GPUTarget("cuda", 90, 32),
+        options=triton_aot.compile_options(launch),
+    )
+    assert compiled.metadata.enable_fp_fusion is True
+
+
+def test_a_compiled_launch_passes_the_contraction_option():
+    """A launch whose tensors are not on the CPU goes to the compiled form with
+    `enable_fp_fusion` set (a recording stand-in for the compiled kernel: no GPU here)."""
+    from loopserve.runner.attention.triton_jit import FP_FUSION, DeviceKernel
+
+    seen = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((grid, kwargs))
+
+    def kernel(x, BLOCK):  # noqa: N803 - a constexpr's name, as in the engine's kernels
+        pass
+
+    device_kernel = DeviceKernel(kernel)
+    device_kernel.compiled = Compiled()
+    device_kernel[(2,)](torch.empty(4, device="meta"), BLOCK=8)
+    assert seen == [((2,), {"enable_fp_fusion": FP_FUSION, "BLOCK": 8})]
+    assert FP_FUSION is True

@@ -35,7 +35,7 @@ from triton.compiler import ASTSource
 from loopserve.models.kv_dtype import FP8_E4M3_MIN_CAPABILITY
 from loopserve.runner.attention import triton_kernels, triton_prefill
 from loopserve.runner.attention.triton_backend import SPLIT_COUNTERS
-from loopserve.runner.attention.triton_jit import Launch, record_launches
+from loopserve.runner.attention.triton_jit import FP_FUSION, Launch, record_launches
 from loopserve.runner.fused_linear import MAX_ROWS, fused_linear
 from loopserve.runner.fused_norms import add_norm_norm
 from loopserve.runner.fused_ops import rope_qkv, silu_mul
@@ -289,9 +289,14 @@ class _MetaNorm:
     eps: float
 
 
-def compile_options(launch: Launch) -> dict[str, int]:
-    """The launch keywords that are compile options (warps, stages), not constexprs."""
-    return {k: v for k, v in launch.constexprs.items() if k in COMPILE_OPTIONS}
+def compile_options(launch: Launch) -> dict[str, int | bool]:
+    """The launch keywords that are compile options (warps, stages), not constexprs, and the
+    floating-point contraction every compiled launch asks for (`triton_jit.FP_FUSION`)."""
+    options: dict[str, int | bool] = {
+        k: v for k, v in launch.constexprs.items() if k in COMPILE_OPTIONS
+    }
+    options["enable_fp_fusion"] = FP_FUSION
+    return options
 
 
 def compile_source(launch: Launch) -> ASTSource:

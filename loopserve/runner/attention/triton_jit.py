@@ -9,6 +9,8 @@ launch's tensors: CUDA tensors launch the compiled `JITFunction`, CPU tensors th
 for the launch, `_interpreted_language`). No environment variable is read at import, and a
 CPU-only process never compiles.
 
+Compiled launches pin floating-point contraction on (`FP_FUSION`), whatever Triton's default.
+
 `do_not_specialize` names integer arguments that vary per call (row counts, split counts,
 split lengths): without it Triton compiles a new specialization whenever such a value
 changes between 1, a multiple of 16 and anything else, which multiplies first-use compiles
@@ -33,6 +35,13 @@ try:  # argument typing; its first call imports Triton's gluon package (see belo
     from triton.runtime.jit import mangle_type
 except ImportError:  # another Triton layout: nothing to pre-import
     mangle_type = None
+
+
+# Every compiled launch (and every ahead-of-time compile, `triton_aot.compile_options`) asks
+# for floating-point contraction (a*b+c as one FMA) explicitly. Triton 3.9 enables it when a
+# launch does not say (and warns that Triton 3.10 will disable it by default), so pinning it
+# keeps the kernels' numerics the same on every Triton version a GPU image ships.
+FP_FUSION = True
 
 
 class DeviceKernel:
@@ -62,7 +71,7 @@ class DeviceKernel:
             if any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
                 with _interpreted_language(), self._interpreted_helpers():
                     return self.interpreted[grid](*args, **kwargs)
-            return self.compiled[grid](*args, **kwargs)
+            return self.compiled[grid](*args, **{"enable_fp_fusion": FP_FUSION, **kwargs})
 
         return launch
 

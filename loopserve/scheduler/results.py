@@ -75,18 +75,6 @@ class ResultApplier:
         self.finish = finish
         self.step_tokens = self.step_loops = 0  # appended by the last `update`
 
-    @property
-    def requests(self) -> dict[str, Request]:
-        return self.queues.requests
-
-    @property
-    def waiting(self) -> list[Request]:
-        return self.queues.waiting
-
-    @property
-    def running(self) -> list[Request]:
-        return self.queues.running
-
     def update(self, scheduled: SchedulerOutput, output: RunnerOutput) -> list[Request]:
         """Apply one step's results; returns the requests that produced a token or finished."""
         now = time.monotonic()
@@ -114,7 +102,7 @@ class ResultApplier:
             followers = []
             if isinstance(item, PromptChunk) and item.forks:
                 followers = self.groups.take_sealed(item.request_id)
-            request = self.requests.get(result.request_id)
+            request = self.queues.requests.get(result.request_id)
             if request is None:
                 if followers:  # their first tokens stand; they queue to recompute
                     self._fork(None, item, result, followers, now, touched)
@@ -145,7 +133,7 @@ class ResultApplier:
             if self._append_first(request, result.sampled, result.loops_used, now, touched):
                 self._start_decoding(request)
         for request_id, results in spec_results.items():
-            request = self.requests.get(request_id)
+            request = self.queues.requests.get(request_id)
             if request is not None:
                 self._apply_spec(request, results, now, touched)
         return touched
@@ -245,14 +233,14 @@ class ResultApplier:
         tokenless = [f for f in followers if by_id.get(f.request_id) is None]
         new_leader = self.groups.regroup(tokenless)  # they run the prompt after all
         if new_leader is not None:
-            bisect.insort(self.waiting, new_leader, key=admission_key)
+            bisect.insort(self.queues.waiting, new_leader, key=admission_key)
         for follower in followers:
             sampled = by_id.get(follower.request_id)
             if sampled is None:
                 continue
             forked = leader is not None and self._try_fork(leader, follower)
             if not forked:
-                bisect.insort(self.waiting, follower, key=admission_key)
+                bisect.insort(self.queues.waiting, follower, key=admission_key)
             assert result.loops_used is not None
             self.groups.stats.num_unforked += not forked
             if self._append_first(follower, sampled, result.loops_used, now, touched) and forked:
@@ -278,7 +266,9 @@ class ResultApplier:
         num_positions = leader.num_prompt_tokens
         reserve = follower.max_positions if self.admission.full_reservation else 0
         blocks = self.kv.fork_blocks(num_positions, reserve)
-        if len(self.running) >= self.max_num_seqs or not self.kv.can_admit(blocks, idle=False):
+        if len(self.queues.running) >= self.max_num_seqs or not self.kv.can_admit(
+            blocks, idle=False
+        ):
             return False
         moves = self.kv.fork(leader.request_id, follower.request_id, num_positions, reserve)
         if moves:
@@ -288,7 +278,7 @@ class ResultApplier:
         follower.num_cached_prompt_tokens = num_positions  # computed by its leader
         follower.transition(RequestState.RUNNING)
         self.decode.add(follower)
-        self.running.append(follower)
+        self.queues.running.append(follower)
         self.groups.stats.num_forked += 1
         return True
 

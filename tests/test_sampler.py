@@ -310,3 +310,77 @@ def test_penalized_rows_cost_a_fixed_number_of_operations_plus_one_draw_per_row(
     fixed = count(2) - 2
     assert fixed <= 30
     assert count(86) == fixed + 86
+
+
+def _spec_step(batched: bool, logits: torch.Tensor, specs, seed: int, drafts=None):
+    """One `SpecSamples` call over speculative rows (even rows draft, odd rows exit and test
+    a draft of token 2 against the stored draft distribution of their handle, when one is
+    stored), each request seeded with `seed` + its row; the coda returns `logits`."""
+    from loopserve.contracts import SpecRow
+    from loopserve.runner.spec_samples import SpecSamples
+
+    rows = len(specs)
+    samplers = {
+        f"r{row}": (spec, make_generator(seed + row), None) for row, spec in enumerate(specs)
+    }
+    samples = SpecSamples(
+        coda=lambda states, spans: states,
+        samplers=samplers,
+        transfers=Transfers(torch.device("cpu")),
+    )
+    samples.batched = batched
+    samples.drafts = dict(drafts or {})
+    items = [
+        SpecRow(
+            f"r{row}",
+            10,
+            1,
+            0,
+            1,
+            handle=row,
+            needs_prelude=False,
+            draft=row % 2 == 0,
+            verify_token=2 if row % 2 else -1,
+        )  # fmt: skip
+        for row in range(rows)
+    ]
+    exited = [row % 2 == 1 for row in range(rows)]
+    tokens, failed = samples(items, [logits[row : row + 1] for row in range(rows)], exited)
+    return tokens, failed, samples.drafts
+
+
+def test_speculative_rows_filtered_together_sample_as_alone():
+    """Speculative rows (drafts and exit tests) of shared sampling values take one filtering
+    per group when batched, and every row's token and stored draft distribution equal those
+    of the row filtered alone, draw after draw; a row whose draw raises fails alone."""
+    torch.manual_seed(3)
+    logits = torch.randn(len(MIXED_SPECS), 512) * 2
+    logits[5] = float("nan")  # a row of a batched group whose sampling raises
+    drafts = {
+        (f"r{row}", row): torch.softmax(torch.randn(512), -1)
+        for row in range(1, len(MIXED_SPECS), 2)
+    }
+    for seed in (0, 50):
+        tokens, failed, kept = _spec_step(True, logits, MIXED_SPECS, seed, drafts)
+        alone, failed_alone, kept_alone = _spec_step(False, logits, MIXED_SPECS, seed, drafts)
+        assert [f.request_id for f in failed] == [f.request_id for f in failed_alone] == ["r5"]
+        assert tokens == alone
+        assert kept.keys() == kept_alone.keys()
+        assert all(torch.equal(kept[key], kept_alone[key]) for key in kept)
+
+
+def test_speculative_rows_cost_a_fixed_filtering_plus_their_draws():
+    """Counted by dispatch: 40 sampling speculative rows with top-k and top-p filter once
+    together (a fixed handful of operations), then each row's draft or exit test; filtered
+    row by row they cost about 16 operations more per row."""
+    spec = SampleSpec(temperature=0.8, top_k=50, top_p=0.9)
+
+    def count(rows: int, batched: bool) -> int:
+        seen: list = []
+        step = counting(functools.partial(_spec_step, batched), seen)
+        step(torch.randn(rows, 1024), [spec] * rows, 0)
+        return sum(kernels_of(seen[0]).values())
+
+    per_row = (count(40, True) - count(2, True)) / 38
+    per_row_alone = (count(40, False) - count(2, False)) / 38
+    assert per_row_alone - per_row >= 10, (per_row, per_row_alone)

@@ -494,16 +494,16 @@ def test_a_speculative_row_whose_sampling_raises_fails_only_its_request(calm_dir
     """A sampling request's draft or exit test raising (fault injected in the speculative
     rows' filter for top_k 13): that request fails alone with the error every sampling
     failure carries ("sampling failed: ..."), and the other request equals plain decoding."""
-    from loopserve.runner import spec_samples
+    from loopserve.runner import sampler
 
-    real = spec_samples.filtered_probs
+    real = sampler.filtered_probs
 
     def faulty(logits, spec):
         if spec.top_k == 13:
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
         return real(logits, spec)
 
-    monkeypatch.setattr(spec_samples, "filtered_probs", faulty)
+    monkeypatch.setattr(sampler, "filtered_probs", faulty)
     engine = make_engine(calm_dir, exit_mode="trace", speculative_tokens=2, draft_loops=1)
     bad = SamplingParams(max_tokens=8, temperature=0.8, top_k=13, seed=3, exit_trace=(3,),
                          ignore_eos=True)  # fmt: skip

@@ -18,7 +18,7 @@ by `runner/logits_adjust.py` (`adjust_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -101,6 +101,34 @@ def batches_filtering(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def row_probs(
+    logits: torch.Tensor, specs: Sequence[SampleSpec], *, batched: bool
+) -> Callable[[int], torch.Tensor]:
+    """`probs(row)`: a sampling row's filtered distribution (`filtered_probs` of its logits
+    and spec). With `batched`, the rows of the `MAX_BATCHED_GROUPS` largest groups of shared
+    values (two rows or more) read one `filtered_probs` over every row of the call, computed
+    when the group's first row asks; other rows are filtered alone. A row gets the same
+    probabilities either way (tested); a group whose filtering raises raises for each of its
+    rows that asks, so a caller can fail them one by one."""
+    together: dict[int, tuple[float, int, float]] = {}
+    if batched:
+        groups = sorted(sampling_groups(specs).items(), key=lambda kv: len(kv[1]), reverse=True)
+        for key, rows in groups[:MAX_BATCHED_GROUPS]:
+            if len(rows) > 1:
+                together.update((row, key) for row in rows)
+    computed: dict[tuple[float, int, float], torch.Tensor] = {}
+
+    def probs(row: int) -> torch.Tensor:
+        key = together.get(row)
+        if key is None:
+            return filtered_probs(logits[row], specs[row])
+        if key not in computed:
+            computed[key] = filtered_probs(logits, specs[row])
+        return computed[key][row]
+
+    return probs
+
+
 def speculative_sample(
     probs: torch.Tensor, draft: torch.Tensor | None, draft_token: int, generator
 ) -> torch.Tensor:
@@ -157,23 +185,19 @@ def sample_on_device(
     if histories is not None:
         logits = adjust_rows(logits, specs, histories, failures, batched)
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
-    groups = sorted(sampling_groups(specs).values(), key=len, reverse=True)
-    for rank, rows in enumerate(groups):
-        together = batched and len(rows) > 1 and rank < MAX_BATCHED_GROUPS
-        probs = filtered_probs(logits, specs[rows[0]]) if together else None
-        for row in rows:
-            try:
-                # Each row draws from its own generator, into its own slot: one operation.
-                row_probs = (
-                    probs[row] if probs is not None else filtered_probs(logits[row], specs[row])
-                )
-                torch.multinomial(
-                    row_probs, 1, generator=generators[row], out=token_ids[row : row + 1]
-                )
-            except (RuntimeError, ValueError) as err:
-                if failures is None:
-                    raise
-                failures[row] = f"{type(err).__name__}: {err}"
+    probs = row_probs(logits, specs, batched=batched)
+    for row, spec in enumerate(specs):
+        if is_greedy(spec):
+            continue
+        try:
+            # Each row draws from its own generator, into its own slot: one operation.
+            torch.multinomial(
+                probs(row), 1, generator=generators[row], out=token_ids[row : row + 1]
+            )
+        except (RuntimeError, ValueError) as err:
+            if failures is None:
+                raise
+            failures[row] = f"{type(err).__name__}: {err}"
     num_logprobs = tuple(spec.num_logprobs for spec in specs)
     wanted = [n for n in num_logprobs if n is not None]
     if not wanted:

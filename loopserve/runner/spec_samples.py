@@ -12,8 +12,9 @@ import torch
 
 from loopserve.contracts import ItemKind, SampledToken
 from loopserve.runner.sampler import (
-    filtered_probs,
+    batches_filtering,
     is_greedy,
+    row_probs,
     sampling_failure,
     speculative_sample,
 )
@@ -30,6 +31,9 @@ class SpecSamples:
         self.coda = coda
         self.samplers = samplers
         self.transfers = transfers
+        # Rows that share sampling values filtered together (`sampler.row_probs`); None:
+        # where operations are kernel launches (`batches_filtering` of the logits' device).
+        self.batched: bool | None = None
         # (request id, handle) -> a speculative row's draft distribution q, until its exit.
         self.drafts: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -44,7 +48,9 @@ class SpecSamples:
 
     def __call__(self, items, states, exited) -> tuple[dict[int, SampledToken], list]:
         """Speculative rows that exit (their real next token) or draft (a draft of it): one
-        coda call and one copy of the tokens. Greedy rows take the argmax. A sampling row's
+        coda call and one copy of the tokens. Greedy rows take the argmax; sampling rows that
+        share their values are filtered together on an accelerator (`sampler.row_probs`). A
+        sampling row's
         draft is drawn from its filtered distribution q, kept under its handle; at its exit,
         with a next position running on that draft, its token is the speculative-sampling
         test (`speculative_sample`: the draft with probability min(1, p/q), else a draw
@@ -64,6 +70,9 @@ class SpecSamples:
         ]
         logits = self.coda(torch.cat([states[i] for i in wanted]), spans).float()
         tokens = torch.argmax(logits, dim=-1)
+        specs = [self.samplers[items[i].request_id][0] for i in wanted]
+        batched = batches_filtering(logits.device) if self.batched is None else self.batched
+        filtered = row_probs(logits, specs, batched=batched)
         failed = []
         for row, i in enumerate(wanted):
             item = items[i]
@@ -72,7 +81,7 @@ class SpecSamples:
                 continue
             key = (item.request_id, item.handle)
             try:
-                probs = filtered_probs(logits[row], spec)
+                probs = filtered(row)
                 if not exited[i]:  # a draft; a deeper loop's keeps the last one by the rule
                     earlier = self.drafts.get(key)
                     tokens[row] = speculative_sample(probs, earlier, item.verify_token, generator)

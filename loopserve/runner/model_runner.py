@@ -439,15 +439,13 @@ class ModelRunner(Executor):
     def _run(self, scheduled: SchedulerOutput) -> RunnerOutput:
         """Run the step's decode rows and items (its bookkeeping is already applied): a
         decode-only call through the graphs when it fits, else eager core calls."""
-        items = scheduled.items
         if scheduled.is_empty:
             return RunnerOutput(scheduled.step_id, ())
         start_s, self._forward_s = time.perf_counter(), 0.0
         self.transfers.discard_deferred()  # a failed step's leftovers, if any
         transfers0 = self.transfers.counts()
         self._num_finalized = 0
-        calls0 = self.graphs.num_calls if self.graphs is not None else 0
-        pad0 = self.graphs.num_padded_rows if self.graphs is not None else 0
+        graphs0 = self._graph_counts()
         tables, decode = self.block_tables.tables, scheduled.decode
         self.calls.begin_step(tables)
         if decode is not None and self.stable_steps:  # argmax-stability: steps per request
@@ -455,18 +453,44 @@ class ModelRunner(Executor):
             column = np.fromiter((steps[r] for r in decode.request_ids), np.float64, len(decode))
             decode = dataclasses.replace(decode, threshold=column)
             scheduled = dataclasses.replace(scheduled, decode=decode)
+        pending = fed = None
+        if scheduled.leave is not None:  # held tokens: their leave and sampling first
+            pending, fed = self._run_leave(scheduled.leave, decode)
+        coda, rows_per_call = self._run_calls(scheduled, tables, fed)
+        leave_results, leave_failed = None, ()
+        if pending is not None:
+            self.transfers.flush()  # read already when the step read anything else
+            leave_results, leave_failed = pending.results()
+        for item in scheduled.items:  # a prompt group's followers get the leader's prompt state
+            forks = getattr(item, "forks", ())
+            state = self.calls.export_state(item.request_id) if forks else None
+            for request_id in forks if state else ():
+                if request_id in self.samplers:
+                    self.calls.restore(request_id, state)
+        # No synchronize: the step's last copy to the host (sampled ids, hazards) waited for
+        # the device already; a step without one leaves the device running ahead.
+        stats = self._stats(
+            rows_per_call, start_s, self._count_exits(coda, scheduled), transfers0, graphs0
+        )
+        return RunnerOutput(
+            scheduled.step_id, tuple(coda.results), coda.failed + leave_failed, coda.decode,
+            stats, leave_results,
+        )  # fmt: skip
+
+    def _run_calls(self, scheduled: SchedulerOutput, tables, fed: FedBack | None
+                   ) -> tuple[CodaOutput, list[int]]:  # fmt: skip
+        """The step's core calls and coda: none when only leave rows run, one graph replay
+        for a decode-only call that fits a bucket (and no cascade group), else eager calls;
+        (coda output, rows per core call)."""
+        items, decode, graphs = scheduled.items, scheduled.decode, self.graphs
+        if decode is None and not items:  # only leave rows this step
+            return CodaOutput([], (), None), []
         groups = None  # cascade groups of a decode-only call, when cascade attention looked
         if decode is not None and not items and self.attention.cascade:
             segments = self.decode.segments(decode, tables)
             starts = [segment.start for segment in segments]
             groups = plan_prefix_groups([s.block_table for s in segments], starts, self.block_size)
-        pending = fed = None
-        if scheduled.leave is not None:  # held tokens: their leave and sampling first
-            pending, fed = self._run_leave(scheduled.leave, decode)
-        graphs = self.graphs
-        if decode is None and not items:  # only leave rows this step
-            coda, rows_per_call = CodaOutput([], (), None), []
-        elif (
+        if (
             decode is not None
             and not items
             and not groups
@@ -478,46 +502,46 @@ class ModelRunner(Executor):
             if fed is not None:
                 graphs.feed(bucket, fed)
             signals = self._timed(graphs.launch, bucket, decode, host)
-            coda = self.coda((), [], [], [], [], signals)
-            rows_per_call = [len(decode)]
-        else:
-            coda, rows_per_call, self._num_finalized = self.eager.run(
-                scheduled, tables, groups, fed
-            )
-        leave_results, leave_failed = None, ()
-        if pending is not None:
-            self.transfers.flush()  # read already when the step read anything else
-            leave_results, leave_failed = pending.results()
-        for item in items:  # a prompt group's followers get the leader's prompt state
-            forks = getattr(item, "forks", ())
-            state = self.calls.export_state(item.request_id) if forks else None
-            for request_id in forks if state else ():
-                if request_id in self.samplers:
-                    self.calls.restore(request_id, state)
+            return self.coda((), [], [], [], [], signals), [len(decode)]
+        coda, rows_per_call, self._num_finalized = self.eager.run(scheduled, tables, groups, fed)
+        return coda, rows_per_call
+
+    def _count_exits(self, coda: CodaOutput, scheduled: SchedulerOutput) -> int:
+        """The step's tokens sampled below full depth (its early exits); adds the decode
+        rows' LAST_EXITED finalize copies to `_num_finalized` and, under the `full` lookup,
+        records where decode tokens exited."""
         num_early = sum(
             1 for r in coda.results if r.loops_used is not None and r.loops_used < self.num_loops
         )
-        if coda.decode is not None:
-            decode_exits = coda.decode.exited
-            loops = scheduled.decode.depths + 1  # type: ignore[union-attr]
-            num_early += int(np.count_nonzero(decode_exits & (loops < self.num_loops)))
-            if self.rules.num_planes > 1 and not self.calls.full_lookup:
-                self._num_finalized += int(
-                    np.count_nonzero(decode_exits & (loops < self.rules.num_planes))
-                )
-            if self.calls.full_lookup:  # below-full exits hide their position from deeper loops
-                for row in decode_exits.nonzero()[0].tolist():  # host array
-                    rid = decode.request_ids[row]  # type: ignore[union-attr]
-                    self.calls.ran(rid, [int(decode.positions[row])], int(loops[row]))  # type: ignore[union-attr]
-        # No synchronize: the step's last copy to the host (sampled ids, hazards) waited for
-        # the device already; a step without one leaves the device running ahead.
+        if coda.decode is None:
+            return num_early
+        decode = scheduled.decode
+        assert decode is not None
+        decode_exits = coda.decode.exited
+        loops = decode.depths + 1
+        num_early += int(np.count_nonzero(decode_exits & (loops < self.num_loops)))
+        if self.rules.num_planes > 1 and not self.calls.full_lookup:
+            self._num_finalized += int(
+                np.count_nonzero(decode_exits & (loops < self.rules.num_planes))
+            )
+        if self.calls.full_lookup:  # below-full exits hide their position from deeper loops
+            for row in decode_exits.nonzero()[0].tolist():  # host array
+                rid = decode.request_ids[row]
+                self.calls.ran(rid, [int(decode.positions[row])], int(loops[row]))
+        return num_early
+
+    def _graph_counts(self) -> tuple[int, int]:
+        graphs = self.graphs
+        return (0, 0) if graphs is None else (graphs.num_calls, graphs.num_padded_rows)
+
+    def _stats(self, rows_per_call: list[int], start_s: float, num_early: int,
+               transfers0: tuple, graphs0: tuple[int, int]) -> RunnerStats:  # fmt: skip
+        """The step's telemetry: counters taken against their values at its start."""
         h2d, d2h, h2d_bytes, d2h_bytes = (
             now - before for now, before in zip(self.transfers.counts(), transfers0)
         )
-        graph_calls = padded = 0
-        if self.graphs is not None:
-            graph_calls, padded = self.graphs.num_calls - calls0, self.graphs.num_padded_rows - pad0
-        stats = RunnerStats(
+        graph_calls, padded = (now - before for now, before in zip(self._graph_counts(), graphs0))
+        return RunnerStats(
             tuple(rows_per_call),
             model_time_s=time.perf_counter() - start_s,
             forward_time_s=self._forward_s,
@@ -530,10 +554,6 @@ class ModelRunner(Executor):
             h2d_bytes=h2d_bytes,
             d2h_bytes=d2h_bytes,
         )
-        return RunnerOutput(
-            scheduled.step_id, tuple(coda.results), coda.failed + leave_failed, coda.decode,
-            stats, leave_results,
-        )  # fmt: skip
 
     def _run_leave(
         self, leave: LeaveRows, decode: DecodeRows | None

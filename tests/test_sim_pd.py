@@ -107,7 +107,11 @@ def test_pd_handoff_conserves_requests_and_tokens():
     assert len(run.transfers) == len(work)
 
 
-def test_transfer_delay_is_bytes_over_link_bandwidth():
+def test_hand_offs_take_bytes_over_the_link_one_after_another():
+    """Each hand-off takes its bytes over the link's bandwidth, starting at its first token
+    or when the link finishes the hand-off before it, whichever is later: one prefill
+    replica's link and one decode replica's are shared by their hand-offs, first come,
+    first served (here the two 3,000-token K/Vs, 47.2 ms each, make later ones wait)."""
     work = _workload()
     cluster = Cluster(
         OURO_1P4B,
@@ -120,15 +124,34 @@ def test_transfer_delay_is_bytes_over_link_bandwidth():
     run = cluster.run(work)
     prompts = {s.request_id: s.prompt_len for s in work}
     by_id = {r.request_id: r for r in run.records}
-    for t in run.transfers:
+    link_free_s, waited = 0.0, []
+    for t in sorted(run.transfers, key=lambda t: t.start_s):
         expected_bytes = prompts[t.request_id] * 4 * 196_608
         assert t.num_bytes == expected_bytes
-        assert t.end_s - t.start_s == pytest.approx(expected_bytes / 50e9, rel=1e-12)
-        # The first token is out when the transfer starts; the second cannot precede arrival.
+        assert t.end_s - t.start_s == pytest.approx(expected_bytes / 50e9, rel=1e-9)
+        # It starts once its first token is out and the link is free; the second token
+        # cannot precede its arrival.
         times = by_id[t.request_id].token_times_s
-        assert times[0] == t.start_s and times[1] > t.end_s
+        assert t.start_s == pytest.approx(max(times[0], link_free_s), rel=1e-12)
+        assert times[1] > t.end_s
+        assert t.exposed_s == pytest.approx(t.end_s - times[0])
+        if t.start_s > times[0]:
+            waited.append(t.request_id)
+        link_free_s = t.end_s
+    assert waited, "no hand-off waited for the link"
     long = next(t for t in run.transfers if t.request_id == "r3")
     assert long.end_s - long.start_s == pytest.approx(3000 * 4 * 196_608 / 50e9)  # 47.2 ms
+
+
+def test_hand_offs_to_different_replicas_share_only_the_sending_link():
+    """With two decode replicas, hand-offs from the one prefill replica still go one at a
+    time (its link), whichever decode replica they go to."""
+    cluster = Cluster(OURO_1P4B, H200, ENGINE_ARGS, num_prefill=1, num_decode=2,
+                      link_bytes_per_s=IB_NDR_BYTES_PER_S)  # fmt: skip
+    run = cluster.run(_workload())
+    assert {t.dst for t in run.transfers} == {0, 1}
+    spans = sorted((t.start_s, t.end_s) for t in run.transfers)
+    assert all(end <= next_start + 1e-12 for (_, end), (next_start, _) in zip(spans, spans[1:]))
 
 
 def test_one_colocated_replica_equals_the_single_simulator():
@@ -183,12 +206,13 @@ def test_streamed_handoffs_send_chunks_during_prefill_and_land_earlier():
     """Per-chunk streaming: a long prompt's chunks go out as each finishes its last depth,
     so most of its link time runs before the first token; every byte is sent once (the same
     bytes as the whole hand-off), outputs and exits are unchanged, and the second token of a
-    long prompt comes earlier than with the whole hand-off."""
+    long prompt comes earlier than with the whole hand-off. Over NVLink, where a 256-token
+    chunk's bytes take less time than its prefill (the next test has a link that queues)."""
     work = _workload()
     args = dict(ENGINE_ARGS, prefill_chunk_size=256)
     runs = {
         streaming: Cluster(OURO_1P4B, H200, args, num_prefill=1, num_decode=1,
-                           link_bytes_per_s=IB_NDR_BYTES_PER_S, streaming=streaming).run(work)
+                           streaming=streaming).run(work)
         for streaming in (False, True)
     }  # fmt: skip
     whole, streamed = ({t.request_id: t for t in runs[s].transfers} for s in (False, True))
@@ -196,8 +220,7 @@ def test_streamed_handoffs_send_chunks_during_prefill_and_land_earlier():
         rid: t.num_bytes for rid, t in streamed.items()
     }
     for rid in whole:
-        assert whole[rid].exposed_s == pytest.approx(whole[rid].busy_s)  # nothing hidden
-        assert streamed[rid].exposed_s <= whole[rid].exposed_s + 1e-12
+        assert whole[rid].exposed_s >= whole[rid].busy_s - 1e-12  # nothing hidden
     long = streamed["r3"]  # 3000 tokens: 12 chunks of 256
     assert long.start_s < long.end_s - long.exposed_s  # sending began before the first token
     assert long.exposed_s < 0.2 * long.busy_s  # the last chunk's share, not the prompt's
@@ -212,6 +235,33 @@ def test_streamed_handoffs_send_chunks_during_prefill_and_land_earlier():
     stats = cluster_stats("stream", runs[True])
     assert 0.5 < stats.hidden_transfer_share <= 1.0
     assert cluster_stats("whole", runs[False]).hidden_transfer_share == pytest.approx(0.0)
+
+
+def test_streamed_chunks_share_the_link_with_other_hand_offs():
+    """Over InfiniBand the two 3,000-token prompts' chunks (47.2 ms of link each) keep the
+    prefill replica's link busy while other requests finish their prompts: their hand-offs
+    wait behind those chunks (a short request can land later than it would whole), while in
+    all the requests wait less for their hand-offs than with whole ones, and the long
+    prompts' far less."""
+    work = _workload()
+    args = dict(ENGINE_ARGS, prefill_chunk_size=256)
+    runs = {
+        streaming: Cluster(OURO_1P4B, H200, args, num_prefill=1, num_decode=1,
+                           link_bytes_per_s=IB_NDR_BYTES_PER_S, streaming=streaming).run(work)
+        for streaming in (False, True)
+    }  # fmt: skip
+    whole, streamed = ({t.request_id: t for t in runs[s].transfers} for s in (False, True))
+    for rid in whole:
+        assert whole[rid].exposed_s >= whole[rid].busy_s - 1e-12  # nothing hidden
+    assert any(streamed[rid].exposed_s > whole[rid].exposed_s for rid in whole)
+    assert sum(t.exposed_s for t in streamed.values()) < sum(t.exposed_s for t in whole.values())
+    for rid in ("r3", "r8"):
+        assert streamed[rid].exposed_s < 0.5 * whole[rid].exposed_s
+    # Waiting is not sending: the share of link time before the first token counts sends.
+    assert cluster_stats("stream", runs[True]).hidden_transfer_share > 0.5
+    assert cluster_stats("whole", runs[False]).hidden_transfer_share == 0.0
+    spans = sorted((t.end_s - t.busy_s, t.end_s) for t in whole.values())
+    assert all(end <= next_start + 1e-12 for (_, end), (next_start, _) in zip(spans, spans[1:]))
 
 
 def test_a_hand_off_is_copied_into_the_decode_replicas_blocks_within_hbm_or_over_the_host_link():

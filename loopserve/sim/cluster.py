@@ -75,6 +75,7 @@ class Transfer:
     end_s: float
     exposed_s: float = 0.0  # from the first token to the landing
     busy_s: float = 0.0  # the link's transmission time: num_bytes / bandwidth
+    hidden_s: float = 0.0  # of `busy_s`, what the link sent before the first token
 
 
 @dataclass
@@ -99,7 +100,8 @@ class ClusterStats:
     decode_itl: LatencyStats  # without PD hand-off gaps (same as itl when colocated)
     mean_transfer_ms: float = 0.0
     # PD: the share of link time that ran before the first token (hidden behind prefill),
-    # and the mean time from the first token to the hand-off landing.
+    # and the mean time from the first token to the hand-off landing (the rest of the
+    # bytes, and any wait for a link that carried other hand-offs).
     hidden_transfer_share: float = 0.0
     mean_exposed_transfer_ms: float = 0.0
 
@@ -168,6 +170,24 @@ class Cluster:
         self.replicas = self.colocated + self.prefill + self.decode
         self.link_bytes_per_s = link_bytes_per_s
         self.streaming = streaming
+        # Each replica's own link, one way: when a prefill replica's sending side and a decode
+        # replica's receiving side are next free (hand-offs share them first come, first
+        # served; `_send`). Reset by each `run`.
+        self._out_free: list[float] = []
+        self._in_free: list[float] = []
+
+    def _send(self, src: int, dst: int, ready_s: float, num_bytes: int) -> float:
+        """Send `num_bytes` from prefill replica `src` to decode replica `dst`, ready at
+        `ready_s`: the bytes go when both ends' links are free (after what each already
+        carries: a replica's link, a GPU's own NIC or NVLink ports, is shared by its
+        hand-offs) and take `num_bytes` over the link's bandwidth; returns when the last byte
+        lands. Nothing to send lands at once."""
+        if not num_bytes:
+            return ready_s
+        start_s = max(ready_s, self._out_free[src], self._in_free[dst])
+        end_s = start_s + num_bytes / self.link_bytes_per_s
+        self._out_free[src] = self._in_free[dst] = end_s
+        return end_s
 
     def transfer_bytes(self, prompt_len: int) -> int:
         """KV of the prompt at every plane of the decode replica's layout."""
@@ -194,6 +214,7 @@ class Cluster:
         streams: dict[str, list] = {}
         clock = 0.0
         entry = self.colocated or self.prefill
+        self._out_free, self._in_free = [0.0] * len(self.prefill), [0.0] * len(self.decode)
         while True:
             busy = [r for r in self.replicas if r.busy]
             next_step = min((r.free_s for r in busy), default=math.inf)
@@ -239,9 +260,7 @@ class Cluster:
             now = replica.free_s
             clock = max(clock, now)
             if self.streaming and replica.kind == "prefill":
-                self._stream_chunks(
-                    result.scheduled.items, replica.sim.num_loops, now, streams, landing, seq
-                )
+                self._stream_chunks(result.scheduled.items, replica, now, streams, landing, seq)
             for request in result.touched:
                 rid = request.request_id
                 record = records[rid]
@@ -259,15 +278,19 @@ class Cluster:
                     first_token[rid] = (request.output_token_ids[0], request.exit_depths[0])
                     num_bytes = self.transfer_bytes(request.num_prompt_tokens)
                     if rid in streams:  # the chunks already on their way
-                        start_s, link_free_s, sent, dst = streams.pop(rid)
+                        start_s, link_free_s, sent, dst, sends = streams.pop(rid)
                     else:
-                        start_s, link_free_s, sent = now, now, 0
+                        start_s, link_free_s, sent, sends = None, now, 0, []
                         dst = _least_loaded_after(self.decode, landing)
-                    rest_s = (num_bytes - sent) / self.link_bytes_per_s
-                    end_s = max(link_free_s, now) + rest_s
+                    rest = num_bytes - sent
+                    end_s = self._send(replica.index, dst, max(link_free_s, now), rest)
+                    if start_s is None:  # a whole hand-off: it starts when its link is free
+                        start_s = end_s - rest / self.link_bytes_per_s
+                    # Link time before the first token: the chunks' sends, up to now.
+                    hidden_s = sum(max(0.0, min(end, now) - begin) for begin, end in sends)
                     transfers.append(
                         Transfer(rid, replica.index, dst, num_bytes, start_s, end_s, end_s - now,
-                                 num_bytes / self.link_bytes_per_s)
+                                 num_bytes / self.link_bytes_per_s, hidden_s)
                     )  # fmt: skip
                     heapq.heappush(landing, (end_s, next(seq), rid, dst, 0))
                     handoff[rid] = 0  # the gap between tokens 1 and 2
@@ -277,11 +300,12 @@ class Cluster:
         return ClusterRun(list(records.values()), transfers, clock, handoff, produced)
 
     def _stream_chunks(
-        self, items, num_loops: int, now: float, streams: dict, landing: list, seq
+        self, items, replica: _Replica, now: float, streams: dict, landing: list, seq
     ) -> None:
-        """Send the K/V of every prompt chunk this prefill step completed (its last depth
-        ran), after the request's earlier chunks on its link; each lands on the decode
-        replica chosen with the request's first chunk."""
+        """Send the K/V of every prompt chunk this prefill step of `replica` completed (its
+        last depth ran), after the request's earlier chunks and what else its link carries;
+        each lands on the decode replica chosen with the request's first chunk."""
+        num_loops = replica.sim.num_loops
         for item in items:
             if item.kind is not ItemKind.PROMPT:
                 continue
@@ -291,9 +315,10 @@ class Cluster:
             stream = streams.get(item.request_id)
             if stream is None:
                 dst = _least_loaded_after(self.decode, landing)
-                stream = streams[item.request_id] = [now, now, 0, dst]
-            stream[1] = max(stream[1], now) + num_bytes / self.link_bytes_per_s
+                stream = streams[item.request_id] = [now, now, 0, dst, []]
+            stream[1] = self._send(replica.index, stream[3], max(stream[1], now), num_bytes)
             stream[2] += num_bytes
+            stream[4].append((stream[1] - num_bytes / self.link_bytes_per_s, stream[1]))
             heapq.heappush(landing, (stream[1], next(seq), item.request_id, stream[3], num_bytes))
 
     @staticmethod
@@ -323,7 +348,7 @@ def cluster_stats(name: str, run: ClusterRun) -> ClusterStats:
     num_output = sum(len(r.token_times_s) for r in records)
     tpots = [t for r in records if (t := r.tpot_s) is not None]
     transfer_ms = [(t.end_s - t.start_s) * 1e3 for t in run.transfers]
-    exposed_s = sum(t.exposed_s for t in run.transfers)
+    hidden_s = sum(t.hidden_s for t in run.transfers)
     busy_s = sum(t.busy_s for t in run.transfers)
     return ClusterStats(
         name,
@@ -335,7 +360,7 @@ def cluster_stats(name: str, run: ClusterRun) -> ClusterStats:
         LatencyStats.of(itls),
         LatencyStats.of(decode_itls),
         float(np.mean(transfer_ms)) if transfer_ms else 0.0,
-        max(0.0, 1.0 - exposed_s / busy_s) if busy_s else 0.0,
+        hidden_s / busy_s if busy_s else 0.0,
         float(np.mean([t.exposed_s * 1e3 for t in run.transfers])) if run.transfers else 0.0,
     )
 

@@ -223,7 +223,7 @@ def test_decode_tables_keep_each_slots_once_planes_in_its_own_rows():
     in a row of its own (row stride = loop + once planes), never in the next slot's rows."""
     import numpy as np
 
-    from loopserve.runner.decode_rows import DecodeSlots
+    from loopserve.runner.decode_slots import DecodeSlots
 
     slots = DecodeSlots(2, hidden_size=4, num_planes=2, block_size=4, max_blocks=3,
                         padding_block=0, dtype=torch.float32, device=torch.device("cpu"),

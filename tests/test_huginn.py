@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from loopserve.errors import ConfigError, ModelLoadError
 from loopserve.exit.criteria import CRITERIA, make_criterion
 from loopserve.models import load_model
-from loopserve.models.huginn import HuginnConfig, HuginnForLoopedLM
+from loopserve.models.huginn import HuginnForLoopedLM
+from loopserve.models.huginn_config import HuginnConfig
 from loopserve.models.huginn_dense import generate, teacher_forced_logits
 from loopserve.models.huginn_dense import step_logits as every_step_logits
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint, weights_digest

@@ -14,9 +14,10 @@ from loopserve.sampling_params import SamplingParams
 from loopserve.scheduler.kv_cache import KVCacheManager
 from loopserve.scheduler.request import Request
 from loopserve.scheduler.scheduler import Scheduler
-from loopserve.sim.cluster import IB_NDR_BYTES_PER_S, Cluster, cluster_stats
+from loopserve.sim.cluster import IB_NDR_BYTES_PER_S, Cluster
 from loopserve.sim.cost_model import OURO_1P4B
 from loopserve.sim.hardware import get_device_profile
+from loopserve.sim.pd_scenario import cluster_stats
 from loopserve.sim.simulator import Simulator
 from loopserve.sim.workload import SimRequest
 

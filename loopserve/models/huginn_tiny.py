@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from loopserve.models.huginn import HuginnConfig, HuginnForLoopedLM
+from loopserve.models.huginn import HuginnForLoopedLM
+from loopserve.models.huginn_config import HuginnConfig
 from loopserve.models.loader import save_model
 from loopserve.models.tiny import seeded_init
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from loopserve.errors import ConfigError, ModelLoadError
 from loopserve.models.config import OuroConfig, read_config_json
-from loopserve.models.huginn import HUGINN_MODEL_TYPE, HuginnConfig, HuginnForLoopedLM
+from loopserve.models.huginn import HuginnForLoopedLM
+from loopserve.models.huginn_config import HUGINN_MODEL_TYPE, HuginnConfig
 from loopserve.models.momentum import MOMENTUM_MODEL_TYPE, MomentumConfig, MomentumLoopLM
 from loopserve.models.ouro import OuroForLoopedLM
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from loopserve.contracts import DecodeRows
-from loopserve.runner.decode_rows import DecodeSlots, HostColumns
+from loopserve.runner.decode_rows import HostColumns
+from loopserve.runner.decode_slots import DecodeSlots
 
 # Columns of a bucket's static input buffer, each B entries long.
 (SLOTS, POSITIONS, TABLE_INDEX, TOKENS, STARTS, CODES, CDF, SURVIVAL, THRESHOLD, CANDIDATES,

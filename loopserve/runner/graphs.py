@@ -51,12 +51,12 @@ from loopserve.runner.attention.torch_paged import (
 )
 from loopserve.runner.decode_rows import (
     DecodeSignals,
-    DecodeSlots,
     FedBack,
     HostColumns,
     decide_exits_on_device,
     finalize_pairs,
 )
+from loopserve.runner.decode_slots import DecodeSlots
 from loopserve.runner.graph_inputs import (
     CANDIDATES,
     CDF,

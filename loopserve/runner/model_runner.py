@@ -57,7 +57,8 @@ from loopserve.runner.attention.registry import make_attention_backend
 from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
 from loopserve.runner.capabilities import unsupported_options
 from loopserve.runner.coda import Coda, CodaOutput, PendingLeave
-from loopserve.runner.decode_rows import DecodeSlots, DecodeStep, FedBack
+from loopserve.runner.decode_rows import DecodeStep, FedBack
+from loopserve.runner.decode_slots import DecodeSlots
 from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.exit_scores import ExitScores
 from loopserve.runner.graphs import build_decode_graphs

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loopserve.contracts import KVTransfer, SwapKind
-from loopserve.runner.decode_rows import DecodeSlots
+from loopserve.runner.decode_slots import DecodeSlots
 from loopserve.runner.handles import HandleTable
 
 

@@ -40,6 +40,7 @@ from loopserve.engine.client import EngineClient, ModelInfo
 from loopserve.engine.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from loopserve.execution import num_planes
 from loopserve.server import serving_tokenize
+from loopserve.server.api_errors import ApiError
 from loopserve.server.args import (
     API_KEY_ENV,
     DEFAULT_BODY_DEADLINE_S,
@@ -60,7 +61,7 @@ from loopserve.server.middleware import (
 )
 from loopserve.server.protocol import ModelCard, ModelList
 from loopserve.server.serving_chat import create_chat_completion
-from loopserve.server.serving_common import ApiError, ServingContext
+from loopserve.server.serving_common import ServingContext
 from loopserve.server.serving_completions import create_completion
 from loopserve.text.reasoning import PARSERS as REASONING_PARSERS
 from loopserve.text.tools import PARSERS as TOOL_PARSERS

@@ -27,13 +27,13 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from loopserve.server.api_errors import ApiError
 from loopserve.server.args import (
     DEFAULT_BODY_DEADLINE_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
 )
-from loopserve.server.serving_common import ApiError
 
 logger = logging.getLogger(__name__)
 # Beside /v1/*, the routes the API key guards: the tokenizer and FastAPI's API description.

@@ -26,6 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loopserve.engine.client import EngineStream, GenerateRequest
 from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.server.api_errors import engine_unavailable, failed_output_error
+from loopserve.server.output_format import (
+    new_logprobs,
+    prompt_exit_depths,
+    token_text,
+    usage,
+    vllm_prompt_logprobs,
+)
 from loopserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -44,18 +52,11 @@ from loopserve.server.serving_common import (
     cancel_on_disconnect,
     choice_seed,
     collect_finals,
-    engine_unavailable,
-    failed_output_error,
-    new_logprobs,
     parse_body,
     process_text,
-    prompt_exit_depths,
     sampling_params,
     sse,
     submit,
-    token_text,
-    usage,
-    vllm_prompt_logprobs,
 )
 from loopserve.server.serving_tools import ChatTools
 from loopserve.text.reasoning import ReasoningParser, ReasoningStream, reasoning_token_count

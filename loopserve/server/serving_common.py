@@ -1,17 +1,11 @@
-"""What the completions and chat handlers share: errors, parsing, submission, SSE, logprobs.
+"""What the completions and chat handlers share: parsing, submission, collecting, SSE.
 
-`ApiError` carries an HTTP status and the OpenAI error fields; every failure a handler can
-report becomes one (`api_server` renders it). `ServingContext` is the per-app state: the
-`EngineClient`, the served model name and the limits. Prompt text work (chat templates,
-tokenization) goes through the engine's `InputProcessor` in a worker thread (`process_text`),
-never on the event loop, so a huge prompt does not stall `/health` or other streams.
-This module decides status codes once:
-400 for invalid input (including `CapacityError` and a request larger than the in-flight limit,
-which no retry can fix), 404 for an unknown model, 429 when the queue is momentarily full, 503
-while the engine loads, shuts down or is dead, 500 when the engine failed a request. A
-non-streaming request that the engine aborted before it produced anything is an error too (503
-during shutdown, else 500), never a 200 with empty text. Internal failure details go to the
-server log under an error id; the client gets only that id.
+`ServingContext` is the per-app state: the `EngineClient`, the served model name and the
+limits. Prompt text work (chat templates, tokenization) goes through the engine's
+`InputProcessor` in a worker thread (`process_text`), never on the event loop, so a huge
+prompt does not stall `/health` or other streams. Every failure a handler can report becomes
+an `ApiError` (`server/api_errors.py` decides the status codes; `api_server` renders it);
+what an output writes besides its text is `server/output_format.py`.
 """
 
 from __future__ import annotations
@@ -35,22 +29,14 @@ from loopserve.errors import (
     EngineNotReadyError,
     InvalidRequestError,
     QueueFullError,
-    client_error_in,
 )
-from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.outputs import RequestOutput
 from loopserve.sampling_params import SamplingParams, StructuredOutput
+from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error
 from loopserve.server.args import DEFAULT_CHAT_MAX_TOKENS
 from loopserve.server.loop_classes import LoopClasses
 from loopserve.server.protocol import (
-    CompletionLogprobs,
-    CompletionTokensDetails,
-    ErrorInfo,
-    ErrorResponse,
-    PromptLogprob,
-    PromptLogprobs,
-    PromptTokensDetails,
     SamplingRequest,
-    UsageInfo,
 )
 from loopserve.text.input_processor import InputProcessor, check_stop_strings
 from loopserve.text.reasoning import ReasoningParser
@@ -61,29 +47,6 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 logger = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An HTTP error with the OpenAI error body."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-        self.headers = headers
-
-    @property
-    def body(self) -> dict:
-        return ErrorResponse(error=self.info).model_dump()
 
 
 @dataclass
@@ -293,18 +256,6 @@ def choice_seed(seed: int | None, sample_index: int) -> int | None:
     return None if seed is None else seed + sample_index
 
 
-def engine_unavailable(err: Exception) -> ApiError:
-    if isinstance(err, EngineDeadError):  # its text names the internal exception: log only
-        logger.error("request refused: %s", err)
-        return ApiError(
-            503,
-            "the engine stopped after an internal error (details are in the server log)",
-            type="server_error",
-            code="engine_dead",
-        )
-    return ApiError(503, str(err), type="server_error", code="engine_unavailable")
-
-
 async def submit(
     ctx: ServingContext, requests: list[GenerateRequest], loop_class: str | None = None
 ) -> EngineStream:
@@ -338,27 +289,6 @@ async def _submit(ctx: ServingContext, requests: list[GenerateRequest]) -> Engin
         ) from None
     except (EngineNotReadyError, EngineDeadError) as err:
         raise engine_unavailable(err) from None
-
-
-def failed_output_error(output: RequestOutput) -> ApiError:
-    """A 400 naming the field when the request's own input made it fail while it ran (its
-    grammar met a structured-output limit: `errors.client_error_in`); otherwise a generic
-    500, the details in the log only."""
-    client_error = client_error_in(output.error)
-    if client_error is not None:
-        logger.info("request %s failed on its input: %s", output.request_id, output.error)
-        return ApiError(400, client_error.message, param=client_error.param)
-    error_id = uuid.uuid4().hex[:16]
-    logger.error(
-        "the engine failed request %s (error id %s): %s", output.request_id, error_id, output.error
-    )
-    return ApiError(
-        500,
-        f"the engine failed request {output.request_id} (error id {error_id}; details are in "
-        "the server log)",
-        type="server_error",
-        code="engine_error",
-    )
 
 
 async def collect_finals(stream: EngineStream) -> dict[str, RequestOutput]:
@@ -428,96 +358,3 @@ def sse(payload: BaseModel | dict) -> str:
     if isinstance(payload, BaseModel):
         return f"data: {payload.model_dump_json()}\n\n"
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def usage(
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int = 0,
-    reasoning_tokens: int | None = None,
-    loops: int | None = None,
-) -> UsageInfo:
-    """`reasoning_tokens` (with a reasoning parser): the output tokens of the reasoning;
-    `loops`: the loops all output tokens used (the sum of their exit depths)."""
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-        completion_tokens_details=None
-        if reasoning_tokens is None
-        else CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
-        completion_loops=loops,
-        mean_loops=None
-        if loops is None
-        else (loops / completion_tokens if completion_tokens else 0.0),
-    )
-
-
-def token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
-    """One token as text; `token_id:N` when the model has no tokenizer."""
-    if tokenizer is None:
-        return f"token_id:{token_id}"
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def completion_logprobs(
-    tokenizer: Tokenizer | None, entries: list[TokenLogprob], text_offset: int
-) -> CompletionLogprobs:
-    """OpenAI completions logprobs; offsets count characters from `text_offset`."""
-    result = CompletionLogprobs()
-    for entry in entries:
-        text = token_text(tokenizer, entry.token_id)
-        result.tokens.append(text)
-        result.token_logprobs.append(entry.logprob)
-        result.top_logprobs.append(
-            {token_text(tokenizer, t): lp for t, lp in entry.top_logprobs} or None
-        )
-        result.text_offset.append(text_offset)
-        text_offset += len(text)
-    return result
-
-
-def vllm_prompt_logprobs(
-    tokenizer: Tokenizer | None, output: RequestOutput, top: int | None
-) -> PromptLogprobs | None:
-    """vLLM's `prompt_logprobs` of `output` when the request asked (`top`): None for the first
-    prompt token, then per token a dict of it and the `top` most likely tokens (by id)."""
-    if top is None or output.prompt_logprobs is None:
-        return None
-    result: PromptLogprobs = [None]
-    for entry in output.prompt_logprobs[1:]:
-        assert entry is not None  # only the first prompt token has no score
-        scored = {
-            str(entry.token_id): PromptLogprob(
-                logprob=entry.logprob,
-                rank=entry.rank,
-                decoded_token=token_text(tokenizer, entry.token_id),
-            )
-        }
-        for rank, (token_id, logprob) in enumerate(entry.top_logprobs[:top], start=1):
-            scored.setdefault(
-                str(token_id),
-                PromptLogprob(
-                    logprob=logprob, rank=rank, decoded_token=token_text(tokenizer, token_id)
-                ),
-            )
-        result.append(scored)
-    return result
-
-
-def prompt_exit_depths(output: RequestOutput) -> list[int | None] | None:
-    """Per prompt token, the loop whose output scored it (None for the first); None when
-    the prompt was not scored."""
-    if output.prompt_logprobs is None:
-        return None
-    return [None, *(entry.loops for entry in output.prompt_logprobs[1:] if entry is not None)]
-
-
-def new_logprobs(output: RequestOutput) -> list[TokenLogprob]:
-    """The logprobs of this step's new tokens."""
-    if output.logprobs is None or not output.new_token_ids:
-        return []
-    if output.output_kind == "delta":
-        return output.logprobs
-    return output.logprobs[len(output.token_ids) - len(output.new_token_ids) :]

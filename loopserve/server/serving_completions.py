@@ -21,6 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loopserve.engine.client import EngineStream, GenerateRequest
 from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput, TokenLogprob
+from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error
+from loopserve.server.output_format import (
+    completion_logprobs,
+    new_logprobs,
+    prompt_exit_depths,
+    usage,
+    vllm_prompt_logprobs,
+)
 from loopserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -29,23 +37,15 @@ from loopserve.server.protocol import (
 )
 from loopserve.server.serving_common import (
     SSE_DONE,
-    ApiError,
     ServingContext,
     cancel_on_disconnect,
     choice_seed,
     collect_finals,
-    completion_logprobs,
-    engine_unavailable,
-    failed_output_error,
-    new_logprobs,
     parse_body,
     process_text,
-    prompt_exit_depths,
     sampling_params,
     sse,
     submit,
-    usage,
-    vllm_prompt_logprobs,
 )
 from loopserve.text.input_processor import ProcessedPrompt
 from loopserve.text.tokenizer import Tokenizer

@@ -23,8 +23,9 @@ import json
 from pydantic import Field
 
 from loopserve.errors import InvalidRequestError
+from loopserve.server.api_errors import ApiError
 from loopserve.server.protocol import ChatMessage, _Request
-from loopserve.server.serving_common import ApiError, ServingContext, parse_body, process_text
+from loopserve.server.serving_common import ServingContext, parse_body, process_text
 
 
 class TokenizeCompletionRequest(_Request):

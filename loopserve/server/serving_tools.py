@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from loopserve.errors import InvalidRequestError
 from loopserve.sampling_params import StructuredOutput
+from loopserve.server.api_errors import ApiError
 from loopserve.server.protocol import (
     ChatCompletionRequest,
     ChatDelta,
@@ -14,7 +15,7 @@ from loopserve.server.protocol import (
     DeltaToolCall,
     ResponseToolCall,
 )
-from loopserve.server.serving_common import ApiError, ServingContext
+from loopserve.server.serving_common import ServingContext
 from loopserve.text import tools as tool_text
 from loopserve.text.tokenizer import Tokenizer
 

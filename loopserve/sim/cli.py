@@ -19,7 +19,7 @@ from pathlib import Path
 from loopserve.engine_args import engine_args_from
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig
-from loopserve.models.huginn import HuginnConfig
+from loopserve.models.huginn_config import HuginnConfig
 from loopserve.sim.args import SIM_ENGINE_ARGS
 from loopserve.sim.args import add_cli_args as add_cli_args  # noqa: F401  (re-export)
 from loopserve.sim.calibration import load_calibrated_profile
@@ -79,7 +79,7 @@ def _scenario(args: argparse.Namespace, model_config: OuroConfig, device) -> int
             plot_study(study, out_dir / "brownout_goodput.png")
         rows = [study]
     elif args.scenario == "pd":
-        from loopserve.sim.cluster import PdSpec, format_pd, run_pd
+        from loopserve.sim.pd_scenario import PdSpec, format_pd, run_pd
 
         pd_spec = PdSpec(
             num_requests=args.num_requests,

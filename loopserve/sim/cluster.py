@@ -12,8 +12,10 @@ starts at the event's time. With one colocated replica this is exactly `Simulato
 - PD: prompts are routed (same rule) to prefill replicas, which run them with `max_tokens=1`
   (prompt at full depth and the first token). When the first token is out, the request's KV
   (prompt positions x planes x KV bytes per token per depth) is sent to the decode replica with
-  the least outstanding work and lands `bytes / link_bandwidth` seconds later; transfers do
-  not contend (one link per pair). The decode replica queues it with
+  the least outstanding work and takes `bytes / link_bandwidth` seconds on the link. Each
+  prefill replica's sending link and each decode replica's receiving link (a GPU's own NIC
+  or NVLink ports) carry one transfer at a time, first come, first served, so a hand-off
+  waits for the ones ahead of it on either end (`Cluster._send`). The decode replica queues it with
   `Scheduler.add_imported` and decodes from the second token; its step that admits the
   request copies the K/V into its blocks: within HBM when the hand-off landed in device
   memory (`handoff_landing="device"`, the default: NVLink, and RDMA into registered GPU
@@ -28,7 +30,7 @@ starts at the event's time. With one colocated replica this is exactly `Simulato
   replica's reserved blocks as it lands, holding that replica for the copy (as
   `LLMEngine.write_kv_chunk` does between steps), and the import then copies only the
   rest. The hand-off lands when the last byte does; the share of a request's link time that
-  ran before its first token is hidden behind prefill (`ClusterStats.hidden_transfer_share`).
+  ran before its first token is hidden behind prefill (`pd_scenario.ClusterStats.hidden_transfer_share`).
 
 Client view: the first token is streamed when the prefill replica produces it, so a PD
 request's gap between tokens 1 and 2 includes the transfer and the decode queue; `itl` counts
@@ -43,12 +45,10 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from loopserve.contracts import ItemKind
 from loopserve.models.config import OuroConfig
 from loopserve.sim.hardware import DeviceProfile
-from loopserve.sim.metrics import LatencyStats, RequestRecord
+from loopserve.sim.metrics import RequestRecord
 from loopserve.sim.simulator import Simulator
 from loopserve.sim.workload import SimRequest
 
@@ -86,27 +86,6 @@ class ClusterRun:
     handoff_index: dict[str, int] = field(default_factory=dict)  # PD: gap index of the hand-off
     # request id -> [(replica kind, replica index, tokens produced there)]
     produced: dict[str, list[tuple[str, int, int]]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ClusterStats:
-    name: str
-    num_requests: int
-    duration_s: float
-    output_throughput: float  # output tokens / makespan
-    ttft: LatencyStats
-    tpot: LatencyStats
-    itl: LatencyStats  # every gap between consecutive tokens of a request
-    decode_itl: LatencyStats  # without PD hand-off gaps (same as itl when colocated)
-    mean_transfer_ms: float = 0.0
-    # PD: the share of link time that ran before the first token (hidden behind prefill),
-    # and the mean time from the first token to the hand-off landing (the rest of the
-    # bytes, and any wait for a link that carried other hand-offs).
-    hidden_transfer_share: float = 0.0
-    mean_exposed_transfer_ms: float = 0.0
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class _Replica:
@@ -334,159 +313,3 @@ def _least_loaded_after(decode: list[_Replica], landing: list) -> int:
     for _, dst in {(request_id, dst) for _, _, request_id, dst, _ in landing}:
         inflight[dst] += 1
     return min(range(len(decode)), key=lambda i: (decode[i].outstanding_work(), inflight[i], i))
-
-
-def cluster_stats(name: str, run: ClusterRun) -> ClusterStats:
-    records = [r for r in run.records if r.finished_s is not None]
-    itls: list[float] = []
-    decode_itls: list[float] = []
-    for r in records:
-        gaps = np.diff(r.token_times_s).tolist()
-        itls += gaps
-        skip = run.handoff_index.get(r.request_id)
-        decode_itls += [g for i, g in enumerate(gaps) if i != skip]
-    num_output = sum(len(r.token_times_s) for r in records)
-    tpots = [t for r in records if (t := r.tpot_s) is not None]
-    transfer_ms = [(t.end_s - t.start_s) * 1e3 for t in run.transfers]
-    hidden_s = sum(t.hidden_s for t in run.transfers)
-    busy_s = sum(t.busy_s for t in run.transfers)
-    return ClusterStats(
-        name,
-        len(records),
-        run.clock_s,
-        num_output / run.clock_s if run.clock_s else 0.0,
-        LatencyStats.of([r.ttft_s for r in records]),
-        LatencyStats.of(tpots),
-        LatencyStats.of(itls),
-        LatencyStats.of(decode_itls),
-        float(np.mean(transfer_ms)) if transfer_ms else 0.0,
-        hidden_s / busy_s if busy_s else 0.0,
-        float(np.mean([t.exposed_s * 1e3 for t in run.transfers])) if run.transfers else 0.0,
-    )
-
-
-def long_prompt_mix(
-    workload: list[SimRequest],
-    *,
-    share: float,
-    min_len: int,
-    max_len: int,
-    seed: int,
-) -> list[SimRequest]:
-    """Replace the prompt of a seeded `share` of the requests with a uniform length in
-    [min_len, max_len] (arrivals, outputs and exit traces unchanged)."""
-    rng = np.random.default_rng(seed)
-    picked = rng.random(len(workload)) < share
-    lengths = rng.integers(min_len, max_len + 1, size=len(workload))
-    return [
-        dataclasses.replace(s, prompt_len=int(n)) if p else s
-        for s, p, n in zip(workload, picked, lengths)
-    ]
-
-
-def format_cluster(rows: list[ClusterStats]) -> str:
-    head = (
-        f"{'setup':<22} {'out tok/s':>9} {'ITL p50':>8} {'ITL p99':>8} {'dITL p99':>8} "
-        f"{'TPOT p50':>8} {'TPOT p99':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'xfer ms':>7}"
-    )
-    lines = [head + "   (ms)"]
-    for s in rows:
-        lines.append(
-            f"{s.name:<22} {s.output_throughput:>9.0f} {s.itl.p50_s * 1e3:>8.2f} "
-            f"{s.itl.p99_s * 1e3:>8.2f} {s.decode_itl.p99_s * 1e3:>8.2f} "
-            f"{s.tpot.p50_s * 1e3:>8.2f} {s.tpot.p99_s * 1e3:>8.2f} {s.ttft.p50_s * 1e3:>9.1f} "
-            f"{s.ttft.p99_s * 1e3:>9.1f} {s.mean_transfer_ms:>7.2f}"
-        )
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class PdSpec:
-    """`loopserve simulate --scenario pd`: N colocated vs P prefill + Q decode replicas on
-    the same requests (ShareGPT or synthetic lengths with a long-prompt mix) at each rate."""
-
-    num_requests: int = 400
-    request_rates: tuple[float, ...] = (20.0,)
-    num_colocated: int = 4
-    num_prefill: int = 2
-    num_decode: int = 2
-    link: str = "nvlink"
-    long_share: float = 0.15
-    long_min: int = 4096
-    long_max: int = 8192
-    dataset: str = "sharegpt"
-    exit_dist: str = "ouro_1p4b_t0.5"
-    seed: int = 0
-    streaming: bool = True  # also run the PD replicas with per-chunk streaming
-    handoff_landing: str = "device"  # `Cluster`'s
-
-
-def run_pd(
-    model_config: OuroConfig,
-    device: DeviceProfile,
-    engine_args: dict[str, object],
-    spec: PdSpec,
-) -> list[tuple[float, ClusterStats, ClusterStats, ClusterStats | None]]:
-    """(rate, colocated stats, PD stats with whole hand-offs, PD stats with per-chunk
-    streaming or None) per rate."""
-    from loopserve.sim.workload import WorkloadSpec, build_workload, sample_lengths
-
-    base = WorkloadSpec(
-        spec.num_requests, dataset=spec.dataset, exit_dist=spec.exit_dist, seed=spec.seed
-    )
-    lengths = sample_lengths(base)
-    out = []
-    for rate in spec.request_rates:
-        work = build_workload(
-            dataclasses.replace(base, request_rate=rate), model_config.num_loops, lengths=lengths
-        )
-        work = long_prompt_mix(
-            work,
-            share=spec.long_share,
-            min_len=spec.long_min,
-            max_len=spec.long_max,
-            seed=spec.seed + 1,
-        )
-        colocated = Cluster(
-            model_config, device, engine_args, num_colocated=spec.num_colocated, seed=spec.seed
-        )
-
-        def pd(streaming: bool, work=work) -> ClusterStats:
-            cluster = Cluster(
-                model_config, device, engine_args, num_prefill=spec.num_prefill,
-                num_decode=spec.num_decode, link_bytes_per_s=LINKS[spec.link], seed=spec.seed,
-                streaming=streaming, handoff_landing=spec.handoff_landing,
-            )  # fmt: skip
-            name = f"{spec.num_prefill}P{spec.num_decode}D {spec.link}"
-            return cluster_stats(name + (" stream" if streaming else ""), cluster.run(work))
-
-        out.append(
-            (
-                rate,
-                cluster_stats(f"{spec.num_colocated} colocated", colocated.run(work)),
-                pd(False),
-                pd(True) if spec.streaming else None,
-            )
-        )
-    return out
-
-
-def format_pd(rows: list[tuple[float, ClusterStats, ClusterStats, ClusterStats | None]]) -> str:
-    lines = []
-    for rate, colocated, pd, streamed in rows:
-        lines.append(f"request rate {rate:g}/s")
-        lines.append(format_cluster([colocated, pd] + ([streamed] if streamed else [])))
-        if streamed is not None:
-            lines.append(
-                f"streaming: {streamed.hidden_transfer_share:.1%} of link time hidden behind "
-                f"prefill (whole hand-off: {pd.hidden_transfer_share:.1%}); first token to "
-                f"hand-off landed {streamed.mean_exposed_transfer_ms:.2f} ms against "
-                f"{pd.mean_exposed_transfer_ms:.2f} ms"
-            )
-        itl = pd.itl.p99_s / colocated.itl.p99_s if colocated.itl.p99_s else math.nan
-        tput = pd.output_throughput / colocated.output_throughput
-        lines.append(
-            f"PD/colocated: ITL p99 {itl:.2f}x (target <= 0.60), throughput {tput:.3f}x "
-            f"(target >= 0.95): {'met' if itl <= 0.6 and tput >= 0.95 else 'missed'}"
-        )
-    return "\n".join(lines)

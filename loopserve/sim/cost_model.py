@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from loopserve.errors import ConfigError
 from loopserve.models.config import OuroConfig, once_kv_planes
 from loopserve.models.family import LoopedConfig
-from loopserve.models.huginn import HuginnConfig
+from loopserve.models.huginn_config import HuginnConfig
 from loopserve.sim.hardware import DeviceProfile
 
 ROOFLINES = ("call", "phase")

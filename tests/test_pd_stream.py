@@ -624,3 +624,43 @@ def test_a_replica_unreachable_after_its_restart_serves_again_at_its_next_reply(
     assert replica.state is ReplicaState.RESTARTING
     reply("newer")  # the restarted instance
     assert replica.state is ReplicaState.SERVING and replica.num_restarts == 1
+
+
+def test_streamed_hand_offs_in_flight_spread_over_the_decode_replicas():
+    """A decode replica with a streamed hand-off in flight (reserved, not yet imported) is
+    passed over for the next reservation although it has the least outstanding work: two
+    prompts streaming to one replica share its link, and their chunks queue behind each
+    other past their first tokens. The count drops when a request that finishes with its
+    first token releases its reservation, and when an import takes one."""
+
+    async def main():
+        pool, (p0, d1, d2) = _stream_pool(PDSpec(1, 2))
+        pool.router.assign(2, [RoutedRequest("busy", 0, 500)])  # replica 2 has more work
+        d1.scripted["reserve_imports"] = [Ref([0])]
+        d2.scripted["reserve_imports"] = [Ref([0])]
+        d1.answers.append(Ref(Accepted()))
+        first = asyncio.ensure_future(_submit(pool, "a", prompt=list(range(1, 15))))
+        await _until(lambda: len(p0.streams) == 1)
+        second = asyncio.ensure_future(_submit(pool, "b", prompt=list(range(1, 15))))
+        await _until(lambda: len(p0.streams) == 2)
+        counts = [(pool.router.handoffs(1), pool.router.handoffs(2))]
+        p0.streams[1].push(Accepted(), _output("b", [5], finished=True, new=1), END)
+        [o async for o in await second]  # "b" ends with its first token: released
+        await _until(lambda: d2.called("release_imports"))
+        counts.append((pool.router.handoffs(1), pool.router.handoffs(2)))
+        p0.streams[0].push(Accepted(), _output("a", [5], finished=False, new=1))
+        stream = await first
+        p0.streams[0].push(Exported("a", 1, None, None, 3), Ref("state"), END)
+        await _until(lambda: d1.streams)
+        d1.streams[0].push(_output("a", [5, 6, 7], finished=True, new=2), END)
+        outputs = [o async for o in stream]
+        counts.append((pool.router.handoffs(1), pool.router.handoffs(2)))
+        return counts, outputs, (p0, d1, d2)
+
+    counts, outputs, (p0, d1, d2) = asyncio.run(main())
+    reserved = {i: [r.request_id for (requests,) in fake.called("reserve_imports") for r in requests]
+                for i, fake in ((1, d1), (2, d2))}  # fmt: skip
+    assert reserved == {1: ["a"], 2: ["b"]}
+    assert counts == [(1, 1), (1, 0), (0, 0)]
+    assert outputs[-1].token_ids == [5, 6, 7]
+    assert _released(d2) == ["b"] and _released(d1) == []

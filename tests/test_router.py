@@ -70,3 +70,22 @@ def test_prefix_table_is_bounded_lru():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="routing must be one of"):
         Router(num_replicas=2, policy="random")
+
+
+def test_streamed_hand_offs_go_to_the_decode_replica_with_the_fewest_in_flight():
+    """`choose_handoff`: fewest streamed hand-offs in flight first, then the least
+    outstanding work, then the lowest index; a count never drops below zero."""
+    router = Router(3)
+    router.assign(0, [RoutedRequest("x", 0, 100)])
+    assert router.choose_handoff([0, 1, 2]) == 1  # by load, then index
+    router.begin_handoffs(1, 2)
+    router.begin_handoffs(2, 1)
+    assert router.choose_handoff([0, 1, 2]) == 0  # the only one without a stream in flight
+    router.begin_handoffs(0, 1)
+    assert router.choose_handoff([0, 1, 2]) == 2  # one each on 0 and 2: 2 has less work
+    assert router.choose_handoff([1]) == 1
+    router.end_handoff(1)
+    router.end_handoff(1)
+    router.end_handoff(1)
+    assert [router.handoffs(i) for i in range(3)] == [1, 0, 1]
+    assert router.choose_handoff([0, 1, 2]) == 1

@@ -322,3 +322,17 @@ def test_streamed_chunks_are_written_as_they_land_so_no_copy_holds_a_decode_repl
     assert streamed.swap_time_s + streamed.streamed_write_s == pytest.approx(
         whole.swap_time_s, rel=0.05
     )
+
+
+def test_a_streamed_request_reserves_where_fewest_streams_are_in_flight():
+    """As the engine's router (`Router.choose_handoff`): the second 3,000-token prompt
+    streams to the decode replica without a stream in flight, not to the one still
+    receiving the first long prompt's chunks (which the least outstanding work alone
+    picks here)."""
+    args = dict(ENGINE_ARGS, prefill_chunk_size=256)
+    cluster = Cluster(OURO_1P4B, H200, args, num_prefill=1, num_decode=2,
+                      link_bytes_per_s=IB_NDR_BYTES_PER_S, streaming=True)  # fmt: skip
+    transfers = {t.request_id: t for t in cluster.run(_workload()).transfers}
+    long, later = transfers["r3"], transfers["r8"]
+    assert later.start_s < long.end_s  # r3's stream is still in flight when r8's begins
+    assert later.dst != long.dst

@@ -2,9 +2,11 @@
 
 Per request of the submission:
 
-- `reserve`: before the prompt runs, the least-loaded serving decode replica reserves its
-  blocks (`EngineReplica.reserve_imports`) and says how many blocks per plane its prefix cache
-  holds already (the prefill replica skips them: `skips`). A request it has no room for, or
+- `reserve`: before the prompt runs, a serving decode replica reserves its blocks
+  (`EngineReplica.reserve_imports`): the one with the fewest streamed hand-offs in flight,
+  then the least loaded (`Router.choose_handoff`: concurrent streams share a replica's link).
+  It says how many blocks per plane its prefix cache holds already (the prefill replica skips
+  them: `skips`). A request it has no room for, or
   every request when no decode replica answers, hands off whole.
 - `on_chunk`: each chunk the prefill replica yields (`ChunkSent`, then the `KVChunk` as a
   separate Ray object) is kept by reference (not fetched here) and written, by reference, into
@@ -74,7 +76,7 @@ class StreamedKV:
         candidates = pool.serving_of(DECODE)
         if not candidates:
             return {}
-        index = pool.router.choose(candidates, None).replica
+        index = pool.router.choose_handoff(candidates)
         replica = pool.replicas[index]
         try:
             skips = await replica.actor.reserve_imports.remote(requests)
@@ -90,6 +92,7 @@ class StreamedKV:
             if skip is not None:
                 self.reserved[request.request_id] = self.streamed_to[request.request_id] = index
                 reserved[request.request_id] = skip
+        pool.router.begin_handoffs(index, len(reserved))
         return reserved
 
     def streams(self, request_id: str) -> bool:
@@ -160,7 +163,9 @@ class StreamedKV:
 
     def taken(self, request_id: str) -> None:
         """The import on the reserving replica took the reservation."""
-        self.reserved.pop(request_id, None)
+        index = self.reserved.pop(request_id, None)
+        if index is not None:
+            self.owner.router.end_handoff(index)
         self.release(request_id)
 
     def release(self, request_id: str) -> None:
@@ -175,4 +180,5 @@ class StreamedKV:
         index = self.reserved.pop(request_id, None)
         self.writes.pop(request_id, None)
         if index is not None:
+            self.owner.router.end_handoff(index)
             self.owner.replicas[index].actor.release_imports.remote([request_id])

@@ -17,6 +17,13 @@ Policies (chosen once, at construction):
   one (more than `balance_abs_tokens` more outstanding tokens AND more than
   `balance_rel` times as many), the request goes by load instead. Prompts shorter than one
   block route by load. The table is an LRU bounded by `max_prefix_entries`.
+
+Streamed hand-offs (prefill/decode disaggregation, `--kv-handoff stream`) reserve their
+blocks on a decode replica before the prompt runs, and their chunks then arrive over that
+replica's link while the prompt computes. `choose_handoff` picks the decode replica with the
+fewest streamed hand-offs in flight (reserved and not yet imported: `begin_handoffs`,
+`end_handoff`), then the least outstanding work: two long prompts streaming to one replica
+share its link, and their chunks queue behind each other past their first tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ class Router:
     balance_rel: float = DEFAULT_BALANCE_REL
     max_prefix_entries: int = DEFAULT_MAX_PREFIX_ENTRIES
     _loads: list[int] = field(init=False)
+    _handoffs: list[int] = field(init=False)  # streamed hand-offs in flight, per replica
     _requests: dict[str, _Outstanding] = field(init=False, default_factory=dict)
     _prefixes: OrderedDict[bytes, int] = field(init=False, default_factory=OrderedDict)
 
@@ -75,6 +83,7 @@ class Router:
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         self._loads = [0] * self.num_replicas
+        self._handoffs = [0] * self.num_replicas
 
     # ---- queries ------------------------------------------------------------------------
 
@@ -99,6 +108,17 @@ class Router:
                 return RouteDecision(owner, True)
         return RouteDecision(least, False)
 
+    def handoffs(self, replica: int) -> int:
+        """Streamed hand-offs reserved on `replica` and not yet imported."""
+        return self._handoffs[replica]
+
+    def choose_handoff(self, serving: Sequence[int]) -> int:
+        """The decode replica, among `serving` (non-empty), for a streamed hand-off's
+        reservation: the fewest streamed hand-offs in flight, then the least outstanding
+        work, then the lowest index."""
+        assert serving, "no serving replica to route to"
+        return min(serving, key=lambda r: (self._handoffs[r], self._loads[r], r))
+
     def _much_busier(self, replica: int, least: int) -> bool:
         load, min_load = self._loads[replica], self._loads[least]
         return load - min_load > self.balance_abs_tokens and load > self.balance_rel * min_load
@@ -122,6 +142,14 @@ class Router:
                 self._prefixes.move_to_end(key)
             while len(self._prefixes) > self.max_prefix_entries:
                 self._prefixes.popitem(last=False)
+
+    def begin_handoffs(self, replica: int, count: int) -> None:
+        """`count` streamed hand-offs were reserved on `replica`."""
+        self._handoffs[replica] += count
+
+    def end_handoff(self, replica: int) -> None:
+        """A streamed hand-off reserved on `replica` was imported there or released."""
+        self._handoffs[replica] = max(0, self._handoffs[replica] - 1)
 
     def progress(self, request_id: str, num_new_tokens: int) -> None:
         """`num_new_tokens` more output tokens arrived for `request_id`."""

@@ -25,7 +25,8 @@ starts at the event's time. With one colocated replica this is exactly `Simulato
 - PD streaming (`streaming=True`): instead of the whole K/V after the first token, each
   prompt chunk's K/V is sent as soon as the chunk finishes its last depth on the prefill
   replica (a request's chunks go one after another on its link, to the decode replica
-  chosen with its first chunk), and what no chunk sent (positions served by the prefill
+  chosen with its first chunk: the one with the fewest streamed hand-offs in flight, then
+  the least outstanding work, as the engine's router picks it), and what no chunk sent (positions served by the prefill
   replica's prefix cache) follows the first token. Each chunk is written into the decode
   replica's reserved blocks as it lands, holding that replica for the copy (as
   `LLMEngine.write_kv_chunk` does between steps), and the import then copies only the
@@ -293,7 +294,7 @@ class Cluster:
             num_bytes = self.transfer_bytes(item.token_count)
             stream = streams.get(item.request_id)
             if stream is None:
-                dst = _least_loaded_after(self.decode, landing)
+                dst = _fewest_streams(self.decode, landing, streams)
                 stream = streams[item.request_id] = [now, now, 0, dst, []]
             stream[1] = self._send(replica.index, stream[3], max(stream[1], now), num_bytes)
             stream[2] += num_bytes
@@ -304,6 +305,18 @@ class Cluster:
     def _deliver(replica: _Replica, at_s: float) -> None:
         if not replica.busy:
             replica.free_s = max(replica.free_s, at_s)
+
+
+def _fewest_streams(decode: list[_Replica], landing: list, streams: dict) -> int:
+    """Decode replica for a streamed hand-off's reservation, as the engine's router picks it
+    (`Router.choose_handoff`): the fewest streamed hand-offs in flight (chunks on their way
+    or a hand-off not yet landed), then the least outstanding work."""
+    inflight = [0] * len(decode)
+    in_flight = {request_id: dst for _, _, request_id, dst, _ in landing}
+    in_flight.update((request_id, stream[3]) for request_id, stream in streams.items())
+    for dst in in_flight.values():
+        inflight[dst] += 1
+    return min(range(len(decode)), key=lambda i: (inflight[i], decode[i].outstanding_work(), i))
 
 
 def _least_loaded_after(decode: list[_Replica], landing: list) -> int:

@@ -156,18 +156,18 @@ class Cluster:
         self._out_free: list[float] = []
         self._in_free: list[float] = []
 
-    def _send(self, src: int, dst: int, ready_s: float, num_bytes: int) -> float:
+    def _send(self, src: int, dst: int, ready_s: float, num_bytes: int) -> tuple[float, float]:
         """Send `num_bytes` from prefill replica `src` to decode replica `dst`, ready at
         `ready_s`: the bytes go when both ends' links are free (after what each already
         carries: a replica's link, a GPU's own NIC or NVLink ports, is shared by its
-        hand-offs) and take `num_bytes` over the link's bandwidth; returns when the last byte
-        lands. Nothing to send lands at once."""
+        hand-offs) and take `num_bytes` over the link's bandwidth; returns when the first
+        byte leaves and when the last lands. Nothing to send lands at once."""
         if not num_bytes:
-            return ready_s
+            return ready_s, ready_s
         start_s = max(ready_s, self._out_free[src], self._in_free[dst])
         end_s = start_s + num_bytes / self.link_bytes_per_s
         self._out_free[src] = self._in_free[dst] = end_s
-        return end_s
+        return start_s, end_s
 
     def transfer_bytes(self, prompt_len: int) -> int:
         """KV of the prompt at every plane of the decode replica's layout."""
@@ -263,9 +263,9 @@ class Cluster:
                         start_s, link_free_s, sent, sends = None, now, 0, []
                         dst = _least_loaded_after(self.decode, landing)
                     rest = num_bytes - sent
-                    end_s = self._send(replica.index, dst, max(link_free_s, now), rest)
+                    sent_s, end_s = self._send(replica.index, dst, max(link_free_s, now), rest)
                     if start_s is None:  # a whole hand-off: it starts when its link is free
-                        start_s = end_s - rest / self.link_bytes_per_s
+                        start_s = sent_s
                     # Link time before the first token: the chunks' sends, up to now.
                     hidden_s = sum(max(0.0, min(end, now) - begin) for begin, end in sends)
                     transfers.append(
@@ -296,9 +296,10 @@ class Cluster:
             if stream is None:
                 dst = _fewest_streams(self.decode, landing, streams)
                 stream = streams[item.request_id] = [now, now, 0, dst, []]
-            stream[1] = self._send(replica.index, stream[3], max(stream[1], now), num_bytes)
+            send = self._send(replica.index, stream[3], max(stream[1], now), num_bytes)
+            stream[1] = send[1]
             stream[2] += num_bytes
-            stream[4].append((stream[1] - num_bytes / self.link_bytes_per_s, stream[1]))
+            stream[4].append(send)
             heapq.heappush(landing, (stream[1], next(seq), item.request_id, stream[3], num_bytes))
 
     @staticmethod
@@ -307,22 +308,28 @@ class Cluster:
             replica.free_s = max(replica.free_s, at_s)
 
 
+def _in_flight(num_decode: int, landing: list, streams: dict | None = None) -> list[int]:
+    """Hand-offs in flight per decode replica: each request once, however many of its
+    chunks are on their way, with `streams` also those whose chunks have all landed but
+    whose first token is not out yet."""
+    dst_of = {request_id: dst for _, _, request_id, dst, _ in landing}
+    dst_of.update((request_id, stream[3]) for request_id, stream in (streams or {}).items())
+    counts = [0] * num_decode
+    for dst in dst_of.values():
+        counts[dst] += 1
+    return counts
+
+
 def _fewest_streams(decode: list[_Replica], landing: list, streams: dict) -> int:
     """Decode replica for a streamed hand-off's reservation, as the engine's router picks it
     (`Router.choose_handoff`): the fewest streamed hand-offs in flight (chunks on their way
     or a hand-off not yet landed), then the least outstanding work."""
-    inflight = [0] * len(decode)
-    in_flight = {request_id: dst for _, _, request_id, dst, _ in landing}
-    in_flight.update((request_id, stream[3]) for request_id, stream in streams.items())
-    for dst in in_flight.values():
-        inflight[dst] += 1
-    return min(range(len(decode)), key=lambda i: (inflight[i], decode[i].outstanding_work(), i))
+    counts = _in_flight(len(decode), landing, streams)
+    return min(range(len(decode)), key=lambda i: (counts[i], decode[i].outstanding_work(), i))
 
 
 def _least_loaded_after(decode: list[_Replica], landing: list) -> int:
     """Decode replica with the least outstanding work, counting hand-offs still in flight
     (a streamed request once, however many of its chunks are)."""
-    inflight = [0] * len(decode)
-    for _, dst in {(request_id, dst) for _, _, request_id, dst, _ in landing}:
-        inflight[dst] += 1
-    return min(range(len(decode)), key=lambda i: (decode[i].outstanding_work(), inflight[i], i))
+    counts = _in_flight(len(decode), landing)
+    return min(range(len(decode)), key=lambda i: (decode[i].outstanding_work(), counts[i], i))

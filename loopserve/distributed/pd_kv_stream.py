@@ -163,9 +163,7 @@ class StreamedKV:
 
     def taken(self, request_id: str) -> None:
         """The import on the reserving replica took the reservation."""
-        index = self.reserved.pop(request_id, None)
-        if index is not None:
-            self.owner.router.end_handoff(index)
+        self._forget_reservation(request_id)
         self.release(request_id)
 
     def release(self, request_id: str) -> None:
@@ -177,8 +175,15 @@ class StreamedKV:
         self.submitted.pop(request_id, None)
 
     def _unreserve(self, request_id: str) -> None:
-        index = self.reserved.pop(request_id, None)
+        index = self._forget_reservation(request_id)
         self.writes.pop(request_id, None)
         if index is not None:
-            self.owner.router.end_handoff(index)
             self.owner.replicas[index].actor.release_imports.remote([request_id])
+
+    def _forget_reservation(self, request_id: str) -> int | None:
+        """Drop the request's reservation from the bookkeeping (the router's count of
+        streamed hand-offs in flight included); the replica that held it, or None."""
+        index = self.reserved.pop(request_id, None)
+        if index is not None:
+            self.owner.router.end_handoff(index)
+        return index

@@ -101,6 +101,17 @@ class StepRules:
         """The last depth a prompt item's positions run (D - 1, or its request's r - 1)."""
         return (item.prompt_loops or self.num_loops) - 1
 
+    def plane_final_depth(self, plane: int, final_depth: int) -> int:
+        """The depth after which a prompt position's K/V in `plane` is final, for a prompt
+        whose last depth is `final_depth`: plane d's after depth d under LAST_EXITED (no
+        later work writes a prompt position); a plane at or past `final_depth`, SHARED's one
+        plane (every depth writes it) and a family's once planes (after the loop planes)
+        only after the last depth, which writes or finalizes them. A streamed hand-off sends
+        each plane's blocks as this says they are final (`engine/kv_stream.py`)."""
+        if self.shared or plane >= self.num_planes:
+            return final_depth
+        return min(plane, final_depth)
+
     def completes_prompt(self, item: WorkItem) -> bool:
         """A prompt item that runs its positions' final depth this step."""
         return item.kind is ItemKind.PROMPT and item.last_depth == self.final_prompt_depth(item)

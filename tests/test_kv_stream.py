@@ -1,9 +1,9 @@
 """Streamed prefill/decode hand-off between two in-process engines (engine/kv_stream.py): the
-decode engine reserves blocks first, prompt blocks travel as `KVChunk`s as soon as every depth
-wrote them, the final hand-off carries the rest. Tokens and exit depths equal the dense
-references over every prompt arm, both layouts and both families, with prefix hits on the
-decode side (not sent) and preemption on either side; chunks arrive while later chunks still
-run (counted); a sender that dies leaves no block behind."""
+decode engine reserves blocks first, prompt blocks travel as `KVChunk`s plane by plane as soon
+as they are final (plane d after depth d), the final hand-off carries the rest. Tokens and exit
+depths equal the dense references over every prompt arm, both layouts and both families, with
+prefix hits on the decode side (not sent) and preemption on either side; chunks arrive while
+later chunks still run (counted); a sender that dies leaves no block behind."""
 
 from __future__ import annotations
 
@@ -28,18 +28,34 @@ def huginn_dir(tmp_path_factory):
 
 
 class StreamLog:
-    """What moved per request: chunks as (first block, blocks), blocks written on the decode
-    side before the prefill engine's step that completed the request's prompt, the final
-    hand-off's first block, and the reservation's cached blocks."""
+    """What moved per request: chunks as (first block, blocks, planes), blocks written in
+    every plane on the decode side before the prefill engine's step that completed the
+    request's prompt, the final hand-off's first block, and the reservation's cached blocks."""
 
-    def __init__(self) -> None:
-        self.chunks: dict[str, list[tuple[int, int]]] = {}
-        self.before_last_chunk: dict[str, int] = {}
+    def __init__(self, num_planes: int) -> None:
+        self.num_planes = num_planes
+        self.chunks: dict[str, list[tuple[int, int, tuple[int, ...]]]] = {}
+        self.before_last_chunk: dict[str, list[int]] = {}  # per plane
         self.final_first_block: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
 
-    def received(self, request_id: str) -> int:
-        return sum(n for _, n in self.chunks.get(request_id, []))
+    def add(self, chunk) -> None:
+        planes = tuple(range(self.num_planes)) if chunk.planes is None else chunk.planes
+        self.chunks.setdefault(chunk.request_id, []).append(
+            (chunk.first_block, chunk.num_blocks, planes)
+        )
+
+    def of_plane(self, request_id: str, plane: int) -> list[tuple[int, int]]:
+        """(first block, blocks) of the request's chunks that carried `plane`, in order."""
+        return [(f, n) for f, n, planes in self.chunks.get(request_id, []) if plane in planes]
+
+    def received_by_plane(self, request_id: str) -> list[int]:
+        return [self.received(request_id, p) for p in range(self.num_planes)]
+
+    def received(self, request_id: str, plane: int | None = None) -> int:
+        """Blocks received in `plane` (None: in every plane)."""
+        planes = range(self.num_planes) if plane is None else [plane]
+        return min(sum(n for _, n in self.of_plane(request_id, p)) for p in planes)
 
 
 def run_streamed(
@@ -59,7 +75,7 @@ def run_streamed(
     one the decode pool has no room to reserve for (`streamed_only=False`) moves whole.
     `sender_skips`: the blocks the prefill engine skips instead of those the reservation
     reports (chunks cut for another replica's cache). Returns (final outputs, `StreamLog`)."""
-    log = StreamLog()
+    log = StreamLog(prefill.kv.num_planes)
     for request_id, prompt, params, _ in work:
         skip = decode.reserve_import(request_id, prompt, params)
         prefill.add_request(request_id, prompt, params)
@@ -73,7 +89,7 @@ def run_streamed(
     while prefill.has_unfinished_requests() or decode.has_unfinished_requests():
         if prefill.has_unfinished_requests():
             in_prompt = {r for r, q in prefill.scheduler.requests.items() if q.in_prompt_phase}
-            before = {r: log.received(r) for r in in_prompt}
+            before = {r: log.received_by_plane(r) for r in in_prompt}
             for output in prefill.step():
                 if output.finished:
                     finished[output.request_id] = output
@@ -89,9 +105,7 @@ def run_streamed(
                 if on_chunk is not None:
                     on_chunk(chunk)
                 decode.write_kv_chunk(chunk)
-                log.chunks.setdefault(chunk.request_id, []).append(
-                    (chunk.first_block, chunk.num_blocks)
-                )
+                log.add(chunk)
             for request_id in list(prefill.scheduler.requests):
                 if prefill.can_export(request_id):
                     state = prefill.export_request(request_id)
@@ -129,8 +143,9 @@ def workload(seed: int, vocab: int, count: int = 6, *, shared_every: int = 0):
 
 
 def assert_streams_consistent(log: StreamLog, work, finished, block_size: int) -> None:
-    """Chunks of a request are contiguous from its skipped blocks on (a preempted request's
-    start there again), and the final hand-off starts where they end."""
+    """In each plane, a request's chunks are contiguous from its skipped blocks on (a
+    preempted request's start there again), and the final hand-off starts where the
+    shortest plane's end."""
     for request_id, prompt, _, _ in work:
         if request_id not in log.final_first_block:
             assert finished[request_id].num_output_tokens == 1
@@ -138,13 +153,16 @@ def assert_streams_consistent(log: StreamLog, work, finished, block_size: int) -
         if request_id not in log.skipped:  # moved whole
             assert log.final_first_block[request_id] == 0 and request_id not in log.chunks
             continue
-        start = log.skipped[request_id]
-        for first, count in log.chunks.get(request_id, []):
-            # Contiguous, or (after a recompute preemption) again from the skipped blocks.
-            assert first in (start, log.skipped[request_id]) and count > 0, request_id
-            start = first + count
-        assert log.final_first_block[request_id] == start, request_id
-        assert start <= len(prompt) // block_size
+        ends = []
+        for plane in range(log.num_planes):
+            start = log.skipped[request_id]
+            for first, count in log.of_plane(request_id, plane):
+                # Contiguous, or (after a recompute preemption) again from the skipped blocks.
+                assert first in (start, log.skipped[request_id]) and count > 0, request_id
+                start = first + count
+            ends.append(start)
+        assert log.final_first_block[request_id] == min(ends), request_id
+        assert max(ends) <= len(prompt) // block_size
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
@@ -170,7 +188,8 @@ def test_streamed_ouro_equals_reference(tiny_dir, arm, layout):
 def test_chunks_arrive_before_the_last_chunk_runs(tiny_dir, arm):
     """A prompt of n chunks (chunk = 3 blocks): the blocks of its first n - 1 chunks are
     written on the decode side before the prefill engine's step that completes its last
-    chunk; only the last chunk's blocks and the first token's follow."""
+    chunk, and under the per-depth arms also the last chunk's blocks of every plane but the
+    deepest; only the rest and the first token's follow."""
     args = dict(prefill_chunk_size=12, max_num_batched_tokens=12, **PROMPT_ARMS[arm])
     prefill = make_engine(tiny_dir, **args)
     decode = make_engine(tiny_dir, **args)
@@ -178,9 +197,17 @@ def test_chunks_arrive_before_the_last_chunk_runs(tiny_dir, arm):
     prompt = [(7 * i + 3) % prefill.model.config.vocab_size for i in range(12 * n - 2)]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     finished, log = run_streamed(prefill, decode, [("long", prompt, params, 0)])
-    assert log.before_last_chunk["long"] >= (n - 1) * 3
+    before = log.before_last_chunk["long"]
+    assert min(before) >= (n - 1) * 3
     assert log.final_first_block["long"] == len(prompt) // 4  # only the partial block is left
     assert_match_reference(prefill, [("long", prompt, params, 0)], finished)
+    # Plane d is final once a position ran depth d: where the last chunk runs its depths in
+    # separate steps, all its shallow planes left before the step of its last depth.
+    deepest = log.num_planes - 1
+    if arm == "atomic":
+        assert before == [(n - 1) * 3] * log.num_planes
+    else:
+        assert before[:deepest] == [len(prompt) // 4] * deepest and before[deepest] < before[0]
 
 
 def test_chunk_writes_are_what_decode_reads(tiny_dir):
@@ -214,7 +241,7 @@ def test_decode_prefix_hits_are_not_sent(tiny_dir):
     for request_id, prompt, _, _ in work:
         expected_skip = 3 if prompt[: len(SHARED)] == SHARED else 0
         assert log.skipped[request_id] == expected_skip, request_id
-        for first, _ in log.chunks.get(request_id, []):
+        for first, *_ in log.chunks.get(request_id, []):
             assert first >= expected_skip
     for engine in (prefill, decode):
         assert_all_released(engine)
@@ -235,7 +262,7 @@ def test_chunks_cut_for_another_cache_leave_cached_blocks_alone(tiny_dir):
     work.append(short)  # its final hand-off starts inside the cached blocks
     finished, log = run_streamed(prefill, decode, work, sender_skips=0)
     assert all(log.skipped[r] == 3 for r, *_ in work)
-    assert any(first == 0 for r, *_ in work for first, _ in log.chunks.get(r, []))
+    assert any(first == 0 for r, *_ in work for first, *_ in log.chunks.get(r, []))
     assert log.final_first_block["short"] == 3 and len(short[1]) // 4 == 3
     assert_match_reference(prefill, work, finished)
     for engine in (prefill, decode):
@@ -261,7 +288,7 @@ def test_chunks_cut_for_another_cache_leave_cached_blocks_alone(tiny_dir):
         prefill.step()
         if not log.chunks.get("late"):
             for chunk in prefill.take_kv_chunks():
-                log.chunks["late"] = [(chunk.first_block, chunk.num_blocks)]
+                log.add(chunk)
                 zero(chunk)
                 decode.write_kv_chunk(chunk)
     state = prefill.export_request("late")
@@ -301,7 +328,7 @@ def test_preemption_on_both_sides(tiny_dir, preemption):
     assert preempted and preempted[0] in log.skipped
     assert len(log.skipped) < len(work)  # some reservations did not fit: those moved whole
     assert_streams_consistent(log, work, finished, 4)
-    resent = log.chunks[preempted[0]]
+    resent = log.of_plane(preempted[0], 0)
     assert [first for first, _ in resent].count(0) >= 2  # sent again from the start
     assert_match_reference(prefill, work, finished)
     assert decode.scheduler.memory_stats.num_preemptions > 0

@@ -1,9 +1,9 @@
 """Streamed prefill/decode hand-off in serving (`PDReplicaPool(kv_handoff="stream")`, the
-`--kv-handoff stream` flag) on a local Ray cluster: the decode replica reserves blocks before
-the prompt runs, each run of prompt blocks goes to it as soon as every loop wrote it, and the
-final hand-off carries the rest. Outputs equal one colocated engine over every prompt arm, both
-layouts, both families and decode-side prefix hits; the decode replica receives all but the
-last chunk's blocks as chunks (counted); killing either replica mid-stream loses no request
+`--kv-handoff stream` flag) on a local Ray cluster: the decode replica reserves blocks before the
+prompt runs, each run of prompt blocks goes to it plane by plane as soon as it is final, and
+the final hand-off carries the rest. Outputs equal one colocated engine over every prompt arm,
+both layouts, both families and decode-side prefix hits; the decode replica receives all but
+the last chunk's blocks as chunks (counted); killing either replica mid-stream loses no request
 silently and leaks no block on either side.
 
 One Ray cluster serves the module; one 1P1D pool runs at a time. Skipped without Ray."""
@@ -21,6 +21,7 @@ require("ray", "serve")
 ray = pytest.importorskip("ray", reason="needs the optional `ray` extra (pip install '.[ray]')")
 from loopserve.llm import LLM
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
+from loopserve.models.registry import read_config
 from loopserve.sampling_params import SamplingParams
 from tests.pd_pools import (
     DECODE,
@@ -154,8 +155,9 @@ def test_all_but_the_last_chunk_arrive_as_chunks(pools, tiny_tok_dir, loop):
     _assert_equal_to_colocated(pool, loop, args, [prompt], [params], "long")
     after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     received = _delta(after[DECODE], before[DECODE], "kv_chunk_blocks_received")
-    assert received >= (6 - 1) * 2
-    assert received == len(prompt) // 4  # every complete prompt block, none twice
+    planes = read_config(tiny_tok_dir)[1].num_loops  # summed over the planes (LAST_EXITED)
+    assert received >= (6 - 1) * 2 * planes
+    assert received == len(prompt) // 4 * planes  # every complete prompt block, none twice
     assert _delta(after[DECODE], before[DECODE], "num_streamed_imports") == 1
 
 
@@ -218,7 +220,8 @@ def test_a_failed_chunk_write_replays_the_stream(pools, tiny_tok_dir, loop, monk
     after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
     assert replays == ["replayed"] and calls[0] is True  # the write itself had landed
     received = _delta(after[DECODE], before[DECODE], "kv_chunk_blocks_received")
-    assert received == 2 * (len(prompt) // 4)  # every chunk twice: streamed, then replayed
+    # Every block of every plane twice: streamed (plane by plane), then replayed.
+    assert received == 2 * (len(prompt) // 4) * read_config(tiny_tok_dir)[1].num_loops
     for stats in after:
         assert stats.num_reserved == 0
         assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total

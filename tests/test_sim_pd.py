@@ -336,3 +336,21 @@ def test_a_streamed_request_reserves_where_fewest_streams_are_in_flight():
     long, later = transfers["r3"], transfers["r8"]
     assert later.start_s < long.end_s  # r3's stream is still in flight when r8's begins
     assert later.dst != long.dst
+
+
+def test_per_depth_prompts_stream_their_shallow_planes_before_the_first_token():
+    """Under the per-depth prompt arm a chunk runs one depth per step and plane d is final
+    once it ran depth d, so even a one-chunk prompt sends three of its four planes before
+    its first token (its hidden link time is 3/4 of its bytes' over NVLink, which keeps up);
+    under the atomic arm every plane of a chunk is final in the step that samples the first
+    token, so nothing of a one-chunk prompt is hidden. Same bytes either way."""
+    work = [SimRequest("short", 0.0, 200, 4, (4, 4, 4, 4))]
+    transfers = {}
+    for arm in ("atomic", "per_depth"):
+        args = dict(ENGINE_ARGS, prefill_chunk_size=256, prefill_mode=arm)
+        cluster = Cluster(OURO_1P4B, H200, args, num_prefill=1, num_decode=1, streaming=True)
+        (transfers[arm],) = cluster.run(work).transfers
+    per_plane_s = 200 * 196_608 / cluster.link_bytes_per_s
+    assert transfers["atomic"].num_bytes == transfers["per_depth"].num_bytes == 200 * 196_608 * 4
+    assert transfers["atomic"].hidden_s == pytest.approx(0.0)
+    assert transfers["per_depth"].hidden_s == pytest.approx(3 * per_plane_s)

@@ -111,9 +111,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         default="whole",
         choices=("whole", "stream"),
         help="with --pd: whole moves each request's K/V after its first token; stream "
-        "reserves blocks on a decode replica before the prompt runs and sends each run of "
-        "prompt blocks as soon as every loop wrote it, while later chunks compute (by Ray's "
-        "object store or NIXL: --kv-transport ray, nixl or auto)",
+        "reserves blocks on a decode replica before the prompt runs and sends each plane's "
+        "prompt blocks as soon as they are final (plane d after loop d; with --prefill-mode "
+        "per_depth a chunk's shallow planes leave while it runs its deeper loops), while later "
+        "chunks compute (by Ray's object store or NIXL: --kv-transport ray, nixl or auto)",
     )
     group.add_argument(
         "--kv-transfer-timeout-s",

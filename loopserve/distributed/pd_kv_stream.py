@@ -109,7 +109,7 @@ class StreamedKV:
         if request_id not in self.skips:
             return  # released: ended, aborted, or handing off whole
         kept = self.chunks.setdefault(request_id, [])
-        if kept and sent.first_block == self.skips[request_id]:
+        if kept and sent.first_block == self.skips[request_id] and sent.restarts:
             kept.clear()  # sent again from the start: the recomputed K/V replaces it
         kept.append(chunk_ref)
         index = self.reserved.get(request_id)

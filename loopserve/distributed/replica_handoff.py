@@ -130,7 +130,10 @@ class ReplicaHandoff:
                     self.num_chunks_sent += 1
                     sent = self._send(item, (destinations or {}).get(item.request_id))
                     destination = sent.dst_rank if isinstance(sent, KVDescriptor) else None
-                    yield ChunkSent(item.request_id, item.first_block, item.num_blocks, destination)
+                    yield ChunkSent(
+                        item.request_id, item.first_block, item.num_blocks, destination,
+                        item.planes,
+                    )  # fmt: skip
                     yield sent
                 elif isinstance(item, HandoffState):
                     self.num_exported += 1
@@ -194,7 +197,8 @@ class ReplicaHandoff:
         except LoopserveError as err:
             return Rejected.of(err)
         self.num_chunks_received += 1
-        self.chunk_blocks_received += chunk.num_blocks
+        planes = self.engine.kv.num_planes if chunk.planes is None else len(chunk.planes)
+        self.chunk_blocks_received += chunk.num_blocks * planes
         return chunk.num_blocks
 
     async def release_imports(self, request_ids: list[str]) -> int:

@@ -100,6 +100,13 @@ class ChunkSent:
     # The rank a point-to-point transport sent it to (the next item is a `KVDescriptor`
     # only that replica can take, and must, in its turn); None: the chunk carries its K/V.
     destination: int | None = None
+    planes: tuple[int, ...] | None = None  # the chunk's (`KVChunk.planes`; None: every plane)
+
+    @property
+    def restarts(self) -> bool:
+        """The first chunk of a pass over the prompt from `skip` blocks (plane 0 reaches
+        every block first): after a recompute the prefill replica sends everything again."""
+        return self.planes is None or 0 in self.planes
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +122,7 @@ class ReplicaStats:
     kv_bytes_received: int = 0  # ... and received (imported or discarded)
     num_kv_chunks_sent: int = 0  # streamed hand-offs' chunks (prefill role)
     num_kv_chunks_received: int = 0  # ... written into reserved blocks (decode role)
-    kv_chunk_blocks_received: int = 0  # blocks per plane those chunks carried
+    kv_chunk_blocks_received: int = 0  # blocks those chunks carried, summed over their planes
     num_streamed_imports: int = 0  # imports whose K/V came partly as chunks
     num_reserved: int = 0  # reservations waiting for their request (decode role)
 

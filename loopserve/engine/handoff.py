@@ -62,12 +62,14 @@ class HandoffState:
 
 @dataclass(frozen=True)
 class KVChunk:
-    """Part of a streamed hand-off: blocks `[first_block, first_block + num_blocks)` of every
-    plane of a request's prompt, complete at every depth while its later chunks still run.
-    `kv` as `HandoffState.kv` (`[layers, K/V, planes * num_blocks, block_size, heads,
-    head_dim]`, plane-major); None inside a transport's descriptor."""
+    """Part of a streamed hand-off: blocks `[first_block, first_block + num_blocks)` of the
+    planes `planes` (None: every plane) of a request's prompt, final while its later chunks
+    (or, for a shallow plane, the chunk's deeper depths) still run. `kv` as `HandoffState.kv`
+    (`[layers, K/V, len(planes) * num_blocks, block_size, heads, head_dim]`, plane-major, the
+    planes in `planes`' order); None inside a transport's descriptor."""
 
     request_id: str
     first_block: int
     num_blocks: int
     kv: object
+    planes: tuple[int, ...] | None = None

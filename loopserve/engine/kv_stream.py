@@ -13,12 +13,18 @@ later chunks, so only the last blocks travel after the first token:
   request, and only the blocks not yet written move then. `release_import` frees a reservation
   whose request will not come (its prefill replica died): nothing half-received is ever used.
 - prefill side (`KVStreamOut`, owned by the engine): `LLMEngine.stream_export(id,
-  skip_blocks)` marks a request; after each step `take_kv_chunks` returns a chunk per marked
-  request whose complete prompt blocks grew (a block is complete when every position in it ran
-  every depth: `Request.num_prefilled_tokens`, which only moves when a chunk finishes its last
-  depth, under every prompt arm). `export_request` then carries the blocks from the next unsent
-  one on. A request preempted by recompute sends its blocks again from `skip_blocks` (the
-  receiver's copies are overwritten: the recomputed K/V, not a mix, is what it decodes from).
+  skip_blocks)` marks a request; after each step `take_kv_chunks` returns, per marked request,
+  the prompt blocks of each plane that became final since the last call. A block of a plane is
+  final when every position in it ran the depth after which that plane is final
+  (`StepRules.plane_final_depth`: plane d's after depth d under LAST_EXITED; SHARED's plane
+  and a family's once planes after the last depth; `Request.prompt_positions_done`), so under
+  the per-depth and wavefront prompt arms a chunk's shallow planes leave while it still runs
+  its deeper depths, and only the last chunk's last plane waits for the first token. Planes
+  whose new blocks are the same run travel as one `KVChunk` (`planes` names them; None: every
+  plane, as an atomic chunk's do). `export_request` then carries the blocks from the first
+  one some plane has not sent on. A request preempted by recompute sends its blocks again
+  from `skip_blocks` (the receiver's copies are overwritten: the recomputed K/V, not a mix,
+  is what it decodes from).
 
 Torch-free: the K/V tensors are the runner's.
 """
@@ -33,30 +39,34 @@ from loopserve.engine.handoff import KVChunk
 from loopserve.scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
+    from loopserve.execution import StepRules
     from loopserve.runner.model_runner import ModelRunner
+    from loopserve.scheduler.request import Request
     from loopserve.scheduler.scheduler import Scheduler
 
 
 @dataclass
 class _Outgoing:
     skip_blocks: int  # blocks per plane the receiver has (its prefix cache): never sent
-    next_block: int  # the first block per plane not sent yet
+    next_block: list[int]  # per plane, the first block not sent yet
     num_preemptions: int  # the request's count when `next_block` was last valid
 
 
 class KVStreamOut:
     """The prefill side of streamed hand-offs (see the module docstring)."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, num_planes: int, rules: StepRules) -> None:
         self.block_size = block_size
+        self.num_planes = num_planes  # every plane of a request's table, once planes included
+        self.rules = rules
         self._streams: dict[str, _Outgoing] = {}
 
     def start(self, request_id: str, skip_blocks: int) -> None:
-        self._streams[request_id] = _Outgoing(skip_blocks, skip_blocks, 0)
+        self._streams[request_id] = _Outgoing(skip_blocks, [skip_blocks] * self.num_planes, 0)
 
     def take(self, scheduler: Scheduler, runner: ModelRunner, *, to_host: bool) -> list[KVChunk]:
-        """A chunk for each streamed request whose complete prompt blocks grew since the last
-        call; requests that finished or were aborted are forgotten."""
+        """The chunks of each streamed request whose final prompt blocks grew in some plane
+        since the last call; requests that finished or were aborted are forgotten."""
         chunks = []
         for request_id, out in list(self._streams.items()):
             request = scheduler.requests.get(request_id)
@@ -68,28 +78,41 @@ class KVStreamOut:
                 request_id
             ):
                 continue  # no blocks now, or a fork's copy into them still to come
-            complete = request.num_prefilled_tokens // self.block_size
-            if complete <= out.next_block:
-                continue
-            handle = KVHandle(
-                request_id, scheduler.kv.tables[request_id], complete * self.block_size
-            )
-            kv = runner.export_blocks(handle, out.next_block, to_host=to_host)
-            chunks.append(KVChunk(request_id, out.next_block, complete - out.next_block, kv))
-            out.next_block = complete
+            table = scheduler.kv.tables[request_id]
+            for (first, end), planes in self._grown(request, out).items():
+                handle = KVHandle(request_id, table, end * self.block_size)
+                selected = None if len(planes) == self.num_planes else tuple(planes)
+                kv = runner.export_blocks(handle, first, to_host=to_host, planes=selected)
+                chunks.append(KVChunk(request_id, first, end - first, kv, selected))
         return chunks
+
+    def _grown(self, request: Request, out: _Outgoing) -> dict[tuple[int, int], list[int]]:
+        """(first block, end block) -> the planes whose final blocks grew by that run, in
+        plane order; `out.next_block` moves past them."""
+        final_depth = (request.prompt_loops or self.rules.num_loops) - 1
+        done: dict[int, int] = {}  # depth -> complete blocks of positions that ran it
+        runs: dict[tuple[int, int], list[int]] = {}
+        for plane in range(self.num_planes):
+            depth = self.rules.plane_final_depth(plane, final_depth)
+            if depth not in done:
+                done[depth] = request.prompt_positions_done(depth) // self.block_size
+            first, end = out.next_block[plane], done[depth]
+            if end > first:
+                runs.setdefault((first, end), []).append(plane)
+                out.next_block[plane] = end
+        return runs
 
     def finish(self, request_id: str, num_preemptions: int) -> int:
         """The request leaves (its final hand-off): the first block per plane that hand-off
-        must carry (0 for a request not streamed)."""
+        must carry, the first one some plane has not sent (0 for a request not streamed)."""
         out = self._streams.pop(request_id, None)
         if out is None:
             return 0
         self._check_preempted(out, num_preemptions)
-        return out.next_block
+        return min(out.next_block)
 
     @staticmethod
     def _check_preempted(out: _Outgoing, num_preemptions: int) -> None:
         if num_preemptions != out.num_preemptions:  # recomputed: send everything again
-            out.next_block = out.skip_blocks
+            out.next_block = [out.skip_blocks] * len(out.next_block)
             out.num_preemptions = num_preemptions

@@ -101,7 +101,8 @@ class LLMEngine:
         self._tracked: dict[str, Request] = {}
         self._reported: dict[str, int] = {}  # output tokens already in an output
         self._arrivals = itertools.count()
-        self.kv_stream = KVStreamOut(self.kv.block_size)  # streamed hand-offs out
+        # streamed hand-offs out
+        self.kv_stream = KVStreamOut(self.kv.block_size, self.kv.num_planes, runner.rules)
         # The last step scheduled nothing, moved no K/V and reported nothing: the next one
         # would do the same until a request, import, chunk or abort arrives (`step`).
         self.stalled = False
@@ -306,9 +307,9 @@ class LLMEngine:
         return self.scheduler.admission.reserve_import(request)
 
     def write_kv_chunk(self, chunk: KVChunk) -> None:
-        """Write a streamed request's chunk into the blocks `reserve_import` reserved; blocks
-        this engine's prefix cache supplied are left as they are (a chunk replayed to another
-        replica than the one it was cut for may cover some)."""
+        """Write a streamed request's chunk into the blocks `reserve_import` reserved (in the
+        chunk's planes); blocks this engine's prefix cache supplied are left as they are (a
+        chunk replayed to another replica than the one it was cut for may cover some)."""
         reservation = self.scheduler.admission.reserved.get(chunk.request_id)
         if reservation is None or reservation.first_block is not None:
             raise InvalidRequestError(
@@ -321,9 +322,15 @@ class LLMEngine:
                 f"chunk of blocks [{chunk.first_block}, {end}) of {chunk.request_id!r} is "
                 f"outside its {len(table[0])} reserved blocks"
             )
+        planes = range(len(table)) if chunk.planes is None else chunk.planes
+        if not planes or any(not 0 <= p < len(table) for p in planes):
+            raise InvalidRequestError(
+                f"chunk of {chunk.request_id!r} names planes {chunk.planes}; this engine "
+                f"has {len(table)}"
+            )
         first = max(chunk.first_block, reservation.num_cached_blocks)
         if first < end:
-            ids = [plane[first:end] for plane in table]
+            ids = [table[p][first:end] for p in planes]
             kv = self.runner.drop_leading_blocks(
                 chunk.kv,  # type: ignore[arg-type]
                 chunk.num_blocks,

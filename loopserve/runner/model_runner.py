@@ -342,12 +342,20 @@ class ModelRunner(Executor):
         return kv, generator_state(self.samplers[request_id][1])
 
     def export_blocks(
-        self, handle: KVHandle, first_block: int, *, to_host: bool = True
+        self,
+        handle: KVHandle,
+        first_block: int,
+        *,
+        to_host: bool = True,
+        planes: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """A copy of blocks `[first_block, ...)` of every plane that cover the positions
-        `handle` names as written (a streamed hand-off's chunk). Complete blocks of a prompt are
-        final once every depth wrote them, also while later chunks still run."""
-        table = tuple(plane[first_block:] for plane in handle.block_tables)
+        """A copy of blocks `[first_block, ...)` of every plane (or of `planes`, in that order)
+        that cover the positions `handle` names as written (a streamed hand-off's chunk: a
+        prompt's blocks are final in a plane once the depth that writes it ran,
+        `StepRules.plane_final_depth`, also while later chunks still run)."""
+        tables = handle.block_tables
+        chosen = tables if planes is None else tuple(tables[p] for p in planes)
+        table = tuple(plane[first_block:] for plane in chosen)
         positions = handle.num_positions - first_block * self.moves.block_size
         return self.moves.export(table, positions, to_host=to_host)
 

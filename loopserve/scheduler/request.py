@@ -222,6 +222,16 @@ class Request:
         times.first_scheduled_s, times.first_token_s = first_scheduled_s, first_token_s
         times.token_times_s = list(token_times_s)
 
+    def prompt_positions_done(self, depth: int) -> int:
+        """Prompt positions `[0, n)` that ran `depth` (or every depth): a chunk runs a depth
+        only after the chunk before it did, so they are a prefix."""
+        done = self.num_prefilled_tokens
+        for chunk in self.prompt_chunks:
+            if chunk.next_depth <= depth:
+                break
+            done = chunk.end
+        return done
+
     def advance_chunk(self, item: WorkItem, num_loops: int) -> bool:
         """Record the depths a prompt chunk ran (`item`); True when it completed its final
         depth, `num_loops - 1` (the prompt's complete prefix then extends over it)."""

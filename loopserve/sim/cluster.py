@@ -22,16 +22,19 @@ starts at the event's time. With one colocated replica this is exactly `Simulato
   memory as NIXL over VRAM does, write GPU memory), over the host link when it landed in
   host memory (`"host"`: the object store, the torch transport, NIXL over DRAM). Either
   copy is serial with that step, which every decode row on the replica waits for.
-- PD streaming (`streaming=True`): instead of the whole K/V after the first token, each
-  prompt chunk's K/V is sent as soon as the chunk finishes its last depth on the prefill
-  replica (a request's chunks go one after another on its link, to the decode replica
-  chosen with its first chunk: the one with the fewest streamed hand-offs in flight, then
-  the least outstanding work, as the engine's router picks it), and what no chunk sent (positions served by the prefill
-  replica's prefix cache) follows the first token. Each chunk is written into the decode
-  replica's reserved blocks as it lands, holding that replica for the copy (as
-  `LLMEngine.write_kv_chunk` does between steps), and the import then copies only the
-  rest. The hand-off lands when the last byte does; the share of a request's link time that
-  ran before its first token is hidden behind prefill (`pd_scenario.ClusterStats.hidden_transfer_share`).
+- PD streaming (`streaming=True`): instead of the whole K/V after the first token, each prompt
+  chunk's K/V is sent plane by plane as soon as it is final on the prefill replica (plane d
+  once the chunk ran depth d under LAST_EXITED, so the per-depth and wavefront prompt arms send
+  a chunk's shallow planes while it runs its deeper depths; everything else once it ran its
+  last depth), as the engine's `KVStreamOut` does (a request's sends go one after another on
+  its link, to the decode replica chosen with its first chunk: the one with the fewest streamed
+  hand-offs in flight, then the least outstanding work, as the engine's router picks it), and
+  what no chunk sent (positions served by the prefill replica's prefix cache) follows the first
+  token. Each chunk is written into the decode replica's reserved blocks as it lands, holding
+  that replica for the copy (as `LLMEngine.write_kv_chunk` does between steps), and the import
+  then copies only the rest. The hand-off lands when the last byte does; the share of a
+  request's link time that ran before its first token is hidden behind prefill
+  (`pd_scenario.ClusterStats.hidden_transfer_share`).
 
 Client view: the first token is streamed when the prefill replica produces it, so a PD
 request's gap between tokens 1 and 2 includes the transfer and the decode queue; `itl` counts
@@ -282,16 +285,21 @@ class Cluster:
     def _stream_chunks(
         self, items, replica: _Replica, now: float, streams: dict, landing: list, seq
     ) -> None:
-        """Send the K/V of every prompt chunk this prefill step of `replica` completed (its
-        last depth ran), after the request's earlier chunks and what else its link carries;
-        each lands on the decode replica chosen with the request's first chunk."""
-        num_loops = replica.sim.num_loops
+        """Send the K/V that this prefill step of `replica` made final, plane by plane as
+        the engine's `KVStreamOut` does (`StepRules.plane_final_depth`: a prompt chunk's
+        plane d once it ran depth d under LAST_EXITED, the rest when it ran its last depth),
+        after the request's earlier sends and what else its link carries; each lands on the
+        decode replica chosen with the request's first chunk."""
+        rules, total = replica.sim.executor.rules, replica.sim.kv.num_planes
         for item in items:
             if item.kind is not ItemKind.PROMPT:
                 continue
-            if item.depth + item.num_depths != (item.prompt_loops or num_loops):
+            final_depth = rules.final_prompt_depth(item)
+            ran = range(item.depth, item.depth + item.num_depths)
+            planes = sum(rules.plane_final_depth(p, final_depth) in ran for p in range(total))
+            if not planes:
                 continue
-            num_bytes = self.transfer_bytes(item.token_count)
+            num_bytes = self.transfer_bytes(item.token_count) * planes // total
             stream = streams.get(item.request_id)
             if stream is None:
                 dst = _fewest_streams(self.decode, landing, streams)

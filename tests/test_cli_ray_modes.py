@@ -91,17 +91,20 @@ def _serve_and_complete(
 
 
 def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
-    """`--pd prefill=1,decode=1 --kv-handoff stream`: the prompt's complete block goes to
-    the decode replica as a chunk before the hand-off (its chunk counters say so)."""
+    """`--pd prefill=1,decode=1 --kv-handoff stream --prefill-mode per_depth` (as
+    docs/deployment.md advises): the prompt's complete block goes to the decode replica
+    plane by plane, a chunk after each loop, before the hand-off (its chunk counters say so)."""
     received = 'loopserve_kv_stream_chunks_total{direction="received",replica="1",role="decode"}'
     health = _serve_and_complete(
-        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-handoff", "stream"],
+        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-handoff", "stream",
+         "--prefill-mode", "per_depth"],
         tmp_path,
         expected,
-        metrics_until=lambda metrics: metrics.get(received, 0) > 0,
-    )
+        metrics_until=lambda metrics: metrics.get(received, 0) >= 4,
+    )  # fmt: skip
     assert health["replicas"] == 2
-    assert health["metrics"][received] == 1  # 5 prompt tokens: one complete block of 4
+    # 5 prompt tokens: one complete block of 4, in each of the tiny model's 4 planes
+    assert health["metrics"][received] == 4
 
 
 def test_pd_serve_with_the_nixl_transport_starts_from_the_command_line(

@@ -82,7 +82,7 @@ class KVStreamOut:
             for (first, end), planes in self._grown(request, out).items():
                 handle = KVHandle(request_id, table, end * self.block_size)
                 selected = None if len(planes) == self.num_planes else tuple(planes)
-                kv = runner.export_blocks(handle, first, to_host=to_host, planes=selected)
+                kv = runner.handoff.export_blocks(handle, first, to_host=to_host, planes=selected)
                 chunks.append(KVChunk(request_id, first, end - first, kv, selected))
         return chunks
 

@@ -195,10 +195,10 @@ class LLMEngine:
             self.core.deliver_bookkeeping()
         handle = self.scheduler.kv_handle(request_id)
         first_block = self.kv_stream.finish(request_id, request.num_preemptions)
-        kv, generator_state = self.runner.export_request(
+        kv, generator_state = self.runner.handoff.export_request(
             handle, to_host=to_host, first_block=first_block
         )
-        runner_state = self.runner.export_runner_state(request_id)
+        runner_state = self.runner.handoff.export_runner_state(request_id)
         times = request.times
         state = HandoffState(
             request_id=request_id,
@@ -260,7 +260,7 @@ class LLMEngine:
         )
         assert state.num_kv_positions == request.next_position, "hand-off K/V does not match"
         self._claim_reservation(state)
-        self.runner.stage_import(
+        self.runner.handoff.stage_import(
             state.request_id,
             state.kv,  # type: ignore[arg-type]
             state.generator_state,
@@ -331,12 +331,12 @@ class LLMEngine:
         first = max(chunk.first_block, reservation.num_cached_blocks)
         if first < end:
             ids = [table[p][first:end] for p in planes]
-            kv = self.runner.drop_leading_blocks(
+            kv = self.runner.handoff.drop_leading_blocks(
                 chunk.kv,  # type: ignore[arg-type]
                 chunk.num_blocks,
                 first - chunk.first_block,
             )
-            self.runner.write_blocks(chunk.request_id, kv, ids)
+            self.runner.handoff.write_blocks(chunk.request_id, kv, ids)
 
     def release_import(self, request_id: str) -> bool:
         """Free a reservation whose request will not come (its sender failed); False when

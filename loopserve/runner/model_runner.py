@@ -35,8 +35,6 @@ import torch
 from loopserve.contracts import (
     BlockTables,
     DecodeRows,
-    KVHandle,
-    KVTransfer,
     LeaveRows,
     NewRequestData,
     RequestFailure,
@@ -44,31 +42,33 @@ from loopserve.contracts import (
     RunnerStats,
     SampleSpec,
     SchedulerOutput,
-    SwapKind,
 )
-from loopserve.errors import ConfigError, InvalidRequestError
+from loopserve.errors import InvalidRequestError
 from loopserve.execution import Executor, StepRules, run_without_failed, set_up_each
 from loopserve.exit import ExitMode
 from loopserve.models.family import LoopedModel
-from loopserve.models.kv_dtype import kv_storage_dtype
 from loopserve.runner.attention.base import finalize_slots
 from loopserve.runner.attention.prefix_groups import plan_prefix_groups
 from loopserve.runner.attention.registry import make_attention_backend
-from loopserve.runner.batch_invariant import make_batch_invariant, row_by_row
-from loopserve.runner.capabilities import unsupported_options
+from loopserve.runner.batch_invariant import row_by_row
 from loopserve.runner.coda import Coda, CodaOutput, PendingLeave
 from loopserve.runner.decode_rows import DecodeStep, FedBack
-from loopserve.runner.decode_slots import DecodeSlots
 from loopserve.runner.eager_step import EagerStep
 from loopserve.runner.exit_scores import ExitScores
 from loopserve.runner.graphs import build_decode_graphs
 from loopserve.runner.handles import HandleTable
+from loopserve.runner.handoff_kv import HandoffKV
 from loopserve.runner.logits_adjust import Matcher, TokenHistory, token_history
-from loopserve.runner.loop_calls import CriterionSlots, LoopCalls
+from loopserve.runner.loop_calls import LoopCalls
 from loopserve.runner.options import RunnerOptions
 from loopserve.runner.prompt_exits import PromptExits, refused_items
+from loopserve.runner.runner_setup import (
+    check_options,
+    make_decode_slots,
+    make_kv_cache,
+    prepare_model,
+)
 from loopserve.runner.sampler import (
-    generator_state,
     is_greedy,
     make_generator,
     restore_generator,
@@ -94,28 +94,8 @@ class ModelRunner(Executor):
     ) -> None:
         """`options`: what it runs (`RunnerOptions`); `make_matcher`: a fresh grammar matcher
         for a request with structured output (the tokenizer's)."""
-        self._check(model, options)
-        if options.batch_invariant:
-            make_batch_invariant(model)
-            model.make_rows_invariant()
-        elif options.fused_linears and not model.lm_head.weight.is_cuda:
-            logger.warning(
-                "fused_linears runs on CUDA only; on %s the model runs its torch path",
-                model.lm_head.weight.device,
-            )
-        elif model.lm_head.weight.is_cuda:
-            # Each residual add and the norms around it, the rotary embedding, SiLU-and-
-            # multiply: one kernel each (on CUDA, with Triton installed; the CPU torch path
-            # stays the oracle, tests/test_fused_norms.py, tests/test_fused_ops.py).
-            try:
-                from loopserve.runner.fused_ops import install_fused_kernels
-            except ImportError:  # no Triton: the torch ops
-                if options.fused_linears:
-                    logger.warning("fused_linears needs Triton (not installed): the torch ops run")
-            else:
-                install_fused_kernels(
-                    model, linears=options.fused_linears, max_positions=options.max_model_len
-                )
+        check_options(model, options)
+        prepare_model(model, options)
         self.model, self.options = model, options
         self.num_loops = model.num_loops
         self.block_size = options.block_size
@@ -129,7 +109,7 @@ class ModelRunner(Executor):
         param = model.lm_head.weight
         self.device, self.dtype = param.device, param.dtype
         self.scale = model.config.head_dim**-0.5
-        self.kv_cache = self._kv_cache()
+        self.kv_cache = make_kv_cache(model, options, self.dtype, self.device)
         self.hazard_fn = self._hazard_fn()  # None: a criterion family has no hazard
         self.samplers: dict[str, Sampler] = {}
         self.make_matcher = make_matcher
@@ -156,7 +136,8 @@ class ModelRunner(Executor):
             hazards=self._timed_hazards(), samplers=self.samplers, transfers=self.transfers,
             inflight=self.inflight,
         )  # fmt: skip
-        self.decode_slots = self._decode_slots()
+        self.decode_slots = make_decode_slots(model, options, self.rules.num_planes, self.dtype,
+                                              self.device)  # fmt: skip
         self.decode = DecodeStep(
             self.decode_slots, calls=self.calls, hazards=self._timed_hazards(),
             finalize=self._finalize_slots, transfers=self.transfers,
@@ -164,30 +145,10 @@ class ModelRunner(Executor):
         )  # fmt: skip
         self.eager = self._eager_step()
         self.graphs, self.graph_capture_error = self._graphs()
+        # Prefill/decode hand-offs: K/V and state out of and into this runner.
+        self.handoff = HandoffKV(self.moves, self.inflight, self.samplers, self.calls)
 
     # ---- builders (the constructor's parts) ---------------------------------------------
-
-    @staticmethod
-    def _check(model: LoopedModel, options: RunnerOptions) -> None:
-        """A start-up error naming every option the model's math rules out."""
-        assert not (options.batch_invariant and options.graph_mode != "off"), "graphs pad rows"
-        problems = unsupported_options(
-            model, graph_mode=options.graph_mode, batch_invariant=options.batch_invariant,
-            lookup=options.lookup, layout=options.layout, prompt_exits=options.prompt_exits,
-            init_scale=options.init_scale,
-        )  # fmt: skip
-        if problems:
-            raise ConfigError("this model does not run with " + "; ".join(problems))
-
-    def _kv_cache(self) -> torch.Tensor:
-        """The paged K/V of every plane, [layers, K/V, slots, kv_heads, head_dim]; with graphs
-        one more block (index `num_blocks`) for padding rows."""
-        options, config = self.options, self.model.config
-        blocks = options.num_blocks + (options.graph_mode != "off")
-        shape = (self.model.kv_layers, 2, blocks * options.block_size,
-                 config.num_key_value_heads, config.head_dim)  # fmt: skip
-        dtype = kv_storage_dtype(options.kv_cache_dtype, self.dtype)
-        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def _hazard_fn(self):
         """The model's exit hazard over carried rows (the lookahead head's under
@@ -206,27 +167,6 @@ class ModelRunner(Executor):
 
     def _finalize_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.attention.finalize(src, dst)
-
-    def _decode_slots(self) -> DecodeSlots:
-        """Decode state: one slot per decoding request (its carried state, its criterion's
-        fields for a criterion family); its tables' padding is the graphs' dummy block (one
-        block past the pool) when graphs run."""
-        options, model = self.options, self.model
-        config = model.config
-        max_model_len = options.max_model_len or config.max_position_embeddings
-        slots = DecodeSlots(
-            options.max_num_seqs, hidden_size=model.state_width,
-            once_planes=config.extra_kv_planes, num_planes=self.rules.num_planes,
-            block_size=options.block_size, max_blocks=-(-max_model_len // options.block_size),
-            padding_block=options.num_blocks if options.graph_mode != "off" else 0,
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
-        if model.signal_kind == "criterion":
-            slots.criterion = CriterionSlots(
-                options.criterion, vocab_size=config.vocab_size,
-                threshold=options.criterion_threshold, capacity=options.max_num_seqs,
-            )  # fmt: skip
-        return slots
 
     def _eager_step(self) -> EagerStep:
         options, criterion = self.options, self.decode_slots.criterion
@@ -327,77 +267,6 @@ class ModelRunner(Executor):
             new, self.model.config.vocab_size, self.transfers, self.make_matcher
         )
         return new.sample_spec, generator, history
-
-    # ---- hand-off (prefill/decode disaggregation) -------------------------------------------
-
-    def export_request(
-        self, handle: KVHandle, *, to_host: bool = True, first_block: int = 0
-    ) -> tuple[torch.Tensor, bytes | None]:
-        """A copy of the K/V `handle` names (every plane, see `KVMoves.export`; from block
-        `first_block` of each plane on) and the request's generator state (None when greedy);
-        nothing of it may be in flight."""
-        request_id = handle.request_id
-        assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
-        kv = self.export_blocks(handle, first_block, to_host=to_host)
-        return kv, generator_state(self.samplers[request_id][1])
-
-    def export_blocks(
-        self,
-        handle: KVHandle,
-        first_block: int,
-        *,
-        to_host: bool = True,
-        planes: tuple[int, ...] | None = None,
-    ) -> torch.Tensor:
-        """A copy of blocks `[first_block, ...)` of every plane (or of `planes`, in that order)
-        that cover the positions `handle` names as written (a streamed hand-off's chunk: a
-        prompt's blocks are final in a plane once the depth that writes it ran,
-        `StepRules.plane_final_depth`, also while later chunks still run)."""
-        tables = handle.block_tables
-        chosen = tables if planes is None else tuple(tables[p] for p in planes)
-        table = tuple(plane[first_block:] for plane in chosen)
-        positions = handle.num_positions - first_block * self.moves.block_size
-        return self.moves.export(table, positions, to_host=to_host)
-
-    @staticmethod
-    def drop_leading_blocks(kv: torch.Tensor, num_blocks: int, count: int) -> torch.Tensor:
-        """`kv` (`num_blocks` blocks of each plane, plane-major, as `export_blocks` makes it)
-        without the first `count` blocks of each plane."""
-        if count == 0:
-            return kv
-        planes = kv.shape[2] // num_blocks
-        split = kv.unflatten(2, (planes, num_blocks))[:, :, :, count:]
-        return split.flatten(2, 3)
-
-    def write_blocks(self, request_id: str, kv: torch.Tensor, block_ids: list[list[int]]) -> None:
-        """Write a streamed hand-off's chunk (`kv`, as `export_blocks` made it) into the blocks
-        `block_ids` (one list per plane) that this cache reserved for it."""
-        self.moves.swap.check_import(kv)
-        count = len(block_ids[0])
-        moves = tuple(
-            (p * count + i, b) for p, ids in enumerate(block_ids) for i, b in enumerate(ids)
-        )
-        self.moves.swap.import_blocks(kv, KVTransfer(SwapKind.IMPORT, request_id, moves))
-
-    def export_runner_state(self, request_id: str) -> dict | None:
-        """What the runner keeps of a request besides K/V and the sampler (drawn initial
-        states, the `full` lookup's record: `LoopCalls.export_state`); None when nothing."""
-        return self.calls.export_state(request_id)
-
-    def stage_import(
-        self,
-        request_id: str,
-        kv: torch.Tensor,
-        generator_state: bytes | None,
-        *,
-        runner_state: object = None,
-    ) -> None:
-        """Hold a handed-off request's K/V, generator state and runner state until the
-        scheduler admits it (`KVTransfer(IMPORT)` and its `NewRequestData`), or releases it
-        (aborted first)."""
-        if runner_state is not None and not isinstance(runner_state, dict):
-            raise ValueError("a hand-off's runner state is export_runner_state's dict")
-        self.moves.stage_import(request_id, kv, generator_state, runner_state)
 
     def _drop_request(self, request_id: str) -> None:
         self.calls.drop(request_id)

@@ -17,9 +17,14 @@ from loopserve.contracts import SampleSpec
 from loopserve.runner.logits_adjust import TokenHistory, adjust_rows
 from loopserve.runner.sampler import (
     MAX_BATCHED_GROUPS,
+    NO_MASS,
+    NOT_A_DISTRIBUTION,
     batches_filtering,
+    draw_failure,
+    draw_rows,
     filtered_probs,
     make_generator,
+    read_samples,
     sample_on_device,
     sample_rows,
 )
@@ -201,8 +206,8 @@ def test_a_batch_samples_each_row_as_that_row_alone_with_its_seed():
         generators = [make_generator(100 * draw + row) for row in range(len(logits))]
         failures: dict[int, str] = {}
         batch = sample_on_device(logits, MIXED_SPECS, generators, failures, batched=True)
-        tokens = batch.packed.long().tolist()
-        assert list(failures) == [5]
+        tokens, _, failed = read_samples(batch, batch.packed.tolist())
+        assert failures == {} and list(failed) == [5]  # found by the draw's checks, read back
         for row, spec in enumerate(MIXED_SPECS):
             if row == 5:
                 continue
@@ -213,7 +218,10 @@ def test_a_batch_samples_each_row_as_that_row_alone_with_its_seed():
 def test_sampling_a_call_costs_a_fixed_number_of_operations_plus_one_draw_per_row():
     """Device operations (kernels on a GPU), counted by dispatch: rows with the same values
     share one filtering, so 86 sampled rows with top-k and top-p cost 86 draws and a fixed
-    handful, not about 16 operations each (1,378 before batching). The default batches
+    handful, not about 16 operations each (1,378 before batching). A draw is one exponential
+    fill: the distributions' checks, division and argmax run once for every row (a
+    `torch.multinomial` per row counted as one operation here, but ran its checks, with two
+    reads back to the host, its division and its argmax for each row). The default batches
     exactly where operations are launches."""
     spec = SampleSpec(temperature=0.8, top_k=50, top_p=0.9)
 
@@ -225,9 +233,77 @@ def test_sampling_a_call_costs_a_fixed_number_of_operations_plus_one_draw_per_ro
         return sum(kernels_of(seen[0]).values())
 
     fixed = count(1) - 1
-    assert fixed <= 20
+    assert fixed <= 24
     assert count(86) == fixed + 86
     assert batches_filtering(torch.device("cuda")) and not batches_filtering(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 49_152])
+def test_draws_are_multinomials_bit_for_bit_and_leave_each_generator_where_it_would(vocab):
+    """`draw_rows` (one exponential fill per row, the rest batched) against a
+    `torch.multinomial(p, 1)` per row with the same seeds: the same token in every row and
+    every generator in the same state after, draw after draw, over peaked, flat, filtered
+    (zeros) and one-token distributions; greedy rows in between keep their tokens."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab) * torch.tensor([[0.1], [1.0], [4.0], [1.0], [2.0], [1.0]])
+    dists = torch.softmax(logits, dim=-1)
+    dists[3, vocab // 2 :] = 0.0  # a filtered support
+    dists[5] = 0.0
+    dists[5, vocab - 1] = 1.0  # a single token
+    rows = [0, 2, 3, 4, 5]  # row 1 is greedy
+    ours = [make_generator(10 + row) for row in range(6)]
+    theirs = [make_generator(10 + row) for row in range(6)]
+    for _ in range(4):
+        token_ids = torch.full((6,), -7, dtype=torch.int64)
+        draw_rows(lambda row: dists[row], rows, ours, token_ids, {})
+        expected = [
+            int(torch.multinomial(dists[row], 1, generator=theirs[row])) if row in rows else -7
+            for row in range(6)
+        ]
+        assert token_ids.tolist() == expected
+        for mine, reference in zip(ours, theirs, strict=True):
+            assert torch.equal(mine.get_state(), reference.get_state())
+
+
+def test_a_row_that_is_no_distribution_fails_alone_as_multinomial_would():
+    """NaN, inf, a negative value or no mass: the draw's checks, read back with the tokens,
+    give that row multinomial's reason; a row whose filtering raises is recorded at once and
+    draws nothing (its generator does not move); the other rows draw what they draw alone.
+    Through `sample_rows` without `failures`, such a row raises."""
+    dists = torch.softmax(torch.randn(7, 64), dim=-1)
+    dists[1, 3] = float("nan")
+    dists[2, 5] = float("inf")
+    dists[3, 9] = -0.5
+    dists[4] = 0.0
+
+    def probs(row: int) -> torch.Tensor:
+        if row == 5:
+            raise ValueError("the row's filtering failed")
+        return dists[row]
+
+    generators = [make_generator(row) for row in range(7)]
+    token_ids = torch.full((7,), -1, dtype=torch.int64)
+    failures: dict[int, str] = {}
+    drawn, checks = draw_rows(probs, list(range(7)), generators, token_ids, failures)
+    assert failures == {5: "ValueError: the row's filtering failed"}
+    assert drawn == (0, 1, 2, 3, 4, 6)
+    values = checks.tolist()
+    reasons = {row: draw_failure(m, low) for row, m, low in zip(drawn, values[:6], values[6:])}
+    assert reasons == {0: None, 1: NOT_A_DISTRIBUTION, 2: NOT_A_DISTRIBUTION,
+                       3: NOT_A_DISTRIBUTION, 4: NO_MASS, 6: None}  # fmt: skip
+    assert int(token_ids[5]) == -1
+    assert torch.equal(generators[5].get_state(), make_generator(5).get_state())
+    for row in (0, 6):
+        alone = torch.multinomial(dists[row], 1, generator=make_generator(row))
+        assert int(token_ids[row]) == int(alone)
+    logits = torch.randn(2, 64)
+    logits[1] = float("nan")
+    spec = SampleSpec(temperature=0.8)
+    failed: dict[int, str] = {}
+    sample_rows(logits, [spec, spec], [make_generator(0), make_generator(1)], failures=failed)
+    assert failed == {1: f"RuntimeError: {NOT_A_DISTRIBUTION}"}
+    with pytest.raises(RuntimeError, match="inf, nan"):
+        sample_rows(logits, [spec, spec], [make_generator(0), make_generator(1)])
 
 
 class _EveryOtherToken:

@@ -113,22 +113,21 @@ def test_bench_host_samples_when_told_from_the_command_line(
 ):
     """`bench host --temperature T --top-p P`: every request samples (one seeded draw per
     exiting token, top-p filtering before it); without the flags every token is greedy."""
-    import torch
 
     from loopserve.cli.main import main
 
     seen = {"draws": 0, "top_p": set()}
-    multinomial, filtered = torch.multinomial, sampler.filtered_probs
+    draw_rows, filtered = sampler.draw_rows, sampler.filtered_probs
 
-    def draw(*args, **kwargs):
-        seen["draws"] += 1
-        return multinomial(*args, **kwargs)
+    def draw(probs, rows, *args):
+        seen["draws"] += len(rows)
+        return draw_rows(probs, rows, *args)
 
     def filtering(logits, spec):
         seen["top_p"].add(spec.top_p)
         return filtered(logits, spec)
 
-    monkeypatch.setattr(torch, "multinomial", draw)
+    monkeypatch.setattr(sampler, "draw_rows", draw)
     monkeypatch.setattr(sampler, "filtered_probs", filtering)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the command sets it; restored after the test
     out = tmp_path / "host.json"

@@ -156,7 +156,8 @@ class PendingLeave:
         """One result per row, `exited` False where sampling raised (that request fails
         alone, reported); the tokens recorded in their requests' histories."""
         assert self._read is not None, "the leave batch's samples were never read"
-        sampled, with_logprobs = read_samples(self.batch, self._read)
+        sampled, with_logprobs, failed = read_samples(self.batch, self._read)
+        self.failures.update(failed)
         ids, m = self.leave.request_ids, len(self.leave)
         token_ids = np.array(sampled, np.int64)
         exited = np.ones(m, bool)
@@ -431,7 +432,8 @@ class Coda:
         """One sampling pass over logits, read: (token ids, row -> `SampledToken` with
         log-probabilities, row -> sampling error)."""
         batch, failures = self._sample_on_device(logits, samplers)
-        token_ids, with_logprobs = read_samples(batch, self.transfers.to_host(batch.packed))
+        token_ids, with_logprobs, failed = read_samples(batch, self.transfers.to_host(batch.packed))
+        failures.update(failed)
         return token_ids, with_logprobs, failures
 
     def _record(self, request_id: str, token_id: int) -> None:

@@ -5,7 +5,8 @@ Every row draws from its own `torch.Generator`, so a request's tokens depend onl
 logits, its tokens and its seed, never on which other rows share the batch. Rows that share
 their sampling values (temperature, top-k, top-p) are filtered together, in one batched
 `filtered_probs` whose every operation works along the vocabulary (a row's probabilities
-are bit for bit those it gets alone), and each then makes one draw: a call costs a fixed
+are bit for bit those it gets alone), and each then makes one draw (`draw_rows`: the draw
+`torch.multinomial` makes, with only the exponential fill per row): a call costs a fixed
 number of device operations plus one per sampled row, where filtering rows one by one cost
 5-17 operations each (each a kernel launch on a GPU). On CPU rows are filtered one by one
 (`batches_filtering`: there an operation costs its arithmetic, not a launch). The dense
@@ -18,6 +19,7 @@ by `runner/logits_adjust.py` (`adjust_rows`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -129,6 +131,67 @@ def row_probs(
     return probs
 
 
+# Why a distribution cannot be drawn from: torch.multinomial's checks and messages.
+NOT_A_DISTRIBUTION = "probability tensor contains either inf, nan or element < 0"
+NO_MASS = "invalid multinomial distribution (sum of probabilities <= 0)"
+
+
+def draw_failure(mass: float, lowest: float) -> str | None:
+    """Why a distribution whose values sum to `mass` and whose least value is `lowest`
+    cannot be drawn from (None: it can). A mass is finite exactly when no value is NaN or
+    inf (values <= 1 cannot overflow it)."""
+    if not (math.isfinite(mass) and lowest >= 0):
+        return NOT_A_DISTRIBUTION
+    if mass <= 0:
+        return NO_MASS
+    return None
+
+
+def draw_rows(
+    probs: Callable[[int], torch.Tensor],
+    rows: list[int],
+    generators: Sequence[torch.Generator | None],
+    token_ids: torch.Tensor,
+    failures: dict[int, str] | None,
+) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """Each of `rows` draws its token from `probs(row)` with its own generator, into
+    `token_ids[row]`: the draw `torch.multinomial(p, 1, generator=g)` makes, bit for bit (it
+    takes argmax(p / q) with q ~ Exp(1) filled from g, and the generator ends in the same
+    state; tested), with one exponential fill per row and the division and argmax once for
+    all rows, where multinomial costs each row its own checks (each read back to the host: a
+    synchronization on a GPU), division and argmax. Nothing is read here: what multinomial
+    checks (inf, NaN, a negative value, no mass) comes back with the caller's one read, as
+    each drawn row's mass and least value (float64, masses first; `draw_failure` reads
+    them), and a row that fails them has a meaningless token (its request fails). A row
+    whose filtering raises draws nothing and is recorded in `failures` ("Type: message");
+    without `failures` it raises. Returns (the rows drawn, their checks), or ((), None)."""
+    kept, dists = [], []
+    for row in rows:
+        try:
+            dists.append(probs(row))
+        except (RuntimeError, ValueError) as err:
+            if failures is None:
+                raise
+            failures[row] = f"{type(err).__name__}: {err}"
+            continue
+        kept.append(row)
+    if not kept:
+        return (), None
+    stacked = torch.stack(dists)  # [kept, vocab]
+    checks = torch.stack([stacked.sum(dim=-1), stacked.amin(dim=-1)]).double().reshape(-1)
+    exponential = torch.empty_like(stacked)
+    for i, row in enumerate(kept):
+        exponential[i].exponential_(generator=generators[row])
+    drawn = torch.argmax(torch.div(stacked, exponential, out=exponential), dim=-1)
+    first, count = kept[0], len(kept)
+    if kept[-1] - first + 1 == count:  # a run of rows (often all of them): one copy
+        token_ids[first : first + count].copy_(drawn)
+    else:  # each row into its slot (no index tensor to send to the device)
+        for i, row in enumerate(kept):
+            token_ids[row : row + 1].copy_(drawn[i : i + 1])
+    return tuple(kept), checks
+
+
 def speculative_sample(
     probs: torch.Tensor, draft: torch.Tensor | None, draft_token: int, generator
 ) -> torch.Tensor:
@@ -155,12 +218,15 @@ def sampling_failure(request_id: str, error: str) -> RequestFailure:
 
 class SampleBatch(NamedTuple):
     """Sampled rows on the device, not read yet: `packed` (float64; token ids are exact) holds
-    the token ids, then for rows that ask for log-probabilities the chosen token's log-prob
-    and the top `num_top` values and ids of every row (`read_samples` unpacks it)."""
+    the token ids, then, when a row asks for log-probabilities, every row's chosen token's
+    log-prob and top `num_top` values and ids, then the checks of the rows `drawn`
+    (`draw_rows`: their masses, then their least values); `read_samples` unpacks it."""
 
     packed: torch.Tensor
     num_logprobs: tuple[int | None, ...]  # per row: its request's `num_logprobs`
     num_top: int
+    drawn: tuple[int, ...] = ()  # the rows that drew from a distribution (checks last)
+    has_logprobs: bool = False
 
 
 def sample_on_device(
@@ -177,51 +243,59 @@ def sample_on_device(
     `batched`: filter rows that share their values together (None: `batches_filtering` of
     the device; either way every row gets the same token).
 
-    `failures`: when given, a row whose sampling raises is recorded there (row -> "Type:
-    message") and gets the greedy token instead, so one request's values never fail the
-    other rows of the call (the caller fails that request); without it the error raises."""
+    `failures`: when given, a row whose adjustments or filtering raise is recorded there
+    (row -> "Type: message") and gets the greedy token instead, so one request's values
+    never fail the other rows of the call (the caller fails that request); without it the
+    error raises. A row whose distribution cannot be drawn from is found when the batch is
+    read (`read_samples` returns it; no read back here)."""
     logits = logits.float()
     batched = batches_filtering(logits.device) if batched is None else batched
     if histories is not None:
         logits = adjust_rows(logits, specs, histories, failures, batched)
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
-    probs = row_probs(logits, specs, batched=batched)
-    for row, spec in enumerate(specs):
-        if is_greedy(spec):
-            continue
-        try:
-            # Each row draws from its own generator, into its own slot: one operation.
-            torch.multinomial(
-                probs(row), 1, generator=generators[row], out=token_ids[row : row + 1]
-            )
-        except (RuntimeError, ValueError) as err:
-            if failures is None:
-                raise
-            failures[row] = f"{type(err).__name__}: {err}"
+    sampled = [row for row, spec in enumerate(specs) if not is_greedy(spec)]
+    drawn: tuple[int, ...] = ()
+    checks = None
+    if sampled:
+        probs = row_probs(logits, specs, batched=batched)
+        drawn, checks = draw_rows(probs, sampled, generators, token_ids, failures)
     num_logprobs = tuple(spec.num_logprobs for spec in specs)
     wanted = [n for n in num_logprobs if n is not None]
-    if not wanted:
-        return SampleBatch(token_ids.double(), num_logprobs, 0)
-    num_top = max(wanted)
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]  # [rows]
-    parts = [token_ids.double(), chosen.double()]
-    if num_top > 0:
-        values, ids = torch.topk(logprobs_all, num_top)  # [rows, num_top], best first
-        parts += [values.double().reshape(-1), ids.double().reshape(-1)]
-    return SampleBatch(torch.cat(parts), num_logprobs, num_top)
+    parts = [token_ids.double()]
+    num_top = max(wanted) if wanted else 0
+    if wanted:
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs_all.gather(1, token_ids[:, None])[:, 0]  # [rows]
+        parts.append(chosen.double())
+        if num_top > 0:
+            values, ids = torch.topk(logprobs_all, num_top)  # [rows, num_top], best first
+            parts += [values.double().reshape(-1), ids.double().reshape(-1)]
+    if checks is not None:
+        parts.append(checks)
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return SampleBatch(packed, num_logprobs, num_top, drawn, bool(wanted))
 
 
 def read_samples(
     batch: SampleBatch, packed: list[float]
-) -> tuple[list[int], dict[int, SampledToken]]:
-    """The token id of every row, and the `SampledToken` (log-prob and top alternatives) of
-    each row whose request asked for log-probabilities, from `batch.packed` read to the host."""
+) -> tuple[list[int], dict[int, SampledToken], dict[int, str]]:
+    """From `batch.packed` read to the host: the token id of every row, the `SampledToken`
+    (log-prob and top alternatives) of each row whose request asked for log-probabilities,
+    and the rows whose distribution could not be drawn from ("RuntimeError: reason": their
+    requests fail alone, as when `sample_on_device` records a failure)."""
     rows = len(batch.num_logprobs)
     token_ids = [int(value) for value in packed[:rows]]
     with_logprobs: dict[int, SampledToken] = {}
-    if not rows or len(packed) == rows:
-        return token_ids, with_logprobs
+    failed: dict[int, str] = {}
+    if batch.drawn:
+        num = len(batch.drawn)
+        checks = packed[len(packed) - 2 * num :]
+        for row, mass, lowest in zip(batch.drawn, checks[:num], checks[num:], strict=True):
+            reason = draw_failure(mass, lowest)
+            if reason is not None:
+                failed[row] = f"RuntimeError: {reason}"
+    if not batch.has_logprobs:
+        return token_ids, with_logprobs, failed
     num_top = batch.num_top
     for row, wanted in enumerate(batch.num_logprobs):
         if wanted is None:
@@ -232,7 +306,7 @@ def read_samples(
             id_base = base + rows * num_top
             top = tuple((int(packed[id_base + j]), packed[base + j]) for j in range(wanted))
         with_logprobs[row] = SampledToken(token_ids[row], packed[rows + row], top)
-    return token_ids, with_logprobs
+    return token_ids, with_logprobs, failed
 
 
 def sample_rows(
@@ -246,7 +320,11 @@ def sample_rows(
     """`sample_on_device`, read back in one copy (`transfers`): one `SampledToken` per row."""
     transfers = transfers or Transfers(logits.device)
     batch = sample_on_device(logits, specs, generators, failures, histories)
-    token_ids, with_logprobs = read_samples(batch, transfers.to_host(batch.packed))
+    token_ids, with_logprobs, failed = read_samples(batch, transfers.to_host(batch.packed))
+    if failed and failures is None:
+        raise RuntimeError(failed[min(failed)].removeprefix("RuntimeError: "))
+    if failures is not None:
+        failures.update(failed)
     return [with_logprobs.get(row) or SampledToken(t) for row, t in enumerate(token_ids)]
 
 

@@ -21,6 +21,7 @@ from loopserve.runner.sampler import (
     NOT_A_DISTRIBUTION,
     batches_filtering,
     draw_failure,
+    draw_one,
     draw_rows,
     filtered_probs,
     make_generator,
@@ -243,7 +244,8 @@ def test_draws_are_multinomials_bit_for_bit_and_leave_each_generator_where_it_wo
     """`draw_rows` (one exponential fill per row, the rest batched) against a
     `torch.multinomial(p, 1)` per row with the same seeds: the same token in every row and
     every generator in the same state after, draw after draw, over peaked, flat, filtered
-    (zeros) and one-token distributions; greedy rows in between keep their tokens."""
+    (zeros) and one-token distributions; greedy rows in between keep their tokens. And
+    `draw_one`, a row alone, the same."""
     torch.manual_seed(vocab)
     logits = torch.randn(6, vocab) * torch.tensor([[0.1], [1.0], [4.0], [1.0], [2.0], [1.0]])
     dists = torch.softmax(logits, dim=-1)
@@ -263,6 +265,13 @@ def test_draws_are_multinomials_bit_for_bit_and_leave_each_generator_where_it_wo
         assert token_ids.tolist() == expected
         for mine, reference in zip(ours, theirs, strict=True):
             assert torch.equal(mine.get_state(), reference.get_state())
+    # One row alone (`draw_one`, the speculative rows' draw) makes the same draws too.
+    one, reference = make_generator(3), make_generator(3)
+    for row in rows:
+        assert int(draw_one(dists[row], one)) == int(
+            torch.multinomial(dists[row], 1, generator=reference)
+        )
+        assert torch.equal(one.get_state(), reference.get_state())
 
 
 def test_a_row_that_is_no_distribution_fails_alone_as_multinomial_would():

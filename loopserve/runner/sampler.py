@@ -178,7 +178,7 @@ def draw_rows(
     if not kept:
         return (), None
     stacked = torch.stack(dists)  # [kept, vocab]
-    checks = torch.stack([stacked.sum(dim=-1), stacked.amin(dim=-1)]).double().reshape(-1)
+    checks = draw_checks(stacked)
     exponential = torch.empty_like(stacked)
     for i, row in enumerate(kept):
         exponential[i].exponential_(generator=generators[row])
@@ -199,16 +199,43 @@ def speculative_sample(
     draft with probability min(1, p/q), else draw from max(0, p - q) normalized (the
     speculative-sampling rule; the result follows p). Without a draft, a plain draw from p.
     On the device, without a sync: the residual draw is made either way (fresh randomness,
-    discarded when the draft is kept)."""
+    discarded when the draft is kept). Each draw is `draw_one`'s: multinomial's without its
+    checks, which the caller reads along with its tokens (`draw_failure`)."""
     if draft is None or draft_token < 0:
-        return torch.multinomial(probs, 1, generator=generator)[0]
+        return draw_one(probs, generator)
     keep = torch.rand((), generator=generator, device=probs.device) * draft[draft_token]
     keep = keep <= probs[draft_token]
     residual = (probs - draft).clamp_min(0.0)
     # p == q leaves no residual, and then the draft is always kept: any valid row will do.
     residual = torch.where(residual.sum() > 0, residual, probs)
-    resampled = torch.multinomial(residual, 1, generator=generator)[0]
+    resampled = draw_one(residual, generator)
     return torch.where(keep, resampled.new_full((), draft_token), resampled)
+
+
+def draw_one(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A token from `probs` [vocab] with `generator`: the draw `torch.multinomial(probs, 1)`
+    makes, bit for bit, and the generator's state after it (argmax(p / q), q ~ Exp(1) from
+    the generator), in three operations and without multinomial's checks and their two
+    reads back to the host; the caller checks the distribution with its read
+    (`draw_checks`, `draw_failure`)."""
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(generator=generator))
+
+
+def draw_checks(stacked: torch.Tensor) -> torch.Tensor:
+    """What `draw_failure` needs of each distribution (a row of `stacked` [rows, vocab]), as
+    float64 for a read along with the tokens: every mass, then every least value."""
+    return torch.stack([stacked.sum(dim=-1), stacked.amin(dim=-1)]).double().reshape(-1)
+
+
+def check_failures(rows: Sequence[int], checks: Sequence[float]) -> dict[int, str]:
+    """Row -> "RuntimeError: reason" for each of `rows` whose distribution `draw_checks`
+    read back as `checks` cannot be drawn from."""
+    num, failed = len(rows), {}
+    for row, mass, lowest in zip(rows, checks[:num], checks[num : 2 * num], strict=True):
+        reason = draw_failure(mass, lowest)
+        if reason is not None:
+            failed[row] = f"RuntimeError: {reason}"
+    return failed
 
 
 def sampling_failure(request_id: str, error: str) -> RequestFailure:
@@ -288,12 +315,7 @@ def read_samples(
     with_logprobs: dict[int, SampledToken] = {}
     failed: dict[int, str] = {}
     if batch.drawn:
-        num = len(batch.drawn)
-        checks = packed[len(packed) - 2 * num :]
-        for row, mass, lowest in zip(batch.drawn, checks[:num], checks[num:], strict=True):
-            reason = draw_failure(mass, lowest)
-            if reason is not None:
-                failed[row] = f"RuntimeError: {reason}"
+        failed = check_failures(batch.drawn, packed[len(packed) - 2 * len(batch.drawn) :])
     if not batch.has_logprobs:
         return token_ids, with_logprobs, failed
     num_top = batch.num_top

@@ -13,6 +13,8 @@ import torch
 from loopserve.contracts import ItemKind, SampledToken
 from loopserve.runner.sampler import (
     batches_filtering,
+    check_failures,
+    draw_checks,
     is_greedy,
     row_probs,
     sampling_failure,
@@ -74,6 +76,7 @@ class SpecSamples:
         batched = batches_filtering(logits.device) if self.batched is None else self.batched
         filtered = row_probs(logits, specs, batched=batched)
         failed = []
+        drawn, dists = [], []  # rows that drew, and their distributions (checked on the read)
         for row, i in enumerate(wanted):
             item = items[i]
             spec, generator, _ = self.samplers[item.request_id]
@@ -82,14 +85,22 @@ class SpecSamples:
             key = (item.request_id, item.handle)
             try:
                 probs = filtered(row)
-                if not exited[i]:  # a draft; a deeper loop's keeps the last one by the rule
-                    earlier = self.drafts.get(key)
-                    tokens[row] = speculative_sample(probs, earlier, item.verify_token, generator)
-                    self.drafts[key] = probs
-                else:
-                    draft = self.drafts.pop(key, None)
-                    tokens[row] = speculative_sample(probs, draft, item.verify_token, generator)
             except (RuntimeError, ValueError) as err:
                 failed.append(sampling_failure(item.request_id, f"{type(err).__name__}: {err}"))
-        token_ids = self.transfers.to_host(tokens)
-        return {i: SampledToken(int(t)) for i, t in zip(wanted, token_ids)}, failed
+                continue
+            if not exited[i]:  # a draft; a deeper loop's keeps the last one by the rule
+                earlier = self.drafts.get(key)
+                tokens[row] = speculative_sample(probs, earlier, item.verify_token, generator)
+                self.drafts[key] = probs
+            else:
+                draft = self.drafts.pop(key, None)
+                tokens[row] = speculative_sample(probs, draft, item.verify_token, generator)
+            drawn.append(row)
+            dists.append(probs)
+        packed = tokens.double()
+        if dists:  # multinomial's checks of each drawn distribution, read with the tokens
+            packed = torch.cat([packed, draw_checks(torch.stack(dists))])
+        values = self.transfers.to_host(packed)
+        for row, error in check_failures(drawn, values[len(wanted) :]).items():
+            failed.append(sampling_failure(items[wanted[row]].request_id, error))
+        return {i: SampledToken(int(t)) for i, t in zip(wanted, values)}, failed

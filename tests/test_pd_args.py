@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from loopserve.cli.main import main
-from loopserve.distributed.args import PDSpec, parse_pd_spec, uses_ray
+from loopserve.distributed.args import PDSpec, parse_pd_spec, stream_hint, uses_ray
 
 
 @pytest.mark.parametrize(
@@ -124,3 +124,18 @@ def test_kv_handoff_reaches_the_pool_and_auto_streams_through_the_object_store()
     assert (pool.kv_handoff, pool.kv_transport, pool.streams_kv) == ("stream", "ray", True)
     pool = build_pool(parser.parse_args(flags[:2]), {"block_size": 4}, print)
     assert (pool.kv_handoff, pool.streams_kv) == ("whole", False)
+
+
+def test_streaming_under_the_atomic_arm_gets_a_start_up_note():
+    """`serve --pd ... --kv-handoff stream` with the atomic prompt arm (the default) logs why
+    `--prefill-mode per_depth` hides more; with per_depth, or whole hand-offs, nothing."""
+    from loopserve.cli.serve import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    base = ["--pd", "prefill=1,decode=1"]
+    note = stream_hint(parser.parse_args([*base, "--kv-handoff", "stream"]))
+    assert note is not None and "--prefill-mode per_depth" in note
+    per_depth = [*base, "--kv-handoff", "stream", "--prefill-mode", "per_depth"]
+    assert stream_hint(parser.parse_args(per_depth)) is None
+    assert stream_hint(parser.parse_args(base)) is None

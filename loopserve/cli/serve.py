@@ -15,6 +15,7 @@ from pathlib import Path
 from loopserve.distributed.args import (
     add_distributed_args,
     check_distributed_args,
+    stream_hint,
     uses_ray,
 )
 from loopserve.engine_args import add_engine_args, engine_args_from
@@ -70,6 +71,9 @@ def main_from_args(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     apply_cpu_threads(args.device, args.torch_threads)  # the CPU thread policy (threads.py)
+    hint = stream_hint(args)
+    if hint is not None:
+        logger.info(hint)
     engine_args = engine_args_from(args)
     server: GracefulServer | None = None
 

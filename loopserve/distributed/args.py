@@ -131,6 +131,21 @@ def uses_ray(args: argparse.Namespace) -> bool:
     return args.data_parallel_size > 1 or args.ray_address is not None or args.pd is not None
 
 
+def stream_hint(args: argparse.Namespace) -> str | None:
+    """A start-up note for `--kv-handoff stream` under the atomic prompt arm, which sends a
+    chunk's planes only after its last loop (None: nothing to say)."""
+    if getattr(args, "kv_handoff", "whole") != "stream":
+        return None
+    if getattr(args, "prefill_mode", "atomic") != "atomic":
+        return None
+    return (
+        "--kv-handoff stream with --prefill-mode atomic: a prompt chunk's K/V leaves after "
+        "its last loop, every plane at once; --prefill-mode per_depth sends each plane after "
+        "its loop while the deeper loops run, so more of the transfer hides behind prefill "
+        "(docs/deployment.md)"
+    )
+
+
 def check_distributed_args(args: argparse.Namespace) -> None:
     """Raise `UsageError` for a bad combination of the flags above."""
     from loopserve.errors import UsageError

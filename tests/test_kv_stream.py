@@ -7,6 +7,7 @@ later chunks still run (counted); a sender that dies leaves no block behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -343,7 +344,8 @@ def vars_of(params: SamplingParams) -> dict:
 def test_a_sender_that_dies_leaves_nothing(tiny_dir):
     """Mid-stream the prefill side goes away: the decode side releases the reservation (its
     blocks, the chunks written into them) and no half-received K/V is ever used; chunks and
-    final hand-offs that do not match a reservation are refused."""
+    final hand-offs that do not match a reservation are refused, and so is a chunk naming a
+    plane the decode engine does not have."""
     prefill, decode = make_engine(tiny_dir), make_engine(tiny_dir, enable_prefix_caching=True)
     prompt = list(range(3, 43))
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -356,6 +358,10 @@ def test_a_sender_that_dies_leaves_nothing(tiny_dir):
         chunks = prefill.take_kv_chunks()
     decode.write_kv_chunk(chunks[0])
     assert decode.kv.num_free_blocks < decode.kv.pool.num_blocks
+    planes = decode.kv.num_planes
+    stray = dataclasses.replace(chunks[0], planes=(0, planes))  # a plane this engine lacks
+    with pytest.raises(InvalidRequestError, match=f"names planes \\(0, {planes}\\)"):
+        decode.write_kv_chunk(stray)
     with pytest.raises(InvalidRequestError, match="already in use"):
         decode.reserve_import("a", prompt, params)
     prefill.abort_request("a")  # the prefill replica is gone

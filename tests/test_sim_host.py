@@ -137,3 +137,22 @@ def test_bench_host_samples_when_told_from_the_command_line(
     assert [p["rows"] for p in json.loads(out.read_text())["points"]] == [4]
     assert (seen["draws"] > 0) == draws
     assert seen["top_p"] == ({top_p} if draws else set())
+
+
+def test_bench_host_reports_the_run_with_the_median_host_time(monkeypatch):
+    """`--segments 3`: the measured calls run in three runs of steps / 3 calls each, and
+    the point is the run with the median host time (a burst of other work spoils a run,
+    not the median), each run's time kept beside it; more runs than steps is refused."""
+    runs = iter([5.0, 1.0, 3.0])
+    seen_calls = []
+
+    def fake(engine, rows, calls, device_us):
+        seen_calls.append(calls)
+        return host_bench.HostPoint(rows, calls, next(runs), 0.0, 0.0, 0.0, 0.0, device_us)
+
+    monkeypatch.setattr(host_bench, "_measure_calls", fake)
+    point = host_bench.measure(4, context=24, steps=6, device_profile="h200", segments=3)
+    assert seen_calls == [2, 2, 2]
+    assert point.host_us == 3.0 and point.segment_host_us == (5.0, 1.0, 3.0)
+    with pytest.raises(ConfigError, match="--segments must be between 1 and --steps"):
+        host_bench.measure(4, context=24, steps=6, device_profile="h200", segments=7)

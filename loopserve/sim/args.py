@@ -306,6 +306,14 @@ def add_host_bench_args(parser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     parser.add_argument("--context", type=int, default=256, help="positions per row")
     parser.add_argument("--steps", type=int, default=200, help="measured calls per row count")
+    parser.add_argument(
+        "--segments",
+        type=int,
+        default=1,
+        help="measure the calls in this many runs and report the run with the median host "
+        "time (its spread printed beside it): a burst of other work on a shared machine "
+        "spoils a few runs, not the median",
+    )
     parser.add_argument("--device-profile", default="h200", help="simulated GPU")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument(

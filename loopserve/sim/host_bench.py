@@ -28,6 +28,7 @@ has the table and where the time goes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -88,6 +89,8 @@ class HostPoint:
     apply_us: float
     output_us: float
     device_us: float  # predicted device time of the call (the profile's GPU)
+    # With `segments` > 1: every segment's host us per call (this point is their median's).
+    segment_host_us: tuple[float, ...] = ()
 
     @property
     def host_us(self) -> float:
@@ -102,7 +105,7 @@ class HostPoint:
 def measure(rows: int, *, context: int, steps: int, device_profile: str, block_size: int = 16,
             engine_args: dict | None = None, family: str = "ouro",
             exit: str = "trace", temperature: float = 0.0,
-            top_p: float = 1.0) -> HostPoint:  # fmt: skip
+            top_p: float = 1.0, segments: int = 1) -> HostPoint:  # fmt: skip
     """Steady decode calls of `rows` rows at about `context` positions. `family` "huginn":
     Huginn-shaped calls (a tiny Huginn: rows carry [state, e], loop-0 rows run the prelude
     over the once plane, the engine's criterion (kl) is checked at every loop from the
@@ -111,7 +114,12 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
     every request samples (request i seeded with i, with `top_p`) instead of taking the
     argmax. `exit` "signal" gives
     Ouro-shaped calls the same regime: the gate read at every loop (`ouro`, a threshold the
-    CDF never reaches) and the trace's loop count as each request's `max_loops`."""
+    CDF never reaches) and the trace's loop count as each request's `max_loops`.
+    `segments` > 1: the `steps` calls are measured in that many runs of consecutive calls
+    and the point is the run with the median host time (`segment_host_us` has every run's):
+    on a shared VM a burst of other work spoils a few runs, not the median."""
+    if not 1 <= segments <= steps:
+        raise ConfigError(f"--segments must be between 1 and --steps ({steps}), got {segments}")
     huginn = family == "huginn"
     signal = huginn or exit == "signal"
     with tempfile.TemporaryDirectory() as directory:
@@ -160,22 +168,33 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
         engine.step()
     for _ in range(8):
         engine.step()
-    engine.core.reset_counters()
-    start_s = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    total_s = time.perf_counter() - start_s
-    stats = engine.stats
-    calls = stats.num_core_calls
-    assert calls == stats.num_steps == steps, (calls, stats.num_steps, steps)
-    assert stats.num_rows == rows * calls, "every measured call has exactly `rows` rows"
-    execute_s, forward_s = stats.execute_time_s, stats.forward_time_s
-    apply_s = stats.step_time_s - stats.schedule_time_s - execute_s
-    output_s = total_s - stats.step_time_s
     cost = CostModel(ModelShape.from_config(OURO_1P4B, dtype_bytes=2),
                      get_device_profile(device_profile))  # fmt: skip
     device = cost.core_call(rows=rows, kv_read_positions=rows * context,
                             attention_pairs=rows * context)  # fmt: skip
+    points = [
+        _measure_calls(engine, rows, steps // segments, device.time_s * 1e6)
+        for _ in range(segments)
+    ]
+    if segments == 1:
+        return points[0]
+    median = sorted(points, key=lambda p: p.host_us)[(segments - 1) // 2]
+    return dataclasses.replace(median, segment_host_us=tuple(p.host_us for p in points))
+
+
+def _measure_calls(engine: LLMEngine, rows: int, calls: int, device_us: float) -> HostPoint:
+    """`calls` steady decode steps of `engine`, timed from its counters."""
+    engine.core.reset_counters()
+    start_s = time.perf_counter()
+    for _ in range(calls):
+        engine.step()
+    total_s = time.perf_counter() - start_s
+    stats = engine.stats
+    assert stats.num_core_calls == stats.num_steps == calls, (stats.num_core_calls, calls)
+    assert stats.num_rows == rows * calls, "every measured call has exactly `rows` rows"
+    execute_s, forward_s = stats.execute_time_s, stats.forward_time_s
+    apply_s = stats.step_time_s - stats.schedule_time_s - execute_s
+    output_s = total_s - stats.step_time_s
     per_call_us = 1e6 / calls
     return HostPoint(
         rows=rows,
@@ -185,7 +204,7 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
         model_us=forward_s * per_call_us,
         apply_us=apply_s * per_call_us,
         output_us=output_s * per_call_us,
-        device_us=device.time_s * 1e6,
+        device_us=device_us,
     )
 
 
@@ -220,10 +239,14 @@ def main_from_args(args) -> int:
         point = measure(rows, context=args.context, steps=args.steps,
                         device_profile=args.device_profile, engine_args=engine_args,
                         family=args.family, exit=args.exit, temperature=args.temperature,
-                        top_p=args.top_p)  # fmt: skip
+                        top_p=args.top_p, segments=args.segments)  # fmt: skip
         points.append(point)
-        print(f"rows={rows}: host {point.host_us:.0f} us/call, device {point.device_us:.0f} us, "
-              f"ratio {point.ratio:.2f}", flush=True)  # fmt: skip
+        spread = ""
+        if point.segment_host_us:
+            low, high = min(point.segment_host_us), max(point.segment_host_us)
+            spread = f" (median of {args.segments} runs: {low:.0f}-{high:.0f})"
+        print(f"rows={rows}: host {point.host_us:.0f} us/call{spread}, device "
+              f"{point.device_us:.0f} us, ratio {point.ratio:.2f}", flush=True)  # fmt: skip
     table = format_table(points, args.device_profile)
     print(table)
     in_range = [p for p in points if 32 <= p.rows <= 256]

@@ -14,8 +14,8 @@ steps, with the failure and abort semantics it documents.
 Hand-off (`kv_handoff`, `--kv-handoff`): "whole" moves each request's K/V after its first
 token; "stream" reserves blocks on a decode replica before the prompt runs (the one with the
 fewest streamed hand-offs in flight, then the least loaded: `Router.choose_handoff`, since
-streams to one replica share its link) and moves each run
-of prompt blocks as soon as every depth wrote it, while later chunks compute, so only the last
+streams to one replica share its link) and moves each plane's
+run of prompt blocks as soon as it is final, while later chunks compute, so only the last
 blocks travel after the first token (engine/kv_stream.py; pd_decode_leg.py has the failure
 semantics). Chunks go through the object store ("ray") or are read over NIXL ("nixl"), not
 by "torch".

@@ -8,8 +8,9 @@ writes them, restores the sampler's generator state and admits the request strai
 decode. The tensors (`kv`) are opaque here: the runner builds and reads them.
 
 A streamed hand-off (engine/kv_stream.py) moves the same state in parts: the decode engine
-reserves the request's blocks first, each run of prompt blocks travels as a `KVChunk` as soon
-as every depth wrote it, and the `HandoffState` carries the rest (`first_block` on).
+reserves the request's blocks first, each plane's run of prompt blocks travels as a `KVChunk`
+as soon as it is final (`StepRules.plane_final_depth`), and the `HandoffState` carries the
+rest (`first_block` on).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A whole hand-off (engine/handoff.py) moves a request's K/V of every plane after its first
 token, while its user waits; for a looped model that is D planes per position. A streamed one
-moves each run of prompt blocks as soon as every depth wrote it, while the engine computes the
-later chunks, so only the last blocks travel after the first token:
+moves each plane's run of prompt blocks as soon as it is final, while the engine computes the
+later chunks (and, for a shallow plane, the chunk's deeper depths), so only the last blocks
+travel after the first token:
 
 - decode side: `LLMEngine.reserve_import` allocates the request's blocks (its prompt and first
   token, or its whole reservation) before any K/V comes; blocks its own prefix cache holds

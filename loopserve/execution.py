@@ -15,6 +15,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -67,6 +68,12 @@ def num_planes(layout: str, num_loops: int) -> int:
     return 1 if layout == "shared" else num_loops
 
 
+class HasPromptLoops(Protocol):
+    """Anything that carries a request's prompt loop bound (a prompt item, a `Request`)."""
+
+    prompt_loops: int
+
+
 @dataclass(frozen=True, slots=True)
 class StepRules:
     """Executor semantics in one place: the rules `ModelRunner` and `SimExecutor` both apply
@@ -97,8 +104,9 @@ class StepRules:
         K/V of that depth into every deeper plane (LAST_EXITED only)."""
         return exited and not self.shared and depth < self.num_loops - 1
 
-    def final_prompt_depth(self, item: PromptChunk) -> int:
-        """The last depth a prompt item's positions run (D - 1, or its request's r - 1)."""
+    def final_prompt_depth(self, item: PromptChunk | HasPromptLoops) -> int:
+        """The last depth a prompt item's positions run (D - 1, or its request's r - 1); of
+        a request (`prompt_loops` 0: the model's D), the last depth its prompt runs."""
         return (item.prompt_loops or self.num_loops) - 1
 
     def plane_final_depth(self, plane: int, final_depth: int) -> int:

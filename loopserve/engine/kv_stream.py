@@ -90,7 +90,7 @@ class KVStreamOut:
     def _grown(self, request: Request, out: _Outgoing) -> dict[tuple[int, int], list[int]]:
         """(first block, end block) -> the planes whose final blocks grew by that run, in
         plane order; `out.next_block` moves past them."""
-        final_depth = (request.prompt_loops or self.rules.num_loops) - 1
+        final_depth = self.rules.final_prompt_depth(request)
         done: dict[int, int] = {}  # depth -> complete blocks of positions that ran it
         runs: dict[tuple[int, int], list[int]] = {}
         for plane in range(self.num_planes):

@@ -239,6 +239,21 @@ def test_sampling_a_call_costs_a_fixed_number_of_operations_plus_one_draw_per_ro
     assert batches_filtering(torch.device("cuda")) and not batches_filtering(torch.device("cpu"))
 
 
+def test_a_greedy_call_costs_one_operation_and_reads_its_token_ids_unconverted():
+    """A call whose rows all take the argmax and want no log-probabilities (the common
+    decode call) launches the argmax alone: its token ids are read back as they are (int64,
+    exact), no conversion to the float64 a mixed read needs; the tokens are the argmax's."""
+    logits = torch.randn(32, 1024)
+    seen: list = []
+    sample = counting(functools.partial(sample_on_device, batched=True), seen)
+    batch = sample(logits, [SampleSpec(temperature=0.0)] * 32, [None] * 32, {})
+    assert sum(kernels_of(seen[0]).values()) == 1
+    assert batch.packed.dtype == torch.int64
+    token_ids, with_logprobs, failed = read_samples(batch, batch.packed.tolist())
+    assert token_ids == logits.argmax(dim=-1).tolist()
+    assert with_logprobs == {} and failed == {}
+
+
 @pytest.mark.parametrize("vocab", [7, 512, 49_152])
 def test_draws_are_multinomials_bit_for_bit_and_leave_each_generator_where_it_would(vocab):
     """`draw_rows` (one exponential fill per row, the rest batched) against a

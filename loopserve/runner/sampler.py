@@ -244,8 +244,8 @@ def sampling_failure(request_id: str, error: str) -> RequestFailure:
 
 
 class SampleBatch(NamedTuple):
-    """Sampled rows on the device, not read yet: `packed` (float64; token ids are exact) holds
-    the token ids, then, when a row asks for log-probabilities, every row's chosen token's
+    """Sampled rows on the device, not read yet: `packed` holds the token ids (alone: as the
+    argmax gave them, int64; else float64, where token ids are exact), then, when a row asks for log-probabilities, every row's chosen token's
     log-prob and top `num_top` values and ids, then the checks of the rows `drawn`
     (`draw_rows`: their masses, then their least values); `read_samples` unpacks it."""
 
@@ -280,14 +280,18 @@ def sample_on_device(
     if histories is not None:
         logits = adjust_rows(logits, specs, histories, failures, batched)
     token_ids = torch.argmax(logits, dim=-1)  # [rows]; sampled rows overwritten below
-    sampled = [row for row, spec in enumerate(specs) if not is_greedy(spec)]
+    # One pass over the specs (the hot path: every decode call reads its candidates' specs).
+    floor = GREEDY_BELOW_TEMPERATURE
+    sampled = [row for row, spec in enumerate(specs) if spec.temperature >= floor]
+    num_logprobs = tuple([spec.num_logprobs for spec in specs])
+    wanted = [n for n in num_logprobs if n is not None]
+    if not sampled and not wanted:  # only the token ids: read as they are (int64, exact)
+        return SampleBatch(token_ids, num_logprobs, 0)
     drawn: tuple[int, ...] = ()
     checks = None
     if sampled:
         probs = row_probs(logits, specs, batched=batched)
         drawn, checks = draw_rows(probs, sampled, generators, token_ids, failures)
-    num_logprobs = tuple(spec.num_logprobs for spec in specs)
-    wanted = [n for n in num_logprobs if n is not None]
     parts = [token_ids.double()]
     num_top = max(wanted) if wanted else 0
     if wanted:

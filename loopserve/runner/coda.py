@@ -20,9 +20,9 @@ chunks over all their rows (`EagerStep`): those logits (`completed`) sample the 
 and score the prompt here, with the loops a prompt exit chose when it exited as one token.
 The leave reads where its rows are (`Span`s, built only for a family with once planes).
 
-Two parts of a step's end have rooms of their own, called from here: prompt logprobs
-(`runner/prompt_scores.py`) and speculative rows' tokens and drafts
-(`runner/spec_samples.py`).
+Three parts of a step's end have rooms of their own, called from here: prompt logprobs
+(`runner/prompt_scores.py`), speculative rows' tokens and drafts (`runner/spec_samples.py`),
+and the decode rows' read and results (`runner/decode_reads.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,12 @@ from loopserve.contracts import (
 )
 from loopserve.execution import StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
-from loopserve.exit.columns import EXIT
+from loopserve.runner.decode_reads import (
+    DecodeRead,
+    DecodeSampled,
+    PendingLeave,
+    decode_results,
+)
 from loopserve.runner.decode_rows import DecodeSignals, decode_spans
 from loopserve.runner.exit_scores import ExitScores
 from loopserve.runner.handles import HandleTable
@@ -67,7 +72,7 @@ HELD = (SampleSpec(temperature=0.0), None, None)
 class _DecodeBatch(NamedTuple):
     """A step's decode coda candidates (`Coda._decode_candidates`)."""
 
-    read: _DecodeRead
+    read: DecodeRead
     candidates: list[int]  # rows
     rows: torch.Tensor | None  # their outputs [c, H]
     samplers: list[tuple]  # their (spec, generator, history), `HELD` for one known to stay
@@ -81,95 +86,10 @@ def _candidate_positions(decode: DecodeSignals, batch: _DecodeBatch) -> torch.Te
     return decode.positions.index_select(0, decode.candidates_on_device[: len(batch.candidates)])
 
 
-class DecodeSampled(NamedTuple):
-    """Tokens sampled for decode rows: their rows, ids, and log-probabilities where asked."""
-
-    rows: list[int]
-    token_ids: list[int]
-    logprobs: dict[int, SampledToken]
-
-
 class CodaOutput(NamedTuple):
     results: list[ItemResult]
     failed: tuple[RequestFailure, ...]  # requests whose sampling raised
     decode: DecodeResults | None
-
-
-class _DecodeRead:
-    """The decode rows' exit flags, hazards (a criterion's scores) and, for a criterion
-    family, where it fired: filled when the device is read."""
-
-    def __init__(self, signals: DecodeSignals) -> None:
-        rows = signals.rows
-        self.num_rows = len(rows)
-        self.exited = rows.exit_code == EXIT  # final unless the gate decides
-        self.hazards = np.full(self.num_rows, np.nan)
-        self.fired: np.ndarray | None = None
-        self.gate_decides = signals.exits is not None
-        self.has_hazards = signals.hazards is not None
-        self.has_fired = signals.fired is not None
-        self.needs_gate = rows.needs_gate
-        # The read's layout: parts of `width` values, the exits part when `reads_exits`.
-        self.width, self.reads_exits = self.num_rows, self.gate_decides
-        if signals.packed is not None:  # a graphed step packed them (`DecodeSignals.packed`)
-            self.packed: torch.Tensor | None = signals.packed.view(-1)
-            self.width, self.reads_exits = signals.packed.shape[1], True
-            return
-        parts = []
-        if signals.exits is not None:
-            parts.append(signals.exits.double())
-        if signals.hazards is not None:
-            parts.append(signals.hazards.double())
-        if signals.fired is not None:
-            parts.append(signals.fired.double())
-        self.packed = torch.cat(parts) if parts else None
-
-    def receive(self, values: list[float]) -> None:
-        read = np.array(values)
-        n, width, at = self.num_rows, self.width, 0
-        if self.reads_exits:
-            if self.gate_decides:
-                self.exited = read[:n] != 0.0
-            at += width
-        if self.has_hazards:
-            self.hazards[self.needs_gate] = read[at : at + n][self.needs_gate]
-            at += width
-        if self.has_fired:
-            self.fired = read[at : at + n] != 0.0
-
-
-class PendingLeave:
-    """A batch of leaves sampled on the device, its read deferred (`Coda.leave_rows`):
-    `tokens` [m] on the device; `results()` once the step's copy out has read it."""
-
-    def __init__(self, coda: Coda, leave: LeaveRows, batch, failures, has_history) -> None:
-        self.coda, self.leave, self.batch = coda, leave, batch
-        self.failures = failures
-        self.has_history = has_history
-        self.tokens = batch.packed[: len(leave)].long()
-        self._read: list[float] | None = None
-
-    def receive(self, values: list[float]) -> None:
-        self._read = values
-
-    def results(self) -> tuple[DecodeResults, tuple[RequestFailure, ...]]:
-        """One result per row, `exited` False where sampling raised (that request fails
-        alone, reported); the tokens recorded in their requests' histories."""
-        assert self._read is not None, "the leave batch's samples were never read"
-        sampled, with_logprobs, failed = read_samples(self.batch, self._read)
-        self.failures.update(failed)
-        ids, m = self.leave.request_ids, len(self.leave)
-        token_ids = np.array(sampled, np.int64)
-        exited = np.ones(m, bool)
-        exited[list(self.failures)] = False
-        token_ids[~exited] = -1
-        if self.has_history:
-            self.coda._record_decode(ids, token_ids)
-        logprobs = {row: token for row, token in with_logprobs.items() if exited[row]}
-        results = DecodeResults(exited, np.full(m, np.nan), token_ids, logprobs)
-        return results, tuple(
-            sampling_failure(ids[row], error) for row, error in self.failures.items()
-        )
 
 
 class Coda:
@@ -331,43 +251,35 @@ class Coda:
                 results[i] = results[i]._replace(
                     forked=tuple(tokens.get(request_id) for request_id in items[i].forks)
                 )
-        decode_results = None
+        decoded = None
         if batch is not None:
-            decode_results = self._decode_results(batch.read, decode_sampled)
+            decoded = decode_results(batch.read, decode_sampled)
             if batch.has_history:
-                self._record_decode(decode.rows.request_ids, decode_results.token_ids)  # type: ignore[union-attr]
-        return CodaOutput(results, tuple(failed), decode_results)
+                self._record_decode(decode.rows.request_ids, decoded.token_ids)  # type: ignore[union-attr]
+        return CodaOutput(results, tuple(failed), decoded)
 
     def decode_only(self, decode: DecodeSignals) -> CodaOutput:
         """A step of decode rows only (the graphed step): their candidates' coda, sampling and
         results, with one read of the device when the candidates allow it."""
         batch = self._decode_candidates(decode)
-        read = batch.read
-        token_ids = np.full(read.num_rows, -1, np.int64)
-        logprobs: dict[int, SampledToken] = {}
+        sampled = DecodeSampled([], [], {})
         failed: tuple[RequestFailure, ...] = ()
         if batch.rows is not None:
             logits = self._decode_logits(decode, batch)
-            sampled, with_logprobs, failures = self._sample_logits(logits, batch.samplers)
+            token_ids, with_logprobs, failures = self._sample_logits(logits, batch.samplers)
             candidates = batch.candidates
-            token_ids[candidates] = sampled
-            token_ids[~read.exited] = -1  # a greedy candidate that did not exit drops its token
-            logprobs = {
-                candidates[j]: token
-                for j, token in with_logprobs.items()
-                if read.exited[candidates[j]]
-            }
+            logprobs = {candidates[j]: token for j, token in with_logprobs.items()}
+            sampled = DecodeSampled(candidates, token_ids, logprobs)
             ids = decode.rows.request_ids
             failed = tuple(
                 sampling_failure(ids[candidates[j]], error) for j, error in failures.items()
             )
-            if batch.has_history:
-                self._record_decode(ids, token_ids)
         else:
             self.transfers.flush()  # exits and hazards not read yet (nothing sampled)
-        return CodaOutput(
-            [], failed, DecodeResults(read.exited, read.hazards, token_ids, logprobs, read.fired)
-        )
+        results = decode_results(batch.read, sampled)
+        if batch.has_history:
+            self._record_decode(decode.rows.request_ids, results.token_ids)
+        return CodaOutput([], failed, results)
 
     def _decode_logits(self, decode: DecodeSignals, batch: _DecodeBatch) -> torch.Tensor:
         """The decode candidates' logits: computed by the call already, or their leave."""
@@ -385,7 +297,7 @@ class Coda:
         first and the candidates that do not exit sample greedily (`HELD`: their
         generators must not advance; their tokens are dropped); otherwise the exits and
         hazards ride along with the sampled tokens' copy."""
-        read = _DecodeRead(decode)
+        read = DecodeRead(decode)
         # Coda batching in time: exits are read, nothing is sampled (the leave comes later).
         candidates = [] if self.rules.defers_leave else decode.candidates.tolist()  # host array
         ids, samplers = decode.rows.request_ids, self.samplers
@@ -416,7 +328,7 @@ class Coda:
         pairs = [self.samplers[rid] for rid in ids]
         batch, failures = self._sample_on_device(logits, pairs)
         has_history = any(pair[2] is not None for pair in pairs)
-        pending = PendingLeave(self, leave, batch, failures, has_history)
+        pending = PendingLeave(leave, batch, failures, self._record_decode if has_history else None)
         self.transfers.defer(batch.packed, pending.receive)
         return pending
 
@@ -462,11 +374,3 @@ class Coda:
                 ItemResult(item.request_id, item.handle, item_hazards, exited_now, None, token)
             )
         return results
-
-    @staticmethod
-    def _decode_results(read: _DecodeRead, sampled: DecodeSampled) -> DecodeResults:
-        token_ids = np.full(read.num_rows, -1, np.int64)
-        token_ids[sampled.rows] = sampled.token_ids
-        token_ids[~read.exited] = -1  # a greedy candidate that did not exit drops its token
-        logprobs = {row: token for row, token in sampled.logprobs.items() if read.exited[row]}
-        return DecodeResults(read.exited, read.hazards, token_ids, logprobs, read.fired)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
+import gc
 import json
 import time
+import weakref
 
 import pytest
 
@@ -92,6 +94,53 @@ def test_generate_deltas_add_up_to_the_offline_result(make_engine):
     assert final.exit_depths == expected.exit_depths
     assert "".join(o.new_text for o in outputs) == final.text == expected.text
     assert [t for o in outputs for t in o.new_token_ids] == final.token_ids
+
+
+class Cycle:
+    me: Cycle
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_a_serving_process_freezes_its_start_up_heap_once_the_engine_loads(tiny_dir, freeze):
+    """`freeze_heap` (what `loopserve serve` and a Ray replica pass): once the engine has
+    loaded, the engine and everything alive then sit in the permanent generation that
+    garbage collections skip; a request's objects made later are collected as before, and
+    it serves the same tokens. Off (the default, the library's), nothing is frozen."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    engine_args = dict(model=str(tiny_dir), dtype="float32", num_blocks=NUM_BLOCKS)
+    offline = LLMEngine.from_engine_args(**engine_args)
+    offline.add_request("a", [5, 17, 42], params)
+    finals = []
+    while offline.has_unfinished_requests():
+        finals += [o for o in offline.step() if o.finished]
+    engines: list[LLMEngine] = []
+
+    def load() -> LLMEngine:
+        engines.append(LLMEngine.from_engine_args(**engine_args))
+        return engines[-1]
+
+    async def main() -> list:
+        async_llm = AsyncLLM(load, freeze_heap=freeze)
+        async_llm.start()
+        assert await async_llm.wait_ready(timeout_s=30)
+        try:
+            return [out async for out in await async_llm.generate("a", [5, 17, 42], params)]
+        finally:
+            await async_llm.shutdown(1.0)
+
+    try:
+        outputs = asyncio.run(main())
+        tracked = gc.get_objects()
+        assert any(obj is engines[0] for obj in tracked) is not freeze
+        assert (gc.get_freeze_count() > 0) is freeze
+        cycle = Cycle()  # garbage made after the freeze is still collected
+        cycle.me, gone = cycle, weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()  # this test process goes on: give its heap back to the collector
+    assert outputs[-1].token_ids == finals[0].token_ids
 
 
 def test_invalid_requests_raise_before_streaming_and_leave_nothing_behind(make_engine):

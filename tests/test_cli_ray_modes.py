@@ -85,6 +85,7 @@ def _serve_and_complete(
         code = server.stop()
     log = server.log()
     assert "Traceback" not in log, log
+    assert "froze the start-up heap" in log, log  # the router's (its replicas freeze their own)
     assert code == 0, log
     assert body["choices"][0]["token_ids"] == expected
     return {**health, "metrics": metrics}

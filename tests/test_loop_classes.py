@@ -143,3 +143,5 @@ def test_serve_started_as_a_user_starts_it_takes_the_new_flags(tmp_path):
         assert set(json.loads(closed["choices"][0]["text"])) == {"a"}
     finally:
         assert server.stop() == 0
+    # It serves until it exits: its start-up heap was frozen once the engine loaded.
+    assert "froze the start-up heap" in server.log()

@@ -3,6 +3,7 @@ serial without async scheduling and (ideally) overlapped with it, host-bound ste
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -156,3 +157,22 @@ def test_bench_host_reports_the_run_with_the_median_host_time(monkeypatch):
     assert point.host_us == 3.0 and point.segment_host_us == (5.0, 1.0, 3.0)
     with pytest.raises(ConfigError, match="--segments must be between 1 and --steps"):
         host_bench.measure(4, context=24, steps=6, device_profile="h200", segments=7)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_bench_host_measures_calls_with_the_heap_frozen_as_a_server_does(monkeypatch, freeze):
+    """The calls run with the start-up heap frozen (as `loopserve serve` runs once its
+    engine loads; `--no-freeze-heap`: not), the heap is given back afterwards, and the
+    point carries one full collection's pause both ways (the benchmark prints them; no
+    time is asserted here)."""
+    frozen_during = []
+
+    def fake(engine, rows, calls, device_us):
+        frozen_during.append(gc.get_freeze_count())
+        return host_bench.HostPoint(rows, calls, 1.0, 0.0, 0.0, 0.0, 0.0, device_us)
+
+    monkeypatch.setattr(host_bench, "_measure_calls", fake)
+    point = host_bench.measure(4, context=24, steps=6, device_profile="h200", freeze_heap=freeze)
+    assert (frozen_during[0] > 0) is freeze and gc.get_freeze_count() == 0
+    assert point.num_frozen == frozen_during[0]
+    assert (point.gc_frozen_ms is not None) is freeze

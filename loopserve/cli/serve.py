@@ -64,6 +64,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     from loopserve.distributed.pool import ReplicaPool
     from loopserve.engine.async_llm import AsyncLLM
     from loopserve.engine.client import EngineClient
+    from loopserve.engine.gc_heap import freeze_startup_heap
     from loopserve.engine.llm_engine import LLMEngine
     from loopserve.server.api_server import GracefulServer, make_server
 
@@ -89,10 +90,15 @@ def main_from_args(args: argparse.Namespace) -> int:
             lambda: LLMEngine.from_engine_args(**engine_args),
             max_pending_requests=args.max_pending_requests,
             on_load_error=stop_server,
+            freeze_heap=True,  # this process serves until it exits
         )
     server = make_server(client, args, served_model_name)
     if isinstance(client, ReplicaPool):  # PDReplicaPool too
         client.replica_set.init_ray()  # in the main thread, before uvicorn takes the signals
+        # The router serves until it exits: its heap is frozen now (each replica freezes
+        # its own once its engine has loaded; here the engine thread does, `freeze_heap`).
+        logger.info("froze the start-up heap: %d objects no collection walks",
+                    freeze_startup_heap())  # fmt: skip
     server.run()
     if client.load_error is not None:
         logger.error("the model failed to load: %s", client.load_error)

@@ -117,7 +117,9 @@ class EngineReplica:
     def _started(self) -> AsyncLLM:
         """The `AsyncLLM`, started on first use (it needs the actor's running event loop)."""
         if self._llm is None:
-            self._llm = AsyncLLM(self.engine, max_pending_requests=self._max_pending_requests)
+            self._llm = AsyncLLM(
+                self.engine, max_pending_requests=self._max_pending_requests, freeze_heap=True
+            )  # a replica's process serves until the pool stops it
             self._llm.start()
         return self._llm
 

@@ -121,7 +121,9 @@ class AsyncLLM(SubmitGenerate):
     `engine` is either a built engine or a zero-argument factory called on the engine thread.
     `max_pending_requests` bounds the requests in flight (queued, waiting or running); beyond it
     `submit` raises `QueueFullError`. `on_load_error` is called on the event loop if the
-    factory raises.
+    factory raises. `freeze_heap`: once the engine is loaded, freeze the process's heap so
+    that garbage collections skip it (`engine/gc_heap.py`), for a process that serves until
+    it exits (`loopserve serve`, a Ray replica); off by default, since it is process-wide.
     """
 
     def __init__(
@@ -130,8 +132,10 @@ class AsyncLLM(SubmitGenerate):
         *,
         max_pending_requests: int = 1024,
         on_load_error: Callable[[BaseException], None] | None = None,
+        freeze_heap: bool = False,
     ) -> None:
         self._engine_or_factory = engine
+        self._freeze_heap = freeze_heap
         self.gate = SubmissionGate(max_pending_requests)
         self.max_pending_requests = max_pending_requests
         self._on_load_error = on_load_error
@@ -200,8 +204,9 @@ class AsyncLLM(SubmitGenerate):
             return
         self._loop = asyncio.get_running_loop()
         self._thread = EngineThread(
-            self._engine_or_factory, self._loop, self.metrics, self._on_load_error
-        )
+            self._engine_or_factory, self._loop, self.metrics, self._on_load_error,
+            freeze_heap=self._freeze_heap,
+        )  # fmt: skip
         self._thread.start()
 
     async def wait_ready(self, timeout_s: float | None = None) -> bool:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from loopserve.engine.client import GenerateRequest, ModelInfo
+from loopserve.engine.gc_heap import freeze_startup_heap
 from loopserve.engine.handoff import HandoffState, KVChunk
 from loopserve.engine.metrics import ServingMetrics
 from loopserve.engine.stats import EngineStats
@@ -118,13 +119,18 @@ class EngineThread:
         loop: asyncio.AbstractEventLoop,
         metrics: ServingMetrics,
         on_load_error: Callable[[BaseException], None] | None = None,
+        *,
+        freeze_heap: bool = False,
     ) -> None:
+        """`freeze_heap`: once the engine is loaded, freeze the process's heap
+        (`gc_heap.freeze_startup_heap`), for a process that serves until it exits."""
         # An engine is not callable; a factory is.
         self.engine: LLMEngine | None = None if callable(engine) else engine
         self._factory = engine if callable(engine) else None
         self._loop = loop
         self._metrics = metrics
         self._on_load_error = on_load_error
+        self._freeze_heap = freeze_heap
         self.snapshot = EngineStats()
         self.model_info: ModelInfo | None = None  # set before `ready`
         self.ready = threading.Event()
@@ -172,6 +178,9 @@ class EngineThread:
                 self.engine = self._factory()
             self._publish_snapshot(self.engine)
             self.model_info = ModelInfo.of(self.engine)  # read once, on this thread
+            if self._freeze_heap:
+                frozen = freeze_startup_heap()
+                logger.info("froze the start-up heap: %d objects no collection walks", frozen)
             self.ready.set()
         except BaseException as err:
             logger.exception("loading the engine failed")

@@ -314,6 +314,13 @@ def add_host_bench_args(parser) -> None:
         "time (its spread printed beside it): a burst of other work on a shared machine "
         "spoils a few runs, not the median",
     )
+    parser.add_argument(
+        "--no-freeze-heap",
+        dest="freeze_heap",
+        action="store_false",
+        help="leave the start-up heap to the garbage collector (by default it is frozen after "
+        "the warm-up, as `loopserve serve` freezes it once the engine loads)",
+    )
     parser.add_argument("--device-profile", default="h200", help="simulated GPU")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument(

@@ -20,6 +20,11 @@ is one core call of `rows` rows. Per call it reports, from the engine's own coun
 - output: the engine's output processing (detokenize, `RequestOutput`), for "delta" outputs
   (what the server's streams ask for; a stream's per-step work does not grow with it).
 
+As `loopserve serve` does once its engine has loaded, the process's start-up heap is frozen
+after the warm-up (`engine/gc_heap.py`; `--no-freeze-heap` leaves it to the collector), and
+the process's pause for one full garbage collection is reported both ways: frozen (what a
+server pays) and with the heap given back (what it paid before).
+
 Beside it: the simulator's predicted device time of the same call for Ouro-1.4B in bf16 on
 an H200 (`--device-profile`), rows at `--context` positions, and host / device. The target
 is host <= 0.3x device at 32..256 rows. Numbers are of this machine's CPU; docs/benchmarks.md
@@ -29,6 +34,7 @@ has the table and where the time goes.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import tempfile
@@ -38,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from loopserve.engine.gc_heap import freeze_startup_heap
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
@@ -91,6 +98,13 @@ class HostPoint:
     device_us: float  # predicted device time of the call (the profile's GPU)
     # With `segments` > 1: every segment's host us per call (this point is their median's).
     segment_host_us: tuple[float, ...] = ()
+    # Full garbage collections the collector ran during the calls (of every segment).
+    num_full_collections: int = 0
+    # One full garbage collection of the process after the calls: the start-up heap frozen
+    # (None: it was not), and given back to the collector; how many objects were frozen.
+    gc_frozen_ms: float | None = None
+    gc_full_ms: float = 0.0
+    num_frozen: int = 0
 
     @property
     def host_us(self) -> float:
@@ -105,7 +119,8 @@ class HostPoint:
 def measure(rows: int, *, context: int, steps: int, device_profile: str, block_size: int = 16,
             engine_args: dict | None = None, family: str = "ouro",
             exit: str = "trace", temperature: float = 0.0,
-            top_p: float = 1.0, segments: int = 1) -> HostPoint:  # fmt: skip
+            top_p: float = 1.0, segments: int = 1, freeze_heap: bool = True
+            ) -> HostPoint:  # fmt: skip
     """Steady decode calls of `rows` rows at about `context` positions. `family` "huginn":
     Huginn-shaped calls (a tiny Huginn: rows carry [state, e], loop-0 rows run the prelude
     over the once plane, the engine's criterion (kl) is checked at every loop from the
@@ -117,7 +132,8 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
     CDF never reaches) and the trace's loop count as each request's `max_loops`.
     `segments` > 1: the `steps` calls are measured in that many runs of consecutive calls
     and the point is the run with the median host time (`segment_host_us` has every run's):
-    on a shared VM a burst of other work spoils a few runs, not the median."""
+    on a shared VM a burst of other work spoils a few runs, not the median. `freeze_heap`:
+    the heap is frozen after the warm-up, as a server's is (given back afterwards)."""
     if not 1 <= segments <= steps:
         raise ConfigError(f"--segments must be between 1 and --steps ({steps}), got {segments}")
     huginn = family == "huginn"
@@ -172,23 +188,41 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
                      get_device_profile(device_profile))  # fmt: skip
     device = cost.core_call(rows=rows, kv_read_positions=rows * context,
                             attention_pairs=rows * context)  # fmt: skip
-    points = [
-        _measure_calls(engine, rows, steps // segments, device.time_s * 1e6)
-        for _ in range(segments)
-    ]
-    if segments == 1:
-        return points[0]
-    median = sorted(points, key=lambda p: p.host_us)[(segments - 1) // 2]
-    return dataclasses.replace(median, segment_host_us=tuple(p.host_us for p in points))
+    num_frozen = freeze_startup_heap() if freeze_heap else 0
+    try:
+        points = [
+            _measure_calls(engine, rows, steps // segments, device.time_s * 1e6)
+            for _ in range(segments)
+        ]
+        frozen_ms = _full_collection_ms() if freeze_heap else None
+    finally:
+        gc.unfreeze()  # the benchmark's process goes on (the next row count, a test)
+    point = points[0]
+    if segments > 1:
+        point = sorted(points, key=lambda p: p.host_us)[(segments - 1) // 2]
+        point = dataclasses.replace(point, segment_host_us=tuple(p.host_us for p in points))
+    return dataclasses.replace(
+        point, num_full_collections=sum(p.num_full_collections for p in points),
+        gc_frozen_ms=frozen_ms, gc_full_ms=_full_collection_ms(), num_frozen=num_frozen,
+    )  # fmt: skip
+
+
+def _full_collection_ms() -> float:
+    """How long one full garbage collection of this process takes now, in ms."""
+    start_s = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - start_s) * 1e3
 
 
 def _measure_calls(engine: LLMEngine, rows: int, calls: int, device_us: float) -> HostPoint:
     """`calls` steady decode steps of `engine`, timed from its counters."""
     engine.core.reset_counters()
+    full0 = gc.get_stats()[-1]["collections"]
     start_s = time.perf_counter()
     for _ in range(calls):
         engine.step()
     total_s = time.perf_counter() - start_s
+    num_full = gc.get_stats()[-1]["collections"] - full0
     stats = engine.stats
     assert stats.num_core_calls == stats.num_steps == calls, (stats.num_core_calls, calls)
     assert stats.num_rows == rows * calls, "every measured call has exactly `rows` rows"
@@ -205,6 +239,7 @@ def _measure_calls(engine: LLMEngine, rows: int, calls: int, device_us: float) -
         apply_us=apply_s * per_call_us,
         output_us=output_s * per_call_us,
         device_us=device_us,
+        num_full_collections=num_full,
     )
 
 
@@ -239,7 +274,8 @@ def main_from_args(args) -> int:
         point = measure(rows, context=args.context, steps=args.steps,
                         device_profile=args.device_profile, engine_args=engine_args,
                         family=args.family, exit=args.exit, temperature=args.temperature,
-                        top_p=args.top_p, segments=args.segments)  # fmt: skip
+                        top_p=args.top_p, segments=args.segments,
+                        freeze_heap=args.freeze_heap)  # fmt: skip
         points.append(point)
         spread = ""
         if point.segment_host_us:
@@ -247,6 +283,12 @@ def main_from_args(args) -> int:
             spread = f" (median of {args.segments} runs: {low:.0f}-{high:.0f})"
         print(f"rows={rows}: host {point.host_us:.0f} us/call{spread}, device "
               f"{point.device_us:.0f} us, ratio {point.ratio:.2f}", flush=True)  # fmt: skip
+        frozen = "" if point.gc_frozen_ms is None else (
+            f"{point.gc_frozen_ms:.2f} ms with the start-up heap frozen "
+            f"({point.num_frozen} objects), ")  # fmt: skip
+        print(f"  full garbage collections during the calls: {point.num_full_collections}; "
+              f"one costs {frozen}{point.gc_full_ms:.1f} ms walking the whole heap",
+              flush=True)  # fmt: skip
     table = format_table(points, args.device_profile)
     print(table)
     in_range = [p for p in points if 32 <= p.rows <= 256]

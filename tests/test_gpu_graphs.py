@@ -30,7 +30,10 @@ def test_cuda_graphs_match_eager_fp32(tiny_dir, layout, exit_mode):
     assert eager.runner.graphs is None
     assert graphs.runner.graph_capture_error is None
     assert graphs.runner.graphs is not None and graphs.runner.graphs.captured
-    assert sorted(graphs.runner.graphs.graphs) == [1, 2, 4, 6]
+    # Every bucket in both forms of Ouro's step: with its leave (calls with coda
+    # candidates) and without.
+    forms = [(b, True, leaves) for b in (1, 2, 4, 6) for leaves in (False, True)]
+    assert sorted(graphs.runner.graphs.graphs) == forms
     eager_out = _outputs(run_steps(eager, work))
     graph_out = _outputs(run_steps(graphs, work))
     assert graph_out == eager_out

@@ -255,8 +255,9 @@ def test_merged_projections_decode_like_the_dense_reference(tiny_dir):
 
 def test_a_graphed_step_packs_its_exit_signals_itself(tiny_dir):
     """The gate's exits and hazards leave a graphed call already packed as float64 (inside
-    the step, `DecodeSignals.packed`): outside the replay the host converts no exit flag and
-    no hazard, it reads them with the sampled tokens in one copy."""
+    the step, `DecodeSignals.packed`), with every row's greedy token when the call has coda
+    candidates: outside the replay the host converts nothing (no exit flag, no hazard, no
+    token id) and reads them all in one copy."""
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     class Conversions(TorchDispatchMode):
@@ -282,17 +283,90 @@ def test_a_graphed_step_packs_its_exit_signals_itself(tiny_dir):
     def replay(*args):  # the emulated device: its own conversions are not the host's
         with _disable_current_modes():
             out = launch(*args)
-        replays.append(out.packed)
+        replays.append(out)
         return out
 
     graphs.launch = replay
-    sampled = 0
+    reads = []
     while engine.has_unfinished_requests():
         before = len(replays)
+        d2h = engine.runner.transfers.num_d2h
         with Conversions() as seen:
             engine.step()
         if len(replays) == before:  # a prompt step: eager calls
             continue
-        assert torch.bool not in seen.sources and torch.float32 not in seen.sources, seen.sources
-        sampled += seen.sources.count(torch.int64)  # the sampled ids: the counter sees them
-    assert replays and all(packed is not None for packed in replays) and sampled
+        assert not seen.sources, seen.sources
+        reads.append(engine.runner.transfers.num_d2h - d2h)
+    assert replays and all(out.packed is not None for out in replays)
+    with_tokens = [out for out in replays if len(out.candidates)]
+    assert with_tokens and all(out.greedy and len(out.packed) == 3 for out in with_tokens)
+    assert set(reads) == {1}
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_ouros_graphed_call_runs_its_lm_head_with_candidates_and_hands_back_their_argmax(
+    tiny_dir, monkeypatch, sampled
+):
+    """Ouro's graphed step runs its leave (the lm_head over every row) only in calls with
+    coda candidates (each bucket is captured with and without it), and packs every row's
+    argmax with the signals: a call whose candidates all take the argmax samples nothing on
+    the host side (no sampling pass, no lm_head outside the step); one with a sampled
+    candidate samples from the step's logits. Tokens and exits stay the reference's."""
+    import loopserve.runner.coda as coda_module
+
+    engine = make_engine(tiny_dir, graph_mode="emulate", max_num_seqs=6)
+    graphs = engine.runner.graphs
+    assert graphs.forms() == ((True, False), (True, True))
+    leaves, sampling = [0], [0]
+    leave = graphs.leave
+
+    def counted_leave(*args, **kwargs):
+        leaves[0] += 1
+        return leave(*args, **kwargs)
+
+    sample = coda_module.sample_on_device
+
+    def counted_sample(*args, **kwargs):
+        sampling[0] += 1
+        return sample(*args, **kwargs)
+
+    graphs.leave = counted_leave
+    monkeypatch.setattr(coda_module, "sample_on_device", counted_sample)
+    model_leave, outside = engine.runner.calls.leave, [0]
+
+    def counted_model_leave(*args, **kwargs):
+        outside[0] += 1
+        return model_leave(*args, **kwargs)
+
+    engine.runner.calls.leave = counted_model_leave
+    engine.runner.coda.coda = counted_model_leave
+    launch, calls = graphs.launch, []
+
+    def watched(bucket, rows, host):
+        before = leaves[0]
+        out = launch(bucket, rows, host)
+        calls.append([len(host.candidates) > 0, leaves[0] - before, None, None])
+        return out
+
+    graphs.launch = watched
+
+    def observe(scheduled, output):
+        if output.stats.num_graph_calls:
+            calls[-1][2:] = [sampling[0], outside[0]]
+        sampling[0] = outside[0] = 0
+
+    engine.core.add_observer(observe)
+    work = random_workload(47, 8, 256, sampled=sampled)
+    finished = run_steps(engine, work)
+    for request_id, prompt, params, _ in work:
+        ref = reference_for(engine, prompt, params)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.token_ids, ref.exit_depths), request_id
+    assert {candidates for candidates, *_ in calls} == {True, False}
+    assert all(ran == int(candidates) for candidates, ran, _, _ in calls), calls
+    assert all(outside == 0 for *_, outside in calls)  # no lm_head outside the step
+    with_candidates = [samples for candidates, _, samples, _ in calls if candidates]
+    if sampled:  # some call samples a candidate from the step's logits
+        assert max(with_candidates) == 1
+    else:
+        assert set(with_candidates) == {0}

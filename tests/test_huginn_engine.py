@@ -715,6 +715,64 @@ def test_the_decode_graphs_serve_huginn(huginn_dir, criterion, layout, mode):
     assert_released(engine)
 
 
+@pytest.mark.parametrize(
+    "criterion, coda_batching, leaves",
+    [
+        ("latent-diff", "off", "candidates"),
+        ("latent-diff", "on", "never"),
+        ("kl", "auto", "always"),
+    ],
+)
+def test_a_graphed_huginn_call_runs_its_prelude_and_coda_only_where_rows_need_them(
+    huginn_dir, criterion, coda_batching, leaves
+):
+    """Huginn's prelude and coda layers weigh about as much as a core step: a graphed call
+    runs its prelude only when some row starts a token, and its leave when a coda candidate
+    needs it (not when coda batching in time runs leaves apart; in every call when the
+    criterion reads logits). Each bucket is captured in those forms; tokens and steps stay
+    the dense reference's."""
+    engine = make_engine(huginn_dir, exit_criterion=criterion, coda_batching=coda_batching,
+                         graph_mode="emulate")  # fmt: skip
+    graphs = engine.runner.graphs
+    counts = {"enter": 0, "leave": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    graphs.enter, graphs.leave = counted("enter", graphs.enter), counted("leave", graphs.leave)
+    launch, calls = graphs.launch, []
+
+    def watched(bucket, rows, host):
+        before = dict(counts)
+        out = launch(bucket, rows, host)
+        ran = {name: counts[name] - before[name] for name in counts}
+        calls.append((len(host.starts) > 0, len(host.candidates) > 0, ran["enter"], ran["leave"]))
+        return out
+
+    graphs.launch = watched
+    work = workload(81, criterion, count=6)
+    finished = run_steps(engine, work)
+    for request_id, prompt, params, _ in work:
+        ref = reference(engine.model, prompt, params, criterion)
+        out = finished[request_id]
+        assert (out.token_ids, out.exit_depths) == (ref.tokens, ref.steps), request_id
+    assert len(calls) > 10
+    assert all(enter == int(starts) for starts, _, enter, _ in calls), calls
+    expected = {
+        "candidates": lambda candidates: int(candidates),
+        "never": lambda candidates: 0,
+        "always": lambda candidates: 1,
+    }[leaves]
+    assert all(leave == expected(candidates) for _, candidates, _, leave in calls), calls
+    # Both sides of each choice occur, so the counts above tell the forms apart.
+    assert {starts for starts, *_ in calls} == {True, False}
+    assert {candidates for _, candidates, *_ in calls} == {True, False}
+
+
 def test_decode_rows_report_the_criterions_score_and_exit_where_it_crosses(huginn_dir):
     """Under the `criterion` exit mode a decode row's signal is its criterion's score (here
     latent-diff: the relative change of the state), read only on the loops the plan lets the

@@ -106,3 +106,19 @@ def test_the_profile_runs_every_part_of_a_huginn_model(tmp_path, monkeypatch):
     assert memory_profile._forward_peak(model, 19, torch.device("cpu")) == 512
     logits = memory_profile.dummy_forward(model, 19, torch.device("cpu"))
     assert logits.shape == (19, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_the_graph_pool_estimate_counts_every_buckets_static_logits(tiny_dir):
+    """Each bucket's captured step with its leave keeps its logits as a static output, all
+    alive together in the graphs' pool: `graph_logits_bytes` is what the steps hold."""
+    from loopserve.runner.memory_profile import graph_logits_bytes
+    from tests.engine_utils import make_engine
+
+    engine = make_engine(tiny_dir, graph_mode="emulate", max_num_seqs=6)
+    graphs = engine.runner.graphs
+    held = 0
+    for bucket in graphs.buckets:  # 1, 2, 4, 6
+        logits = graphs._forward(bucket, True, True)[3]
+        held += logits.numel() * logits.element_size()
+    vocab = engine.model.config.vocab_size
+    assert held == graph_logits_bytes(6, vocab, 4) == (1 + 2 + 4 + 6) * vocab * 4

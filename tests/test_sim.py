@@ -19,7 +19,7 @@ from loopserve.contracts import DecodeRow, PromptChunk, SchedulerOutput
 from loopserve.engine.llm_engine import LLMEngine
 from loopserve.errors import ConfigError
 from loopserve.exit import ExitRule
-from loopserve.exit.columns import CONTINUE, GATE
+from loopserve.exit.columns import CONTINUE, EXIT, GATE
 from loopserve.models.config import OuroConfig
 from loopserve.sampling_params import SamplingParams
 from loopserve.sim.cost_model import HUGINN_0125, OURO_1P4B, CostModel, ModelShape
@@ -141,6 +141,33 @@ def test_gated_decode_exits_at_the_drawn_target():
     assert executor.num_live_handles == 1  # the request's decode state, until it is released
     executor.execute(SchedulerOutput(4, (), finished_request_ids=("r",)))
     assert executor.num_live_handles == 0
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_graphed_decode_step_prices_its_leave_over_every_row(graphed):
+    """The captured decode step runs the lm_head (and its argmax) over every row of a call
+    with a coda candidate, and no leave in a call without one; an eager call runs it over
+    the exiting rows. So the simulator prices 4 coda rows for 1 exit of 4 rows graphed, 1
+    eager, and none for a call with no candidate either way."""
+    from loopserve.contracts import NewRequestData, SampleSpec
+
+    cost = CostModel(ModelShape.from_config(OURO_1P4B), H200)
+    executor = SimExecutor(cost, graphed=graphed)
+    row = dict(position=10, token_id=1, needs_gate=False, cdf_before=0.0,
+               survival_before=1.0, threshold=1.0)  # fmt: skip
+    ids = ("a", "b", "c", "d")
+    new = tuple(NewRequestData(r, SampleSpec(), None) for r in ids)
+    first = decode_rows(*(DecodeRow(r, depth=0, exit_code=CONTINUE, **row) for r in ids))
+    out = executor.execute(SchedulerOutput(1, (), new_requests=new, decode=first))
+    assert executor.stats.coda_rows == 0 and executor.stats.coda_time_s == 0.0
+    codes = (EXIT, CONTINUE, CONTINUE, CONTINUE)
+    second = decode_rows(*(DecodeRow(r, depth=1, exit_code=c, **row) for r, c in zip(ids, codes)))
+    out = executor.execute(SchedulerOutput(2, (), decode=second))
+    assert out.decode.exited.tolist() == [True, False, False, False]
+    assert executor.stats.coda_rows == (4 if graphed else 1)
+    eager = cost.coda(1).time_s
+    assert (executor.stats.coda_time_s > eager) == graphed
+    assert executor.stats.coda_time_s == pytest.approx(cost.coda(4 if graphed else 1).time_s)
 
 
 def test_resuming_from_an_unknown_handle_fails_loudly():

@@ -74,9 +74,19 @@ class _DecodeBatch(NamedTuple):
 
     read: DecodeRead
     candidates: list[int]  # rows
-    rows: torch.Tensor | None  # their outputs [c, H]
+    rows: torch.Tensor | None  # their outputs [c, H]; their rows when the graphed step left
     samplers: list[tuple]  # their (spec, generator, history), `HELD` for one known to stay
     has_history: bool  # some candidate's sampling reads its tokens
+    # Every candidate takes the argmax, which the graphed step read with its signals
+    # (`DecodeSignals.greedy`): nothing is sampled.
+    greedy: bool = False
+
+
+def takes_argmax(sampler: tuple) -> bool:
+    """A request whose token is its logits' argmax as they are: greedy, no log-probabilities,
+    no logits adjustment."""
+    spec, _, history = sampler
+    return history is None and spec.num_logprobs is None and is_greedy(spec)
 
 
 def _candidate_positions(decode: DecodeSignals, batch: _DecodeBatch) -> torch.Tensor | None:
@@ -264,7 +274,13 @@ class Coda:
         batch = self._decode_candidates(decode)
         sampled = DecodeSampled([], [], {})
         failed: tuple[RequestFailure, ...] = ()
-        if batch.rows is not None:
+        if batch.greedy:  # the step's argmax, read with its signals
+            self.transfers.flush()
+            tokens = batch.read.tokens
+            assert tokens is not None
+            token_ids = tokens[batch.candidates].tolist()  # host array
+            sampled = DecodeSampled(batch.candidates, token_ids, {})
+        elif batch.rows is not None:
             logits = self._decode_logits(decode, batch)
             token_ids, with_logprobs, failures = self._sample_logits(logits, batch.samplers)
             candidates = batch.candidates
@@ -285,6 +301,8 @@ class Coda:
         """The decode candidates' logits: computed by the call already, or their leave."""
         if decode.logits is not None:
             return decode.logits
+        if decode.row_logits is not None:  # the graphed step ran every row's leave
+            return decode.row_logits.index_select(0, batch.rows)
         return self.coda(
             batch.rows,
             lambda: decode_spans(decode.rows, batch.candidates),
@@ -302,6 +320,9 @@ class Coda:
         candidates = [] if self.rules.defers_leave else decode.candidates.tolist()  # host array
         ids, samplers = decode.rows.request_ids, self.samplers
         pairs = [samplers[ids[row]] for row in candidates]
+        if candidates and decode.greedy and all(takes_argmax(pair) for pair in pairs):
+            self.transfers.defer(read.packed, read.receive)
+            return _DecodeBatch(read, candidates, None, pairs, False, greedy=True)
         if read.gate_decides and not all(is_greedy(pair[0]) for pair in pairs):
             read.receive(self.transfers.to_host(read.packed))  # exits before sampling
             exited = read.exited
@@ -311,7 +332,8 @@ class Coda:
         rows = None
         if candidates:
             index = decode.candidates_on_device[: len(candidates)]
-            rows = decode.out.index_select(0, index)
+            # The candidates' outputs for their leave; their rows when the step ran it.
+            rows = index if decode.row_logits is not None else decode.out.index_select(0, index)
         has_history = any(pair[2] is not None for pair in pairs)
         return _DecodeBatch(read, candidates, rows, pairs, has_history)
 

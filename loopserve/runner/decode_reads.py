@@ -47,6 +47,9 @@ class DecodeRead:
         self.has_hazards = signals.hazards is not None
         self.has_fired = signals.fired is not None
         self.needs_gate = rows.needs_gate
+        # Every row's greedy token, when the graphed step packed them (`DecodeSignals.greedy`).
+        self.has_tokens = signals.greedy
+        self.tokens: np.ndarray | None = None
         # The read's layout: parts of `width` values, the exits part when `reads_exits`.
         self.width, self.reads_exits = self.num_rows, self.gate_decides
         if signals.packed is not None:  # a graphed step packed them (`DecodeSignals.packed`)
@@ -74,6 +77,9 @@ class DecodeRead:
             at += width
         if self.has_fired:
             self.fired = read[at : at + n] != 0.0
+            at += width
+        if self.has_tokens:
+            self.tokens = read[at : at + n].astype(np.int64)
 
 
 def decode_results(read: DecodeRead, sampled: DecodeSampled) -> DecodeResults:

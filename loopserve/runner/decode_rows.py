@@ -117,8 +117,12 @@ class DecodeSignals(NamedTuple):
     fired: torch.Tensor | None = None  # [n] bool: criterion families, where it fired
     # A graphed call's signals as the host reads them, packed by the step itself: float64
     # [parts, bucket], the exits of every row, then its hazards and where it fired (each
-    # when present), the call's rows first.
+    # when present), then its greedy token (`greedy`), the call's rows first.
     packed: torch.Tensor | None = None
+    # A graphed call that ran the leave of every row: their logits [n, vocab] (the coda
+    # takes its candidates' rows), and `packed` ends with every row's argmax.
+    row_logits: torch.Tensor | None = None
+    greedy: bool = False
 
 
 def decide_exits_on_device(

@@ -15,7 +15,17 @@ step of `runner/decode_rows.py`, not just the core: per bucket B, `DecodeGraphs`
   the paged tables); write the outputs back to the slots; the hazards (when the exit mode
   reads a gate); the exit decisions (`decide_exits_on_device`) and the LAST_EXITED finalize
   copies (`finalize_pairs`: every row with every deeper plane, masked by the exits); outputs `[B, H]`, hazards and exits stay in
-  static tensors for the coda.
+  static tensors for the coda;
+- the leave of every row (Ouro's lm_head; Huginn's coda layers and lm_head) and each row's
+  argmax, packed with the signals the host reads, so a call whose coda candidates all take
+  the argmax reads their tokens in its one copy out and samples nothing; other candidates
+  sample from the step's logits.
+
+Each bucket is captured in every form its calls take (`forms`): the leave runs only in calls
+with coda candidates (always when a criterion reads logits; never when coda batching in time
+runs leaves apart), and a family with once planes runs its prelude layers only in calls
+where some row starts a token: a call pays the lm_head's weight read, or Huginn's prelude or
+coda layers (each about a core step's weights), only when a row needs them.
 
 Buckets are 1, 2, 4, 8, 16, 24, 32, ... (multiples of 8) up to `max_rows` (`max_num_seqs`,
 always its own bucket); a call of n rows runs in the smallest bucket >= n. Padding rows use
@@ -159,6 +169,8 @@ class DecodeGraphs:
         make_backend: BackendFn = torch_backend,
         enter: Callable | None = None,
         leave: Callable | None = None,
+        leave_always: bool = False,
+        defers_leave: bool = False,
         latent: Callable | None = None,
     ) -> None:
         """`slots`: the runner's decode slots (states and tables the captured step reads and
@@ -166,9 +178,15 @@ class DecodeGraphs:
         family with once planes passes `enter(tokens, positions, once)` and
         `leave(carried, positions, once)` (its prelude and coda attend to its once planes,
         prepared here over the static buffers); a criterion family's decode slots hold its
-        criterion (`slots.criterion`), checked inside the step over `latent(carried)`."""
+        criterion (`slots.criterion`), checked inside the step over `latent(carried)`.
+        `leave_always`: the step runs `leave` in every call (a criterion that reads logits
+        checks its rows from it); else only in calls with coda candidates, and never when
+        `defers_leave` (coda batching in time runs held tokens' leaves apart). A family with
+        once planes runs `enter` only in calls where some row starts a token. Each bucket is
+        captured in every form its calls can take (`forms`)."""
         self.core, self.prelude, self.hazards, self.finalize = core, prelude, hazards, finalize
         self.enter, self.leave, self.latent = enter, leave, latent
+        self.leave_always, self.defers_leave = leave_always, defers_leave
         self.criterion = slots.criterion
         self.slots = slots
         self.transfers = transfers
@@ -207,8 +225,9 @@ class DecodeGraphs:
         self.host_buffers = HostBuffers(slots, dummy_block)
         for bucket in self.buckets:
             self._pad(self.inputs[bucket])
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple] = {}
+        # Per (bucket, *form): the captured step and its static outputs.
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool, bool], tuple] = {}
         self.num_calls = 0  # calls run through the static buffers (replays or emulated)
         self.num_padded_rows = 0
         if capture:
@@ -272,24 +291,48 @@ class DecodeGraphs:
         that wait for them (`decode_rows.FedBack`)."""
         self.inputs[bucket].columns[TOKENS].index_copy_(0, fed.rows_on_device, fed.tokens)
 
+    def forms(self) -> tuple[tuple[bool, bool], ...]:
+        """The step's forms, (runs the prelude, runs the leave), that calls can take: a family
+        with once planes skips its prelude (layers over the once planes) in a call where no
+        row starts a token; the leave (Huginn's coda layers, the lm_head) runs as
+        `form` says."""
+        enters = (False, True) if self.once_planes else (True,)
+        if self.leave is None or (self.defers_leave and not self.leave_always):
+            leaves: tuple[bool, ...] = (False,)
+        else:
+            leaves = (True,) if self.leave_always else (False, True)
+        return tuple((e, v) for e in enters for v in leaves)
+
+    def form(self, host: HostColumns) -> tuple[bool, bool]:
+        """The form of a call: its prelude when some row starts a token (always for a family
+        without once planes: its prelude is the embedding), its leave in every call when it
+        is always needed, else when some row is a coda candidate and leaves are not
+        deferred."""
+        enters = not self.once_planes or len(host.starts) > 0
+        leaves = self.leave is not None and (
+            self.leave_always or (len(host.candidates) > 0 and not self.defers_leave)
+        )
+        return enters, leaves
+
     def launch(self, bucket: int, rows: DecodeRows, host: HostColumns) -> DecodeSignals:
-        """Replay (or, emulated, run) the bucket's step over its staged buffer; the first
-        `len(rows)` rows of its static outputs (read by the coda before the next call)."""
-        graph = self.graphs.get(bucket)
+        """Replay (or, emulated, run) the bucket's step in the call's form over its staged
+        buffer; the first `len(rows)` rows of its static outputs (read by the coda before
+        the next call)."""
+        form = self.form(host)
+        graph = self.graphs.get((bucket, *form))
         if graph is None:
-            out, hazards, exits, logits, fired, packed = self._forward(bucket)
+            out, hazards, exits, logits, fired, packed = self._forward(bucket, *form)
         else:
             graph.replay()
-            out, hazards, exits, logits, fired, packed = self.outputs[bucket]
+            out, hazards, exits, logits, fired, packed = self.outputs[(bucket, *form)]
         n = len(rows)
         gate = exits if host.gate_decides else None
-        candidates = self.inputs[bucket].columns[CANDIDATES]
-        if logits is not None:  # the candidates' rows of the step's leave
-            logits = logits.index_select(0, candidates[: len(host.candidates)])
         return DecodeSignals(
             rows, out[:n], None if hazards is None else hazards[:n],
-            None if gate is None else gate[:n], host.candidates, candidates,
-            self.positions[:n], logits, None if fired is None else fired[:n], packed,
+            None if gate is None else gate[:n], host.candidates,
+            self.inputs[bucket].columns[CANDIDATES], self.positions[:n],
+            fired=None if fired is None else fired[:n], packed=packed,
+            row_logits=None if logits is None else logits[:n], greedy=logits is not None,
         )  # fmt: skip
 
     # ---- the captured step ------------------------------------------------------------------
@@ -313,7 +356,7 @@ class DecodeGraphs:
             calls.append(self.make_backend(self, bucket, planes))
         return calls
 
-    def _forward(self, bucket: int):
+    def _forward(self, bucket: int, enters: bool, leaves: bool):
         inputs = self.inputs[bucket]
         columns, floats = inputs.columns, inputs.floats
         slots, positions, table_index = columns[SLOTS], columns[POSITIONS], columns[TABLE_INDEX]
@@ -321,13 +364,14 @@ class DecodeGraphs:
         self.positions[:bucket].copy_(positions)
         self.context_lens[:bucket].copy_(positions + 1)
         starts = columns[STARTS] != 0
-        if self.once_planes:  # every row's prelude; only rows that start write its K/V
-            once = self._once(bucket, slots, starts)
-            embedded = self.enter(columns[TOKENS], self.positions[:bucket], once)
-        else:
-            embedded = self.prelude(columns[TOKENS])
-        resumed = self.slots.hidden.index_select(0, slots)
-        hidden = torch.where(starts[:, None], embedded, resumed)
+        hidden = self.slots.hidden.index_select(0, slots)  # resumed from the slots
+        if enters:
+            if self.once_planes:  # every row's prelude; only rows that start write its K/V
+                once = self._once(bucket, slots, starts)
+                embedded = self.enter(columns[TOKENS], self.positions[:bucket], once)
+            else:
+                embedded = self.prelude(columns[TOKENS])
+            hidden = torch.where(starts[:, None], embedded, hidden)
         size = self.block_size
         self._planes(self.loop_planes, bucket, table_index)
         attn = self.make_backend(self, bucket, self.loop_planes)
@@ -335,8 +379,8 @@ class DecodeGraphs:
         self.slots.hidden.index_copy_(0, slots, out)
         codes, checked = columns[CODES], columns[NEEDS_GATE] != 0
         hazards = logits = fired = None
-        if self.leave is not None:  # the coda of every row; only candidates and checked rows
-            # write its K/V (a row's coda attends to its own position)
+        if leaves:  # the coda of every row; only candidates and checked rows write its K/V
+            # (a row's coda attends to its own position)
             keep = (codes != CONTINUE) | checked
             logits = self.leave(out, self.positions[:bucket], self._once(bucket, slots, keep))
         if self.criterion is not None:
@@ -364,12 +408,18 @@ class DecodeGraphs:
                 finalize=self.finalize,
             )  # fmt: skip
         # What the host reads of the signals, packed inside the step (`DecodeSignals.packed`)
-        # so that the host launches no conversion of its own; nothing when the exits are the
-        # plans' (no gate, no criterion: the host knows them already).
-        packed = None
+        # so that the host launches no conversion of its own: the exits, hazards and where a
+        # criterion fired (each when the host does not know it: nothing of these when the
+        # exits are the plans'), then every row's greedy token when the step ran the leave
+        # (a call whose candidates all take the argmax reads them and samples nothing).
+        parts = []
         if hazards is not None or fired is not None:
             parts = [exits] + [part for part in (hazards, fired) if part is not None]
-            packed = torch.stack([part.double() for part in parts])
+        if logits is not None:
+            if not parts:
+                parts = [exits]
+            parts.append(torch.argmax(logits, dim=-1))
+        packed = torch.stack([part.double() for part in parts]) if parts else None
         return out, hazards, exits, logits, fired, packed
 
     @torch.inference_mode()
@@ -393,17 +443,18 @@ class DecodeGraphs:
             with torch.cuda.device(self.device):
                 pool = torch.cuda.graph_pool_handle()
                 stream = torch.cuda.Stream(self.device)
-                for bucket in sorted(self.buckets, reverse=True):
-                    self._pad(self.inputs[bucket])
+                for key in [(b, *form) for b in sorted(self.buckets, reverse=True)
+                            for form in self.forms()]:  # fmt: skip
+                    self._pad(self.inputs[key[0]])
                     stream.wait_stream(torch.cuda.current_stream(self.device))
                     with torch.cuda.stream(stream):
                         for _ in range(2):
-                            self._forward(bucket)
+                            self._forward(*key)
                     torch.cuda.current_stream(self.device).wait_stream(stream)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[bucket] = self._forward(bucket)
-                    self.graphs[bucket] = graph
+                        self.outputs[key] = self._forward(*key)
+                    self.graphs[key] = graph
                 torch.cuda.synchronize(self.device)
         finally:
             if gc_was_enabled:

@@ -10,13 +10,15 @@ attention backend's prompt-chunk scores (`[heads, chunk, context]` in float32, u
 context. `graph_pool_bytes` estimates the CUDA graphs' private pool (captured after the KV
 cache exists, so it cannot be measured first): one forward at the largest bucket
 (`max_num_seqs` rows), plus, for the torch attention backend only, the gather workspace of
-that bucket over the graphs' context bound (`min(max_model_len, GRAPH_MAX_CONTEXT)`). The
+that bucket over the graphs' context bound (`min(max_model_len, GRAPH_MAX_CONTEXT)`), and
+the logits every bucket's step keeps as a static output (`graph_logits_bytes`). The
 Triton backend (`paged_attention=True`) keeps scores and K/V tiles inside its kernels, so
 neither the prompt-chunk scores nor a gather workspace is added for it. The sampler's
 batched workspace (`sampling_workspace_bytes`: `max_num_seqs` rows of the vocabulary) comes
 after the forward's activations are freed, so the activation peak is the larger of the two.
 `loopserve.config.cuda_kv_budget` turns these into the KV byte budget (pure arithmetic,
-unit-tested on CPU). Every function here but `dummy_forward` needs CUDA.
+unit-tested on CPU). Every function here but `dummy_forward` and `graph_logits_bytes` needs
+CUDA.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.models.family import LoopedModel
-from loopserve.runner.graphs import GRAPH_MAX_CONTEXT
+from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, graph_buckets
 
 # Sampling on CUDA filters a call's rows as one batch (`runner/sampler.py`), so its workspace
 # grows with the rows: at its peak (top-k, then top-p) `filtered_probs` holds, per logit,
@@ -65,6 +67,13 @@ class CudaMemoryProfile:
     total_bytes: int
     peak_bytes: int  # weights + activation peak + non-torch memory + chunk-attention scores
     graph_bytes: int  # estimate of the CUDA graphs' pool (0 when graphs are off)
+
+
+def graph_logits_bytes(max_num_seqs: int, vocab_size: int, element: int) -> int:
+    """The logits the captured decode steps keep as static outputs: each bucket's form with
+    the leave holds `[bucket, vocab]` of them for the coda, all alive together in the pool
+    (beyond the one forward the pool estimate prices)."""
+    return sum(graph_buckets(max_num_seqs)) * vocab_size * element
 
 
 def dummy_forward(model: LoopedModel, rows: int, device: torch.device) -> torch.Tensor:
@@ -120,6 +129,7 @@ def profile_cuda_memory(
             gather = 2 * max_num_seqs * max_blocks * block_size * config.head_dim * element
             gather *= config.num_key_value_heads
         graph_bytes = _forward_peak(model, max_num_seqs, device) + gather
+        graph_bytes += graph_logits_bytes(max_num_seqs, config.vocab_size, element)
     torch.cuda.empty_cache()
     return CudaMemoryProfile(
         total_bytes=total,

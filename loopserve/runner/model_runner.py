@@ -197,15 +197,19 @@ class ModelRunner(Executor):
     def _graphs(self):
         """The decode graphs (None when off, or when capture failed: then the error). The
         graphed step calls the model's functions inside the capture (late-bound, so a
-        replaced function is the one captured)."""
+        replaced function is the one captured). Its leave runs in every call when the
+        criterion reads logits, else in the calls with coda candidates (their greedy tokens
+        come back with the step's signals) unless coda batching defers it."""
         options, model = self.options, self.model
-        leaves = model.leave_writes_kv or self.decode_slots.criterion is not None
+        criterion = self.decode_slots.criterion
         return build_decode_graphs(
             options.graph_mode, model.loop, self.kv_cache, attention=self.attention,
             max_model_len=options.max_model_len or model.config.max_position_embeddings,
             prelude=lambda ids: model.enter(ids),
             enter=model.enter if model.config.extra_kv_planes else None,
-            leave=model.leave if leaves else None, latent=model.latent,
+            leave=model.leave, latent=model.latent,
+            leave_always=criterion is not None and criterion.needs_logits,
+            defers_leave=self.rules.defers_leave,
             hazards=(lambda rows: self.hazard_fn(rows)) if self.exit_mode.uses_gate else None,
             finalize=self._finalize_slots, slots=self.decode_slots, transfers=self.transfers,
             block_size=options.block_size, max_rows=options.max_num_seqs,

@@ -55,7 +55,7 @@ from loopserve.contracts import (
 )
 from loopserve.execution import Executor, StepRules
 from loopserve.exit import ExitMode, choose_exit_from_hazards
-from loopserve.exit.columns import EXIT, GATE, decide_criterion_exits, decide_exits
+from loopserve.exit.columns import CONTINUE, EXIT, GATE, decide_criterion_exits, decide_exits
 from loopserve.exit.policies import GateState, loop_exits
 from loopserve.runner.handles import HandleTable
 from loopserve.sim.call_pricing import CallPricer, CallTally, CodaTally, ExecutorStats
@@ -83,6 +83,7 @@ class SimExecutor(Executor):
         draft_stable_dist: tuple[float, ...] | None = None,
         defers_leave: bool = False,
         imports_on_device: bool = False,
+        graphed: bool = False,
     ) -> None:
         """`draft_stable_dist` (self-speculative decoding): P(s = j), j = 0..D-1, where s is the
         first loop from which the coda's argmax stays the token the position emits; a draft
@@ -94,8 +95,13 @@ class SimExecutor(Executor):
         coda batching in time (exited decode rows are priced no coda; `LeaveRows` are);
         `imports_on_device`: a hand-off's K/V landed in device memory (a link that writes
         GPU memory: NVLink, RDMA as NIXL over VRAM does), so its import is a copy within HBM
-        like a fork's; otherwise it landed in host memory and crosses the host link."""
+        like a fork's; otherwise it landed in host memory and crosses the host link.
+        `graphed`: decode-only steps run the captured step (`runner/graphs.py`), whose
+        parts run over every decode row of the call: the leave (lm_head, and a family's
+        coda layers) and the argmax when some row is a coda candidate, a family's prelude
+        layers when some row starts a token; eager calls run them over those rows only."""
         self.cost = cost_model
+        self.graphed = graphed
         self.coda_every_loop = coda_every_loop
         self._prompt_len: dict[str, int] = {}
         self._coda = CodaTally()
@@ -219,7 +225,9 @@ class SimExecutor(Executor):
         self._coda = coda = CodaTally()
         decode_results = None
         if scheduled.decode is not None:
-            decode_results, coda_rows, num_early = self._run_decode(scheduled.decode, tallies[1])
+            decode_results, coda_rows, num_early = self._run_decode(
+                scheduled.decode, tallies[1], graphed=self.graphed and not items
+            )
         leave_results = None
         if scheduled.leave is not None:
             leave_results, num_leave_early = self._run_leave(scheduled.leave)
@@ -275,9 +283,11 @@ class SimExecutor(Executor):
         results = DecodeResults(np.ones(m, bool), np.full(m, np.nan), token_ids)
         return results, int(np.count_nonzero(rows.depths + 1 < self.num_loops))
 
-    def _run_decode(self, rows: DecodeRows, tally: CallTally) -> tuple[DecodeResults, int, int]:
-        """Exits, hazards and pricing of a call's decode rows (one loop each); (results, rows
-        sampled, early exits)."""
+    def _run_decode(
+        self, rows: DecodeRows, tally: CallTally, *, graphed: bool = False
+    ) -> tuple[DecodeResults, int, int]:
+        """Exits, hazards and pricing of a call's decode rows (one loop each; `graphed`: as
+        the captured step runs them); (results, rows sampled, early exits)."""
         n, depths = len(rows), rows.depths
         decoding = self._decoding
         for request_id, depth in zip(rows.request_ids, depths.tolist()):
@@ -287,6 +297,8 @@ class SimExecutor(Executor):
         tally.has_decode = True
         tally.rows += n
         first = depths == 0
+        if graphed and first.any() and self.cost.shape.prelude_layers:
+            first = np.ones(n, bool)  # the captured prelude runs over every row
         tally.prelude_rows += int(np.count_nonzero(first))
         first_context = int(rows.positions[first].sum()) + int(np.count_nonzero(first))
         tally.prelude_kv_read += first_context
@@ -325,12 +337,15 @@ class SimExecutor(Executor):
         if self.rules.defers_leave:  # sampled with a later step's leave rows
             return DecodeResults(exited, hazards, np.full(n, -1, np.int64), fired=fired), 0, 0
         token_ids = np.where(exited, SYNTHETIC_TOKEN.token_id, -1).astype(np.int64)
-        num_exits = int(np.count_nonzero(exited))
+        left = exited  # the rows whose leave runs
+        if graphed and (rows.exit_code != CONTINUE).any():  # the captured leave: every row
+            left = np.ones(n, bool)
+        num_left = int(np.count_nonzero(left))
         if not self.coda_every_loop:
-            exit_context = int(rows.positions[exited].sum()) + num_exits
-            self._coda.add(num_exits, num_exits, exit_context, exit_context)
+            left_context = int(rows.positions[left].sum()) + num_left
+            self._coda.add(num_left, num_left, left_context, left_context)
         num_early = int(np.count_nonzero(exited & (depths + 1 < self.num_loops)))
-        return DecodeResults(exited, hazards, token_ids, fired=fired), num_exits, num_early
+        return DecodeResults(exited, hazards, token_ids, fired=fired), num_left, num_early
 
     def _run_item(self, item: WorkItem, tally: CallTally) -> tuple[ItemResult, int]:
         """Exit decision, coda and handle bookkeeping of one prompt or replay item; adds its

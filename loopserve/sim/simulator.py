@@ -83,6 +83,15 @@ def resolve_sim_config(
     return dataclasses.replace(config, cache=cache)
 
 
+def captures_decode(config: EngineConfig, shape: ModelShape) -> bool:
+    """Whether the engine on a GPU runs decode-only calls through its captured step: as
+    `effective_graph_mode` on CUDA and the engine's `auto` (`resolve_model_options`: a family
+    with prelude and coda layers, Huginn, runs eagerly unless graphs are asked for)."""
+    if config.enforce_eager or config.batch_invariant or config.graph_mode == "off":
+        return False
+    return config.graph_mode != "auto" or not (shape.prelude_layers or shape.coda_layers)
+
+
 class Simulator:
     """One engine configuration on one simulated device; `run(workload)` once per instance."""
 
@@ -152,6 +161,7 @@ class Simulator:
                 draft_stable_dist=draft_stable_dist,
                 defers_leave=self.defers_leave,
                 imports_on_device=imports_on_device,
+                graphed=captures_decode(self.config, self.shape),
             ),
             async_scheduling=False,
             clock=time.process_time,

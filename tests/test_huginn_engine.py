@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loopserve.errors import ConfigError, InvalidRequestError
-from loopserve.exit.columns import GATE
+from loopserve.exit.columns import CONTINUE, GATE
 from loopserve.models.huginn_dense import generate, teacher_forced_logits
 from loopserve.models.huginn_tiny import make_tiny_huginn_checkpoint
 from loopserve.sampling_params import SamplingParams
@@ -559,6 +559,53 @@ def test_the_triton_attention_kernels_serve_huginn(huginn_small_dir, monkeypatch
     steps = assert_matches_reference(engine, work, finished, "kl")
     assert min(steps) < 3  # early exits too
     assert (engine.stats.num_graph_calls > 0) == (graph_mode == "emulate")
+
+
+def test_a_graphed_once_plane_read_covers_only_the_rows_that_keep_it(huginn_small_dir,
+                                                                      monkeypatch):  # fmt: skip
+    """Over the paged kernels a graphed call's prelude and coda attend over the once plane
+    only for the rows that keep their output (rows that start a token; coda candidates and
+    checked rows): every other row reads one position instead of its whole context, so a
+    call pays the once plane's K/V reads for the rows that need them. Loop planes read each
+    row's context; tokens stay the reference's."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    engine = make_engine(huginn_small_dir, attention_backend="triton", exit_criterion="kl",
+                         graph_mode="emulate")  # fmt: skip
+    attention, graphs = engine.runner.attention, engine.runner.graphs
+    graph_call, reads = attention.graph_call, []
+
+    def recorded(**kwargs):
+        reads[-1]["lens"].append(kwargs["seq_lens"].clone())
+        return graph_call(**kwargs)
+
+    attention.graph_call = recorded
+    launch = graphs.launch
+
+    def watched(bucket, rows, host):
+        reads.append({"rows": rows, "form": graphs.form(host), "lens": []})
+        return launch(bucket, rows, host)
+
+    graphs.launch = watched
+    work = [(f"t{i}", [3 * i + 1, 7, 11], SamplingParams(
+        max_tokens=3, temperature=0.0, exit_threshold=0.2, ignore_eos=True), i)
+        for i in range(2)]  # fmt: skip
+    finished = run_steps(engine, work)
+    assert_matches_reference(engine, work, finished, "kl")
+    short = 0
+    for call in reads:
+        rows, (enters, leaves), lens = call["rows"], call["form"], call["lens"]
+        n, context = len(rows), torch.as_tensor(rows.positions + 1, dtype=torch.int32)
+        assert len(lens) == 1 + enters + leaves
+        kept = [torch.as_tensor(rows.depths == 0)] if enters else []
+        kept += [None]  # the loop planes
+        if leaves:
+            kept.append(torch.as_tensor((rows.exit_code != CONTINUE) | rows.needs_gate))
+        for read, keep in zip(lens, kept):
+            expected = context if keep is None else torch.where(keep, context, 1)
+            assert read[:n].tolist() == expected.tolist()
+            short += int((read[:n] < context).sum())
+    assert short > 0  # some rows read one position where they would have read their context
 
 
 FULL_LOOKUP_CASES = [  # the authors' default lookup, under both prompt rules

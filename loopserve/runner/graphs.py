@@ -25,7 +25,9 @@ Each bucket is captured in every form its calls take (`forms`): the leave runs o
 with coda candidates (always when a criterion reads logits; never when coda batching in time
 runs leaves apart), and a family with once planes runs its prelude layers only in calls
 where some row starts a token: a call pays the lm_head's weight read, or Huginn's prelude or
-coda layers (each about a core step's weights), only when a row needs them.
+coda layers (each about a core step's weights), only when a row needs them. Over a paged
+kernel, the rows of such a call that drop a once plane's output (a prelude of a row that
+resumes, a coda of a row that is no candidate) read one position of it, not their context.
 
 Buckets are 1, 2, 4, 8, 16, 24, 32, ... (multiples of 8) up to `max_rows` (`max_num_seqs`,
 always its own bucket); a call of n rows runs in the smallest bucket >= n. Padding rows use
@@ -116,11 +118,20 @@ BackendFn = Callable[["DecodeGraphs", int, "PlaneBuffers"], object]
 
 
 class PlaneBuffers:
-    """Static write slots and table rows of a graphed call's rows in one set of planes."""
+    """Static write slots, table rows and read lengths of a graphed call's rows in one set of
+    planes. `seq_lens`: positions each row reads (a paged kernel reads no further); the loop
+    planes share the call's context lengths, a once plane's rows that do not keep its
+    output read one position (their output is dropped: a prelude of a row that resumes, a
+    coda of a row that is no candidate)."""
 
-    def __init__(self, max_rows: int, dummy_slot: int, padding_row: int, device) -> None:
+    def __init__(
+        self, max_rows: int, dummy_slot: int, padding_row: int, device, seq_lens=None
+    ) -> None:
         self.write_slots = torch.full((max_rows,), dummy_slot, device=device)
         self.table_index = torch.full((max_rows,), padding_row, device=device)
+        if seq_lens is None:
+            seq_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
+        self.seq_lens = seq_lens
 
 
 def torch_backend(graphs: DecodeGraphs, rows: int, planes: PlaneBuffers) -> TorchPagedAttention:
@@ -142,7 +153,7 @@ def paged_backend(attention) -> BackendFn:
             tables=graphs.block_tables,
             table_index=planes.table_index[:rows],
             row_index=graphs.query_index[:rows],
-            seq_lens=graphs.context_lens[:rows],
+            seq_lens=planes.seq_lens[:rows],
             max_seq_len=graphs.max_blocks * graphs.block_size,
         )
 
@@ -206,14 +217,16 @@ class DecodeGraphs:
         self.device = device
         # Shared by every bucket as leading views, filled inside the step.
         self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
-        self.loop_planes = PlaneBuffers(max_rows, self.dummy_slot, slots.padding_row, device)
+        self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
+        self.loop_planes = PlaneBuffers(
+            max_rows, self.dummy_slot, slots.padding_row, device, seq_lens=self.context_lens
+        )
         self.once_planes = [
             PlaneBuffers(max_rows, self.dummy_slot, slots.padding_row, device)
             for _ in range(self.stride - self.num_planes)
         ]
         self.block_tables = slots.tables[:, : self.max_blocks]
         self.padding_table = slots.padding_row
-        self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
         self.query_index = torch.arange(max_rows, device=device)
         self.paged = make_backend is not torch_backend
         # The torch backend's position mask, [max_blocks * block_size]; paged kernels need none.
@@ -339,12 +352,16 @@ class DecodeGraphs:
 
     def _planes(self, planes: PlaneBuffers, bucket: int, table_index, keep=None) -> None:
         """Fill a plane set's static write slots and table rows for the bucket's rows; rows
-        not kept (`keep` False) write only the dummy slot."""
+        not kept (`keep` False) write only the dummy slot and, over a paged kernel, read one
+        position."""
         size, positions = self.block_size, self.positions[:bucket]
         blocks = self.block_tables[table_index, positions // size]
         slots = blocks * size + positions % size
         if keep is not None:
             slots = torch.where(keep, slots, torch.full_like(slots, self.dummy_slot))
+            if self.paged:
+                lens = self.context_lens[:bucket]
+                planes.seq_lens[:bucket].copy_(torch.where(keep, lens, torch.ones_like(lens)))
         planes.table_index[:bucket].copy_(table_index)
         planes.write_slots[:bucket].copy_(slots)
 

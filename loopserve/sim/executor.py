@@ -297,9 +297,11 @@ class SimExecutor(Executor):
         tally.has_decode = True
         tally.rows += n
         first = depths == 0
-        if graphed and first.any() and self.cost.shape.prelude_layers:
-            first = np.ones(n, bool)  # the captured prelude runs over every row
-        tally.prelude_rows += int(np.count_nonzero(first))
+        num_first = int(np.count_nonzero(first))
+        if graphed and num_first and self.cost.shape.prelude_layers:
+            num_first = n  # the captured prelude's layers run over every row
+        tally.prelude_rows += num_first
+        # (Only rows that start read the once plane's K/V; the others read one position.)
         first_context = int(rows.positions[first].sum()) + int(np.count_nonzero(first))
         tally.prelude_kv_read += first_context
         tally.prelude_pairs += first_context
@@ -337,13 +339,15 @@ class SimExecutor(Executor):
         if self.rules.defers_leave:  # sampled with a later step's leave rows
             return DecodeResults(exited, hazards, np.full(n, -1, np.int64), fired=fired), 0, 0
         token_ids = np.where(exited, SYNTHETIC_TOKEN.token_id, -1).astype(np.int64)
-        left = exited  # the rows whose leave runs
-        if graphed and (rows.exit_code != CONTINUE).any():  # the captured leave: every row
-            left = np.ones(n, bool)
-        num_left = int(np.count_nonzero(left))
+        num_left = num_exits = int(np.count_nonzero(exited))  # the rows whose leave runs
+        context = int(rows.positions[exited].sum()) + num_exits  # read by the coda layers
+        candidates = rows.exit_code != CONTINUE
+        if graphed and candidates.any():  # the captured leave runs over every row; only the
+            # candidates read the once plane's K/V (the others one position)
+            num_left = n
+            context = int(rows.positions[candidates].sum()) + int(np.count_nonzero(candidates))
         if not self.coda_every_loop:
-            left_context = int(rows.positions[left].sum()) + num_left
-            self._coda.add(num_left, num_left, left_context, left_context)
+            self._coda.add(num_left, num_left, context, context)
         num_early = int(np.count_nonzero(exited & (depths + 1 < self.num_loops)))
         return DecodeResults(exited, hazards, token_ids, fired=fired), num_left, num_early
 

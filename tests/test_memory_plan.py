@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loopserve.config import CacheConfig, cuda_kv_budget, resolve_num_blocks
 from loopserve.errors import ConfigError
@@ -108,17 +109,34 @@ def test_the_profile_runs_every_part_of_a_huginn_model(tmp_path, monkeypatch):
     assert logits.shape == (19, model.config.vocab_size) and torch.isfinite(logits).all()
 
 
-def test_the_graph_pool_estimate_counts_every_buckets_static_logits(tiny_dir):
-    """Each bucket's captured step with its leave keeps its logits as a static output, all
-    alive together in the graphs' pool: `graph_logits_bytes` is what the steps hold."""
-    from loopserve.runner.memory_profile import graph_logits_bytes
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_the_graph_pool_estimate_counts_every_forms_static_outputs(
+    tiny_dir, huginn_small_dir, family
+):
+    """Each bucket's captured step keeps its rows' outputs, and in a form with the leave its
+    logits, as static outputs, all alive together in the graphs' pool: `graph_outputs_bytes`
+    with a family's forms (Ouro 2, 1 with the leave; Huginn 4, 2) is what they hold."""
+    from loopserve.runner.memory_profile import graph_outputs_bytes
     from tests.engine_utils import make_engine
 
-    engine = make_engine(tiny_dir, graph_mode="emulate", max_num_seqs=6)
+    path = tiny_dir if family == "ouro" else huginn_small_dir
+    args = {} if family == "ouro" else {"exit_criterion": "latent-diff", "coda_batching": "off"}
+    engine = make_engine(path, graph_mode="emulate", max_num_seqs=6, **args)
     graphs = engine.runner.graphs
+    forms = graphs.forms()
+    assert len(forms) == (2 if family == "ouro" else 4)
     held = 0
-    for bucket in graphs.buckets:  # 1, 2, 4, 6
-        logits = graphs._forward(bucket, True, True)[3]
-        held += logits.numel() * logits.element_size()
-    vocab = engine.model.config.vocab_size
-    assert held == graph_logits_bytes(6, vocab, 4) == (1 + 2 + 4 + 6) * vocab * 4
+    with torch.inference_mode():
+        for bucket in graphs.buckets:  # 1, 2, 4, 6
+            for form in forms:
+                out, _, _, logits, _, _ = graphs._forward(bucket, *form)
+                held += out.numel() * out.element_size()
+                if logits is not None:
+                    held += logits.numel() * logits.element_size()
+    model = engine.model
+    num_leave = sum(leaves for _, leaves in forms)
+    assert held == graph_outputs_bytes(
+        6, state_width=model.state_width, vocab_size=model.config.vocab_size, element=4,
+        num_forms=len(forms), num_leave_forms=num_leave,
+    )  # fmt: skip
+    assert num_leave == (1 if family == "ouro" else 2)

@@ -11,13 +11,13 @@ context. `graph_pool_bytes` estimates the CUDA graphs' private pool (captured af
 cache exists, so it cannot be measured first): one forward at the largest bucket
 (`max_num_seqs` rows), plus, for the torch attention backend only, the gather workspace of
 that bucket over the graphs' context bound (`min(max_model_len, GRAPH_MAX_CONTEXT)`), and
-the logits every bucket's step keeps as a static output (`graph_logits_bytes`). The
+the outputs and logits every bucket's forms keep as static outputs (`graph_outputs_bytes`). The
 Triton backend (`paged_attention=True`) keeps scores and K/V tiles inside its kernels, so
 neither the prompt-chunk scores nor a gather workspace is added for it. The sampler's
 batched workspace (`sampling_workspace_bytes`: `max_num_seqs` rows of the vocabulary) comes
 after the forward's activations are freed, so the activation peak is the larger of the two.
 `loopserve.config.cuda_kv_budget` turns these into the KV byte budget (pure arithmetic,
-unit-tested on CPU). Every function here but `dummy_forward` and `graph_logits_bytes` needs
+unit-tested on CPU). Every function here but `dummy_forward` and `graph_outputs_bytes` needs
 CUDA.
 """
 
@@ -69,11 +69,23 @@ class CudaMemoryProfile:
     graph_bytes: int  # estimate of the CUDA graphs' pool (0 when graphs are off)
 
 
-def graph_logits_bytes(max_num_seqs: int, vocab_size: int, element: int) -> int:
-    """The logits the captured decode steps keep as static outputs: each bucket's form with
-    the leave holds `[bucket, vocab]` of them for the coda, all alive together in the pool
-    (beyond the one forward the pool estimate prices)."""
-    return sum(graph_buckets(max_num_seqs)) * vocab_size * element
+def graph_outputs_bytes(
+    max_num_seqs: int,
+    *,
+    state_width: int,
+    vocab_size: int,
+    element: int,
+    num_forms: int,
+    num_leave_forms: int,
+) -> int:
+    """What the captured decode steps keep as static outputs, all alive together in the
+    graphs' pool (beyond the one forward the pool estimate prices): every bucket's every form
+    holds its rows' outputs `[bucket, state_width]`, and each form with the leave its logits
+    `[bucket, vocab]` for the coda. The engine passes the most forms a family's step takes
+    (`DecodeGraphs.forms`: 2 and 1 with the leave; with once planes 4 and 2), an upper
+    bound where an exit mode captures fewer."""
+    per_row = num_forms * state_width + num_leave_forms * vocab_size
+    return sum(graph_buckets(max_num_seqs)) * per_row * element
 
 
 def dummy_forward(model: LoopedModel, rows: int, device: torch.device) -> torch.Tensor:
@@ -129,7 +141,11 @@ def profile_cuda_memory(
             gather = 2 * max_num_seqs * max_blocks * block_size * config.head_dim * element
             gather *= config.num_key_value_heads
         graph_bytes = _forward_peak(model, max_num_seqs, device) + gather
-        graph_bytes += graph_logits_bytes(max_num_seqs, config.vocab_size, element)
+        once = bool(config.extra_kv_planes)
+        graph_bytes += graph_outputs_bytes(
+            max_num_seqs, state_width=model.state_width, vocab_size=config.vocab_size,
+            element=element, num_forms=4 if once else 2, num_leave_forms=2 if once else 1,
+        )  # fmt: skip
     torch.cuda.empty_cache()
     return CudaMemoryProfile(
         total_bytes=total,

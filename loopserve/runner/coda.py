@@ -74,7 +74,7 @@ class _DecodeBatch(NamedTuple):
 
     read: DecodeRead
     candidates: list[int]  # rows
-    rows: torch.Tensor | None  # their outputs [c, H]; their rows when the graphed step left
+    rows: torch.Tensor | None  # their outputs [c, H] (None: none, or the step ran their leave)
     samplers: list[tuple]  # their (spec, generator, history), `HELD` for one known to stay
     has_history: bool  # some candidate's sampling reads its tokens
     # Every candidate takes the argmax, which the graphed step read with its signals
@@ -280,7 +280,7 @@ class Coda:
             assert tokens is not None
             token_ids = tokens[batch.candidates].tolist()  # host array
             sampled = DecodeSampled(batch.candidates, token_ids, {})
-        elif batch.rows is not None:
+        elif batch.candidates:
             logits = self._decode_logits(decode, batch)
             token_ids, with_logprobs, failures = self._sample_logits(logits, batch.samplers)
             candidates = batch.candidates
@@ -302,7 +302,8 @@ class Coda:
         if decode.logits is not None:
             return decode.logits
         if decode.row_logits is not None:  # the graphed step ran every row's leave
-            return decode.row_logits.index_select(0, batch.rows)
+            index = decode.candidates_on_device[: len(batch.candidates)]
+            return decode.row_logits.index_select(0, index)
         return self.coda(
             batch.rows,
             lambda: decode_spans(decode.rows, batch.candidates),
@@ -330,10 +331,8 @@ class Coda:
         elif read.packed is not None:
             self.transfers.defer(read.packed, read.receive)
         rows = None
-        if candidates:
-            index = decode.candidates_on_device[: len(candidates)]
-            # The candidates' outputs for their leave; their rows when the step ran it.
-            rows = index if decode.row_logits is not None else decode.out.index_select(0, index)
+        if candidates and decode.row_logits is None:  # their outputs, for their leave
+            rows = decode.out.index_select(0, decode.candidates_on_device[: len(candidates)])
         has_history = any(pair[2] is not None for pair in pairs)
         return _DecodeBatch(read, candidates, rows, pairs, has_history)
 

@@ -8,7 +8,7 @@ import torch
 
 from loopserve.config import EngineConfig, effective_graph_mode
 from loopserve.contracts import DecodeRow
-from loopserve.runner.graphs import bucket_for, graph_buckets
+from loopserve.runner.graph_buffers import bucket_for, graph_buckets
 from loopserve.sampling_params import SamplingParams
 from tests.engine_utils import decode_rows, make_engine, random_workload, reference_for, run_steps
 

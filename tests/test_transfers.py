@@ -16,7 +16,7 @@ from tests.engine_utils import make_engine, reference_for, run_steps
 
 RUNNER = Path(__file__).resolve().parents[1] / "loopserve" / "runner"
 STEP_PATH = (
-    "model_runner.py", "graphs.py", "sampler.py", "logits_adjust.py", "decode_rows.py",
+    "model_runner.py", "graphs.py", "graph_buffers.py", "sampler.py", "logits_adjust.py", "decode_rows.py",
     "coda.py", "decode_reads.py", "attention/triton_backend.py", "eager_step.py",
 )  # fmt: skip
 # What synchronises with the device or copies outside the helper.

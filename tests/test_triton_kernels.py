@@ -27,7 +27,7 @@ from loopserve.runner.attention.registry import (  # noqa: E402
 from loopserve.runner.attention.torch_paged import TorchBackend  # noqa: E402
 from loopserve.runner.attention.triton_backend import TritonBackend  # noqa: E402
 from loopserve.runner.attention.triton_jit import observe_launches  # noqa: E402
-from loopserve.runner.graphs import GRAPH_MAX_CONTEXT  # noqa: E402
+from loopserve.runner.graph_buffers import GRAPH_MAX_CONTEXT  # noqa: E402
 from loopserve.sampling_params import SamplingParams  # noqa: E402
 from tests.engine_utils import (  # noqa: E402
     assert_match_reference,

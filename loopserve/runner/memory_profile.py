@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from loopserve.models.family import LoopedModel
-from loopserve.runner.graphs import GRAPH_MAX_CONTEXT, graph_buckets
+from loopserve.runner.graph_buffers import GRAPH_MAX_CONTEXT, graph_buckets
 
 # Sampling on CUDA filters a call's rows as one batch (`runner/sampler.py`), so its workspace
 # grows with the rows: at its peak (top-k, then top-p) `filtered_probs` holds, per logit,

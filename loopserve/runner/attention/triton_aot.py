@@ -201,7 +201,7 @@ def engine_launches(
     # (views of the runner's int64 buffers), its context lengths int32; its split count
     # fixed from the rows and the context bound (one split for wide buckets).
     from loopserve.runner.attention.triton_backend import auto_split_len
-    from loopserve.runner.graphs import graph_buckets
+    from loopserve.runner.graph_buffers import graph_buckets
 
     for bucket in graph_buckets(settings.max_graph_rows):
         column = _meta(bucket, dtype=torch.int64)

@@ -176,3 +176,31 @@ def test_bench_host_measures_calls_with_the_heap_frozen_as_a_server_does(monkeyp
     assert (frozen_during[0] > 0) is freeze and gc.get_freeze_count() == 0
     assert point.num_frozen == frozen_during[0]
     assert (point.gc_frozen_ms is not None) is freeze
+
+
+def test_bench_host_can_replay_the_steps_device_work_and_keeps_the_host_path(monkeypatch):
+    """`--replay-device-work`: the emulated step's tensor work runs once per bucket and form
+    and its outputs are reused, while every measured call still stages its rows, launches
+    and reads them back (one copy each way) with the rows asked for; calls whose exits the
+    device decides are refused by name."""
+    seen = {}
+    replay = host_bench.replay_device_work_of
+
+    def watched(engine):
+        seen["engine"], seen["runs"] = engine, replay(engine)
+        return seen["runs"]
+
+    monkeypatch.setattr(host_bench, "replay_device_work_of", watched)
+    emulate = {"graph_mode": "emulate"}
+    point = host_bench.measure(4, context=24, steps=6, device_profile="h200",
+                               engine_args=emulate, replay_device_work=True)  # fmt: skip
+    stats = seen["engine"].stats
+    assert point.num_calls == stats.num_graph_calls == 6  # counted over the measured calls
+    assert seen["runs"] and set(seen["runs"].values()) == {1}  # once per bucket and form
+    assert stats.num_h2d_transfers >= 6 and stats.num_d2h_transfers > 0  # staged and read
+    with pytest.raises(ConfigError, match="--replay-device-work needs calls whose exits"):
+        host_bench.measure(4, context=24, steps=6, device_profile="h200", exit="signal",
+                           engine_args=emulate, replay_device_work=True)  # fmt: skip
+    with pytest.raises(ConfigError, match="it needs --graph-mode emulate"):
+        host_bench.measure(4, context=24, steps=6, device_profile="h200",
+                           engine_args={"graph_mode": "off"}, replay_device_work=True)  # fmt: skip

@@ -50,6 +50,7 @@ from loopserve.runner.decode_reads import (
     DecodeSampled,
     PendingLeave,
     decode_results,
+    greedy_results,
 )
 from loopserve.runner.decode_rows import DecodeSignals, decode_spans
 from loopserve.runner.exit_scores import ExitScores
@@ -276,11 +277,8 @@ class Coda:
         failed: tuple[RequestFailure, ...] = ()
         if batch.greedy:  # the step's argmax, read with its signals
             self.transfers.flush()
-            tokens = batch.read.tokens
-            assert tokens is not None
-            token_ids = tokens[batch.candidates].tolist()  # host array
-            sampled = DecodeSampled(batch.candidates, token_ids, {})
-        elif batch.candidates:
+            return CodaOutput([], failed, greedy_results(batch.read))
+        if batch.candidates:
             logits = self._decode_logits(decode, batch)
             token_ids, with_logprobs, failures = self._sample_logits(logits, batch.samplers)
             candidates = batch.candidates

@@ -33,6 +33,20 @@ class DecodeSampled(NamedTuple):
     logprobs: dict[int, SampledToken]
 
 
+_NO_HAZARDS: dict[int, np.ndarray] = {}
+
+
+def no_hazards(num_rows: int) -> np.ndarray:
+    """All-NaN hazards for `num_rows` rows, shared and read-only: the column of a call that
+    read no signal (one per row count, at most `max_num_seqs` of them)."""
+    column = _NO_HAZARDS.get(num_rows)
+    if column is None:
+        column = np.full(num_rows, np.nan)
+        column.flags.writeable = False
+        _NO_HAZARDS[num_rows] = column
+    return column
+
+
 class DecodeRead:
     """The decode rows' exit flags, hazards (a criterion's scores) and, for a criterion
     family, where it fired: filled when the device is read."""
@@ -41,10 +55,12 @@ class DecodeRead:
         rows = signals.rows
         self.num_rows = len(rows)
         self.exited = rows.exit_code == EXIT  # final unless the gate decides
-        self.hazards = np.full(self.num_rows, np.nan)
+        self.has_hazards = signals.hazards is not None
+        self.hazards = (
+            np.full(self.num_rows, np.nan) if self.has_hazards else no_hazards(self.num_rows)
+        )
         self.fired: np.ndarray | None = None
         self.gate_decides = signals.exits is not None
-        self.has_hazards = signals.hazards is not None
         self.has_fired = signals.fired is not None
         self.needs_gate = rows.needs_gate
         # Every row's greedy token, when the graphed step packed them (`DecodeSignals.greedy`).
@@ -80,6 +96,14 @@ class DecodeRead:
             at += width
         if self.has_tokens:
             self.tokens = read[at : at + n].astype(np.int64)
+
+
+def greedy_results(read: DecodeRead) -> DecodeResults:
+    """The decode rows' results when every candidate took the argmax the step read with its
+    signals (`DecodeRead.tokens`): the exited rows' tokens, -1 elsewhere."""
+    assert read.tokens is not None
+    token_ids = np.where(read.exited, read.tokens, -1)
+    return DecodeResults(read.exited, read.hazards, token_ids, {}, read.fired)
 
 
 def decode_results(read: DecodeRead, sampled: DecodeSampled) -> DecodeResults:

@@ -400,13 +400,12 @@ class ModelRunner(Executor):
         decode = scheduled.decode
         assert decode is not None
         decode_exits = coda.decode.exited
-        loops = decode.depths + 1
-        num_early += int(np.count_nonzero(decode_exits & (loops < self.num_loops)))
+        depths = decode.depths[decode_exits]  # of the exited rows: loops run - 1
+        num_early += int(np.count_nonzero(depths < self.num_loops - 1))
         if self.rules.num_planes > 1 and not self.calls.full_lookup:
-            self._num_finalized += int(
-                np.count_nonzero(decode_exits & (loops < self.rules.num_planes))
-            )
+            self._num_finalized += int(np.count_nonzero(depths < self.rules.num_planes - 1))
         if self.calls.full_lookup:  # below-full exits hide their position from deeper loops
+            loops = decode.depths + 1
             for row in decode_exits.nonzero()[0].tolist():  # host array
                 rid = decode.request_ids[row]
                 self.calls.ran(rid, [int(decode.positions[row])], int(loops[row]))

@@ -321,6 +321,13 @@ def add_host_bench_args(parser) -> None:
         help="leave the start-up heap to the garbage collector (by default it is frozen after "
         "the warm-up, as `loopserve serve` freezes it once the engine loads)",
     )
+    parser.add_argument(
+        "--replay-device-work",
+        action="store_true",
+        help="run the emulated decode step once per bucket and form, then reuse its outputs: "
+        "the CPU runs only the host path between calls, as a GPU host does (the model's "
+        "arithmetic no longer evicts its caches); trace exits only",
+    )
     parser.add_argument("--device-profile", default="h200", help="simulated GPU")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument(

@@ -86,6 +86,28 @@ def null_core(engine: LLMEngine) -> None:
     engine.runner.attention.finalize = lambda src, dst: None  # type: ignore[method-assign]
 
 
+def replay_device_work_of(engine: LLMEngine) -> dict[tuple, int]:
+    """From now on the engine's emulated decode step runs once per bucket and form and its
+    outputs are reused: between the host path's pieces the CPU no longer runs the step's
+    tensor work (the model's arithmetic, which a GPU runs), so it keeps its caches as a GPU
+    host's would. The host path is unchanged: the same staging, launch, coda and reads.
+    Valid where the host knows the exits (trace exits): stale signals decide nothing.
+    Returns the step's runs per (bucket, form) from now on."""
+    graphs = engine.runner.graphs
+    assert graphs is not None, "the replayed step is the decode graphs' (graph_mode emulate)"
+    forward, outputs, runs = graphs._forward, {}, {}
+
+    def replayed(bucket: int, *form):
+        key = (bucket, *form)
+        if key not in outputs:
+            runs[key] = runs.get(key, 0) + 1
+            outputs[key] = forward(bucket, *form)
+        return outputs[key]
+
+    graphs._forward = replayed  # type: ignore[method-assign]
+    return runs
+
+
 @dataclass(frozen=True)
 class HostPoint:
     rows: int
@@ -119,8 +141,8 @@ class HostPoint:
 def measure(rows: int, *, context: int, steps: int, device_profile: str, block_size: int = 16,
             engine_args: dict | None = None, family: str = "ouro",
             exit: str = "trace", temperature: float = 0.0,
-            top_p: float = 1.0, segments: int = 1, freeze_heap: bool = True
-            ) -> HostPoint:  # fmt: skip
+            top_p: float = 1.0, segments: int = 1, freeze_heap: bool = True,
+            replay_device_work: bool = False) -> HostPoint:  # fmt: skip
     """Steady decode calls of `rows` rows at about `context` positions. `family` "huginn":
     Huginn-shaped calls (a tiny Huginn: rows carry [state, e], loop-0 rows run the prelude
     over the once plane, the engine's criterion (kl) is checked at every loop from the
@@ -133,11 +155,19 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
     `segments` > 1: the `steps` calls are measured in that many runs of consecutive calls
     and the point is the run with the median host time (`segment_host_us` has every run's):
     on a shared VM a burst of other work spoils a few runs, not the median. `freeze_heap`:
-    the heap is frozen after the warm-up, as a server's is (given back afterwards)."""
+    the heap is frozen after the warm-up, as a server's is (given back afterwards).
+    `replay_device_work`: the emulated step runs once per bucket and form and its outputs
+    are reused (`replay_device_work_of`), so the CPU runs only the host path, as a GPU
+    host's does; for Ouro-shaped calls with trace exits (the host knows their exits)."""
     if not 1 <= segments <= steps:
         raise ConfigError(f"--segments must be between 1 and --steps ({steps}), got {segments}")
     huginn = family == "huginn"
     signal = huginn or exit == "signal"
+    if replay_device_work and signal:
+        raise ConfigError(
+            "--replay-device-work needs calls whose exits the host knows (--family ouro "
+            "--exit trace): replayed outputs would decide signal exits"
+        )
     with tempfile.TemporaryDirectory() as directory:
         if huginn:
             model_dir = make_tiny_huginn_checkpoint(Path(directory))
@@ -182,6 +212,11 @@ def measure(rows: int, *, context: int, steps: int, device_profile: str, block_s
     # Warm up until every request decodes (prompt steps done), then measure.
     while engine.core.scheduler.num_waiting or _prompt_rows(engine):
         engine.step()
+    if replay_device_work:
+        if engine.runner.graphs is None:
+            raise ConfigError("--replay-device-work replays the decode graphs' step: it needs "
+                              "--graph-mode emulate")  # fmt: skip
+        replay_device_work_of(engine)
     for _ in range(8):
         engine.step()
     cost = CostModel(ModelShape.from_config(OURO_1P4B, dtype_bytes=2),
@@ -275,7 +310,8 @@ def main_from_args(args) -> int:
                         device_profile=args.device_profile, engine_args=engine_args,
                         family=args.family, exit=args.exit, temperature=args.temperature,
                         top_p=args.top_p, segments=args.segments,
-                        freeze_heap=args.freeze_heap)  # fmt: skip
+                        freeze_heap=args.freeze_heap,
+                        replay_device_work=args.replay_device_work)  # fmt: skip
         points.append(point)
         spread = ""
         if point.segment_host_us:
@@ -290,6 +326,8 @@ def main_from_args(args) -> int:
               f"one costs {frozen}{point.gc_full_ms:.1f} ms walking the whole heap",
               flush=True)  # fmt: skip
     table = format_table(points, args.device_profile)
+    if args.replay_device_work:
+        print("(the emulated step's device work replayed: the CPU ran only the host path)")
     print(table)
     in_range = [p for p in points if 32 <= p.rows <= 256]
     met = all(p.ratio <= TARGET_RATIO for p in in_range)
@@ -298,6 +336,7 @@ def main_from_args(args) -> int:
     if args.output_json:
         record = {"points": [dict(asdict(p), host_us=p.host_us, ratio=p.ratio) for p in points],
                   "device_profile": args.device_profile, "context": args.context,
+                  "replay_device_work": args.replay_device_work,
                   "target_ratio": TARGET_RATIO, "target_met": met}  # fmt: skip
         Path(args.output_json).write_text(json.dumps(record, indent=1))
     return 0

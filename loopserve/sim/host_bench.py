@@ -25,6 +25,10 @@ after the warm-up (`engine/gc_heap.py`; `--no-freeze-heap` leaves it to the coll
 the process's pause for one full garbage collection is reported both ways: frozen (what a
 server pays) and with the heap given back (what it paid before).
 
+`--replay-device-work` runs the emulated step once per bucket and form and reuses its outputs
+(trace exits only): the CPU then runs only the host path, whose caches the step's tensor work
+would otherwise evict between its pieces, as on a GPU host where the device runs that work.
+
 Beside it: the simulator's predicted device time of the same call for Ouro-1.4B in bf16 on
 an H200 (`--device-profile`), rows at `--context` positions, and host / device. The target
 is host <= 0.3x device at 32..256 rows. Numbers are of this machine's CPU; docs/benchmarks.md

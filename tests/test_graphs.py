@@ -370,3 +370,31 @@ def test_ouros_graphed_call_runs_its_lm_head_with_candidates_and_hands_back_thei
         assert max(with_candidates) == 1
     else:
         assert set(with_candidates) == {0}
+
+
+def test_graphed_candidates_asking_for_logprobs_sample_from_the_steps_logits(tiny_dir):
+    """A candidate that asks for log-probabilities does not take the packed argmax: it is
+    sampled from the graphed step's logits of its row, and its tokens, exits and
+    log-probabilities equal an eager engine's (float32; the lm_head over the bucket's rows
+    against the eager one over the candidates' rounds alike to 1e-5)."""
+    work = [
+        (f"q{i}", [3 + i, 17, 40 + i], SamplingParams(
+            max_tokens=6, temperature=0.0, exit_threshold=0.5, ignore_eos=True,
+            logprobs=3 if i % 2 else None), i)
+        for i in range(4)
+    ]  # fmt: skip
+    outs = {}
+    for mode in ("off", "emulate"):
+        engine = make_engine(tiny_dir, graph_mode=mode, max_num_seqs=4)
+        outs[mode] = run_steps(engine, work)
+        assert (engine.stats.num_graph_calls > 0) == (mode == "emulate")
+    for request_id, _, params, _ in work:
+        eager, graphed = outs["off"][request_id], outs["emulate"][request_id]
+        assert (graphed.token_ids, graphed.exit_depths) == (eager.token_ids, eager.exit_depths)
+        if params.logprobs is None:
+            assert graphed.logprobs is None
+            continue
+        assert len(graphed.logprobs) == len(eager.logprobs) == 6
+        for g, e in zip(graphed.logprobs, eager.logprobs):
+            assert [t for t, _ in g.top_logprobs] == [t for t, _ in e.top_logprobs]
+            assert g.logprob == pytest.approx(e.logprob, abs=1e-5)

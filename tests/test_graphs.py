@@ -398,3 +398,27 @@ def test_graphed_candidates_asking_for_logprobs_sample_from_the_steps_logits(tin
         for g, e in zip(graphed.logprobs, eager.logprobs):
             assert [t for t, _ in g.top_logprobs] == [t for t, _ in e.top_logprobs]
             assert g.logprob == pytest.approx(e.logprob, abs=1e-5)
+
+
+def test_a_capture_says_how_many_graphs_it_recorded(tiny_dir, monkeypatch, caplog):
+    """Start-up logs what the capture recorded: every bucket in every form of the step (Ouro:
+    with and without its leave), and how long it took (capture itself needs CUDA; here it
+    records placeholders)."""
+    import dataclasses
+    import logging
+
+    from loopserve.runner.graphs import DecodeGraphs
+
+    def fake_capture(self):
+        for bucket in self.buckets:
+            for form in self.forms():
+                self.graphs[(bucket, *form)] = object()
+
+    monkeypatch.setattr(DecodeGraphs, "capture", fake_capture)
+    engine = make_engine(tiny_dir, graph_mode="emulate", max_num_seqs=6)
+    runner = engine.runner
+    runner.options = dataclasses.replace(runner.options, graph_mode="capture")
+    with caplog.at_level(logging.INFO, logger="loopserve.runner.graphs"):
+        graphs, error = runner._graphs()
+    assert error is None and len(graphs.graphs) == 8
+    assert "captured 8 decode graphs (4 row buckets up to 6 rows x 2 forms) in" in caplog.text

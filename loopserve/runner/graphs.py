@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -412,9 +413,15 @@ def build_decode_graphs(
         **kwargs,
     )
     if graph_mode == "capture":
+        start_s = time.perf_counter()
         try:
             graphs.capture()
         except Exception as err:  # keep serving eagerly; say why, once, loudly
             logger.exception("CUDA graph capture failed; decode runs eagerly")
             return None, f"{type(err).__name__}: {err}"
+        logger.info(
+            "captured %d decode graphs (%d row buckets up to %d rows x %d forms) in %.1f s",
+            len(graphs.graphs), len(graphs.buckets), graphs.max_rows, len(graphs.forms()),
+            time.perf_counter() - start_s,
+        )  # fmt: skip
     return graphs, None

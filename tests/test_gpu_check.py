@@ -50,7 +50,11 @@ def test_dry_run_goes_end_to_end_and_writes_a_loadable_calibration(tmp_path):
     assert steps == [("pytest -m gpu", "ok"), ("kernels per layer", "ok"),
                      ("random-weight checkpoint", "ok"), ("core calls", "ok"),
                      ("graphed decode", "ok"),
-                     ("graphed decode, fused linears", "skipped"), ("throughput", "ok")]  # fmt: skip
+                     ("graphed decode, fused linears", "skipped"), ("throughput", "ok"),
+                     ("host work per call", "ok")]  # fmt: skip
+    host = record["host_work"]  # bench host on this CPU, measured and with the work replayed
+    assert set(host) == {"measured", "replayed"}
+    assert all(set(points) == {"4"} and points["4"]["host_us"] > 0 for points in host.values())
     kernels = record["kernels"]
     assert set(kernels) == {"ouro", "huginn"} and 0 < kernels["ouro"]["per_layer"] <= 10
     assert all(step["wall_s"] >= 0 for step in record["steps"])

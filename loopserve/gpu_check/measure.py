@@ -7,6 +7,9 @@ simulator's prediction for the same work. Each function synchronizes around what
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -257,4 +260,30 @@ def measure_throughput(model_dir: Path, plan: Plan, profile_name: str, base_args
     for key in ("measured_tok_s", "predicted_tok_s"):
         ratio = by_arm["refill"][key] / by_arm["full_depth"][key]
         print(f"refill / full_depth ({key.split('_')[0]}): {ratio:.2f}x", flush=True)
+    return results
+
+
+def measure_host_work(plan: Plan, directory: Path) -> dict:
+    """`loopserve bench host` on this machine's CPU (its GPU's host): host us per decode call
+    and host / predicted H200 device time, as measured (the emulated step's arithmetic on the
+    CPU too) and with the device work replayed (`--replay-device-work`: the CPU runs only the
+    host path, as this host's does when its GPU runs the step). Each in a subprocess: the
+    benchmark runs the Triton backend's host path under Triton's interpreter, which must not
+    reach this process's CUDA kernels. {"measured"|"replayed": {rows: {host_us, ratio}}}."""
+    cuda = plan.device.startswith("cuda")
+    rows, steps, context = ("32,128,256", "400", "256") if cuda else ("4", "12", "24")
+    results = {}
+    for name, extra in (("measured", []), ("replayed", ["--replay-device-work"])):
+        path = directory / f"host_{name}.json"
+        command = [sys.executable, "-m", "loopserve.cli.main", "bench", "host", "--rows", rows,
+                   "--steps", steps, "--context", context, "--segments", "3",
+                   "--output-json", str(path), *extra]  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=240)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench host {name} failed: {proc.stderr[-2000:]}")
+        points = json.loads(path.read_text())["points"]
+        results[name] = {p["rows"]: {"host_us": p["host_us"], "ratio": p["ratio"]} for p in points}
+        for p in points:
+            print(f"host work ({name}) rows={p['rows']:4d}: {p['host_us']:7.0f} us per call, "
+                  f"{p['ratio']:.2f}x the H200 device time", flush=True)  # fmt: skip
     return results

@@ -343,14 +343,10 @@ class DecodeGraphs:
         # criterion fired (each when the host does not know it: nothing of these when the
         # exits are the plans'), then every row's greedy token when the step ran the leave
         # (a call whose candidates all take the argmax reads them and samples nothing).
-        parts = []
-        if hazards is not None or fired is not None:
-            parts = [exits] + [part for part in (hazards, fired) if part is not None]
+        read = [part for part in (hazards, fired) if part is not None]
         if logits is not None:
-            if not parts:
-                parts = [exits]
-            parts.append(torch.argmax(logits, dim=-1))
-        packed = torch.stack([part.double() for part in parts]) if parts else None
+            read.append(torch.argmax(logits, dim=-1))
+        packed = torch.stack([part.double() for part in [exits, *read]]) if read else None
         return out, hazards, exits, logits, fired, packed
 
     @torch.inference_mode()

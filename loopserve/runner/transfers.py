@@ -95,11 +95,8 @@ class Transfers:
     def flush(self) -> None:
         """Read every deferred tensor now (one copy; none if nothing is deferred)."""
         if len(self._deferred) == 1:  # read as it is: nothing to gather
-            ((part, receive),) = self._deferred
-            self._deferred = []
-            self.num_d2h += 1
-            self.d2h_bytes += part.numel() * part.element_size()
-            receive((part if part.dtype == torch.float64 else part.double()).tolist())
+            part, receive = self._deferred.pop()
+            receive(self.to_host(part if part.dtype == torch.float64 else part.double()))
         elif self._deferred:
             self.to_host(torch.empty(0, dtype=torch.float64, device=self.device))
 

@@ -298,11 +298,11 @@ class SimExecutor(Executor):
         tally.rows += n
         first = depths == 0
         num_first = int(np.count_nonzero(first))
-        if graphed and num_first and self.cost.shape.prelude_layers:
-            num_first = n  # the captured prelude's layers run over every row
-        tally.prelude_rows += num_first
-        # (Only rows that start read the once plane's K/V; the others read one position.)
-        first_context = int(rows.positions[first].sum()) + int(np.count_nonzero(first))
+        # The captured prelude's layers run over every row; only rows that start read the
+        # once plane's K/V (the others one position).
+        graphed_prelude = graphed and num_first and self.cost.shape.prelude_layers
+        tally.prelude_rows += n if graphed_prelude else num_first
+        first_context = int(rows.positions[first].sum()) + num_first
         tally.prelude_kv_read += first_context
         tally.prelude_pairs += first_context
         context = int(rows.positions.sum()) + n  # each row reads positions 0..its own

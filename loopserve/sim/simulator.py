@@ -26,6 +26,7 @@ from collections.abc import Callable
 from loopserve.config import (
     EngineConfig,
     cascade_enabled,
+    effective_graph_mode,
     max_inflight_rows,
     prefix_caching_enabled,
     resolve_coda_batching,
@@ -87,7 +88,7 @@ def captures_decode(config: EngineConfig, shape: ModelShape) -> bool:
     """Whether the engine on a GPU runs decode-only calls through its captured step: as
     `effective_graph_mode` on CUDA and the engine's `auto` (`resolve_model_options`: a family
     with prelude and coda layers, Huginn, runs eagerly unless graphs are asked for)."""
-    if config.enforce_eager or config.batch_invariant or config.graph_mode == "off":
+    if effective_graph_mode(dataclasses.replace(config, device="cuda")) == "off":
         return False
     return config.graph_mode != "auto" or not (shape.prelude_layers or shape.coda_layers)
 

@@ -161,31 +161,6 @@ def test_all_but_the_last_chunk_arrive_as_chunks(pools, tiny_tok_dir, loop):
     assert _delta(after[DECODE], before[DECODE], "num_streamed_imports") == 1
 
 
-def test_a_decode_replica_short_of_blocks_preempts_streamed_requests_exactly(
-    pools, tiny_tok_dir, loop
-):
-    """96 blocks on each replica (24 positions per plane): five 16-token prompts that grow to
-    40 positions; reservations that do not fit make those hand-offs whole, and the decode
-    replica preempts imported requests as they grow: every request still equals colocated,
-    and nothing stays reserved or held."""
-    args = _ouro_args(tiny_tok_dir, num_blocks=96, prefill_chunk_size=4)
-    pool = pools(args)
-    before = gather(loop, replica_stats(pool))[0]
-    prompts = [prompt_ids(120 + k, 16) for k in range(5)]
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
-    _assert_equal_to_colocated(pool, loop, args, prompts, params, "short")
-    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
-    snap_before, snap_after = before[DECODE].snapshot, after[DECODE].snapshot
-    preempted = (snap_after.num_preemptions_recompute + snap_after.num_preemptions_swap) - (
-        snap_before.num_preemptions_recompute + snap_before.num_preemptions_swap
-    )
-    assert preempted > 0
-    assert _delta(after[DECODE], before[DECODE], "num_streamed_imports") > 0
-    for stats in after:
-        assert stats.num_reserved == 0
-        assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total
-
-
 def test_a_failed_chunk_write_replays_the_stream(pools, tiny_tok_dir, loop, monkeypatch):
     """The first chunk write of the submission reports failure (as when the decode replica's
     reservation is gone): the final hand-off does not go on top of it; the request is
@@ -257,3 +232,28 @@ def test_a_replica_killed_mid_stream_loses_nothing_silently(pools, tiny_tok_dir,
     assert pool.num_in_flight == 0 and not pool.streams
     # Both replicas serve streamed hand-offs again.
     _assert_equal_to_colocated(pool, loop, args, [prompt_ids(300, 30)], [params], f"again{victim}")
+
+
+def test_a_decode_replica_short_of_blocks_preempts_streamed_requests_exactly(
+    pools, tiny_tok_dir, loop
+):
+    """96 blocks on each replica (24 positions per plane): five 16-token prompts that grow to
+    40 positions; reservations that do not fit make those hand-offs whole, and the decode
+    replica preempts imported requests as they grow: every request still equals colocated,
+    and nothing stays reserved or held."""
+    args = _ouro_args(tiny_tok_dir, num_blocks=96, prefill_chunk_size=4)
+    pool = pools(args)
+    before = gather(loop, replica_stats(pool))[0]
+    prompts = [prompt_ids(120 + k, 16) for k in range(5)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
+    _assert_equal_to_colocated(pool, loop, args, prompts, params, "short")
+    after = loop.run_until_complete(asyncio.wait_for(settled(pool), 60.0))
+    snap_before, snap_after = before[DECODE].snapshot, after[DECODE].snapshot
+    preempted = (snap_after.num_preemptions_recompute + snap_after.num_preemptions_swap) - (
+        snap_before.num_preemptions_recompute + snap_before.num_preemptions_swap
+    )
+    assert preempted > 0
+    assert _delta(after[DECODE], before[DECODE], "num_streamed_imports") > 0
+    for stats in after:
+        assert stats.num_reserved == 0
+        assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total

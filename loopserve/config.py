@@ -148,6 +148,25 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
+def _async_exit_mode_error(mode: str) -> str:
+    """Why async scheduling cannot run `mode` ('ouro', the default, which means the
+    criterion rule for a Huginn checkpoint, or 'criterion'), and the delayed rule to use."""
+    if mode == "criterion":
+        named, instead = "exit_mode='criterion'", "use exit_mode='criterion_delayed'"
+    else:
+        named = "exit_mode='ouro' (the default: Ouro's gate, or a Huginn checkpoint's criterion)"
+        instead = (
+            "use exit_mode='ouro_delayed' for Ouro's gate or 'criterion_delayed' for Huginn's "
+            "criterion (the same rule, exiting one loop later), or 'random_lookahead' or "
+            "'trace' (Ouro)"
+        )
+    return (
+        f"async_scheduling needs an exit rule known one loop ahead, but {named} decides each "
+        "exit from the signal of the loop just run, so step n+1's rows would depend on step "
+        f"n's results; {instead}, or turn async_scheduling off"
+    )
+
+
 def validate(config: EngineConfig) -> None:
     cache, sched, exit_ = config.cache, config.scheduler, config.exit
     _positive_int("block_size", cache.block_size)
@@ -189,13 +208,7 @@ def validate(config: EngineConfig) -> None:
     _choice("attention_backend", config.attention_backend, ATTENTION_BACKENDS)
     _choice("graph_mode", config.graph_mode, GRAPH_MODES)
     if config.async_scheduling and exit_.mode in ("ouro", "criterion"):
-        raise ConfigError(
-            "async_scheduling needs an exit rule known one loop ahead, but "
-            f"exit_mode={exit_.mode!r} decides each exit from the signal of the loop just run, "
-            "so step n+1's rows would depend on step n's results; use exit_mode='ouro_delayed' "
-            "(same CDF, exit one loop later), 'criterion_delayed' (the same for a criterion), "
-            "'random_lookahead' or 'trace', or turn async_scheduling off"
-        )
+        raise ConfigError(_async_exit_mode_error(exit_.mode))
     if exit_.prompt_exits and exit_.mode == "criterion_delayed":
         raise ConfigError(
             "prompt_exits=True with exit_mode='criterion_delayed': a prompt exits by the "

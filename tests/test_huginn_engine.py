@@ -280,7 +280,13 @@ def test_shared_layout_equals_the_dense_reference(huginn_dir, criterion, mode, a
         ),
         (
             {"async_scheduling": True, "exit_mode": "criterion"},
-            "async_scheduling needs an exit rule known one loop ahead.*'criterion'",
+            "async_scheduling needs an exit rule known one loop ahead.*use "
+            "exit_mode='criterion_delayed', or",
+        ),
+        (  # the default exit mode is Huginn's criterion: the message says so
+            {"async_scheduling": True},
+            "exit_mode='ouro' \\(the default: Ouro's gate, or a Huginn checkpoint's "
+            "criterion\\).*'criterion_delayed' for Huginn's criterion",
         ),
     ],
 )

@@ -171,6 +171,23 @@ def test_chat_matches_offline_engine_streaming_and_not(client, llm):
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
 
 
+def test_openai_fields_that_ask_nothing_of_generation_are_accepted(client):
+    """What OpenAI's SDK and agent frameworks may send beside the prompt (`store`,
+    `metadata`, `service_tier`, `safety_identifier`, `prompt_cache_key`) is served, and the
+    tokens equal the same request without them."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0.0
+    )
+    tagged = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0.0, store=False,
+        metadata={"session": "s-1", "team": "evals"}, service_tier="auto",
+        extra_body={"safety_identifier": "user-hash-1", "prompt_cache_key": "colours"},
+    )  # fmt: skip
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    assert tagged.choices[0].exit_depths == plain.choices[0].exit_depths
+
+
 def test_n2_with_seed_is_reproducible_and_uses_seed_plus_index(client, llm):
     def sample() -> list[str]:
         response = client.completions.create(
@@ -428,7 +445,17 @@ BAD_INPUTS = {
     "chat_seed_over_2_64": ("/v1/chat/completions", CHAT | {"seed": 2**64}, 400, "seed"),
     # Item 9: priority needs --allow-client-priority.
     "priority_not_allowed": ("/v1/completions", GOOD | {"priority": -5}, 400, "priority"),
-}
+    # Accepted OpenAI fields, with what this server cannot do refused by name.
+    "store_true": ("/v1/chat/completions", CHAT | {"store": True}, 400, "store"),
+    "service_tier_flex": ("/v1/chat/completions", CHAT | {"service_tier": "flex"}, 400,
+                          "service_tier"),
+    "metadata_17_pairs": ("/v1/chat/completions",
+                          CHAT | {"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),
+    "metadata_long_value": ("/v1/chat/completions", CHAT | {"metadata": {"k": "v" * 513}}, 400,
+                            "metadata"),
+    "metadata_not_a_string": ("/v1/chat/completions", CHAT | {"metadata": {"k": 5}}, 400,
+                              "metadata"),
+}  # fmt: skip
 # Item 8: (path, body, headers, status, code), sent with these headers instead of JSON ones.
 BAD_HEADERS = {
     "text_plain_body": ("/v1/completions", GOOD, {"content-type": "text/plain"}, 415, None),

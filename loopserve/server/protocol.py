@@ -272,6 +272,32 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] | None = Field(default=None, min_length=1)  # OpenAI's rule
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI fields that ask nothing of generation on this server, accepted as OpenAI
+    # documents them: `store` (False or null: this server keeps no completions, so true is
+    # a 400), `metadata` (tags for stored completions: at most 16 string pairs, keys of at
+    # most 64 characters, values of at most 512), `safety_identifier` and
+    # `prompt_cache_key` (identifiers OpenAI uses for abuse monitoring and cache routing;
+    # prefix caching here needs no key), `service_tier` ("auto" or "default": the one tier).
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_is_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("this server does not store completions: send false or leave it out")
+        return store
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_sizes(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (metadata or {}).items():
+            if len(key) > 64 or len(value) > 512:
+                raise ValueError("keys are at most 64 characters and values at most 512")
+        return metadata
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -145,3 +145,21 @@ def in_process_calls(engine, model_name: str, calls, **app_options):
             await async_llm.shutdown(1.0)
 
     return asyncio.run(main())
+
+
+def thinking_model(tiny_tok_dir, tmp_path):
+    """A copy of the tokenizer checkpoint whose chat template opens a `<think>` block in the
+    generation prompt (the answer starts inside it)."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "thinking"
+    shutil.copytree(tiny_tok_dir, model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = config["chat_template"].replace(
+        "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"
+    )
+    assert "<think>" in config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    return model_dir

@@ -8,9 +8,6 @@ opens the block in the prompt (as DeepSeek-R1's and Qwen3's do) is a fixture tok
 from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
-import json
-import shutil
-
 import pytest
 
 from loopserve.text.reasoning import THINK, ReasoningStream
@@ -41,7 +38,7 @@ from tests.optional import require
 
 require("serve", "structured")
 from loopserve.engine.llm_engine import LLMEngine  # noqa: E402
-from tests.server_utils import sse_payloads  # noqa: E402
+from tests.server_utils import sse_payloads, thinking_model  # noqa: E402
 
 THINKING = r"<think>[a-z]{2,6}( [a-z]{2,6}){1,3}</think>[A-Z][a-z]{2,8}\."
 
@@ -116,15 +113,7 @@ def test_think_output_moves_into_reasoning_content_whole_and_streamed(tiny_tok_d
 
 def test_a_template_that_opens_the_block_in_the_prompt(tiny_tok_dir, tmp_path):
     """The generation prompt ends with <think>: the output starts inside the block."""
-    model_dir = tmp_path / "thinking"
-    shutil.copytree(tiny_tok_dir, model_dir)
-    config_path = model_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = config["chat_template"].replace(
-        "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"
-    )
-    assert "<think>" in config["chat_template"]
-    config_path.write_text(json.dumps(config))
+    model_dir = thinking_model(tiny_tok_dir, tmp_path)
     opened = THINKING.removeprefix("<think>")
     engine, responses = _serve(model_dir, [_chat(opened), _chat(opened, stream=True)])
     _check(engine, responses, started=True)

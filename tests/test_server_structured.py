@@ -149,12 +149,12 @@ def test_a_schema_that_admits_no_json_value_is_a_400_and_endpoints_not_served_ar
             ("/v1/completions", dict(base, guided_json={"$ref": "#"})),
             ("/v1/completions", dict(base, guided_json={"type": "object"})),
             ("/v1/embeddings", {"model": "tiny", "input": "hi"}),
-            ("/v1/responses", {"model": "tiny", "input": "hi"}),
+            ("/v1/audio/speech", {"model": "tiny", "input": "hi"}),
         ],
     )
     assert [r.status_code for r in responses] == [400, 200, 404, 404], [r.text for r in responses]
     assert "admits no JSON value" in responses[0].json()["error"]["message"]
-    for response, path in zip(responses[2:], ("/v1/embeddings", "/v1/responses")):
+    for response, path in zip(responses[2:], ("/v1/embeddings", "/v1/audio/speech")):
         error = response.json()["error"]
         assert error["type"] == "not_found_error" and error["code"] == "unsupported_endpoint"
         assert f"POST {path}" in error["message"] and "/v1/chat/completions" in error["message"]

@@ -63,6 +63,7 @@ from loopserve.server.protocol import ModelCard, ModelList
 from loopserve.server.serving_chat import create_chat_completion
 from loopserve.server.serving_common import ServingContext
 from loopserve.server.serving_completions import create_completion
+from loopserve.server.serving_responses import create_response
 from loopserve.text.reasoning import PARSERS as REASONING_PARSERS
 from loopserve.text.tools import PARSERS as TOOL_PARSERS
 
@@ -71,7 +72,8 @@ SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to 
 
 
 SERVED_ENDPOINTS = (
-    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, "
+    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, "
+    "POST /tokenize, "
     "POST /detokenize, GET /tokenizer_info, GET /health and GET /metrics"
 )
 
@@ -187,6 +189,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, await request.body(), request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(ctx, await request.body(), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, object]:

@@ -263,6 +263,21 @@ class ChatMessage(_Request):
         return out
 
 
+def nothing_stored(store: bool | None, what: str) -> bool | None:
+    """OpenAI's `store`: false or null only (this server keeps no `what`)."""
+    if store:
+        raise ValueError(f"this server does not store {what}: send false or leave it out")
+    return store
+
+
+def metadata_within_sizes(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's `metadata` limits on keys and values (its 16 pairs are the field's length)."""
+    for key, value in (metadata or {}).items():
+        if len(key) > 64 or len(value) > 512:
+            raise ValueError("keys are at most 64 characters and values at most 512")
+    return metadata
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -287,17 +302,12 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("store")
     @classmethod
     def _nothing_is_stored(cls, store: bool | None) -> bool | None:
-        if store:
-            raise ValueError("this server does not store completions: send false or leave it out")
-        return store
+        return nothing_stored(store, "completions")
 
     @field_validator("metadata")
     @classmethod
     def _metadata_sizes(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        for key, value in (metadata or {}).items():
-            if len(key) > 64 or len(value) > 512:
-                raise ValueError("keys are at most 64 characters and values at most 512")
-        return metadata
+        return metadata_within_sizes(metadata)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -63,50 +64,34 @@ from loopserve.text.reasoning import ReasoningParser, ReasoningStream, reasoning
 from loopserve.text.tokenizer import Tokenizer
 
 
+@dataclass
+class ChatRun:
+    """A chat request submitted to the engine: what its answer's formatting needs (the chat
+    completions endpoint's, and the Responses API's, `serving_responses`)."""
+
+    body: ChatCompletionRequest
+    response_id: str
+    requests: list[GenerateRequest]
+    stream: EngineStream
+    tokenizer: Tokenizer | None
+    reasoning: _Reasoning
+    tools: ChatTools
+    prompt_ids: list[int]
+    loop_class: str | None
+
+
 async def create_chat_completion(
     ctx: ServingContext, raw_body: bytes, http_request: Request
 ) -> Response:
     body, loop_class = ctx.prepare(parse_body(raw_body, ChatCompletionRequest), http_request)
-    ctx.check_model(body.model)
-    tokenizer = ctx.tokenizer()
-    processor = ctx.input_processor()
-    tools = ChatTools.of(ctx, body, tokenizer)
-    messages, template_tools = tools.render(body)
-    processed = await process_text(
-        lambda: processor.process_chat(
-            messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools
-        )
+    run = await start_chat(ctx, body, loop_class, f"chatcmpl-{uuid.uuid4().hex}")
+    body, response_id, requests, stream = run.body, run.response_id, run.requests, run.stream
+    tokenizer, reasoning, tools, prompt_ids = (
+        run.tokenizer,
+        run.reasoning,
+        run.tools,
+        run.prompt_ids,
     )
-    constraint = await process_text(lambda: tools.constraint(body, processor))
-    prompt_ids = processed.token_ids
-    # 0 is a value (a 400 from SamplingParams), not "unset".
-    max_tokens = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    if max_tokens is None:
-        max_tokens = ctx.default_max_tokens(len(prompt_ids))
-    stop_ids = () if body.ignore_eos else tokenizer.end_of_turn_token_ids
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    requests = [
-        GenerateRequest(
-            f"{response_id}-{i}",
-            processed,
-            sampling_params(
-                body,
-                max_tokens=max_tokens,
-                logprobs=logprobs,
-                seed=choice_seed(body.seed, i),
-                extra_stop_token_ids=stop_ids,
-                stream=body.stream,
-                structured=constraint,
-                close_objects=ctx.close_json_objects,
-            ),
-        )
-        for i in range(body.n)
-    ]
-    stream = await submit(ctx, requests, loop_class)
-    reasoning = _Reasoning.of(ctx.reasoning_parser, tokenizer, prompt_ids)
     if body.stream:
         events = _stream_events(
             ctx, body, response_id, stream, requests, tokenizer, reasoning, tools
@@ -146,9 +131,58 @@ async def create_chat_completion(
         if outputs
         else None,
         prompt_exit_depths=prompt_exit_depths(outputs[0]) if outputs else None,
-        loop_class=loop_class,
+        loop_class=run.loop_class,
     )
     return JSONResponse(response.model_dump())
+
+
+async def start_chat(
+    ctx: ServingContext, body: ChatCompletionRequest, loop_class: str | None, response_id: str
+) -> ChatRun:
+    """Render, tokenize and submit a prepared chat request (`ctx.prepare`): its `n` engine
+    requests, their stream, and the reasoning and tool parsing of its answers."""
+    ctx.check_model(body.model)
+    tokenizer = ctx.tokenizer()
+    processor = ctx.input_processor()
+    tools = ChatTools.of(ctx, body, tokenizer)
+    messages, template_tools = tools.render(body)
+    processed = await process_text(
+        lambda: processor.process_chat(
+            messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools
+        )
+    )
+    constraint = await process_text(lambda: tools.constraint(body, processor))
+    prompt_ids = processed.token_ids
+    # 0 is a value (a 400 from SamplingParams), not "unset".
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    if max_tokens is None:
+        max_tokens = ctx.default_max_tokens(len(prompt_ids))
+    stop_ids = () if body.ignore_eos else tokenizer.end_of_turn_token_ids
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    requests = [
+        GenerateRequest(
+            f"{response_id}-{i}",
+            processed,
+            sampling_params(
+                body,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                seed=choice_seed(body.seed, i),
+                extra_stop_token_ids=stop_ids,
+                stream=body.stream,
+                structured=constraint,
+                close_objects=ctx.close_json_objects,
+            ),
+        )
+        for i in range(body.n)
+    ]
+    stream = await submit(ctx, requests, loop_class)
+    reasoning = _Reasoning.of(ctx.reasoning_parser, tokenizer, prompt_ids)
+    return ChatRun(
+        body, response_id, requests, stream, tokenizer, reasoning, tools, prompt_ids, loop_class
+    )
 
 
 class _Reasoning:

@@ -1,0 +1,267 @@
+"""OpenAI's Responses API (`POST /v1/responses`), stateless: the request, its translation into
+a chat completion request (one generation path for both endpoints), and the response's output
+items.
+
+What is served: `input` as a string or a list of items (messages of the roles `user`,
+`system`, `developer` and `assistant` with text content, `function_call` and
+`function_call_output` items from earlier turns; `reasoning` items are accepted and dropped,
+since the text they summarize is not needed to continue), `instructions` (a system message
+first), `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
+`parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`: structured output),
+`stream`, and the looped-model fields of chat completions (`min_loops`, `max_loops`,
+`exit_threshold`). Nothing is stored: `store` true, `previous_response_id` and `conversation`
+are 400s naming the field (send the whole conversation in `input`), as are other tools (web
+search, files, ...), images and other fields.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+)
+
+from loopserve.server.protocol import metadata_within_sizes, nothing_stored
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # as `protocol._Request`
+
+
+class TextPart(_Request):
+    """Text content of an input message (`input_text`), or of an assistant message sent back
+    (`output_text`, with the annotations and log-probabilities OpenAI returned)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(_Request):
+    """A call the model made in an earlier turn."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Request):
+    """The result of an earlier call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+class ReasoningItem(_Request):
+    """An earlier turn's reasoning, sent back by clients that keep the whole output: dropped
+    (the next turn needs the answer, not the thinking)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+def _item_kind(value: Any) -> str:
+    """A message may leave out `type` (OpenAI's "easy" input message)."""
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "")
+    return kind if isinstance(kind, str) else ""
+
+
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    stream: bool = False
+    include: list[str] | None = None  # what else to return: nothing is available here
+    truncation: Literal["disabled"] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    # Fields that ask nothing of generation (as in chat completions).
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    # Looped-model extensions.
+    min_loops: int | None = None
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_is_stored(cls, store: bool | None) -> bool | None:
+        return nothing_stored(store, "responses")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_sizes(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        return metadata_within_sizes(metadata)
+
+    @field_validator("previous_response_id", "conversation")
+    @classmethod
+    def _no_stored_state(cls, value: object) -> object:
+        if value is not None:
+            raise ValueError(
+                "this server keeps no responses or conversations: send the whole "
+                "conversation in input"
+            )
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _nothing_to_include(cls, include: list[str] | None) -> list[str] | None:
+        if include:
+            raise ValueError(f"this server returns none of {include}")
+        return include
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value: str | list) -> str | list:
+        if isinstance(value, list) and not value:
+            raise ValueError("input needs at least one item")
+        return value
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The equivalent chat completion request's fields (`ChatCompletionRequest`)."""
+        fields: dict[str, Any] = {"messages": self.messages(), "stream": self.stream}
+        for name in ("model", "temperature", "top_p", "min_loops", "max_loops",
+                     "exit_threshold", "user"):  # fmt: skip
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.max_output_tokens is not None:
+            fields["max_completion_tokens"] = self.max_output_tokens
+        if self.tools:
+            fields["tools"] = [
+                {
+                    "type": "function",
+                    "function": tool.model_dump(exclude={"type"}, exclude_none=True),
+                }
+                for tool in self.tools
+            ]
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+        if isinstance(self.tool_choice, NamedFunctionChoice):
+            fields["tool_choice"] = {
+                "type": "function",
+                "function": {"name": self.tool_choice.name},
+            }
+        elif self.tool_choice is not None:
+            fields["tool_choice"] = self.tool_choice
+        fmt = None if self.text is None else self.text.format
+        if fmt is not None and fmt.type == "json_object":
+            fields["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            schema: dict[str, Any] = {"name": fmt.name or "response"}
+            if fmt.schema_ is not None:
+                schema["schema"] = fmt.schema_
+            if fmt.strict is not None:
+                schema["strict"] = fmt.strict
+            fields["response_format"] = {"type": "json_schema", "json_schema": schema}
+        return fields
+
+    def messages(self) -> list[dict[str, Any]]:
+        """`instructions` and `input` as chat messages: consecutive function calls join the
+        assistant message before them (or one of their own), each output is a tool message."""
+        out: list[dict[str, Any]] = []
+        if self.instructions is not None:
+            out.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*out, {"role": "user", "content": self.input}]
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                out.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputItem):
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        return out
+
+
+# Where a chat completion field's error points in the Responses request.
+CHAT_TO_RESPONSES_PARAM = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text",
+}

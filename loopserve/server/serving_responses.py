@@ -1,0 +1,297 @@
+"""`POST /v1/responses`: OpenAI's Responses API over the chat completions path.
+
+The request (`protocol_responses.ResponsesRequest`) becomes the chat completion request it
+means (instructions and input items as messages, function tools, `text.format` as
+`response_format`) and runs exactly as `/v1/chat/completions` runs it (`serving_chat.start_chat`:
+the chat template, tools, reasoning parser, loop classes and defaults); only the answer's
+shape differs. The answer's output items: a `reasoning` item when the server's reasoning parser
+found some, a `message` with one `output_text` part when there is text (or nothing else), and
+a `function_call` item per call the tool-call parser found. A response cut by
+`max_output_tokens` has status `incomplete`. Streaming sends OpenAI's events in order
+(`response.created`, `response.in_progress`, each item's `output_item.added`, its deltas, its
+`done` events, then `response.completed` or `response.incomplete`), each with its
+`sequence_number`; a call arrives whole, in one arguments delta. Like chat completions, the
+response adds `exit_depths` (loops per output token) and `usage.output_loops`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from loopserve.errors import EngineDeadError, EngineNotReadyError
+from loopserve.outputs import RequestOutput
+from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error
+from loopserve.server.protocol import ChatCompletionRequest
+from loopserve.server.protocol_responses import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
+from loopserve.server.serving_chat import ChatRun, start_chat
+from loopserve.server.serving_common import (
+    ServingContext,
+    cancel_on_disconnect,
+    collect_finals,
+    parse_body,
+)
+
+
+async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Request) -> Response:
+    request = parse_body(raw_body, ResponsesRequest)
+    body, loop_class = ctx.prepare(_chat_request(request), http_request)
+    response_id = f"resp_{uuid.uuid4().hex}"
+    try:
+        run = await start_chat(ctx, body, loop_class, response_id)
+    except ApiError as err:
+        raise _in_responses_terms(err) from None
+    shape = _Shape(ctx, request, response_id)
+    if request.stream:
+        return StreamingResponse(_events(run, shape), media_type="text/event-stream")
+    finals = await cancel_on_disconnect(http_request, collect_finals(run.stream))
+    run.stream.close()
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    out = finals[run.requests[0].request_id]
+    message = run.tools.message(run.reasoning.message(out.text))
+    items = []
+    if message.reasoning_content:
+        items.append(shape.reasoning_item(message.reasoning_content))
+    if message.content or not message.tool_calls:
+        items.append(shape.message_item(message.content or ""))
+    items += [
+        shape.call_item(call.id, call.function["name"], call.function["arguments"])
+        for call in message.tool_calls or ()
+    ]
+    return JSONResponse(shape.response(items, out, run))
+
+
+def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion request `request` means; a field that fails there is a 400
+    naming the Responses field it came from."""
+    try:
+        return ChatCompletionRequest.model_validate(request.chat_fields())
+    except ValidationError as err:
+        first = max(err.errors(), key=lambda error: len(error["loc"]))
+        param = str(first["loc"][0]) if first["loc"] else None
+        param = CHAT_TO_RESPONSES_PARAM.get(param or "", param)
+        message = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"invalid value for '{param}': {message}", param=param) from None
+
+
+def _in_responses_terms(err: ApiError) -> ApiError:
+    """A chat pipeline's 400 with the chat field it names (`max_tokens`, `messages`, ...)
+    renamed to the Responses field it came from."""
+    param = err.info.param
+    renamed = CHAT_TO_RESPONSES_PARAM.get(param or "")
+    if renamed is None:
+        return err
+    message = re.sub(rf"\b{re.escape(param)}\b", renamed, err.info.message)  # type: ignore[arg-type]
+    return ApiError(err.status_code, message, type=err.info.type, param=renamed, code=err.info.code)
+
+
+class _Shape:
+    """The Responses API's objects for one response."""
+
+    def __init__(self, ctx: ServingContext, request: ResponsesRequest, response_id: str) -> None:
+        self.ctx, self.request, self.id = ctx, request, response_id
+        self.created_at = int(time.time())
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+
+    def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [self.text_part(text)] if status == "completed" else []
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant", "content": content}  # fmt: skip
+
+    @staticmethod
+    def text_part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def reasoning_item(self, text: str | None, status: str = "completed") -> dict[str, Any]:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content,
+                "status": status}  # fmt: skip
+
+    @staticmethod
+    def call_item(call_id: str, name: str, arguments: str, status="completed") -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id,
+                "name": name, "arguments": arguments, "status": status}  # fmt: skip
+
+    def response(
+        self,
+        output: list,
+        out: RequestOutput | None = None,
+        run: ChatRun | None = None,
+        token_ids: list[int] | None = None,
+        exit_depths: list[int] | None = None,
+    ) -> dict[str, Any]:
+        """The response object: in progress (`out` None) or finished, with `out`'s tokens
+        and loops (or, for a stream's last delta, all of them: `token_ids`, `exit_depths`)."""
+        request = self.request
+        status, incomplete, usage, depths = "in_progress", None, None, None
+        if out is not None and run is not None:
+            status = "incomplete" if out.finish_reason == "length" else "completed"
+            if status == "incomplete":
+                incomplete = {"reason": "max_output_tokens"}
+            ids = list(out.token_ids) if token_ids is None else token_ids
+            depths = list(out.exit_depths) if exit_depths is None else exit_depths
+            usage = {
+                "input_tokens": len(run.prompt_ids),
+                "input_tokens_details": {"cached_tokens": out.metrics.num_cached_prompt_tokens},
+                "output_tokens": out.num_output_tokens,
+                "output_tokens_details": {"reasoning_tokens": run.reasoning.num_tokens([ids]) or 0},
+                "total_tokens": len(run.prompt_ids) + out.num_output_tokens,
+                "output_loops": sum(depths),
+            }
+        text_format = {"type": "text"}
+        if request.text is not None and request.text.format is not None:
+            text_format = request.text.format.model_dump(by_alias=True, exclude_none=True)
+        tool_choice: Any = request.tool_choice or "auto"
+        if not isinstance(tool_choice, str):
+            tool_choice = tool_choice.model_dump()
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "error": None, "incomplete_details": incomplete,
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "model": self.ctx.served_model_name, "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls, "previous_response_id": None,
+            "temperature": request.temperature, "top_p": request.top_p,
+            "tool_choice": tool_choice,
+            "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
+            "text": {"format": text_format}, "truncation": "disabled", "store": False,
+            "metadata": request.metadata or {}, "usage": usage, "exit_depths": depths,
+        }  # fmt: skip
+
+
+async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
+    """The stream's events: items open when their first text (or call) arrives and close at
+    the end, in the order they opened."""
+    sequence = 0
+    output: list[dict[str, Any]] = []  # finished items, in output order
+    open_items: dict[str, int] = {}  # "reasoning"/"message" -> output index
+    texts = {"reasoning": "", "message": ""}
+    num_calls = 0
+    splitter, call_splitter = run.reasoning.stream(), run.tools.stream()
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal sequence
+        sequence += 1
+        data = json.dumps({"type": kind, "sequence_number": sequence - 1, **fields})
+        return f"event: {kind}\ndata: {data}\n\n"
+
+    def open_item(kind: str) -> list[str]:
+        if kind in open_items:
+            return []
+        index = len(output) + len(open_items)
+        open_items[kind] = index
+        if kind == "reasoning":
+            item = shape.reasoning_item(None, "in_progress")
+            return [event("response.output_item.added", output_index=index, item=item)]
+        item = shape.message_item("", "in_progress")
+        part = shape.text_part("")
+        return [
+            event("response.output_item.added", output_index=index, item=item),
+            event("response.content_part.added", item_id=shape.message_id, output_index=index,
+                  content_index=0, part=part),
+        ]  # fmt: skip
+
+    def close_item(kind: str) -> list[str]:
+        if kind not in open_items:
+            return []
+        index, text = open_items.pop(kind), texts[kind]
+        if kind == "reasoning":
+            item = shape.reasoning_item(text)
+            done = [event("response.reasoning_text.done", item_id=shape.reasoning_id,
+                          output_index=index, content_index=0, text=text)]  # fmt: skip
+        else:
+            item = shape.message_item(text)
+            part = shape.text_part(text)
+            done = [
+                event("response.output_text.done", item_id=shape.message_id, output_index=index,
+                      content_index=0, text=text, logprobs=[]),
+                event("response.content_part.done", item_id=shape.message_id, output_index=index,
+                      content_index=0, part=part),
+            ]  # fmt: skip
+        output.insert(min(index, len(output)), item)
+        return [*done, event("response.output_item.done", output_index=index, item=item)]
+
+    def text_delta(kind: str, text: str) -> list[str]:
+        """`text` added to the reasoning or message item (opened on its first text)."""
+        lines = open_item(kind)
+        texts[kind] += text
+        if kind == "reasoning":
+            name, item_id, extra = "response.reasoning_text.delta", shape.reasoning_id, {}
+        else:
+            name, item_id = "response.output_text.delta", shape.message_id
+            extra = {"logprobs": []}
+        index = open_items[kind]
+        return [*lines, event(name, item_id=item_id, output_index=index, content_index=0,
+                              delta=text, **extra)]  # fmt: skip
+
+    final: RequestOutput | None = None
+    token_ids: list[int] = []
+    exit_depths: list[int] = []
+    try:
+        with run.stream:
+            yield event("response.created", response=shape.response([]))
+            yield event("response.in_progress", response=shape.response([]))
+            async for out in run.stream:
+                if out.error is not None:
+                    error = failed_output_error(out).info
+                    yield event("error", code=error.code, message=error.message, param=None)
+                    return
+                token_ids += out.new_token_ids
+                exit_depths += out.new_exit_depths
+                if out.finished:
+                    final = out
+                if not (out.new_text or out.new_token_ids or out.finished):
+                    continue
+                delta = run.reasoning.delta(splitter, out.new_text, out.finished)
+                delta = run.tools.delta(call_splitter, delta, out.finished, num_calls)
+                lines: list[str] = []
+                if delta.reasoning_content:
+                    lines += text_delta("reasoning", delta.reasoning_content)
+                if delta.content or delta.tool_calls:
+                    lines += close_item("reasoning")
+                if delta.content:
+                    lines += text_delta("message", delta.content)
+                for call in delta.tool_calls or ():
+                    num_calls += 1
+                    lines += _call_events(shape, event, call.id, call.function, output, open_items)
+                for line in lines:
+                    yield line
+            for kind in ("reasoning", "message"):
+                for line in close_item(kind):
+                    yield line
+            if not output:  # nothing was said: an empty message, as the whole response has
+                for line in open_item("message") + close_item("message"):
+                    yield line
+            assert final is not None
+            response = shape.response(output, final, run, token_ids, exit_depths)
+            yield event(f"response.{response['status']}", response=response)
+    except (EngineNotReadyError, EngineDeadError) as err:
+        info = engine_unavailable(err).info
+        yield event("error", code=info.code, message=info.message, param=None)
+
+
+def _call_events(shape, event, call_id, function, output, open_items) -> list[str]:
+    """One whole call's item: added, its arguments in one delta, done."""
+    index = len(output) + len(open_items)
+    name, arguments = function["name"], function["arguments"]
+    item_id = f"fc_{call_id}"
+    added = shape.call_item(call_id, name, "", "in_progress")
+    done = shape.call_item(call_id, name, arguments)
+    output.append(done)
+    return [
+        event("response.output_item.added", output_index=index, item=added),
+        event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+              delta=arguments),
+        event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+              name=name, arguments=arguments),
+        event("response.output_item.done", output_index=index, item=done),
+    ]  # fmt: skip

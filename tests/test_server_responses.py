@@ -1,0 +1,244 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as the openai SDK calls it: the same tokens as
+the chat completion the request means, streamed events that add up to the non-streamed
+response, function calls and their outputs over two turns, structured output through
+`text.format`, and what the stateless server cannot do refused by name."""
+
+from __future__ import annotations
+
+# ruff: noqa: E402 - `require` skips the module before its optional imports run
+import json
+
+from tests.optional import require
+
+require("serve", "structured")
+
+import httpx
+import openai
+import pytest
+
+from loopserve.engine.llm_engine import LLMEngine
+from tests.server_utils import in_process_calls, thinking_model
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+               "required": ["city"], "additionalProperties": False}}  # fmt: skip
+INSTRUCTIONS, QUESTION = "Answer briefly.", "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine.from_engine_args(dtype="float32", num_blocks=512, max_num_seqs=8)
+
+
+def _serve(engine, calls):
+    async def run(client):
+        sdk = openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=client)
+        return await calls(sdk, client)
+
+    return in_process_calls(engine, "m", run)
+
+
+def test_a_text_response_equals_the_chat_completion_it_means_streamed_and_not(engine):
+    async def calls(sdk, _client):
+        messages = [{"role": "system", "content": INSTRUCTIONS},
+                    {"role": "user", "content": QUESTION}]  # fmt: skip
+        chat = await sdk.chat.completions.create(
+            model="m", messages=messages, max_tokens=12, temperature=0
+        )
+        plain = await sdk.responses.create(
+            model="m", instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=12,
+            temperature=0,
+        )  # fmt: skip
+        as_items = await sdk.responses.create(
+            model="m", input=[{"role": "developer", "content": INSTRUCTIONS},
+                              {"type": "message", "role": "user",
+                               "content": [{"type": "input_text", "text": QUESTION}]}],
+            max_output_tokens=12, temperature=0,
+        )  # fmt: skip
+        chat_developer = await sdk.chat.completions.create(
+            model="m", max_tokens=12, temperature=0,
+            messages=[{"role": "developer", "content": INSTRUCTIONS}, messages[1]],
+        )  # fmt: skip
+        stream = await sdk.responses.create(
+            model="m", instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=12,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        events = [event async for event in stream]
+        return chat, plain, (as_items, chat_developer), events
+
+    chat, plain, (as_items, chat_developer), events = _serve(engine, calls)
+    choice = chat.choices[0]
+    assert plain.object == "response" and plain.id.startswith("resp_")
+    assert plain.output_text == choice.message.content
+    assert plain.model_extra["exit_depths"] == choice.exit_depths
+    assert choice.finish_reason == "length"  # 12 tokens: cut, as the response says
+    assert plain.status == "incomplete"
+    assert plain.incomplete_details.reason == "max_output_tokens"
+    assert plain.usage.input_tokens == chat.usage.prompt_tokens
+    assert plain.usage.output_tokens == chat.usage.completion_tokens == 12
+    assert plain.usage.total_tokens == plain.usage.input_tokens + 12
+    assert [item.type for item in plain.output] == ["message"]
+    # Input items (a developer message, text parts) are the messages they say.
+    assert as_items.output_text == chat_developer.choices[0].message.content
+    assert as_items.model_extra["exit_depths"] == chat_developer.choices[0].exit_depths
+    # The stream: OpenAI's events in order, numbered, adding up to the same response.
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]  # fmt: skip
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == plain.output_text == events[-1].response.output_text
+    assert events[-1].response.model_extra["exit_depths"] == choice.exit_depths
+
+
+def test_a_function_call_and_its_output_run_two_turns_as_chat_completions_does(engine):
+    """The call the grammar enforces (`tool_choice` required) comes back as a
+    `function_call` item, streamed or not; sent back with its output, the next turn's
+    tokens equal the chat completion of the same history."""
+    chat_tool = {"type": "function", "function": WEATHER}
+
+    async def calls(sdk, _client):
+        first = await sdk.responses.create(
+            model="m", input=QUESTION, tools=[{"type": "function", **WEATHER}],
+            tool_choice="required", max_output_tokens=80, temperature=0,
+        )  # fmt: skip
+        stream = await sdk.responses.create(
+            model="m", input=QUESTION, tools=[{"type": "function", **WEATHER}],
+            tool_choice="required", max_output_tokens=80, temperature=0, stream=True,
+        )  # fmt: skip
+        events = [event async for event in stream]
+        call = first.output[0]
+        second = await sdk.responses.create(
+            model="m", tools=[{"type": "function", **WEATHER}], max_output_tokens=10,
+            temperature=0,
+            input=[{"role": "user", "content": QUESTION}, call.model_dump(exclude_none=True),
+                   {"type": "function_call_output", "call_id": call.call_id,
+                    "output": "22 C, sunny"}],
+        )  # fmt: skip
+        chat_second = await sdk.chat.completions.create(
+            model="m", tools=[chat_tool], max_tokens=10, temperature=0,
+            messages=[{"role": "user", "content": QUESTION},
+                      {"role": "assistant", "content": None, "tool_calls": [
+                          {"id": call.call_id, "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}}]},
+                      {"role": "tool", "tool_call_id": call.call_id, "content": "22 C, sunny"}],
+        )  # fmt: skip
+        return first, events, second, chat_second
+
+    first, events, second, chat_second = _serve(engine, calls)
+    assert first.status == "completed"
+    assert [item.type for item in first.output] == ["function_call"]
+    call = first.output[0]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Oslo")
+    assert call.call_id and call.status == "completed"
+    kinds = [event.type for event in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta",
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"]  # fmt: skip
+    streamed = events[-1].response.output[0]
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    assert second.model_extra["exit_depths"] == chat_second.choices[0].exit_depths
+    assert second.output_text == (chat_second.choices[0].message.content or "")
+
+
+def test_text_format_json_schema_is_structured_output(engine):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+
+    async def calls(sdk, _client):
+        return await sdk.responses.create(
+            model="m", input="Name a city.", max_output_tokens=60, temperature=0,
+            text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                             "strict": True}},
+        )  # fmt: skip
+
+    response = _serve(engine, calls)
+    assert response.status == "completed"
+    assert set(json.loads(response.output_text)) == {"city"}
+    assert response.text.format.type == "json_schema"
+
+
+REFUSED = {  # body fields -> the field the 400 names
+    "previous_response_id": ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    "conversation": ({"conversation": "conv_1"}, "conversation"),
+    "store_true": ({"store": True}, "store"),
+    "include": ({"include": ["message.output_text.logprobs"]}, "include"),
+    "hosted_tool": ({"tools": [{"type": "web_search"}]}, "tools"),
+    "image_input": (
+        {
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "http://x/a.png"}],
+                }
+            ]
+        },
+        "input",
+    ),  # fmt: skip
+    "no_input": ({"input": []}, "input"),
+    "zero_max_output_tokens": ({"max_output_tokens": 0}, "max_output_tokens"),
+    "unknown_field": ({"reasoning": {"effort": "low"}}, "reasoning"),
+    "metadata_long_key": ({"metadata": {"k" * 65: "v"}}, "metadata"),
+}
+
+
+def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(engine):
+    async def calls(_sdk, client: httpx.AsyncClient):
+        out = {}
+        for case, (fields, _) in REFUSED.items():
+            body = {"model": "m", "input": "hi", "max_output_tokens": 4, **fields}
+            out[case] = await client.post("/v1/responses", json=body)
+        out["accepted"] = await client.post("/v1/responses", json={
+            "model": "m", "input": "hi", "max_output_tokens": 4, "store": False, "include": [],
+            "metadata": {"k": "v"}, "truncation": "disabled", "parallel_tool_calls": True,
+        })  # fmt: skip
+        return out
+
+    out = _serve(engine, calls)
+    for case, (_, param) in REFUSED.items():
+        response = out[case]
+        assert response.status_code == 400, (case, response.text)
+        assert response.json()["error"]["param"] == param, (case, response.text)
+    assert out["accepted"].status_code == 200, out["accepted"].text
+    assert out["accepted"].json()["store"] is False
+
+
+def test_reasoning_comes_as_a_reasoning_item_streamed_and_not(tiny_tok_dir, tmp_path):
+    """A template that opens `<think>` in the prompt and the server's `think` parser: the
+    answer's reasoning is a `reasoning` item equal to chat's `reasoning_content`, its
+    streamed deltas add up to it, and usage counts the same reasoning tokens."""
+    model_dir = thinking_model(tiny_tok_dir, tmp_path)
+    engine = LLMEngine.from_engine_args(model=str(model_dir), dtype="float32", num_blocks=256)
+
+    async def run(client):
+        sdk = openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=client)
+        chat = await sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=16,
+            temperature=0,
+        )  # fmt: skip
+        plain = await sdk.responses.create(
+            model="m", input=QUESTION, max_output_tokens=16, temperature=0
+        )
+        stream = await sdk.responses.create(
+            model="m", input=QUESTION, max_output_tokens=16, temperature=0, stream=True
+        )
+        return chat, plain, [event async for event in stream]
+
+    chat, plain, events = in_process_calls(engine, "m", run, reasoning_parser="think")
+    reasoning = chat.choices[0].message.model_extra["reasoning_content"]
+    assert reasoning  # the block opened in the prompt: the output starts inside it
+    assert plain.output[0].type == "reasoning"
+    assert plain.output[0].content[0].text == reasoning
+    assert plain.output_text == (chat.choices[0].message.content or "")
+    details = chat.usage.completion_tokens_details
+    assert plain.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens > 0
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == reasoning
+    assert events[-1].response.output[0].content[0].text == reasoning
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == (
+        details.reasoning_tokens
+    )

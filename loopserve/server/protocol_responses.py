@@ -27,7 +27,7 @@ from pydantic import (
     field_validator,
 )
 
-from loopserve.server.protocol import metadata_within_sizes, nothing_stored
+from loopserve.server.protocol_chat import metadata_within_sizes, nothing_stored
 
 
 class _Request(BaseModel):

@@ -35,7 +35,7 @@ from loopserve.server.output_format import (
     usage,
     vllm_prompt_logprobs,
 )
-from loopserve.server.protocol import (
+from loopserve.server.protocol_chat import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,

@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput
 from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error
-from loopserve.server.protocol import ChatCompletionRequest
+from loopserve.server.protocol_chat import ChatCompletionRequest
 from loopserve.server.protocol_responses import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
 from loopserve.server.serving_chat import ChatRun, start_chat
 from loopserve.server.serving_common import (

@@ -24,7 +24,8 @@ from pydantic import Field
 
 from loopserve.errors import InvalidRequestError
 from loopserve.server.api_errors import ApiError
-from loopserve.server.protocol import ChatMessage, _Request
+from loopserve.server.protocol import _Request
+from loopserve.server.protocol_chat import ChatMessage
 from loopserve.server.serving_common import ServingContext, parse_body, process_text
 
 

@@ -8,13 +8,8 @@ from __future__ import annotations
 from loopserve.errors import InvalidRequestError
 from loopserve.sampling_params import StructuredOutput
 from loopserve.server.api_errors import ApiError
-from loopserve.server.protocol import (
-    ChatCompletionRequest,
-    ChatDelta,
-    ChatResponseMessage,
-    DeltaToolCall,
-    ResponseToolCall,
-)
+from loopserve.server.protocol_chat import ChatCompletionRequest, ChatDelta, ChatResponseMessage
+from loopserve.server.protocol_tools import DeltaToolCall, ResponseToolCall
 from loopserve.server.serving_common import ServingContext
 from loopserve.text import tools as tool_text
 from loopserve.text.tokenizer import Tokenizer

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
+import json
 
 import pytest
 
@@ -203,10 +204,27 @@ def test_http_stream_health_and_metrics_carry_roles(pools, loop):
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             streamed = await client.post("/v1/completions", json={**body, "stream": True})
             whole = await client.post("/v1/completions", json=body)
+            # The Responses API over the pool: the same tokens as the chat completion.
+            question = {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                        "messages": [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Hi"}]}  # fmt: skip
+            chat = await client.post("/v1/chat/completions", json=question)
+            answer = await client.post("/v1/responses", json={
+                "instructions": "Be brief.", "input": "Hi", "max_output_tokens": 6,
+                "temperature": 0, "stream": True})  # fmt: skip
             await pool.refresh_stats()
-            return streamed, whole, await client.get("/health"), await client.get("/metrics")
+            health, metrics = await client.get("/health"), await client.get("/metrics")
+            return streamed, whole, (chat, answer), health, metrics
 
-    streamed, whole, health, metrics = loop.run_until_complete(main())
+    streamed, whole, (chat, answer), health, metrics = loop.run_until_complete(main())
+    events = [json.loads(line.removeprefix("data: ")) for line in answer.text.splitlines()
+              if line.startswith("data: ")]  # fmt: skip
+    assert events[-1]["type"] == "response.incomplete"  # cut at max_output_tokens
+    final = events[-1]["response"]
+    assert final["exit_depths"] == chat.json()["choices"][0]["exit_depths"]
+    assert (
+        final["output"][0]["content"][0]["text"] == chat.json()["choices"][0]["message"]["content"]
+    )
     events = sse_payloads(streamed.text.splitlines())
     assert events[-1] == "[DONE]"
     chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
@@ -223,7 +241,7 @@ def test_http_stream_health_and_metrics_carry_roles(pools, loop):
     assert values['loopserve_replica_serving{replica="1",role="decode"}'] == 1
     for replica, role in ((0, "prefill"), (1, "decode")):  # both requests were handed off
         key = f'loopserve_pd_handoffs_total{{replica="{replica}",role="{role}"}}'
-        assert values[key] - handoffs_before[key] == 2, key
+        assert values[key] - handoffs_before[key] == 4, key
 
 
 def test_decode_replica_dying_mid_stream_ends_it_with_503(pools, loop):

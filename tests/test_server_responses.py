@@ -23,6 +23,9 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {
                "city": {"type": "string", "enum": ["Paris", "Oslo"]}},
                "required": ["city"], "additionalProperties": False}}  # fmt: skip
+ADD = {"type": "function", "name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer", "maximum": 99}, "b": {"type": "integer", "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}  # fmt: skip
 INSTRUCTIONS, QUESTION = "Answer briefly.", "What is the weather in Paris?"
 
 
@@ -126,9 +129,16 @@ def test_a_function_call_and_its_output_run_two_turns_as_chat_completions_does(e
                            "function": {"name": call.name, "arguments": call.arguments}}]},
                       {"role": "tool", "tool_call_id": call.call_id, "content": "22 C, sunny"}],
         )  # fmt: skip
-        return first, events, second, chat_second
+        named = await sdk.responses.create(
+            model="m", input=QUESTION, tools=[{"type": "function", **WEATHER}, ADD],
+            tool_choice={"type": "function", "name": "add"}, parallel_tool_calls=False,
+            max_output_tokens=80, temperature=0,
+        )  # fmt: skip
+        return first, events, second, chat_second, named
 
-    first, events, second, chat_second = _serve(engine, calls)
+    first, events, second, chat_second, named = _serve(engine, calls)
+    assert [(item.type, item.name) for item in named.output] == [("function_call", "add")]
+    assert set(json.loads(named.output[0].arguments)) == {"a", "b"}
     assert first.status == "completed"
     assert [item.type for item in first.output] == ["function_call"]
     call = first.output[0]

@@ -172,11 +172,40 @@ def test_text_format_json_schema_is_structured_output(engine):
     assert response.text.format.type == "json_schema"
 
 
+def test_included_logprobs_equal_the_chat_completions_streamed_and_not(engine):
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the output text's
+    tokens with their alternatives, as chat completions reports them; the stream's text
+    deltas carry them in order, and its done event carries them all."""
+
+    async def calls(sdk, _client):
+        chat = await sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=6,
+            temperature=0, logprobs=True, top_logprobs=2,
+        )  # fmt: skip
+        asked = dict(model="m", input=QUESTION, max_output_tokens=6, temperature=0,
+                     include=["message.output_text.logprobs"], top_logprobs=2)  # fmt: skip
+        plain = await sdk.responses.create(**asked)
+        events = [event async for event in await sdk.responses.create(**asked, stream=True)]
+        return chat, plain, events
+
+    chat, plain, events = _serve(engine, calls)
+    want = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    assert len(want) == 6 and all(len(entry["top_logprobs"]) == 2 for entry in want)
+    got = [entry.model_dump() for entry in plain.output[0].content[0].logprobs]
+    assert got == want
+    deltas = [entry.model_dump() for e in events if e.type == "response.output_text.delta"
+              for entry in e.logprobs]  # fmt: skip
+    assert deltas == want
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [entry.model_dump() for entry in done.logprobs] == want
+
+
 REFUSED = {  # body fields -> the field the 400 names
     "previous_response_id": ({"previous_response_id": "resp_1"}, "previous_response_id"),
     "conversation": ({"conversation": "conv_1"}, "conversation"),
     "store_true": ({"store": True}, "store"),
-    "include": ({"include": ["message.output_text.logprobs"]}, "include"),
+    "include": ({"include": ["file_search_call.results"]}, "include"),
+    "top_logprobs_alone": ({"top_logprobs": 2}, "top_logprobs"),
     "hosted_tool": ({"tools": [{"type": "web_search"}]}, "tools"),
     "image_input": (
         {

@@ -8,7 +8,8 @@ What is served: `input` as a string or a list of items (messages of the roles `u
 since the text they summarize is not needed to continue), `instructions` (a system message
 first), `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
 `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`: structured output),
-`stream`, and the looped-model fields of chat completions (`min_loops`, `max_loops`,
+`stream`, the output text's log-probabilities (`include: ["message.output_text.logprobs"]`,
+`top_logprobs`), and the looped-model fields of chat completions (`min_loops`, `max_loops`,
 `exit_threshold`). Nothing is stored: `store` true, `previous_response_id` and `conversation`
 are 400s naming the field (send the whole conversation in `input`), as are other tools (web
 search, files, ...), images and other fields.
@@ -147,7 +148,9 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False
-    include: list[str] | None = None  # what else to return: nothing is available here
+    # What else to return: the output text's log-probabilities, with `top_logprobs`.
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     truncation: Literal["disabled"] | None = None
     store: bool | None = None
     previous_response_id: str | None = None
@@ -185,10 +188,22 @@ class ResponsesRequest(_Request):
 
     @field_validator("include")
     @classmethod
-    def _nothing_to_include(cls, include: list[str] | None) -> list[str] | None:
-        if include:
-            raise ValueError(f"this server returns none of {include}")
+    def _what_can_be_included(cls, include: list[str] | None) -> list[str] | None:
+        other = [name for name in include or () if name != LOGPROBS]
+        if other:
+            raise ValueError(f"this server returns none of {other} (only {LOGPROBS!r})")
         return include
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_them_included(cls, top: int | None, info) -> int | None:
+        if top is not None and LOGPROBS not in (info.data.get("include") or ()):
+            raise ValueError(f"top_logprobs needs include: [{LOGPROBS!r}]")
+        return top
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
 
     @field_validator("input")
     @classmethod
@@ -206,6 +221,9 @@ class ResponsesRequest(_Request):
                 fields[name] = getattr(self, name)
         if self.max_output_tokens is not None:
             fields["max_completion_tokens"] = self.max_output_tokens
+        if self.wants_logprobs:
+            fields["logprobs"] = True
+            fields["top_logprobs"] = self.top_logprobs or 0
         if self.tools:
             fields["tools"] = [
                 {
@@ -258,8 +276,11 @@ class ResponsesRequest(_Request):
         return out
 
 
+LOGPROBS = "message.output_text.logprobs"  # the one `include` this server returns
+
 # Where a chat completion field's error points in the Responses request.
 CHAT_TO_RESPONSES_PARAM = {
+    "logprobs": "include",
     "messages": "input",
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",

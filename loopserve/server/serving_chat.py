@@ -110,7 +110,7 @@ async def create_chat_completion(
             ChatChoice(
                 index=index,
                 message=messages[index],
-                logprobs=_logprobs(body, tokenizer, out.logprobs or []),
+                logprobs=logprob_entries(body, tokenizer, out.logprobs or []),
                 finish_reason=tools.finish_reason(
                     out.finish_reason, bool(messages[index].tool_calls)
                 ),
@@ -235,7 +235,7 @@ class _Reasoning:
         )
 
 
-def _logprobs(
+def logprob_entries(
     body: ChatCompletionRequest, tokenizer: Tokenizer | None, entries: list[TokenLogprob]
 ) -> ChatLogprobs | None:
     if not body.logprobs:
@@ -309,7 +309,7 @@ async def _stream_events(
                 choice = ChatStreamChoice(
                     index=index,
                     delta=delta,
-                    logprobs=_logprobs(body, tokenizer, new_logprobs(out)),
+                    logprobs=logprob_entries(body, tokenizer, new_logprobs(out)),
                     finish_reason=tools.finish_reason(out.finish_reason, num_calls[index] > 0),
                     stop_reason=out.stop_reason if out.finished else None,
                     exit_depths=out.new_exit_depths,

@@ -30,9 +30,10 @@ from pydantic import ValidationError
 from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput
 from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error
+from loopserve.server.output_format import new_logprobs
 from loopserve.server.protocol_chat import ChatCompletionRequest
 from loopserve.server.protocol_responses import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
-from loopserve.server.serving_chat import ChatRun, start_chat
+from loopserve.server.serving_chat import ChatRun, logprob_entries, start_chat
 from loopserve.server.serving_common import (
     ServingContext,
     cancel_on_disconnect,
@@ -62,7 +63,8 @@ async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Re
     if message.reasoning_content:
         items.append(shape.reasoning_item(message.reasoning_content))
     if message.content or not message.tool_calls:
-        items.append(shape.message_item(message.content or ""))
+        logprobs = _entries(run, out.logprobs or [])
+        items.append(shape.message_item(message.content or "", logprobs=logprobs))
     items += [
         shape.call_item(call.id, call.function["name"], call.function["arguments"])
         for call in message.tool_calls or ()
@@ -81,6 +83,13 @@ def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         param = CHAT_TO_RESPONSES_PARAM.get(param or "", param)
         message = first["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"invalid value for '{param}': {message}", param=param) from None
+
+
+def _entries(run: ChatRun, logprobs) -> list[dict[str, Any]]:
+    """Token log-probabilities in the Responses shape (chat's entries: token, logprob,
+    bytes, top_logprobs), or none when the request did not include them."""
+    entries = logprob_entries(run.body, run.tokenizer, logprobs)
+    return [] if entries is None else [entry.model_dump() for entry in entries.content]
 
 
 def _in_responses_terms(err: ApiError) -> ApiError:
@@ -103,14 +112,16 @@ class _Shape:
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
 
-    def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [self.text_part(text)] if status == "completed" else []
+    def message_item(
+        self, text: str, status: str = "completed", logprobs: list | None = None
+    ) -> dict[str, Any]:
+        content = [self.text_part(text, logprobs)] if status == "completed" else []
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
     @staticmethod
-    def text_part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def text_part(text: str, logprobs: list | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
     def reasoning_item(self, text: str | None, status: str = "completed") -> dict[str, Any]:
         content = [] if text is None else [{"type": "reasoning_text", "text": text}]
@@ -175,6 +186,10 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
     output: list[dict[str, Any]] = []  # finished items, in output order
     open_items: dict[str, int] = {}  # "reasoning"/"message" -> output index
     texts = {"reasoning": "", "message": ""}
+    # Log-probabilities: every token's (for the done events), and those not yet sent on a
+    # text delta (a token whose text went to reasoning or a call, or is held back).
+    all_logprobs: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
     num_calls = 0
     splitter, call_splitter = run.reasoning.stream(), run.tools.stream()
 
@@ -209,11 +224,11 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
             done = [event("response.reasoning_text.done", item_id=shape.reasoning_id,
                           output_index=index, content_index=0, text=text)]  # fmt: skip
         else:
-            item = shape.message_item(text)
-            part = shape.text_part(text)
+            item = shape.message_item(text, logprobs=all_logprobs)
+            part = shape.text_part(text, all_logprobs)
             done = [
                 event("response.output_text.done", item_id=shape.message_id, output_index=index,
-                      content_index=0, text=text, logprobs=[]),
+                      content_index=0, text=text, logprobs=all_logprobs),
                 event("response.content_part.done", item_id=shape.message_id, output_index=index,
                       content_index=0, part=part),
             ]  # fmt: skip
@@ -228,7 +243,8 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
             name, item_id, extra = "response.reasoning_text.delta", shape.reasoning_id, {}
         else:
             name, item_id = "response.output_text.delta", shape.message_id
-            extra = {"logprobs": []}
+            extra = {"logprobs": pending[:]}
+            pending.clear()
         index = open_items[kind]
         return [*lines, event(name, item_id=item_id, output_index=index, content_index=0,
                               delta=text, **extra)]  # fmt: skip
@@ -247,6 +263,9 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
                     return
                 token_ids += out.new_token_ids
                 exit_depths += out.new_exit_depths
+                entries = _entries(run, new_logprobs(out))
+                all_logprobs += entries
+                pending += entries
                 if out.finished:
                     final = out
                 if not (out.new_text or out.new_token_ids or out.finished):

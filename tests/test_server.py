@@ -536,12 +536,24 @@ def test_models_endpoint_has_no_cors_headers_without_allowed_origins(server):
     assert "access-control-allow-origin" not in response.headers
 
 
-def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server):
+STREAMS = {  # endpoint -> a long streamed request
+    "/v1/completions": GOOD | {"max_tokens": 1500, "ignore_eos": True, "stream": True},
+    "/v1/responses": {
+        "model": MODEL,
+        "input": "hi",
+        "max_output_tokens": 1500,
+        "stream": True,
+    },  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("path", sorted(STREAMS))
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, path):
     aborted_before = metrics(server.base_url)[
         'loopserve_requests_finished_total{finish_reason="abort"}'
     ]
-    body = GOOD | {"max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=30) as r:
+    body = STREAMS[path]
+    with httpx.stream("POST", server.base_url + path, json=body, timeout=30) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         held = metrics(server.base_url)

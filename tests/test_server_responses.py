@@ -7,6 +7,7 @@ from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
 import json
+from pathlib import Path
 
 from tests.optional import require
 
@@ -198,6 +199,42 @@ def test_included_logprobs_equal_the_chat_completions_streamed_and_not(engine):
     assert deltas == want
     done = next(e for e in events if e.type == "response.output_text.done")
     assert [entry.model_dump() for entry in done.logprobs] == want
+
+
+def test_what_the_agents_sdk_sends_is_served(engine):
+    """The request bodies the OpenAI Agents SDK 0.25.0 sent over its default Responses model
+    (recorded by scripts/agents_tools.py `--loops agents-responses`): the forced first turn,
+    plain and streamed, comes back as a call that parses under the tool's schema; the second
+    turn (the call and its output sent back as items, `id` and `status` included) is served."""
+    recorded = Path(__file__).parent / "fixtures" / "agent_responses_requests.jsonl"
+    entries = [json.loads(line) for line in recorded.read_text().splitlines()]
+    assert len(entries) == 4
+
+    async def calls(_sdk, client):
+        return [
+            await client.post(entry["path"], json={**entry["body"], "model": "m"})
+            for entry in entries
+        ]
+
+    for entry, response in zip(entries, _serve(engine, calls)):
+        assert response.status_code == 200, response.text
+        body = entry["body"]
+        if body.get("stream"):
+            events = [json.loads(line.removeprefix("data: "))
+                      for line in response.text.splitlines() if line.startswith("data: ")]  # fmt: skip
+            final = events[-1]["response"]
+        else:
+            final = response.json()
+        if body.get("tool_choice") == "required":
+            assert final["status"] == "completed"
+            (call,) = final["output"]
+            assert call["type"] == "function_call" and call["name"] == "get_weather"
+            arguments = json.loads(call["arguments"])
+            assert set(arguments) == {"city"} and len(arguments["city"]) <= 24
+        else:  # the answer to the tool's result: free text
+            assert any(item.get("type") == "function_call_output" for item in body["input"])
+            assert final["status"] in ("completed", "incomplete")
+            assert final["output"][-1]["type"] in ("message", "function_call")
 
 
 REFUSED = {  # body fields -> the field the 400 names

@@ -53,7 +53,10 @@ async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Re
     shape = _Shape(ctx, request, response_id)
     if request.stream:
         return StreamingResponse(_events(run, shape), media_type="text/event-stream")
-    finals = await cancel_on_disconnect(http_request, collect_finals(run.stream))
+    try:
+        finals = await cancel_on_disconnect(http_request, collect_finals(run.stream))
+    except ApiError as err:  # a request that failed on its input (its grammar's limits)
+        raise _in_responses_terms(err) from None
     run.stream.close()
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this

@@ -87,20 +87,16 @@ def langchain_loop(base_url: str, model: str) -> None:
     say("langchain.final", content=final.content[:80])
 
 
-async def agents_loop(base_url: str, model: str) -> None:
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+def weather_agent(model_class: str, base_url: str, model: str, calls: list, **options):
+    """The openai-agents SDK's `Agent` with a `get_weather` tool (each call appended to
+    `calls`) over `agents.<model_class>` on a client that records its requests; `options`
+    are `Agent`'s (`tool_use_behavior`, ...). Its first turn must call the tool."""
+    import agents
+    from agents import Agent, ModelSettings, function_tool, set_tracing_disabled
     from openai import AsyncOpenAI
     from pydantic import Field
 
     set_tracing_disabled(True)  # no traces leave the machine
-    calls = []
 
     @function_tool
     def get_weather(city: Annotated[str, Field(max_length=24)]) -> str:
@@ -110,13 +106,21 @@ async def agents_loop(base_url: str, model: str) -> None:
 
     client = AsyncOpenAI(base_url=base_url, api_key="none",
                          http_client=httpx.AsyncClient(event_hooks={"request": [_record_async]}))  # fmt: skip
-    agent = Agent(
+    return Agent(
         name="weather",
         instructions="Answer with the weather.",
         tools=[get_weather],
-        model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+        model=getattr(agents, model_class)(model=model, openai_client=client),
         model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=120),
+        **options,
     )
+
+
+async def agents_loop(base_url: str, model: str) -> None:
+    from agents import Runner
+
+    calls: list[str] = []
+    agent = weather_agent("OpenAIChatCompletionsModel", base_url, model, calls)
     result = await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
     assert calls, "the agent called no tool"
     say("agents.tool_calls", cities=calls)
@@ -124,38 +128,13 @@ async def agents_loop(base_url: str, model: str) -> None:
 
 
 async def agents_responses_loop(base_url: str, model: str) -> None:
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
-    from pydantic import Field
+    from agents import Runner
 
-    set_tracing_disabled(True)
-    calls = []
-
-    @function_tool
-    def get_weather(city: Annotated[str, Field(max_length=24)]) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return WEATHER.get(city, "12 C, cloudy")
-
+    calls: list[str] = []
+    question = "What is the weather in Oslo?"
     for streamed in (False, True):
-        client = AsyncOpenAI(base_url=base_url, api_key="none",
-                             http_client=httpx.AsyncClient(event_hooks={"request": [_record_async]}))  # fmt: skip
-        agent = Agent(
-            name="weather",
-            instructions="Answer with the weather.",
-            tools=[get_weather],
-            model=OpenAIResponsesModel(model=model, openai_client=client),
-            model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=120),
-            tool_use_behavior="stop_on_first_tool",
-        )
-        question = "What is the weather in Oslo?"
+        agent = weather_agent("OpenAIResponsesModel", base_url, model, calls,
+                              tool_use_behavior="stop_on_first_tool")  # fmt: skip
         if streamed:
             result = Runner.run_streamed(agent, question, max_turns=4)
             async for _ in result.stream_events():
@@ -167,12 +146,10 @@ async def agents_responses_loop(base_url: str, model: str) -> None:
             output=str(result.final_output)[:80])  # fmt: skip
     # A second turn, as the SDK sends it (the call and its output as input items): its answer
     # is the demo model's free text, cut at max_tokens, which the SDK raises on.
-    agent = agent.clone(tool_use_behavior="run_llm_again",
-                        model_settings=ModelSettings(tool_choice="required", temperature=0,
-                                                     max_tokens=120))  # fmt: skip
+    agent = agent.clone(tool_use_behavior="run_llm_again")
     before = len(RECORDED)
     try:
-        await Runner.run(agent, "What is the weather in Oslo?", max_turns=2)
+        await Runner.run(agent, question, max_turns=2)
     except Exception as err:  # noqa: BLE001 - the incomplete answer, reported below
         say("agents.responses.second_turn", error=type(err).__name__)
     assert len(RECORDED) - before == 2, "the SDK sent no second turn"

@@ -163,3 +163,18 @@ def thinking_model(tiny_tok_dir, tmp_path):
     assert "<think>" in config["chat_template"]
     config_path.write_text(json.dumps(config))
     return model_dir
+
+
+def recorded_requests(name: str) -> list[dict]:
+    """What a client sent, recorded in tests/fixtures/`name` (scripts/agents_tools.py
+    `--record`): one JSON line per request, its path and body."""
+    path = Path(__file__).parent / "fixtures" / name
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def replay(client: httpx.AsyncClient, entries: list[dict], model: str) -> list:
+    """Each recorded request posted again, in order, naming `model`: the responses."""
+    return [
+        await client.post(entry["path"], json={**entry["body"], "model": model})
+        for entry in entries
+    ]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
 import json
-from pathlib import Path
 
 from tests.optional import require
 
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 from loopserve.engine.llm_engine import LLMEngine
-from tests.server_utils import in_process_calls, thinking_model
+from tests.server_utils import in_process_calls, recorded_requests, replay, thinking_model
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {
@@ -206,15 +205,11 @@ def test_what_the_agents_sdk_sends_is_served(engine):
     (recorded by scripts/agents_tools.py `--loops agents-responses`): the forced first turn,
     plain and streamed, comes back as a call that parses under the tool's schema; the second
     turn (the call and its output sent back as items, `id` and `status` included) is served."""
-    recorded = Path(__file__).parent / "fixtures" / "agent_responses_requests.jsonl"
-    entries = [json.loads(line) for line in recorded.read_text().splitlines()]
+    entries = recorded_requests("agent_responses_requests.jsonl")
     assert len(entries) == 4
 
     async def calls(_sdk, client):
-        return [
-            await client.post(entry["path"], json={**entry["body"], "model": "m"})
-            for entry in entries
-        ]
+        return await replay(client, entries, "m")
 
     for entry, response in zip(entries, _serve(engine, calls)):
         assert response.status_code == 200, response.text

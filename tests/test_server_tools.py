@@ -11,7 +11,6 @@ from __future__ import annotations
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
 import json
-from pathlib import Path
 
 from tests.optional import require
 
@@ -21,7 +20,7 @@ import openai
 import pytest
 
 from loopserve.engine.llm_engine import LLMEngine
-from tests.server_utils import in_process_calls
+from tests.server_utils import in_process_calls, recorded_requests, replay
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -228,15 +227,11 @@ def test_what_langchain_and_the_agents_sdk_send_is_served(engine):
     """The request bodies LangChain's `bind_tools` loop and the openai-agents SDK sent to
     `loopserve serve` (recorded by scripts/agents_tools.py): each is served; the forced
     first turns come back as calls that parse under the tools' schemas."""
-    recorded = Path(__file__).parent / "fixtures" / "agent_tool_requests.jsonl"
-    entries = [json.loads(line) for line in recorded.read_text().splitlines()]
+    entries = recorded_requests("agent_tool_requests.jsonl")
     assert len(entries) == 4
 
     async def calls(_sdk, client):
-        return [
-            await client.post(entry["path"], json={**entry["body"], "model": "m"})
-            for entry in entries
-        ]
+        return await replay(client, entries, "m")
 
     for entry, response in zip(entries, _serve(engine, calls)):
         assert response.status_code == 200, response.text

@@ -45,6 +45,11 @@ class TextPart(_Request):
     logprobs: list[Any] | None = None
 
 
+def _joined(content: str | list[TextPart]) -> str:
+    """A string, or its text parts' text in order."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 class InputMessage(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -53,9 +58,7 @@ class InputMessage(_Request):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(_Request):
@@ -79,9 +82,7 @@ class FunctionCallOutputItem(_Request):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
+        return _joined(self.output)
 
 
 class ReasoningItem(_Request):

@@ -151,24 +151,29 @@ def parse_body(raw: bytes, model_cls: type[ModelT]) -> ModelT:
     try:
         return model_cls.model_validate_json(raw)
     except ValidationError as err:
-        errors = err.errors()
-        if errors[0]["type"] == "json_invalid":
-            raise ApiError(400, f"malformed JSON body: {errors[0]['msg']}") from None
-        # Of a union's failed branches, the deepest one says the most ("should be 'text'").
-        first = max(errors, key=lambda error: len(error["loc"]))
-        path = [str(p) for p in first["loc"] if not _is_union_tag(p)]
-        param = path[0] if path else None
-        where = ".".join(path) or "body"
-        if param == "prompt":
-            message = (
-                "prompt must be a string, a list of token ids, or a list of strings "
-                "or of token-id lists"
-            )
-        elif first["type"] == "extra_forbidden":
-            message = f"unsupported field '{where}'"
-        else:
-            message = f"invalid value for '{where}': {first['msg'].removeprefix('Value error, ')}"
-        raise ApiError(400, message, param=param) from None
+        raise validation_error(err) from None
+
+
+def validation_error(err: ValidationError) -> ApiError:
+    """The 400 of a request model's failed validation, naming the field."""
+    errors = err.errors()
+    if errors[0]["type"] == "json_invalid":
+        return ApiError(400, f"malformed JSON body: {errors[0]['msg']}")
+    # Of a union's failed branches, the deepest one says the most ("should be 'text'").
+    first = max(errors, key=lambda error: len(error["loc"]))
+    path = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+    param = path[0] if path else None
+    where = ".".join(path) or "body"
+    if param == "prompt":
+        message = (
+            "prompt must be a string, a list of token ids, or a list of strings "
+            "or of token-id lists"
+        )
+    elif first["type"] == "extra_forbidden":
+        message = f"unsupported field '{where}'"
+    else:
+        message = f"invalid value for '{where}': {first['msg'].removeprefix('Value error, ')}"
+    return ApiError(400, message, param=param)
 
 
 def _is_union_tag(loc_part: str | int) -> bool:

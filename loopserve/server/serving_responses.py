@@ -39,23 +39,27 @@ from loopserve.server.serving_common import (
     cancel_on_disconnect,
     collect_finals,
     parse_body,
+    validation_error,
 )
 
 
 async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Request) -> Response:
     request = parse_body(raw_body, ResponsesRequest)
-    body, loop_class = ctx.prepare(_chat_request(request), http_request)
     response_id = f"resp_{uuid.uuid4().hex}"
-    try:
-        run = await start_chat(ctx, body, loop_class, response_id)
-    except ApiError as err:
-        raise _in_responses_terms(err) from None
     shape = _Shape(ctx, request, response_id)
-    if request.stream:
-        return StreamingResponse(_events(run, shape), media_type="text/event-stream")
+    # The chat path's 400s name its fields: renamed to the Responses fields they came from
+    # (at validation, at submission, and for a request that fails on its input as it runs).
     try:
+        try:
+            chat = ChatCompletionRequest.model_validate(request.chat_fields())
+        except ValidationError as err:
+            raise validation_error(err) from None
+        body, loop_class = ctx.prepare(chat, http_request)
+        run = await start_chat(ctx, body, loop_class, response_id)
+        if request.stream:
+            return StreamingResponse(_events(run, shape), media_type="text/event-stream")
         finals = await cancel_on_disconnect(http_request, collect_finals(run.stream))
-    except ApiError as err:  # a request that failed on its input (its grammar's limits)
+    except ApiError as err:
         raise _in_responses_terms(err) from None
     run.stream.close()
     if finals is None:
@@ -73,19 +77,6 @@ async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Re
         for call in message.tool_calls or ()
     ]
     return JSONResponse(shape.response(items, out, run))
-
-
-def _chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request `request` means; a field that fails there is a 400
-    naming the Responses field it came from."""
-    try:
-        return ChatCompletionRequest.model_validate(request.chat_fields())
-    except ValidationError as err:
-        first = max(err.errors(), key=lambda error: len(error["loc"]))
-        param = str(first["loc"][0]) if first["loc"] else None
-        param = CHAT_TO_RESPONSES_PARAM.get(param or "", param)
-        message = first["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"invalid value for '{param}': {message}", param=param) from None
 
 
 def _entries(run: ChatRun, logprobs) -> list[dict[str, Any]]:

@@ -111,6 +111,19 @@ def test_a_template_without_tools_gets_the_hermes_convention_in_its_messages():
         render(history, TOOLS, native=False)
 
 
+def test_a_functions_strict_flag_stays_out_of_the_listed_tools():
+    """`strict` is a flag to the server (the Responses API's clients send `strict: false` by
+    default): a function lists the same with it, without it and with it true."""
+    flagged = [
+        {**t, "function": {**t["function"], "strict": s}} for t, s in zip(TOOLS, (False, True))
+    ]
+    plain, _ = render(_history(), TOOLS, native=False)
+    assert render(_history(), flagged, native=False) == (plain, None)
+    assert '"strict"' not in plain[0]["content"]
+    # A template that reads tools gets them as sent.
+    assert render(_history(), flagged, native=True)[1] == flagged
+
+
 def test_enforced_calls_are_bounded_and_compile():
     llguidance = pytest.importorskip("llguidance")
     bounded = closed(TOOLS[1]["function"]["parameters"])

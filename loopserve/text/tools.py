@@ -159,8 +159,11 @@ def template_reads_tools(chat_template: str | None) -> bool:
 
 
 def system_prompt(tools: list[dict[str, Any]]) -> str:
-    """The Hermes convention's tool instructions, for a template that does not render tools."""
-    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    """The Hermes convention's tool instructions, for a template that does not render tools.
+    A function's `strict` is a flag to the server, not part of its description: it is left
+    out, so a function reads the same over chat completions and the Responses API (whose
+    clients send `strict: false` by default)."""
+    listed = "\n".join(json.dumps(_described(tool), ensure_ascii=False) for tool in tools)
     return (
         "You may call one or more functions to assist with the user query. The functions "
         f"you may call are listed within <tools></tools>:\n<tools>\n{listed}\n</tools>\n"
@@ -168,6 +171,13 @@ def system_prompt(tools: list[dict[str, Any]]) -> str:
         f'within {START}{END} tags:\n{START}{{"name": <function-name>, "arguments": '
         f"<args-json-object>}}{END}"
     )
+
+
+def _described(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool.get("function")
+    if not isinstance(function, dict) or "strict" not in function:
+        return tool
+    return {**tool, "function": {k: v for k, v in function.items() if k != "strict"}}
 
 
 def render(

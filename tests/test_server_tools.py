@@ -142,6 +142,64 @@ def test_streamed_calls_reassemble_to_the_non_streamed_calls(engine):
     assert finish == "tool_calls" == whole.choices[0].finish_reason
 
 
+def test_a_call_cut_at_max_tokens_comes_back_as_a_call_cut_short(engine):
+    """As OpenAI returns one: finish reason "length" and `tool_calls` with the arguments as
+    far as they got (not the block's markup as content), streamed and not, and over the
+    Responses API a `function_call` item in an incomplete response. Cut before the
+    function's name is whole, the output stays content."""
+    unbounded = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+    args = dict(model="m", messages=[{"role": "user", "content": QUESTIONS[0]}], tools=[unbounded],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                temperature=0)  # fmt: skip
+
+    async def calls(sdk, client):
+        whole = await sdk.chat.completions.create(**args, max_tokens=300)
+        cuts = {}  # every sixth cut from the whole call's length down to the first non-call
+        for max_tokens in range(whole.usage.completion_tokens - 1, 0, -6):
+            cut = await sdk.chat.completions.create(**args, max_tokens=max_tokens)
+            cuts[max_tokens] = cut.choices[0]
+            if not cut.choices[0].message.tool_calls:
+                break
+        inside = next(m for m, c in cuts.items() if c.message.tool_calls and  # in the string
+                      c.message.tool_calls[0].function.arguments.startswith('{"city": "') and
+                      not c.message.tool_calls[0].function.arguments.endswith("}"))  # fmt: skip
+        chunks = [c async for c in await sdk.chat.completions.create(
+            **args, max_tokens=inside, stream=True)]  # fmt: skip
+        responses = await client.post("/v1/responses", json={
+            "model": "m", "input": QUESTIONS[0], "max_output_tokens": inside, "temperature": 0,
+            "tools": [{"type": "function", **unbounded["function"]}],
+            "tool_choice": {"type": "function", "name": "get_weather"}})  # fmt: skip
+        return whole, cuts, inside, chunks, responses.json()
+
+    whole, cuts, inside, chunks, responses = _serve(engine, calls)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    (call,) = whole.choices[0].message.tool_calls
+    made = [choice for choice in cuts.values() if choice.message.tool_calls]
+    assert len(made) >= 4
+    for choice in made:
+        (cut,) = choice.message.tool_calls
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert cut.function.name == "get_weather"
+        assert call.function.arguments.startswith(cut.function.arguments)
+    cut_inside = cuts[inside].message.tool_calls[0].function.arguments
+    assert cut_inside != call.function.arguments  # inside the string: not JSON yet
+    first = list(cuts.values())[-1]  # the name not yet whole: content, as before
+    assert first.finish_reason == "length" and first.message.content.startswith("<tool_call>")
+
+    streamed = [call for chunk in chunks for choice in chunk.choices
+                for call in choice.delta.tool_calls or ()]  # fmt: skip
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        ("get_weather", cut_inside)
+    ]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(not choice.delta.content for chunk in chunks for choice in chunk.choices)
+    assert responses["status"] == "incomplete"
+    assert [(i["type"], i["name"], i["arguments"]) for i in responses["output"]] == [
+        ("function_call", "get_weather", cut_inside)
+    ]
+
+
 def test_an_auto_answers_call_blocks_become_tool_calls(engine):
     """`auto` leaves the choice to the model; the parser reads what it wrote. A regex makes
     the embedded model write one call block, so the parser's path is exercised end to end;

@@ -84,6 +84,35 @@ def test_streamed_output_cut_anywhere_gives_the_whole_outputs_split(seed):
     assert (content + rest, calls) == ((whole[0] or ""), whole[1])
 
 
+def test_an_enforced_call_cut_at_max_tokens_is_a_call_once_it_has_named_its_function():
+    """Every cut of an enforced call's output, read as cut at `max_tokens`: content while the
+    function's name is not whole (an unknown name stays content too); then a call whose
+    arguments are the text so far; the whole call once its JSON closed, the end tag begun or
+    not. Streamed in two pieces, the same; not cut (`truncated` False), content as before."""
+    block = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    text = f"<tool_call>{block}</tool_call>"
+    named = text.index('"get_weather"') + len('"get_weather"')
+    for end in range(1, len(text)):
+        cut = text[:end]
+        content, calls = PARSERS["hermes"].parse(cut, NAMES, truncated=True)
+        if end < named:
+            assert (content, calls) == (cut, []), cut
+        else:
+            assert content is None and [c.name for c in calls] == ["get_weather"], cut
+            arguments = calls[0].arguments
+            assert '{"city": "Paris"}'.startswith(arguments), cut
+            whole = text.index('{"city"') + len('{"city": "Paris"}')  # where they close
+            assert (arguments == '{"city": "Paris"}') == (end >= whole), cut
+        assert PARSERS["hermes"].parse(cut, NAMES) == (cut, []) or end == len(text)
+        stream = ToolCallStream(NAMES)
+        streamed, calls_so_far = stream.feed(cut[: end // 2])
+        more, new = stream.feed(cut[end // 2 :])
+        rest, last = stream.finish(truncated=True)
+        assert ((streamed + more + rest) or None, calls_so_far + new + last) == (content, calls)
+    unknown = '<tool_call>{"name": "get_time", "arguments": {"z'
+    assert PARSERS["hermes"].parse(unknown, NAMES, truncated=True) == (unknown, [])
+
+
 def test_a_template_that_reads_tools_gets_them_and_the_history_as_objects():
     history = _history()
     messages, tools = render(history, TOOLS, native=True)

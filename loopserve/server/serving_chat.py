@@ -102,7 +102,10 @@ async def create_chat_completion(
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     outputs = [finals[request.request_id] for request in requests]
-    messages = [tools.message(reasoning.message(out.text)) for out in outputs]
+    messages = [
+        tools.message(reasoning.message(out.text), truncated=out.finish_reason == "length")
+        for out in outputs
+    ]
     response = ChatCompletionResponse(
         id=response_id,
         model=ctx.served_model_name,
@@ -304,7 +307,10 @@ async def _stream_events(
                 if not (out.new_text or out.new_token_ids or out.finished):
                     continue
                 delta = reasoning.delta(splitters[index], out.new_text, out.finished)
-                delta = tools.delta(call_splitters[index], delta, out.finished, num_calls[index])
+                delta = tools.delta(
+                    call_splitters[index], delta, out.finished, num_calls[index],
+                    truncated=out.finish_reason == "length",
+                )  # fmt: skip
                 num_calls[index] += len(delta.tool_calls or ())
                 choice = ChatStreamChoice(
                     index=index,

@@ -65,7 +65,8 @@ async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Re
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     out = finals[run.requests[0].request_id]
-    message = run.tools.message(run.reasoning.message(out.text))
+    truncated = out.finish_reason == "length"
+    message = run.tools.message(run.reasoning.message(out.text), truncated=truncated)
     items = []
     if message.reasoning_content:
         items.append(shape.reasoning_item(message.reasoning_content))
@@ -265,7 +266,10 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
                 if not (out.new_text or out.new_token_ids or out.finished):
                     continue
                 delta = run.reasoning.delta(splitter, out.new_text, out.finished)
-                delta = run.tools.delta(call_splitter, delta, out.finished, num_calls)
+                delta = run.tools.delta(
+                    call_splitter, delta, out.finished, num_calls,
+                    truncated=out.finish_reason == "length",
+                )  # fmt: skip
                 lines: list[str] = []
                 if delta.reasoning_content:
                     lines += text_delta("reasoning", delta.reasoning_content)

@@ -86,10 +86,14 @@ class ChatTools:
             raise ApiError(400, err.message, param=err.param) from None
         return constraint
 
-    def message(self, message: ChatResponseMessage) -> ChatResponseMessage:
+    def message(
+        self, message: ChatResponseMessage, *, truncated: bool = False
+    ) -> ChatResponseMessage:
+        """The message with its content's call blocks made `tool_calls` (`truncated`: the
+        output was cut at `max_tokens`; a call it cut keeps its arguments so far)."""
         if self.parser is None or message.content is None:
             return message
-        content, calls = self.parser.parse(message.content, self.names)
+        content, calls = self.parser.parse(message.content, self.names, truncated=truncated)
         if not calls:
             return message
         listed = [ResponseToolCall(**call.openai()) for call in calls]
@@ -104,15 +108,18 @@ class ChatTools:
         return "tool_calls" if called and reason == "stop" else reason
 
     @staticmethod
-    def delta(splitter, delta: ChatDelta, finished: bool, first_index: int) -> ChatDelta:
+    def delta(
+        splitter, delta: ChatDelta, finished: bool, first_index: int, *, truncated: bool = False
+    ) -> ChatDelta:
         """`delta` with its content's call blocks taken out, and the calls completed in it
-        (numbered from `first_index`)."""
+        (numbered from `first_index`; `truncated`: the output was cut at `max_tokens`, and a
+        call it cut is sent with its arguments so far)."""
         if splitter is None:
             return delta
         content, calls = splitter.feed(delta.content or "")
         if finished:
-            rest, _ = splitter.finish()
-            content += rest
+            rest, cut = splitter.finish(truncated=truncated)
+            content, calls = content + rest, calls + cut
         if not calls:
             return delta.model_copy(update={"content": content})
         listed = [

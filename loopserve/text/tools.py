@@ -23,6 +23,7 @@ leaves the choice to the model and the parser. Torch-free.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -111,18 +112,44 @@ class ToolCallStream:
             self._in_block = True
         return "".join(content), calls
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
+    def finish(self, *, truncated: bool = False) -> tuple[str, list[ParsedCall]]:
+        """What is held, at the output's end. `truncated`: the output was cut at `max_tokens`;
+        an open block that has named a known function then is a call cut short, returned
+        as OpenAI returns one (its arguments as far as they got, finish reason "length")
+        rather than as content with the markup in it."""
         held, self._held = self._held, ""
         if self._in_block:
             self._in_block = False
-            return START + held, []
+            call = _read_cut_call(held, self.names) if truncated else None
+            return ("", [call]) if call is not None else (START + held, [])
         return held, []
 
 
-def _partial_tag(text: str) -> int:
-    """How many trailing characters of `text` could begin the start tag."""
-    for size in range(min(len(START) - 1, len(text)), 0, -1):
-        if START.startswith(text[-size:]):
+_CUT_CALL = re.compile(r'\{"name": "([^"\\]+)"(.*)', re.DOTALL)
+_ARGUMENTS = ', "arguments": '
+
+
+def _read_cut_call(block: str, names: frozenset[str]) -> ParsedCall | None:
+    """A call in a block `max_tokens` cut (no end tag): whole if its JSON closed, else, once
+    it has named a known function as an enforced call does (`call_grammar`), its arguments'
+    text so far (empty before they begin)."""
+    block = block[: len(block) - _partial_tag(block, END)]  # the end tag begun
+    call = _read_call(block.strip(), names)
+    if call is not None:
+        return call
+    match = _CUT_CALL.fullmatch(block.lstrip())
+    if match is None or match.group(1) not in names:
+        return None
+    rest = match.group(2)
+    if rest.startswith(_ARGUMENTS):
+        return ParsedCall(match.group(1), rest[len(_ARGUMENTS) :])
+    return ParsedCall(match.group(1), "") if _ARGUMENTS.startswith(rest) else None
+
+
+def _partial_tag(text: str, tag: str = START) -> int:
+    """How many trailing characters of `text` could begin `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0
 
@@ -133,12 +160,15 @@ class HermesToolParser:
 
     name: str = "hermes"
 
-    def parse(self, text: str, names: Iterable[str]) -> tuple[str | None, list[ParsedCall]]:
-        """(content, calls) of a whole output; content None when only calls remain."""
+    def parse(
+        self, text: str, names: Iterable[str], *, truncated: bool = False
+    ) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls) of a whole output; content None when only calls remain.
+        `truncated`: cut at `max_tokens` (`ToolCallStream.finish`)."""
         stream = ToolCallStream(names)
         content, calls = stream.feed(text)
-        rest, _ = stream.finish()
-        content += rest
+        rest, cut = stream.finish(truncated=truncated)
+        content, calls = content + rest, calls + cut
         if calls and not content.strip():
             return None, calls
         return content, calls

@@ -7,7 +7,8 @@ Runs against a server you started (`--base-url`, `--model`), e.g.
 
 in its own environment, so the frameworks are not the project's dependencies:
 
-    python3 -m venv /tmp/agents && /tmp/agents/bin/pip install langchain-openai openai-agents
+    python3 -m venv /tmp/agents && /tmp/agents/bin/pip install langchain-openai openai-agents \
+        "pydantic-ai-slim[openai]"
     /tmp/agents/bin/python scripts/agents_tools.py --base-url http://127.0.0.1:8000/v1
 
 1. LangChain: `ChatOpenAI(...).bind_tools([get_weather], tool_choice="required")`, the
@@ -22,8 +23,12 @@ in its own environment, so the frameworks are not the project's dependencies:
    `Runner.run_streamed`; then once more letting the model answer the tool's result, which
    sends the call and its output back as input items (the demo model's answer runs to
    `max_tokens`, which the SDK raises on; the request is what is recorded).
+4. Pydantic AI over `OpenAIChatModel` and `OpenAIResponsesModel`: an agent whose output is a
+   Pydantic model (its default tool output: a `final_result` tool with `tool_choice`
+   required) and one function tool, by `Agent.run` and `Agent.run_stream`; then the same
+   output as native structured output (`NativeOutput`: a JSON schema response format).
 
-`--loops` picks which run (default: all three).
+`--loops` picks which run (default: all four).
 
 The embedded demo model writes no sensible text: what this shows is that the frameworks'
 requests are accepted, their tool calls parse into the frameworks' own call objects, the
@@ -31,7 +36,8 @@ tools run and the loop ends. It prints one JSON line per step and exits non-zero
 `--record FILE` writes every request body the frameworks sent, one JSON line each
 (tests/fixtures/agent_tool_requests.jsonl holds such a recording of loops 1 and 2, which
 tests/test_server_tools.py replays; tests/fixtures/agent_responses_requests.jsonl one of loop
-3, which tests/test_server_responses.py replays).
+3, which tests/test_server_responses.py replays; tests/fixtures/pydantic_ai_requests.jsonl
+one of loop 4, which tests/test_server_frameworks.py replays).
 """
 
 import argparse
@@ -155,7 +161,51 @@ async def agents_responses_loop(base_url: str, model: str) -> None:
     assert len(RECORDED) - before == 2, "the SDK sent no second turn"
 
 
-LOOPS = ("langchain", "agents", "agents-responses")
+async def pydantic_ai_loop(base_url: str, model: str) -> None:
+    """Pydantic AI over its chat completions and its Responses model: an agent whose output
+    is a Pydantic model (its default tool output: a `final_result` tool, `tool_choice`
+    required) with one function tool, run and streamed; then the same output as native
+    structured output (`NativeOutput`: a JSON schema response format)."""
+    from openai import AsyncOpenAI
+    from pydantic import BaseModel, Field
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class Weather(BaseModel):
+        city: Annotated[str, Field(max_length=24)]
+        summary: Annotated[str, Field(max_length=40)]
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none",
+                         http_client=httpx.AsyncClient(event_hooks={"request": [_record_async]}))  # fmt: skip
+    provider = OpenAIProvider(openai_client=client)
+    settings = {"temperature": 0, "max_tokens": 120}
+
+    async def run(label: str, llm) -> None:
+        calls: list[str] = []
+        agent = Agent(llm, output_type=Weather, instructions="Report the weather.",
+                      model_settings=settings)  # fmt: skip
+
+        @agent.tool_plain
+        def get_weather(city: Annotated[str, Field(max_length=24)]) -> str:
+            """The weather in a city."""
+            calls.append(city)
+            return WEATHER.get(city, "12 C, cloudy")
+
+        result = await agent.run("What is the weather in Paris?")
+        say(f"pydantic_ai.{label}.run", cities=calls, output=result.output.model_dump())
+        async with agent.run_stream("What is the weather in Oslo?") as streamed:
+            output = await streamed.get_output()
+        say(f"pydantic_ai.{label}.stream", output=output.model_dump())
+        native = Agent(llm, output_type=NativeOutput(Weather), model_settings=settings)
+        result = await native.run("Name a city and its weather.")
+        say(f"pydantic_ai.{label}.native", output=result.output.model_dump())
+
+    await run("chat", OpenAIChatModel(model, provider=provider))
+    await run("responses", OpenAIResponsesModel(model, provider=provider))
+
+
+LOOPS = ("langchain", "agents", "agents-responses", "pydantic-ai")
 
 
 def main() -> int:
@@ -172,6 +222,8 @@ def main() -> int:
         asyncio.run(agents_loop(args.base_url, args.model))
     if "agents-responses" in loops:
         asyncio.run(agents_responses_loop(args.base_url, args.model))
+    if "pydantic-ai" in loops:
+        asyncio.run(pydantic_ai_loop(args.base_url, args.model))
     if args.record:
         with open(args.record, "w") as out:
             for entry in RECORDED:

@@ -84,6 +84,21 @@ def test_streamed_output_cut_anywhere_gives_the_whole_outputs_split(seed):
     assert (content + rest, calls) == ((whole[0] or ""), whole[1])
 
 
+def test_parallel_calls_streamed_send_no_content_for_the_newline_between_them():
+    """The newline an enforced answer writes between parallel call blocks is not content,
+    streamed as whole (`parse` gives None), wherever the deltas are cut; whitespace before
+    text still is."""
+    blocks = OUTPUT[OUTPUT.index("<tool_call>") :]
+    for text, content in ((blocks, ""), ("\n " + blocks, ""), ("\n Hi " + blocks, "\n Hi \n")):
+        assert (PARSERS["hermes"].parse(text, NAMES)[0] or "") == content
+        for cut in range(1, len(text)):
+            stream = ToolCallStream(NAMES)
+            first, calls = stream.feed(text[:cut])
+            second, more = stream.feed(text[cut:])
+            rest, _ = stream.finish()
+            assert (first + second + rest, len(calls + more)) == (content, 2), (text, cut)
+
+
 def test_an_enforced_call_cut_at_max_tokens_is_a_call_once_it_has_named_its_function():
     """Every cut of an enforced call's output, read as cut at `max_tokens`: content while the
     function's name is not whole (an unknown name stays content too); then a call whose

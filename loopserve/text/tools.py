@@ -77,14 +77,29 @@ def _read_call(block: str, names: frozenset[str]) -> ParsedCall | None:
 class ToolCallStream:
     """Splits streamed output: `feed(delta)` -> (content, calls completed); a start tag cut
     at the delta's end and an open block are held until they can be told apart (`finish`
-    returns what is left: an unclosed block as content)."""
+    returns what is left: an unclosed block as content). Whitespace before any other
+    content is held too: beside calls and nothing else (the newline between parallel call
+    blocks) it is not content, as a whole output's `parse` has it."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = frozenset(names)
         self._held = ""  # text not yet told apart
         self._in_block = False
+        self._space = ""  # whitespace held while nothing else is content
+        self._said = False  # some content other than whitespace went out
+        self._called = False
 
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        content, calls = self._split(delta)
+        self._called = self._called or bool(calls)
+        if not self._said:
+            if not content.strip():
+                self._space += content
+                return "", calls
+            content, self._space, self._said = self._space + content, "", True
+        return content, calls
+
+    def _split(self, delta: str) -> tuple[str, list[ParsedCall]]:
         text, self._held = self._held + delta, ""
         content, calls = [], []
         while text:
@@ -118,11 +133,15 @@ class ToolCallStream:
         as OpenAI returns one (its arguments as far as they got, finish reason "length")
         rather than as content with the markup in it."""
         held, self._held = self._held, ""
+        rest, calls = held, []
         if self._in_block:
             self._in_block = False
             call = _read_cut_call(held, self.names) if truncated else None
-            return ("", [call]) if call is not None else (START + held, [])
-        return held, []
+            rest, calls = ("", [call]) if call is not None else (START + held, [])
+        space, self._space = self._space, ""
+        if not self._said and not rest.strip() and (self._called or calls):
+            return "", calls  # only whitespace beside calls: no content
+        return space + rest, calls
 
 
 _CUT_CALL = re.compile(r'\{"name": "([^"\\]+)"(.*)', re.DOTALL)

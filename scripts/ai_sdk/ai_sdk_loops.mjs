@@ -19,7 +19,7 @@
 // requests are accepted and its parsers accept the answers. One JSON line per step; a
 // non-zero exit on failure. `--record FILE` writes every request body the SDK sent, one JSON
 // line each (tests/fixtures/ai_sdk_requests.jsonl is such a recording, replayed by
-// tests/test_server_ai_sdk.py).
+// tests/test_server_frameworks.py).
 
 import { writeFileSync } from "node:fs";
 import { parseArgs } from "node:util";

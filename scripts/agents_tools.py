@@ -8,7 +8,7 @@ Runs against a server you started (`--base-url`, `--model`), e.g.
 in its own environment, so the frameworks are not the project's dependencies:
 
     python3 -m venv /tmp/agents && /tmp/agents/bin/pip install langchain-openai openai-agents \
-        "pydantic-ai-slim[openai]"
+        "pydantic-ai-slim[openai]" litellm
     /tmp/agents/bin/python scripts/agents_tools.py --base-url http://127.0.0.1:8000/v1
 
 1. LangChain: `ChatOpenAI(...).bind_tools([get_weather], tool_choice="required")`, the
@@ -28,7 +28,11 @@ in its own environment, so the frameworks are not the project's dependencies:
    required) and one function tool, by `Agent.run` and `Agent.run_stream`; then the same
    output as native structured output (`NativeOutput`: a JSON schema response format).
 
-`--loops` picks which run (default: all four).
+5. LiteLLM's `completion` (what CrewAI, DSPy and aider call) over its `hosted_vllm/` and
+   `openai/` providers: text, streamed text, a required call and the tool's result sent
+   back, a Pydantic `response_format` (not recorded: LiteLLM sends them with its own client).
+
+`--loops` picks which run (default: all five).
 
 The embedded demo model writes no sensible text: what this shows is that the frameworks'
 requests are accepted, their tool calls parse into the frameworks' own call objects, the
@@ -205,7 +209,61 @@ async def pydantic_ai_loop(base_url: str, model: str) -> None:
     await run("responses", OpenAIResponsesModel(model, provider=provider))
 
 
-LOOPS = ("langchain", "agents", "agents-responses", "pydantic-ai")
+def litellm_loop(base_url: str, model: str) -> None:
+    """LiteLLM's `completion` (what CrewAI, DSPy and aider call) over its `hosted_vllm/` and
+    `openai/` providers: text, streamed text, a required call and the tool's result sent
+    back, and a Pydantic `response_format`. LiteLLM's own HTTP client sends these, so they
+    are not recorded."""
+    import litellm
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        city: str = Field(max_length=12)
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                             "required": ["city"]}}}]  # fmt: skip
+    for provider in ("hosted_vllm", "openai"):
+        settings = dict(
+            model=f"{provider}/{model}", api_base=base_url, api_key="none", temperature=0
+        )
+        hello = [{"role": "user", "content": "Say hello."}]
+        text = (
+            litellm.completion(messages=hello, max_tokens=12, **settings).choices[0].message.content
+        )
+        chunks = litellm.completion(messages=hello, max_tokens=12, stream=True, **settings)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == text, (streamed, text)
+        question = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = litellm.completion(
+            messages=question, tools=tools, tool_choice="required", max_tokens=80, **settings
+        )
+        message = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls, first
+        (call,) = message.tool_calls
+        answer = WEATHER.get(json.loads(call.function.arguments)["city"], "12 C, cloudy")
+        history = [
+            *question,
+            message.model_dump(),
+            {"role": "tool", "tool_call_id": call.id, "content": answer},
+        ]
+        final = litellm.completion(messages=history, tools=tools, max_tokens=12, **settings)
+        city = litellm.completion(
+            messages=[{"role": "user", "content": "Name a city."}],
+            response_format=City,
+            max_tokens=60,
+            **settings,
+        )
+        say(
+            f"litellm.{provider}",
+            text=text,
+            call=call.function.arguments,
+            final=final.choices[0].message.content,
+            object=City.model_validate_json(city.choices[0].message.content),
+        )
+
+
+LOOPS = ("langchain", "agents", "agents-responses", "pydantic-ai", "litellm")
 
 
 def main() -> int:
@@ -224,6 +282,8 @@ def main() -> int:
         asyncio.run(agents_responses_loop(args.base_url, args.model))
     if "pydantic-ai" in loops:
         asyncio.run(pydantic_ai_loop(args.base_url, args.model))
+    if "litellm" in loops:
+        litellm_loop(args.base_url, args.model)
     if args.record:
         with open(args.record, "w") as out:
             for entry in RECORDED:

@@ -10,7 +10,9 @@ framework parses, and each Responses request gives the tokens of its chat counte
 - Pydantic AI 2.78.0 (scripts/agents_tools.py `--loops pydantic-ai --record`) over its chat
   and Responses models: an agent with a Pydantic output (its `final_result` tool, required)
   and a function tool, run (parallel calls, their results sent back) and streamed, and
-  native structured output."""
+  native structured output.
+- The openai SDK's own structured-output helpers (`parse`, `stream`, over both APIs, with a
+  Pydantic response format and a strict `pydantic_function_tool`), live."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from tests.optional import require
 
 require("serve", "structured")
 
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from loopserve.engine.llm_engine import LLMEngine
 from tests.server_utils import in_process_calls, recorded_requests, replay
@@ -149,3 +153,47 @@ def test_what_pydantic_ai_sends_is_served(engine):
     entries, answers = _served(engine, "pydantic_ai_requests.jsonl", 8)
     _check(entries, answers)
     assert [bool(calls) for _, calls, _ in answers[:4]] == [True, True, True, False]
+
+
+class City(BaseModel):
+    city: str = Field(max_length=12)
+
+
+class GetWeather(BaseModel):
+    """The weather in a city."""
+
+    city: str = Field(max_length=24)
+
+
+def test_the_openai_sdks_parse_and_stream_helpers_parse_what_is_served(engine):
+    """`chat.completions.parse` / `.stream` and `responses.parse` / `.stream` with a Pydantic
+    format, and a strict `pydantic_function_tool` (its schema closed, `strict: true`), parse
+    into the models; the four ways give one answer, the two tool ways one call."""
+    question = [{"role": "user", "content": "Name a city."}]
+    weather = dict(messages=[{"role": "user", "content": "Weather in Paris?"}],
+                   tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+                   max_tokens=80, temperature=0)  # fmt: skip
+
+    async def calls(client):
+        sdk = openai.AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=client)
+        chat = sdk.chat.completions
+        parsed = (await chat.parse(model="m", messages=question, response_format=City,
+                                   max_tokens=60, temperature=0)).choices[0].message.parsed  # fmt: skip
+        async with chat.stream(model="m", messages=question, response_format=City, max_tokens=60,
+                               temperature=0) as stream:  # fmt: skip
+            streamed = (await stream.get_final_completion()).choices[0].message.parsed
+        asked = dict(model="m", input="Name a city.", text_format=City, max_output_tokens=60,
+                     temperature=0)  # fmt: skip
+        responses_parsed = (await sdk.responses.parse(**asked)).output_parsed
+        async with sdk.responses.stream(**asked) as stream:
+            responses_streamed = (await stream.get_final_response()).output_parsed
+        tool = (await chat.parse(model="m", **weather)).choices[0].message.tool_calls
+        async with chat.stream(model="m", **weather) as stream:
+            tool_streamed = (await stream.get_final_completion()).choices[0].message.tool_calls
+        return (parsed, streamed, responses_parsed, responses_streamed), tool, tool_streamed
+
+    cities, tool, tool_streamed = in_process_calls(engine, "m", calls)
+    assert all(isinstance(city, City) for city in cities) and all(c == cities[0] for c in cities)
+    (call,) = tool
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    assert [c.function.parsed_arguments for c in tool_streamed] == [call.function.parsed_arguments]

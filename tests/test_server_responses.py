@@ -270,7 +270,8 @@ REFUSED = {  # body fields -> the field the 400 names
     ),  # fmt: skip
     "no_input": ({"input": []}, "input"),
     "zero_max_output_tokens": ({"max_output_tokens": 0}, "max_output_tokens"),
-    "unknown_field": ({"reasoning": {"effort": "low"}}, "reasoning"),
+    "reasoning_effort": ({"reasoning": {"effort": "low"}}, "reasoning"),
+    "unknown_field": ({"background": True}, "background"),
     "metadata_long_key": ({"metadata": {"k" * 65: "v"}}, "metadata"),
 }
 
@@ -284,7 +285,12 @@ def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(engine):
         out["accepted"] = await client.post("/v1/responses", json={
             "model": "m", "input": "hi", "max_output_tokens": 4, "store": False, "include": [],
             "metadata": {"k": "v"}, "truncation": "disabled", "parallel_tool_calls": True,
+            # what Codex sends: nothing to do differently (no effort, nothing encrypted)
+            "reasoning": {"summary": "auto", "effort": "none"}, "client_metadata": {"k": "v"},
         })  # fmt: skip
+        out["encrypted_reasoning"] = await client.post("/v1/responses", json={
+            "model": "m", "input": "hi", "max_output_tokens": 4,
+            "include": ["reasoning.encrypted_content", "message.output_text.logprobs"]})  # fmt: skip
         return out
 
     out = _serve(engine, calls)
@@ -294,6 +300,40 @@ def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(engine):
         assert response.json()["error"]["param"] == param, (case, response.text)
     assert out["accepted"].status_code == 200, out["accepted"].text
     assert out["accepted"].json()["store"] is False
+    assert out["encrypted_reasoning"].status_code == 200, out["encrypted_reasoning"].text
+    (message,) = out["encrypted_reasoning"].json()["output"]
+    assert len(message["content"][0]["logprobs"]) == 4
+
+
+def test_what_codex_sends_is_served():
+    """Codex CLI 0.171.0's request (`codex exec` over a provider with `wire_api =
+    "responses"`, run with `--disable multi_agent -c web_search=disabled`, which leave it
+    function tools only), recorded against `loopserve serve` with its texts and tool
+    descriptions shortened and three of its seven tools kept: developer messages of several
+    text parts, function tools with `strict: false`, `reasoning: {"summary": "auto"}`,
+    `include: ["reasoning.encrypted_content"]`, `store: false`, `prompt_cache_key` and
+    `client_metadata`. It streams OpenAI's events in order, numbered, to a final response."""
+    (entry,) = recorded_requests("codex_responses_requests.jsonl")
+    body = entry["body"]
+    assert body["stream"] and body["tools"] and "client_metadata" in body
+    engine = LLMEngine.from_engine_args(dtype="float32", num_blocks=1024, max_num_seqs=2)
+
+    async def calls(client):
+        return await client.post(
+            "/v1/responses", json={**body, "model": "m", "max_output_tokens": 8}
+        )
+
+    response = in_process_calls(engine, "m", calls)
+    assert response.status_code == 200, response.text
+    events = [json.loads(line.removeprefix("data: "))
+              for line in response.text.splitlines() if line.startswith("data: ")]  # fmt: skip
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created"
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    final = events[-1]["response"]
+    assert final["output"] and final["usage"]["output_tokens"] == 8
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == final["output"]
 
 
 def test_reasoning_comes_as_a_reasoning_item_streamed_and_not(tiny_tok_dir, tmp_path):

@@ -10,7 +10,9 @@ first), `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool
 `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`: structured output),
 `stream`, the output text's log-probabilities (`include: ["message.output_text.logprobs"]`,
 `top_logprobs`), and the looped-model fields of chat completions (`min_loops`, `max_loops`,
-`exit_threshold`). Nothing is stored: `store` true, `previous_response_id` and `conversation`
+`exit_threshold`). Accepted and asking nothing different: `reasoning` without an effort
+(or `none`), `include: ["reasoning.encrypted_content"]` (there is none to include) and
+`client_metadata`. Nothing is stored: `store` true, `previous_response_id` and `conversation`
 are 400s naming the field (send the whole conversation in `input`), as are other tools (web
 search, files, ...), images and other fields.
 """
@@ -137,6 +139,25 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Request):
+    """`reasoning`, as agent CLIs send it (Codex: `{"summary": "auto"}`). A reasoning item
+    carries the model's reasoning text as the reasoning parser splits it, never a summary, so
+    `summary` asks for nothing this server does differently; no effort can be chosen."""
+
+    effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+    @field_validator("effort")
+    @classmethod
+    def _no_effort_to_choose(cls, effort: str | None) -> str | None:
+        if effort not in (None, "none"):
+            raise ValueError(
+                f"this server cannot set a reasoning effort ({effort!r}): leave it out or "
+                "send 'none' (a request's loop bounds are `min_loops` and `max_loops`)"
+            )
+        return effort
+
+
 class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[InputItem]
@@ -152,6 +173,7 @@ class ResponsesRequest(_Request):
     # What else to return: the output text's log-probabilities, with `top_logprobs`.
     include: list[str] | None = None
     top_logprobs: int | None = None
+    reasoning: ReasoningConfig | None = None
     truncation: Literal["disabled"] | None = None
     store: bool | None = None
     previous_response_id: str | None = None
@@ -162,6 +184,7 @@ class ResponsesRequest(_Request):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default"] | None = None
+    client_metadata: dict[str, str] | None = None  # Codex's turn metadata
     # Looped-model extensions.
     min_loops: int | None = None
     max_loops: int | None = None
@@ -190,9 +213,9 @@ class ResponsesRequest(_Request):
     @field_validator("include")
     @classmethod
     def _what_can_be_included(cls, include: list[str] | None) -> list[str] | None:
-        other = [name for name in include or () if name != LOGPROBS]
+        other = [name for name in include or () if name not in INCLUDABLE]
         if other:
-            raise ValueError(f"this server returns none of {other} (only {LOGPROBS!r})")
+            raise ValueError(f"this server returns none of {other} (only {sorted(INCLUDABLE)})")
         return include
 
     @field_validator("top_logprobs")
@@ -277,7 +300,12 @@ class ResponsesRequest(_Request):
         return out
 
 
-LOGPROBS = "message.output_text.logprobs"  # the one `include` this server returns
+LOGPROBS = "message.output_text.logprobs"  # the output text's log-probabilities
+# What a stateless client asks for to send reasoning back (Codex, the Agents SDK with
+# `store` false): this server keeps nothing hidden, so its reasoning items carry no
+# encrypted content, and the items sent back are dropped (`ReasoningItem`).
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+INCLUDABLE = frozenset({LOGPROBS, ENCRYPTED_REASONING})
 
 # Where a chat completion field's error points in the Responses request.
 CHAT_TO_RESPONSES_PARAM = {

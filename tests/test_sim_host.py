@@ -174,7 +174,9 @@ def test_bench_host_measures_calls_with_the_heap_frozen_as_a_server_does(monkeyp
     monkeypatch.setattr(host_bench, "_measure_calls", fake)
     point = host_bench.measure(4, context=24, steps=6, device_profile="h200", freeze_heap=freeze)
     assert (frozen_during[0] > 0) is freeze and gc.get_freeze_count() == 0
-    assert point.num_frozen == frozen_during[0]
+    # Frozen objects are still freed when their last reference goes (another thread of the
+    # test process may drop some between the freeze and the calls): the count can only fall.
+    assert (0 < frozen_during[0] <= point.num_frozen) if freeze else point.num_frozen == 0
     assert (point.gc_frozen_ms is not None) is freeze
 
 

@@ -307,15 +307,17 @@ def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(engine):
 
 def test_what_codex_sends_is_served():
     """Codex CLI 0.171.0's request (`codex exec` over a provider with `wire_api =
-    "responses"`, run with `--disable multi_agent -c web_search=disabled`, which leave it
-    function tools only), recorded against `loopserve serve` with its texts and tool
-    descriptions shortened and three of its seven tools kept: developer messages of several
-    text parts, function tools with `strict: false`, `reasoning: {"summary": "auto"}`,
-    `include: ["reasoning.encrypted_content"]`, `store: false`, `prompt_cache_key` and
+    "responses"`, run with `-c web_search=disabled`: its hosted search is a 400 here),
+    recorded against `loopserve serve` with its texts and tool descriptions shortened and
+    two of its seven function tools and two of its namespace's five kept: developer
+    messages of several text parts, function tools with `strict: false`, its sub-agent
+    tools in a `namespace` tool, `reasoning: {"summary": "auto"}`, `include:
+    ["reasoning.encrypted_content"]`, `store: false`, `prompt_cache_key` and
     `client_metadata`. It streams OpenAI's events in order, numbered, to a final response."""
     (entry,) = recorded_requests("codex_responses_requests.jsonl")
     body = entry["body"]
-    assert body["stream"] and body["tools"] and "client_metadata" in body
+    assert body["stream"] and "client_metadata" in body
+    assert {tool["type"] for tool in body["tools"]} == {"function", "namespace"}
     engine = LLMEngine.from_engine_args(dtype="float32", num_blocks=1024, max_num_seqs=2)
 
     async def calls(client):
@@ -371,3 +373,50 @@ def test_reasoning_comes_as_a_reasoning_item_streamed_and_not(tiny_tok_dir, tmp_
     assert events[-1].response.usage.output_tokens_details.reasoning_tokens == (
         details.reasoning_tokens
     )
+
+
+def test_a_namespaces_functions_are_offered_and_their_calls_name_it(engine):
+    """A `namespace` tool's functions are offered as functions of their own: a required call
+    to one comes back as the chat completion over the flattened functions calls it, with
+    `namespace` on the `function_call` item, streamed and not; sent back with its output,
+    the call is read as any other."""
+    agents = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [
+        {"type": "function", "name": "close_agent", "parameters": {"type": "object",
+         "properties": {"id": {"type": "string", "maxLength": 8}}, "required": ["id"]}}]}  # fmt: skip
+    asked = dict(model="m", input=QUESTION, max_output_tokens=60, temperature=0,
+                 tools=[{**WEATHER, "type": "function"}, agents],
+                 tool_choice={"type": "function", "name": "close_agent"})  # fmt: skip
+
+    async def calls(sdk, client):
+        flat = [{"type": "function", "function": WEATHER},
+                {"type": "function", "function": {k: v for k, v in agents["tools"][0].items()
+                                                  if k != "type"}}]  # fmt: skip
+        chat = await sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=60,
+            temperature=0, tools=flat,
+            tool_choice={"type": "function", "function": {"name": "close_agent"}},
+        )  # fmt: skip
+        plain = (await client.post("/v1/responses", json=asked)).json()
+        streamed = await client.post("/v1/responses", json={**asked, "stream": True})
+        (item,) = plain["output"]
+        turn = await client.post("/v1/responses", json={**asked, "tool_choice": "none", "input": [
+            {"role": "user", "content": QUESTION}, item,
+            {"type": "function_call_output", "call_id": item["call_id"], "output": "closed"}]})  # fmt: skip
+        return chat, plain, streamed, turn
+
+    chat, plain, streamed, turn = _serve(engine, calls)
+    (call,) = chat.choices[0].message.tool_calls
+    (item,) = plain["output"]
+    assert (item["type"], item["name"], item["namespace"]) == (
+        "function_call",
+        "close_agent",
+        "agents",
+    )
+    assert item["arguments"] == call.function.arguments
+    events = [json.loads(line.removeprefix("data: "))
+              for line in streamed.text.splitlines() if line.startswith("data: ")]  # fmt: skip
+    (done,) = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert {k: done[k] for k in ("name", "namespace", "arguments")} == {
+        k: item[k] for k in ("name", "namespace", "arguments")}  # fmt: skip
+    assert turn.status_code == 200, turn.text
+    assert turn.json()["output"][-1]["type"] == "message"

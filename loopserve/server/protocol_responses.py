@@ -6,7 +6,8 @@ What is served: `input` as a string or a list of items (messages of the roles `u
 `system`, `developer` and `assistant` with text content, `function_call` and
 `function_call_output` items from earlier turns; `reasoning` items are accepted and dropped,
 since the text they summarize is not needed to continue), `instructions` (a system message
-first), `max_output_tokens`, `temperature`, `top_p`, function `tools` with `tool_choice` and
+first), `max_output_tokens`, `temperature`, `top_p`, function `tools` (and `namespace` tools
+of functions) with `tool_choice` and
 `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`: structured output),
 `stream`, the output text's log-probabilities (`include: ["message.output_text.logprobs"]`,
 `top_logprobs`), and the looped-model fields of chat completions (`min_loops`, `max_loops`,
@@ -70,6 +71,7 @@ class FunctionCallItem(_Request):
     call_id: str
     name: str
     arguments: str  # JSON text
+    namespace: str | None = None  # the call's `NamespaceTool`, if any
     id: str | None = None
     status: str | None = None
 
@@ -122,6 +124,20 @@ class FunctionTool(_Request):
     strict: bool | None = None
 
 
+class NamespaceTool(_Request):
+    """Function tools grouped under a name (OpenAI's `namespace` tool; Codex sends its
+    sub-agent tools as one). Each is offered to the model as a function of its own, and a
+    call to one names its namespace (`function_call.namespace`)."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool] = Field(min_length=1)
+
+
+Tool = Annotated[FunctionTool | NamespaceTool, Field(discriminator="type")]
+
+
 class NamedFunctionChoice(_Request):
     type: Literal["function"]
     name: str
@@ -165,7 +181,7 @@ class ResponsesRequest(_Request):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -252,9 +268,9 @@ class ResponsesRequest(_Request):
             fields["tools"] = [
                 {
                     "type": "function",
-                    "function": tool.model_dump(exclude={"type"}, exclude_none=True),
+                    "function": function.model_dump(exclude={"type"}, exclude_none=True),
                 }
-                for tool in self.tools
+                for function, _ in self.functions()
             ]
             fields["parallel_tool_calls"] = self.parallel_tool_calls
         if isinstance(self.tool_choice, NamedFunctionChoice):
@@ -275,6 +291,20 @@ class ResponsesRequest(_Request):
                 schema["strict"] = fmt.strict
             fields["response_format"] = {"type": "json_schema", "json_schema": schema}
         return fields
+
+    def functions(self) -> list[tuple[FunctionTool, str | None]]:
+        """Every function tool, a namespace's flattened in order, with its namespace's name."""
+        out: list[tuple[FunctionTool, str | None]] = []
+        for tool in self.tools or ():
+            if isinstance(tool, NamespaceTool):
+                out += [(function, tool.name) for function in tool.tools]
+            else:
+                out.append((tool, None))
+        return out
+
+    def namespace_of(self, name: str) -> str | None:
+        """The namespace of the function called `name` (None: a top-level function)."""
+        return next((ns for function, ns in self.functions() if function.name == name), None)
 
     def messages(self) -> list[dict[str, Any]]:
         """`instructions` and `input` as chat messages: consecutive function calls join the

@@ -123,10 +123,15 @@ class _Shape:
         return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content,
                 "status": status}  # fmt: skip
 
-    @staticmethod
-    def call_item(call_id: str, name: str, arguments: str, status="completed") -> dict[str, Any]:
-        return {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id,
+    def call_item(
+        self, call_id: str, name: str, arguments: str, status="completed"
+    ) -> dict[str, Any]:
+        item = {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id,
                 "name": name, "arguments": arguments, "status": status}  # fmt: skip
+        namespace = self.request.namespace_of(name)
+        if namespace is not None:
+            item["namespace"] = namespace
+        return item
 
     def response(
         self,

@@ -270,7 +270,7 @@ REFUSED = {  # body fields -> the field the 400 names
     ),  # fmt: skip
     "no_input": ({"input": []}, "input"),
     "zero_max_output_tokens": ({"max_output_tokens": 0}, "max_output_tokens"),
-    "reasoning_effort": ({"reasoning": {"effort": "low"}}, "reasoning"),
+    "reasoning_summary": ({"reasoning": {"summary": "verbose"}}, "reasoning"),
     "unknown_field": ({"background": True}, "background"),
     "metadata_long_key": ({"metadata": {"k" * 65: "v"}}, "metadata"),
 }
@@ -285,8 +285,8 @@ def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(engine):
         out["accepted"] = await client.post("/v1/responses", json={
             "model": "m", "input": "hi", "max_output_tokens": 4, "store": False, "include": [],
             "metadata": {"k": "v"}, "truncation": "disabled", "parallel_tool_calls": True,
-            # what Codex sends: nothing to do differently (no effort, nothing encrypted)
-            "reasoning": {"summary": "auto", "effort": "none"}, "client_metadata": {"k": "v"},
+            # what Codex sends: nothing to do differently (effort ignored, nothing encrypted)
+            "reasoning": {"summary": "auto", "effort": "high"}, "client_metadata": {"k": "v"},
         })  # fmt: skip
         out["encrypted_reasoning"] = await client.post("/v1/responses", json={
             "model": "m", "input": "hi", "max_output_tokens": 4,

@@ -12,6 +12,7 @@ server log under an error id; the client gets only that id.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 
 from loopserve.errors import EngineDeadError, client_error_in
@@ -42,6 +43,18 @@ class ApiError(Exception):
     @property
     def body(self) -> dict:
         return ErrorResponse(error=self.info).model_dump()
+
+
+def renamed(err: ApiError, names: dict[str, str]) -> ApiError:
+    """A chat pipeline's error with the chat field it names (`max_tokens`, `stop`, ...)
+    renamed to the field of the API the request came in (`names`: chat field -> that
+    API's), in `param` and in the message; unchanged when the field keeps its name."""
+    param = err.info.param
+    name = names.get(param or "")
+    if name is None:
+        return err
+    message = re.sub(rf"\b{re.escape(param)}\b", name, err.info.message)  # type: ignore[arg-type]
+    return ApiError(err.status_code, message, type=err.info.type, param=name, code=err.info.code)
 
 
 def engine_unavailable(err: Exception) -> ApiError:

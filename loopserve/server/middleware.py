@@ -120,12 +120,15 @@ class SecurityMiddleware:
         needs_key |= path == "/metrics" and not self.metrics_public
         if self.api_key is not None and needs_key and scope["method"] != "OPTIONS":
             scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            sent = token.strip().encode("latin-1")
+            sent = token.strip().encode("latin-1") if scheme.lower() == "bearer" else None
+            if sent is None:  # Anthropic's clients send their key as `x-api-key`
+                sent = headers.get(b"x-api-key", b"").strip()
             known = [hmac.compare_digest(sent, key) for key in (self.api_key, *self.class_keys)]
-            if scheme.lower() != "bearer" or not any(known):
+            if not sent or not any(known):
                 return ApiError(
                     401,
-                    "invalid or missing API key: send `Authorization: Bearer <key>`",
+                    "invalid or missing API key: send `Authorization: Bearer <key>` "
+                    "(or `x-api-key: <key>`)",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )

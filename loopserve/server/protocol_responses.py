@@ -11,8 +11,8 @@ of functions) with `tool_choice` and
 `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`: structured output),
 `stream`, the output text's log-probabilities (`include: ["message.output_text.logprobs"]`,
 `top_logprobs`), and the looped-model fields of chat completions (`min_loops`, `max_loops`,
-`exit_threshold`). Accepted and asking nothing different: `reasoning` without an effort
-(or `none`), `include: ["reasoning.encrypted_content"]` (there is none to include) and
+`exit_threshold`). Accepted and asking nothing different: `reasoning` (its effort ignored),
+`include: ["reasoning.encrypted_content"]` (there is none to include) and
 `client_metadata`. Nothing is stored: `store` true, `previous_response_id` and `conversation`
 are 400s naming the field (send the whole conversation in `input`), as are other tools (web
 search, files, ...), images and other fields.
@@ -158,20 +158,12 @@ class TextConfig(_Request):
 class ReasoningConfig(_Request):
     """`reasoning`, as agent CLIs send it (Codex: `{"summary": "auto"}`). A reasoning item
     carries the model's reasoning text as the reasoning parser splits it, never a summary, so
-    `summary` asks for nothing this server does differently; no effort can be chosen."""
+    `summary` asks for nothing this server does differently. `effort` is accepted and
+    ignored, as vLLM does for a model that reads none: a looped model's depth per token is
+    set by its exit policy and a request's `min_loops`, `max_loops` and `exit_threshold`."""
 
-    effort: str | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
-
-    @field_validator("effort")
-    @classmethod
-    def _no_effort_to_choose(cls, effort: str | None) -> str | None:
-        if effort not in (None, "none"):
-            raise ValueError(
-                f"this server cannot set a reasoning effort ({effort!r}): leave it out or "
-                "send 'none' (a request's loop bounds are `min_loops` and `max_loops`)"
-            )
-        return effort
 
 
 class ResponsesRequest(_Request):

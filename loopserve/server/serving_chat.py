@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 
 from loopserve.engine.client import EngineStream, GenerateRequest
 from loopserve.errors import EngineDeadError, EngineNotReadyError
@@ -58,6 +59,7 @@ from loopserve.server.serving_common import (
     sampling_params,
     sse,
     submit,
+    validation_error,
 )
 from loopserve.server.serving_tools import ChatTools
 from loopserve.text.reasoning import ReasoningParser, ReasoningStream, reasoning_token_count
@@ -137,6 +139,20 @@ async def create_chat_completion(
         loop_class=run.loop_class,
     )
     return JSONResponse(response.model_dump())
+
+
+async def start_as_chat(
+    ctx: ServingContext, chat_fields: dict, http_request: Request, response_id: str
+) -> ChatRun:
+    """Another API's request (Responses, Messages) as the chat completion it means
+    (`chat_fields`): validated, prepared and started as `/v1/chat/completions` does. Its
+    400s name chat fields; the caller renames them."""
+    try:
+        chat = ChatCompletionRequest.model_validate(chat_fields)
+    except ValidationError as err:
+        raise validation_error(err) from None
+    body, loop_class = ctx.prepare(chat, http_request)
+    return await start_chat(ctx, body, loop_class, response_id)
 
 
 async def start_chat(

@@ -91,6 +91,8 @@ class ServingContext:
         if self.loop_classes is not None:
             scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
             api_key = token.strip() if scheme.lower() == "bearer" else None
+            if api_key is None:  # Anthropic's clients send their key as `x-api-key`
+                api_key = http_request.headers.get("x-api-key", "").strip() or None
             try:
                 loop_class = self.loop_classes.pick(body.loop_class, api_key)  # type: ignore[attr-defined]
             except InvalidRequestError as err:

@@ -17,7 +17,6 @@ response adds `exit_depths` (loops per output token) and `usage.output_loops`.
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,21 +24,18 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput
-from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error
+from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error, renamed
 from loopserve.server.output_format import new_logprobs
-from loopserve.server.protocol_chat import ChatCompletionRequest
 from loopserve.server.protocol_responses import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
-from loopserve.server.serving_chat import ChatRun, logprob_entries, start_chat
+from loopserve.server.serving_chat import ChatRun, logprob_entries, start_as_chat
 from loopserve.server.serving_common import (
     ServingContext,
     cancel_on_disconnect,
     collect_finals,
     parse_body,
-    validation_error,
 )
 
 
@@ -50,17 +46,12 @@ async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Re
     # The chat path's 400s name its fields: renamed to the Responses fields they came from
     # (at validation, at submission, and for a request that fails on its input as it runs).
     try:
-        try:
-            chat = ChatCompletionRequest.model_validate(request.chat_fields())
-        except ValidationError as err:
-            raise validation_error(err) from None
-        body, loop_class = ctx.prepare(chat, http_request)
-        run = await start_chat(ctx, body, loop_class, response_id)
+        run = await start_as_chat(ctx, request.chat_fields(), http_request, response_id)
         if request.stream:
             return StreamingResponse(_events(run, shape), media_type="text/event-stream")
         finals = await cancel_on_disconnect(http_request, collect_finals(run.stream))
     except ApiError as err:
-        raise _in_responses_terms(err) from None
+        raise renamed(err, CHAT_TO_RESPONSES_PARAM) from None
     run.stream.close()
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
@@ -85,17 +76,6 @@ def _entries(run: ChatRun, logprobs) -> list[dict[str, Any]]:
     bytes, top_logprobs), or none when the request did not include them."""
     entries = logprob_entries(run.body, run.tokenizer, logprobs)
     return [] if entries is None else [entry.model_dump() for entry in entries.content]
-
-
-def _in_responses_terms(err: ApiError) -> ApiError:
-    """A chat pipeline's 400 with the chat field it names (`max_tokens`, `messages`, ...)
-    renamed to the Responses field it came from."""
-    param = err.info.param
-    renamed = CHAT_TO_RESPONSES_PARAM.get(param or "")
-    if renamed is None:
-        return err
-    message = re.sub(rf"\b{re.escape(param)}\b", renamed, err.info.message)  # type: ignore[arg-type]
-    return ApiError(err.status_code, message, type=err.info.type, param=renamed, code=err.info.code)
 
 
 class _Shape:

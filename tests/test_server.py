@@ -536,14 +536,21 @@ def test_models_endpoint_has_no_cors_headers_without_allowed_origins(server):
     assert "access-control-allow-origin" not in response.headers
 
 
-STREAMS = {  # endpoint -> a long streamed request
-    "/v1/completions": GOOD | {"max_tokens": 1500, "ignore_eos": True, "stream": True},
-    "/v1/responses": {
-        "model": MODEL,
-        "input": "hi",
-        "max_output_tokens": 1500,
-        "stream": True,
-    },  # fmt: skip
+STREAMS = {  # endpoint -> a long streamed request, and what its first generated text's line has
+    "/v1/completions": (GOOD | {"max_tokens": 1500, "ignore_eos": True, "stream": True}, '"text"'),
+    "/v1/responses": (
+        {"model": MODEL, "input": "hi", "max_output_tokens": 1500, "stream": True},
+        '"response.output_text.delta"',  # not `response.created`: sent before the engine runs it
+    ),
+    "/v1/messages": (
+        {
+            "model": MODEL,
+            "max_tokens": 1500,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        '"text_delta"',
+    ),  # fmt: skip
 }
 
 
@@ -552,10 +559,10 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, path):
     aborted_before = metrics(server.base_url)[
         'loopserve_requests_finished_total{finish_reason="abort"}'
     ]
-    body = STREAMS[path]
+    body, generated = STREAMS[path]
     with httpx.stream("POST", server.base_url + path, json=body, timeout=30) as r:
         lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
+        assert next(line for line in lines if line.startswith("data:") and generated in line)
         held = metrics(server.base_url)
         assert held["loopserve_kv_blocks_free"] < NUM_BLOCKS
     values = wait_all_blocks_free(server.base_url)

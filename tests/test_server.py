@@ -538,20 +538,19 @@ def test_models_endpoint_has_no_cors_headers_without_allowed_origins(server):
 
 STREAMS = {  # endpoint -> a long streamed request, and what its first generated text's line has
     "/v1/completions": (GOOD | {"max_tokens": 1500, "ignore_eos": True, "stream": True}, '"text"'),
+    # Greedy: sampled, the demo model may end at once (these APIs have no ignore_eos). The
+    # first generated text's line, not `response.created`, which goes out before the engine
+    # schedules the request.
     "/v1/responses": (
-        {"model": MODEL, "input": "hi", "max_output_tokens": 1500, "stream": True},
-        '"response.output_text.delta"',  # not `response.created`: sent before the engine runs it
+        {"model": MODEL, "input": "hi", "max_output_tokens": 1500, "stream": True, "temperature": 0},
+        '"response.output_text.delta"',
     ),
     "/v1/messages": (
-        {
-            "model": MODEL,
-            "max_tokens": 1500,
-            "stream": True,
-            "messages": [{"role": "user", "content": "hi"}],
-        },
+        {"model": MODEL, "max_tokens": 1500, "stream": True, "temperature": 0,
+         "messages": [{"role": "user", "content": "hi"}]},
         '"text_delta"',
-    ),  # fmt: skip
-}
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("path", sorted(STREAMS))

@@ -189,6 +189,24 @@ def test_the_anthropic_key_header_passes_the_servers_key_check(engine):
     assert statuses == [200, 401, 401]
 
 
+def test_count_tokens_counts_the_prompt_the_message_runs(engine):
+    """`/v1/messages/count_tokens` (no `max_tokens`): the prompt tokens the same message runs
+    with, system and tools included (the tools listed in the prompt add tokens)."""
+    asked = {"model": "m", "system": "Answer briefly.", "tools": [WEATHER],
+             "messages": [{"role": "user", "content": QUESTION}]}  # fmt: skip
+    counted, bare, ran, refused = _post_all(engine, [
+        ("/v1/messages/count_tokens", asked),
+        ("/v1/messages/count_tokens", {**asked, "tools": None}),
+        ("/v1/messages", {**asked, "max_tokens": 2}),
+        ("/v1/messages/count_tokens", {**asked, "tools": [{"type": "web_search_20250305", "name": "w"}]})])  # fmt: skip
+    usage = ran.json()["usage"]
+    assert counted.json() == {
+        "input_tokens": usage["input_tokens"] + usage["cache_read_input_tokens"]
+    }
+    assert bare.json()["input_tokens"] < counted.json()["input_tokens"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
 REFUSED = {  # body fields -> the field the 400 names
     "thinking_enabled": ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     "server_tool": ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),

@@ -63,7 +63,7 @@ from loopserve.server.protocol import ModelCard, ModelList
 from loopserve.server.serving_chat import create_chat_completion
 from loopserve.server.serving_common import ServingContext
 from loopserve.server.serving_completions import create_completion
-from loopserve.server.serving_messages import create_message
+from loopserve.server.serving_messages import count_tokens, create_message
 from loopserve.server.serving_responses import create_response
 from loopserve.text.reasoning import PARSERS as REASONING_PARSERS
 from loopserve.text.tools import PARSERS as TOOL_PARSERS
@@ -198,6 +198,10 @@ def build_app(
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         return await create_message(ctx, await request.body(), request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> dict[str, int]:
+        return await count_tokens(ctx, await request.body())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, object]:

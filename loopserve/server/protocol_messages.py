@@ -230,5 +230,12 @@ class MessagesRequest(_Request):
         return out
 
 
+class CountTokensRequest(MessagesRequest):
+    """`POST /v1/messages/count_tokens`: a message's fields without `max_tokens`."""
+
+    max_tokens: int = 1
+    stream: bool = False
+
+
 # A chat-side 400's field, named as the Messages request names it.
 CHAT_TO_MESSAGES_PARAM = {"stop": "stop_sequences", "user": "metadata"}

@@ -147,19 +147,22 @@ async def start_as_chat(
     """Another API's request (Responses, Messages) as the chat completion it means
     (`chat_fields`): validated, prepared and started as `/v1/chat/completions` does. Its
     400s name chat fields; the caller renames them."""
-    try:
-        chat = ChatCompletionRequest.model_validate(chat_fields)
-    except ValidationError as err:
-        raise validation_error(err) from None
-    body, loop_class = ctx.prepare(chat, http_request)
+    body, loop_class = ctx.prepare(as_chat_request(chat_fields), http_request)
     return await start_chat(ctx, body, loop_class, response_id)
 
 
-async def start_chat(
-    ctx: ServingContext, body: ChatCompletionRequest, loop_class: str | None, response_id: str
-) -> ChatRun:
-    """Render, tokenize and submit a prepared chat request (`ctx.prepare`): its `n` engine
-    requests, their stream, and the reasoning and tool parsing of its answers."""
+def as_chat_request(chat_fields: dict) -> ChatCompletionRequest:
+    """Another API's request as the chat completion request it means (its 400s name chat
+    fields; the caller renames them)."""
+    try:
+        return ChatCompletionRequest.model_validate(chat_fields)
+    except ValidationError as err:
+        raise validation_error(err) from None
+
+
+async def render_chat(ctx: ServingContext, body: ChatCompletionRequest):
+    """A chat request's prompt as the model sees it (chat template, tools): its tokenizer,
+    tools and processed input."""
     ctx.check_model(body.model)
     tokenizer = ctx.tokenizer()
     processor = ctx.input_processor()
@@ -170,6 +173,16 @@ async def start_chat(
             messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools
         )
     )
+    return tokenizer, tools, processed
+
+
+async def start_chat(
+    ctx: ServingContext, body: ChatCompletionRequest, loop_class: str | None, response_id: str
+) -> ChatRun:
+    """Render, tokenize and submit a prepared chat request (`ctx.prepare`): its `n` engine
+    requests, their stream, and the reasoning and tool parsing of its answers."""
+    tokenizer, tools, processed = await render_chat(ctx, body)
+    processor = ctx.input_processor()
     constraint = await process_text(lambda: tools.constraint(body, processor))
     prompt_ids = processed.token_ids
     # 0 is a value (a 400 from SamplingParams), not "unset".

@@ -26,8 +26,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput
 from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error, renamed
-from loopserve.server.protocol_messages import CHAT_TO_MESSAGES_PARAM, MessagesRequest
-from loopserve.server.serving_chat import ChatRun, start_as_chat
+from loopserve.server.protocol_messages import (
+    CHAT_TO_MESSAGES_PARAM,
+    CountTokensRequest,
+    MessagesRequest,
+)
+from loopserve.server.serving_chat import ChatRun, as_chat_request, render_chat, start_as_chat
 from loopserve.server.serving_common import (
     ServingContext,
     cancel_on_disconnect,
@@ -71,6 +75,17 @@ async def create_message(ctx: ServingContext, raw_body: bytes, http_request: Req
         "usage": _usage(run, out, out.num_output_tokens, sum(out.exit_depths)),
         "exit_depths": list(out.exit_depths),
     })  # fmt: skip
+
+
+async def count_tokens(ctx: ServingContext, raw_body: bytes) -> dict[str, int]:
+    """`POST /v1/messages/count_tokens`: the prompt's tokens as the request would run it
+    (chat template, system, tools)."""
+    request = parse_body(raw_body, CountTokensRequest)
+    try:
+        _, _, processed = await render_chat(ctx, as_chat_request(request.chat_fields()))
+    except ApiError as err:
+        raise renamed(err, CHAT_TO_MESSAGES_PARAM) from None
+    return {"input_tokens": len(processed.token_ids)}
 
 
 def _message(ctx: ServingContext, message_id: str, content: list) -> dict[str, Any]:

@@ -73,8 +73,8 @@ SHUTDOWN_GRACE_S = 3.0  # after the engine aborts the rest, time for streams to 
 
 
 SERVED_ENDPOINTS = (
-    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models, "
-    "POST /tokenize, "
+    "POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, POST /v1/messages, "
+    "POST /v1/messages/count_tokens, GET /v1/models, POST /tokenize, "
     "POST /detokenize, GET /tokenizer_info, GET /health and GET /metrics"
 )
 

@@ -67,6 +67,15 @@ def _host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
+def sent_api_key(headers: Headers) -> str | None:
+    """The API key a request sends: `Authorization: Bearer KEY`, else `x-api-key: KEY` (as
+    Anthropic's clients send it); None when it sends neither."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return token.strip()
+    return headers.get("x-api-key", "").strip() or None
+
+
 class SecurityMiddleware:
     """Host allow-list (400), API key (401) and JSON-only POST bodies (415).
 
@@ -119,10 +128,7 @@ class SecurityMiddleware:
         needs_key = path.startswith("/v1/") or path == "/v1" or path in KEYED_PATHS
         needs_key |= path == "/metrics" and not self.metrics_public
         if self.api_key is not None and needs_key and scope["method"] != "OPTIONS":
-            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            sent = token.strip().encode("latin-1") if scheme.lower() == "bearer" else None
-            if sent is None:  # Anthropic's clients send their key as `x-api-key`
-                sent = headers.get(b"x-api-key", b"").strip()
+            sent = (sent_api_key(Headers(scope=scope)) or "").encode("latin-1")
             known = [hmac.compare_digest(sent, key) for key in (self.api_key, *self.class_keys)]
             if not sent or not any(known):
                 return ApiError(

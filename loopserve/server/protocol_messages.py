@@ -234,7 +234,6 @@ class CountTokensRequest(MessagesRequest):
     """`POST /v1/messages/count_tokens`: a message's fields without `max_tokens`."""
 
     max_tokens: int = 1
-    stream: bool = False
 
 
 # A chat-side 400's field, named as the Messages request names it.

@@ -81,6 +81,27 @@ class ChatRun:
     prompt_ids: list[int]
     loop_class: str | None
 
+    async def deltas(self) -> AsyncIterator[tuple[RequestOutput, ChatDelta | None]]:
+        """A one-choice run's outputs that add something, each with its delta split into
+        reasoning, content and calls (numbered on; a call `max_tokens` cut sent as cut), for
+        the endpoints that write their own stream events (Responses, Messages); an output
+        that failed comes with None, and nothing follows it."""
+        splitter, call_splitter = self.reasoning.stream(), self.tools.stream()
+        num_calls = 0
+        async for out in self.stream:
+            if out.error is not None:
+                yield out, None
+                return
+            if not (out.new_text or out.new_token_ids or out.finished):
+                continue
+            delta = self.reasoning.delta(splitter, out.new_text, out.finished)
+            delta = self.tools.delta(
+                call_splitter, delta, out.finished, num_calls,
+                truncated=out.finish_reason == "length",
+            )  # fmt: skip
+            num_calls += len(delta.tool_calls or ())
+            yield out, delta
+
 
 async def create_chat_completion(
     ctx: ServingContext, raw_body: bytes, http_request: Request

@@ -35,6 +35,7 @@ from loopserve.sampling_params import SamplingParams, StructuredOutput
 from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error
 from loopserve.server.args import DEFAULT_CHAT_MAX_TOKENS
 from loopserve.server.loop_classes import LoopClasses
+from loopserve.server.middleware import sent_api_key
 from loopserve.server.protocol import (
     SamplingRequest,
 )
@@ -89,12 +90,10 @@ class ServingContext:
                 )
         loop_class = None
         if self.loop_classes is not None:
-            scheme, _, token = http_request.headers.get("authorization", "").partition(" ")
-            api_key = token.strip() if scheme.lower() == "bearer" else None
-            if api_key is None:  # Anthropic's clients send their key as `x-api-key`
-                api_key = http_request.headers.get("x-api-key", "").strip() or None
             try:
-                loop_class = self.loop_classes.pick(body.loop_class, api_key)  # type: ignore[attr-defined]
+                loop_class = self.loop_classes.pick(
+                    body.loop_class, sent_api_key(http_request.headers)
+                )  # type: ignore[attr-defined]
             except InvalidRequestError as err:
                 raise ApiError(400, err.message, param=err.param) from None
         elif body.loop_class is not None:  # type: ignore[attr-defined]

@@ -131,7 +131,6 @@ async def _events(ctx: ServingContext, run: ChatRun, message_id: str) -> AsyncIt
     index = -1  # the open block's index
     open_kind: str | None = None  # "thinking" / "text"
     num_calls = 0
-    splitter, call_splitter = run.reasoning.stream(), run.tools.stream()
 
     def event(kind: str, **fields: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n"
@@ -175,8 +174,8 @@ async def _events(ctx: ServingContext, run: ChatRun, message_id: str) -> AsyncIt
             start = {**_message(ctx, message_id, []), "stop_reason": None,
                      "stop_sequence": None, "usage": _usage(run, None, 0, 0)}  # fmt: skip
             yield event("message_start", message=start)
-            async for out in run.stream:
-                if out.error is not None:
+            async for out, delta in run.deltas():
+                if delta is None:
                     error = failed_output_error(out).info
                     yield event("error", error={"type": error.type, "message": error.message})
                     return
@@ -184,11 +183,6 @@ async def _events(ctx: ServingContext, run: ChatRun, message_id: str) -> AsyncIt
                 loops += sum(out.new_exit_depths)
                 if out.finished:
                     final = out
-                if not (out.new_text or out.new_token_ids or out.finished):
-                    continue
-                delta = run.reasoning.delta(splitter, out.new_text, out.finished)
-                delta = run.tools.delta(call_splitter, delta, out.finished, num_calls,
-                                        truncated=out.finish_reason == "length")  # fmt: skip
                 lines: list[str] = []
                 if delta.reasoning_content:
                     lines += text("thinking", delta.reasoning_content)

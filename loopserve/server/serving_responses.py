@@ -170,8 +170,6 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
     # text delta (a token whose text went to reasoning or a call, or is held back).
     all_logprobs: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []
-    num_calls = 0
-    splitter, call_splitter = run.reasoning.stream(), run.tools.stream()
 
     def event(kind: str, **fields: Any) -> str:
         nonlocal sequence
@@ -236,8 +234,8 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
         with run.stream:
             yield event("response.created", response=shape.response([]))
             yield event("response.in_progress", response=shape.response([]))
-            async for out in run.stream:
-                if out.error is not None:
+            async for out, delta in run.deltas():
+                if delta is None:
                     error = failed_output_error(out).info
                     yield event("error", code=error.code, message=error.message, param=None)
                     return
@@ -248,13 +246,6 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
                 pending += entries
                 if out.finished:
                     final = out
-                if not (out.new_text or out.new_token_ids or out.finished):
-                    continue
-                delta = run.reasoning.delta(splitter, out.new_text, out.finished)
-                delta = run.tools.delta(
-                    call_splitter, delta, out.finished, num_calls,
-                    truncated=out.finish_reason == "length",
-                )  # fmt: skip
                 lines: list[str] = []
                 if delta.reasoning_content:
                     lines += text_delta("reasoning", delta.reasoning_content)
@@ -263,7 +254,6 @@ async def _events(run: ChatRun, shape: _Shape) -> AsyncIterator[str]:
                 if delta.content:
                     lines += text_delta("message", delta.content)
                 for call in delta.tool_calls or ():
-                    num_calls += 1
                     lines += _call_events(shape, event, call.id, call.function, output, open_items)
                 for line in lines:
                     yield line

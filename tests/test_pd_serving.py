@@ -13,7 +13,6 @@ from __future__ import annotations
 
 # ruff: noqa: E402 - `require` skips the module before its optional imports run
 import asyncio
-import json
 
 import pytest
 
@@ -217,8 +216,7 @@ def test_http_stream_health_and_metrics_carry_roles(pools, loop):
             return streamed, whole, (chat, answer), health, metrics
 
     streamed, whole, (chat, answer), health, metrics = loop.run_until_complete(main())
-    events = [json.loads(line.removeprefix("data: ")) for line in answer.text.splitlines()
-              if line.startswith("data: ")]  # fmt: skip
+    events = sse_payloads(answer.text.splitlines())
     assert events[-1]["type"] == "response.incomplete"  # cut at max_output_tokens
     final = events[-1]["response"]
     assert final["exit_depths"] == chat.json()["choices"][0]["exit_depths"]

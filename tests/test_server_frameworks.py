@@ -28,7 +28,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from loopserve.engine.llm_engine import LLMEngine
-from tests.server_utils import in_process_calls, recorded_requests, replay
+from tests.server_utils import in_process_calls, recorded_requests, replay, sse_payloads
 
 # The bounds the frameworks' schemas set, by tool (or response format) and field.
 BOUNDS = {"get_weather": {"city": 24}, "final_result": {"city": 24, "summary": 40},
@@ -60,8 +60,7 @@ def _served(engine, name: str, num_requests: int):
 
 
 def _events(response) -> list[dict]:
-    return [json.loads(line[len("data: ") :]) for line in response.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+    return [p for p in sse_payloads(response.text.splitlines()) if p != "[DONE]"]
 
 
 def _chat(response) -> tuple[str, list, str]:

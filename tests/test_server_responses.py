@@ -17,7 +17,13 @@ import openai
 import pytest
 
 from loopserve.engine.llm_engine import LLMEngine
-from tests.server_utils import in_process_calls, recorded_requests, replay, thinking_model
+from tests.server_utils import (
+    in_process_calls,
+    recorded_requests,
+    replay,
+    sse_payloads,
+    thinking_model,
+)
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {
@@ -233,8 +239,7 @@ def test_what_the_agents_sdk_sends_is_served(engine):
         assert response.status_code == 200, response.text
         body = entry["body"]
         if body.get("stream"):
-            events = [json.loads(line.removeprefix("data: "))
-                      for line in response.text.splitlines() if line.startswith("data: ")]  # fmt: skip
+            events = sse_payloads(response.text.splitlines())
             final = events[-1]["response"]
         else:
             final = response.json()
@@ -327,8 +332,7 @@ def test_what_codex_sends_is_served():
 
     response = in_process_calls(engine, "m", calls)
     assert response.status_code == 200, response.text
-    events = [json.loads(line.removeprefix("data: "))
-              for line in response.text.splitlines() if line.startswith("data: ")]  # fmt: skip
+    events = sse_payloads(response.text.splitlines())
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created"
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
@@ -413,8 +417,7 @@ def test_a_namespaces_functions_are_offered_and_their_calls_name_it(engine):
         "agents",
     )
     assert item["arguments"] == call.function.arguments
-    events = [json.loads(line.removeprefix("data: "))
-              for line in streamed.text.splitlines() if line.startswith("data: ")]  # fmt: skip
+    events = sse_payloads(streamed.text.splitlines())
     (done,) = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert {k: done[k] for k in ("name", "namespace", "arguments")} == {
         k: item[k] for k in ("name", "namespace", "arguments")}  # fmt: skip

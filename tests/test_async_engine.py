@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import threading
 import time
 import weakref
 
@@ -401,6 +402,70 @@ def test_export_submission_hands_off_with_the_k_v_where_asked(make_engine, on_de
     assert isinstance(items[-1], HandoffState) and len(items[-1].output_token_ids) == 1
     assert items[-1].kv is not None and items[-1].kv.numel() > 0
     assert calls == [not on_device]
+
+
+def test_served_hand_offs_land_their_kv_off_the_engine_thread(tiny_dir):
+    """A decode replica's chunk writes and imports (`ReplicaHandoff.write_kv_chunk`,
+    `import_handoff`) land each K/V (`LLMEngine.land_kv`: on CUDA pinned and copied on a side
+    stream) in a worker thread, neither on the engine thread nor on the event loop's, and the
+    engine then copies only landed K/V (none comes as a plain tensor); the streamed and the
+    whole hand-off both decode to the reference tokens."""
+    from loopserve.distributed.replica_handoff import ReplicaHandoff
+    from loopserve.distributed.replica_messages import Accepted
+    from tests.engine_utils import make_engine as make_step_engine
+    from tests.engine_utils import reference_for
+
+    prefill, decode = make_step_engine(tiny_dir), make_step_engine(tiny_dir)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = {"s": list(range(3, 27)), "w": list(range(40, 51))}  # streamed, whole
+    assert decode.reserve_import("s", prompts["s"], params) == 0
+    for request_id, prompt in prompts.items():
+        prefill.add_request(request_id, prompt, params)
+    prefill.stream_export("s")
+    chunks, states = [], {}
+    while len(states) < len(prompts):
+        prefill.step()
+        chunks += prefill.take_kv_chunks()
+        for request_id in prompts.keys() - states.keys():
+            if prefill.can_export(request_id):
+                states[request_id] = prefill.export_request(request_id)
+    assert len(chunks) >= 2 and states["s"].first_block > 0  # "s" came in parts
+    landing_threads = []
+    land_kv = decode.land_kv
+
+    def recording_land_kv(kv):
+        landing_threads.append(threading.current_thread())
+        return land_kv(kv)
+
+    decode.land_kv = recording_land_kv  # type: ignore[method-assign]
+
+    async def main() -> tuple[dict, threading.Thread]:
+        async_llm = await started(decode)
+        handoff = ReplicaHandoff(decode, started=lambda: async_llm, add_all=lambda *a: [])
+        try:
+            for chunk in chunks:
+                assert await handoff.write_kv_chunk(chunk) == chunk.num_blocks
+            for state in states.values():
+                assert isinstance(await handoff.import_handoff(state, None), Accepted)
+            outputs = {}
+            for request_id in prompts:
+                async for output in handoff.decode_stream(request_id):
+                    outputs[request_id] = output
+            engine_thread = await async_llm.call(lambda engine: threading.current_thread())
+            return outputs, engine_thread
+        finally:
+            await async_llm.shutdown(timeout_s=10)
+
+    outputs, engine_thread = asyncio.run(main())
+    assert len(landing_threads) == len(chunks) + len(states)
+    assert not {engine_thread, threading.main_thread()} & set(landing_threads)
+    swap = decode.runner.moves.swap
+    # Every chunk and the whole hand-off wrote blocks ("s"'s final part may have none left).
+    assert swap.num_imports_landed >= len(chunks) + 1 and swap.num_imports_unlanded == 0
+    for request_id, prompt in prompts.items():
+        expected = reference_for(decode, prompt, params)
+        assert outputs[request_id].finished
+        assert outputs[request_id].token_ids == expected.token_ids, request_id
 
 
 def test_a_stalled_engine_waits_for_a_command_instead_of_stepping(tiny_dir):

@@ -132,3 +132,39 @@ def test_batch_invariant_mode_on_cuda_alone_equals_busy(tiny_dir):
     assert engine.scheduler.memory_stats.num_preemptions_recompute == 1
     assert (busy.token_ids, busy.exit_depths) == (alone.token_ids, alone.exit_depths)
     assert busy.logprobs == alone.logprobs
+
+
+def test_a_landed_hand_off_is_on_the_device_and_decodes_the_same_tokens(tiny_dir):
+    """On CUDA, landing (`LLMEngine.land_kv`: what a decode replica does with every hand-off
+    and chunk, off its engine thread) puts a hand-off's K/V on the device, copied on a side
+    stream that records an event; importing the landed state and the plain host state give
+    the reference's tokens, and the engine counts which it imported."""
+    import dataclasses
+
+    from loopserve.sampling_params import SamplingParams
+    from tests.engine_utils import make_engine, reference_for
+
+    prefill = make_engine(tiny_dir, device="cuda")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = list(range(5, 35))
+    prefill.add_request("x", prompt, params)
+    while not prefill.can_export("x"):
+        prefill.step()
+    state = prefill.export_request("x")
+    assert state.kv.device.type == "cpu"  # type: ignore[attr-defined]
+    expected = reference_for(prefill, prompt, params)
+    for landed in (False, True):
+        decode = make_engine(tiny_dir, device="cuda")
+        item = state
+        if landed:
+            kv = decode.land_kv(state.kv)
+            assert kv.tensor.is_cuda and kv.ready is not None  # type: ignore[attr-defined]
+            item = dataclasses.replace(state, kv=kv)
+        decode.import_request(item)
+        final = None
+        while decode.has_unfinished_requests():
+            for output in decode.step():
+                final = output
+        assert final is not None and final.token_ids == expected.token_ids, landed
+        swap = decode.runner.moves.swap
+        assert (swap.num_imports_landed, swap.num_imports_unlanded) == (int(landed), 1 - landed)

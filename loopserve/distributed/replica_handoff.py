@@ -192,6 +192,7 @@ class ReplicaHandoff:
                 chunk = await self._handoff_inbox().receiver.take(chunk)
             except KVTransportError as err:
                 return Rejected.of(err)
+        chunk = await llm.land(chunk)  # off the engine thread (`AsyncLLM.land`)
         try:
             await llm.call(lambda engine: engine.write_kv_chunk(chunk))
         except LoopserveError as err:

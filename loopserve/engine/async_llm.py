@@ -46,7 +46,7 @@ from loopserve.engine.engine_thread import (
     ImportCommand,
     StopCommand,
 )
-from loopserve.engine.handoff import HandoffState
+from loopserve.engine.handoff import HandoffState, KVChunk
 from loopserve.engine.metrics import ServingMetrics
 from loopserve.engine.stats import EngineStats
 from loopserve.errors import (
@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # the engine (and torch) load lazily, so `loopserve --help` s
     from loopserve.engine.llm_engine import LLMEngine
 
 T = TypeVar("T")
+Landable = TypeVar("Landable", HandoffState, KVChunk)
 __all__ = [
     "AsyncLLM",
     "EngineDeadError",
@@ -286,8 +287,18 @@ class AsyncLLM(SubmitGenerate):
             raise
         return stream
 
+    async def land(self, item: Landable) -> Landable:
+        """`item` (a `HandoffState` or `KVChunk`) with its K/V landed toward the engine's
+        device (`LLMEngine.land_kv`), in a worker thread: the engine thread steps meanwhile
+        instead of copying the link's bytes in the step that admits the request."""
+        kv = await asyncio.to_thread(self.engine.land_kv, item.kv)
+        return item if kv is item.kv else dataclasses.replace(item, kv=kv)
+
     async def submit_import(self, state: HandoffState, prompt_text: str | None) -> OutputStream:
-        """Continue a request another engine exported; errors as `submit`, before any output."""
+        """Continue a request another engine exported (its K/V landed first: `land`); errors
+        as `submit`, before any output."""
+        self._check_usable()
+        state = await self.land(state)
         self._check_usable()
         stream = self._open_stream([state.request_id])
         done: concurrent.futures.Future[None] = concurrent.futures.Future()

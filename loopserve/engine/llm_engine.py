@@ -306,6 +306,13 @@ class LLMEngine:
         )
         return self.scheduler.admission.reserve_import(request)
 
+    def land_kv(self, kv: object) -> object:
+        """A hand-off's or chunk's K/V moved toward this engine's device ahead of its import
+        (`HandoffKV.land`: on CUDA pinned and copied on a side stream; on CPU only marked
+        landed). Thread-safe, unlike the rest of the engine: the serving path runs it in a
+        worker thread (`AsyncLLM.land`) while the engine thread steps."""
+        return self.runner.handoff.land(kv)
+
     def write_kv_chunk(self, chunk: KVChunk) -> None:
         """Write a streamed request's chunk into the blocks `reserve_import` reserved (in the
         chunk's planes); blocks this engine's prefix cache supplied are left as they are (a

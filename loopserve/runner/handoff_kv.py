@@ -7,10 +7,22 @@ streamed chunk's blocks of some planes (`export_blocks`), a chunk written into b
 reservation holds (`write_blocks`), and a handed-off request's state staged until the
 scheduler admits it (`stage_import`). K/V tensors are plane-major: `[layers, K/V,
 planes * blocks, block_size, kv_heads, head_dim]`.
+
+Landing (`land`): a K/V tensor that arrived in host memory (the object store, NIXL over
+DRAM) is moved toward the cache's device before its import, off the engine thread (the
+serving path calls it from a worker thread: `AsyncLLM.land`). On CUDA it is copied into
+page-locked memory and, while free device memory allows (`LANDING_SHARE`), on to the device
+on a side stream of its own, recording an event; the import then only waits for that event
+in stream order and scatters the blocks within device memory, so neither the engine thread
+nor the steps before it wait on the link's bytes. A tensor that stays pinned on the host is
+copied without blocking the host when the import runs. On CPU landing only wraps the tensor
+(`LandedKV` without an event), so the CPU path is the one it always was; `SwapSpace` counts
+landed and unlanded imports either way (`num_imports_landed`, `num_imports_unlanded`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -19,7 +31,12 @@ from loopserve.contracts import KVHandle, KVTransfer, SwapKind
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.loop_calls import LoopCalls
 from loopserve.runner.sampler import generator_state
-from loopserve.runner.swap import InFlight, KVMoves
+from loopserve.runner.swap import InFlight, KVMoves, LandedKV
+
+# A K/V tensor lands on the device only if it takes at most this share of the device's free
+# memory at that moment (the rest is left to the engine's own transient allocations); a
+# larger one stays pinned on the host and is copied, non-blocking, when it is imported.
+LANDING_SHARE = 0.5
 
 
 class HandoffKV:
@@ -33,6 +50,35 @@ class HandoffKV:
         calls: LoopCalls,
     ) -> None:
         self.moves, self.inflight, self.samplers, self.calls = moves, inflight, samplers, calls
+        self._landing_stream: torch.cuda.Stream | None = None
+        self._landing_lock = threading.Lock()
+
+    def land(self, kv: object) -> object:
+        """`kv` (a hand-off's or chunk's K/V tensor) moved toward the cache's device ahead of
+        its import, as a `LandedKV` (see the module docstring); anything else (None inside a
+        descriptor, a `LandedKV`) as it is. Thread-safe: meant for a worker thread, beside
+        the engine thread's steps."""
+        if not isinstance(kv, torch.Tensor):
+            return kv
+        device = self.moves.kv_cache.device
+        if device.type != "cuda" or kv.device == device:
+            return LandedKV(kv)
+        pinned = kv if kv.is_pinned() else kv.pin_memory()
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        if pinned.numel() * pinned.element_size() > LANDING_SHARE * free_bytes:
+            return LandedKV(pinned)
+        with self._landing_lock:
+            if self._landing_stream is None:
+                self._landing_stream = torch.cuda.Stream(device)
+            stream = self._landing_stream
+        try:
+            with torch.cuda.stream(stream):
+                moved = pinned.to(device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+        except torch.cuda.OutOfMemoryError:
+            return LandedKV(pinned)
+        return LandedKV(moved, ready)
 
     def export_request(
         self, handle: KVHandle, *, to_host: bool = True, first_block: int = 0
@@ -64,16 +110,24 @@ class HandoffKV:
         return self.moves.export(table, positions, to_host=to_host)
 
     @staticmethod
-    def drop_leading_blocks(kv: torch.Tensor, num_blocks: int, count: int) -> torch.Tensor:
+    def drop_leading_blocks(
+        kv: torch.Tensor | LandedKV, num_blocks: int, count: int
+    ) -> torch.Tensor | LandedKV:
         """`kv` (`num_blocks` blocks of each plane, plane-major, as `export_blocks` makes it)
-        without the first `count` blocks of each plane."""
+        without the first `count` blocks of each plane (landed: a view of the landed tensor,
+        ready when it is)."""
         if count == 0:
             return kv
+        if isinstance(kv, LandedKV):
+            tensor = HandoffKV.drop_leading_blocks(kv.tensor, num_blocks, count)
+            return LandedKV(tensor, kv.ready)  # type: ignore[arg-type]
         planes = kv.shape[2] // num_blocks
         split = kv.unflatten(2, (planes, num_blocks))[:, :, :, count:]
         return split.flatten(2, 3)
 
-    def write_blocks(self, request_id: str, kv: torch.Tensor, block_ids: list[list[int]]) -> None:
+    def write_blocks(
+        self, request_id: str, kv: torch.Tensor | LandedKV, block_ids: list[list[int]]
+    ) -> None:
         """Write a streamed hand-off's chunk (`kv`, as `export_blocks` made it) into the blocks
         `block_ids` (one list per plane of the chunk) that this cache reserved for it."""
         self.moves.swap.check_import(kv)
@@ -91,7 +145,7 @@ class HandoffKV:
     def stage_import(
         self,
         request_id: str,
-        kv: torch.Tensor,
+        kv: torch.Tensor | LandedKV,
         generator_state: bytes | None,
         *,
         runner_state: object = None,

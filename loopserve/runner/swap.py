@@ -25,6 +25,27 @@ from loopserve.runner.decode_slots import DecodeSlots
 from loopserve.runner.handles import HandleTable
 
 
+@dataclass(frozen=True)
+class LandedKV:
+    """A hand-off's (or chunk's) K/V moved toward the cache's device before its import
+    (`HandoffKV.land`): on the device, copied on a side stream that records `ready`, or on
+    the host (pinned on CUDA) with `ready` None."""
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The K/V on `device`, for the current stream: a landed tensor once that stream has
+        waited for its copy (in stream order: the host does not wait), else copied now
+        (without blocking the host when pinned)."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(self.ready)
+            self.tensor.record_stream(stream)  # the side stream's memory is used here too
+            return self.tensor
+        return self.tensor.to(device, non_blocking=self.tensor.is_pinned())
+
+
 @dataclass
 class InFlight:
     """Work paused between steps: its carried state [rows, W] after its last loop, plus, for the chunk
@@ -49,6 +70,10 @@ class SwapSpace:
         self._pending_out: list[tuple[torch.cuda.Event | None, torch.Tensor, torch.Tensor]] = []
         self.num_bytes_out = 0
         self.num_bytes_in = 0
+        # Hand-off imports and chunk writes whose K/V was landed before (`HandoffKV.land`),
+        # and those that came as a plain tensor (copied on the engine thread).
+        self.num_imports_landed = 0
+        self.num_imports_unlanded = 0
 
     @property
     def host_cache(self) -> torch.Tensor:
@@ -114,8 +139,10 @@ class SwapSpace:
         kv = self._blocks(self.device_cache)[:, :, index]  # advanced indexing: a new tensor
         return kv.to("cpu", copy=True) if to_host else kv
 
-    def check_import(self, kv: torch.Tensor) -> None:
+    def check_import(self, kv: torch.Tensor | LandedKV) -> None:
         """A handed-off K/V tensor must have this cache's layers, block size, heads, dtype."""
+        if isinstance(kv, LandedKV):
+            kv = kv.tensor
         cache = self.device_cache
         expected = (*cache.shape[:2], self.block_size, *cache.shape[3:])
         shape = (*kv.shape[:2], *kv.shape[3:])
@@ -127,14 +154,20 @@ class SwapSpace:
         if shape != expected:
             raise ValueError(f"hand-off K/V {tuple(kv.shape)} does not fit this cache")
 
-    def import_blocks(self, kv: torch.Tensor, transfer: KVTransfer) -> None:
-        """Write a handed-off request's blocks (`kv`, as `export_blocks` made it) into the
-        device blocks `transfer` names."""
+    def import_blocks(self, kv: torch.Tensor | LandedKV, transfer: KVTransfer) -> None:
+        """Write a handed-off request's blocks (`kv`, as `export_blocks` made it, or landed)
+        into the device blocks `transfer` names."""
         if not transfer.block_moves:
             return
+        device = self.device_cache.device
         src_ids, dst_ids = zip(*transfer.block_moves)
-        src = kv[:, :, torch.tensor(src_ids, dtype=torch.int64)].to(self.device_cache.device)
-        dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=self.device_cache.device)
+        if isinstance(kv, LandedKV):
+            self.num_imports_landed += 1
+            kv = kv.on(device)
+        else:
+            self.num_imports_unlanded += 1
+        src = kv[:, :, torch.tensor(src_ids, dtype=torch.int64, device=kv.device)].to(device)
+        dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=device)
         self._blocks(self.device_cache)[:, :, dst_index] = src
 
     def copy_on_device(self, transfer: KVTransfer) -> None:
@@ -178,7 +211,9 @@ class KVMoves:
         self.swapped_decode: dict[str, dict[str, torch.Tensor]] = {}
         # Handed-off requests not yet admitted: request_id -> (K/V blocks, generator state,
         # the runner's per-request state, `LoopCalls.export_state`).
-        self.staged_imports: dict[str, tuple[torch.Tensor, bytes | None, dict | None]] = {}
+        self.staged_imports: dict[
+            str, tuple[torch.Tensor | LandedKV, bytes | None, dict | None]
+        ] = {}
 
     def export(
         self, table: tuple[list[int], ...], num_positions: int, *, to_host: bool = True
@@ -190,7 +225,7 @@ class KVMoves:
     def stage_import(
         self,
         request_id: str,
-        kv: torch.Tensor,
+        kv: torch.Tensor | LandedKV,
         generator_state: bytes | None,
         runner_state: dict | None = None,
     ) -> None:

@@ -462,6 +462,8 @@ def test_served_hand_offs_land_their_kv_off_the_engine_thread(tiny_dir):
     swap = decode.runner.moves.swap
     # Every chunk and the whole hand-off wrote blocks ("s"'s final part may have none left).
     assert swap.num_imports_landed >= len(chunks) + 1 and swap.num_imports_unlanded == 0
+    landing = decode.runner.handoff  # on CPU every K/V stays on the host
+    assert (landing.num_landed_device, landing.num_landed_host) == (0, len(chunks) + 2)
     for request_id, prompt in prompts.items():
         expected = reference_for(decode, prompt, params)
         assert outputs[request_id].finished

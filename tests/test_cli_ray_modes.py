@@ -94,18 +94,23 @@ def _serve_and_complete(
 def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
     """`--pd prefill=1,decode=1 --kv-handoff stream --prefill-mode per_depth` (as
     docs/deployment.md advises): the prompt's complete block goes to the decode replica
-    plane by plane, a chunk after each loop, before the hand-off (its chunk counters say so)."""
+    plane by plane, a chunk after each loop, before the hand-off (its chunk counters say so);
+    the decode replica lands each chunk and the hand-off before importing it (on the host:
+    no GPU here)."""
     received = 'loopserve_kv_stream_chunks_total{direction="received",replica="1",role="decode"}'
+    landed = 'loopserve_kv_landings_total{replica="1",role="decode",where="%s"}'
     health = _serve_and_complete(
         ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-handoff", "stream",
          "--prefill-mode", "per_depth"],
         tmp_path,
         expected,
-        metrics_until=lambda metrics: metrics.get(received, 0) >= 4,
+        metrics_until=lambda m: m.get(received, 0) >= 4 and m.get(landed % "host", 0) >= 5,
     )  # fmt: skip
     assert health["replicas"] == 2
     # 5 prompt tokens: one complete block of 4, in each of the tiny model's 4 planes
     assert health["metrics"][received] == 4
+    # the 4 chunks and the hand-off, on the host; nothing on a device
+    assert (health["metrics"][landed % "host"], health["metrics"][landed % "device"]) == (5, 0)
 
 
 def test_pd_serve_with_the_nixl_transport_starts_from_the_command_line(

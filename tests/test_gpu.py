@@ -159,6 +159,7 @@ def test_a_landed_hand_off_is_on_the_device_and_decodes_the_same_tokens(tiny_dir
         if landed:
             kv = decode.land_kv(state.kv)
             assert kv.tensor.is_cuda and kv.ready is not None  # type: ignore[attr-defined]
+            assert decode.runner.handoff.num_landed_device == 1
             item = dataclasses.replace(state, kv=kv)
         decode.import_request(item)
         final = None

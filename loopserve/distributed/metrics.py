@@ -15,7 +15,9 @@ replica exported, or a decode replica imported; `loopserve_kv_transport_bytes_to
 role,direction}`: K/V bytes the replica's torch KV transport sent or received (0 on the
 object-store path); and `loopserve_kv_transport_fallback`: 1 once hand-offs fell back from
 the torch transport to the object store; `loopserve_kv_stream_chunks_total{replica,role,
-direction}`: chunks of streamed hand-offs sent or written into reserved blocks.
+direction}`: chunks of streamed hand-offs sent or written into reserved blocks;
+`loopserve_kv_landings_total{replica,role,where}`: hand-offs' and chunks' K/V a decode
+replica landed before importing it, on the GPU (`device`) or left on the host (`host`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class ReplicaGauges:
     kv_bytes_received: int = 0
     kv_chunks_sent: int = 0  # streamed hand-offs' chunks (`--kv-handoff stream`)
     kv_chunks_received: int = 0
+    kv_landed: tuple[int, int] = (0, 0)  # K/V landed before import: on the device, the host
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +195,18 @@ class _PoolCollector:
                 family.add_metric([*label_values(replica), "sent"], sent)
                 family.add_metric([*label_values(replica), "received"], received)
             yield family
+        landings = CounterMetricFamily(
+            "loopserve_kv_landings",
+            "Hand-offs' and chunks' K/V a decode replica landed before importing it, by where: "
+            "on the GPU (copied on a side stream) or on the host (pinned when too large for "
+            "free GPU memory; always on CPU).",
+            labels=["replica", "role", "where"],
+        )
+        for replica in pool.replicas:
+            on_device, on_host = replica.kv_landed
+            landings.add_metric([*label_values(replica), "device"], on_device)
+            landings.add_metric([*label_values(replica), "host"], on_host)
+        yield landings
         yield GaugeMetricFamily(
             "loopserve_kv_transport_fallback",
             "1 once hand-offs fell back from the torch KV transport to Ray's object store.",

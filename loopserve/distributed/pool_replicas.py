@@ -73,6 +73,7 @@ class _Replica:
     kv_bytes_received: int = 0
     kv_chunks_sent: int = 0  # streamed hand-offs' chunks, since its instance started
     kv_chunks_received: int = 0
+    kv_landed: tuple[int, int] = (0, 0)  # K/V landed on the device, on the host (decode)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ class ReplicaSet:
                     kv_bytes_received=r.kv_bytes_received,
                     kv_chunks_sent=r.kv_chunks_sent,
                     kv_chunks_received=r.kv_chunks_received,
+                    kv_landed=r.kv_landed,
                 )
                 for r in self.replicas
             ),
@@ -424,6 +426,7 @@ class ReplicaSet:
         replica.kv_bytes_received = stats.kv_bytes_received
         replica.kv_chunks_sent = stats.num_kv_chunks_sent
         replica.kv_chunks_received = stats.num_kv_chunks_received
+        replica.kv_landed = (stats.num_kv_landed_device, stats.num_kv_landed_host)
         if stats.is_dead:  # its engine thread died; the actor lives on: restart it
             import ray
 

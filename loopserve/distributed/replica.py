@@ -145,6 +145,8 @@ class EngineReplica:
             num_kv_chunks_received=handoff.num_chunks_received,
             kv_chunk_blocks_received=handoff.chunk_blocks_received,
             num_streamed_imports=handoff.num_streamed_imports,
+            num_kv_landed_device=self.engine.runner.handoff.num_landed_device,
+            num_kv_landed_host=self.engine.runner.handoff.num_landed_host,
             num_reserved=len(self.engine.scheduler.admission.reserved),
         )
 

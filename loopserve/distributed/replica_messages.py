@@ -124,6 +124,10 @@ class ReplicaStats:
     num_kv_chunks_received: int = 0  # ... written into reserved blocks (decode role)
     kv_chunk_blocks_received: int = 0  # blocks those chunks carried, summed over their planes
     num_streamed_imports: int = 0  # imports whose K/V came partly as chunks
+    # Hand-offs' and chunks' K/V landed before import (decode role, `HandoffKV.land`): on
+    # the device, and on the host (pinned: too large for free device memory; or CPU).
+    num_kv_landed_device: int = 0
+    num_kv_landed_host: int = 0
     num_reserved: int = 0  # reservations waiting for their request (decode role)
 
 

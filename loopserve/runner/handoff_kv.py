@@ -52,6 +52,19 @@ class HandoffKV:
         self.moves, self.inflight, self.samplers, self.calls = moves, inflight, samplers, calls
         self._landing_stream: torch.cuda.Stream | None = None
         self._landing_lock = threading.Lock()
+        # K/V tensors landed on the device (on CUDA), and left on the host: pinned there
+        # (too large for the free device memory), already there (CPU), or already on the
+        # device (a transport that sends device memory).
+        self.num_landed_device = 0
+        self.num_landed_host = 0
+
+    def _landed(self, landed: LandedKV) -> LandedKV:
+        with self._landing_lock:
+            if landed.ready is None:
+                self.num_landed_host += 1
+            else:
+                self.num_landed_device += 1
+        return landed
 
     def land(self, kv: object) -> object:
         """`kv` (a hand-off's or chunk's K/V tensor) moved toward the cache's device ahead of
@@ -62,11 +75,11 @@ class HandoffKV:
             return kv
         device = self.moves.kv_cache.device
         if device.type != "cuda" or kv.device == device:
-            return LandedKV(kv)
+            return self._landed(LandedKV(kv))
         pinned = kv if kv.is_pinned() else kv.pin_memory()
         free_bytes, _ = torch.cuda.mem_get_info(device)
         if pinned.numel() * pinned.element_size() > LANDING_SHARE * free_bytes:
-            return LandedKV(pinned)
+            return self._landed(LandedKV(pinned))
         with self._landing_lock:
             if self._landing_stream is None:
                 self._landing_stream = torch.cuda.Stream(device)
@@ -77,8 +90,8 @@ class HandoffKV:
                 ready = torch.cuda.Event()
                 ready.record(stream)
         except torch.cuda.OutOfMemoryError:
-            return LandedKV(pinned)
-        return LandedKV(moved, ready)
+            return self._landed(LandedKV(pinned))
+        return self._landed(LandedKV(moved, ready))
 
     def export_request(
         self, handle: KVHandle, *, to_host: bool = True, first_block: int = 0

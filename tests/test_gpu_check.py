@@ -51,7 +51,11 @@ def test_dry_run_goes_end_to_end_and_writes_a_loadable_calibration(tmp_path):
                      ("random-weight checkpoint", "ok"), ("core calls", "ok"),
                      ("graphed decode", "ok"),
                      ("graphed decode, fused linears", "skipped"), ("throughput", "ok"),
-                     ("host work per call", "ok")]  # fmt: skip
+                     ("hand-off landing", "ok"), ("host work per call", "ok")]  # fmt: skip
+    landing = record["handoff_landing"]  # both arms admitted the hand-off, of the same bytes
+    assert set(landing) == {"unlanded", "landed"}
+    assert all(arm["admit_ms"] > 0 and arm["kv_bytes"] > 0 for arm in landing.values())
+    assert landing["landed"]["kv_bytes"] == landing["unlanded"]["kv_bytes"]
     host = record["host_work"]  # bench host on this CPU, measured and with the work replayed
     assert set(host) == {"measured", "replayed"}
     assert all(set(points) == {"4"} and points["4"]["host_us"] > 0 for points in host.values())

@@ -14,7 +14,9 @@ path (its eager emulation in a dry run), prefill tokens/s at chunk 512 and 2048,
 of full_depth / no_refill / refill on a synthetic workload whose exit depths follow the
 Ouro-1.4B threshold-0.5 distribution (exit_mode=trace), and one full-depth stream; beside each
 number what the simulator's cost model predicts for the detected device profile (a second or
-two per arm on the host CPU); last, `loopserve bench host` on the machine's own CPU (host us
+two per arm on the host CPU); the step that admits a handed-off request beside the decode
+steps around it, its K/V imported as a plain host tensor and landed first (`measure.
+measure_handoff_landing`); last, `loopserve bench host` on the machine's own CPU (host us
 per decode call at 32..256 rows, measured and with the device work replayed).
 
 Output: `--out FILE` (JSON, `loopserve.sim.calibration` format plus a `steps` list) is
@@ -44,6 +46,7 @@ from loopserve.gpu_check.measure import (
     Plan,
     measure_core_calls,
     measure_graph_decode,
+    measure_handoff_landing,
     measure_host_work,
     measure_throughput,
     write_checkpoint,
@@ -237,6 +240,10 @@ def run_perf(record: CheckRecord, plan: Plan, profile, profile_name: str) -> Non
         throughput = record.step("throughput", measure_throughput, model_dir, plan,
                                  profile_name, base_args)  # fmt: skip
         record.data["throughput"] = throughput or []
+        record.write()
+        landing = record.step("hand-off landing", measure_handoff_landing, model_dir, plan,
+                              base_args)  # fmt: skip
+        record.data["handoff_landing"] = landing or {}
         record.write()
         # Last: the host CPU's work per decode call (no GPU time; a cut run loses only this).
         host = record.step("host work per call", measure_host_work, plan, Path(workdir))

@@ -287,3 +287,86 @@ def measure_host_work(plan: Plan, directory: Path) -> dict:
             print(f"host work ({name}) rows={p['rows']:4d}: {p['host_us']:7.0f} us per call, "
                   f"{p['ratio']:.2f}x the H200 device time", flush=True)  # fmt: skip
     return results
+
+
+def measure_handoff_landing(model_dir: Path, plan: Plan, base_args: dict) -> dict:
+    """What landing a hand-off saves the decode rows of the replica that imports it
+    (docs/deployment.md, "Landing"). An engine decodes `plan.max_num_seqs // 2` requests; a
+    request with a long prompt (`plan.prefill_chunks[-1]` tokens) runs beside them until it
+    can leave, is exported to host memory (as a transport delivers it) and imported back
+    into the same engine: "unlanded", as a plain tensor the admitting step copies; "landed",
+    after `LLMEngine.land_kv` in a worker thread while the decode steps go on. Per arm, in
+    ms (synchronized around each step): the steady steps' median before it, the steps run
+    while it landed (their median and count), and the step that admitted it; and the K/V's
+    bytes. On CUDA each step is timed on its own stream, so a landing copy on the side stream
+    is waited for only where a step waits for it."""
+    import threading
+    from statistics import median
+
+    device = plan.device
+    decode_rows = max(1, plan.max_num_seqs // 2)
+    engine = LLMEngine.from_engine_args(
+        model=str(model_dir), **base_args, max_num_seqs=decode_rows + 1
+    )
+    vocab = engine.model.config.vocab_size
+    generator = torch.Generator().manual_seed(3)
+
+    def prompt(length: int) -> list[int]:
+        return torch.randint(3, vocab, (length,), generator=generator).tolist()
+
+    # Enough tokens for the decode rows to run through both arms (a token per loops_per_token
+    # steps; the prompts' chunks, the steady steps and the landing take a few hundred).
+    endless = SamplingParams(max_tokens=plan.output_len * 8, temperature=0.0, ignore_eos=True)
+    for i in range(decode_rows):
+        engine.add_request(f"decode-{i}", prompt(plan.input_len), endless)
+    handed_off = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def wait() -> None:  # the steps' stream only: a landing copy on its own stream goes on
+        if device.startswith("cuda"):
+            torch.cuda.current_stream().synchronize()
+
+    def timed_step() -> float:
+        wait()
+        start = time.perf_counter()
+        engine.step()
+        wait()
+        return (time.perf_counter() - start) * 1e3
+
+    results: dict = {}
+    for arm in ("unlanded", "landed"):
+        request_id = f"handoff-{arm}"
+        engine.add_request(request_id, prompt(plan.prefill_chunks[-1]), handed_off)
+        while not engine.can_export(request_id):
+            engine.step()
+        state = engine.export_request(request_id)
+        steady = [timed_step() for _ in range(plan.iters)]
+        during: list[float] = []
+        item = state
+        if arm == "landed":
+            landed: list = []
+            worker = threading.Thread(target=_land_into, args=(engine, state.kv, landed))
+            worker.start()
+            while worker.is_alive():
+                during.append(timed_step())
+            worker.join()
+            item = replace(state, kv=landed[0])
+        engine.import_request(item)
+        admit = timed_step()
+        while engine.has_unfinished_requests() and request_id not in {
+            r.request_id for r in engine.scheduler.running
+        }:  # not admitted in that step (no room yet): time the one that admits it
+            admit = timed_step()
+        engine.abort_request(request_id)
+        engine.step()
+        kv_bytes = state.kv.numel() * state.kv.element_size()  # type: ignore[attr-defined]
+        results[arm] = {"steady_ms": median(steady), "admit_ms": admit,
+                        "during_landing_ms": median(during) if during else None,
+                        "steps_during_landing": len(during), "kv_bytes": kv_bytes}  # fmt: skip
+        print(f"hand-off {arm:8s} ({kv_bytes / 1e6:,.1f} MB): admitting step {admit:8.2f} ms, "
+              f"steady {median(steady):7.2f} ms, {len(during)} steps while landing",
+              flush=True)  # fmt: skip
+    return results
+
+
+def _land_into(engine: LLMEngine, kv: torch.Tensor, out: list) -> None:
+    out.append(engine.land_kv(kv))

@@ -383,6 +383,23 @@ class SwapKind(str, enum.Enum):
     FORK = "fork"
 
 
+@dataclass(frozen=True)
+class PendingHostKV:
+    """A K/V export still being copied to host memory (`SwapSpace.export_blocks` with
+    `pending=True`): on CUDA a pinned tensor that a non-blocking copy fills, whole once the
+    event `done` has completed; on CPU a finished copy (`done` None). `settled()` is the
+    tensor once whole: it waits for `done`, so it is called off the engine thread
+    (`OutputStream` does). Torch-free here: `tensor` is a torch.Tensor, `done` a CUDA event."""
+
+    tensor: object
+    done: object = None
+
+    def settled(self) -> object:
+        if self.done is not None:
+            self.done.synchronize()  # type: ignore[attr-defined]
+        return self.tensor
+
+
 @dataclass(frozen=True, slots=True)
 class KVTransfer:
     """Swap one request: copy `block_moves` (src, dst) pairs of whole blocks (all planes) and

@@ -380,9 +380,9 @@ def test_export_submission_hands_off_with_the_k_v_where_asked(make_engine, on_de
     calls = []
     export = engine.export_request
 
-    def recording_export(request_id, *, to_host=True):
-        calls.append(to_host)
-        return export(request_id, to_host=to_host)
+    def recording_export(request_id, *, to_host=True, pending=False):
+        calls.append((to_host, pending))
+        return export(request_id, to_host=to_host, pending=pending)
 
     engine.export_request = recording_export  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -401,7 +401,8 @@ def test_export_submission_hands_off_with_the_k_v_where_asked(make_engine, on_de
     items = asyncio.run(main())
     assert isinstance(items[-1], HandoffState) and len(items[-1].output_token_ids) == 1
     assert items[-1].kv is not None and items[-1].kv.numel() > 0
-    assert calls == [not on_device]
+    # The engine thread does not wait for the copy; the stream yields the settled tensor.
+    assert calls == [(not on_device, True)]
 
 
 def test_served_hand_offs_land_their_kv_off_the_engine_thread(tiny_dir):

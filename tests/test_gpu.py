@@ -169,3 +169,23 @@ def test_a_landed_hand_off_is_on_the_device_and_decodes_the_same_tokens(tiny_dir
         assert final is not None and final.token_ids == expected.token_ids, landed
         swap = decode.runner.moves.swap
         assert (swap.num_imports_landed, swap.num_imports_unlanded) == (int(landed), 1 - landed)
+
+
+def test_an_export_the_engine_thread_does_not_wait_for_settles_to_the_same_bytes(tiny_dir):
+    """On CUDA a pending export (what the serving engine thread makes: `pending=True`) is a
+    pinned host tensor filled by a non-blocking copy, with an event; once settled it holds the
+    same bytes as the K/V on the device."""
+    from loopserve.contracts import PendingHostKV
+    from loopserve.sampling_params import SamplingParams
+    from tests.engine_utils import make_engine
+
+    engine = make_engine(tiny_dir, device="cuda")
+    engine.add_request("x", list(range(5, 35)), SamplingParams(max_tokens=6, temperature=0.0))
+    while not engine.can_export("x"):
+        engine.step()
+    handle = engine.scheduler.kv_handle("x")
+    on_device = engine.runner.handoff.export_blocks(handle, 0, to_host=False)
+    pending = engine.runner.handoff.export_blocks(handle, 0, pending=True)
+    assert isinstance(pending, PendingHostKV) and pending.done is not None
+    assert pending.tensor.is_pinned()  # type: ignore[attr-defined]
+    assert torch.equal(pending.settled(), on_device.cpu())  # type: ignore[arg-type]

@@ -31,6 +31,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+from loopserve.contracts import PendingHostKV
 from loopserve.engine.client import (
     EngineStream,
     GenerateRequest,
@@ -92,6 +93,11 @@ class OutputStream(EngineStream):
         item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item
+        if isinstance(item, HandoffState | KVChunk) and isinstance(item.kv, PendingHostKV):
+            # The engine thread exported it without waiting for its copy to host memory.
+            kv = item.kv
+            tensor = kv.tensor if kv.done is None else await asyncio.to_thread(kv.settled)
+            item = dataclasses.replace(item, kv=tensor)
         return item
 
     def _closed_with(self, unfinished_ids: list[str]) -> None:

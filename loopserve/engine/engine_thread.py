@@ -270,9 +270,10 @@ class EngineThread:
 
     def _send_chunks(self, engine: LLMEngine) -> None:
         """Deliver the K/V chunks (in host memory) that streamed requests completed in this
-        step, after the step's outputs."""
+        step, after the step's outputs; their copies are not waited for here (`OutputStream`
+        settles them)."""
         batch: list[tuple[OutputSink, RequestOutput | HandoffState | KVChunk | BaseException]] = []
-        for chunk in engine.take_kv_chunks(to_host=True):
+        for chunk in engine.take_kv_chunks(to_host=True, pending=True):
             sink = self._routes.get(chunk.request_id)
             if sink is not None:
                 batch.append((sink, chunk))
@@ -285,7 +286,7 @@ class EngineThread:
         batch: list[tuple[OutputSink, RequestOutput | HandoffState | BaseException]] = []
         for request_id in [r for r in self._exports if engine.can_export(r)]:
             on_device = self._exports.pop(request_id)
-            state = engine.export_request(request_id, to_host=not on_device)
+            state = engine.export_request(request_id, to_host=not on_device, pending=True)
             sink = self._routes.pop(request_id, None)
             if sink is not None:
                 batch.append((sink, state))

@@ -65,7 +65,9 @@ class KVStreamOut:
     def start(self, request_id: str, skip_blocks: int) -> None:
         self._streams[request_id] = _Outgoing(skip_blocks, [skip_blocks] * self.num_planes, 0)
 
-    def take(self, scheduler: Scheduler, runner: ModelRunner, *, to_host: bool) -> list[KVChunk]:
+    def take(
+        self, scheduler: Scheduler, runner: ModelRunner, *, to_host: bool, pending: bool = False
+    ) -> list[KVChunk]:
         """The chunks of each streamed request whose final prompt blocks grew in some plane
         since the last call; requests that finished or were aborted are forgotten."""
         chunks = []
@@ -83,7 +85,9 @@ class KVStreamOut:
             for (first, end), planes in self._grown(request, out).items():
                 handle = KVHandle(request_id, table, end * self.block_size)
                 selected = None if len(planes) == self.num_planes else tuple(planes)
-                kv = runner.handoff.export_blocks(handle, first, to_host=to_host, planes=selected)
+                kv = runner.handoff.export_blocks(
+                    handle, first, to_host=to_host, planes=selected, pending=pending
+                )
                 chunks.append(KVChunk(request_id, first, end - first, kv, selected))
         return chunks
 

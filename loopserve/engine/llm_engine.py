@@ -181,11 +181,16 @@ class LLMEngine:
             and not self.runner.inflight.handles_of(request_id)
         )
 
-    def export_request(self, request_id: str, *, to_host: bool = True) -> HandoffState:
+    def export_request(
+        self, request_id: str, *, to_host: bool = True, pending: bool = False
+    ) -> HandoffState:
         """Hand the request off: copy its state (K/V of every plane, sampler state, outputs,
         times) and finish it here without an output (its blocks and sampler are released;
         the client's stream continues on the importing engine). `to_host=False` leaves the
-        K/V copy on the engine's device (for a transport that sends device memory)."""
+        K/V copy on the engine's device (for a transport that sends device memory).
+        `pending=True` (to the host) does not wait for the K/V's copy: `kv` is a
+        `PendingHostKV` whose `settled()` is the tensor (the serving engine thread exports
+        this way, and `OutputStream` settles it off that thread)."""
         if not self.family.handoff:
             raise ConfigError(f"{self.family.name} requests cannot be handed off yet")
         if not self.can_export(request_id):
@@ -196,7 +201,7 @@ class LLMEngine:
         handle = self.scheduler.kv_handle(request_id)
         first_block = self.kv_stream.finish(request_id, request.num_preemptions)
         kv, generator_state = self.runner.handoff.export_request(
-            handle, to_host=to_host, first_block=first_block
+            handle, to_host=to_host, first_block=first_block, pending=pending
         )
         runner_state = self.runner.handoff.export_runner_state(request_id)
         times = request.times
@@ -284,10 +289,11 @@ class LLMEngine:
             raise InvalidRequestError(f"unknown request {request_id!r}", "request_id")
         self.kv_stream.start(request_id, skip_blocks)
 
-    def take_kv_chunks(self, *, to_host: bool = True) -> list[KVChunk]:
+    def take_kv_chunks(self, *, to_host: bool = True, pending: bool = False) -> list[KVChunk]:
         """The K/V chunks of streamed requests that completed since the last call (call it
-        between steps; `to_host=False` leaves the copies on the engine's device)."""
-        return self.kv_stream.take(self.scheduler, self.runner, to_host=to_host)
+        between steps; `to_host=False` leaves the copies on the engine's device; `pending`
+        as `export_request`'s)."""
+        return self.kv_stream.take(self.scheduler, self.runner, to_host=to_host, pending=pending)
 
     def reserve_import(
         self, request_id: str, prompt: list[int], params: SamplingParams | None = None

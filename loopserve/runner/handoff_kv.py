@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from loopserve.contracts import KVHandle, KVTransfer, SwapKind
+from loopserve.contracts import KVHandle, KVTransfer, PendingHostKV, SwapKind
 from loopserve.runner.handles import HandleTable
 from loopserve.runner.loop_calls import LoopCalls
 from loopserve.runner.sampler import generator_state
@@ -94,14 +94,19 @@ class HandoffKV:
         return self._landed(LandedKV(moved, ready))
 
     def export_request(
-        self, handle: KVHandle, *, to_host: bool = True, first_block: int = 0
-    ) -> tuple[torch.Tensor, bytes | None]:
+        self,
+        handle: KVHandle,
+        *,
+        to_host: bool = True,
+        first_block: int = 0,
+        pending: bool = False,
+    ) -> tuple[torch.Tensor | PendingHostKV, bytes | None]:
         """A copy of the K/V `handle` names (every plane, see `KVMoves.export`; from block
-        `first_block` of each plane on) and the request's generator state (None when greedy);
-        nothing of it may be in flight."""
+        `first_block` of each plane on; `pending`: see `SwapSpace.export_blocks`) and the
+        request's generator state (None when greedy); nothing of it may be in flight."""
         request_id = handle.request_id
         assert not self.inflight.handles_of(request_id), f"{request_id} has work in flight"
-        kv = self.export_blocks(handle, first_block, to_host=to_host)
+        kv = self.export_blocks(handle, first_block, to_host=to_host, pending=pending)
         return kv, generator_state(self.samplers[request_id][1])
 
     def export_blocks(
@@ -111,7 +116,8 @@ class HandoffKV:
         *,
         to_host: bool = True,
         planes: tuple[int, ...] | None = None,
-    ) -> torch.Tensor:
+        pending: bool = False,
+    ) -> torch.Tensor | PendingHostKV:
         """A copy of blocks `[first_block, ...)` of every plane (or of `planes`, in that order)
         that cover the positions `handle` names as written (a streamed hand-off's chunk: a
         prompt's blocks are final in a plane once the depth that writes it ran,
@@ -120,7 +126,7 @@ class HandoffKV:
         chosen = tables if planes is None else tuple(tables[p] for p in planes)
         table = tuple(plane[first_block:] for plane in chosen)
         positions = handle.num_positions - first_block * self.moves.block_size
-        return self.moves.export(table, positions, to_host=to_host)
+        return self.moves.export(table, positions, to_host=to_host, pending=pending)
 
     @staticmethod
     def drop_leading_blocks(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loopserve.contracts import KVTransfer, SwapKind
+from loopserve.contracts import KVTransfer, PendingHostKV, SwapKind
 from loopserve.runner.decode_slots import DecodeSlots
 from loopserve.runner.handles import HandleTable
 
@@ -74,6 +74,8 @@ class SwapSpace:
         # and those that came as a plain tensor (copied on the engine thread).
         self.num_imports_landed = 0
         self.num_imports_unlanded = 0
+        # Exports to the host the engine thread did not wait for (`pending`).
+        self.num_exports_pending = 0
 
     @property
     def host_cache(self) -> torch.Tensor:
@@ -128,16 +130,34 @@ class SwapSpace:
         self.num_bytes_in += moved.numel() * moved.element_size()
 
     def export_blocks(
-        self, table: tuple[list[int], ...], num_positions: int, *, to_host: bool = True
-    ) -> torch.Tensor:
+        self,
+        table: tuple[list[int], ...],
+        num_positions: int,
+        *,
+        to_host: bool = True,
+        pending: bool = False,
+    ) -> torch.Tensor | PendingHostKV:
         """A copy of the K/V of positions [0, num_positions) of every plane of `table`
         (whole blocks, plane-major), on the CPU or, with `to_host=False`, on the cache's
-        device (a gathered tensor of its own, for a transport that sends device memory)."""
+        device (a gathered tensor of its own, for a transport that sends device memory).
+        `pending` (to the host): a `PendingHostKV` instead, the host not waiting for the copy
+        (on CUDA: into pinned memory, non-blocking, an event recorded after it)."""
         blocks = -(-num_positions // self.block_size)
         ids = [plane[i] for plane in table for i in range(blocks)]
         index = torch.tensor(ids, dtype=torch.int64, device=self.device_cache.device)
         kv = self._blocks(self.device_cache)[:, :, index]  # advanced indexing: a new tensor
-        return kv.to("cpu", copy=True) if to_host else kv
+        if not to_host:
+            return kv
+        if not pending:
+            return kv.to("cpu", copy=True)
+        self.num_exports_pending += 1
+        if not self._pin:
+            return PendingHostKV(kv.to("cpu", copy=True))
+        staging = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+        staging.copy_(kv, non_blocking=True)  # stream-ordered after the steps that wrote it
+        done = torch.cuda.Event()
+        done.record()
+        return PendingHostKV(staging, done)
 
     def check_import(self, kv: torch.Tensor | LandedKV) -> None:
         """A handed-off K/V tensor must have this cache's layers, block size, heads, dtype."""
@@ -216,11 +236,16 @@ class KVMoves:
         ] = {}
 
     def export(
-        self, table: tuple[list[int], ...], num_positions: int, *, to_host: bool = True
-    ) -> torch.Tensor:
+        self,
+        table: tuple[list[int], ...],
+        num_positions: int,
+        *,
+        to_host: bool = True,
+        pending: bool = False,
+    ) -> torch.Tensor | PendingHostKV:
         """A copy of the K/V of positions [0, num_positions) of every plane of `table`
         (`SwapSpace.export_blocks`)."""
-        return self.swap.export_blocks(table, num_positions, to_host=to_host)
+        return self.swap.export_blocks(table, num_positions, to_host=to_host, pending=pending)
 
     def stage_import(
         self,

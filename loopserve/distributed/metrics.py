@@ -198,8 +198,8 @@ class _PoolCollector:
         landings = CounterMetricFamily(
             "loopserve_kv_landings",
             "Hand-offs' and chunks' K/V a decode replica landed before importing it, by where: "
-            "on the GPU (copied on a side stream) or on the host (pinned when too large for "
-            "free GPU memory; always on CPU).",
+            "on the GPU (copied there on a side stream, or sent there by the transport) or on "
+            "the host (pinned when too large for free GPU memory; always on CPU).",
             labels=["replica", "role", "where"],
         )
         for replica in pool.replicas:

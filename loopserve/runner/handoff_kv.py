@@ -52,15 +52,15 @@ class HandoffKV:
         self.moves, self.inflight, self.samplers, self.calls = moves, inflight, samplers, calls
         self._landing_stream: torch.cuda.Stream | None = None
         self._landing_lock = threading.Lock()
-        # K/V tensors landed on the device (on CUDA), and left on the host: pinned there
-        # (too large for the free device memory), already there (CPU), or already on the
-        # device (a transport that sends device memory).
+        # K/V tensors landed on the device (copied there, or already there: a transport that
+        # sends device memory), and left on the host (pinned: too large for the free device
+        # memory; or a CPU engine).
         self.num_landed_device = 0
         self.num_landed_host = 0
 
     def _landed(self, landed: LandedKV) -> LandedKV:
         with self._landing_lock:
-            if landed.ready is None:
+            if landed.tensor.device.type == "cpu":
                 self.num_landed_host += 1
             else:
                 self.num_landed_device += 1
@@ -74,7 +74,7 @@ class HandoffKV:
         if not isinstance(kv, torch.Tensor):
             return kv
         device = self.moves.kv_cache.device
-        if device.type != "cuda" or kv.device == device:
+        if device.type != "cuda" or kv.device.type != "cpu":  # nothing to move, or no pinning
             return self._landed(LandedKV(kv))
         pinned = kv if kv.is_pinned() else kv.pin_memory()
         free_bytes, _ = torch.cuda.mem_get_info(device)

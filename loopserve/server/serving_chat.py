@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from loopserve.engine.client import EngineStream, GenerateRequest
 from loopserve.errors import EngineDeadError, EngineNotReadyError
@@ -59,7 +58,6 @@ from loopserve.server.serving_common import (
     sampling_params,
     sse,
     submit,
-    validation_error,
 )
 from loopserve.server.serving_tools import ChatTools
 from loopserve.text.reasoning import ReasoningParser, ReasoningStream, reasoning_token_count
@@ -160,25 +158,6 @@ async def create_chat_completion(
         loop_class=run.loop_class,
     )
     return JSONResponse(response.model_dump())
-
-
-async def start_as_chat(
-    ctx: ServingContext, chat_fields: dict, http_request: Request, response_id: str
-) -> ChatRun:
-    """Another API's request (Responses, Messages) as the chat completion it means
-    (`chat_fields`): validated, prepared and started as `/v1/chat/completions` does. Its
-    400s name chat fields; the caller renames them."""
-    body, loop_class = ctx.prepare(as_chat_request(chat_fields), http_request)
-    return await start_chat(ctx, body, loop_class, response_id)
-
-
-def as_chat_request(chat_fields: dict) -> ChatCompletionRequest:
-    """Another API's request as the chat completion request it means (its 400s name chat
-    fields; the caller renames them)."""
-    try:
-        return ChatCompletionRequest.model_validate(chat_fields)
-    except ValidationError as err:
-        raise validation_error(err) from None
 
 
 async def render_chat(ctx: ServingContext, body: ChatCompletionRequest):

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput
@@ -31,33 +31,21 @@ from loopserve.server.protocol_messages import (
     CountTokensRequest,
     MessagesRequest,
 )
-from loopserve.server.serving_chat import ChatRun, as_chat_request, render_chat, start_as_chat
-from loopserve.server.serving_common import (
-    ServingContext,
-    cancel_on_disconnect,
-    collect_finals,
-    parse_body,
-)
+from loopserve.server.serving_as_chat import answer_as_chat, as_chat_request
+from loopserve.server.serving_chat import ChatRun, render_chat
+from loopserve.server.serving_common import ServingContext, parse_body
 
 
 async def create_message(ctx: ServingContext, raw_body: bytes, http_request: Request) -> Response:
     request = parse_body(raw_body, MessagesRequest)
     message_id = f"msg_{uuid.uuid4().hex}"
-    try:
-        run = await start_as_chat(ctx, request.chat_fields(), http_request, message_id)
-        if request.stream:
-            events = _events(ctx, run, message_id)
-            return StreamingResponse(events, media_type="text/event-stream")
-        finals = await cancel_on_disconnect(http_request, collect_finals(run.stream))
-    except ApiError as err:
-        raise renamed(err, CHAT_TO_MESSAGES_PARAM) from None
-    run.stream.close()
-    if finals is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    out = finals[run.requests[0].request_id]
-    message = run.tools.message(
-        run.reasoning.message(out.text), truncated=out.finish_reason == "length"
+    events = (lambda run: _events(ctx, run, message_id)) if request.stream else None
+    answer = await answer_as_chat(
+        ctx, request.chat_fields(), http_request, message_id, CHAT_TO_MESSAGES_PARAM, events
     )
+    if isinstance(answer, Response):
+        return answer
+    run, out, message = answer.run, answer.output, answer.message
     content: list[dict[str, Any]] = []
     if message.reasoning_content:
         content.append(_thinking(message.reasoning_content))

@@ -23,20 +23,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from loopserve.errors import EngineDeadError, EngineNotReadyError
 from loopserve.outputs import RequestOutput
-from loopserve.server.api_errors import ApiError, engine_unavailable, failed_output_error, renamed
+from loopserve.server.api_errors import engine_unavailable, failed_output_error
 from loopserve.server.output_format import new_logprobs
 from loopserve.server.protocol_responses import CHAT_TO_RESPONSES_PARAM, ResponsesRequest
-from loopserve.server.serving_chat import ChatRun, logprob_entries, start_as_chat
-from loopserve.server.serving_common import (
-    ServingContext,
-    cancel_on_disconnect,
-    collect_finals,
-    parse_body,
-)
+from loopserve.server.serving_as_chat import answer_as_chat
+from loopserve.server.serving_chat import ChatRun, logprob_entries
+from loopserve.server.serving_common import ServingContext, parse_body
 
 
 async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Request) -> Response:
@@ -45,19 +41,13 @@ async def create_response(ctx: ServingContext, raw_body: bytes, http_request: Re
     shape = _Shape(ctx, request, response_id)
     # The chat path's 400s name its fields: renamed to the Responses fields they came from
     # (at validation, at submission, and for a request that fails on its input as it runs).
-    try:
-        run = await start_as_chat(ctx, request.chat_fields(), http_request, response_id)
-        if request.stream:
-            return StreamingResponse(_events(run, shape), media_type="text/event-stream")
-        finals = await cancel_on_disconnect(http_request, collect_finals(run.stream))
-    except ApiError as err:
-        raise renamed(err, CHAT_TO_RESPONSES_PARAM) from None
-    run.stream.close()
-    if finals is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    out = finals[run.requests[0].request_id]
-    truncated = out.finish_reason == "length"
-    message = run.tools.message(run.reasoning.message(out.text), truncated=truncated)
+    events = (lambda run: _events(run, shape)) if request.stream else None
+    answer = await answer_as_chat(
+        ctx, request.chat_fields(), http_request, response_id, CHAT_TO_RESPONSES_PARAM, events
+    )
+    if isinstance(answer, Response):
+        return answer
+    run, out, message = answer.run, answer.output, answer.message
     items = []
     if message.reasoning_content:
         items.append(shape.reasoning_item(message.reasoning_content))

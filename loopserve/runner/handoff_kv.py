@@ -101,7 +101,7 @@ class HandoffKV:
         first_block: int = 0,
         pending: bool = False,
     ) -> tuple[torch.Tensor | PendingHostKV, bytes | None]:
-        """A copy of the K/V `handle` names (every plane, see `KVMoves.export`; from block
+        """A copy of the K/V `handle` names (every plane, see `SwapSpace.export_blocks`; from block
         `first_block` of each plane on; `pending`: see `SwapSpace.export_blocks`) and the
         request's generator state (None when greedy); nothing of it may be in flight."""
         request_id = handle.request_id
@@ -126,7 +126,7 @@ class HandoffKV:
         chosen = tables if planes is None else tuple(tables[p] for p in planes)
         table = tuple(plane[first_block:] for plane in chosen)
         positions = handle.num_positions - first_block * self.moves.block_size
-        return self.moves.export(table, positions, to_host=to_host, pending=pending)
+        return self.moves.swap.export_blocks(table, positions, to_host=to_host, pending=pending)
 
     @staticmethod
     def drop_leading_blocks(

@@ -9,9 +9,10 @@ request resumes exactly where it stopped. Transfers run in the order given, befo
 step's core calls: a device block freed by a swap-out may be reused by a later transfer or
 by this step's rows. A prompt group's fork copies device blocks to device blocks.
 
-`KVMoves` also holds what prefill/decode hand-offs move: `export` gathers a request's blocks
-of every plane into one tensor; a handed-off request's K/V waits in `staged_imports` until
-the scheduler admits it with a `KVTransfer(IMPORT)` (its block ids in this cache).
+Prefill/decode hand-offs: `SwapSpace.export_blocks` gathers a request's blocks of every
+plane into one tensor (`HandoffKV`, handoff_kv.py, decides which); in `KVMoves` a
+handed-off request's K/V waits in `staged_imports` until the scheduler admits it with a
+`KVTransfer(IMPORT)` (its block ids in this cache).
 """
 
 from __future__ import annotations
@@ -234,18 +235,6 @@ class KVMoves:
         self.staged_imports: dict[
             str, tuple[torch.Tensor | LandedKV, bytes | None, dict | None]
         ] = {}
-
-    def export(
-        self,
-        table: tuple[list[int], ...],
-        num_positions: int,
-        *,
-        to_host: bool = True,
-        pending: bool = False,
-    ) -> torch.Tensor | PendingHostKV:
-        """A copy of the K/V of positions [0, num_positions) of every plane of `table`
-        (`SwapSpace.export_blocks`)."""
-        return self.swap.export_blocks(table, num_positions, to_host=to_host, pending=pending)
 
     def stage_import(
         self,

@@ -75,8 +75,6 @@ class SwapSpace:
         # and those that came as a plain tensor (copied on the engine thread).
         self.num_imports_landed = 0
         self.num_imports_unlanded = 0
-        # Exports to the host the engine thread did not wait for (`pending`).
-        self.num_exports_pending = 0
 
     @property
     def host_cache(self) -> torch.Tensor:
@@ -105,12 +103,7 @@ class SwapSpace:
         if transfer.kind is SwapKind.OUT:
             index = torch.tensor(src_ids, dtype=torch.int64, device=self.device_cache.device)
             gathered = self._blocks(self.device_cache)[:, :, index]
-            staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self._pin)
-            staging.copy_(gathered, non_blocking=self._pin)
-            event = None
-            if self._pin:
-                event = torch.cuda.Event()
-                event.record()
+            staging, event = self._copy_to_host(gathered)
             self._pending_out.append((event, staging, torch.tensor(dst_ids, dtype=torch.int64)))
             if not self._pin:
                 self.settle()
@@ -151,14 +144,20 @@ class SwapSpace:
             return kv
         if not pending:
             return kv.to("cpu", copy=True)
-        self.num_exports_pending += 1
+        return PendingHostKV(*self._copy_to_host(kv))
+
+    def _copy_to_host(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A host copy of `gathered` (device blocks) that the host does not wait for: on CUDA
+        into pinned memory, non-blocking and stream-ordered after the steps that wrote the
+        blocks, with an event recorded after it (wait for it before reading the copy); on
+        CPU a finished copy and no event."""
+        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=self._pin)
+        staging.copy_(gathered, non_blocking=self._pin)
         if not self._pin:
-            return PendingHostKV(kv.to("cpu", copy=True))
-        staging = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-        staging.copy_(kv, non_blocking=True)  # stream-ordered after the steps that wrote it
+            return staging, None
         done = torch.cuda.Event()
         done.record()
-        return PendingHostKV(staging, done)
+        return staging, done
 
     def check_import(self, kv: torch.Tensor | LandedKV) -> None:
         """A handed-off K/V tensor must have this cache's layers, block size, heads, dtype."""

@@ -92,16 +92,16 @@ def _serve_and_complete(
 
 
 def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
-    """`--pd prefill=1,decode=1 --kv-handoff stream --prefill-mode per_depth` (as
-    docs/deployment.md advises): the prompt's complete block goes to the decode replica
-    plane by plane, a chunk after each loop, before the hand-off (its chunk counters say so);
+    """`--pd prefill=1,decode=1 --kv-handoff stream`, no `--prefill-mode`: streaming runs
+    per_depth prompts, so the prompt's complete block goes to the decode replica plane by
+    plane, a chunk after each loop, before the hand-off (its chunk counters say so: the
+    atomic arm would send the four planes as one chunk);
     the decode replica lands each chunk and the hand-off before importing it (on the host:
     no GPU here)."""
     received = 'loopserve_kv_stream_chunks_total{direction="received",replica="1",role="decode"}'
     landed = 'loopserve_kv_landings_total{replica="1",role="decode",where="%s"}'
     health = _serve_and_complete(
-        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-handoff", "stream",
-         "--prefill-mode", "per_depth"],
+        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-handoff", "stream"],
         tmp_path,
         expected,
         metrics_until=lambda m: m.get(received, 0) >= 4 and m.get(landed % "host", 0) >= 5,

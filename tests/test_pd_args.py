@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from loopserve.cli.main import main
-from loopserve.distributed.args import PDSpec, parse_pd_spec, stream_hint, uses_ray
+from loopserve.distributed.args import PDSpec, parse_pd_spec, resolve_prefill_mode, uses_ray
 
 
 @pytest.mark.parametrize(
@@ -122,20 +122,39 @@ def test_kv_handoff_reaches_the_pool_and_auto_streams_through_the_object_store()
     flags = ["--pd", "prefill=1,decode=1", "--kv-handoff", "stream", "--kv-transport", "auto"]
     pool = build_pool(parser.parse_args(flags), {"block_size": 4, "device": "cuda"}, print)
     assert (pool.kv_handoff, pool.kv_transport, pool.streams_kv) == ("stream", "ray", True)
+    assert pool.engine_args["prefill_mode"] == "per_depth"  # none given: streaming's arm
     pool = build_pool(parser.parse_args(flags[:2]), {"block_size": 4}, print)
     assert (pool.kv_handoff, pool.streams_kv) == ("whole", False)
+    assert pool.engine_args["prefill_mode"] == "atomic"
+    given = {"block_size": 4, "prefill_mode": "wavefront"}
+    assert build_pool(parser.parse_args(flags), given, print).engine_args == given
 
 
-def test_streaming_under_the_atomic_arm_gets_a_start_up_note():
-    """`serve --pd ... --kv-handoff stream` with the atomic prompt arm (the default) logs why
-    `--prefill-mode per_depth` hides more; with per_depth, or whole hand-offs, nothing."""
+def test_streaming_runs_per_depth_prompts_unless_an_arm_is_asked_for():
+    """`serve --pd ... --kv-handoff stream` without `--prefill-mode` runs per_depth prompts
+    (a chunk's shallow planes leave while it runs its deeper loops) and says so at start-up;
+    left out otherwise, or where per_depth cannot help (one K/V per position) or cannot run
+    (`--prompt-exits`), the arm is atomic, the engine's default. An explicit atomic arm with
+    streaming is kept, with a note on what it costs; an explicit arm is never changed."""
     from loopserve.cli.serve import add_cli_args
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     base = ["--pd", "prefill=1,decode=1"]
-    note = stream_hint(parser.parse_args([*base, "--kv-handoff", "stream"]))
-    assert note is not None and "--prefill-mode per_depth" in note
-    per_depth = [*base, "--kv-handoff", "stream", "--prefill-mode", "per_depth"]
-    assert stream_hint(parser.parse_args(per_depth)) is None
-    assert stream_hint(parser.parse_args(base)) is None
+    stream = [*base, "--kv-handoff", "stream"]
+
+    def resolved(flags: list[str]) -> tuple[str, str | None]:
+        args = parser.parse_args(flags)
+        note = resolve_prefill_mode(args)
+        return args.prefill_mode, note
+
+    mode, note = resolved(stream)
+    assert mode == "per_depth" and note is not None and "per_depth" in note
+    assert resolved(base) == ("atomic", None)
+    assert resolved([]) == ("atomic", None)
+    assert resolved([*stream, "--layout", "shared"]) == ("atomic", None)
+    assert resolved([*stream, "--prompt-exits"]) == ("atomic", None)
+    mode, note = resolved([*stream, "--prefill-mode", "atomic"])
+    assert mode == "atomic" and note is not None and "after its last loop" in note
+    assert resolved([*stream, "--prefill-mode", "wavefront"]) == ("wavefront", None)
+    assert resolved([*base, "--prefill-mode", "per_depth"]) == ("per_depth", None)

@@ -354,3 +354,24 @@ def test_per_depth_prompts_stream_their_shallow_planes_before_the_first_token():
     assert transfers["atomic"].num_bytes == transfers["per_depth"].num_bytes == 200 * 196_608 * 4
     assert transfers["atomic"].hidden_s == pytest.approx(0.0)
     assert transfers["per_depth"].hidden_s == pytest.approx(3 * per_plane_s)
+
+
+def test_the_pd_scenario_streams_per_depth_prompts_unless_an_arm_is_given():
+    """`simulate --scenario pd` runs each setup with the prompt arm `serve --pd` would pick
+    when no `--prefill-mode` is given: per_depth for the streamed replicas, atomic for the
+    colocated and whole hand-off ones; streamed per_depth hides more link time than streamed
+    atomic on the same requests (over InfiniBand, where 256-token chunks fill the link); a
+    given arm runs every setup."""
+    from loopserve.sim.pd_scenario import PdSpec, run_pd
+
+    spec = PdSpec(num_requests=12, request_rates=(40.0,), num_colocated=2, num_prefill=1,
+                  num_decode=1, link="ib", long_share=0.3, long_min=1500, long_max=2500,
+                  dataset="synthetic")  # fmt: skip
+    args = dict(ENGINE_ARGS, prefill_chunk_size=256)
+    ((_, colocated, whole, streamed),) = run_pd(OURO_1P4B, H200, args, spec)
+    arms = (colocated.prompt_arm, whole.prompt_arm, streamed.prompt_arm)
+    assert arms == ("atomic", "atomic", "per_depth")
+    ((_, *given),) = run_pd(OURO_1P4B, H200, dict(args, prefill_mode="atomic"), spec)
+    assert [s.prompt_arm for s in given] == ["atomic"] * 3
+    assert given[0] == colocated and given[1] == whole  # unset is atomic there
+    assert streamed.hidden_transfer_share > given[2].hidden_transfer_share + 0.05

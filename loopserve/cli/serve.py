@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 from loopserve.distributed.args import (
+    PROMPT_ARM_HELP,
     add_distributed_args,
     check_distributed_args,
-    stream_hint,
+    resolve_prefill_mode,
     uses_ray,
 )
 from loopserve.engine_args import add_engine_args, engine_args_from
@@ -27,7 +28,15 @@ logger = logging.getLogger(__name__)
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `loopserve serve`: every engine flag, the distributed ones, the server's own."""
-    add_engine_args(parser)
+    # Left out, --prefill-mode follows --kv-handoff (`resolve_prefill_mode`).
+    add_engine_args(
+        parser,
+        defaults={"prefill_mode": None},
+        helps={
+            "prefill_mode": PROMPT_ARM_HELP + "(None: atomic, or per_depth with --kv-handoff "
+            "stream, so each plane's blocks leave while the deeper loops run)"
+        },
+    )
     add_distributed_args(parser)
     add_server_args(parser)
 
@@ -72,7 +81,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     apply_cpu_threads(args.device, args.torch_threads)  # the CPU thread policy (threads.py)
-    hint = stream_hint(args)
+    hint = resolve_prefill_mode(args)
     if hint is not None:
         logger.info(hint)
     engine_args = engine_args_from(args)

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from loopserve.distributed.router import ROUTING_POLICIES
 from loopserve.distributed.transport import KV_TRANSPORTS
+from loopserve.engine_args import ENGINE_ARGS_BY_NAME
+
+# `--prefill-mode`'s help without its default (the engine's: atomic), for a command that
+# leaves the flag unset and picks the arm itself.
+PROMPT_ARM_HELP = ENGINE_ARGS_BY_NAME["prefill_mode"].help + " "
 
 STREAM_WITH_TORCH = (
     "--kv-handoff stream sends chunks by Ray's object store or NIXL (--kv-transport ray, nixl "
@@ -112,9 +118,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         choices=("whole", "stream"),
         help="with --pd: whole moves each request's K/V after its first token; stream "
         "reserves blocks on a decode replica before the prompt runs and sends each plane's "
-        "prompt blocks as soon as they are final (plane d after loop d; with --prefill-mode "
-        "per_depth a chunk's shallow planes leave while it runs its deeper loops), while later "
-        "chunks compute (by Ray's object store or NIXL: --kv-transport ray, nixl or auto)",
+        "prompt blocks as soon as they are final, while later chunks compute (by Ray's object "
+        "store or NIXL: --kv-transport ray, nixl or auto); prompts then run --prefill-mode "
+        "per_depth unless another arm is given, so plane d leaves after loop d while the "
+        "chunk's deeper loops run",
     )
     group.add_argument(
         "--kv-transfer-timeout-s",
@@ -131,17 +138,45 @@ def uses_ray(args: argparse.Namespace) -> bool:
     return args.data_parallel_size > 1 or args.ray_address is not None or args.pd is not None
 
 
-def stream_hint(args: argparse.Namespace) -> str | None:
-    """A start-up note for `--kv-handoff stream` under the atomic prompt arm, which sends a
-    chunk's planes only after its last loop (None: nothing to say)."""
-    if getattr(args, "kv_handoff", "whole") != "stream":
+def default_prefill_mode(kv_handoff: str, engine_args: Mapping[str, object]) -> str:
+    """The prompt arm for replicas whose `prefill_mode` nobody chose: per_depth when they
+    stream hand-offs, atomic (the engine's default) otherwise.
+
+    Under the atomic arm a chunk runs all its loops in one step, so its planes are final, and
+    leave, only after its last loop: a prompt's last chunk goes after the first token. Under
+    per_depth a chunk runs one loop per step and plane d leaves while loops d+1.. run (a
+    prefill replica runs only prompts, so its time to first token is the atomic arm's).
+    Streaming stays on atomic where per_depth cannot help or cannot run: one K/V per position
+    (`layout='shared'`: final only after the last loop) and `prompt_exits` (atomic only)."""
+    engine_default = str(ENGINE_ARGS_BY_NAME["prefill_mode"].default)
+    if kv_handoff != "stream" or engine_args.get("prompt_exits"):
+        return engine_default
+    if engine_args.get("layout", "last_exited") == "shared":
+        return engine_default
+    return "per_depth"
+
+
+def resolve_prefill_mode(args: argparse.Namespace) -> str | None:
+    """Fill in `args.prefill_mode` when the flag was left out (`default_prefill_mode`); a
+    start-up note when the choice is worth one: per_depth picked for streaming, or streaming
+    asked for under an explicit atomic arm (None: nothing to say)."""
+    kv_handoff = getattr(args, "kv_handoff", "whole")
+    if getattr(args, "prefill_mode", None) is None:
+        args.prefill_mode = default_prefill_mode(kv_handoff, vars(args))
+        if args.prefill_mode == "per_depth":
+            return (
+                "--kv-handoff stream: prompts run one loop per step (--prefill-mode per_depth, "
+                "the default when streaming), so each plane's blocks leave while the deeper "
+                "loops run; --prefill-mode atomic sends a chunk's planes after its last loop"
+            )
         return None
-    if getattr(args, "prefill_mode", "atomic") != "atomic":
+    if kv_handoff != "stream" or args.prefill_mode != "atomic":
         return None
     return (
         "--kv-handoff stream with --prefill-mode atomic: a prompt chunk's K/V leaves after "
-        "its last loop, every plane at once; --prefill-mode per_depth sends each plane after "
-        "its loop while the deeper loops run, so more of the transfer hides behind prefill "
+        "its last loop, every plane at once, so a prompt's last chunk goes after its first "
+        "token; per_depth (the default when streaming) sends each plane after its loop while "
+        "the deeper loops run, so more of the transfer hides behind prefill "
         "(docs/deployment.md)"
     )
 

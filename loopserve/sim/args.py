@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from loopserve.distributed.args import PROMPT_ARM_HELP
 from loopserve.engine_args import add_engine_args
 from loopserve.sim.hardware import DEVICE_PROFILES
 from loopserve.workloads.args import add_output_args, add_progress_arg, int_list
@@ -151,7 +152,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "probs:p1,..,pD | trace:l1,l2,.. (None: the model's measured one, ouro_1p4b_t0.5 for "
         "Ouro-1.4B, huginn_0125_latent_diff for Huginn-0125, else uniform)",
     )
-    add_engine_args(parser, names=SIM_ENGINE_ARGS, title="engine (simulated)")
+    add_engine_args(
+        parser,
+        names=SIM_ENGINE_ARGS,
+        title="engine (simulated)",
+        defaults={"prefill_mode": None},
+        helps={
+            "prefill_mode": PROMPT_ARM_HELP + "(None: atomic; with --scenario pd the streamed "
+            "setup runs per_depth, as `serve --pd --kv-handoff stream` picks)"
+        },
+    )
     parser.add_argument(
         "--client-max-tokens",
         type=int,

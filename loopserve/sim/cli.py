@@ -51,8 +51,9 @@ from loopserve.workloads.progress import progress_bar
 
 def _engine_args(args: argparse.Namespace) -> dict[str, object]:
     engine_args = engine_args_from(args, SIM_ENGINE_ARGS)
-    if engine_args["num_blocks"] is None:
-        del engine_args["num_blocks"]
+    for name in ("num_blocks", "prefill_mode"):  # None: the engine's (or the scenario's)
+        if engine_args[name] is None:
+            del engine_args[name]
     return engine_args
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loopserve.distributed.args import default_prefill_mode
+from loopserve.engine_args import ENGINE_ARGS_BY_NAME
 from loopserve.models.config import OuroConfig
 from loopserve.sim.cluster import LINKS, Cluster, ClusterRun
 from loopserve.sim.hardware import DeviceProfile
@@ -41,12 +43,13 @@ class ClusterStats:
     # bytes, and any wait for a link that carried other hand-offs).
     hidden_transfer_share: float = 0.0
     mean_exposed_transfer_ms: float = 0.0
+    prompt_arm: str = "atomic"  # the replicas' prefill_mode
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def cluster_stats(name: str, run: ClusterRun) -> ClusterStats:
+def cluster_stats(name: str, run: ClusterRun, prompt_arm: str = "atomic") -> ClusterStats:
     records = [r for r in run.records if r.finished_s is not None]
     itls: list[float] = []
     decode_itls: list[float] = []
@@ -72,6 +75,7 @@ def cluster_stats(name: str, run: ClusterRun) -> ClusterStats:
         float(np.mean(transfer_ms)) if transfer_ms else 0.0,
         hidden_s / busy_s if busy_s else 0.0,
         float(np.mean([t.exposed_s * 1e3 for t in run.transfers])) if run.transfers else 0.0,
+        prompt_arm,
     )
 
 
@@ -131,6 +135,11 @@ class PdSpec:
     handoff_landing: str = "device"  # `Cluster`'s
 
 
+def prompt_arm(engine_args: dict[str, object]) -> str:
+    """The prompt arm these engine arguments run (the engine's default when unset)."""
+    return str(engine_args.get("prefill_mode") or ENGINE_ARGS_BY_NAME["prefill_mode"].default)
+
+
 def run_pd(
     model_config: OuroConfig,
     device: DeviceProfile,
@@ -138,7 +147,8 @@ def run_pd(
     spec: PdSpec,
 ) -> list[tuple[float, ClusterStats, ClusterStats, ClusterStats | None]]:
     """(rate, colocated stats, PD stats with whole hand-offs, PD stats with per-chunk
-    streaming or None) per rate."""
+    streaming or None) per rate. Without a `prefill_mode` in `engine_args` each setup runs
+    the prompt arm `loopserve serve` would pick for it: per_depth when streaming, else atomic."""
     from loopserve.sim.workload import WorkloadSpec, build_workload, sample_lengths
 
     base = WorkloadSpec(
@@ -162,18 +172,26 @@ def run_pd(
         )
 
         def pd(streaming: bool, work=work) -> ClusterStats:
+            args = engine_args
+            if "prefill_mode" not in args:  # as `loopserve serve --pd` picks it
+                handoff = "stream" if streaming else "whole"
+                args = {**args, "prefill_mode": default_prefill_mode(handoff, args)}
             cluster = Cluster(
-                model_config, device, engine_args, num_prefill=spec.num_prefill,
+                model_config, device, args, num_prefill=spec.num_prefill,
                 num_decode=spec.num_decode, link_bytes_per_s=LINKS[spec.link], seed=spec.seed,
                 streaming=streaming, handoff_landing=spec.handoff_landing,
             )  # fmt: skip
             name = f"{spec.num_prefill}P{spec.num_decode}D {spec.link}"
-            return cluster_stats(name + (" stream" if streaming else ""), cluster.run(work))
+            return cluster_stats(
+                name + (" stream" if streaming else ""), cluster.run(work), prompt_arm(args)
+            )
 
         out.append(
             (
                 rate,
-                cluster_stats(f"{spec.num_colocated} colocated", colocated.run(work)),
+                cluster_stats(
+                    f"{spec.num_colocated} colocated", colocated.run(work), prompt_arm(engine_args)
+                ),
                 pd(False),
                 pd(True) if spec.streaming else None,
             )
@@ -188,7 +206,8 @@ def format_pd(rows: list[tuple[float, ClusterStats, ClusterStats, ClusterStats |
         lines.append(format_cluster([colocated, pd] + ([streamed] if streamed else [])))
         if streamed is not None:
             lines.append(
-                f"streaming: {streamed.hidden_transfer_share:.1%} of link time hidden behind "
+                f"streaming ({streamed.prompt_arm} prompts): "
+                f"{streamed.hidden_transfer_share:.1%} of link time hidden behind "
                 f"prefill (whole hand-off: {pd.hidden_transfer_share:.1%}); first token to "
                 f"hand-off landed {streamed.mean_exposed_transfer_ms:.2f} ms against "
                 f"{pd.mean_exposed_transfer_ms:.2f} ms"

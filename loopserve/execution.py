@@ -1,6 +1,6 @@
 """Executing a step: the `Executor` protocol and the semantics every executor shares.
 
-`contracts.py` holds the data that crosses the step boundary; this module holds what an
+`contracts/` holds the data that crosses the step boundary; this module holds what an
 executor promises about it (`Executor`: bookkeeping first, one result per item and per
 decode row, per-request setup failures) and the rules both executors (`ModelRunner`,
 `SimExecutor`) apply the same way, once: the plane count, the plane of a call, finalize,

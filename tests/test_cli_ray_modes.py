@@ -113,21 +113,31 @@ def test_pd_serve_starts_from_the_command_line(tiny_dir, tmp_path, expected):
     assert (health["metrics"][landed % "host"], health["metrics"][landed % "device"]) == (5, 0)
 
 
-def test_pd_serve_with_the_nixl_transport_starts_from_the_command_line(
-    tiny_dir, tmp_path, expected
+@pytest.mark.parametrize("transport", ["nixl", "torch"])
+def test_pd_serve_with_a_point_to_point_transport_starts_from_the_command_line(
+    tiny_dir, tmp_path, expected, transport
 ):
-    """`--pd prefill=1,decode=1 --kv-transport nixl`: the hand-off's K/V is read over NIXL
-    (the decode replica's received bytes count it)."""
-    pytest.importorskip("nixl", reason="needs NIXL (pip install -e '.[nixl]')")
+    """`--pd prefill=1,decode=1 --kv-transport nixl|torch`: the hand-off's K/V goes point to
+    point, read over NIXL or sent over a gloo group, and the decode replica's received bytes
+    count it (the prefill replica's sent bytes, for torch, the same)."""
+    if transport == "nixl":
+        pytest.importorskip("nixl", reason="needs NIXL (pip install -e '.[nixl]')")
     received = 'loopserve_kv_transport_bytes_total{direction="received",replica="1",role="decode"}'
+    sent = 'loopserve_kv_transport_bytes_total{direction="sent",replica="0",role="prefill"}'
     health = _serve_and_complete(
-        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-transport", "nixl"],
+        ["--model", str(tiny_dir), "--pd", "prefill=1,decode=1", "--kv-transport", transport],
         tmp_path,
         expected,
-        metrics_until=lambda metrics: metrics.get(received, 0) > 0,
+        # (the probes refresh each replica's counters on their own: wait for the sender's too)
+        metrics_until=lambda m: (
+            m.get(received, 0) > 0 and (transport == "nixl" or m.get(sent, 0) > 0)
+        ),
     )
-    assert health["replicas"] == 2 and health["kv_transport"] == "nixl"
+    assert health["replicas"] == 2 and health["kv_transport"] == transport
     assert health["metrics"][received] > 0
+    if transport == "torch":
+        assert health["metrics"][sent] == health["metrics"][received]
+        assert health["metrics"]["loopserve_kv_transport_fallback"] == 0  # it stayed point to point
 
 
 def _start_ray_head(log_path: Path) -> tuple[subprocess.Popen, str]:

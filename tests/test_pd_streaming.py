@@ -114,9 +114,15 @@ def test_streamed_serving_equals_colocated(
     decode, prefill = after[DECODE], after[PREFILL]
     assert _delta(decode, before[DECODE], "num_imported") == 4  # all but max_tokens=1
     assert _delta(decode, before[DECODE], "num_streamed_imports") >= 3  # 7+ token prompts
+    counters = ("num_kv_chunks_sent", "num_kv_chunks_received", "kv_chunk_blocks_received",
+                "num_streamed_imports", "instance_id")  # fmt: skip
+    window = {  # (before, after) per replica: what a mismatch needs to be explained
+        role: {name: (getattr(before[i], name), getattr(after[i], name)) for name in counters}
+        for role, i in (("prefill", PREFILL), ("decode", DECODE))
+    }
     assert _delta(decode, before[DECODE], "num_kv_chunks_received") == _delta(
         prefill, before[PREFILL], "num_kv_chunks_sent"
-    )
+    ), window
     for stats in after:  # nothing reserved or held once everything finished
         assert stats.num_reserved == 0
         assert stats.snapshot.kv_blocks_free == stats.snapshot.kv_blocks_total

@@ -414,6 +414,32 @@ def test_serve_with_a_missing_model_prints_one_line_and_exits_2(tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--pd", "prefill=1,decode=1", "--kv-handoff", "stream"],  # before any Ray cluster
+    ],
+    ids=["one-engine", "pd"],
+)
+def test_serve_with_flags_the_engine_rejects_prints_one_line_and_exits_2(flags):
+    """Engine flags that do not go together (wavefront prompts need LAST_EXITED) fail at the
+    command line with the engine's own message, before a port is bound, a Ray cluster starts
+    or a model loads; not as a traceback from the engine thread or a replica after start-up."""
+    result = subprocess.run(
+        [sys.executable, "-m", "loopserve.cli.main", "serve", *flags,
+         "--prefill-mode", "wavefront", "--layout", "shared"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "loopserve serve: error: wavefront and mixed prompt work need layout='last_exited': "
+        "under SHARED a prompt position must be final before later positions read it"
+    ]
+    assert "Uvicorn running" not in result.stderr + result.stdout
+    assert "Ray" not in result.stderr + result.stdout
+
+
 # ---- item 5: a non-streaming request aborted at shutdown -----------------------------------
 
 

@@ -43,13 +43,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if the model failed to load,
-    2 (with a one-line error) if `--model` is neither a checkpoint directory nor a Hub id that
-    is cached (or, with downloads allowed, can be downloaded)."""
+    2 (with a one-line error) if the engine flags do not go together or `--model` is neither a
+    checkpoint directory nor a Hub id that is cached (or, with downloads allowed, can be
+    downloaded)."""
     check_distributed_args(args)  # flag combinations first: a usage error costs nothing
+    hint = resolve_prefill_mode(args)
     # lazy: keeps `loopserve --help` fast
-    from loopserve.errors import ModelLoadError
+    from loopserve.config import EngineConfig
+    from loopserve.errors import ConfigError, ModelLoadError
     from loopserve.models.loader import resolve_model_path
     from loopserve.server.api_server import default_model_name
+
+    try:  # the engine's own checks, before a port, a Ray cluster or a model load
+        EngineConfig.from_engine_args(**engine_args_from(args))
+    except ConfigError as err:
+        print(f"loopserve serve: error: {err}", file=sys.stderr)
+        return 2
 
     served_model_name = args.served_model_name or default_model_name(args.model)
     if args.model is not None:  # resolved once, here: every replica loads the same directory
@@ -81,7 +90,6 @@ def main_from_args(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     apply_cpu_threads(args.device, args.torch_threads)  # the CPU thread policy (threads.py)
-    hint = resolve_prefill_mode(args)
     if hint is not None:
         logger.info(hint)
     engine_args = engine_args_from(args)

@@ -156,6 +156,14 @@ def default_prefill_mode(kv_handoff: str, engine_args: Mapping[str, object]) -> 
     return "per_depth"
 
 
+def with_default_prefill_mode(kv_handoff: str, engine_args: dict[str, object]) -> dict[str, object]:
+    """`engine_args` with `prefill_mode` filled in where it is unset (missing or None) by
+    `default_prefill_mode`; as they are where it is set."""
+    if engine_args.get("prefill_mode") is not None:
+        return engine_args
+    return {**engine_args, "prefill_mode": default_prefill_mode(kv_handoff, engine_args)}
+
+
 def resolve_prefill_mode(args: argparse.Namespace) -> str | None:
     """Fill in `args.prefill_mode` when the flag was left out (`default_prefill_mode`); a
     start-up note when the choice is worth one: per_depth picked for streaming, or streaming

@@ -19,7 +19,8 @@ run of prompt blocks as soon as it is final, while later chunks compute, so only
 blocks travel after the first token (engine/kv_stream.py; pd_decode_leg.py has the failure
 semantics). Chunks go through the object store ("ray") or are read over NIXL ("nixl"), not
 by "torch". Engine arguments without a `prefill_mode` get per_depth when streaming
-(`default_prefill_mode`: a chunk's shallow planes leave while it runs its deeper loops).
+(`with_default_prefill_mode`: a chunk's shallow planes leave while it runs its deeper
+loops).
 
 KV transport (`kv_transport`, `--kv-transport`): "ray" moves every state with its K/V through
 the object store. "torch" ("auto" on CUDA): once every replica has loaded, the pool joins them
@@ -49,7 +50,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from loopserve.distributed.args import STREAM_WITH_TORCH, PDSpec, default_prefill_mode
+from loopserve.distributed.args import STREAM_WITH_TORCH, PDSpec, with_default_prefill_mode
 from loopserve.distributed.pd_stream import DECODE, PREFILL, PDStream
 from loopserve.distributed.pool import ReplicaPool
 from loopserve.distributed.pool_replicas import PoolConfig, Roles
@@ -125,11 +126,7 @@ class PDReplicaPool(ReplicaPool):
         if engine_args.get("async_scheduling"):  # no request could ever be handed off
             raise ValueError("prefill/decode disaggregation needs async_scheduling off")
         require_handoff(engine_args.get("model"))  # type: ignore[arg-type]
-        if engine_args.get("prefill_mode") is None:  # per_depth when streaming (see there)
-            engine_args = {
-                **engine_args,
-                "prefill_mode": default_prefill_mode(kv_handoff, engine_args),
-            }
+        engine_args = with_default_prefill_mode(kv_handoff, engine_args)  # per_depth: stream
         config = dataclasses.replace(config, num_replicas=spec.num_prefill + spec.num_decode)
         super().__init__(engine_args, config, on_load_error=on_load_error, roles=PDRoles(spec))
         self.spec = spec

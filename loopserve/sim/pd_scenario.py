@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loopserve.distributed.args import default_prefill_mode
-from loopserve.engine_args import ENGINE_ARGS_BY_NAME
+from loopserve.distributed.args import with_default_prefill_mode
 from loopserve.models.config import OuroConfig
 from loopserve.sim.cluster import LINKS, Cluster, ClusterRun
 from loopserve.sim.hardware import DeviceProfile
@@ -135,11 +134,6 @@ class PdSpec:
     handoff_landing: str = "device"  # `Cluster`'s
 
 
-def prompt_arm(engine_args: dict[str, object]) -> str:
-    """The prompt arm these engine arguments run (the engine's default when unset)."""
-    return str(engine_args.get("prefill_mode") or ENGINE_ARGS_BY_NAME["prefill_mode"].default)
-
-
 def run_pd(
     model_config: OuroConfig,
     device: DeviceProfile,
@@ -167,15 +161,14 @@ def run_pd(
             max_len=spec.long_max,
             seed=spec.seed + 1,
         )
+        colocated_args = with_default_prefill_mode("whole", engine_args)
         colocated = Cluster(
-            model_config, device, engine_args, num_colocated=spec.num_colocated, seed=spec.seed
+            model_config, device, colocated_args, num_colocated=spec.num_colocated, seed=spec.seed
         )
 
         def pd(streaming: bool, work=work) -> ClusterStats:
-            args = engine_args
-            if "prefill_mode" not in args:  # as `loopserve serve --pd` picks it
-                handoff = "stream" if streaming else "whole"
-                args = {**args, "prefill_mode": default_prefill_mode(handoff, args)}
+            # the prompt arm `loopserve serve --pd` picks where none is given
+            args = with_default_prefill_mode("stream" if streaming else "whole", engine_args)
             cluster = Cluster(
                 model_config, device, args, num_prefill=spec.num_prefill,
                 num_decode=spec.num_decode, link_bytes_per_s=LINKS[spec.link], seed=spec.seed,
@@ -183,14 +176,18 @@ def run_pd(
             )  # fmt: skip
             name = f"{spec.num_prefill}P{spec.num_decode}D {spec.link}"
             return cluster_stats(
-                name + (" stream" if streaming else ""), cluster.run(work), prompt_arm(args)
+                name + (" stream" if streaming else ""),
+                cluster.run(work),
+                str(args["prefill_mode"]),
             )
 
         out.append(
             (
                 rate,
                 cluster_stats(
-                    f"{spec.num_colocated} colocated", colocated.run(work), prompt_arm(engine_args)
+                    f"{spec.num_colocated} colocated",
+                    colocated.run(work),
+                    str(colocated_args["prefill_mode"]),
                 ),
                 pd(False),
                 pd(True) if spec.streaming else None,

@@ -57,7 +57,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "float32 on CPU", choices=DTYPES),
     EngineArg("device", "top", "device", "cpu", "cpu or cuda[:N]"),
     EngineArg("max_model_len", "top", "max_model_len", None, "longest prompt + output in tokens "
-              "(None: the model's max_position_embeddings)", int),
+              "(None: the model's max_position_embeddings; more is a start-up error unless "
+              "LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN=1)", int),
     EngineArg("num_loops", "top", "num_loops", None, "loops per token the engine runs at most, "
               "D (None: the checkpoint's, Ouro's total_ut_steps or Huginn's mean_recurrence); "
               "requests ask for fewer with max_loops. Every request holds a K/V plane per loop "

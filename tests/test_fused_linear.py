@@ -290,6 +290,14 @@ def test_the_rotary_tables_cover_the_engines_length_not_the_models(tiny_dir, tmp
     assert torch.equal(cos[[0, 57, 99]], want[0]) and torch.equal(sin[[0, 57, 99]], want[1])
     install_fused_kernels(ouro, linears=True)  # no bound: the checkpoint's
     assert ouro._rope_tables[0].shape[0] == ouro.config.max_position_embeddings
+    # A bound past the checkpoint's (LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN=1): covered too, so
+    # no position the engine admits reads past the tables.
+    longer = ouro.config.max_position_embeddings + 7
+    install_fused_kernels(ouro, linears=True, max_positions=longer)
+    cos, sin = ouro._rope_tables
+    assert cos.shape[0] == longer
+    want = ouro.rotary(torch.tensor([longer - 1]), cos.dtype)
+    assert torch.equal(cos[[longer - 1]], want[0]) and torch.equal(sin[[longer - 1]], want[1])
     huginn = load_model(str(make_tiny_huginn_checkpoint(tmp_path)))
     install_fused_kernels(huginn, linears=True, max_positions=50)
     assert huginn._rope_tables[0].shape[0] == 50

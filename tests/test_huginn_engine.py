@@ -706,14 +706,15 @@ def test_graph_mode_auto_starts_huginn_eagerly_and_drawn_states_refuse_graphs(hu
     from loopserve.models import load_model
 
     model = load_model(huginn_dir)
+    math = (model.signal_kind, model.config.extra_kv_planes)
     cuda = EngineConfig.from_engine_args(device="cuda")
     assert effective_graph_mode(cuda) == "capture"  # what Ouro gets
-    resolved = resolve_model_options(dataclasses.replace(cuda, device="cpu"), model, "Huginn")
+    resolved = resolve_model_options(dataclasses.replace(cuda, device="cpu"), *math, "Huginn")
     assert effective_graph_mode(dataclasses.replace(resolved, device="cuda")) == "off"
     emulate = EngineConfig.from_engine_args(graph_mode="emulate")
-    assert resolve_model_options(emulate, model, "H").graph_mode == "emulate"
+    assert resolve_model_options(emulate, *math, "H").graph_mode == "emulate"
     with pytest.raises(ConfigError, match="graph_mode='emulate' with init_scale > 0"):
-        resolve_model_options(dataclasses.replace(emulate, init_scale=1.0), model, "H")
+        resolve_model_options(dataclasses.replace(emulate, init_scale=1.0), *math, "H")
 
 
 GRAPH_CASES = [  # criterion, layout, decode mode

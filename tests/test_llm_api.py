@@ -134,3 +134,41 @@ def test_num_loops_runs_an_ouro_checkpoint_at_another_depth(tiny_dir):
     assert max(depths) == 3
     with pytest.raises(ConfigError, match="num_loops"):
         make_engine(tiny_dir, num_loops=0)
+
+
+def test_a_context_past_the_checkpoints_positions_is_refused_before_a_weight_is_read(
+    tmp_path, monkeypatch
+):
+    """max_model_len past the checkpoint's max_position_embeddings is a start-up error from
+    its config.json alone (a checkpoint without weights gets it, not a load error), naming
+    the limit and the opt-in; at the limit the weights are read. Opted in
+    (LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN=1), the engine runs that length: a request crosses the
+    checkpoint's last position and equals the dense reference."""
+    import shutil
+
+    from loopserve.errors import ConfigError, ModelLoadError
+    from loopserve.models.tiny import make_tiny_checkpoint
+    from tests.engine_utils import make_engine, run_steps
+
+    monkeypatch.delenv("LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    checkpoint = make_tiny_checkpoint(tmp_path / "short", seed=0, max_position_embeddings=32)
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(checkpoint / "config.json", config_only / "config.json")
+    message = (
+        "max_model_len=48 is longer than the model's 32 positions (max_position_embeddings in "
+        "its config.json): pass at most 32, or set LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN=1"
+    )
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_engine(config_only, max_model_len=48)
+    with pytest.raises(ModelLoadError):  # at the limit the check passes and the weights load
+        make_engine(config_only, max_model_len=32)
+
+    monkeypatch.setenv("LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    engine = make_engine(checkpoint, max_model_len=48)
+    assert engine.max_model_len == 48
+    prompt = [(7 * i) % 90 + 3 for i in range(30)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=0.6, ignore_eos=True)
+    out = run_steps(engine, [("long", prompt, params, 0)])["long"]
+    assert len(prompt) + len(out.token_ids) == 42 > 32  # past the checkpoint's positions
+    assert (out.token_ids, out.exit_depths) == generate(engine.model, prompt, params)

@@ -440,6 +440,36 @@ def test_serve_with_flags_the_engine_rejects_prints_one_line_and_exits_2(flags):
     assert "Ray" not in result.stderr + result.stdout
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-model-len", "99999"],
+         "max_model_len=99999 is longer than the model's 4096 positions (max_position_embeddings "
+         "in its config.json): pass at most 4096, or set LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 to "
+         "run positions it was not trained on"),
+        (["--speculative-tokens", "2", "--draft-loops", "4"],
+         "draft_loops (4) must be below the model's loops (4): a draft is verified by the loops "
+         "after it"),
+    ],
+    ids=["positions", "loops"],
+)  # fmt: skip
+def test_serve_with_flags_the_checkpoint_rules_out_prints_one_line_and_exits_2(
+    flags, message, monkeypatch
+):
+    """Flags that only the checkpoint's config.json rules out (a context past its positions,
+    a draft as deep as its loops) fail at the command line too, before a port is bound: not
+    after start-up (the draft, exit 1 from the engine thread) or never (the context, which
+    sized tables by it and served positions the model has no rotary table for)."""
+    monkeypatch.delenv("LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "loopserve.cli.main", "serve", *flags],  # the embedded model
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [f"loopserve serve: error: {message}"]
+    assert "Uvicorn running" not in result.stderr + result.stdout
+
+
 # ---- item 5: a non-streaming request aborted at shutdown -----------------------------------
 
 

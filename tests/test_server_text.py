@@ -36,8 +36,12 @@ FLAGS = [
 
 @pytest.fixture(scope="module")
 def server(tiny_tok_dir, tmp_path_factory):
+    # A context far past the tiny model's 4,096 positions lets the huge prompts through the
+    # length check, so that they are tokenized and then refused for KV capacity: opted in.
     proc = ServerProcess(
-        ["--model", str(tiny_tok_dir), *FLAGS], tmp_path_factory.mktemp("srv") / "server.log"
+        ["--model", str(tiny_tok_dir), *FLAGS],
+        tmp_path_factory.mktemp("srv") / "server.log",
+        env={"LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN": "1"},
     )
     try:
         proc.wait_healthy()

@@ -43,9 +43,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main_from_args(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if the model failed to load,
-    2 (with a one-line error) if the engine flags do not go together or `--model` is neither a
-    checkpoint directory nor a Hub id that is cached (or, with downloads allowed, can be
-    downloaded)."""
+    2 (with a one-line error) if the engine flags do not go together, alone or for the
+    checkpoint's config.json (its family, exit signal, positions and loops), or `--model` is
+    neither a checkpoint directory nor a Hub id that is cached (or, with downloads allowed,
+    can be downloaded)."""
     check_distributed_args(args)  # flag combinations first: a usage error costs nothing
     hint = resolve_prefill_mode(args)
     # lazy: keeps `loopserve --help` fast
@@ -55,7 +56,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     from loopserve.server.api_server import default_model_name
 
     try:  # the engine's own checks, before a port, a Ray cluster or a model load
-        EngineConfig.from_engine_args(**engine_args_from(args))
+        engine_config = EngineConfig.from_engine_args(**engine_args_from(args))
     except ConfigError as err:
         print(f"loopserve serve: error: {err}", file=sys.stderr)
         return 2
@@ -70,11 +71,18 @@ def main_from_args(args: argparse.Namespace) -> int:
             print(f"loopserve serve: error: {err}", file=sys.stderr)
             return 2
         args.model = str(model_dir)
+    from loopserve.engine.model_setup import check_against_checkpoint
     from loopserve.models.config import read_config_json
     from loopserve.models.tiny import DEFAULT_MODEL_DIR
     from loopserve.server.args import with_checkpoint_defaults
 
-    config_path = Path(args.model or DEFAULT_MODEL_DIR) / "config.json"
+    checkpoint = Path(args.model or DEFAULT_MODEL_DIR)
+    try:  # the checks that need the checkpoint's config.json (its family, positions, loops)
+        check_against_checkpoint(engine_config, checkpoint)
+    except (ConfigError, ModelLoadError) as err:
+        print(f"loopserve serve: error: {err}", file=sys.stderr)
+        return 2
+    config_path = checkpoint / "config.json"
     args.request_defaults = with_checkpoint_defaults(
         args.request_defaults, read_config_json(config_path)
     )

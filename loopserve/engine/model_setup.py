@@ -1,6 +1,7 @@
 """An engine's model and memory plan, before the engine is wired: `load_engine_model` (the
-model resolved, its family checked, loaded, and the config with what `auto` and the default
-exit mode mean for it), `resolve_model_options` (what `auto` means for this model, and a
+model resolved, its options checked against its config.json before a weight is read,
+`check_against_checkpoint`, loaded, and the config with what `auto` and the default exit
+mode mean for it), `resolve_model_options` (what `auto` means for this model, and a
 start-up error naming every option the runner cannot run for it), `size_kv_cache` (K/V
 blocks from the byte budget, profiling the device first on CUDA) and `reads_logits` (whether
 the exit signal reads logits at every checked loop). `LLMEngine.__init__` calls them in that
@@ -10,6 +11,8 @@ order; nothing here holds state.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import torch
 
@@ -34,6 +37,10 @@ from loopserve.runner.attention.registry import resolve_attention_backend
 from loopserve.runner.capabilities import unsupported_options
 from loopserve.runner.memory_profile import profile_cuda_memory
 
+logger = logging.getLogger(__name__)
+# Opts in to a max_model_len longer than the checkpoint's positions (`check_max_model_len`).
+LONG_CONTEXT_ENV = "LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
 
 def reads_logits(config: EngineConfig, model) -> bool:
     """The engine's exit signal reads logits at every checked loop (a convergence criterion
@@ -46,28 +53,65 @@ def reads_logits(config: EngineConfig, model) -> bool:
 
 def load_engine_model(config: EngineConfig):
     """(family, model, config) of an engine: the model resolved (a directory, or a Hub id in
-    the local cache or downloaded when allowed), its family checked, loaded, and the config
-    with what `auto` and the default exit mode mean for it (a start-up error names every
-    option it cannot run)."""
+    the local cache or downloaded when allowed), its options checked against its config.json
+    before its weights are read (`check_against_checkpoint`), loaded, and the config with what
+    `auto` and the default exit mode mean for it."""
     config = resolve_dtype(config)
     model_path = resolve_model_path(
         config.model or DEFAULT_MODEL_DIR,
         revision=config.revision,
         download_dir=config.download_dir,
     )
-    family = read_config(model_path)[0]
-    require_engine_family(family)
-    exit_mode = resolve_exit_mode(family, config.exit.mode)
-    config = dataclasses.replace(config, exit=dataclasses.replace(config.exit, mode=exit_mode))
+    family, config = check_against_checkpoint(config, model_path)
     model = load_model(
         model_path, dtype=config.dtype, device=config.device, num_loops=config.num_loops
     )
-    config = resolve_model_options(config, model, family.name)
-    check_draft_loops(config, model.num_loops)
     if config.device.startswith("cuda"):
         major, minor = torch.cuda.get_device_capability(config.device)
         check_kv_cache_dtype(config, 10 * major + minor)
     return family, model, config
+
+
+def check_against_checkpoint(config: EngineConfig, model_path: str | os.PathLike):
+    """(family, config) for an engine of the checkpoint at `model_path`, from its config.json
+    alone (no weight is read): a start-up error for a family the engine does not run, an exit
+    mode its signal cannot drive, a context longer than its positions (unless
+    `LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`), a draft that leaves no loop to verify, or an
+    option its math rules out; the config with the family's exit mode and what `auto` means
+    for it. `load_engine_model` calls it before the weights load, `loopserve serve` before it
+    binds a port or starts a replica."""
+    family, model_config = read_config(model_path)
+    require_engine_family(family)
+    exit_mode = resolve_exit_mode(family, config.exit.mode)
+    config = dataclasses.replace(config, exit=dataclasses.replace(config.exit, mode=exit_mode))
+    if config.num_loops is not None:
+        model_config = model_config.with_loops(config.num_loops)
+    check_max_model_len(config.max_model_len, model_config.max_position_embeddings)
+    check_draft_loops(config, model_config.num_loops)
+    config = resolve_model_options(
+        config, family.model_class.signal_kind, model_config.extra_kv_planes, family.name
+    )
+    return family, config
+
+
+def check_max_model_len(max_model_len: int | None, limit: int) -> None:
+    """A start-up error for a context longer than the checkpoint's positions (`limit`, its
+    `max_position_embeddings`): the model was not trained there, and every table sized by
+    the context grows with it. `LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN=1` allows it (a warning
+    is logged; the rotary is computed for any position, and the fused linears' tables cover
+    `max_model_len`), as vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN` does."""
+    if max_model_len is None or max_model_len <= limit:
+        return
+    if os.environ.get(LONG_CONTEXT_ENV, "") in ("", "0", "false"):
+        raise ConfigError(
+            f"max_model_len={max_model_len} is longer than the model's {limit} positions "
+            f"(max_position_embeddings in its config.json): pass at most {limit}, or set "
+            f"{LONG_CONTEXT_ENV}=1 to run positions it was not trained on"
+        )
+    logger.warning(
+        "max_model_len=%d is longer than the model's %d positions (%s=1): positions past "
+        "%d are ones the model was not trained on", max_model_len, limit, LONG_CONTEXT_ENV, limit
+    )  # fmt: skip
 
 
 def check_kv_cache_dtype(config: EngineConfig, capability: int) -> None:
@@ -139,26 +183,31 @@ def size_kv_cache(config: EngineConfig, model, max_model_len: int):
     return cache, bytes_per_block, inflight_hidden_bytes
 
 
-def resolve_model_options(config: EngineConfig, model, family_name: str) -> EngineConfig:
-    """`config` with what `auto` means for this model (graph_mode auto runs eagerly for a
-    model or options the decode graphs do not run, or have not run on a GPU, so a CUDA
-    engine starts without naming it), and
-    a start-up error naming every option the runner cannot run for it
+def resolve_model_options(
+    config: EngineConfig, signal_kind: str, once_planes: int, family_name: str
+) -> EngineConfig:
+    """`config` with what `auto` means for a model with this exit signal (`signal_kind`) and
+    this many once planes (graph_mode auto runs eagerly for a model or options the decode
+    graphs do not run, or have not run on a GPU, so a CUDA engine starts without naming it),
+    and a start-up error naming every option the runner cannot run for it
     (`unsupported_options`)."""
     # `auto` captures graphs only for what has run captured on a GPU: a family with once
     # planes or a criterion runs graphs when asked (emulate is tested on CPU; capture has not
     # run on a GPU yet), and eagerly by default.
-    unverified = model.signal_kind == "criterion" or bool(model.config.extra_kv_planes)
+    unverified = signal_kind == "criterion" or bool(once_planes)
     if config.graph_mode == "auto" and (
         unverified
         or unsupported_options(
-            model, graph_mode="capture", init_scale=config.init_scale, lookup=config.exit.lookup
+            signal_kind,
+            graph_mode="capture",
+            init_scale=config.init_scale,
+            lookup=config.exit.lookup,
         )
     ):
         config = dataclasses.replace(config, graph_mode="off")
     scheduler = config.scheduler
     problems = unsupported_options(
-        model,
+        signal_kind,
         graph_mode="off"
         if config.enforce_eager or config.graph_mode == "auto"
         else config.graph_mode,

@@ -167,6 +167,7 @@ def once_weight(config: LoopedConfig) -> float:
 
 def table_positions(config: LoopedConfig, max_positions: int | None) -> int:
     """Positions a model's precomputed position tables cover (the fused linears' rotary
-    cos/sin): the engine's length bound when given, at most the checkpoint's maximum."""
-    limit = config.max_position_embeddings
-    return min(limit, max_positions or limit)
+    cos/sin): the engine's length bound when given (longer than the checkpoint's
+    `max_position_embeddings` only where the engine allowed it,
+    `engine.model_setup.check_max_model_len`), else the checkpoint's."""
+    return max_positions or config.max_position_embeddings

@@ -8,11 +8,9 @@ resolves `graph_mode` auto from it.
 
 from __future__ import annotations
 
-from loopserve.models.family import LoopedModel
-
 
 def unsupported_options(
-    model: LoopedModel,
+    signal_kind: str,
     *,
     graph_mode: str = "off",
     speculative: bool = False,
@@ -25,12 +23,14 @@ def unsupported_options(
     prefix_caching: bool = False,
     init_scale: float = 0.0,
 ) -> list[str]:
-    """The options this runner cannot run for `model`'s math, each named (empty: it runs
+    """The options this runner cannot run for a model whose exit signal is of `signal_kind`
+    (`LoopedModel.signal_kind`: it is known from the checkpoint's family before any weight is
+    read, so `loopserve serve` checks it before it binds a port), each named (empty: it runs
     them all). The decode graphs and speculation run every family, but not drawn initial
     states or the `full` lookup; `kv_lookup='full'` needs per-position masks (the torch
     backend, eager, LAST_EXITED); `prompt_exits` needs a criterion signal and the whole prompt in one step."""
     problems = []
-    criterion = model.signal_kind == "criterion"
+    criterion = signal_kind == "criterion"
     if graph_mode != "off" and init_scale > 0:
         problems.append(
             f"graph_mode={graph_mode!r} with init_scale > 0 (initial states are drawn per "

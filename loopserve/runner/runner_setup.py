@@ -24,7 +24,7 @@ def check_options(model: LoopedModel, options: RunnerOptions) -> None:
     """A start-up error naming every option the model's math rules out."""
     assert not (options.batch_invariant and options.graph_mode != "off"), "graphs pad rows"
     problems = unsupported_options(
-        model, graph_mode=options.graph_mode, batch_invariant=options.batch_invariant,
+        model.signal_kind, graph_mode=options.graph_mode, batch_invariant=options.batch_invariant,
         lookup=options.lookup, layout=options.layout, prompt_exits=options.prompt_exits,
         init_scale=options.init_scale,
     )  # fmt: skip

@@ -131,7 +131,7 @@ def _usage_error(argv: list[str], capsys) -> str:
         main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: loopserve generate" in err
+    assert f"usage: loopserve {argv[0]}" in err
     return err
 
 
@@ -143,6 +143,25 @@ def test_exit_trace_without_trace_mode_is_a_usage_error(capsys):
 def test_bad_prompt_token_ids_is_an_argparse_error(capsys):
     err = _usage_error(["generate", "--prompt-token-ids", "1,x"], capsys)
     assert "loopserve generate: error: argument --prompt-token-ids" in err
+
+
+def test_serve_takes_its_model_positionally_as_vllm_serve_does(tmp_path, capsys):
+    """`loopserve serve MODEL` is `--model MODEL`: the positional reaches the model lookup (a
+    missing one is named in one line; run as a subprocess, where a positional ignored would
+    serve the embedded model until the timeout), the same model both ways is fine, two
+    different ones are a usage error naming both."""
+    missing = tmp_path / "no-such-model"
+    for tail in ([], ["--model", str(missing)]):
+        done = subprocess.run(
+            [sys.executable, "-m", "loopserve.cli.main", "serve", str(missing), *tail],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr.strip() == (
+            f"loopserve serve: error: model '{missing}' is neither a local directory nor a Hub id"
+        )
+    err = _usage_error(["serve", "acme/a", "--model", "acme/b"], capsys)
+    assert "loopserve serve: error: two models: 'acme/a' (positional) and --model 'acme/b'" in err
 
 
 def test_exit_trace_above_the_models_loops_is_a_usage_error(tmp_path, capsys):

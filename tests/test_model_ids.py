@@ -127,13 +127,14 @@ def test_generate_takes_a_cached_hub_id(hub_cache):
 
 
 def test_serve_takes_a_cached_hub_id_and_names_it_as_the_model(hub_cache, tmp_path):
+    """`loopserve serve ID` with the id positional, as `vllm serve ID` takes it."""
     pytest.importorskip("fastapi", reason="needs the `serve` extra")
     import httpx
 
     from tests.server_utils import ServerProcess
 
     server = ServerProcess(
-        ["--model", REPO_ID, "--dtype", "float32", "--torch-threads", "1"],
+        [REPO_ID, "--dtype", "float32", "--torch-threads", "1"],
         tmp_path / "serve.log",
         console_script=True,
         env={"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"},

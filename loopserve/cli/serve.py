@@ -27,7 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `loopserve serve`: every engine flag, the distributed ones, the server's own."""
+    """Flags of `loopserve serve`: the model, positionally as `vllm serve MODEL` takes it (or
+    `--model`), every engine flag, the distributed ones, the server's own."""
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="checkpoint dir or Hub id, as --model takes it (give one of the two)",
+    )  # fmt: skip
     # Left out, --prefill-mode follows --kv-handoff (`resolve_prefill_mode`).
     add_engine_args(
         parser,
@@ -47,6 +52,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     checkpoint's config.json (its family, exit signal, positions and loops), or `--model` is
     neither a checkpoint directory nor a Hub id that is cached (or, with downloads allowed,
     can be downloaded)."""
+    take_model_tag(args)
     check_distributed_args(args)  # flag combinations first: a usage error costs nothing
     hint = resolve_prefill_mode(args)
     # lazy: keeps `loopserve --help` fast
@@ -131,13 +137,34 @@ def main_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
+def take_model_tag(args: argparse.Namespace) -> None:
+    """`loopserve serve MODEL`: the positional model is `--model`'s value; both, naming two
+    models, are a usage error."""
+    from loopserve.errors import UsageError
+
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise UsageError(
+            f"two models: {tag!r} (positional) and --model {args.model!r}; give one of them"
+        )
+    args.model = tag
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="OpenAI-compatible HTTP server for looped language models",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_cli_args(parser)
-    return main_from_args(parser.parse_args(argv))
+    from loopserve.errors import UsageError
+
+    try:
+        return main_from_args(parser.parse_args(argv))
+    except UsageError as err:
+        parser.error(str(err))  # usage, "error: ...", exit status 2, as `loopserve serve`
+        raise
 
 
 if __name__ == "__main__":

@@ -164,6 +164,30 @@ def test_serve_takes_its_model_positionally_as_vllm_serve_does(tmp_path, capsys)
     assert "loopserve serve: error: two models: 'acme/a' (positional) and --model 'acme/b'" in err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "span"),
+    [
+        ("--port", "99999", "in 1..65535"),  # uvicorn's bind raised OverflowError and aborted
+        ("--default-max-tokens", "0", ">= 1"),
+        ("--max-connections", "0", ">= 1"),  # every connection would be beyond it
+        ("--max-pending-requests", "0", ">= 1"),  # every request would get 429
+        ("--max-body-bytes", "0", ">= 1"),
+        ("--header-timeout-s", "nan", ">= 0.001"),
+        ("--body-timeout-s", "0", ">= 0.001"),
+        ("--body-deadline-s", "-5", ">= 0.001"),
+        ("--torch-threads", "0", ">= 1"),
+        ("--shutdown-timeout-s", "-1", ">= 0"),
+    ],
+)
+def test_serve_flags_out_of_range_are_usage_errors(flag, value, span, capsys):
+    """A server flag whose value the server cannot work with is argparse's error naming the
+    flag and its range (exit 2 before anything starts), not a crash at bind or a server
+    that refuses everything. (`--max-num-seqs 0` is a tripwire: were the flag accepted, the
+    engine's check would end the command there instead of a server starting in the test.)"""
+    err = _usage_error(["serve", flag, value, "--max-num-seqs", "0"], capsys)
+    assert f"loopserve serve: error: argument {flag}: must be {span}, got {value}" in err
+
+
 def test_exit_trace_above_the_models_loops_is_a_usage_error(tmp_path, capsys):
     from loopserve.models.tiny import make_tiny_checkpoint
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from loopserve.server.loop_classes import LoopClasses
@@ -28,6 +29,27 @@ def _loop_classes(text: str) -> LoopClasses:
         return LoopClasses.parse(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"--loop-classes: {err}") from None
+
+
+def _at_least(kind: type, low: float, high: float | None = None):
+    """An argparse `type`: a `kind` (int or float) in [low, high] (finite), else the flag's
+    usage error naming the range, not a traceback or a server that cannot work (port 99999
+    crashed uvicorn's bind; 0 connections or pending requests refused every request)."""
+    span = f">= {low}" if high is None else f"in {low}..{high}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {span}, got {text!r}") from None
+        if not (math.isfinite(value) and value >= low and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return parse
+
+
+POSITIVE_SECONDS = 1e-3  # a timeout shorter than a millisecond would close every connection
 
 
 def with_checkpoint_defaults(defaults: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +94,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address to bind; do not bind a public address (0.0.0.0) without --api-key",
     )
-    group.add_argument("--port", type=int, default=8000, help="TCP port")
+    group.add_argument("--port", type=_at_least(int, 1, 65535), default=8000, help="TCP port")
     group.add_argument(
         "--served-model-name",
         default=None,
@@ -110,7 +132,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--default-max-tokens",
-        type=int,
+        type=_at_least(int, 1),
         default=DEFAULT_CHAT_MAX_TOKENS,
         help="chat completions without max_tokens generate up to this many tokens (less when "
         "the context or KV cache holds less); completions default to 16 as in OpenAI's API",
@@ -159,51 +181,51 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--header-timeout-s",
-        type=float,
+        type=_at_least(float, POSITIVE_SECONDS),
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="close a connection that has not sent a request's headers within this time",
     )
     group.add_argument(
         "--body-timeout-s",
-        type=float,
+        type=_at_least(float, POSITIVE_SECONDS),
         default=DEFAULT_BODY_TIMEOUT_S,
         help="answer 408 when the next part of a request body takes longer than this",
     )
     group.add_argument(
         "--body-deadline-s",
-        type=float,
+        type=_at_least(float, POSITIVE_SECONDS),
         default=DEFAULT_BODY_DEADLINE_S,
         help="answer 408 when a whole request body takes longer than this (trickled bodies)",
     )
     group.add_argument(
         "--max-connections",
-        type=int,
+        type=_at_least(int, 1),
         default=DEFAULT_MAX_CONNECTIONS,
         help="open connections at most; 4 more may only ask /health (a probe gets through a "
         "full server); further ones are closed at once",
     )
     group.add_argument(
         "--max-pending-requests",
-        type=int,
+        type=_at_least(int, 1),
         default=1024,
         help="requests in flight (queued + running) before answering 429",
     )
     group.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_at_least(int, 1),
         default=DEFAULT_MAX_BODY_BYTES,
         help="request bodies over this size get 413",
     )
     group.add_argument(
         "--torch-threads",
-        type=int,
+        type=_at_least(int, 1),
         default=None,
         help="torch intra-op threads on CPU (None: cores - 1, leaving one for the event loop; "
         "OMP_NUM_THREADS overrides)",
     )
     group.add_argument(
         "--shutdown-timeout-s",
-        type=float,
+        type=_at_least(float, 0),
         default=10.0,
         help="on SIGTERM, how long in-flight requests may finish before they are aborted",
     )

@@ -56,6 +56,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("dtype", "top", "dtype", "auto", "weights/activations dtype; auto: bfloat16 on CUDA, "
               "float32 on CPU", choices=DTYPES),
     EngineArg("device", "top", "device", "cpu", "cpu or cuda[:N]"),
+    EngineArg("chat_template", "top", "chat_template", None, "the Jinja chat template chat "
+              "requests are rendered with: a file's path, or the template itself (None: the "
+              "checkpoint's, from tokenizer_config.json or chat_template.jinja)"),
     EngineArg("max_model_len", "top", "max_model_len", None, "longest prompt + output in tokens "
               "(None: the model's max_position_embeddings; more is a start-up error unless "
               "LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN=1)", int),

@@ -18,8 +18,10 @@ from loopserve.server.api_server import build_app
 KEY = "sk-test"
 
 
-def _calls(tiny_tok_dir, requests, *, api_key=None):
-    engine = LLMEngine.from_engine_args(model=str(tiny_tok_dir), dtype="float32", num_blocks=32)
+def _calls(tiny_tok_dir, requests, *, api_key=None, **engine_args):
+    engine = LLMEngine.from_engine_args(
+        model=str(tiny_tok_dir), dtype="float32", num_blocks=32, **engine_args
+    )
 
     async def main():
         async_llm = AsyncLLM(engine)
@@ -168,3 +170,34 @@ def test_tokenize_is_capped_like_a_prompt_and_runs_apart_from_prompt_tokenizing(
     assert threads["encode"] and not any(
         n.startswith("tokenize-endpoint") for n in threads["encode"]
     )
+
+
+def test_a_chat_template_given_at_start_renders_every_chat_request(tiny_tok_dir, tmp_path):
+    """`chat_template` (`serve --chat-template`, as vLLM's), a file's path or the template
+    itself, replaces the checkpoint's (ChatML here): /tokenizer_info shows it and a chat
+    prompt is rendered by it, in both forms; a value that is neither a file nor Jinja, or a
+    template that does not compile, is a start-up error naming it."""
+    import pytest
+
+    from loopserve.errors import ConfigError
+
+    template = (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    path = tmp_path / "plain.jinja"
+    path.write_text(template)
+    messages = [{"role": "user", "content": "hi there"}]
+    requests = [
+        ("GET", "/tokenizer_info", {}),
+        ("POST", "/tokenize", {"json": {"messages": messages}}),
+    ]
+    for value in (str(path), template):
+        engine, (info, chat) = _calls(tiny_tok_dir, requests, chat_template=value)
+        assert info.json()["chat_template"] == template
+        text = engine.tokenizer.decode(chat.json()["tokens"], skip_special_tokens=False)
+        assert text == "[user] hi there\n[assistant] ", text
+    for value, message in ((str(tmp_path / "missing.jinja"), "is neither a file nor"),
+                           ("{% for %}", "does not compile")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            LLMEngine.from_engine_args(model=str(tiny_tok_dir), num_blocks=32, chat_template=value)

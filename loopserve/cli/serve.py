@@ -85,6 +85,12 @@ def main_from_args(args: argparse.Namespace) -> int:
     checkpoint = Path(args.model or DEFAULT_MODEL_DIR)
     try:  # the checks that need the checkpoint's config.json (its family, positions, loops)
         check_against_checkpoint(engine_config, checkpoint)
+        if engine_config.chat_template is not None:  # a file that is there, and compiles
+            from loopserve.text.tokenizer import read_chat_template
+
+            template = read_chat_template(engine_config.chat_template)
+            if "{{" in template or "{%" in template:  # its text, for replicas on other nodes
+                args.chat_template = template
     except (ConfigError, ModelLoadError) as err:
         print(f"loopserve serve: error: {err}", file=sys.stderr)
         return 2

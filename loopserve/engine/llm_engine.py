@@ -36,7 +36,7 @@ from loopserve.scheduler.request import FinishReason, Request, RequestStatus
 from loopserve.text.input_processor import InputProcessor, ProcessedPrompt
 from loopserve.text.output_processor import OutputProcessor
 from loopserve.text.structured import StructuredOutputs
-from loopserve.text.tokenizer import Tokenizer
+from loopserve.text.tokenizer import Tokenizer, read_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.family, self.model, config = load_engine_model(config)
         self.tokenizer = Tokenizer.from_dir(self.model.checkpoint_dir)
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise ConfigError(
+                    "chat_template needs a tokenizer; this checkpoint has none (token-id "
+                    "prompts only)"
+                )
+            self.tokenizer.use_chat_template(read_chat_template(config.chat_template))
         self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
         cache, bytes_per_block, self.inflight_hidden_bytes = size_kv_cache(
             config, self.model, self.max_model_len

@@ -201,6 +201,12 @@ class Tokenizer:
             self._plain_backend = plain
         return self._plain_backend.encode(text, add_special_tokens=False).ids if text else []
 
+    def use_chat_template(self, chat_template: str) -> None:
+        """Render chat requests with `chat_template` (a template's text, as
+        `read_chat_template` gives it) instead of the checkpoint's."""
+        self.chat_template = chat_template
+        self._compiled_template = None
+
     @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
@@ -257,6 +263,32 @@ class Tokenizer:
         """
         vocab = self._backend.get_vocab(with_added_tokens=True)
         return max((len(token) for token in vocab), default=1)
+
+
+def read_chat_template(value: str) -> str:
+    """The chat template `value` names (the `chat_template` engine argument, `--chat-template`,
+    as vLLM's takes it): a file's text when `value` is an existing file's path, else `value`
+    itself when it is Jinja; one that does not compile, or a path that is no file, is a
+    `ConfigError` naming it (before the engine or the server starts)."""
+    from loopserve.errors import ConfigError
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"chat_template: cannot read {path}: {exc}") from exc
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ConfigError(
+            f"chat_template {value!r} is neither a file nor a Jinja template (no {{{{ or {{%)"
+        )
+    try:
+        _template_environment().from_string(text)
+    except jinja2.TemplateError as exc:
+        raise ConfigError(f"chat_template does not compile: {exc}") from exc
+    return text
 
 
 def _template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

@@ -164,6 +164,27 @@ def test_serve_takes_its_model_positionally_as_vllm_serve_does(tmp_path, capsys)
     assert "loopserve serve: error: two models: 'acme/a' (positional) and --model 'acme/b'" in err
 
 
+def test_serve_hands_replicas_the_chat_templates_text_not_its_path(tmp_path):
+    """What `serve` checks before it starts (`check_before_start`) leaves `--chat-template`
+    as the template's text, so a Ray replica on another node (without the file) renders the
+    same prompts; a missing file is the error's one line instead."""
+    from loopserve.cli.serve import add_cli_args, check_before_start
+    from loopserve.distributed.args import resolve_prefill_mode
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--chat-template", str(path)])
+    resolve_prefill_mode(args)  # as main_from_args does first
+    assert check_before_start(args) is None
+    assert args.chat_template == template
+    missing = parser.parse_args(["--chat-template", str(tmp_path / "gone.jinja")])
+    resolve_prefill_mode(missing)
+    assert "is neither a file nor a Jinja template" in check_before_start(missing)
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "span"),
     [

@@ -46,6 +46,45 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
 
 
+def check_before_start(args: argparse.Namespace) -> str | None:
+    """What `serve` checks before a port, a Ray cluster or a model load (after
+    `resolve_prefill_mode` has filled in the prompt arm): the engine flags
+    alone, `--model` resolved (once, here: every replica loads the same directory), the flags
+    against the checkpoint's config.json (its family, exit signal, positions, loops) and the
+    chat template (a file that is there and compiles; `args.chat_template` becomes its text,
+    for replicas on other nodes). The error's one line, or None with `args` completed (the
+    checkpoint's request defaults too)."""
+    from loopserve.config import EngineConfig
+    from loopserve.engine.model_setup import check_against_checkpoint
+    from loopserve.errors import ConfigError, ModelLoadError
+    from loopserve.models.config import read_config_json
+    from loopserve.models.loader import resolve_model_path
+    from loopserve.models.tiny import DEFAULT_MODEL_DIR
+    from loopserve.server.args import with_checkpoint_defaults
+    from loopserve.text.tokenizer import read_chat_template
+
+    try:
+        engine_config = EngineConfig.from_engine_args(**engine_args_from(args))
+        if args.model is not None:
+            args.model = str(
+                resolve_model_path(
+                    args.model, revision=args.revision, download_dir=args.download_dir
+                )
+            )
+        checkpoint = Path(args.model or DEFAULT_MODEL_DIR)
+        check_against_checkpoint(engine_config, checkpoint)
+        if engine_config.chat_template is not None:
+            template = read_chat_template(engine_config.chat_template)
+            if "{{" in template or "{%" in template:
+                args.chat_template = template
+    except (ConfigError, ModelLoadError) as err:
+        return str(err)
+    args.request_defaults = with_checkpoint_defaults(
+        args.request_defaults, read_config_json(checkpoint / "config.json")
+    )
+    return None
+
+
 def main_from_args(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a graceful shutdown, 1 if the model failed to load,
     2 (with a one-line error) if the engine flags do not go together, alone or for the
@@ -55,49 +94,13 @@ def main_from_args(args: argparse.Namespace) -> int:
     take_model_tag(args)
     check_distributed_args(args)  # flag combinations first: a usage error costs nothing
     hint = resolve_prefill_mode(args)
-    # lazy: keeps `loopserve --help` fast
-    from loopserve.config import EngineConfig
-    from loopserve.errors import ConfigError, ModelLoadError
-    from loopserve.models.loader import resolve_model_path
-    from loopserve.server.api_server import default_model_name
+    from loopserve.server.api_server import default_model_name  # lazy: a fast --help
 
-    try:  # the engine's own checks, before a port, a Ray cluster or a model load
-        engine_config = EngineConfig.from_engine_args(**engine_args_from(args))
-    except ConfigError as err:
-        print(f"loopserve serve: error: {err}", file=sys.stderr)
+    served_model_name = args.served_model_name or default_model_name(args.model)  # as given
+    error = check_before_start(args)
+    if error is not None:
+        print(f"loopserve serve: error: {error}", file=sys.stderr)
         return 2
-
-    served_model_name = args.served_model_name or default_model_name(args.model)
-    if args.model is not None:  # resolved once, here: every replica loads the same directory
-        try:
-            model_dir = resolve_model_path(
-                args.model, revision=args.revision, download_dir=args.download_dir
-            )
-        except ModelLoadError as err:
-            print(f"loopserve serve: error: {err}", file=sys.stderr)
-            return 2
-        args.model = str(model_dir)
-    from loopserve.engine.model_setup import check_against_checkpoint
-    from loopserve.models.config import read_config_json
-    from loopserve.models.tiny import DEFAULT_MODEL_DIR
-    from loopserve.server.args import with_checkpoint_defaults
-
-    checkpoint = Path(args.model or DEFAULT_MODEL_DIR)
-    try:  # the checks that need the checkpoint's config.json (its family, positions, loops)
-        check_against_checkpoint(engine_config, checkpoint)
-        if engine_config.chat_template is not None:  # a file that is there, and compiles
-            from loopserve.text.tokenizer import read_chat_template
-
-            template = read_chat_template(engine_config.chat_template)
-            if "{{" in template or "{%" in template:  # its text, for replicas on other nodes
-                args.chat_template = template
-    except (ConfigError, ModelLoadError) as err:
-        print(f"loopserve serve: error: {err}", file=sys.stderr)
-        return 2
-    config_path = checkpoint / "config.json"
-    args.request_defaults = with_checkpoint_defaults(
-        args.request_defaults, read_config_json(config_path)
-    )
     from loopserve.distributed.launch import build_pool
     from loopserve.distributed.pool import ReplicaPool
     from loopserve.engine.async_llm import AsyncLLM

@@ -337,7 +337,14 @@ def test_what_codex_sends_is_served():
     assert events[0]["type"] == "response.created"
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
     final = events[-1]["response"]
-    assert final["output"] and final["usage"]["output_tokens"] == 8
+    # Codex sends no temperature, so the server's default samples with a fresh seed and the
+    # answer may end before the cap (it did in 1 of 6 runs): the status says which.
+    tokens = final["usage"]["output_tokens"]
+    assert final["output"] and 1 <= tokens <= 8
+    if final["status"] == "incomplete":
+        assert tokens == 8 and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    else:
+        assert final["status"] == "completed" and final["incomplete_details"] is None, final
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     assert done == final["output"]
 

@@ -175,7 +175,12 @@ def test_what_claude_code_sends_is_served(engine):
     (response,) = _post_all(engine, [(entry["path"], {**body, "model": "m", "max_tokens": 8})])
     assert response.status_code == 200, response.text
     blocks, closing = _assembled(_events(response))
-    assert blocks and closing["usage"]["output_tokens"] == 8
+    # Claude Code sends no temperature: the server samples with a fresh seed, and the answer
+    # may end before max_tokens (Codex's replay did, once in six runs); the stop says which.
+    tokens, stop = closing["usage"]["output_tokens"], closing["delta"]["stop_reason"]
+    assert blocks and 1 <= tokens <= 8
+    assert stop in ("max_tokens", "end_turn", "tool_use"), closing
+    assert stop != "max_tokens" or tokens == 8, closing
 
 
 def test_the_anthropic_key_header_passes_the_servers_key_check(engine):

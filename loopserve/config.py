@@ -94,6 +94,7 @@ class EngineConfig:
     download_dir: str | None = default("download_dir")  # None: the Hugging Face cache
     dtype: str = default("dtype")
     device: str = default("device")
+    trust_remote_code: bool = default("trust_remote_code")  # ignored: no checkpoint code runs
     chat_template: str | None = default("chat_template")  # a path or a template; None: ckpt's
     max_model_len: int | None = default("max_model_len")
     num_loops: int | None = default("num_loops")  # None: the checkpoint's D

@@ -56,6 +56,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("dtype", "top", "dtype", "auto", "weights/activations dtype; auto: bfloat16 on CUDA, "
               "float32 on CPU", choices=DTYPES),
     EngineArg("device", "top", "device", "cpu", "cpu or cuda[:N]"),
+    EngineArg("trust_remote_code", "top", "trust_remote_code", False, "accepted, as vLLM's "
+              "and transformers' commands for Ouro and Huginn pass it, and ignored: loopserve "
+              "runs its own implementation of every family, never a checkpoint's code", bool),
     EngineArg("chat_template", "top", "chat_template", None, "the Jinja chat template chat "
               "requests are rendered with: a file's path, or the template itself (None: the "
               "checkpoint's, from tokenizer_config.json or chat_template.jinja)"),

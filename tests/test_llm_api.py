@@ -172,3 +172,22 @@ def test_a_context_past_the_checkpoints_positions_is_refused_before_a_weight_is_
     out = run_steps(engine, [("long", prompt, params, 0)])["long"]
     assert len(prompt) + len(out.token_ids) == 42 > 32  # past the checkpoint's positions
     assert (out.token_ids, out.exit_depths) == generate(engine.model, prompt, params)
+
+
+def test_trust_remote_code_is_accepted_as_vllm_takes_it_and_changes_nothing(tiny_dir):
+    """`LLM(..., trust_remote_code=True)` and `serve --trust-remote-code`, as vLLM's users
+    write them for Ouro and Huginn, run; no checkpoint code runs either way, so the tokens
+    are the same."""
+    import argparse
+
+    from loopserve.cli.serve import add_cli_args
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outputs = [
+        LLM(str(tiny_dir), dtype="float32", num_blocks=64, **extra).generate([[5, 17, 42]], params)
+        for extra in ({}, {"trust_remote_code": True})
+    ]
+    assert outputs[0][0].token_ids == outputs[1][0].token_ids
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert parser.parse_args(["ByteDance/Ouro-1.4B", "--trust-remote-code"]).trust_remote_code

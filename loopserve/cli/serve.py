@@ -61,7 +61,7 @@ def check_before_start(args: argparse.Namespace) -> str | None:
     from loopserve.models.loader import resolve_model_path
     from loopserve.models.tiny import DEFAULT_MODEL_DIR
     from loopserve.server.args import with_checkpoint_defaults
-    from loopserve.text.tokenizer import read_chat_template
+    from loopserve.text.tokenizer import is_jinja, read_chat_template
 
     try:
         engine_config = EngineConfig.from_engine_args(**engine_args_from(args))
@@ -75,7 +75,7 @@ def check_before_start(args: argparse.Namespace) -> str | None:
         check_against_checkpoint(engine_config, checkpoint)
         if engine_config.chat_template is not None:
             template = read_chat_template(engine_config.chat_template)
-            if "{{" in template or "{%" in template:
+            if is_jinja(template):  # replicas take it as the template itself
                 args.chat_template = template
     except (ConfigError, ModelLoadError) as err:
         return str(err)

@@ -31,6 +31,7 @@ from loopserve.exit import ExitMode
 from loopserve.exit.criteria import make_criterion
 from loopserve.models import load_model, resolve_model_path
 from loopserve.models.kv_dtype import FP8_E4M3_MIN_CAPABILITY, kv_storage_dtype
+from loopserve.models.loader import opted_in
 from loopserve.models.registry import read_config, require_engine_family, resolve_exit_mode
 from loopserve.models.tiny import DEFAULT_MODEL_DIR
 from loopserve.runner.attention.registry import resolve_attention_backend
@@ -102,7 +103,7 @@ def check_max_model_len(max_model_len: int | None, limit: int) -> None:
     `max_model_len`), as vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN` does."""
     if max_model_len is None or max_model_len <= limit:
         return
-    if os.environ.get(LONG_CONTEXT_ENV, "") in ("", "0", "false"):
+    if not opted_in(LONG_CONTEXT_ENV):
         raise ConfigError(
             f"max_model_len={max_model_len} is longer than the model's {limit} positions "
             f"(max_position_embeddings in its config.json): pass at most {limit}, or set "

@@ -88,6 +88,12 @@ def _cached_snapshot(cache_dir: Path, repo_id: str, revision: str) -> Path | Non
     return snapshot if (snapshot / "config.json").is_file() else None
 
 
+def opted_in(env_name: str) -> bool:
+    """Whether the opt-in environment variable `env_name` is set: any value but empty, "0"
+    or "false" (`LOOPSERVE_ALLOW_DOWNLOAD`, `LOOPSERVE_ALLOW_LONG_MAX_MODEL_LEN`)."""
+    return os.environ.get(env_name, "") not in ("", "0", "false")
+
+
 def resolve_model_path(
     name_or_path: str | os.PathLike,
     *,
@@ -116,7 +122,7 @@ def resolve_model_path(
         return snapshot
     at = "" if revision == "main" else f" at revision {revision!r}"
     if allow_download is None:
-        allow_download = os.environ.get(DOWNLOAD_ENV, "") not in ("", "0", "false")
+        allow_download = opted_in(DOWNLOAD_ENV)
     if not allow_download:
         raise ModelLoadError(
             f"{name!r}{at} is not in the local Hugging Face cache ({cache_dir}). "

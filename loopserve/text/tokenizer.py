@@ -265,6 +265,11 @@ class Tokenizer:
         return max((len(token) for token in vocab), default=1)
 
 
+def is_jinja(text: str) -> bool:
+    """`text` reads as a Jinja template (an expression or a statement in it), not a path."""
+    return "{{" in text or "{%" in text
+
+
 def read_chat_template(value: str) -> str:
     """The chat template `value` names (the `chat_template` engine argument, `--chat-template`,
     as vLLM's takes it): a file's text when `value` is an existing file's path, else `value`
@@ -278,7 +283,7 @@ def read_chat_template(value: str) -> str:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"chat_template: cannot read {path}: {exc}") from exc
-    elif "{{" in value or "{%" in value:
+    elif is_jinja(value):
         text = value
     else:
         raise ConfigError(
